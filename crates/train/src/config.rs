@@ -1,0 +1,254 @@
+//! The plain-data configuration of the model, the optimizer and the loop.
+//!
+//! Every field's default is stated in its doc; `validate` names the key of any value out of range.
+
+use serde::{Deserialize, Serialize};
+
+use crate::TrainError;
+
+/// `[model]`: the GPT's shape. Sizes left at 0 come from the preset.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Named shape: "tiny" (4 layers, d 256), "small" (6 layers, d 384), "gpt2-124m". Default "tiny".
+    pub preset: String,
+    /// Transformer blocks; 0 takes the preset's. Default 0.
+    pub n_layer: usize,
+    /// Attention heads; 0 takes the preset's. Default 0.
+    pub n_head: usize,
+    /// Model width; 0 takes the preset's. Default 0.
+    pub d_model: usize,
+    /// Context length in tokens; 0 takes the preset's. Default 0.
+    pub seq_len: usize,
+    /// Vocabulary size; 0 takes the preset's (256 byte tokens for tiny and small). Default 0.
+    pub vocab_size: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig { preset: "tiny".into(), n_layer: 0, n_head: 0, d_model: 0, seq_len: 0, vocab_size: 0 }
+    }
+}
+
+/// The resolved shape of a GPT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GptShape {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub d_model: usize,
+    pub seq_len: usize,
+    pub vocab_size: usize,
+}
+
+impl GptShape {
+    /// Parameters, counting the tied embedding once.
+    pub fn n_params(&self) -> usize {
+        let d = self.d_model;
+        let per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+        self.vocab_size * d + self.seq_len * d + self.n_layer * per_block + 2 * d
+    }
+
+    /// Training FLOPs per token: 6N for the matrix multiplies plus 12·L·d·T for attention
+    /// (PaLM, appendix B), with N excluding the position embedding.
+    pub fn flops_per_token(&self) -> f64 {
+        let n = (self.n_params() - self.seq_len * self.d_model) as f64;
+        6.0 * n + 12.0 * (self.n_layer * self.d_model * self.seq_len) as f64
+    }
+}
+
+impl ModelConfig {
+    pub fn shape(&self) -> Result<GptShape, TrainError> {
+        let preset = match self.preset.as_str() {
+            "tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab_size: 256 },
+            "small" => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 256, vocab_size: 256 },
+            "gpt2-124m" => GptShape { n_layer: 12, n_head: 12, d_model: 768, seq_len: 1024, vocab_size: 50304 },
+            other => {
+                return Err(TrainError::InvalidConfig {
+                    key: "model.preset",
+                    message: format!("must be one of tiny, small, gpt2-124m; got {other:?}"),
+                })
+            }
+        };
+        let pick = |value: usize, preset: usize| if value == 0 { preset } else { value };
+        let shape = GptShape {
+            n_layer: pick(self.n_layer, preset.n_layer),
+            n_head: pick(self.n_head, preset.n_head),
+            d_model: pick(self.d_model, preset.d_model),
+            seq_len: pick(self.seq_len, preset.seq_len),
+            vocab_size: pick(self.vocab_size, preset.vocab_size),
+        };
+        if shape.d_model % shape.n_head != 0 {
+            return Err(TrainError::InvalidConfig {
+                key: "model.n_head",
+                message: format!("must divide model.d_model = {}; got {}", shape.d_model, shape.n_head),
+            });
+        }
+        Ok(shape)
+    }
+}
+
+/// Arithmetic precision of the matrix multiplies. Master weights, optimizer state, layer norms and
+/// the loss stay fp32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Fp32,
+    Bf16,
+}
+
+/// `[train]`: the loop and the optimizer (AdamW, warmup + cosine).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimizer steps to run. Default 600.
+    pub steps: u64,
+    /// Sequences per micro-batch, per process. Default 16.
+    pub micro_batch: usize,
+    /// Micro-batches accumulated into one optimizer step. Default 1.
+    pub grad_accum: usize,
+    /// Seed of the initialization and the data order. Default 1337.
+    pub seed: u64,
+    /// Peak learning rate. Default 0.002.
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay. Default 0.0002.
+    pub min_lr: f64,
+    /// Linear warmup steps. Default 50.
+    pub warmup_steps: u64,
+    /// Decoupled weight decay on matrices and embeddings (not on biases and norms). Default 0.1.
+    pub weight_decay: f64,
+    /// AdamW beta1. Default 0.9.
+    pub beta1: f64,
+    /// AdamW beta2. Default 0.99.
+    pub beta2: f64,
+    /// AdamW epsilon. Default 1e-8.
+    pub eps: f64,
+    /// Global gradient-norm clip; 0 turns clipping off. Default 1.0.
+    pub grad_clip: f64,
+    /// "fp32" or "bf16" (bf16 matrix multiplies, fp32 master weights). Default "bf16".
+    pub precision: Precision,
+    /// Report loss and metrics every this many steps (reading the loss synchronizes a GPU). Default 1.
+    pub log_every: u64,
+    /// Intra-op threads for libtorch; 0 leaves libtorch's default (one per core). Default 0.
+    pub threads: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            steps: 600,
+            micro_batch: 16,
+            grad_accum: 1,
+            seed: 1337,
+            lr: 2e-3,
+            min_lr: 2e-4,
+            warmup_steps: 50,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            precision: Precision::Bf16,
+            log_every: 1,
+            threads: 0,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |key: &'static str, message: String| Err(TrainError::InvalidConfig { key, message });
+        if self.steps == 0 {
+            return bad("train.steps", "must be at least 1; got 0".into());
+        }
+        if self.micro_batch == 0 {
+            return bad("train.micro_batch", "must be at least 1; got 0".into());
+        }
+        if self.grad_accum == 0 {
+            return bad("train.grad_accum", "must be at least 1; got 0".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("train.lr", format!("must be a finite number > 0; got {}", self.lr));
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return bad("train.min_lr", format!("must be between 0 and train.lr = {}; got {}", self.lr, self.min_lr));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad("train.weight_decay", format!("must be a finite number >= 0; got {}", self.weight_decay));
+        }
+        for (key, beta) in [("train.beta1", self.beta1), ("train.beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return bad(key, format!("must be in [0, 1); got {beta}"));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return bad("train.eps", format!("must be a finite number > 0; got {}", self.eps));
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return bad("train.grad_clip", format!("must be a finite number >= 0 (0 = off); got {}", self.grad_clip));
+        }
+        if self.log_every == 0 {
+            return bad("train.log_every", "must be at least 1; got 0".into());
+        }
+        Ok(())
+    }
+
+    /// Learning rate at `step` (0-based): linear warmup, then cosine decay to `min_lr` at the
+    /// last step. A pure function of the step, so a resumed run follows the same schedule.
+    pub fn lr_at(&self, step: u64) -> f64 {
+        if step < self.warmup_steps {
+            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let decay_steps = self.steps.saturating_sub(self.warmup_steps).max(1);
+        let progress = ((step - self.warmup_steps) as f64 / decay_steps as f64).min(1.0);
+        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        self.min_lr + cosine * (self.lr - self.min_lr)
+    }
+}
+
+/// `[ckpt]`: when to write checkpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CkptConfig {
+    /// Write a checkpoint every this many steps; 0 writes none except `at_end`. Default 200.
+    pub every: u64,
+    /// Also write one after the last step. Default true.
+    pub at_end: bool,
+    /// Keep this many newest checkpoints and delete older ones; 0 keeps all. Default 3.
+    pub keep: usize,
+}
+
+impl Default for CkptConfig {
+    fn default() -> Self {
+        CkptConfig { every: 200, at_end: true, keep: 3 }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lr_schedule_warms_up_then_decays() {
+        let cfg = TrainConfig { steps: 100, warmup_steps: 10, lr: 1.0, min_lr: 0.1, ..TrainConfig::default() };
+        assert!((cfg.lr_at(0) - 0.1).abs() < 1e-12);
+        assert!((cfg.lr_at(9) - 1.0).abs() < 1e-12);
+        assert!((cfg.lr_at(10) - 1.0).abs() < 1e-12);
+        assert!((cfg.lr_at(55) - 0.55).abs() < 1e-12);
+        assert!((cfg.lr_at(100) - 0.1).abs() < 1e-12);
+        assert!(cfg.lr_at(30) > cfg.lr_at(40));
+    }
+
+    #[test]
+    fn gpt2_shape_has_124m_parameters() {
+        let cfg = ModelConfig { preset: "gpt2-124m".into(), vocab_size: 50257, ..ModelConfig::default() };
+        let n = cfg.shape().unwrap().n_params();
+        assert_eq!(n, 124_439_808, "nanoGPT reports 124.44M with the position embedding");
+    }
+
+    #[test]
+    fn bad_head_count_names_the_key() {
+        let cfg = ModelConfig { n_head: 5, ..ModelConfig::default() };
+        let err = cfg.shape().unwrap_err().to_string();
+        assert!(err.contains("model.n_head"), "{err}");
+    }
+}

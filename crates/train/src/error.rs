@@ -1,0 +1,20 @@
+use std::path::PathBuf;
+
+/// What can stop a training run.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("config key `{key}`: {message}")]
+    InvalidConfig { key: &'static str, message: String },
+    #[error("data: {0}")]
+    Data(#[from] stoke_data::DataError),
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] stoke_ckpt::CkptError),
+    #[error("loss is {value} at step {step}: training diverged (lower train.lr, raise train.warmup_steps, or check the data)")]
+    NonFiniteLoss { step: u64, value: f64 },
+    #[error("batch at step {step} holds token {token}, outside the model's vocabulary of {vocab_size} (set model.vocab_size)")]
+    TokenOutOfVocab { step: u64, token: i64, vocab_size: usize },
+    #[error("checkpoint {path} does not match this model: {message}")]
+    CheckpointMismatch { path: PathBuf, message: String },
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}

@@ -1,0 +1,155 @@
+//! Project tasks that need set-up before cargo can build stoke: `cargo xtask <task>`.
+//!
+//! The only set-up is libtorch. tch 0.24 builds against torch 2.11.0, and the leanest way to get it
+//! on a fresh machine is PyPI's wheel installed without its dependencies into a project-local
+//! virtual environment (`.stoke/venv`), plus the two small NVIDIA wheels that `libtorch_cpu.so`
+//! needs at load time. `.cargo/config.toml` points torch-sys at `.stoke/torch`, a link into that
+//! wheel, so after set-up a plain `cargo build` works too.
+//!
+//! Tasks:
+//! - `setup`: install libtorch if it is not there yet (idempotent, quick when done).
+//! - `train [ARGS]`: set up, then `stoke train ARGS` from a release build.
+//! - `test [ARGS]`: set up, then `cargo test --workspace ARGS`.
+//! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
+//! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+const TORCH: &str = "torch==2.11.0";
+/// `libtorch_cpu.so` links libcudart and libcupti even in CPU use; these wheels hold them.
+const TORCH_RUNTIME_DEPS: &[&str] = &["nvidia-cuda-runtime==13.0.96", "nvidia-cuda-cupti==13.0.85"];
+/// What `import torch` and the peer scripts need beyond the wheel itself.
+const PEER_DEPS: &[&str] = &[
+    "numpy",
+    "typing-extensions",
+    "sympy",
+    "networkx",
+    "jinja2",
+    "fsspec",
+    "filelock",
+    "safetensors",
+];
+/// Bump when the set-up changes, so existing checkouts redo it.
+const SETUP_STAMP: &str = "torch 2.11.0 lean v1";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((task, rest)) = args.split_first() else {
+        eprintln!("usage: cargo xtask <setup|train|test|stoke|peers> [ARGS]");
+        return ExitCode::from(2);
+    };
+    let root = project_root();
+    let result = match task.as_str() {
+        "setup" => setup(&root).map(|_| 0),
+        "train" => setup(&root).and_then(|_| {
+            let mut cmd = cargo(&root);
+            cmd.args(["run", "--release", "--quiet", "--bin", "stoke", "--", "train"]).args(rest);
+            status(cmd)
+        }),
+        "stoke" => setup(&root).and_then(|_| {
+            let mut cmd = cargo(&root);
+            cmd.args(["run", "--release", "--quiet", "--bin", "stoke", "--"]).args(rest);
+            status(cmd)
+        }),
+        "test" => setup(&root).and_then(|_| {
+            let mut cmd = cargo(&root);
+            cmd.args(["test", "--workspace"]).args(rest);
+            status(cmd)
+        }),
+        "peers" => setup(&root).and_then(|_| install_peer_deps(&root)).map(|_| 0),
+        other => Err(format!("unknown task `{other}`; tasks: setup, train, test, stoke, peers")),
+    };
+    match result {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(message) => {
+            eprintln!("xtask: {message}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the project root").to_path_buf()
+}
+
+fn cargo(root: &Path) -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(root);
+    cmd
+}
+
+fn status(mut cmd: Command) -> Result<i32, String> {
+    let status = cmd.status().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    Ok(status.code().unwrap_or(1))
+}
+
+fn venv_python(root: &Path) -> PathBuf {
+    root.join(".stoke/venv/bin/python")
+}
+
+/// Installs the lean libtorch once; later calls only check the stamp file.
+fn setup(root: &Path) -> Result<(), String> {
+    let stoke_dir = root.join(".stoke");
+    let stamp = stoke_dir.join("setup-done");
+    let link = stoke_dir.join("torch");
+    if std::fs::read_to_string(&stamp).is_ok_and(|s| s.trim() == SETUP_STAMP) && link.join("lib").is_dir() {
+        return Ok(());
+    }
+    eprintln!("xtask: first use: installing libtorch ({TORCH}, CPU-lean, about 1.3 GB) into .stoke/venv");
+    std::fs::create_dir_all(&stoke_dir).map_err(|e| format!("cannot create {}: {e}", stoke_dir.display()))?;
+    let python = venv_python(root);
+    if !python.exists() {
+        let host_python = find_host_python()?;
+        run_checked(Command::new(&host_python).args(["-m", "venv"]).arg(stoke_dir.join("venv")))?;
+    }
+    let mut pip = Command::new(&python);
+    pip.args(["-m", "pip", "install", "--quiet", "--no-input", "--no-deps", TORCH]).args(TORCH_RUNTIME_DEPS);
+    run_checked(&mut pip)?;
+    let purelib = python_output(&python, "import sysconfig; print(sysconfig.get_paths()['purelib'])")?;
+    let torch_dir = PathBuf::from(purelib.trim()).join("torch");
+    if !torch_dir.join("lib/libtorch_cpu.so").exists() {
+        return Err(format!("torch was installed but {} has no lib/libtorch_cpu.so", torch_dir.display()));
+    }
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&torch_dir, &link).map_err(|e| format!("cannot link {}: {e}", link.display()))?;
+    std::fs::write(&stamp, SETUP_STAMP).map_err(|e| format!("cannot write {}: {e}", stamp.display()))?;
+    eprintln!("xtask: libtorch ready at .stoke/torch");
+    Ok(())
+}
+
+fn install_peer_deps(root: &Path) -> Result<(), String> {
+    let mut pip = Command::new(venv_python(root));
+    pip.args(["-m", "pip", "install", "--quiet", "--no-input"]).args(PEER_DEPS);
+    run_checked(&mut pip)
+}
+
+fn find_host_python() -> Result<String, String> {
+    for candidate in ["python3", "python"] {
+        let probe = Command::new(candidate)
+            .args(["-c", "import sys, venv; assert sys.version_info >= (3, 10); print(sys.version)"])
+            .output();
+        if probe.is_ok_and(|out| out.status.success()) {
+            return Ok(candidate.to_string());
+        }
+    }
+    Err("stoke needs Python 3.10 or newer with the venv module to install libtorch from PyPI; none found on PATH".into())
+}
+
+fn python_output(python: &Path, code: &str) -> Result<String, String> {
+    let out = Command::new(python).args(["-c", code]).output().map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} failed: {}", python.display(), String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn run_checked(cmd: &mut Command) -> Result<(), String> {
+    let status = cmd.status().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd:?} failed with {status}"))
+    }
+}
