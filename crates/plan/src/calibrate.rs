@@ -79,8 +79,8 @@ impl MeasuredRun {
     /// Reads `path` (a `runs/<name>/report.json`) and places the run on `cluster`, whose peak for
     /// the run's precision becomes the report's.
     pub fn from_report_file(path: &Path, cluster: &ClusterConfig) -> Result<MeasuredRun, PlanError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| PlanError::ReadReport { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| PlanError::ReadReport { path: path.to_path_buf(), source })?;
         let report: RunReport = serde_json::from_str(&text)
             .map_err(|source| PlanError::ParseReport { path: path.to_path_buf(), source })?;
         let name = path
@@ -88,10 +88,8 @@ impl MeasuredRun {
             .and_then(|dir| dir.file_name())
             .map(|name| name.to_string_lossy().into_owned())
             .unwrap_or_else(|| path.display().to_string());
-        MeasuredRun::from_report(name, &report, cluster).map_err(|message| PlanError::UnusableReport {
-            path: PathBuf::from(path),
-            message,
-        })
+        MeasuredRun::from_report(name, &report, cluster)
+            .map_err(|message| PlanError::UnusableReport { path: PathBuf::from(path), message })
     }
 
     /// Places a parsed report on `cluster`.
@@ -239,9 +237,8 @@ fn fit(runs: &[MeasuredRun], prior: &Efficiency) -> Efficiency {
 /// and keeping the best feasible solution. The compute coefficient is held at >= 1 (an efficiency
 /// of at most 1) by also trying it fixed at 1.
 fn non_negative_least_squares(rows: &[([f64; 3], f64)]) -> [f64; 3] {
-    let residual = |x: &[f64; 3]| -> f64 {
-        rows.iter().map(|(a, y)| (a[0] * x[0] + a[1] * x[1] + a[2] * x[2] - y).powi(2)).sum()
-    };
+    let residual =
+        |x: &[f64; 3]| -> f64 { rows.iter().map(|(a, y)| (a[0] * x[0] + a[1] * x[1] + a[2] * x[2] - y).powi(2)).sum() };
     let mut best = [1.0, 0.0, 0.0];
     let mut best_residual = f64::INFINITY;
     // The compute coefficient is always free (or fixed at 1); the overheads may drop out.
@@ -253,10 +250,8 @@ fn non_negative_least_squares(rows: &[([f64; 3], f64)]) -> [f64; 3] {
             }
             let solved: Vec<usize> = free.iter().copied().filter(|&i| !(fix_compute_at_one && i == 0)).collect();
             let fixed_compute = if fix_compute_at_one { 1.0 } else { 0.0 };
-            let reduced: Vec<(Vec<f64>, f64)> = rows
-                .iter()
-                .map(|(a, y)| (solved.iter().map(|&i| a[i]).collect(), y - fixed_compute * a[0]))
-                .collect();
+            let reduced: Vec<(Vec<f64>, f64)> =
+                rows.iter().map(|(a, y)| (solved.iter().map(|&i| a[i]).collect(), y - fixed_compute * a[0])).collect();
             let Some(solution) = least_squares(&reduced, solved.len()) else { continue };
             let mut x = [0.0; 3];
             x[0] = fixed_compute;
@@ -325,7 +320,8 @@ mod tests {
 
     #[test]
     fn recovers_the_efficiency_that_generated_the_runs() {
-        let truth = Efficiency { compute: 0.45, layer_overhead_s: 0.002, step_overhead_s: 0.01, ..Efficiency::default() };
+        let truth =
+            Efficiency { compute: 0.45, layer_overhead_s: 0.002, step_overhead_s: 0.01, ..Efficiency::default() };
         let shapes = [(2, 8, 1), (4, 16, 1), (4, 8, 2), (6, 4, 1), (8, 16, 2)];
         let runs: Vec<MeasuredRun> = shapes
             .iter()

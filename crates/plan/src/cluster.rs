@@ -91,7 +91,8 @@ impl Default for Efficiency {
 impl Efficiency {
     /// Checks that shares are in (0, 1] (overlap in [0, 1]) and overheads are not negative.
     pub fn validate(&self) -> Result<(), PlanError> {
-        let shares = [("efficiency.compute", self.compute), ("efficiency.memory", self.memory), ("efficiency.comm", self.comm)];
+        let shares =
+            [("efficiency.compute", self.compute), ("efficiency.memory", self.memory), ("efficiency.comm", self.comm)];
         for (key, value) in shares {
             if !(value > 0.0 && value <= 1.0) {
                 return Err(PlanError::InvalidConfig { key, message: format!("must be in (0, 1]; got {value}") });
@@ -223,7 +224,10 @@ impl ClusterConfig {
             return Err(PlanError::InvalidConfig { key: "cluster.n_devices", message: "must be positive".into() });
         }
         if self.devices_per_node == 0 {
-            return Err(PlanError::InvalidConfig { key: "cluster.devices_per_node", message: "must be positive".into() });
+            return Err(PlanError::InvalidConfig {
+                key: "cluster.devices_per_node",
+                message: "must be positive".into(),
+            });
         }
         let rates = [
             ("cluster.memory_bytes", self.memory_bytes),

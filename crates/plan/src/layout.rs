@@ -20,7 +20,8 @@ pub enum ZeroStage {
 
 impl ZeroStage {
     /// All stages, 0 to 3.
-    pub const ALL: [ZeroStage; 4] = [ZeroStage::None, ZeroStage::Optimizer, ZeroStage::Gradients, ZeroStage::Parameters];
+    pub const ALL: [ZeroStage; 4] =
+        [ZeroStage::None, ZeroStage::Optimizer, ZeroStage::Gradients, ZeroStage::Parameters];
 
     /// The stage's number, 0 to 3.
     pub fn number(self) -> u8 {
@@ -127,7 +128,14 @@ impl Layout {
 
 impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "d{} t{}{} p{}", self.data, self.tensor, if self.sequence_parallel { "+sp" } else { "" }, self.pipeline)?;
+        write!(
+            f,
+            "d{} t{}{} p{}",
+            self.data,
+            self.tensor,
+            if self.sequence_parallel { "+sp" } else { "" },
+            self.pipeline
+        )?;
         if self.virtual_stages > 1 {
             write!(f, "x{}", self.virtual_stages)?;
         }

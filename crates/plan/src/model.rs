@@ -62,7 +62,14 @@ impl ModelConfig {
         }
     }
 
-    fn llama(n_layer: usize, d_model: usize, n_head: usize, n_kv_head: usize, ffn_hidden: usize, seq_len: usize) -> Self {
+    fn llama(
+        n_layer: usize,
+        d_model: usize,
+        n_head: usize,
+        n_kv_head: usize,
+        ffn_hidden: usize,
+        seq_len: usize,
+    ) -> Self {
         ModelConfig {
             n_layer,
             d_model,

@@ -269,9 +269,7 @@ pub fn search(config: &PlanConfig) -> Result<SearchOutcome, PlanError> {
         };
         return Err(PlanError::NoFeasibleLayout { n_devices: config.cluster.n_devices, reason });
     }
-    plans.sort_by(|a, b| {
-        a.time.step_s.total_cmp(&b.time.step_s).then(a.memory.total.total_cmp(&b.memory.total))
-    });
+    plans.sort_by(|a, b| a.time.step_s.total_cmp(&b.time.step_s).then(a.memory.total.total_cmp(&b.memory.total)));
     Ok(SearchOutcome { plans, n_considered, n_pruned_by_memory })
 }
 

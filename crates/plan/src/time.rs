@@ -31,11 +31,11 @@ pub struct Link {
 }
 
 impl Link {
-    /// The link of a group whose members are `stride` ranks apart and that covers `span`
-    /// consecutive ranks: inside a node when the span fits in one.
+    /// The link of a group that covers `span` consecutive ranks: inside a node when the span
+    /// tiles the node (so no group straddles two), else the network.
     pub fn for_group(cluster: &ClusterConfig, span: usize) -> Link {
         let comm = cluster.efficiency.comm;
-        if span <= cluster.devices_per_node {
+        if span <= cluster.devices_per_node && cluster.devices_per_node % span == 0 {
             Link { bandwidth: cluster.intra_node_bandwidth * comm, latency_s: cluster.intra_node_latency_s }
         } else {
             Link { bandwidth: cluster.inter_node_bandwidth * comm, latency_s: cluster.inter_node_latency_s }
@@ -138,7 +138,9 @@ pub fn stage_bytes_per_micro_batch(model: &ModelConfig, layout: &Layout, precisi
     let kept = layer_activation_bytes(model, layout, Recompute::None) * scale;
     let recomputed = match layout.recompute {
         Recompute::None => 0.0,
-        Recompute::Selective => model.layer_activations(layout.micro_batch).attention_core_bytes / layout.tensor as f64 * scale,
+        Recompute::Selective => {
+            model.layer_activations(layout.micro_batch).attention_core_bytes / layout.tensor as f64 * scale
+        }
         Recompute::Full => kept,
     };
     let weights = model.params_per_layer() as f64 / layout.tensor as f64 * precision.element_bytes();
@@ -194,7 +196,8 @@ fn micro_batch_time(
     if layout.pipeline > 1 {
         // Each chunk sends its output forward and receives its gradient back; Megatron-LM's
         // scatter/gather splits the message over the t tensor ranks.
-        let link = Link::for_group(cluster, layout.tensor * layout.data + 1);
+        // Neighbouring stages are t·d ranks apart: inside a node only when a whole replica is.
+        let link = Link::for_group(cluster, layout.tensor * layout.data * layout.pipeline);
         pipeline_comm_s = 2.0 * layout.virtual_stages as f64 * link.send_s(sbh_bytes / layout.tensor as f64);
     }
     MicroBatchTime { compute_s, memory_s, overhead_s, tensor_comm_s, pipeline_comm_s }
@@ -220,7 +223,8 @@ pub fn step_time(model: &ModelConfig, cluster: &ClusterConfig, precision: Precis
     let bubble_units = (p - 1.0) / layout.virtual_stages as f64;
     let bubble_s = bubble_units * slow.total();
     // The backward's share of a micro-batch, the window gradients' reduction can hide in.
-    let flops_forward = stage_flops_per_micro_batch(model, &Layout { recompute: Recompute::None, ..*layout }, stage) / 3.0;
+    let flops_forward =
+        stage_flops_per_micro_batch(model, &Layout { recompute: Recompute::None, ..*layout }, stage) / 3.0;
     let flops_all = stage_flops_per_micro_batch(model, layout, stage);
     let backward_s = slow.total() * (flops_all - flops_forward) / flops_all;
 

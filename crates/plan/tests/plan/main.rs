@@ -1,0 +1,6 @@
+//! Integration tests of stoke-plan, one module per topic. Tests against published numbers cite
+//! their source at the top of their module.
+
+mod activations;
+mod megatron;
+mod zero;

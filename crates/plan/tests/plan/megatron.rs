@@ -1,0 +1,248 @@
+//! The model against Narayanan et al. (2021), "Efficient Large-Scale Language Model Training on GPU
+//! Clusters Using Megatron-LM", Table 1 (weak scaling on Selene: DGX A100 80 GB nodes of 8 GPUs,
+//! NVLink inside, eight 200 Gb/s HDR InfiniBand ports per node; sequence 2048, vocabulary 51,200,
+//! mixed precision, full activation recomputation).
+
+use stoke_plan::{
+    search, ClusterConfig, Efficiency, Estimate, ModelConfig, PlanConfig, Precision, Recompute, SearchConfig, ZeroStage,
+};
+
+/// One row of Table 1.
+struct Row {
+    billions: f64,
+    n_head: usize,
+    d_model: usize,
+    n_layer: usize,
+    tensor: usize,
+    pipeline: usize,
+    n_gpus: usize,
+    global_batch: usize,
+    /// "Achieved teraFLOP/s per GPU", recomputation's FLOPs included.
+    tflops_per_gpu: f64,
+}
+
+const TABLE_1: &[Row] = &[
+    Row {
+        billions: 1.7,
+        n_head: 24,
+        d_model: 2304,
+        n_layer: 24,
+        tensor: 1,
+        pipeline: 1,
+        n_gpus: 32,
+        global_batch: 512,
+        tflops_per_gpu: 137.0,
+    },
+    Row {
+        billions: 3.6,
+        n_head: 32,
+        d_model: 3072,
+        n_layer: 30,
+        tensor: 2,
+        pipeline: 1,
+        n_gpus: 64,
+        global_batch: 512,
+        tflops_per_gpu: 138.0,
+    },
+    Row {
+        billions: 7.5,
+        n_head: 32,
+        d_model: 4096,
+        n_layer: 36,
+        tensor: 4,
+        pipeline: 1,
+        n_gpus: 128,
+        global_batch: 512,
+        tflops_per_gpu: 142.0,
+    },
+    Row {
+        billions: 18.4,
+        n_head: 48,
+        d_model: 6144,
+        n_layer: 40,
+        tensor: 8,
+        pipeline: 1,
+        n_gpus: 256,
+        global_batch: 1024,
+        tflops_per_gpu: 135.0,
+    },
+    Row {
+        billions: 39.1,
+        n_head: 64,
+        d_model: 8192,
+        n_layer: 48,
+        tensor: 8,
+        pipeline: 2,
+        n_gpus: 512,
+        global_batch: 1536,
+        tflops_per_gpu: 138.0,
+    },
+    Row {
+        billions: 76.1,
+        n_head: 80,
+        d_model: 10240,
+        n_layer: 60,
+        tensor: 8,
+        pipeline: 4,
+        n_gpus: 1024,
+        global_batch: 1792,
+        tflops_per_gpu: 140.0,
+    },
+    Row {
+        billions: 145.6,
+        n_head: 96,
+        d_model: 12288,
+        n_layer: 80,
+        tensor: 8,
+        pipeline: 8,
+        n_gpus: 1536,
+        global_batch: 2304,
+        tflops_per_gpu: 148.0,
+    },
+    Row {
+        billions: 310.1,
+        n_head: 128,
+        d_model: 16384,
+        n_layer: 96,
+        tensor: 8,
+        pipeline: 16,
+        n_gpus: 1920,
+        global_batch: 2160,
+        tflops_per_gpu: 155.0,
+    },
+    Row {
+        billions: 529.6,
+        n_head: 128,
+        d_model: 20480,
+        n_layer: 105,
+        tensor: 8,
+        pipeline: 35,
+        n_gpus: 2520,
+        global_batch: 2520,
+        tflops_per_gpu: 163.0,
+    },
+    Row {
+        billions: 1008.0,
+        n_head: 160,
+        d_model: 25600,
+        n_layer: 128,
+        tensor: 8,
+        pipeline: 64,
+        n_gpus: 3072,
+        global_batch: 3072,
+        tflops_per_gpu: 163.0,
+    },
+];
+
+fn config(row: &Row) -> PlanConfig {
+    let mut cluster = ClusterConfig::preset("a100-80g", row.n_gpus).unwrap();
+    // Megatron-LM of 2021 all-reduced gradients after the backward, overlapping none of it.
+    cluster.efficiency = Efficiency { dp_overlap: 0.0, ..cluster.efficiency };
+    PlanConfig {
+        model: ModelConfig::gpt(row.n_layer, row.d_model, row.n_head, 2048, 51200),
+        cluster,
+        precision: Precision::Bf16,
+        global_batch: row.global_batch,
+        // What the system of the paper could do: no ZeRO, full recomputation, no sequence
+        // parallelism (it came a year later).
+        search: SearchConfig {
+            zero: vec![ZeroStage::None],
+            recompute: vec![Recompute::Full],
+            sequence_parallel: vec![false],
+            ..SearchConfig::default()
+        },
+    }
+}
+
+/// The best plan with the published tensor x pipeline split, its rank among the distinct splits,
+/// and the best plan overall.
+fn published_split(row: &Row) -> (Estimate, usize, Estimate) {
+    let outcome = search(&config(row)).unwrap();
+    let ranking = outcome.tensor_pipeline_ranking();
+    let rank = ranking.iter().position(|&pair| pair == (row.tensor, row.pipeline)).expect("published split fits");
+    let plan = outcome
+        .plans
+        .iter()
+        .find(|plan| (plan.layout.tensor, plan.layout.pipeline) == (row.tensor, row.pipeline))
+        .unwrap()
+        .clone();
+    (plan, rank, outcome.plans[0].clone())
+}
+
+/// Rows where the model ranks the published split below third, with the split it prefers. The
+/// paper chose by its rule of thumb (tensor parallelism up to the 8 GPUs of a node first, section
+/// 3.3), not by a search; for these two sizes the model finds tensor parallelism 4 plus an
+/// interleaved pipeline faster, because eight-way tensor parallelism of a 6144- or 8192-wide
+/// layer spends 15-22% of its compute time in all-reduces.
+const KNOWN_DISAGREEMENTS: &[f64] = &[18.4, 39.1];
+
+#[test]
+fn published_split_is_among_the_top_three() {
+    for row in TABLE_1.iter().filter(|row| !KNOWN_DISAGREEMENTS.contains(&row.billions)) {
+        let (plan, rank, best) = published_split(row);
+        assert!(
+            rank < 3,
+            "{}B: published t{} p{} ranks {}; best {}",
+            row.billions,
+            row.tensor,
+            row.pipeline,
+            rank + 1,
+            best.layout
+        );
+        let _ = plan;
+    }
+}
+
+#[test]
+fn where_the_model_disagrees_the_published_split_is_within_ten_percent_of_the_best() {
+    for row in TABLE_1.iter().filter(|row| KNOWN_DISAGREEMENTS.contains(&row.billions)) {
+        let (plan, rank, best) = published_split(row);
+        assert!(rank >= 3, "{}B now agrees with the paper; drop it from KNOWN_DISAGREEMENTS", row.billions);
+        let slower = plan.time.step_s / best.time.step_s - 1.0;
+        assert!(slower < 0.10, "{}B: published split {:.1}% slower than {}", row.billions, 100.0 * slower, best.layout);
+    }
+}
+
+#[test]
+fn predicted_throughput_per_gpu_is_within_20_percent_of_published() {
+    for row in TABLE_1 {
+        let (plan, _, _) = published_split(row);
+        let predicted = plan.hardware_flops_per_device / 1e12;
+        let error = predicted / row.tflops_per_gpu - 1.0;
+        assert!(
+            error.abs() < 0.20,
+            "{}B: predicted {predicted:.1} vs published {} TFLOP/s",
+            row.billions,
+            row.tflops_per_gpu
+        );
+    }
+}
+
+#[test]
+fn model_sizes_match_the_table() {
+    // The "number of parameters (billion)" column, to the digit printed.
+    for row in TABLE_1 {
+        let billions = config(row).model.n_params() as f64 / 1e9;
+        assert!((billions - row.billions).abs() <= 0.05 + 0.001 * row.billions, "{billions} vs {}", row.billions);
+    }
+}
+
+/// Prints the comparison (run with --nocapture --ignored).
+#[test]
+#[ignore]
+fn print_comparison() {
+    for row in TABLE_1 {
+        let (plan, rank, best) = published_split(row);
+        println!(
+            "{:>7}B t{} p{:<2} published {:5.1} predicted {:5.1} TFLOP/s ({:+5.1}%), split rank {}, best {}",
+            row.billions,
+            row.tensor,
+            row.pipeline,
+            row.tflops_per_gpu,
+            plan.hardware_flops_per_device / 1e12,
+            100.0 * (plan.hardware_flops_per_device / 1e12 / row.tflops_per_gpu - 1.0),
+            rank + 1,
+            best.layout
+        );
+    }
+}
