@@ -4,6 +4,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod plan;
+
 /// A bad command line or configuration: exit code 2.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -18,9 +20,12 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Rank parallel layouts by predicted memory and step time, or calibrate on measured runs.
+    Plan(plan::PlanArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Plan(args) => plan::run(args),
     }
 }

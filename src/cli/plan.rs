@@ -1,0 +1,338 @@
+//! `stoke plan`: rank parallel layouts of a model on a cluster by predicted memory and step time,
+//! or (`--calibrate`) fit this machine's efficiencies from measured runs.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use stoke_plan::{
+    calibrate, compare, render_table, search, ClusterConfig, Efficiency, MeasuredRun, ModelConfig, PlanConfig,
+    PlanError, Precision, Recompute, RunFit, SearchConfig, ZeroStage,
+};
+
+use super::UsageError;
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// Model preset: tiny, small, gpt2-124m, gpt3-175b, llama-7b, llama-13b, llama-70b.
+    #[arg(long, default_value = "tiny")]
+    pub model: String,
+    /// Override the preset's transformer blocks.
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Override the preset's width.
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// Override the preset's attention heads.
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Override the preset's sequence length.
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Override the preset's vocabulary size.
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// Sequences per optimizer step over all replicas.
+    #[arg(long, default_value_t = 16)]
+    pub global_batch: usize,
+    /// Cluster preset: a100-80g, h100, h200, cpu (this machine).
+    #[arg(long, default_value = "cpu")]
+    pub cluster: String,
+    /// Devices in all.
+    #[arg(long, default_value_t = 1)]
+    pub devices: usize,
+    /// Override the preset's devices per node.
+    #[arg(long)]
+    pub devices_per_node: Option<usize>,
+    /// Override the preset's memory per device, GiB.
+    #[arg(long)]
+    pub memory_gib: Option<f64>,
+    /// Override the preset's peak TFLOP/s at the chosen precision.
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    /// Override the preset's intra-node bandwidth per device, GB/s.
+    #[arg(long)]
+    pub intra_gbps: Option<f64>,
+    /// Override the preset's inter-node bandwidth per device, GB/s.
+    #[arg(long)]
+    pub inter_gbps: Option<f64>,
+    /// Override the preset's intra-node latency, microseconds.
+    #[arg(long)]
+    pub intra_latency_us: Option<f64>,
+    /// Override the preset's inter-node latency, microseconds.
+    #[arg(long)]
+    pub inter_latency_us: Option<f64>,
+    /// Precision of the matrix multiplies: fp32 or bf16.
+    #[arg(long, default_value = "bf16")]
+    pub precision: String,
+    /// Efficiencies to use instead of the preset's (a JSON file written by `--calibrate --save`).
+    #[arg(long)]
+    pub efficiency: Option<PathBuf>,
+    /// Tensor-parallel sizes to try (comma-separated); default: all that divide evenly.
+    #[arg(long, value_delimiter = ',')]
+    pub tensor: Vec<usize>,
+    /// Pipeline sizes to try (comma-separated); default: all that divide evenly.
+    #[arg(long, value_delimiter = ',')]
+    pub pipeline: Vec<usize>,
+    /// Micro-batch sizes to try (comma-separated); default: all that divide evenly, up to 64.
+    #[arg(long, value_delimiter = ',')]
+    pub micro_batch: Vec<usize>,
+    /// ZeRO stages to try (comma-separated, 0-3); default: all.
+    #[arg(long, value_delimiter = ',')]
+    pub zero: Vec<u8>,
+    /// Recomputation policies to try (comma-separated: none, selective, full); default: all.
+    #[arg(long, value_delimiter = ',')]
+    pub recompute: Vec<String>,
+    /// Most model chunks per pipeline stage (interleaved schedule); 1 disables interleaving.
+    #[arg(long, default_value_t = 4)]
+    pub max_virtual_stages: usize,
+    /// Rows of the table.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Fit this machine's efficiencies from these runs' report.json files.
+    #[arg(long, num_args = 1..)]
+    pub calibrate: Vec<PathBuf>,
+    /// With --calibrate: runs held out of the fit, predicted and compared.
+    #[arg(long, num_args = 1..)]
+    pub holdout: Vec<PathBuf>,
+    /// With --calibrate: write the fitted efficiencies to this JSON file (for --efficiency).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+}
+
+fn usage(message: String) -> anyhow::Error {
+    anyhow::Error::new(UsageError(message))
+}
+
+/// Preset and configuration mistakes are the user's: exit 2.
+fn usage_if_config(err: PlanError) -> anyhow::Error {
+    match err {
+        PlanError::UnknownPreset { .. } | PlanError::InvalidConfig { .. } | PlanError::TooFewRuns { .. } => {
+            usage(err.to_string())
+        }
+        other => anyhow::Error::new(other),
+    }
+}
+
+fn read_efficiency(path: &PathBuf) -> anyhow::Result<Efficiency> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let efficiency: Efficiency = serde_json::from_str(&text)
+        .map_err(|err| usage(format!("{}: not an efficiency file: {err}", path.display())))?;
+    efficiency.validate().map_err(usage_if_config)?;
+    Ok(efficiency)
+}
+
+fn cluster_from_args(args: &PlanArgs, precision: Precision) -> anyhow::Result<ClusterConfig> {
+    let mut cluster = ClusterConfig::preset(&args.cluster, args.devices).map_err(usage_if_config)?;
+    if let Some(per_node) = args.devices_per_node {
+        cluster.devices_per_node = per_node;
+    }
+    if let Some(gib) = args.memory_gib {
+        cluster.memory_bytes = gib * 1024.0 * 1024.0 * 1024.0;
+    }
+    if let Some(tflops) = args.peak_tflops {
+        match precision {
+            Precision::Fp32 => cluster.peak_flops_fp32 = tflops * 1e12,
+            Precision::Bf16 => cluster.peak_flops_bf16 = tflops * 1e12,
+        }
+    }
+    if let Some(gbps) = args.intra_gbps {
+        cluster.intra_node_bandwidth = gbps * 1e9;
+    }
+    if let Some(gbps) = args.inter_gbps {
+        cluster.inter_node_bandwidth = gbps * 1e9;
+    }
+    if let Some(us) = args.intra_latency_us {
+        cluster.intra_node_latency_s = us * 1e-6;
+    }
+    if let Some(us) = args.inter_latency_us {
+        cluster.inter_node_latency_s = us * 1e-6;
+    }
+    if let Some(path) = &args.efficiency {
+        cluster.efficiency = read_efficiency(path)?;
+    }
+    cluster.validate().map_err(usage_if_config)?;
+    Ok(cluster)
+}
+
+fn model_from_args(args: &PlanArgs) -> anyhow::Result<ModelConfig> {
+    let mut model = ModelConfig::preset(&args.model).map_err(usage_if_config)?;
+    let overrides = [
+        (&mut model.n_layer, args.layers),
+        (&mut model.d_model, args.hidden),
+        (&mut model.n_head, args.heads),
+        (&mut model.seq_len, args.seq),
+        (&mut model.vocab_size, args.vocab),
+    ];
+    for (field, value) in overrides {
+        if let Some(value) = value {
+            *field = value;
+        }
+    }
+    model.validate().map_err(usage_if_config)?;
+    Ok(model)
+}
+
+fn search_from_args(args: &PlanArgs) -> anyhow::Result<SearchConfig> {
+    let mut search = SearchConfig { max_virtual_stages: args.max_virtual_stages, ..SearchConfig::default() };
+    search.tensor = args.tensor.clone();
+    search.pipeline = args.pipeline.clone();
+    search.micro_batch = args.micro_batch.clone();
+    if !args.zero.is_empty() {
+        search.zero = args.zero.iter().map(|&n| ZeroStage::try_from(n).map_err(usage)).collect::<Result<_, _>>()?;
+    }
+    if !args.recompute.is_empty() {
+        search.recompute = args
+            .recompute
+            .iter()
+            .map(|name| {
+                Recompute::ALL
+                    .into_iter()
+                    .find(|r| r.name() == name)
+                    .ok_or_else(|| usage(format!("--recompute must be none, selective or full; got {name:?}")))
+            })
+            .collect::<Result<_, _>>()?;
+    }
+    Ok(search)
+}
+
+pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
+    let precision = Precision::parse(&args.precision).map_err(usage_if_config)?;
+    let cluster = cluster_from_args(&args, precision)?;
+    if !args.calibrate.is_empty() {
+        return run_calibration(&args, &cluster);
+    }
+    if !args.holdout.is_empty() || args.save.is_some() {
+        return Err(usage("--holdout and --save go with --calibrate".into()));
+    }
+    let config = PlanConfig {
+        model: model_from_args(&args)?,
+        cluster,
+        precision,
+        global_batch: args.global_batch,
+        search: search_from_args(&args)?,
+    };
+    let outcome = match search(&config) {
+        Ok(outcome) => outcome,
+        Err(err @ PlanError::NoFeasibleLayout { .. }) => {
+            eprintln!("error: {err}");
+            return Ok(ExitCode::from(1));
+        }
+        Err(err) => return Err(usage_if_config(err)),
+    };
+    if args.json {
+        let plans: Vec<_> = outcome.plans.iter().take(args.top).collect();
+        let json = serde_json::json!({
+            "config": config,
+            "n_considered": outcome.n_considered,
+            "n_pruned_by_memory": outcome.n_pruned_by_memory,
+            "plans": plans,
+        });
+        println!("{}", serde_json::to_string_pretty(&json)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let model = &config.model;
+    println!(
+        "model: {} layers, d {}, {} heads, seq {}, vocab {} ({:.3}B parameters); global batch {}",
+        model.n_layer,
+        model.d_model,
+        model.n_head,
+        model.seq_len,
+        model.vocab_size,
+        model.n_params() as f64 / 1e9,
+        config.global_batch
+    );
+    println!(
+        "cluster: {} x {} ({} per node, {:.0} GiB, {:.1} TFLOP/s {}); efficiency: compute {:.2}, memory {:.2}, comm {:.2}",
+        config.cluster.n_devices,
+        config.cluster.name,
+        config.cluster.devices_per_node,
+        config.cluster.memory_bytes / (1024.0 * 1024.0 * 1024.0),
+        config.cluster.peak_flops(precision) / 1e12,
+        args.precision,
+        config.cluster.efficiency.compute,
+        config.cluster.efficiency.memory,
+        config.cluster.efficiency.comm
+    );
+    println!(
+        "{} layouts considered, {} pruned by memory, {} fit; the fastest {}:",
+        outcome.n_considered,
+        outcome.n_pruned_by_memory,
+        outcome.plans.len(),
+        args.top.min(outcome.plans.len())
+    );
+    print!("{}", render_table(&outcome.plans, args.top));
+    println!("layout: d data x t tensor (+sp sequence parallel) x p pipeline (xv interleaved chunks), z ZeRO stage, recomputation, b micro-batch x micro-batches");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn load_runs(paths: &[PathBuf], cluster: &ClusterConfig) -> anyhow::Result<Vec<MeasuredRun>> {
+    paths
+        .iter()
+        .map(|path| {
+            MeasuredRun::from_report_file(path, cluster).map_err(|err| match err {
+                PlanError::ReadReport { .. } => anyhow::Error::new(err),
+                other => usage(other.to_string()),
+            })
+        })
+        .collect()
+}
+
+fn print_fits(title: &str, fits: &[RunFit]) {
+    println!("{title}");
+    println!("  {:<24} {:>12} {:>12} {:>8}", "run", "measured", "predicted", "error");
+    for fit in fits {
+        println!(
+            "  {:<24} {:>9.1} ms {:>9.1} ms {:>+7.1}%",
+            fit.name,
+            fit.measured_step_s * 1e3,
+            fit.predicted_step_s * 1e3,
+            100.0 * fit.relative_error
+        );
+    }
+}
+
+fn run_calibration(args: &PlanArgs, cluster: &ClusterConfig) -> anyhow::Result<ExitCode> {
+    let runs = load_runs(&args.calibrate, cluster)?;
+    let held_out = load_runs(&args.holdout, cluster)?;
+    let calibration = calibrate(&runs, &cluster.efficiency).map_err(usage_if_config)?;
+    let held_out_fits = compare(&held_out, &calibration.efficiency);
+    let worst_held_out = held_out_fits.iter().map(|fit| fit.relative_error.abs()).fold(0.0, f64::max);
+    if let Some(path) = &args.save {
+        let text = serde_json::to_string_pretty(&calibration.efficiency)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.json {
+        let json = serde_json::json!({
+            "efficiency": calibration.efficiency,
+            "calibration": calibration.fits,
+            "held_out": held_out_fits,
+            "worst_held_out_error": if held_out_fits.is_empty() { None } else { Some(worst_held_out) },
+        });
+        println!("{}", serde_json::to_string_pretty(&json)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let eff = &calibration.efficiency;
+    println!(
+        "fitted on {} runs: compute efficiency {:.3}, per-block overhead {:.3} ms, per-step overhead {:.2} ms (memory share {:.2} kept); leave-one-out error {:.1}%",
+        runs.len(),
+        eff.compute,
+        eff.layer_overhead_s * 1e3,
+        eff.step_overhead_s * 1e3,
+        eff.memory,
+        100.0 * eff.relative_error
+    );
+    print_fits("calibration runs:", &calibration.fits);
+    if !held_out_fits.is_empty() {
+        print_fits("held-out runs:", &held_out_fits);
+        println!("worst held-out error: {:.1}%", 100.0 * worst_held_out);
+    }
+    if let Some(path) = &args.save {
+        println!("efficiency written to {} (use with --efficiency)", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
