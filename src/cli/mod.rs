@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod plan;
+mod trace;
 
 /// A bad command line or configuration: exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -22,10 +23,13 @@ pub struct Cli {
 pub enum Command {
     /// Rank parallel layouts by predicted memory and step time, or calibrate on measured runs.
     Plan(plan::PlanArgs),
+    /// Analyze PyTorch profiler (Kineto) traces, or diff two runs (exit 3 on a regression).
+    Trace(trace::TraceArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Plan(args) => plan::run(args),
+        Command::Trace(args) => trace::run(args),
     }
 }
