@@ -19,15 +19,21 @@ impl Batch {
     }
 }
 
-/// Where the trainer gets its batches. Implementations are deterministic: the batch at position
-/// `n` is a pure function of the source's construction and `n`, so a resumed run sees the same data.
+/// Where the trainer gets its batches. Implementations are deterministic: the batches after
+/// `seek(p)` are a pure function of the source's construction and `p`, so a resumed run sees the
+/// same data.
 pub trait BatchSource: Send {
-    /// The next batch; the position advances by one.
+    /// The next batch; the position advances.
     fn next_batch(&mut self) -> Result<Batch, DataError>;
-    /// How many batches have been handed out (the state a checkpoint keeps).
+    /// The resume point, the state a checkpoint keeps: an opaque integer that only `seek` interprets
+    /// (`RandomWindows`: batches handed out; `Loader`: global samples consumed by all ranks).
     fn position(&self) -> u64;
-    /// Continue as if `position` batches had already been handed out.
+    /// Continue from a point that `position()` returned (possibly in another process).
     fn seek(&mut self, position: u64);
+    /// Gives a batch's buffer back for reuse once the trainer has copied it; optional.
+    fn recycle(&mut self, batch: Batch) {
+        drop(batch);
+    }
 }
 
 /// Windows at pseudo-random offsets of an in-memory token stream; the offsets of batch `n` derive

@@ -9,7 +9,8 @@ use crate::rng::SplitMix64;
 
 const DETERMINERS: &[&str] = &["the", "a", "every", "some", "this", "that"];
 const ADJECTIVES: &[&str] = &["small", "quick", "lazy", "red", "bright", "quiet", "old", "young", "happy", "strange"];
-const SINGULAR_NOUNS: &[&str] = &["cat", "dog", "bird", "child", "teacher", "robot", "farmer", "river", "city", "engine"];
+const SINGULAR_NOUNS: &[&str] =
+    &["cat", "dog", "bird", "child", "teacher", "robot", "farmer", "river", "city", "engine"];
 const PLURAL_NOUNS: &[&str] =
     &["cats", "dogs", "birds", "children", "teachers", "robots", "farmers", "rivers", "cities", "engines"];
 /// Verbs as (singular subject form, plural subject form).

@@ -1,26 +1,51 @@
 //! stoke-data: the data that feeds training, with no libtorch.
 //!
-//! Today: the built-in default corpus, a user's text file as byte-level tokens, and a deterministic
-//! batch source whose batch `n` is a pure function of `(seed, n)`, so a resumed run sees exactly
-//! the batches it would have seen.
+//! Offline preparation turns text into packed token shards (`prepare_text`) and samples into record
+//! shards (`prepare_records`). At training time a `TokenStore` maps shards (stoke's own, Megatron-LM
+//! `.bin/.idx`, nanoGPT/llm.c raw files, or bytes in memory) and a `Loader` cuts fixed-length rows
+//! from them in an order that is a pure function of `(seed, epoch, index)` (`Permutation`), splits
+//! every global batch between ranks, and fills reusable buffers on worker threads ahead of the
+//! trainer. Its state is the global sample position, so resume is O(1) and exact under any world
+//! size. Remote shards go through a local `ShardCache`.
 //!
 //! ```
-//! use stoke_data::{builtin_corpus, BatchSource, RandomWindows};
-//! let text = builtin_corpus(0, 4096);
-//! let mut source = RandomWindows::from_bytes(&text, 64, 8, 0).unwrap();
-//! let batch = source.next_batch().unwrap();
-//! assert_eq!(batch.tokens.len(), 8 * 65);
+//! use stoke_data::{builtin_corpus, BatchSource, Loader, LoaderConfig, TokenStore};
+//! let store = TokenStore::from_bytes(builtin_corpus(0, 1 << 16), "builtin");
+//! let config = LoaderConfig { seq_len: 64, micro_batch: 8, ..LoaderConfig::default() };
+//! let mut loader = Loader::new(store.clone(), config.clone()).unwrap();
+//! let first = loader.next_batch().unwrap();
+//! assert_eq!(first.tokens.len(), 8 * 65);
+//! let saved = loader.position();
+//! let second = loader.next_batch().unwrap();
+//!
+//! // A fresh loader seeked to the saved position continues bit-exactly.
+//! let mut resumed = Loader::new(store, config).unwrap();
+//! resumed.seek(saved);
+//! assert_eq!(resumed.next_batch().unwrap(), second);
 //! ```
 
 mod batch;
 mod corpus;
 mod error;
+mod format;
+mod loader;
+mod order;
+mod prep;
 mod rng;
+mod tokens;
 
 pub use batch::{Batch, BatchSource, RandomWindows};
 pub use corpus::{builtin_corpus, unigram_entropy_nats};
 pub use error::DataError;
+pub use format::{
+    encode_megatron_index, encode_token_index, raw_layout, Dtype, MegatronIndex, RawLayout, TokenIndexHeader,
+    TokenManifest, TokenShardEntry, LLMC_HEADER, LLMC_MAGIC, TOKEN_MANIFEST,
+};
+pub use loader::{Loader, LoaderConfig, LoaderState, LoaderStats, WeightedStore};
+pub use order::{Permutation, SampleStream};
+pub use prep::{prepare_text, PrepTextConfig};
 pub use rng::{mix64, SplitMix64};
+pub use tokens::{startup_bytes_read, verify_prepared, TokenStore};
 
 use std::path::Path;
 
