@@ -318,12 +318,13 @@ fn run_calibration(args: &PlanArgs, cluster: &ClusterConfig) -> anyhow::Result<E
     }
     let eff = &calibration.efficiency;
     println!(
-        "fitted on {} runs: compute efficiency {:.3}, per-block overhead {:.3} ms, per-step overhead {:.2} ms (memory share {:.2} kept); leave-one-out error {:.1}%",
+        "fitted on {} runs: compute {:.3}, memory {:.3}, optimizer {:.3} of peak; {:.3} ms per block pass, {:.2} ms per step; leave-one-out error {:.1}%",
         runs.len(),
         eff.compute,
+        eff.memory,
+        eff.optimizer,
         eff.layer_overhead_s * 1e3,
         eff.step_overhead_s * 1e3,
-        eff.memory,
         100.0 * eff.relative_error
     );
     print_fits("calibration runs:", &calibration.fits);

@@ -1,11 +1,13 @@
 //! Fitting the efficiencies of a machine from measured `stoke train` runs.
 //!
-//! The time model of one device is linear in four unknowns once the layout is fixed:
-//! `step = F/(peak·compute) + M/(bandwidth·memory) + L·m·layer_overhead + step_overhead`, with F the
-//! FLOPs and M the bytes of the step, L the blocks and m the micro-batches. Calibration keeps the
-//! memory share at the cluster's prior (on this machine the element-wise bytes are a near-constant
-//! fraction of the FLOPs, so the two cannot be told apart) and fits the other three by
-//! non-negative least squares on relative error, so every run counts alike whatever its length.
+//! Once the layout is fixed the time model of one device is linear in its unknowns:
+//! `step = F/(peak·compute) + M/(bandwidth·memory) + P/(bandwidth·optimizer) + L·m·layer_overhead
+//! + step_overhead`, with F the step's FLOPs, M its element-wise and weight bytes, P the optimizer's
+//! bytes, L the blocks and m the micro-batches. The optimizer's share comes first, from the
+//! runs' measured `optimizer` phase alone (a pure memory-bound pass); the other four are then fitted
+//! to whole steps by least squares on relative error (every run counts alike whatever its length),
+//! with each share kept at most 1 and each overhead at least 0. Runs should differ in width, depth
+//! and micro-batch so that FLOPs, bytes and block count vary independently.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -73,6 +75,8 @@ pub struct MeasuredRun {
     pub config: PlanConfig,
     pub layout: Layout,
     pub measured_step_s: f64,
+    /// The report's `optimizer` phase, seconds per step, when it has one.
+    pub measured_optimizer_s: Option<f64>,
 }
 
 impl MeasuredRun {
@@ -127,7 +131,9 @@ impl MeasuredRun {
             global_batch: layout.global_batch(),
             ..PlanConfig::default()
         };
-        Ok(MeasuredRun { name, config, layout, measured_step_s: report.step_ms / 1e3 })
+        let measured_optimizer_s =
+            report.phases.get("optimizer").and_then(|v| v.as_f64()).filter(|ms| *ms > 0.0).map(|ms| ms / 1e3);
+        Ok(MeasuredRun { name, config, layout, measured_step_s: report.step_ms / 1e3, measured_optimizer_s })
     }
 
     /// Predicted step time under `efficiency`.
@@ -137,13 +143,21 @@ impl MeasuredRun {
         evaluate(&config, &self.layout).time.step_s
     }
 
-    /// The step's time as a linear function of the fitted unknowns: the constant part (memory at
-    /// the prior share, communication) and the coefficients of 1/compute, layer_overhead_s and
-    /// step_overhead_s.
-    fn features(&self, memory_share: f64) -> ([f64; 3], f64) {
+    /// Predicted optimizer time at an optimizer share of 1.
+    fn optimizer_s_at_full_share(&self) -> f64 {
+        let mut config = self.config.clone();
+        config.cluster.efficiency.optimizer = 1.0;
+        evaluate(&config, &self.layout).time.optimizer_s
+    }
+
+    /// The step's time as a linear function of the fitted unknowns: the coefficients of
+    /// 1/compute, 1/memory, layer_overhead_s and step_overhead_s, and the constant rest
+    /// (the optimizer at its share, communication).
+    fn features(&self, optimizer_share: f64) -> ([f64; 4], f64) {
         let unit = Efficiency {
             compute: 1.0,
-            memory: memory_share,
+            memory: 1.0,
+            optimizer: optimizer_share,
             layer_overhead_s: 0.0,
             step_overhead_s: 0.0,
             ..self.config.cluster.efficiency.clone()
@@ -152,7 +166,7 @@ impl MeasuredRun {
         config.cluster.efficiency = unit;
         let time = evaluate(&config, &self.layout).time;
         let layer_passes = (self.config.model.n_layer / self.layout.pipeline * self.layout.n_micro_batches) as f64;
-        ([time.compute_s, layer_passes, 1.0], time.step_s - time.compute_s)
+        ([time.compute_s, time.memory_s, layer_passes, 1.0], time.step_s - time.compute_s - time.memory_s)
     }
 }
 
@@ -218,54 +232,82 @@ pub fn calibrate(runs: &[MeasuredRun], prior: &Efficiency) -> Result<Calibration
 }
 
 fn fit(runs: &[MeasuredRun], prior: &Efficiency) -> Efficiency {
+    let optimizer = fit_optimizer_share(runs).unwrap_or(prior.optimizer);
     // Rows scaled by 1/measured: least squares on relative error.
-    let rows: Vec<([f64; 3], f64)> = runs
+    let rows: Vec<([f64; 4], f64)> = runs
         .iter()
         .map(|run| {
-            let (features, constant) = run.features(prior.memory);
+            let (features, constant) = run.features(optimizer);
             let scale = 1.0 / run.measured_step_s;
             (features.map(|f| f * scale), (run.measured_step_s - constant) * scale)
         })
         .collect();
-    let coefficients = non_negative_least_squares(&rows);
-    // The compute coefficient is 1/efficiency, at least 1 by construction.
-    let compute = (1.0 / coefficients[0]).min(1.0);
-    Efficiency { compute, layer_overhead_s: coefficients[1], step_overhead_s: coefficients[2], ..prior.clone() }
+    let x = bounded_least_squares(&rows);
+    Efficiency {
+        compute: 1.0 / x[0],
+        memory: 1.0 / x[1],
+        optimizer,
+        layer_overhead_s: x[2],
+        step_overhead_s: x[3],
+        ..prior.clone()
+    }
 }
 
-/// Minimises Σ (a_i·x - y_i)² over x >= 0 by trying every subset of free overhead coefficients
-/// and keeping the best feasible solution. The compute coefficient is held at >= 1 (an efficiency
-/// of at most 1) by also trying it fixed at 1.
-fn non_negative_least_squares(rows: &[([f64; 3], f64)]) -> [f64; 3] {
-    let residual =
-        |x: &[f64; 3]| -> f64 { rows.iter().map(|(a, y)| (a[0] * x[0] + a[1] * x[1] + a[2] * x[2] - y).powi(2)).sum() };
-    let mut best = [1.0, 0.0, 0.0];
-    let mut best_residual = f64::INFINITY;
-    // The compute coefficient is always free (or fixed at 1); the overheads may drop out.
-    for mask in [1u8, 3, 5, 7] {
-        let free: Vec<usize> = (0..3).filter(|i| mask & (1 << i) != 0).collect();
-        for fix_compute_at_one in [false, true] {
-            if fix_compute_at_one && !free.contains(&0) {
-                continue;
-            }
-            let solved: Vec<usize> = free.iter().copied().filter(|&i| !(fix_compute_at_one && i == 0)).collect();
-            let fixed_compute = if fix_compute_at_one { 1.0 } else { 0.0 };
-            let reduced: Vec<(Vec<f64>, f64)> =
-                rows.iter().map(|(a, y)| (solved.iter().map(|&i| a[i]).collect(), y - fixed_compute * a[0])).collect();
-            let Some(solution) = least_squares(&reduced, solved.len()) else { continue };
-            let mut x = [0.0; 3];
-            x[0] = fixed_compute;
-            for (k, &i) in solved.iter().enumerate() {
-                x[i] = solution[k];
-            }
-            let feasible = x.iter().all(|v| *v >= 0.0) && x[0] >= 1.0 - 1e-12;
-            let r = residual(&x);
-            if feasible && r < best_residual {
-                best_residual = r;
-                best = x;
-            }
+/// The optimizer's share of memory bandwidth from the runs' measured optimizer phases: the x
+/// minimising Σ ((x·B_i - t_i)/t_i)², B_i the time at full share, then 1/x capped at 1. None when
+/// a run lacks the phase.
+fn fit_optimizer_share(runs: &[MeasuredRun]) -> Option<f64> {
+    let mut numerator = 0.0;
+    let mut denominator = 0.0;
+    for run in runs {
+        let measured = run.measured_optimizer_s?;
+        let ideal = run.optimizer_s_at_full_share() / measured;
+        numerator += ideal;
+        denominator += ideal * ideal;
+    }
+    if denominator <= 0.0 {
+        return None;
+    }
+    let coefficient = numerator / denominator;
+    Some((1.0 / coefficient).min(1.0))
+}
+
+/// Lower bounds of the four coefficients: 1/compute and 1/memory at least 1 (a share of at most
+/// the peak), the overheads at least 0.
+const FLOORS: [f64; 4] = [1.0, 1.0, 0.0, 0.0];
+
+/// Minimises Σ (a_i·x - y_i)² subject to x >= FLOORS. At the optimum each coefficient is either
+/// free or at its floor, so trying all 16 such patterns and keeping the best feasible solution is
+/// exact.
+fn bounded_least_squares(rows: &[([f64; 4], f64)]) -> [f64; 4] {
+    let residual = |x: &[f64; 4]| -> f64 {
+        rows.iter().map(|(a, y)| (0..4).map(|i| a[i] * x[i]).sum::<f64>() - y).map(|r| r * r).sum()
+    };
+    let mut best = FLOORS;
+    let mut best_residual = residual(&best);
+    for mask in 0u8..16 {
+        let free: Vec<usize> = (0..4).filter(|i| mask & (1 << i) != 0).collect();
+        let reduced: Vec<(Vec<f64>, f64)> = rows
+            .iter()
+            .map(|(a, y)| {
+                let at_floor: f64 = (0..4).filter(|i| !free.contains(i)).map(|i| a[i] * FLOORS[i]).sum();
+                (free.iter().map(|&i| a[i]).collect(), y - at_floor)
+            })
+            .collect();
+        let Some(solution) = least_squares(&reduced, free.len()) else { continue };
+        let mut x = FLOORS;
+        for (k, &i) in free.iter().enumerate() {
+            x[i] = solution[k];
+        }
+        // Invariant: a candidate is kept only if it respects every bound.
+        let feasible = x.iter().zip(FLOORS).all(|(v, floor)| *v >= floor - 1e-12);
+        let r = residual(&x);
+        if feasible && r < best_residual {
+            best_residual = r;
+            best = x;
         }
     }
+    debug_assert!(best.iter().zip(FLOORS).all(|(v, floor)| *v >= floor - 1e-12));
     best
 }
 
@@ -307,43 +349,59 @@ fn least_squares(rows: &[(Vec<f64>, f64)], n: usize) -> Option<Vec<f64>> {
 mod tests {
     use super::*;
 
-    fn run(name: &str, n_layer: usize, micro_batch: usize, grad_accum: usize, step_ms: f64) -> MeasuredRun {
+    fn run(n_layer: usize, d_model: usize, micro_batch: usize, grad_accum: usize) -> MeasuredRun {
         let report = RunReport {
-            step_ms,
+            step_ms: 1.0,
             phases: BTreeMap::new(),
-            model: ReportModel { n_layer, n_head: 4, d_model: 256, seq_len: 128, vocab_size: 256 },
+            model: ReportModel { n_layer, n_head: 4, d_model, seq_len: 128, vocab_size: 256 },
             train: ReportTrain { micro_batch, grad_accum, precision: Precision::Fp32, world_size: 1 },
             machine: ReportMachine { peak_flops: 205e9, device: "cpu".into() },
         };
-        MeasuredRun::from_report(name.into(), &report, &ClusterConfig::default()).unwrap()
+        MeasuredRun::from_report("synthetic".into(), &report, &ClusterConfig::default()).unwrap()
+    }
+
+    fn synthetic(truth: &Efficiency) -> Vec<MeasuredRun> {
+        let shapes = [(2, 256, 8, 1), (4, 256, 16, 1), (4, 128, 8, 2), (6, 384, 4, 1), (8, 256, 16, 2), (3, 512, 2, 4)];
+        shapes
+            .iter()
+            .map(|&(l, d, b, m)| {
+                let mut r = run(l, d, b, m);
+                r.measured_step_s = r.predict_s(truth);
+                r.measured_optimizer_s = Some(r.optimizer_s_at_full_share() / truth.optimizer);
+                r
+            })
+            .collect()
     }
 
     #[test]
     fn recovers_the_efficiency_that_generated_the_runs() {
-        let truth =
-            Efficiency { compute: 0.45, layer_overhead_s: 0.002, step_overhead_s: 0.01, ..Efficiency::default() };
-        let shapes = [(2, 8, 1), (4, 16, 1), (4, 8, 2), (6, 4, 1), (8, 16, 2)];
-        let runs: Vec<MeasuredRun> = shapes
-            .iter()
-            .map(|&(l, b, m)| {
-                let mut r = run("synthetic", l, b, m, 1.0);
-                r.measured_step_s = r.predict_s(&truth);
-                r
-            })
-            .collect();
-        let calibration = calibrate(&runs, &Efficiency::default()).unwrap();
+        let truth = Efficiency {
+            compute: 0.45,
+            memory: 0.2,
+            optimizer: 0.1,
+            layer_overhead_s: 0.002,
+            step_overhead_s: 0.01,
+            ..Efficiency::default()
+        };
+        let calibration = calibrate(&synthetic(&truth), &Efficiency::default()).unwrap();
         let got = &calibration.efficiency;
-        assert!((got.compute - 0.45).abs() < 1e-6, "{got:?}");
-        assert!((got.layer_overhead_s - 0.002).abs() < 1e-8, "{got:?}");
-        assert!((got.step_overhead_s - 0.01).abs() < 1e-8, "{got:?}");
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs().max(1e-3);
+        assert!(close(got.compute, 0.45) && close(got.memory, 0.2) && close(got.optimizer, 0.1), "{got:?}");
+        assert!(close(got.layer_overhead_s, 0.002) && close(got.step_overhead_s, 0.01), "{got:?}");
         assert!(got.relative_error < 1e-6);
     }
 
     #[test]
-    fn least_squares_keeps_coefficients_non_negative() {
-        // y = 2·a0 exactly; a1 would like a negative weight on noisy data.
-        let rows = vec![([1.0, 1.0, 1.0], 2.0), ([2.0, 0.5, 1.0], 4.0), ([3.0, 2.0, 1.0], 5.9)];
-        let x = non_negative_least_squares(&rows);
-        assert!(x.iter().all(|v| *v >= 0.0), "{x:?}");
+    fn shares_stay_at_most_one_and_overheads_at_least_zero() {
+        // Runs faster than the peak allows: the fit must stop at the bounds.
+        let truth = Efficiency { compute: 1.0, memory: 1.0, optimizer: 1.0, ..Efficiency::default() };
+        let mut runs = synthetic(&truth);
+        for run in &mut runs {
+            run.measured_step_s *= 0.5;
+        }
+        let got = calibrate(&runs, &Efficiency::default()).unwrap().efficiency;
+        assert!(got.compute <= 1.0 && got.memory <= 1.0 && got.optimizer <= 1.0, "{got:?}");
+        assert!(got.layer_overhead_s >= 0.0 && got.step_overhead_s >= 0.0, "{got:?}");
+        got.validate().unwrap();
     }
 }

@@ -49,15 +49,18 @@ impl Precision {
 }
 
 /// How much of each peak a real step reaches. A preset carries a prior; `stoke plan --calibrate`
-/// fits the first four from measured runs of this machine.
+/// fits the first five from measured runs of this machine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Efficiency {
     /// Share of peak FLOP/s that the matrix multiplies reach. Default 0.6.
     pub compute: f64,
-    /// Share of memory bandwidth that element-wise work (norms, activations, softmax, the
-    /// optimizer) reaches. Default 0.7.
+    /// Share of memory bandwidth that element-wise work (norms, activations, softmax) and the
+    /// weights' traffic reach. Default 0.7.
     pub memory: f64,
+    /// Share of memory bandwidth the optimizer's update reaches (counting the 28 bytes per
+    /// parameter an ideal fused Adam moves; an unfused one lands lower). Default 0.7.
+    pub optimizer: f64,
     /// Seconds of framework overhead per block per micro-batch, forward and backward together
     /// (kernel launches, dispatch). Default 0.
     pub layer_overhead_s: f64,
@@ -79,6 +82,7 @@ impl Default for Efficiency {
         Efficiency {
             compute: 0.6,
             memory: 0.7,
+            optimizer: 0.7,
             layer_overhead_s: 0.0,
             step_overhead_s: 0.0,
             comm: 0.75,

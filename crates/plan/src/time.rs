@@ -260,7 +260,7 @@ pub fn step_time(model: &ModelConfig, cluster: &ClusterConfig, precision: Precis
         }
     };
     let updated = if layout.zero == ZeroStage::None { params } else { params / d as f64 };
-    let optimizer_s = updated * OPTIMIZER_BYTES_PER_PARAM / (cluster.memory_bandwidth * eff.memory);
+    let optimizer_s = updated * OPTIMIZER_BYTES_PER_PARAM / (cluster.memory_bandwidth * eff.optimizer);
     let scale = m + bubble_units;
     let pipeline_s = scale * slow.total();
     let step_s = pipeline_s + data_comm_exposed_s + optimizer_s + eff.step_overhead_s;
