@@ -31,6 +31,7 @@ mod format;
 mod loader;
 mod order;
 mod prep;
+mod records;
 mod rng;
 mod tokens;
 
@@ -44,6 +45,7 @@ pub use format::{
 pub use loader::{Loader, LoaderConfig, LoaderState, LoaderStats, WeightedStore};
 pub use order::{Permutation, SampleStream};
 pub use prep::{prepare_text, PrepTextConfig};
+pub use records::{prepare_records, PrepRecordsConfig, Record, RecordManifest, RecordShardEntry, RecordStore};
 pub use rng::{mix64, SplitMix64};
 pub use tokens::{startup_bytes_read, verify_prepared, TokenStore};
 
