@@ -29,6 +29,7 @@ const PEER_DEPS: &[&str] = &[
     "fsspec",
     "filelock",
     "safetensors",
+    "HolisticTraceAnalysis",
 ];
 /// Bump when the set-up changes, so existing checkouts redo it.
 const SETUP_STAMP: &str = "torch 2.11.0 lean v1";

@@ -48,9 +48,7 @@ fn fixtures_agree_with_hta() {
         return;
     };
     // (file, HTA kernel_time us, idle us, compute us, non-compute us)
-    let expected: &[(&str, i64, i64, i64, i64)] = &[
-        ("hta_trace_filter_sampled_rank-0.json.gz", 0, 0, 0, 0),
-    ];
+    let expected: &[(&str, i64, i64, i64, i64)] = &[("hta_trace_filter_sampled_rank-0.json.gz", 0, 0, 0, 0)];
     for &(name, span, idle, compute, non_compute) in expected {
         let Some(file) = files.iter().find(|f| f.ends_with(name)) else { continue };
         if span == 0 {
@@ -58,7 +56,11 @@ fn fixtures_agree_with_hta() {
         }
         let a = analyze_paths(std::slice::from_ref(file), &AnalyzeOptions::default()).unwrap();
         let g = &a.ranks[0].gpu;
-        assert_eq!((g.span_ns / 1000, g.idle_ns / 1000, g.compute_ns / 1000, g.non_compute_ns / 1000), (span, idle, compute, non_compute), "{name}");
+        assert_eq!(
+            (g.span_ns / 1000, g.idle_ns / 1000, g.compute_ns / 1000, g.non_compute_ns / 1000),
+            (span, idle, compute, non_compute),
+            "{name}"
+        );
     }
 }
 
@@ -69,7 +71,8 @@ fn fixture_ranks_align() {
         println!("skipped: fixtures absent");
         return;
     };
-    let pair: Vec<PathBuf> = files.into_iter().filter(|f| f.to_string_lossy().contains("trace_filter_sampled_rank")).collect();
+    let pair: Vec<PathBuf> =
+        files.into_iter().filter(|f| f.to_string_lossy().contains("trace_filter_sampled_rank")).collect();
     if pair.len() != 2 {
         println!("skipped: fixtures absent");
         return;

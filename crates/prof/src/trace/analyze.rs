@@ -411,6 +411,30 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
     // Classify names once per distinct name, not per event.
     let kernel_types: Vec<KernelType> = names.iter().map(|n| kernel_type(n)).collect();
     let step_numbers: Vec<Option<u64>> = names.iter().map(|n| step_number(n)).collect();
+    let cpu_category: Vec<Category> = names
+        .iter()
+        .map(|n| {
+            if is_dataloader(n) {
+                Category::DataLoader
+            } else if is_comm_op(n) {
+                Category::Communication
+            } else {
+                Category::CpuOp
+            }
+        })
+        .collect();
+    let ckpt_names: Vec<bool> = names.iter().map(|n| is_ckpt_save(n)).collect();
+    // (uses Tensor Cores, could use them) per name.
+    let tensor_core_names: Vec<(bool, bool)> = names
+        .iter()
+        .map(|n| {
+            let lower = n.to_ascii_lowercase();
+            (is_tensor_core(&lower), is_tensor_core_eligible(&lower))
+        })
+        .collect();
+    // Per name id: (count, total ns) of CPU operators and of GPU work.
+    let mut op_totals: Vec<(u64, i64)> = vec![(0, 0); names.len()];
+    let mut kernel_totals: Vec<(u64, i64)> = vec![(0, 0); names.len()];
 
     let mut runtime_by_corr: HashMap<u64, usize, FxBuild> = HashMap::default();
     for (i, e) in events.iter().enumerate() {
@@ -423,8 +447,6 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
     let mut spans: [Vec<(i64, i64)>; 8] = Default::default();
     let (mut gpu_all, mut compute_all, mut comm_all, mut ckpt_all) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut cpu_steps: Vec<(u64, i64, i64)> = Vec::new();
-    let mut ops: HashMap<String, (u64, i64)> = HashMap::new();
-    let mut kernels: HashMap<String, (u64, i64)> = HashMap::new();
     for e in events {
         let span = (e.ts, e.end());
         let cat = match e.kind {
@@ -436,7 +458,7 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
                     KernelType::Communication => comm_all.push(span),
                     _ => {}
                 }
-                let entry = kernels.entry(name_of(e).to_string()).or_default();
+                let entry = &mut kernel_totals[e.name as usize];
                 entry.0 += 1;
                 entry.1 += e.dur;
                 match (e.kind, kt) {
@@ -452,22 +474,15 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
                     cpu_steps.push((n, e.ts, e.end()));
                     None
                 } else {
-                    let name = name_of(e);
                     if e.kind == Kind::CpuOp {
-                        let entry = ops.entry(name.to_string()).or_default();
+                        let entry = &mut op_totals[e.name as usize];
                         entry.0 += 1;
                         entry.1 += e.dur;
                     }
-                    if is_ckpt_save(name) {
+                    if ckpt_names[e.name as usize] {
                         ckpt_all.push(span);
                     }
-                    if is_dataloader(name) {
-                        Some(Category::DataLoader)
-                    } else if is_comm_op(name) {
-                        Some(Category::Communication)
-                    } else {
-                        Some(Category::CpuOp)
-                    }
+                    Some(cpu_category[e.name as usize])
                 }
             }
             Kind::Sync | Kind::GpuAnnotation | Kind::Other => None,
@@ -622,12 +637,13 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
         }
         idle_by_stream.push(idle);
 
-        // Queue length: +1 at launch, -1 at completion.
+        // Queue length (HTA's definition): operations launched on the stream and not yet
+        // started; +1 at the runtime call, -1 when the GPU starts the work.
         let mut changes: Vec<(i64, i64)> = Vec::with_capacity(list.len() * 2);
         for e in list {
             if let Some(&ri) = runtime_by_corr.get(&e.correlation) {
                 changes.push((events[ri].ts, 1));
-                changes.push((e.end(), -1));
+                changes.push((e.ts, -1));
             }
         }
         changes.sort_unstable();
@@ -656,11 +672,11 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
         n.1 += e.dur;
         n.2 = n.2.max(e.dur);
         if kt == KernelType::Compute && e.kind == Kind::Kernel {
-            let lower = name_of(e).to_ascii_lowercase();
-            if is_tensor_core(&lower) {
+            let (uses, eligible) = tensor_core_names[e.name as usize];
+            if uses {
                 tensor_cores.tensor_core_ns += e.dur;
                 tensor_cores.eligible_ns += e.dur;
-            } else if is_tensor_core_eligible(&lower) {
+            } else if eligible {
                 tensor_cores.eligible_ns += e.dur;
             }
         }
@@ -768,6 +784,10 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
         _ => None,
     };
 
+    let by_name = |totals: &[(u64, i64)]| -> HashMap<String, (u64, i64)> {
+        totals.iter().enumerate().filter(|(_, t)| t.0 > 0).map(|(i, &t)| (names[i].clone(), t)).collect()
+    };
+    let (ops, kernels) = (by_name(&op_totals), by_name(&kernel_totals));
     let collectives: Vec<(i64, i64, String)> = events
         .iter()
         .filter(|e| e.kind == Kind::Kernel && kernel_types[e.name as usize] == KernelType::Communication)

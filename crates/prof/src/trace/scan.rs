@@ -278,18 +278,21 @@ impl<R: Read> Scanner<R> {
             return Err(self.syntax(format!("expected a number in {inside}, found {}", describe(first))));
         }
         out.clear();
-        while let Some(b) = self.peek()? {
-            if b.is_ascii_digit() || matches!(b, b'-' | b'+' | b'.' | b'e' | b'E') {
-                out.push(b);
-                self.pos += 1;
-                if out.len() > 400 {
-                    return Err(self.syntax("number longer than 400 characters"));
-                }
-            } else {
-                break;
+        loop {
+            if self.pos >= self.len && !self.fill()? {
+                return Ok(());
+            }
+            let window = &self.buf[self.pos..self.len];
+            let n = window.iter().position(|&b| !is_number_byte(b)).unwrap_or(window.len());
+            out.extend_from_slice(&window[..n]);
+            self.pos += n;
+            if out.len() > 400 {
+                return Err(self.syntax("number longer than 400 characters"));
+            }
+            if self.pos < self.len {
+                return Ok(());
             }
         }
-        Ok(())
     }
 
     /// Reads a scalar as raw text: a string's contents or a number's text; returns whether it
@@ -346,15 +349,17 @@ impl<R: Read> Scanner<R> {
                         self.pos += 1;
                         self.skip_string_body()?;
                     }
-                    b'-' | b'0'..=b'9' => {
-                        while let Some(c) = self.peek()? {
-                            if c.is_ascii_digit() || matches!(c, b'-' | b'+' | b'.' | b'e' | b'E') {
-                                self.pos += 1;
-                            } else {
-                                break;
-                            }
+                    b'-' | b'0'..=b'9' => loop {
+                        if self.pos >= self.len && !self.fill()? {
+                            break;
                         }
-                    }
+                        let window = &self.buf[self.pos..self.len];
+                        let n = window.iter().position(|&b| !is_number_byte(b)).unwrap_or(window.len());
+                        self.pos += n;
+                        if self.pos < self.len {
+                            break;
+                        }
+                    },
                     b't' => self.literal(b"true")?,
                     b'f' => self.literal(b"false")?,
                     b'n' => self.literal(b"null")?,
@@ -407,6 +412,11 @@ impl<R: Read> Scanner<R> {
     }
 }
 
+#[inline]
+fn is_number_byte(b: u8) -> bool {
+    b.is_ascii_digit() || matches!(b, b'-' | b'+' | b'.' | b'e' | b'E')
+}
+
 /// A byte for an error message: printable ASCII as itself, anything else in hex.
 pub(crate) fn describe(b: u8) -> String {
     if b.is_ascii_graphic() {
@@ -420,6 +430,30 @@ pub(crate) fn describe(b: u8) -> String {
 /// integer nanoseconds exactly; digits beyond nanoseconds round half away from zero. `None` when
 /// the text is not a number or the value does not fit in an `i64`.
 pub(crate) fn micros_to_nanos(text: &[u8]) -> Option<i64> {
+    // Fast path: `digits[.ddd]` short enough for i64 arithmetic, the common case.
+    if !text.is_empty() && text.len() <= 24 {
+        let (int_part, frac) = match memchr::memchr(b'.', text) {
+            Some(i) => (&text[..i], &text[i + 1..]),
+            None => (text, &text[..0]),
+        };
+        if !int_part.is_empty() && frac.len() <= 3 && int_part.iter().chain(frac).all(u8::is_ascii_digit) {
+            let mut v: i64 = 0;
+            let mut f: i64 = 0;
+            for &b in frac {
+                f = f * 10 + i64::from(b - b'0');
+            }
+            for _ in frac.len()..3 {
+                f *= 10;
+            }
+            // Up to 15 integer digits cannot overflow; longer ones take the checked slow path.
+            if int_part.len() <= 15 {
+                for &b in int_part {
+                    v = v * 10 + i64::from(b - b'0');
+                }
+                return Some(v * 1000 + f);
+            }
+        }
+    }
     let (negative, rest) = match text.first()? {
         b'-' => (true, &text[1..]),
         _ => (false, text),

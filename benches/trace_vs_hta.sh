@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# `stoke trace analyze` against HTA (HolisticTraceAnalysis) on the same traces: wall time and
+# peak RSS of each, per fixture and on a synthetic multi-GB trace, plus the numbers of both
+# side by side (benches/peers/compare_hta.py). Results are written up in benches/TRACE_VS_HTA.md.
+#
+# usage: benches/trace_vs_hta.sh            (fixtures + a ~2 GB synthetic trace)
+#        SYNTH_MB=0 benches/trace_vs_hta.sh (fixtures only)
+# env:   FIXTURES (default ../shared/fixtures/traces), SYNTH_MB (default 2000),
+#        WORK (default target/trace-bench; the synthetic trace is deleted afterwards).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FIXTURES=${FIXTURES:-../shared/fixtures/traces}
+SYNTH_MB=${SYNTH_MB:-2000}
+WORK=${WORK:-target/trace-bench}
+PY=.stoke/venv/bin/python
+mkdir -p "$WORK/stoke"
+
+if ! "$PY" -c "import hta" 2>/dev/null; then
+    echo "installing HolisticTraceAnalysis into .stoke/venv" >&2
+    .stoke/venv/bin/pip install --quiet HolisticTraceAnalysis
+fi
+cargo build --release --quiet --bin stoke
+cargo build --release --quiet -p stoke-prof --example trace_table
+STOKE=target/release/stoke
+# The same analyzer without the `stoke` binary's libtorch start-up (about 1 s and 120 MB here).
+ALONE=target/release/examples/trace_table
+
+# Runs a command under /usr/bin/time -v; prints "wall_seconds peak_rss_kb".
+measure() {
+    local log
+    log=$(mktemp)
+    /usr/bin/time -v "$@" >/dev/null 2>"$log" || { cat "$log" >&2; rm -f "$log"; return 1; }
+    awk -F': ' '/Elapsed \(wall clock\)/ {n = split($2, p, ":"); s = 0; for (i = 1; i <= n; i++) s = s * 60 + p[i]; w = s}
+                /Maximum resident set size/ {r = $2}
+                END {print w, r}' "$log"
+    rm -f "$log"
+}
+
+report() { # name bytes stoke_wall stoke_rss alone_wall alone_rss hta_wall hta_rss
+    awk -v n="$1" -v b="$2" -v sw="$3" -v sr="$4" -v aw="$5" -v ar="$6" -v hw="$7" -v hr="$8" 'BEGIN {
+        printf "| %s | %.1f | %.2f | %.2f | %.2f | %.1fx | %.1fx | %.0f | %.0f | %.0f | %.1fx | %.2f | %.2f |\n",
+            n, b / 1e6, sw, aw, hw, hw / sw, hw / aw, sr / 1024, ar / 1024, hr / 1024, hr / sr, sr * 1024 / b, ar * 1024 / b }'
+}
+
+echo "| trace | JSON MB | stoke s | analyzer-only s | HTA s | speed-up | speed-up analyzer-only | stoke MB RSS | analyzer-only MB RSS | HTA MB RSS | HTA/stoke RSS | stoke RSS / JSON | analyzer-only RSS / JSON |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+if [ -d "$FIXTURES" ]; then
+    for f in "$FIXTURES"/*.json.gz; do
+        name=$(basename "$f")
+        bytes=$(gzip -dc "$f" | wc -c)
+        read -r sw sr < <(measure "$STOKE" trace analyze "$f" --format table)
+        read -r aw ar < <(measure "$ALONE" "$f")
+        read -r hw hr < <(measure "$PY" benches/peers/hta_analyze.py "$f")
+        report "$name" "$bytes" "$sw" "$sr" "$aw" "$ar" "$hw" "$hr"
+        "$STOKE" trace analyze "$f" --format json >"$WORK/stoke/$name.stoke.json"
+    done
+    "$PY" benches/peers/hta_analyze.py "$FIXTURES"/*.json.gz >"$WORK/hta_fixtures.json" 2>/dev/null
+else
+    echo "skipped fixtures: $FIXTURES absent" >&2
+fi
+
+if [ "$SYNTH_MB" -gt 0 ]; then
+    synth="$WORK/synthetic"
+    "$STOKE" trace gen-synthetic --out "$synth" --ranks 1 --mb "$SYNTH_MB" 2>/dev/null
+    f="$synth/rank-0.json"
+    bytes=$(stat -c %s "$f")
+    read -r sw sr < <(measure "$STOKE" trace analyze "$f" --format table)
+    read -r aw ar < <(measure "$ALONE" "$f")
+    read -r hw hr < <(measure "$PY" benches/peers/hta_analyze.py --quick "$f")
+    report "synthetic $((bytes / 1000000)) MB (HTA: load + temporal only)" "$bytes" "$sw" "$sr" "$aw" "$ar" "$hw" "$hr"
+    rm -rf "$synth"
+fi
+
+if [ -f "$WORK/hta_fixtures.json" ]; then
+    echo
+    echo "### Numbers, stoke against HTA"
+    "$PY" benches/peers/compare_hta.py "$WORK/stoke" "$WORK/hta_fixtures.json"
+fi
