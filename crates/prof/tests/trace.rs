@@ -38,29 +38,45 @@ fn fixtures_parse_and_categories_sum_to_wall_time() {
     }
 }
 
-/// Figures checked against HTA 0.5 on the same files (see benches/TRACE_VS_HTA.md): HTA rounds
-/// fractional-microsecond timestamps to whole microseconds, so traces with integer timestamps
-/// must agree exactly and the others to within a microsecond per kernel.
+/// HTA's temporal breakdown (HolisticTraceAnalysis 0.5, run by benches/peers/hta_analyze.py) on
+/// the same files, in µs: (file, kernel_time, idle, compute, non-compute, tolerance). Traces
+/// with integer-µs timestamps agree exactly. HTA rounds fractional timestamps to whole µs (start
+/// up, end down), so each GPU event may differ by up to 1 µs: the tolerance is the number of GPU
+/// events plus 2. Files where HTA counts non-GPU events as GPU time (cuda_sync events; a CPU op
+/// with a `stream` argument) are explained in benches/TRACE_VS_HTA.md and not listed here.
 #[test]
 fn fixtures_agree_with_hta() {
     let Some(files) = fixtures() else {
         println!("skipped: fixtures absent");
         return;
     };
-    // (file, HTA kernel_time us, idle us, compute us, non-compute us)
-    let expected: &[(&str, i64, i64, i64, i64)] = &[("hta_trace_filter_sampled_rank-0.json.gz", 0, 0, 0, 0)];
-    for &(name, span, idle, compute, non_compute) in expected {
+    let expected: &[(&str, i64, i64, i64, i64, i64)] = &[
+        ("hta_trace_filter_sampled_rank-0.json.gz", 600_058, 321_378, 106_252, 172_428, 0),
+        ("hta_trace_filter_sampled_rank-1.json.gz", 600_674, 328_671, 135_548, 136_455, 0),
+        ("hta_trace_compare_base_base.json.gz", 4, 0, 4, 0, 0),
+        ("hta_nccl_parser_config_nccl_data.json.gz", 435_586, 338_781, 75_169, 21_636, 2_516 + 2),
+        (
+            "hta_ns_resolution_trace_rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz",
+            384_634,
+            10_113,
+            372_150,
+            2_371,
+            4_876 + 2,
+        ),
+        ("hta_amd_trace_mi250_minitoy_train_ROCm6_2_kineto.json.gz", 8_911, 8_780, 96, 35, 16 + 2),
+    ];
+    for &(name, span, idle, compute, non_compute, tolerance_us) in expected {
         let Some(file) = files.iter().find(|f| f.ends_with(name)) else { continue };
-        if span == 0 {
-            continue;
-        }
         let a = analyze_paths(std::slice::from_ref(file), &AnalyzeOptions::default()).unwrap();
         let g = &a.ranks[0].gpu;
-        assert_eq!(
-            (g.span_ns / 1000, g.idle_ns / 1000, g.compute_ns / 1000, g.non_compute_ns / 1000),
-            (span, idle, compute, non_compute),
-            "{name}"
-        );
+        assert!(g.n_events as i64 + 2 >= tolerance_us || tolerance_us == 0, "{name}: {} GPU events", g.n_events);
+        let ours = [g.span_ns, g.idle_ns, g.compute_ns, g.non_compute_ns];
+        for (what, (ns, hta_us)) in
+            ["span", "idle", "compute", "non-compute"].iter().zip(ours.iter().zip([span, idle, compute, non_compute]))
+        {
+            let diff_ns = (ns - hta_us * 1000).abs();
+            assert!(diff_ns <= tolerance_us * 1000, "{name} {what}: stoke {ns} ns, HTA {hta_us} us");
+        }
     }
 }
 
