@@ -25,6 +25,7 @@
 //! ```
 
 mod batch;
+mod cache;
 mod corpus;
 mod error;
 mod format;
@@ -32,10 +33,12 @@ mod loader;
 mod order;
 mod prep;
 mod records;
+mod remote;
 mod rng;
 mod tokens;
 
 pub use batch::{Batch, BatchSource, RandomWindows};
+pub use cache::{CacheConfig, CacheStats, LocalDirSource, ShardCache, ShardSource};
 pub use corpus::{builtin_corpus, unigram_entropy_nats};
 pub use error::DataError;
 pub use format::{
@@ -46,6 +49,7 @@ pub use loader::{Loader, LoaderConfig, LoaderState, LoaderStats, WeightedStore};
 pub use order::{Permutation, SampleStream};
 pub use prep::{prepare_text, PrepTextConfig};
 pub use records::{prepare_records, PrepRecordsConfig, Record, RecordManifest, RecordShardEntry, RecordStore};
+pub use remote::{is_remote, open_cached, shard_source};
 pub use rng::{mix64, SplitMix64};
 pub use tokens::{startup_bytes_read, verify_prepared, TokenStore};
 

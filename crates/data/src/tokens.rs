@@ -166,9 +166,19 @@ impl TokenStore {
     pub fn open_prepared(dir: &Path) -> Result<TokenStore, DataError> {
         let manifest_path = dir.join(TOKEN_MANIFEST);
         let manifest = TokenManifest::parse(&manifest_path, &read_small(&manifest_path)?)?;
+        let label = dir.display().to_string();
+        TokenStore::open_manifest(&manifest, &label, |name| Ok(dir.join(name)))
+    }
+
+    /// Opens the shards of `manifest`, finding each file through `resolve` (a directory, a cache).
+    pub fn open_manifest(
+        manifest: &TokenManifest,
+        label: &str,
+        mut resolve: impl FnMut(&str) -> Result<PathBuf, DataError>,
+    ) -> Result<TokenStore, DataError> {
         let mut segments = Vec::with_capacity(manifest.shards.len());
         for shard in &manifest.shards {
-            let idx_path = dir.join(&shard.idx);
+            let idx_path = resolve(&shard.idx)?;
             let (head, idx_len) = read_head(&idx_path, TOKEN_INDEX_HEADER)?;
             // Parse the header alone: the document offsets are not needed to read tokens, and reading
             // them would make start-up grow with the dataset.
@@ -192,7 +202,7 @@ impl TokenStore {
                     ),
                 });
             }
-            let bin_path = dir.join(&shard.bin);
+            let bin_path = resolve(&shard.bin)?;
             let bytes = map(&bin_path)?;
             let needed = shard.n_tokens * manifest.dtype.size() as u64;
             if bytes.len() as u64 != needed {
@@ -212,12 +222,7 @@ impl TokenStore {
                 path: bin_path,
             });
         }
-        Ok(TokenStore::from_segments(
-            segments,
-            manifest.n_documents,
-            Some(manifest.vocab_size),
-            dir.display().to_string(),
-        ))
+        Ok(TokenStore::from_segments(segments, manifest.n_documents, Some(manifest.vocab_size), label.to_string()))
     }
 
     /// Opens a Megatron-LM dataset by its `.bin` path (the `.idx` sits next to it).

@@ -525,3 +525,59 @@ mod fuzz {
         }
     }
 }
+
+mod cached {
+    use stoke_data::{open_cached, prepare_text, CacheConfig, DataError, PrepTextConfig, TokenStore};
+
+    #[test]
+    fn a_prepared_directory_reads_the_same_through_the_cache() {
+        let root = tempfile::tempdir().unwrap();
+        let texts: Vec<_> = ["the quick brown fox", "jumps over the lazy dog", "again and again", "and once more"]
+            .iter()
+            .enumerate()
+            .map(|(i, text)| {
+                let path = root.path().join(format!("{i}.txt"));
+                std::fs::write(&path, text).unwrap();
+                path
+            })
+            .collect();
+        let remote = root.path().join("remote");
+        let config = PrepTextConfig { shard_tokens: 10, ..PrepTextConfig::default() };
+        assert_eq!(prepare_text(&texts, &config, &remote).unwrap().shards.len(), 4);
+        let cache = CacheConfig { dir: root.path().join("cache"), budget_bytes: 1 << 20 };
+
+        let local = TokenStore::open(&remote).unwrap();
+        let (cached, shard_cache) = open_cached(remote.to_str().unwrap(), &cache).unwrap();
+        let read = |store: &TokenStore| {
+            let mut out = vec![0; store.n_tokens() as usize];
+            store.read(0, &mut out);
+            out
+        };
+        assert_eq!(read(&cached), read(&local));
+        assert_eq!(shard_cache.stats().downloads, 2 * 4);
+
+        // A second open hits the cache: no downloads.
+        let (_, again) = open_cached(remote.to_str().unwrap(), &cache).unwrap();
+        assert_eq!(again.stats().downloads, 0);
+        assert!(again.stats().hits >= 8);
+
+        // A shard that changed at the source fails its checksum on download.
+        std::fs::remove_dir_all(root.path().join("cache")).unwrap();
+        let bin = remote.join("shard-00001.bin");
+        let mut bytes = std::fs::read(&bin).unwrap();
+        bytes[0] ^= 1;
+        std::fs::write(&bin, bytes).unwrap();
+        let err = open_cached(remote.to_str().unwrap(), &cache).err().unwrap();
+        assert!(
+            matches!(err, DataError::ChecksumMismatch { .. }) && err.to_string().contains("shard-00001.bin"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn urls_need_the_remote_feature_or_a_cache() {
+        let cache = CacheConfig::default();
+        let err = open_cached("s3://bucket/data", &cache).err().unwrap();
+        assert!(err.to_string().contains("s3://bucket/data") || err.to_string().contains("cache"), "{err}");
+    }
+}
