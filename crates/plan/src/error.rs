@@ -15,10 +15,10 @@ pub enum PlanError {
     #[error("no layout of {n_devices} devices fits: {reason}")]
     NoFeasibleLayout { n_devices: usize, reason: String },
     /// A run report could not be read.
-    #[error("reading run report {path}: {source}")]
+    #[error("reading run report {path}")]
     ReadReport { path: PathBuf, source: std::io::Error },
     /// A run report is not the JSON we expect.
-    #[error("parsing run report {path}: {source}")]
+    #[error("parsing run report {path}")]
     ParseReport { path: PathBuf, source: serde_json::Error },
     /// A run report that parses but cannot be used (say, a zero step time).
     #[error("run report {path}: {message}")]

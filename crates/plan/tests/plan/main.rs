@@ -2,5 +2,6 @@
 //! their source at the top of their module.
 
 mod activations;
+mod calibration;
 mod megatron;
 mod zero;
