@@ -30,6 +30,9 @@ const PEER_DEPS: &[&str] = &[
     "filelock",
     "safetensors",
     "HolisticTraceAnalysis",
+    // Peer (c) of benches/data_vs_peers.sh; it depends on torch with its CUDA wheels, which also
+    // makes `import torch` load (the lean install lacks libcudnn and friends).
+    "mosaicml-streaming",
 ];
 /// Bump when the set-up changes, so existing checkouts redo it.
 const SETUP_STAMP: &str = "torch 2.11.0 lean v1";
