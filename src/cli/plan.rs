@@ -1,6 +1,8 @@
 //! `stoke plan`: rank parallel layouts of a model on a cluster by predicted memory and step time,
 //! or (`--calibrate`) fit this machine's efficiencies from measured runs.
 
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -224,6 +226,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
         }
         Err(err) => return Err(usage_if_config(err)),
     };
+    let mut out = String::new();
     if args.json {
         let plans: Vec<_> = outcome.plans.iter().take(args.top).collect();
         let json = serde_json::json!({
@@ -232,11 +235,12 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
             "n_pruned_by_memory": outcome.n_pruned_by_memory,
             "plans": plans,
         });
-        println!("{}", serde_json::to_string_pretty(&json)?);
-        return Ok(ExitCode::SUCCESS);
+        writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
+        return emit(&out);
     }
     let model = &config.model;
-    println!(
+    writeln!(
+        out,
         "model: {} layers, d {}, {} heads, seq {}, vocab {} ({:.3}B parameters); global batch {}",
         model.n_layer,
         model.d_model,
@@ -245,8 +249,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
         model.vocab_size,
         model.n_params() as f64 / 1e9,
         config.global_batch
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "cluster: {} x {} ({} per node, {:.0} GiB, {:.1} TFLOP/s {}); efficiency: compute {:.2}, memory {:.2}, comm {:.2}",
         config.cluster.n_devices,
         config.cluster.name,
@@ -257,17 +262,18 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
         config.cluster.efficiency.compute,
         config.cluster.efficiency.memory,
         config.cluster.efficiency.comm
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "{} layouts considered, {} pruned by memory, {} fit; the fastest {}:",
         outcome.n_considered,
         outcome.n_pruned_by_memory,
         outcome.plans.len(),
         args.top.min(outcome.plans.len())
-    );
-    print!("{}", render_table(&outcome.plans, args.top));
-    println!("layout: d data x t tensor (+sp sequence parallel) x p pipeline (xv interleaved chunks), z ZeRO stage, recomputation, b micro-batch x micro-batches");
-    Ok(ExitCode::SUCCESS)
+    )?;
+    write!(out, "{}", render_table(&outcome.plans, args.top))?;
+    writeln!(out, "layout: d data x t tensor (+sp sequence parallel) x p pipeline (xv interleaved chunks), z ZeRO stage, recomputation, b micro-batch x micro-batches")?;
+    emit(&out)
 }
 
 fn load_runs(paths: &[PathBuf], cluster: &ClusterConfig) -> anyhow::Result<Vec<MeasuredRun>> {
@@ -282,18 +288,20 @@ fn load_runs(paths: &[PathBuf], cluster: &ClusterConfig) -> anyhow::Result<Vec<M
         .collect()
 }
 
-fn print_fits(title: &str, fits: &[RunFit]) {
-    println!("{title}");
-    println!("  {:<24} {:>12} {:>12} {:>8}", "run", "measured", "predicted", "error");
+fn write_fits(out: &mut String, title: &str, fits: &[RunFit]) -> std::fmt::Result {
+    writeln!(out, "{title}")?;
+    writeln!(out, "  {:<24} {:>12} {:>12} {:>8}", "run", "measured", "predicted", "error")?;
     for fit in fits {
-        println!(
+        writeln!(
+            out,
             "  {:<24} {:>9.1} ms {:>9.1} ms {:>+7.1}%",
             fit.name,
             fit.measured_step_s * 1e3,
             fit.predicted_step_s * 1e3,
             100.0 * fit.relative_error
-        );
+        )?;
     }
+    Ok(())
 }
 
 fn run_calibration(args: &PlanArgs, cluster: &ClusterConfig) -> anyhow::Result<ExitCode> {
@@ -302,6 +310,7 @@ fn run_calibration(args: &PlanArgs, cluster: &ClusterConfig) -> anyhow::Result<E
     let calibration = calibrate(&runs, &cluster.efficiency).map_err(usage_if_config)?;
     let held_out_fits = compare(&held_out, &calibration.efficiency);
     let worst_held_out = held_out_fits.iter().map(|fit| fit.relative_error.abs()).fold(0.0, f64::max);
+    let mut out = String::new();
     if let Some(path) = &args.save {
         let text = serde_json::to_string_pretty(&calibration.efficiency)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
@@ -313,11 +322,12 @@ fn run_calibration(args: &PlanArgs, cluster: &ClusterConfig) -> anyhow::Result<E
             "held_out": held_out_fits,
             "worst_held_out_error": if held_out_fits.is_empty() { None } else { Some(worst_held_out) },
         });
-        println!("{}", serde_json::to_string_pretty(&json)?);
-        return Ok(ExitCode::SUCCESS);
+        writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
+        return emit(&out);
     }
     let eff = &calibration.efficiency;
-    println!(
+    writeln!(
+        out,
         "fitted on {} runs: compute {:.3}, memory {:.3}, optimizer {:.3} of peak; {:.3} ms per block pass, {:.2} ms per step; leave-one-out error {:.1}%",
         runs.len(),
         eff.compute,
@@ -326,14 +336,24 @@ fn run_calibration(args: &PlanArgs, cluster: &ClusterConfig) -> anyhow::Result<E
         eff.layer_overhead_s * 1e3,
         eff.step_overhead_s * 1e3,
         100.0 * eff.relative_error
-    );
-    print_fits("calibration runs:", &calibration.fits);
+    )?;
+    write_fits(&mut out, "calibration runs:", &calibration.fits)?;
     if !held_out_fits.is_empty() {
-        print_fits("held-out runs:", &held_out_fits);
-        println!("worst held-out error: {:.1}%", 100.0 * worst_held_out);
+        write_fits(&mut out, "held-out runs:", &held_out_fits)?;
+        writeln!(out, "worst held-out error: {:.1}%", 100.0 * worst_held_out)?;
     }
     if let Some(path) = &args.save {
-        println!("efficiency written to {} (use with --efficiency)", path.display());
+        writeln!(out, "efficiency written to {} (use with --efficiency)", path.display())?;
     }
-    Ok(ExitCode::SUCCESS)
+    emit(&out)
+}
+
+/// Writes the output in one go; a reader that went away (`stoke plan | head`) is not an error.
+fn emit(text: &str) -> anyhow::Result<ExitCode> {
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(ExitCode::SUCCESS),
+        Err(err) => Err(anyhow::Error::new(err).context("writing to stdout")),
+    }
 }
