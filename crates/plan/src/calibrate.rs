@@ -1,13 +1,18 @@
 //! Fitting the efficiencies of a machine from measured `stoke train` runs.
 //!
 //! Once the layout is fixed the time model of one device is linear in its unknowns:
-//! `step = F/(peak·compute) + M/(bandwidth·memory) + P/(bandwidth·optimizer) + L·m·layer_overhead
-//! + step_overhead`, with F the step's FLOPs, M its element-wise and weight bytes, P the optimizer's
-//! bytes, L the blocks and m the micro-batches. The optimizer's share comes first, from the
-//! runs' measured `optimizer` phase alone (a pure memory-bound pass); the other four are then fitted
-//! to whole steps by least squares on relative error (every run counts alike whatever its length),
-//! with each share kept at most 1 and each overhead at least 0. Runs should differ in width, depth
-//! and micro-batch so that FLOPs, bytes and block count vary independently.
+//!
+//! ```text
+//! step = F/(peak·compute) + M/(bandwidth·memory) + P/(bandwidth·optimizer)
+//!        + L·m·layer_overhead + step_overhead
+//! ```
+//!
+//! with F the step's FLOPs, M its element-wise and weight bytes, P the optimizer's bytes, L the
+//! blocks and m the micro-batches. The optimizer's share comes first, from the runs' measured
+//! `optimizer` phase alone (a pure memory-bound pass); the other four are then fitted to whole
+//! steps by least squares on relative error (every run counts alike whatever its length), with
+//! each share kept at most 1 and each overhead at least 0. Runs should differ in width, depth and
+//! micro-batch so that FLOPs, bytes and block count vary independently.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -101,7 +106,7 @@ impl MeasuredRun {
         if !(report.step_ms > 0.0 && report.step_ms.is_finite()) {
             return Err(format!("step_ms must be positive; got {}", report.step_ms));
         }
-        if !(report.machine.peak_flops > 0.0) {
+        if !report.machine.peak_flops.is_finite() || report.machine.peak_flops <= 0.0 {
             return Err(format!("machine.peak_flops must be positive; got {}", report.machine.peak_flops));
         }
         let m = &report.model;
@@ -333,11 +338,12 @@ fn least_squares(rows: &[(Vec<f64>, f64)], n: usize) -> Option<Vec<f64>> {
             return None;
         }
         matrix.swap(col, pivot);
-        for row in 0..n {
-            if row != col {
-                let factor = matrix[row][col] / matrix[col][col];
-                for k in col..=n {
-                    matrix[row][k] -= factor * matrix[col][k];
+        let pivot_row = matrix[col].clone();
+        for (row_idx, row) in matrix.iter_mut().enumerate() {
+            if row_idx != col {
+                let factor = row[col] / pivot_row[col];
+                for (value, pivot_value) in row.iter_mut().zip(&pivot_row).skip(col) {
+                    *value -= factor * pivot_value;
                 }
             }
         }

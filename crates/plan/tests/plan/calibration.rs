@@ -6,7 +6,14 @@ use std::path::{Path, PathBuf};
 use stoke_plan::{calibrate, compare, ClusterConfig, Efficiency, MeasuredRun, PlanError};
 
 /// A report in `stoke train`'s schema, with fields calibration does not read.
-fn report_json(n_layer: usize, d_model: usize, micro_batch: usize, grad_accum: usize, step_ms: f64, optimizer_ms: f64) -> String {
+fn report_json(
+    n_layer: usize,
+    d_model: usize,
+    micro_batch: usize,
+    grad_accum: usize,
+    step_ms: f64,
+    optimizer_ms: f64,
+) -> String {
     serde_json::json!({
         "step_ms": step_ms,
         "tokens_per_s": 1234.5,
@@ -39,7 +46,12 @@ fn write_run(root: &Path, name: &str, json: &str) -> PathBuf {
 
 /// Writes runs whose step times follow `truth`, scaled by `noise` (a deterministic ±3% pattern
 /// standing in for measurement noise).
-fn synthetic_runs(root: &Path, truth: &Efficiency, shapes: &[(usize, usize, usize, usize)], noise: &[f64]) -> Vec<PathBuf> {
+fn synthetic_runs(
+    root: &Path,
+    truth: &Efficiency,
+    shapes: &[(usize, usize, usize, usize)],
+    noise: &[f64],
+) -> Vec<PathBuf> {
     let cluster = ClusterConfig::preset("cpu", 1).unwrap();
     shapes
         .iter()

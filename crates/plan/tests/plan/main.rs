@@ -4,4 +4,5 @@
 mod activations;
 mod calibration;
 mod megatron;
+mod search;
 mod zero;
