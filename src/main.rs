@@ -2,6 +2,8 @@
 //! library crates; this is glue, and the only place that reads argv and the environment.
 
 mod cli;
+mod config;
+mod observe;
 
 use std::process::ExitCode;
 

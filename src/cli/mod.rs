@@ -4,8 +4,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod config;
+mod corpus;
 mod plan;
+mod prep;
 mod trace;
+pub mod train;
 
 /// A bad command line or configuration: exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -21,15 +25,27 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Train a model (the default: the tiny GPT on the built-in corpus).
+    Train(train::TrainArgs),
+    /// Print the resolved configuration, or every key with its default (`--defaults`).
+    Config(config::ConfigCmdArgs),
+    /// Write the built-in corpus to a file (for peers and other tools).
+    Corpus(corpus::CorpusArgs),
     /// Rank parallel layouts by predicted memory and step time, or calibrate on measured runs.
     Plan(plan::PlanArgs),
     /// Analyze PyTorch profiler (Kineto) traces, or diff two runs (exit 3 on a regression).
     Trace(trace::TraceArgs),
+    /// Prepare data offline: tokenize text into shards, pack records, verify a prepared directory.
+    Prep(prep::PrepArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Train(args) => train::run(args),
+        Command::Config(args) => config::run(args),
+        Command::Corpus(args) => corpus::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Trace(args) => trace::run(args),
+        Command::Prep(args) => prep::run(args),
     }
 }

@@ -15,6 +15,8 @@ pub enum TrainError {
     TokenOutOfVocab { step: u64, token: i64, vocab_size: usize },
     #[error("checkpoint {path} does not match this model: {message}")]
     CheckpointMismatch { path: PathBuf, message: String },
+    #[error("observer: {0}")]
+    Observer(String),
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 }

@@ -1,1 +1,30 @@
-//! placeholder
+//! stoke-train: the model, its parameters and optimizer, and the training loop. The only library
+//! crate that links libtorch.
+//!
+//! ```no_run
+//! use std::sync::atomic::AtomicBool;
+//! use stoke_train::{CkptConfig, ModelConfig, TrainConfig, Trainer};
+//! let train = TrainConfig { steps: 10, ..TrainConfig::default() };
+//! let mut trainer = Trainer::new(&ModelConfig::default(), &train, &CkptConfig::default(), tch::Device::Cpu).unwrap();
+//! let text = stoke_data::builtin_corpus(0, 1 << 16);
+//! let mut source = stoke_data::RandomWindows::from_bytes(&text, 128, train.micro_batch, train.seed).unwrap();
+//! let summary = trainer.run(&mut source, &mut [], None, &AtomicBool::new(false)).unwrap();
+//! println!("final loss {}", summary.final_loss);
+//! ```
+
+mod config;
+mod error;
+mod model;
+mod optim;
+mod params;
+mod trainer;
+
+pub use config::{CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
+pub use error::TrainError;
+pub use model::Gpt;
+pub use optim::{clip_grad_norm, AdamW, AdamWStep};
+pub use params::{FlatParams, Init, ParamEntry, ParamSpec};
+pub use trainer::{
+    parse_device, CheckpointTarget, Observer, ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary,
+    TrainEvent, Trainer,
+};

@@ -1,0 +1,130 @@
+"""PyTorch peer of `stoke train`: the same GPT (nanoGPT shape, SDPA attention, tied head), the same
+data file, batch, precision and optimizer (AdamW with decoupled decay on matrices and embeddings,
+global-norm clipping, warmup + cosine). Prints one JSON line with its step times and losses.
+
+    python train_gpt.py --data corpus.txt --steps 60 --precision bf16
+"""
+import argparse
+import json
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PRESETS = {
+    "tiny": dict(n_layer=4, n_head=4, d_model=256, seq_len=128, vocab_size=256),
+    "small": dict(n_layer=6, n_head=6, d_model=384, seq_len=256, vocab_size=256),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, d, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        heads = lambda z: z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, n_layer, n_head, d_model, seq_len, vocab_size):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, d_model)
+        self.wpe = nn.Embedding(seq_len, d_model)
+        self.h = nn.ModuleList([Block(d_model, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(d_model)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") or name.endswith("mlp_proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--min-lr", type=float, default=2e-4)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cfg = PRESETS[args.preset]
+    model = GPT(**cfg)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.99), eps=1e-8,
+    )
+    data = torch.from_numpy(np.fromfile(args.data, dtype=np.uint8).astype(np.int64))
+    rng = np.random.default_rng(args.seed)
+    t = cfg["seq_len"]
+
+    def lr_at(step):
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
+
+    step_ms, losses = [], []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        offsets = rng.integers(0, len(data) - t - 1, size=args.micro_batch)
+        rows = torch.stack([data[o : o + t + 1] for o in offsets])
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        step_ms.append((time.perf_counter() - start) * 1e3)
+    steady = sorted(step_ms[1:])
+    median = steady[len(steady) // 2]
+    print(json.dumps({
+        "peer": "pytorch",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "step_ms_median": median,
+        "tokens_per_s": args.micro_batch * t / (median / 1e3),
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+//! The training loop and the events it emits.
+//!
+//! `Trainer::run` reads top to bottom: take a batch, move it to the device, forward, backward,
+//! clip, step, tell the observers, maybe checkpoint. Metrics, progress, profiling and reports are
+//! observers of `TrainEvent`; none of them is woven into the loop.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use stoke_ckpt::{CheckpointStore, DType, TensorRecord};
+use stoke_data::BatchSource;
+use tch::{Device, Kind, Tensor};
+
+use crate::config::{CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
+use crate::model::Gpt;
+use crate::optim::{clip_grad_norm, AdamW, AdamWStep};
+use crate::TrainError;
+
+/// The phases a step's wall time splits into. They add up to the step's wall time: whatever is
+/// not measured as one of the named phases is `Other`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    DataWait,
+    H2d,
+    Forward,
+    Backward,
+    Recompute,
+    CommExposed,
+    Optimizer,
+    CkptStall,
+    Other,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 9] = [
+        Phase::DataWait,
+        Phase::H2d,
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Recompute,
+        Phase::CommExposed,
+        Phase::Optimizer,
+        Phase::CkptStall,
+        Phase::Other,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::DataWait => "data_wait",
+            Phase::H2d => "h2d",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Recompute => "recompute",
+            Phase::CommExposed => "comm_exposed",
+            Phase::Optimizer => "optimizer",
+            Phase::CkptStall => "ckpt_stall",
+            Phase::Other => "other",
+        }
+    }
+
+    /// Phases that are the model's own arithmetic (the numerator of the effective compute ratio).
+    pub fn is_compute(self) -> bool {
+        matches!(self, Phase::Forward | Phase::Backward | Phase::Recompute | Phase::Optimizer)
+    }
+}
+
+/// Milliseconds per phase of one step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PhaseTimes {
+    pub ms: [f64; 9],
+}
+
+impl PhaseTimes {
+    pub fn get(&self, phase: Phase) -> f64 {
+        self.ms[phase as usize]
+    }
+
+    pub fn add(&mut self, phase: Phase, ms: f64) {
+        self.ms[phase as usize] += ms;
+    }
+
+    pub fn total(&self) -> f64 {
+        self.ms.iter().sum()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (Phase, f64)> + '_ {
+        Phase::ALL.iter().map(|&p| (p, self.get(p)))
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepRecord {
+    /// 1-based: the number of optimizer steps completed, counting this one.
+    pub step: u64,
+    /// Mean loss over the step's micro-batches; NaN on steps that were not logged.
+    pub loss: f64,
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub tokens: u64,
+    pub wall_ms: f64,
+    pub phases: PhaseTimes,
+    pub logged: bool,
+}
+
+/// The end of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub first_step: u64,
+    pub last_step: u64,
+    pub steps_run: u64,
+    pub tokens: u64,
+    pub wall_s: f64,
+    pub tokens_per_s: f64,
+    pub first_loss: f64,
+    pub final_loss: f64,
+    pub best_loss: f64,
+    pub interrupted: bool,
+}
+
+/// Facts about the run that observers need up front.
+#[derive(Debug, Clone)]
+pub struct RunInfo {
+    pub shape: GptShape,
+    pub n_params: usize,
+    pub precision: Precision,
+    pub device: Device,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub tokens_per_step: u64,
+    pub start_step: u64,
+    pub total_steps: u64,
+    pub resumed_from: Option<PathBuf>,
+}
+
+/// Everything the loop tells its observers.
+#[derive(Debug)]
+pub enum TrainEvent<'a> {
+    Started(&'a RunInfo),
+    Step(&'a StepRecord),
+    CheckpointSaved { step: u64, path: &'a Path, stall_ms: f64 },
+    Finished(&'a Summary),
+}
+
+pub type ObserverError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Listens to a run. An error stops the run after the current step.
+pub trait Observer {
+    fn on_event(&mut self, event: &TrainEvent<'_>) -> Result<(), ObserverError>;
+}
+
+/// Where checkpoints go and what the caller wants stored with each (for example the resolved config).
+pub struct CheckpointTarget {
+    pub store: CheckpointStore,
+    pub meta: serde_json::Value,
+}
+
+pub struct Trainer {
+    train: TrainConfig,
+    ckpt: CkptConfig,
+    model: Gpt,
+    optimizer: AdamW,
+    device: Device,
+    /// Optimizer steps completed.
+    step: u64,
+    resumed_from: Option<PathBuf>,
+}
+
+/// Picks the device: "cpu", "cuda" (the first GPU) or "auto" (a GPU when libtorch sees one).
+pub fn parse_device(name: &str) -> Result<Device, TrainError> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" if tch::Cuda::is_available() => Ok(Device::Cuda(0)),
+        "cuda" => Err(TrainError::InvalidConfig {
+            key: "run.device",
+            message: "is \"cuda\" but libtorch sees no CUDA device".into(),
+        }),
+        "auto" => Ok(Device::cuda_if_available()),
+        other => Err(TrainError::InvalidConfig {
+            key: "run.device",
+            message: format!("must be one of auto, cpu, cuda; got {other:?}"),
+        }),
+    }
+}
+
+impl Trainer {
+    /// A fresh model and optimizer, initialized from `train.seed`.
+    pub fn new(model: &ModelConfig, train: &TrainConfig, ckpt: &CkptConfig, device: Device) -> Result<Trainer, TrainError> {
+        train.validate()?;
+        let shape = model.shape()?;
+        if train.threads > 0 {
+            tch::set_num_threads(train.threads as i32);
+        }
+        tch::manual_seed(train.seed as i64);
+        let model = Gpt::new(shape, train.precision, device);
+        let optimizer = AdamW::new(model.params());
+        Ok(Trainer { train: train.clone(), ckpt: ckpt.clone(), model, optimizer, device, step: 0, resumed_from: None })
+    }
+
+    pub fn model(&self) -> &Gpt {
+        &self.model
+    }
+
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Restores model, optimizer and step from a checkpoint; returns the data position to seek to.
+    pub fn restore(&mut self, store: &CheckpointStore, step: u64) -> Result<u64, TrainError> {
+        let loaded = store.load(step)?;
+        let mismatch = |message: String| TrainError::CheckpointMismatch { path: loaded.path.clone(), message };
+        let model_file = loaded.files.get("model").ok_or_else(|| mismatch("no model.safetensors".into()))?;
+        let optim_file = loaded.files.get("optim").ok_or_else(|| mismatch("no optim.safetensors".into()))?;
+        let params = self.model.params();
+        if model_file.len() != params.entries().len() {
+            return Err(mismatch(format!(
+                "{} tensors, this model has {} (is model.* the same as the run's?)",
+                model_file.len(),
+                params.entries().len()
+            )));
+        }
+        tch::no_grad(|| -> Result<(), TrainError> {
+            for entry in params.entries() {
+                let record = model_file
+                    .iter()
+                    .find(|r| r.name == entry.name)
+                    .ok_or_else(|| mismatch(format!("no tensor {:?}", entry.name)))?;
+                let shape: Vec<i64> = record.shape.iter().map(|&s| s as i64).collect();
+                if shape != entry.shape || record.dtype != DType::F32 {
+                    return Err(mismatch(format!(
+                        "tensor {:?} is {:?} {:?}, the model wants F32 {:?}",
+                        entry.name, record.dtype, shape, entry.shape
+                    )));
+                }
+                let values = Tensor::from_data_size(&record.data, &shape, Kind::Float).to_device(self.device);
+                params.flat().narrow(0, entry.offset, entry.numel).copy_(&values.view([-1]));
+            }
+            let n = params.n_elements();
+            for (name, target) in [("exp_avg", &mut self.optimizer.exp_avg), ("exp_avg_sq", &mut self.optimizer.exp_avg_sq)] {
+                let record = optim_file.iter().find(|r| r.name == name).ok_or_else(|| mismatch(format!("no {name}")))?;
+                if record.shape != [n as usize] || record.dtype != DType::F32 {
+                    return Err(mismatch(format!("{name} is {:?} {:?}, want F32 [{n}]", record.dtype, record.shape)));
+                }
+                target.copy_(&Tensor::from_data_size(&record.data, &[n], Kind::Float).to_device(self.device));
+            }
+            Ok(())
+        })?;
+        let meta = &loaded.manifest.meta;
+        let number = |key: &str| {
+            meta.get(key).and_then(serde_json::Value::as_u64).ok_or_else(|| mismatch(format!("manifest meta has no {key}")))
+        };
+        self.optimizer.n_steps = number("optimizer_steps")?;
+        self.step = loaded.manifest.step;
+        self.resumed_from = Some(loaded.path.clone());
+        number("data_position")
+    }
+
+    fn save(&self, target: &CheckpointTarget, data_position: u64) -> Result<PathBuf, TrainError> {
+        let params = self.model.params();
+        let mut model_records = Vec::with_capacity(params.entries().len());
+        for entry in params.entries() {
+            let host = entry.tensor.detach().to_device(Device::Cpu).contiguous();
+            let shape = entry.shape.iter().map(|&s| s as usize).collect();
+            model_records.push(TensorRecord::new(entry.name.clone(), DType::F32, shape, tensor_bytes(&host))?);
+        }
+        let n = params.n_elements() as usize;
+        let optim_records = [("exp_avg", &self.optimizer.exp_avg), ("exp_avg_sq", &self.optimizer.exp_avg_sq)]
+            .into_iter()
+            .map(|(name, t)| TensorRecord::new(name, DType::F32, vec![n], tensor_bytes(&t.to_device(Device::Cpu))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut meta = serde_json::json!({
+            "step": self.step,
+            "optimizer_steps": self.optimizer.n_steps,
+            "data_position": data_position,
+            "seed": self.train.seed,
+        });
+        if let (Some(meta), Some(extra)) = (meta.as_object_mut(), target.meta.as_object()) {
+            meta.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        let path = target.store.save(self.step, &[("model", &model_records), ("optim", &optim_records)], meta)?;
+        for old in stoke_ckpt::steps_to_delete(&target.store.list()?, self.ckpt.keep) {
+            target.store.delete(old)?;
+        }
+        Ok(path)
+    }
+
+    fn sync(&self) {
+        if let Device::Cuda(ordinal) = self.device {
+            tch::Cuda::synchronize(ordinal as i64);
+        }
+    }
+
+    /// Trains until `train.steps` optimizer steps are done or `stop` is raised (then it finishes
+    /// the current step, checkpoints, and returns with `interrupted`).
+    pub fn run(
+        &mut self,
+        source: &mut dyn BatchSource,
+        observers: &mut [&mut dyn Observer],
+        checkpoints: Option<&CheckpointTarget>,
+        stop: &AtomicBool,
+    ) -> Result<Summary, TrainError> {
+        let shape = self.model.shape();
+        let (micro_batch, seq_len) = (self.train.micro_batch, shape.seq_len);
+        let tokens_per_step = (micro_batch * seq_len * self.train.grad_accum) as u64;
+        let info = RunInfo {
+            shape,
+            n_params: shape.n_params(),
+            precision: self.train.precision,
+            device: self.device,
+            micro_batch,
+            grad_accum: self.train.grad_accum,
+            tokens_per_step,
+            start_step: self.step,
+            total_steps: self.train.steps,
+            resumed_from: self.resumed_from.clone(),
+        };
+        notify(observers, &TrainEvent::Started(&info))?;
+        let first_step = self.step + 1;
+        let run_start = Instant::now();
+        let (mut first_loss, mut final_loss, mut best_loss) = (f64::NAN, f64::NAN, f64::INFINITY);
+        let mut interrupted = false;
+        while self.step < self.train.steps {
+            let step_start = Instant::now();
+            let mut phases = PhaseTimes::default();
+            let mut mark = step_start;
+            let mut lap = |phases: &mut PhaseTimes, phase: Phase| {
+                let now = Instant::now();
+                phases.add(phase, (now - mark).as_secs_f64() * 1e3);
+                mark = now;
+            };
+            let step_number = self.step + 1;
+            let logged = step_number % self.train.log_every == 0 || step_number == self.train.steps;
+            let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
+            for _ in 0..self.train.grad_accum {
+                let batch = source.next_batch()?;
+                lap(&mut phases, Phase::DataWait);
+                if batch.micro_batch != micro_batch || batch.seq_len != seq_len {
+                    return Err(TrainError::InvalidConfig {
+                        key: "data",
+                        message: format!(
+                            "the data source gave a [{}, {}] batch, the run wants [{micro_batch}, {seq_len}]",
+                            batch.micro_batch, batch.seq_len
+                        ),
+                    });
+                }
+                if let Some(&token) = batch.tokens.iter().find(|&&t| t < 0 || t as usize >= shape.vocab_size) {
+                    return Err(TrainError::TokenOutOfVocab { step: step_number, token, vocab_size: shape.vocab_size });
+                }
+                let rows = Tensor::from_slice(&batch.tokens).view([micro_batch as i64, seq_len as i64 + 1]);
+                let rows = rows.to_device(self.device);
+                let inputs = rows.narrow(1, 0, seq_len as i64).contiguous();
+                let targets = rows.narrow(1, 1, seq_len as i64).contiguous();
+                self.sync();
+                lap(&mut phases, Phase::H2d);
+                let loss = self.model.loss(&inputs, &targets) / self.train.grad_accum as f64;
+                self.sync();
+                lap(&mut phases, Phase::Forward);
+                loss.backward();
+                self.sync();
+                lap(&mut phases, Phase::Backward);
+                loss_sum += loss.detach();
+            }
+            let lr = self.train.lr_at(self.step);
+            let mut grad = self.model.params_mut().take_flat_grad();
+            let grad_norm = clip_grad_norm(&mut grad, self.train.grad_clip);
+            let hp = AdamWStep {
+                lr,
+                beta1: self.train.beta1,
+                beta2: self.train.beta2,
+                eps: self.train.eps,
+                weight_decay: self.train.weight_decay,
+            };
+            self.optimizer.step(self.model.params_mut(), &grad, hp);
+            self.sync();
+            lap(&mut phases, Phase::Optimizer);
+            self.step = step_number;
+            let loss = if logged { loss_sum.double_value(&[]) } else { f64::NAN };
+            if logged && !loss.is_finite() {
+                return Err(TrainError::NonFiniteLoss { step: step_number, value: loss });
+            }
+            if logged {
+                if first_loss.is_nan() {
+                    first_loss = loss;
+                }
+                final_loss = loss;
+                best_loss = best_loss.min(loss);
+            }
+            interrupted = stop.load(Ordering::Relaxed);
+            let due = self.ckpt.every > 0 && step_number % self.ckpt.every == 0;
+            let at_end = step_number == self.train.steps && self.ckpt.at_end;
+            let mut saved = None;
+            if let Some(target) = checkpoints.filter(|_| due || at_end || interrupted) {
+                lap(&mut phases, Phase::Other);
+                let path = self.save(target, source.position())?;
+                let before = phases.get(Phase::CkptStall);
+                lap(&mut phases, Phase::CkptStall);
+                saved = Some((path, phases.get(Phase::CkptStall) - before));
+            }
+            lap(&mut phases, Phase::Other);
+            let wall_ms = (mark - step_start).as_secs_f64() * 1e3;
+            let record = StepRecord { step: step_number, loss, lr, grad_norm, tokens: tokens_per_step, wall_ms, phases, logged };
+            let mut result = notify(observers, &TrainEvent::Step(&record));
+            if let (Some((path, stall_ms)), Ok(())) = (&saved, &result) {
+                result = notify(observers, &TrainEvent::CheckpointSaved { step: step_number, path, stall_ms: *stall_ms });
+            }
+            result?;
+            if interrupted {
+                break;
+            }
+        }
+        let wall_s = run_start.elapsed().as_secs_f64();
+        let steps_run = self.step + 1 - first_step;
+        let tokens = steps_run * tokens_per_step;
+        let summary = Summary {
+            first_step,
+            last_step: self.step,
+            steps_run,
+            tokens,
+            wall_s,
+            tokens_per_s: tokens as f64 / wall_s.max(1e-9),
+            first_loss,
+            final_loss,
+            best_loss,
+            interrupted,
+        };
+        notify(observers, &TrainEvent::Finished(&summary))?;
+        Ok(summary)
+    }
+}
+
+fn notify(observers: &mut [&mut dyn Observer], event: &TrainEvent<'_>) -> Result<(), TrainError> {
+    for observer in observers.iter_mut() {
+        observer.on_event(event).map_err(|e| TrainError::Observer(e.to_string()))?;
+    }
+    Ok(())
+}
+
+fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.contiguous();
+    let numel = t.numel();
+    let mut bytes = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut bytes, numel);
+    bytes
+}

@@ -1,0 +1,192 @@
+//! `stoke train`: resolve the config, prepare the run folder, build the data source, train.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::Context;
+use stoke_ckpt::CheckpointStore;
+use stoke_data::BatchSource;
+use stoke_train::{CheckpointTarget, Observer, Trainer};
+
+use super::UsageError;
+use crate::config::StokeConfig;
+use crate::observe::{MetricsWriter, Progress, StepReport};
+
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Train on this text file (byte-level tokens) instead of the built-in corpus; same as
+    /// `--set data.path=PATH`.
+    #[arg(long, value_name = "PATH")]
+    pub data: Option<PathBuf>,
+    /// Continue the named run (run.name; default: the most recent run) from its latest checkpoint.
+    #[arg(long)]
+    pub resume: bool,
+    /// No progress bar (for logs and tests).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// The config file and overrides, shared by every subcommand that runs a configuration.
+#[derive(Debug, clap::Args)]
+pub struct ConfigArgs {
+    /// A TOML file with the keys to change (see `stoke config --defaults`).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Override one key: `--set train.steps=20` (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+}
+
+impl ConfigArgs {
+    pub fn load(&self, extra: &[String]) -> anyhow::Result<StokeConfig> {
+        let mut overrides = self.overrides.clone();
+        overrides.extend_from_slice(extra);
+        StokeConfig::load(self.config.as_deref(), &overrides).map_err(|e| anyhow::Error::new(UsageError(e.to_string())))
+    }
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    let mut extra = Vec::new();
+    if let Some(data) = &args.data {
+        extra.push(format!("data.path={}", toml::Value::String(data.display().to_string())));
+    }
+    let mut config = args.config.load(&extra)?;
+    let run_dir = prepare_run_dir(&mut config, args.resume)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    install_interrupt_handler(stop.clone());
+    let summary = train(&config, &run_dir, args.resume, !args.quiet, &stop)?;
+    println!(
+        "\n{} {} steps in {:.1}s | {:.0} tokens/s | loss: first {:.4}, final {:.4}, best {:.4} | run: {}",
+        if summary.interrupted { "interrupted after" } else { "done:" },
+        summary.steps_run,
+        summary.wall_s,
+        summary.tokens_per_s,
+        summary.first_loss,
+        summary.final_loss,
+        summary.best_loss,
+        run_dir.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Picks the run's name and folder, and writes the resolved config there.
+fn prepare_run_dir(config: &mut StokeConfig, resume: bool) -> anyhow::Result<PathBuf> {
+    let runs = PathBuf::from(&config.run.dir);
+    if config.run.name.is_empty() {
+        config.run.name = if resume {
+            most_recent_run(&runs)?.ok_or_else(|| {
+                UsageError(format!("--resume: no run with a checkpoint in {}; name one with --set run.name=NAME", runs.display()))
+            })?
+        } else {
+            format!("{}-{}", config.model.preset, timestamp())
+        };
+    }
+    let run_dir = runs.join(&config.run.name);
+    let store = CheckpointStore::new(run_dir.join("checkpoints"));
+    let latest = store.latest()?;
+    match (resume, latest) {
+        (true, None) => {
+            return Err(UsageError(format!("--resume: run {} has no checkpoint to resume from", run_dir.display())).into())
+        }
+        (false, Some(step)) => {
+            return Err(UsageError(format!(
+                "run {} already has checkpoints (latest step {step}); pass --resume to continue it, or choose another run.name",
+                run_dir.display()
+            ))
+            .into())
+        }
+        _ => {}
+    }
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run folder {}", run_dir.display()))?;
+    let config_path = run_dir.join("config.toml");
+    std::fs::write(&config_path, config.to_toml()).with_context(|| format!("cannot write {}", config_path.display()))?;
+    Ok(run_dir)
+}
+
+fn most_recent_run(runs: &Path) -> anyhow::Result<Option<String>> {
+    let Ok(entries) = std::fs::read_dir(runs) else { return Ok(None) };
+    let mut best: Option<(std::time::SystemTime, String)> = None;
+    for entry in entries.flatten() {
+        let store = CheckpointStore::new(entry.path().join("checkpoints"));
+        let Some(step) = store.latest()? else { continue };
+        let manifest = store.step_dir(step).join(stoke_ckpt::MANIFEST);
+        let modified = std::fs::metadata(&manifest).and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH);
+        if best.as_ref().is_none_or(|(t, _)| modified > *t) {
+            best = Some((modified, entry.file_name().to_string_lossy().into_owned()));
+        }
+    }
+    Ok(best.map(|(_, name)| name))
+}
+
+/// `YYYYmmdd-HHMMSS` in UTC, from the civil-from-days algorithm (Howard Hinnant).
+fn timestamp() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+fn install_interrupt_handler(stop: Arc<AtomicBool>) {
+    // The first Ctrl-C finishes the current step and checkpoints; a second one exits at once.
+    let _ = ctrlc::set_handler(move || {
+        if stop.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\nstopping after this step (Ctrl-C again to quit now)");
+    });
+}
+
+/// The data the config names, as a batch source positioned at batch 0.
+pub fn batch_source(config: &StokeConfig) -> anyhow::Result<Box<dyn BatchSource>> {
+    let shape = config.model.shape()?;
+    let bytes = if config.data.path.is_empty() {
+        stoke_data::builtin_corpus(config.train.seed, config.data.builtin_bytes)
+    } else {
+        stoke_data::read_text_bytes(Path::new(&config.data.path))?
+    };
+    let source = stoke_data::RandomWindows::from_bytes(&bytes, shape.seq_len, config.train.micro_batch, config.train.seed)?;
+    Ok(Box::new(source))
+}
+
+/// Runs the configured training in `run_dir`, with the metrics file, the step report and (if
+/// `progress`) the progress bar as observers.
+pub fn train(
+    config: &StokeConfig,
+    run_dir: &Path,
+    resume: bool,
+    progress: bool,
+    stop: &AtomicBool,
+) -> anyhow::Result<stoke_train::Summary> {
+    let device = stoke_train::parse_device(&config.run.device)?;
+    let mut trainer = Trainer::new(&config.model, &config.train, &config.ckpt, device)?;
+    let store = CheckpointStore::new(run_dir.join("checkpoints"));
+    let mut source = batch_source(config)?;
+    if resume {
+        let step = store.latest()?.expect("prepare_run_dir checked that a checkpoint exists");
+        let position = trainer.restore(&store, step)?;
+        source.seek(position);
+    }
+    let meta = serde_json::json!({ "config_toml": config.to_toml() });
+    let target = CheckpointTarget { store, meta };
+    let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resume)?;
+    let mut report = StepReport::default();
+    let mut bar = Progress::new(progress);
+    let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut report, &mut bar];
+    let summary = trainer.run(source.as_mut(), &mut observers, Some(&target), stop)?;
+    drop(observers);
+    bar.finish();
+    report.print();
+    Ok(summary)
+}

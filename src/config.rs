@@ -1,0 +1,288 @@
+//! One TOML file plus `--set section.key=value` overrides, checked key by key against the defaults.
+//!
+//! Every field and its default is documented in `defaults.toml` (what `stoke config --defaults`
+//! prints); a test keeps that file and the `Default` impls equal.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use stoke_train::{CkptConfig, ModelConfig, TrainConfig};
+
+pub const DEFAULTS_TOML: &str = include_str!("defaults.toml");
+
+/// The whole configuration of a run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StokeConfig {
+    pub run: RunConfig,
+    pub model: ModelConfig,
+    pub train: TrainConfig,
+    pub data: DataConfig,
+    pub ckpt: CkptConfig,
+}
+
+/// `[run]`: naming and placement.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Run name; "" makes one from the preset and the start time. Default "".
+    pub name: String,
+    /// Folder that holds the runs. Default "runs".
+    pub dir: String,
+    /// "auto" (a GPU when libtorch sees one), "cpu" or "cuda". Default "auto".
+    pub device: String,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig { name: String::new(), dir: "runs".into(), device: "auto".into() }
+    }
+}
+
+/// `[data]`: what to train on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// A text file (byte-level tokens); "" trains on the built-in corpus. Default "".
+    pub path: String,
+    /// Size of the built-in corpus in bytes. Default 4194304.
+    pub builtin_bytes: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig { path: String::new(), builtin_bytes: 4 << 20 }
+    }
+}
+
+/// A configuration problem; its message names the key and what is allowed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path} is not valid TOML: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("--set {arg:?}: expected section.key=value")]
+    BadOverride { arg: String },
+    #[error("unknown config key `{key}`{hint}")]
+    UnknownKey { key: String, hint: String },
+    #[error("config key `{key}` expects {expected}, got {got}")]
+    WrongType { key: String, expected: &'static str, got: String },
+    #[error("config key `{key}`: {message}")]
+    Invalid { key: String, message: String },
+}
+
+fn type_name(value: &toml::Value) -> &'static str {
+    match value {
+        toml::Value::String(_) => "a string",
+        toml::Value::Integer(_) => "an integer",
+        toml::Value::Float(_) => "a number",
+        toml::Value::Boolean(_) => "a boolean",
+        toml::Value::Datetime(_) => "a date",
+        toml::Value::Array(_) => "an array",
+        toml::Value::Table(_) => "a table",
+    }
+}
+
+/// Levenshtein distance, for "did you mean".
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let next = (prev + usize::from(ca != cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            prev = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
+fn unknown_key(key: String, known: &toml::Table, leaf: &str) -> ConfigError {
+    let mut names: Vec<&str> = known.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    let closest = names.iter().map(|n| (edit_distance(leaf, n), *n)).min();
+    let hint = match closest {
+        Some((distance, name)) if distance <= 2 => {
+            let prefix = key.rsplit_once('.').map(|(p, _)| format!("{p}.")).unwrap_or_default();
+            format!("; did you mean `{prefix}{name}`?")
+        }
+        _ => format!("; known keys here: {}", names.join(", ")),
+    };
+    ConfigError::UnknownKey { key, hint }
+}
+
+/// Checks that every key of `user` exists in `defaults` with a compatible type; integers are
+/// accepted (and converted) where a number is expected.
+fn check_table(user: &mut toml::Table, defaults: &toml::Table, prefix: &str) -> Result<(), ConfigError> {
+    for (name, value) in user.iter_mut() {
+        let key = if prefix.is_empty() { name.clone() } else { format!("{prefix}.{name}") };
+        let Some(default) = defaults.get(name) else {
+            return Err(unknown_key(key, defaults, name));
+        };
+        match (default, &*value) {
+            (toml::Value::Table(d), toml::Value::Table(_)) => {
+                let toml::Value::Table(u) = value else { unreachable!() };
+                check_table(u, d, &key)?;
+            }
+            (toml::Value::Float(_), toml::Value::Integer(i)) => *value = toml::Value::Float(*i as f64),
+            (d, u) if std::mem::discriminant(d) == std::mem::discriminant(u) => {}
+            (d, u) => {
+                return Err(ConfigError::WrongType { key, expected: type_name(d), got: format!("{} ({u})", type_name(u)) })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Parses `section.key=value`; a value that is not TOML is taken as a bare string.
+fn parse_override(arg: &str) -> Result<(Vec<String>, toml::Value), ConfigError> {
+    let bad = || ConfigError::BadOverride { arg: arg.to_string() };
+    let (key, raw) = arg.split_once('=').ok_or_else(bad)?;
+    let path: Vec<String> = key.trim().split('.').map(str::to_string).collect();
+    if path.len() < 2 || path.iter().any(String::is_empty) {
+        return Err(bad());
+    }
+    let value = match format!("v = {raw}").parse::<toml::Table>() {
+        Ok(mut table) => table.remove("v").expect("the key we just wrote"),
+        Err(_) => toml::Value::String(raw.to_string()),
+    };
+    Ok((path, value))
+}
+
+fn insert(table: &mut toml::Table, path: &[String], value: toml::Value) -> Result<(), ConfigError> {
+    let (last, sections) = path.split_last().expect("overrides have at least two parts");
+    let mut current = table;
+    for (depth, section) in sections.iter().enumerate() {
+        let entry = current.entry(section.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        current = match entry {
+            toml::Value::Table(t) => t,
+            other => {
+                return Err(ConfigError::WrongType {
+                    key: path[..=depth].join("."),
+                    expected: "a table",
+                    got: type_name(other).to_string(),
+                })
+            }
+        };
+    }
+    current.insert(last.clone(), value);
+    Ok(())
+}
+
+impl StokeConfig {
+    /// Loads `file` (if any), applies `overrides`, and checks every key, type and value.
+    pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<StokeConfig, ConfigError> {
+        let mut user = match file {
+            Some(path) => {
+                let text =
+                    std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+                text.parse::<toml::Table>()
+                    .map_err(|e| ConfigError::Parse { path: path.into(), message: e.to_string() })?
+            }
+            None => toml::Table::new(),
+        };
+        for arg in overrides {
+            let (path, value) = parse_override(arg)?;
+            insert(&mut user, &path, value)?;
+        }
+        let defaults = toml::Table::try_from(StokeConfig::default()).expect("defaults serialize");
+        check_table(&mut user, &defaults, "")?;
+        let config: StokeConfig = serde_path_to_error::deserialize(toml::Value::Table(user)).map_err(|e| {
+            let key = e.path().to_string();
+            let message = e.into_inner().to_string();
+            let message = message.split(" for key").next().unwrap_or(&message).to_string();
+            ConfigError::Invalid { key, message }
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |e: stoke_train::TrainError| match e {
+            stoke_train::TrainError::InvalidConfig { key, message } => ConfigError::Invalid { key: key.into(), message },
+            other => ConfigError::Invalid { key: "?".into(), message: other.to_string() },
+        };
+        self.train.validate().map_err(invalid)?;
+        self.model.shape().map_err(invalid)?;
+        stoke_train::parse_device(&self.run.device).map_err(invalid)?;
+        if self.run.dir.is_empty() {
+            return Err(ConfigError::Invalid { key: "run.dir".into(), message: "must not be empty".into() });
+        }
+        if self.run.name.contains(['/', '\\']) || self.run.name == "." || self.run.name == ".." {
+            return Err(ConfigError::Invalid {
+                key: "run.name".into(),
+                message: format!("must be a plain folder name; got {:?}", self.run.name),
+            });
+        }
+        if !self.data.path.is_empty() && !Path::new(&self.data.path).exists() {
+            return Err(ConfigError::Invalid {
+                key: "data.path".into(),
+                message: format!("no such file or folder: {}", self.data.path),
+            });
+        }
+        Ok(())
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("the config serializes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(table: &toml::Table, prefix: &str, out: &mut Vec<String>) {
+        for (name, value) in table {
+            let key = if prefix.is_empty() { name.clone() } else { format!("{prefix}.{name}") };
+            match value {
+                toml::Value::Table(t) => keys(t, &key, out),
+                _ => out.push(key),
+            }
+        }
+    }
+
+    #[test]
+    fn documented_defaults_equal_the_code() {
+        let documented: StokeConfig = toml::from_str(DEFAULTS_TOML).expect("defaults.toml parses");
+        assert_eq!(documented, StokeConfig::default());
+        let (mut from_file, mut from_code) = (Vec::new(), Vec::new());
+        keys(&DEFAULTS_TOML.parse::<toml::Table>().unwrap(), "", &mut from_file);
+        keys(&toml::Table::try_from(StokeConfig::default()).unwrap(), "", &mut from_code);
+        from_file.sort();
+        from_code.sort();
+        assert_eq!(from_file, from_code, "every key is documented in defaults.toml, and only those");
+    }
+
+    fn check_err(overrides: &[&str], expected: &str) {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        let err = StokeConfig::load(None, &overrides).unwrap_err().to_string();
+        assert!(err.contains(expected), "{overrides:?}: {err}");
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        check_err(&["train.stepz=3"], "unknown config key `train.stepz`; did you mean `train.steps`?");
+        check_err(&["trian.steps=3"], "unknown config key `trian`");
+        check_err(&["train.steps=abc"], "config key `train.steps` expects an integer, got a string");
+        check_err(&["train.lr=-1"], "config key `train.lr`: must be a finite number > 0");
+        check_err(&["train.precision=fp16"], "config key `train.precision`: unknown variant `fp16`");
+        check_err(&["model.preset=huge"], "config key `model.preset`: must be one of");
+        check_err(&["train.steps"], "expected section.key=value");
+        check_err(&["data.path=/no/such/file.txt"], "config key `data.path`: no such file");
+        check_err(&["train=3"], "expected section.key=value");
+    }
+
+    #[test]
+    fn overrides_apply() {
+        let overrides = ["train.steps=20", "train.lr=1", "train.precision=fp32", "run.name=x"].map(String::from);
+        let config = StokeConfig::load(None, &overrides).unwrap();
+        assert_eq!(config.train.steps, 20);
+        assert_eq!(config.train.lr, 1.0);
+        assert_eq!(config.train.precision, stoke_train::Precision::Fp32);
+        assert_eq!(config.run.name, "x");
+    }
+}

@@ -1,0 +1,55 @@
+//! End-to-end tests of the `stoke` binary: real processes, real files, a small model.
+
+mod config_errors;
+mod train;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// A model small enough to train in seconds on two busy cores.
+pub const SMALL: &[&str] = &[
+    "model.n_layer=2",
+    "model.d_model=64",
+    "model.n_head=2",
+    "model.seq_len=32",
+    "train.micro_batch=8",
+    "train.lr=0.01",
+    "train.warmup_steps=5",
+    "train.threads=1",
+    "data.builtin_bytes=200000",
+];
+
+pub fn stoke(args: &[&str], overrides: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stoke"));
+    cmd.args(args);
+    for o in overrides {
+        cmd.arg("--set").arg(o);
+    }
+    cmd
+}
+
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = cmd.output().expect("stoke runs");
+    assert!(
+        out.status.success(),
+        "stoke failed with {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// (step, loss) of every line of a run's metrics.jsonl.
+pub fn losses(run_dir: &Path) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl exists");
+    text.lines()
+        .map(|line| {
+            let v: serde_json::Value = serde_json::from_str(line).expect("each line is JSON");
+            for key in ["step", "loss", "lr", "tokens_per_s", "step_ms"] {
+                assert!(v.get(key).is_some(), "metrics line lacks {key}: {line}");
+            }
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
