@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Calibrates `stoke plan` on this machine and checks it on runs held out of the fit.
 #
-# Trains fifteen short fp32 runs of different shapes on the CPU, fits the efficiencies on ten of
-# them, and prints predicted against measured step time (report.json's step_ms) for the other five.
+# Trains fifteen shapes of short fp32 runs on the CPU, ROUNDS times each (default 3), takes each
+# shape's median step time (report.json's step_ms) over its rounds, fits the efficiencies on ten
+# shapes, and prints predicted against measured step time for the other five.
 # Runs use one libtorch thread under the real-time FIFO scheduler (`chrt -f`, needs root; else
 # `nice -n -10`, else plain): on the 2-core development machine, shared with other builds, a run at
 # normal priority measured steps 2x slower and 3x more spread than the same run holding one core
 # (the kernel still leaves the other core, and 5% of this one, to everyone else). Runs last seconds.
 #
-# Usage: benches/plan_calibration.sh              # train, calibrate, compare (about 6 minutes)
-#        SKIP_TRAIN=1 benches/plan_calibration.sh  # reuse the runs/plan-cal-* already there
+# Usage: benches/plan_calibration.sh              # train, calibrate, compare (about 15 minutes)
+#        SKIP_TRAIN=1 benches/plan_calibration.sh  # reuse the runs/plan-cal-*-<round> already there
 #        benches/plan_calibration.sh --json        # extra arguments go to `stoke plan`
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,20 +60,35 @@ HELD_OUT=(
     "plan-cal-o model.n_layer=5 model.d_model=192 model.n_head=3 train.micro_batch=16"
 )
 
+ROUNDS=${ROUNDS:-3}
+
 reports() {
     for spec in "$@"; do
-        echo "runs/${spec%% *}/report.json"
+        for round in $(seq 1 "$ROUNDS"); do
+            echo "runs/${spec%% *}-$round/report.json"
+        done
     done
 }
 
 if [ -z "${SKIP_TRAIN:-}" ]; then
-    for spec in "${CALIBRATION[@]}" "${HELD_OUT[@]}"; do
-        read -r name overrides <<<"$spec"
-        args=()
-        for kv in $overrides; do
-            args+=(--set "$kv")
+    # Each round trains every shape once, calibration and held-out shapes alternating, so that a
+    # slow spell of the machine falls on both sets rather than on one.
+    ORDER=()
+    for idx in "${!CALIBRATION[@]}"; do
+        ORDER+=("${CALIBRATION[$idx]}")
+        if [ "$idx" -lt "${#HELD_OUT[@]}" ]; then
+            ORDER+=("${HELD_OUT[$idx]}")
+        fi
+    done
+    for round in $(seq 1 "$ROUNDS"); do
+        for spec in "${ORDER[@]}"; do
+            read -r name overrides <<<"$spec"
+            args=()
+            for kv in $overrides; do
+                args+=(--set "$kv")
+            done
+            train "$name-$round" "${args[@]}"
         done
-        train "$name" "${args[@]}"
     done
 fi
 
@@ -80,4 +96,4 @@ fi
 "$STOKE" plan --cluster cpu --precision fp32 \
     --calibrate $(reports "${CALIBRATION[@]}") \
     --holdout $(reports "${HELD_OUT[@]}") \
-    --save runs/plan-cal-efficiency.json "$@"
+    --merge-repeats --save runs/plan-cal-efficiency.json "$@"

@@ -9,8 +9,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Args;
 use stoke_plan::{
-    calibrate, compare, render_table, search, ClusterConfig, Efficiency, MeasuredRun, ModelConfig, PlanConfig,
-    PlanError, Precision, Recompute, RunFit, SearchConfig, ZeroStage,
+    calibrate, compare, merge_repeats, render_table, search, ClusterConfig, Efficiency, MeasuredRun, ModelConfig,
+    PlanConfig, PlanError, Precision, Recompute, RunFit, SearchConfig, ZeroStage,
 };
 
 use super::UsageError;
@@ -101,6 +101,9 @@ pub struct PlanArgs {
     /// With --calibrate: runs held out of the fit, predicted and compared.
     #[arg(long, num_args = 1..)]
     pub holdout: Vec<PathBuf>,
+    /// With --calibrate: merge runs of the same shape into one at their median step time.
+    #[arg(long)]
+    pub merge_repeats: bool,
     /// With --calibrate: write the fitted efficiencies to this JSON file (for --efficiency).
     #[arg(long)]
     pub save: Option<PathBuf>,
@@ -208,8 +211,8 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
     if !args.calibrate.is_empty() {
         return run_calibration(&args, &cluster);
     }
-    if !args.holdout.is_empty() || args.save.is_some() {
-        return Err(usage("--holdout and --save go with --calibrate".into()));
+    if !args.holdout.is_empty() || args.save.is_some() || args.merge_repeats {
+        return Err(usage("--holdout, --save and --merge-repeats go with --calibrate".into()));
     }
     let config = PlanConfig {
         model: model_from_args(&args)?,
@@ -305,8 +308,12 @@ fn write_fits(out: &mut String, title: &str, fits: &[RunFit]) -> std::fmt::Resul
 }
 
 fn run_calibration(args: &PlanArgs, cluster: &ClusterConfig) -> anyhow::Result<ExitCode> {
-    let runs = load_runs(&args.calibrate, cluster)?;
-    let held_out = load_runs(&args.holdout, cluster)?;
+    let mut runs = load_runs(&args.calibrate, cluster)?;
+    let mut held_out = load_runs(&args.holdout, cluster)?;
+    if args.merge_repeats {
+        runs = merge_repeats(runs);
+        held_out = merge_repeats(held_out);
+    }
     let calibration = calibrate(&runs, &cluster.efficiency).map_err(usage_if_config)?;
     let held_out_fits = compare(&held_out, &calibration.efficiency);
     let worst_held_out = held_out_fits.iter().map(|fit| fit.relative_error.abs()).fold(0.0, f64::max);

@@ -175,6 +175,52 @@ impl MeasuredRun {
     }
 }
 
+/// Merges runs of the same shape (model, layout, precision, peak) into one whose times are the
+/// medians of theirs: on a machine shared with other work a repeat taken in a busy spell is an
+/// outlier, and the median of three or more rounds discards it. The merged run is named after
+/// the first, its trailing `-<round>` replaced by `x<count>`; order follows first appearance.
+pub fn merge_repeats(runs: Vec<MeasuredRun>) -> Vec<MeasuredRun> {
+    let mut groups: Vec<Vec<MeasuredRun>> = Vec::new();
+    for run in runs {
+        match groups.iter_mut().find(|group| group[0].config == run.config && group[0].layout == run.layout) {
+            Some(group) => group.push(run),
+            None => groups.push(vec![run]),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|group| {
+            if group.len() == 1 {
+                return group.into_iter().next().expect("one run");
+            }
+            let stem = match group[0].name.rsplit_once('-') {
+                Some((stem, round)) if !round.is_empty() && round.chars().all(|c| c.is_ascii_digit()) => stem,
+                _ => group[0].name.as_str(),
+            };
+            let name = format!("{stem}x{}", group.len());
+            let step = median(group.iter().map(|run| run.measured_step_s).collect());
+            let optimizer: Option<Vec<f64>> = group.iter().map(|run| run.measured_optimizer_s).collect();
+            MeasuredRun {
+                name,
+                config: group[0].config.clone(),
+                layout: group[0].layout,
+                measured_step_s: step,
+                measured_optimizer_s: optimizer.map(median),
+            }
+        })
+        .collect()
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}
+
 /// One run's measured and predicted step time.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunFit {
@@ -395,6 +441,27 @@ mod tests {
         assert!(close(got.compute, 0.45) && close(got.memory, 0.2) && close(got.optimizer, 0.1), "{got:?}");
         assert!(close(got.layer_overhead_s, 0.002) && close(got.step_overhead_s, 0.01), "{got:?}");
         assert!(got.relative_error < 1e-6);
+    }
+
+    #[test]
+    fn repeats_merge_into_their_median() {
+        let mut runs = Vec::new();
+        for (round, step_s) in [(1, 0.30), (2, 0.50), (3, 0.32)] {
+            let mut r = run(2, 256, 16, 1);
+            r.name = format!("cal-a-{round}");
+            r.measured_step_s = step_s;
+            r.measured_optimizer_s = Some(step_s / 10.0);
+            runs.push(r);
+        }
+        let mut other = run(4, 256, 8, 1);
+        other.name = "cal-b-1".into();
+        runs.insert(1, other);
+        let merged = merge_repeats(runs);
+        assert_eq!(merged.len(), 2);
+        assert_eq!(merged[0].name, "cal-ax3");
+        assert_eq!(merged[0].measured_step_s, 0.32);
+        assert_eq!(merged[0].measured_optimizer_s, Some(0.032));
+        assert_eq!(merged[1].name, "cal-b-1");
     }
 
     #[test]

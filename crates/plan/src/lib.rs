@@ -37,7 +37,8 @@ mod search;
 mod time;
 
 pub use calibrate::{
-    calibrate, compare, Calibration, MeasuredRun, ReportMachine, ReportModel, ReportTrain, RunFit, RunReport,
+    calibrate, compare, merge_repeats, Calibration, MeasuredRun, ReportMachine, ReportModel, ReportTrain, RunFit,
+    RunReport,
 };
 pub use cluster::{ClusterConfig, Efficiency, Precision, CLUSTER_PRESETS};
 pub use error::PlanError;
