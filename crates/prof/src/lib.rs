@@ -1,8 +1,31 @@
 //! stoke-prof: where the milliseconds of a training step go.
 //!
-//! Not built yet: step phases, the step report, diagnosis rules, Chrome-trace and Prometheus output.
+//! The step report ("CT scan"): given plain per-step data from the trainer (milliseconds per phase,
+//! tokens, the model's FLOPs per token, the machine's measured peak, memory), `build_report`
+//! computes each phase's share, the effective compute ratio, MFU, tokens/s, step-time outliers and
+//! the Amdahl bound of every removable phase, and runs the diagnosis rules (`rules`), each with a
+//! configurable threshold, evidence, cause, fix and bound. `ChromeTraceWriter` streams `trace.json`,
+//! `LiveMetrics` + `MetricsServer` serve Prometheus `/metrics`, `render_html` draws `report.html`.
 //!
-//! Built: the trace analyzer behind `stoke trace`. It streams PyTorch profiler (Kineto) traces,
+//! ```
+//! use stoke_prof::{build_report, MachineFacts, ModelFacts, ProfConfig, RunFacts, StepSample, TrainFacts};
+//! let model = ModelFacts { n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, vocab_size: 256,
+//!     n_params: 120_000, flops_per_token: 7e5 };
+//! let train = TrainFacts { micro_batch: 512, grad_accum: 1, precision: "bf16".into(), world_size: 1 };
+//! let machine = MachineFacts { peak_flops: 8e11, peak_flops_fp32: None, peak_flops_bf16: None,
+//!     device: "cpu".into(), memory_capacity_bytes: None };
+//! let facts = RunFacts { name: "demo".into(), model, train, machine };
+//! // data_wait, h2d, forward, backward, recompute, comm_exposed, optimizer, ckpt_stall, other
+//! let phases_ms = [4.0, 0.1, 3.0, 6.0, 0.0, 0.0, 1.0, 0.0, 0.4];
+//! let steps: Vec<StepSample> = (1..=50).map(|step| StepSample { step, wall_ms: phases_ms.iter().sum(),
+//!     phases_ms, comm_total_ms: 0.0, tokens: 16_384, loss: 2.0, loss_scale: None, timed: true }).collect();
+//! let report = build_report(&facts, &steps, 1 << 30, 0.0, &ProfConfig::default());
+//! assert!((report.phases.values().sum::<f64>() - report.step_ms).abs() < 1e-9);
+//! assert_eq!(report.findings[0].id, "data_wait"); // 4 of 14.5 ms: removing it bounds the gain at 1.38x
+//! assert!((report.findings[0].bound.unwrap() - 14.5 / 10.5).abs() < 1e-9);
+//! ```
+//!
+//! Also built: the trace analyzer behind `stoke trace`. It streams PyTorch profiler (Kineto) traces,
 //! plain or gzip, several ranks in parallel, and reports per step where the time went (the
 //! TensorBoard plugin's categories, summing to the step's wall time), GPU idle and kernel
 //! breakdowns as HTA computes them, launch statistics, cross-rank stragglers, and findings with
@@ -23,8 +46,21 @@
 //! # std::fs::remove_dir_all(&dir).unwrap();
 //! ```
 
+mod chrome;
+mod html;
+mod prom;
+mod report;
+mod rules;
 mod trace;
 
+pub use chrome::{validate_chrome_trace, ChromeTraceWriter};
+pub use html::render_html;
+pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};
+pub use report::{
+    amdahl, build_report, format_bound, phase_index, MachineFacts, ModelFacts, ProfConfig, RunFacts, RunReport,
+    StepSample, TrainFacts, COMPUTE_PHASES, N_PHASES, PHASE_NAMES, REMOVABLE_PHASES,
+};
+pub use rules::{diagnose, StepFinding};
 pub use trace::{
     analyze, analyze_paths, analyze_rank, cross_rank, diff, diff_markdown, diff_table, find_trace_files, kernel_type,
     load_trace, load_traces, markdown, overlay_trace, peak_flops_for, prometheus, rank_from_file_name, table,

@@ -1,0 +1,153 @@
+//! `trace.json`: a Chrome trace (the Trace Event Format that Perfetto and chrome://tracing open)
+//! with one span per step and one per phase per step, per rank.
+//!
+//! The trainer reports a step's phases as sums (a step with several micro-batches alternates
+//! data_wait, h2d, forward and backward), so phase spans are laid end to end in loop order inside
+//! the step's span: their lengths are exact, their order within a step is canonical. Events are
+//! streamed to the file as steps end, so memory stays flat however long the run.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use crate::report::{StepSample, PHASE_NAMES};
+
+/// Thread ids inside a rank's process.
+const TID_STEPS: u32 = 0;
+const TID_PHASES: u32 = 1;
+const TID_COMM: u32 = 2;
+
+/// Streams a Chrome trace to a file.
+pub struct ChromeTraceWriter {
+    out: BufWriter<File>,
+    rank: u32,
+}
+
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).expect("a string serializes")
+}
+
+impl ChromeTraceWriter {
+    /// Creates `path` and writes the header and the names of rank `rank`'s tracks.
+    pub fn create(path: &Path, rank: u32) -> std::io::Result<ChromeTraceWriter> {
+        let mut out = BufWriter::new(File::create(path)?);
+        write!(out, "{{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")?;
+        let meta = |name: &str, tid: u32, value: &str| {
+            format!(
+                "{{\"name\":{},\"ph\":\"M\",\"pid\":{rank},\"tid\":{tid},\"args\":{{\"name\":{}}}}}",
+                json_str(name),
+                json_str(value)
+            )
+        };
+        write!(out, "\n{}", meta("process_name", 0, &format!("rank {rank}")))?;
+        write!(out, ",\n{}", meta("thread_name", TID_STEPS, "steps"))?;
+        write!(out, ",\n{}", meta("thread_name", TID_PHASES, "phases"))?;
+        write!(out, ",\n{}", meta("thread_name", TID_COMM, "comm_total"))?;
+        Ok(ChromeTraceWriter { out, rank })
+    }
+
+    fn span(&mut self, name: &str, tid: u32, ts_us: f64, dur_us: f64, step: u64) -> std::io::Result<()> {
+        write!(
+            self.out,
+            ",\n{{\"name\":{},\"cat\":\"stoke\",\"ph\":\"X\",\"ts\":{ts_us:.3},\"dur\":{dur_us:.3},\"pid\":{},\"tid\":{tid},\"args\":{{\"step\":{step}}}}}",
+            json_str(name),
+            self.rank
+        )
+    }
+
+    /// Writes a step that started `start_us` microseconds after the run began.
+    pub fn step(&mut self, start_us: f64, sample: &StepSample) -> std::io::Result<()> {
+        self.span(&format!("step {}", sample.step), TID_STEPS, start_us, sample.wall_ms * 1e3, sample.step)?;
+        let mut ts = start_us;
+        for (name, ms) in PHASE_NAMES.iter().zip(sample.phases_ms) {
+            if ms > 0.0 {
+                self.span(name, TID_PHASES, ts, ms * 1e3, sample.step)?;
+                ts += ms * 1e3;
+            }
+        }
+        if sample.comm_total_ms > 0.0 {
+            self.span("comm_total", TID_COMM, start_us, sample.comm_total_ms * 1e3, sample.step)?;
+        }
+        Ok(())
+    }
+
+    /// Closes the JSON and flushes. A trace that is never finished (a crash) still opens in
+    /// Perfetto, which accepts a missing end.
+    pub fn finish(mut self) -> std::io::Result<()> {
+        write!(self.out, "\n]}}\n")?;
+        self.out.flush()
+    }
+
+    pub fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
+/// Checks that `text` is a Chrome trace in the object form: `traceEvents` is an array of events,
+/// each with a string `name` and `ph`, integer `pid` and `tid`, and (except metadata) a numeric
+/// `ts`; complete events (`X`) carry a non-negative `dur`. Returns the number of `X` events.
+pub fn validate_chrome_trace(text: &str) -> Result<usize, String> {
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let events = value.get("traceEvents").and_then(|v| v.as_array()).ok_or("no traceEvents array")?;
+    let mut complete = 0;
+    for (i, event) in events.iter().enumerate() {
+        let field = |key: &str| event.get(key).ok_or_else(|| format!("event {i} has no {key}: {event}"));
+        field("name")?.as_str().ok_or_else(|| format!("event {i}: name is not a string"))?;
+        let ph = field("ph")?.as_str().ok_or_else(|| format!("event {i}: ph is not a string"))?;
+        for key in ["pid", "tid"] {
+            field(key)?.as_u64().ok_or_else(|| format!("event {i}: {key} is not an integer"))?;
+        }
+        if ph != "M" {
+            field("ts")?.as_f64().ok_or_else(|| format!("event {i}: ts is not a number"))?;
+        }
+        if ph == "X" {
+            let dur = field("dur")?.as_f64().ok_or_else(|| format!("event {i}: dur is not a number"))?;
+            if dur < 0.0 {
+                return Err(format!("event {i}: negative dur {dur}"));
+            }
+            complete += 1;
+        }
+    }
+    Ok(complete)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::tests::step;
+
+    #[test]
+    fn a_written_trace_is_valid_and_the_trace_analyzer_reads_it() {
+        let dir = std::env::temp_dir().join(format!("stoke-chrome-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("trace.json");
+        let mut writer = ChromeTraceWriter::create(&path, 0).unwrap();
+        let mut start = 0.0;
+        for i in 1..=3 {
+            let mut s = step(i, &[("data_wait", 1.0), ("forward", 2.0), ("backward", 3.0), ("optimizer", 0.5)]);
+            s.comm_total_ms = 1.5;
+            writer.step(start, &s).unwrap();
+            start += s.wall_ms * 1e3;
+        }
+        writer.finish().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        // Per step: the step span, four phases and comm_total.
+        assert_eq!(validate_chrome_trace(&text), Ok(18));
+        let loaded = crate::load_trace(&path).expect("the Kineto ingester parses it");
+        assert_eq!(loaded.events.len(), 18);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn invalid_traces_are_rejected() {
+        for (text, expected) in [
+            ("[", "not JSON"),
+            ("{}", "no traceEvents"),
+            (r#"{"traceEvents":[{"name":"a","ph":"X","ts":0,"pid":0,"tid":0}]}"#, "no dur"),
+            (r#"{"traceEvents":[{"name":"a","ph":"X","ts":0,"dur":-1,"pid":0,"tid":0}]}"#, "negative dur"),
+        ] {
+            let err = validate_chrome_trace(text).unwrap_err();
+            assert!(err.contains(expected), "{text}: {err}");
+        }
+    }
+}

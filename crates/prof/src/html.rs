@@ -1,0 +1,266 @@
+//! `report.html`: the step report with plots (loss, tokens/s, phase shares over time as stacked
+//! areas, the final breakdown), drawn as inline SVG with `plotters`. One self-contained file, no
+//! scripts, so it opens anywhere and renders headless.
+
+use std::fmt::Write as _;
+
+use plotters::prelude::*;
+
+use crate::report::{format_bound, RunReport, StepSample, N_PHASES, PHASE_NAMES};
+
+const WIDTH: u32 = 560;
+const HEIGHT: u32 = 300;
+/// At most this many points per curve: long runs are averaged into buckets of steps.
+const MAX_POINTS: usize = 400;
+
+/// One color per phase, in `PHASE_NAMES` order.
+const PHASE_COLORS: [RGBColor; N_PHASES] = [
+    RGBColor(214, 39, 40),   // data_wait
+    RGBColor(255, 127, 14),  // h2d
+    RGBColor(31, 119, 180),  // forward
+    RGBColor(44, 160, 44),   // backward
+    RGBColor(148, 103, 189), // recompute
+    RGBColor(140, 86, 75),   // comm_exposed
+    RGBColor(23, 190, 207),  // optimizer
+    RGBColor(227, 119, 194), // ckpt_stall
+    RGBColor(127, 127, 127), // other
+];
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+/// Steps averaged in buckets: (mean step, mean wall ms, mean loss over logged steps, tokens/s,
+/// mean phase ms).
+struct Bucket {
+    step: f64,
+    loss: f64,
+    tokens_per_s: f64,
+    shares: [f64; N_PHASES],
+}
+
+fn buckets(steps: &[StepSample]) -> Vec<Bucket> {
+    let size = steps.len().div_ceil(MAX_POINTS).max(1);
+    steps
+        .chunks(size)
+        .map(|chunk| {
+            let n = chunk.len() as f64;
+            let wall: f64 = chunk.iter().map(|s| s.wall_ms).sum();
+            let tokens: u64 = chunk.iter().map(|s| s.tokens).sum();
+            let logged: Vec<f64> = chunk.iter().map(|s| s.loss).filter(|l| l.is_finite()).collect();
+            let mut shares = [0.0; N_PHASES];
+            for s in chunk {
+                for (share, ms) in shares.iter_mut().zip(s.phases_ms) {
+                    *share += ms;
+                }
+            }
+            for share in shares.iter_mut() {
+                *share = if wall > 0.0 { *share / wall } else { 0.0 };
+            }
+            Bucket {
+                step: chunk.iter().map(|s| s.step as f64).sum::<f64>() / n,
+                loss: if logged.is_empty() { f64::NAN } else { logged.iter().sum::<f64>() / logged.len() as f64 },
+                tokens_per_s: if wall > 0.0 { tokens as f64 / (wall / 1e3) } else { 0.0 },
+                shares,
+            }
+        })
+        .collect()
+}
+
+type DrawResult = Result<(), Box<dyn std::error::Error>>;
+
+fn line_chart(title: &str, y_label: &str, points: &[(f64, f64)], color: RGBColor) -> Result<String, String> {
+    let mut svg = String::new();
+    let draw = |svg: &mut String| -> DrawResult {
+        let root = SVGBackend::with_string(svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (x0, x1) = points.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (y0, y1) = points.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.1), b.max(p.1)));
+        let (x0, x1) = if x0.is_finite() && x1 > x0 { (x0, x1) } else { (0.0, 1.0) };
+        let (y0, y1) = if y0.is_finite() && y1 > y0 { (y0, y1) } else { (0.0, y1.max(1.0)) };
+        let pad = (y1 - y0) * 0.05;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x0..x1, (y0 - pad)..(y1 + pad))?;
+        chart.configure_mesh().x_desc("step").y_desc(y_label).draw()?;
+        chart.draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)))?;
+        root.present()?;
+        Ok(())
+    };
+    draw(&mut svg).map_err(|e| format!("{title}: {e}"))?;
+    Ok(svg)
+}
+
+fn phase_area_chart(buckets: &[Bucket]) -> Result<String, String> {
+    let mut svg = String::new();
+    let draw = |svg: &mut String| -> DrawResult {
+        let root = SVGBackend::with_string(svg, (WIDTH * 2, HEIGHT + 40)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let x0 = buckets.first().map_or(0.0, |b| b.step);
+        let x1 = buckets.last().map_or(1.0, |b| b.step).max(x0 + 1.0);
+        let mut chart = ChartBuilder::on(&root)
+            .caption("phase shares of the step over time", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(50)
+            .build_cartesian_2d(x0..x1, 0.0..1.0)?;
+        chart.configure_mesh().x_desc("step").y_desc("share of step").draw()?;
+        // Stacked: draw the cumulative top of each phase, last phase first, so that each area
+        // covers the ones above it only where it belongs.
+        for phase_idx in (0..N_PHASES).rev() {
+            if buckets.iter().all(|b| b.shares[phase_idx] == 0.0) {
+                continue;
+            }
+            let top = buckets.iter().map(|b| (b.step, b.shares[..=phase_idx].iter().sum::<f64>().min(1.0)));
+            let color = PHASE_COLORS[phase_idx];
+            chart
+                .draw_series(AreaSeries::new(top, 0.0, color.mix(0.85)).border_style(color))?
+                .label(PHASE_NAMES[phase_idx])
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+        root.present()?;
+        Ok(())
+    };
+    draw(&mut svg).map_err(|e| format!("phase areas: {e}"))?;
+    Ok(svg)
+}
+
+fn breakdown_chart(report: &RunReport) -> Result<String, String> {
+    let mut svg = String::new();
+    let draw = |svg: &mut String| -> DrawResult {
+        let root = SVGBackend::with_string(svg, (WIDTH, HEIGHT)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let max = report.phases.values().copied().fold(0.0, f64::max).max(1e-9) * 1.1;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("final breakdown (ms per step)", ("sans-serif", 18))
+            .margin(10)
+            .x_label_area_size(36)
+            .y_label_area_size(100)
+            .build_cartesian_2d(0.0..max, 0..N_PHASES)?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .y_labels(N_PHASES)
+            .y_label_formatter(&|i| PHASE_NAMES.get(*i).map(|s| s.to_string()).unwrap_or_default())
+            .x_desc("ms")
+            .draw()?;
+        chart.draw_series(PHASE_NAMES.iter().enumerate().map(|(i, name)| {
+            let ms = report.phases.get(*name).copied().unwrap_or(0.0);
+            Rectangle::new([(0.0, i), (ms, i + 1)], PHASE_COLORS[i].filled())
+        }))?;
+        root.present()?;
+        Ok(())
+    };
+    draw(&mut svg).map_err(|e| format!("breakdown: {e}"))?;
+    Ok(svg)
+}
+
+/// The whole page.
+pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, String> {
+    let buckets = buckets(steps);
+    let loss: Vec<(f64, f64)> = buckets.iter().filter(|b| b.loss.is_finite()).map(|b| (b.step, b.loss)).collect();
+    let speed: Vec<(f64, f64)> = buckets.iter().map(|b| (b.step, b.tokens_per_s)).collect();
+    let mut html = String::new();
+    let w = &mut html;
+    let _ = write!(
+        w,
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>stoke report: {name}</title><style>\
+         body{{font-family:sans-serif;margin:24px;color:#222}} table{{border-collapse:collapse;margin:8px 0}} \
+         td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} th{{background:#f3f3f3}} \
+         td.l{{text-align:left}} .plots svg{{margin:4px}} .swatch{{display:inline-block;width:10px;height:10px}}\
+         </style></head><body>\n<h1>stoke step report: {name}</h1>\n",
+        name = escape(&report.name)
+    );
+    let _ = write!(
+        w,
+        "<p><b>{:.2} ms/step</b> (std {:.2}) over {} steps ({} timed) | <b>{:.0} tokens/s</b> | effective compute ratio \
+         <b>{:.3}</b> | MFU <b>{:.2}%</b> of {:.1} GFLOP/s ({} {}) | peak memory {:.1} MB | profiler {:.3} ms/step</p>\n",
+        report.step_ms,
+        report.step_ms_std,
+        report.steps_measured,
+        report.steps_timed,
+        report.tokens_per_s,
+        report.effective_compute_ratio,
+        100.0 * report.mfu,
+        report.machine.peak_flops / 1e9,
+        escape(&report.machine.device),
+        escape(&report.train.precision),
+        report.peak_memory_bytes as f64 / 1e6,
+        report.profiler_overhead_ms
+    );
+    let _ = write!(w, "<table><tr><th>phase</th><th>ms/step</th><th>share</th><th>Amdahl bound</th></tr>\n");
+    for (i, name) in PHASE_NAMES.iter().enumerate() {
+        let c = PHASE_COLORS[i];
+        let _ = write!(
+            w,
+            "<tr><td class=\"l\"><span class=\"swatch\" style=\"background:rgb({},{},{})\"></span> {name}</td>\
+             <td>{:.2}</td><td>{:.1}%</td><td>{}</td></tr>\n",
+            c.0,
+            c.1,
+            c.2,
+            report.phases.get(*name).copied().unwrap_or(0.0),
+            100.0 * report.phase_shares.get(*name).copied().unwrap_or(0.0),
+            report.amdahl.get(*name).map(|b| format_bound(Some(*b))).unwrap_or_else(|| "-".into())
+        );
+    }
+    let _ = write!(w, "</table>\n<h2>Findings</h2>\n");
+    if report.findings.is_empty() {
+        let _ = write!(w, "<p>None: no rule fired.</p>\n");
+    } else {
+        let _ = write!(w, "<table><tr><th>id</th><th>bound</th><th>evidence</th><th>cause</th><th>fix</th></tr>\n");
+        for f in &report.findings {
+            let _ = write!(
+                w,
+                "<tr><td class=\"l\">{}</td><td>{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td></tr>\n",
+                escape(&f.id),
+                format_bound(f.bound),
+                escape(&f.evidence),
+                escape(&f.cause),
+                escape(&f.fix)
+            );
+        }
+        let _ = write!(w, "</table>\n");
+    }
+    let _ = write!(w, "<h2>Plots</h2><div class=\"plots\">\n");
+    html.push_str(&line_chart("loss", "loss", &loss, RGBColor(31, 119, 180))?);
+    html.push_str(&line_chart("tokens/s", "tokens/s", &speed, RGBColor(44, 160, 44))?);
+    html.push_str("<br>\n");
+    html.push_str(&phase_area_chart(&buckets)?);
+    html.push_str("<br>\n");
+    html.push_str(&breakdown_chart(report)?);
+    html.push_str("\n</div></body></html>\n");
+    Ok(html)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::tests::{facts, step};
+    use crate::report::{build_report, ProfConfig};
+
+    #[test]
+    fn the_page_has_every_plot_and_finding() {
+        let steps: Vec<StepSample> = (1..=1000)
+            .map(|i| {
+                let mut s = step(i, &[("data_wait", 3.0), ("forward", 3.0), ("backward", 6.0), ("optimizer", 1.0)]);
+                s.loss = 5.0 / (1.0 + i as f64 / 100.0);
+                s
+            })
+            .collect();
+        let report = build_report(&facts(), &steps, 1 << 20, 0.0, &ProfConfig::default());
+        let html = render_html(&report, &steps).unwrap();
+        assert_eq!(html.matches("<svg").count(), 4);
+        for text in ["phase shares of the step over time", "final breakdown", "data_wait", "tokens/s"] {
+            assert!(html.contains(text), "{text}");
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! Live metrics: a `prometheus-client` registry updated every step, served as Prometheus text
+//! (exposition format 0.0.4) at `GET /metrics` by a small HTTP responder on its own thread.
+//!
+//! Metric names (the Grafana dashboard in `dashboards/stoke-grafana.json` plots these):
+//! `stoke_steps_total`, `stoke_tokens_total`, `stoke_phase_seconds_total{phase}` (additive phases),
+//! `stoke_comm_seconds_total`, `stoke_step_seconds`, `stoke_loss`, `stoke_learning_rate`,
+//! `stoke_tokens_per_second`, `stoke_effective_compute_ratio`, `stoke_mfu`, `stoke_memory_peak_bytes`.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::report::{StepSample, COMPUTE_PHASES, PHASE_NAMES};
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+type FloatCounter = Counter<f64, AtomicU64>;
+
+/// The run's live metrics.
+pub struct LiveMetrics {
+    registry: Registry,
+    steps: Counter,
+    tokens: Counter,
+    phase_seconds: Family<Vec<(String, String)>, FloatCounter>,
+    comm_seconds: FloatCounter,
+    step_seconds: FloatGauge,
+    loss: FloatGauge,
+    learning_rate: FloatGauge,
+    tokens_per_second: FloatGauge,
+    compute_ratio: FloatGauge,
+    mfu: FloatGauge,
+    memory_peak: FloatGauge,
+}
+
+impl Default for LiveMetrics {
+    fn default() -> Self {
+        LiveMetrics::new()
+    }
+}
+
+impl LiveMetrics {
+    pub fn new() -> LiveMetrics {
+        let mut registry = Registry::default();
+        let m = LiveMetrics {
+            steps: Counter::default(),
+            tokens: Counter::default(),
+            phase_seconds: Family::default(),
+            comm_seconds: FloatCounter::default(),
+            step_seconds: FloatGauge::default(),
+            loss: FloatGauge::default(),
+            learning_rate: FloatGauge::default(),
+            tokens_per_second: FloatGauge::default(),
+            compute_ratio: FloatGauge::default(),
+            mfu: FloatGauge::default(),
+            memory_peak: FloatGauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register("stoke_steps", "Optimizer steps completed", m.steps.clone());
+        registry.register("stoke_tokens", "Tokens trained on by this process", m.tokens.clone());
+        registry.register(
+            "stoke_phase_seconds",
+            "Seconds spent per step phase (the phases add up to the wall time)",
+            m.phase_seconds.clone(),
+        );
+        registry.register("stoke_comm_seconds", "Seconds of communication, hidden or exposed", m.comm_seconds.clone());
+        registry.register("stoke_step_seconds", "Wall time of the last step", m.step_seconds.clone());
+        registry.register("stoke_loss", "Loss of the last logged step", m.loss.clone());
+        registry.register("stoke_learning_rate", "Learning rate of the last step", m.learning_rate.clone());
+        registry.register("stoke_tokens_per_second", "Tokens per second of the last step", m.tokens_per_second.clone());
+        registry.register(
+            "stoke_effective_compute_ratio",
+            "(forward + backward + recompute + optimizer) / wall of the last step",
+            m.compute_ratio.clone(),
+        );
+        registry.register("stoke_mfu", "Model FLOPs utilization of the last step", m.mfu.clone());
+        registry.register("stoke_memory_peak_bytes", "Peak memory of the run so far", m.memory_peak.clone());
+        LiveMetrics { registry, ..m }
+    }
+
+    /// Records one step. `flops_per_token` and `peak_flops` give the MFU gauge.
+    pub fn observe(&self, sample: &StepSample, lr: f64, flops_per_token: f64, peak_flops: f64) {
+        self.steps.inc();
+        self.tokens.inc_by(sample.tokens);
+        for (name, ms) in PHASE_NAMES.iter().zip(sample.phases_ms) {
+            self.phase_seconds.get_or_create(&vec![("phase".to_string(), name.to_string())]).inc_by(ms / 1e3);
+        }
+        self.comm_seconds.inc_by(sample.comm_total_ms / 1e3);
+        self.step_seconds.set(sample.wall_ms / 1e3);
+        if sample.loss.is_finite() {
+            self.loss.set(sample.loss);
+        }
+        self.learning_rate.set(lr);
+        let tokens_per_s = if sample.wall_ms > 0.0 { sample.tokens as f64 / (sample.wall_ms / 1e3) } else { 0.0 };
+        self.tokens_per_second.set(tokens_per_s);
+        let compute: f64 = COMPUTE_PHASES.iter().map(|p| sample.phase_ms(p)).sum();
+        self.compute_ratio.set(if sample.wall_ms > 0.0 { compute / sample.wall_ms } else { 0.0 });
+        self.mfu.set(if peak_flops > 0.0 { flops_per_token * tokens_per_s / peak_flops } else { 0.0 });
+    }
+
+    pub fn set_memory_peak(&self, bytes: u64) {
+        self.memory_peak.set(bytes as f64);
+    }
+
+    /// The exposition text.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// Serves `GET /metrics` on a background thread until dropped.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+fn respond(mut stream: TcpStream, metrics: &Mutex<Arc<LiveMetrics>>) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = String::from_utf8_lossy(&head);
+    let mut parts = line.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let (status, content_type, body) = if method == "GET" && (target == "/metrics" || target.starts_with("/metrics?")) {
+        let body = metrics.lock().expect("metrics lock").encode();
+        ("200 OK", prometheus_text::CONTENT_TYPE, body)
+    } else {
+        ("404 Not Found", "text/plain; charset=utf-8", "only /metrics is served here\n".to_string())
+    };
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    stream.flush()
+}
+
+impl MetricsServer {
+    /// Binds `host:port` (port 0 picks a free one) and serves `metrics`.
+    pub fn start(host: &str, port: u16, metrics: Arc<LiveMetrics>) -> std::io::Result<MetricsServer> {
+        let listener = TcpListener::bind((host, port))?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_flag = Arc::clone(&stop);
+        let metrics = Mutex::new(metrics);
+        let thread = std::thread::Builder::new().name("stoke-metrics".into()).spawn(move || {
+            for stream in listener.incoming() {
+                if stop_flag.load(Ordering::SeqCst) {
+                    break;
+                }
+                // A client that misbehaves gets dropped; the server keeps serving the others.
+                if let Ok(stream) = stream {
+                    let _ = respond(stream, &metrics);
+                }
+            }
+        })?;
+        Ok(MetricsServer { addr, stop, thread: Some(thread) })
+    }
+
+    /// The address it listens on (with the port the system picked when asked for 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the accept loop so that it sees the flag.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Checks Prometheus text exposition format 0.0.4: `# HELP name text`, `# TYPE name type` with a
+/// known type, and samples `name{label="value",...} number`, with metric and label names of the
+/// allowed characters and every sample's family typed. Returns the number of samples.
+pub fn validate_exposition(text: &str) -> Result<usize, String> {
+    fn is_name(s: &str, colon: bool) -> bool {
+        let mut chars = s.chars();
+        chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || (colon && c == ':'))
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || (colon && c == ':'))
+    }
+    let mut typed = std::collections::BTreeSet::new();
+    let mut samples = 0;
+    for (i, line) in text.lines().enumerate() {
+        let n = i + 1;
+        if line.trim().is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# ") {
+            let mut parts = rest.splitn(3, ' ');
+            match (parts.next(), parts.next(), parts.next()) {
+                (Some("HELP"), Some(name), _) if is_name(name, true) => {}
+                (Some("TYPE"), Some(name), Some(kind)) if is_name(name, true) => {
+                    if !["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind) {
+                        return Err(format!("line {n}: unknown type {kind:?}"));
+                    }
+                    typed.insert(name.to_string());
+                }
+                (Some("HELP" | "TYPE"), _, _) => return Err(format!("line {n}: malformed {line:?}")),
+                _ => {}
+            }
+            continue;
+        }
+        let (name_labels, value) = match line.rfind('}') {
+            Some(close) => (&line[..=close], line[close + 1..].trim()),
+            None => line.split_once(' ').map(|(a, b)| (a, b.trim())).ok_or(format!("line {n}: no value"))?,
+        };
+        let (name, labels) = match name_labels.find('{') {
+            Some(open) => (&name_labels[..open], Some(&name_labels[open + 1..name_labels.len() - 1])),
+            None => (name_labels, None),
+        };
+        if !is_name(name, true) {
+            return Err(format!("line {n}: bad metric name {name:?}"));
+        }
+        if let Some(labels) = labels.filter(|l| !l.is_empty()) {
+            for pair in labels.split(',') {
+                let (key, quoted) = pair.split_once('=').ok_or(format!("line {n}: bad label {pair:?}"))?;
+                if !is_name(key, false) || !(quoted.len() >= 2 && quoted.starts_with('"') && quoted.ends_with('"')) {
+                    return Err(format!("line {n}: bad label {pair:?}"));
+                }
+            }
+        }
+        let number = value.split_whitespace().next().unwrap_or("");
+        let ok = number.parse::<f64>().is_ok() || ["+Inf", "-Inf", "NaN"].contains(&number);
+        if !ok {
+            return Err(format!("line {n}: value {number:?} is not a number"));
+        }
+        let family = ["_total", "_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix).filter(|base| typed.contains(*base)))
+            .unwrap_or(name);
+        if !typed.contains(family) && !typed.contains(name) {
+            return Err(format!("line {n}: sample {name} has no # TYPE line"));
+        }
+        samples += 1;
+    }
+    Ok(samples)
+}
+
+/// Fetches `http://addr/metrics` with a plain HTTP/1.1 GET and returns the body (for tests and
+/// `stoke doctor`'s self-check).
+pub fn scrape(addr: SocketAddr) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(stream, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "no end of HTTP head"))?;
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("status: {head}")));
+    }
+    Ok(body.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::tests::step;
+
+    #[test]
+    fn a_scrape_over_loopback_is_valid_exposition_format() {
+        let metrics = Arc::new(LiveMetrics::new());
+        let server = MetricsServer::start("127.0.0.1", 0, Arc::clone(&metrics)).unwrap();
+        for i in 1..=3 {
+            metrics.observe(&step(i, &[("data_wait", 1.0), ("forward", 2.0), ("backward", 3.0)]), 1e-3, 6e5, 1e12);
+        }
+        metrics.set_memory_peak(1 << 20);
+        let body = scrape(server.addr()).unwrap();
+        let samples = validate_exposition(&body).unwrap_or_else(|e| panic!("{e}\n{body}"));
+        assert!(samples >= 9 + 10, "{body}");
+        assert!(body.contains("stoke_steps_total 3"), "{body}");
+        assert!(body.contains("stoke_phase_seconds_total{phase=\"backward\"} 0.009"), "{body}");
+        drop(server);
+    }
+
+    #[test]
+    fn the_validator_rejects_bad_lines() {
+        for (text, expected) in [
+            ("# TYPE a gauge\na{x=1} 3\n", "bad label"),
+            ("# TYPE a gauge\na 3x\n", "not a number"),
+            ("b 1\n", "no # TYPE"),
+            ("# TYPE a widget\n", "unknown type"),
+            ("# TYPE 1a gauge\n", "malformed"),
+        ] {
+            let err = validate_exposition(text).unwrap_err();
+            assert!(err.contains(expected), "{text:?}: {err}");
+        }
+    }
+}

@@ -1,0 +1,501 @@
+//! The step report ("CT scan"): where a run's milliseconds went, from plain per-step data.
+//!
+//! The trainer measures each step as laps of its phases; this module turns a run's steps into mean
+//! milliseconds and shares per phase, the effective compute ratio, MFU against the machine's
+//! measured peak, tokens/s, step-time outliers and the Amdahl bound of every removable phase, then
+//! asks `rules` for findings. Nothing here knows about libtorch or devices: it is arithmetic over
+//! `StepSample`s and `RunFacts`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::rules::{diagnose, StepFinding};
+
+/// Number of additive phases.
+pub const N_PHASES: usize = 9;
+
+/// The phases a step's wall time splits into, in loop order. They add up to the step's wall time;
+/// `comm_total` (all communication, hidden or not) is reported beside them and is not one of them.
+pub const PHASE_NAMES: [&str; N_PHASES] =
+    ["data_wait", "h2d", "forward", "backward", "recompute", "comm_exposed", "optimizer", "ckpt_stall", "other"];
+
+/// Phases that are the model's own arithmetic: the numerator of the effective compute ratio.
+pub const COMPUTE_PHASES: [&str; 4] = ["forward", "backward", "recompute", "optimizer"];
+
+/// Phases that a change of configuration can remove entirely, so their Amdahl bound is meaningful.
+pub const REMOVABLE_PHASES: [&str; 6] = ["data_wait", "h2d", "recompute", "comm_exposed", "ckpt_stall", "other"];
+
+/// The index of a phase in `PHASE_NAMES`.
+pub fn phase_index(name: &str) -> Option<usize> {
+    PHASE_NAMES.iter().position(|&p| p == name)
+}
+
+/// What one optimizer step measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepSample {
+    /// 1-based step number.
+    pub step: u64,
+    pub wall_ms: f64,
+    /// Milliseconds per phase, indexed like `PHASE_NAMES`; they sum to `wall_ms`.
+    pub phases_ms: [f64; N_PHASES],
+    /// All communication time of the step, overlapped or not (0 on one process).
+    pub comm_total_ms: f64,
+    /// Tokens this process trained on in the step.
+    pub tokens: u64,
+    /// Mean loss; NaN when the step was not logged.
+    pub loss: f64,
+    /// The loss scale after the step, when the run scales its loss (fp16); None otherwise.
+    pub loss_scale: Option<f64>,
+    /// True when phase boundaries were synchronized with the device, so the phase split is exact.
+    /// Always true on the CPU; on a GPU only on sampled steps.
+    pub timed: bool,
+}
+
+impl StepSample {
+    pub fn phase_ms(&self, name: &str) -> f64 {
+        phase_index(name).map_or(0.0, |i| self.phases_ms[i])
+    }
+}
+
+/// `report.json`'s `model`: the shape and its arithmetic.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelFacts {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub d_model: usize,
+    pub seq_len: usize,
+    pub vocab_size: usize,
+    pub n_params: usize,
+    /// Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM, appendix B).
+    pub flops_per_token: f64,
+}
+
+/// `report.json`'s `train`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainFacts {
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    /// "fp32" or "bf16".
+    pub precision: String,
+    pub world_size: usize,
+}
+
+/// `report.json`'s `machine`: what the run ran on, measured on it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MachineFacts {
+    /// Peak FLOP/s of one device in the run's precision (a large matmul, measured).
+    pub peak_flops: f64,
+    /// Measured fp32 and bf16 peaks, when both are known (the fp32 rule compares them).
+    pub peak_flops_fp32: Option<f64>,
+    pub peak_flops_bf16: Option<f64>,
+    /// "cpu" or "cuda".
+    pub device: String,
+    /// Memory the run can use: RAM on the CPU, device memory on a GPU; None when unknown.
+    pub memory_capacity_bytes: Option<u64>,
+}
+
+/// Everything about a run the report needs besides its steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunFacts {
+    pub name: String,
+    pub model: ModelFacts,
+    pub train: TrainFacts,
+    pub machine: MachineFacts,
+}
+
+/// `[prof]`: the profiler's outputs and the thresholds of its rules.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProfConfig {
+    /// Write trace.json, report.json and report.html and serve /metrics. Default true.
+    pub enabled: bool,
+    /// Steps at the start left out of the report (allocator warm-up, lazy initialization). Default 1.
+    pub skip_steps: u64,
+    /// On a GPU, synchronize at phase boundaries every this many steps, so those steps' phases are
+    /// exact (the report uses them); 1 = every step, 0 = never. The CPU is always exact. Default 10.
+    pub sync_every: u64,
+    /// Write a Chrome trace (trace.json, one span per phase per step). Default true.
+    pub trace: bool,
+    /// Write report.html with plots. Default true.
+    pub html: bool,
+    /// Serve Prometheus metrics at http://<prometheus_host>:<prometheus_port>/metrics while training.
+    /// Default true.
+    pub prometheus: bool,
+    /// Address the metrics endpoint listens on. Default "127.0.0.1".
+    pub prometheus_host: String,
+    /// Port of the metrics endpoint; 0 picks a free one (written to metrics.addr). Default 9477.
+    pub prometheus_port: u16,
+    /// Rule data_wait: fires when waiting for data exceeds this share of the step. Default 0.05.
+    pub data_wait_max: f64,
+    /// Rule comm_exposed: fires when communication the step waits for exceeds this share. Default 0.1.
+    pub comm_exposed_max: f64,
+    /// Rule low_compute_ratio: fires when (forward + backward + recompute + optimizer) / step is
+    /// below this. Default 0.7.
+    pub compute_ratio_min: f64,
+    /// Rule memory_pressure: fires when peak memory exceeds this share of capacity. Default 0.9.
+    pub memory_max: f64,
+    /// Rule ckpt_stall: fires when checkpoint stalls exceed this share of the step. Default 0.02.
+    pub ckpt_stall_max: f64,
+    /// Rule fp32_on_bf16_hardware: fires on an fp32 run when the measured bf16 peak is at least this
+    /// many times the fp32 peak. Default 1.5.
+    pub bf16_speedup_min: f64,
+    /// Rule loss_scale_thrashing: fires when the loss scale changes on more than this share of steps.
+    /// Default 0.05.
+    pub loss_scale_changes_max: f64,
+    /// A step is an outlier when its time exceeds the mean by this many standard deviations. Default 3.0.
+    pub outlier_sigma: f64,
+    /// Rule step_outliers: fires when outliers are more than this share of steps. Default 0.01.
+    pub outlier_fraction_max: f64,
+    /// Rule small_batch: fires when the compute phases reach less than this share of peak FLOP/s...
+    /// Default 0.3.
+    pub batch_mfu_min: f64,
+    /// ...and a micro-batch holds fewer tokens than this (micro_batch x seq_len). Default 8192.
+    pub batch_tokens_small: u64,
+}
+
+impl Default for ProfConfig {
+    fn default() -> Self {
+        ProfConfig {
+            enabled: true,
+            skip_steps: 1,
+            sync_every: 10,
+            trace: true,
+            html: true,
+            prometheus: true,
+            prometheus_host: "127.0.0.1".into(),
+            prometheus_port: 9477,
+            data_wait_max: 0.05,
+            comm_exposed_max: 0.10,
+            compute_ratio_min: 0.70,
+            memory_max: 0.90,
+            ckpt_stall_max: 0.02,
+            bf16_speedup_min: 1.5,
+            loss_scale_changes_max: 0.05,
+            outlier_sigma: 3.0,
+            outlier_fraction_max: 0.01,
+            batch_mfu_min: 0.3,
+            batch_tokens_small: 8192,
+        }
+    }
+}
+
+impl ProfConfig {
+    /// Names the first key whose value is out of range.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        for (key, value) in [
+            ("data_wait_max", self.data_wait_max),
+            ("comm_exposed_max", self.comm_exposed_max),
+            ("compute_ratio_min", self.compute_ratio_min),
+            ("memory_max", self.memory_max),
+            ("ckpt_stall_max", self.ckpt_stall_max),
+            ("loss_scale_changes_max", self.loss_scale_changes_max),
+            ("outlier_fraction_max", self.outlier_fraction_max),
+            ("batch_mfu_min", self.batch_mfu_min),
+        ] {
+            if !(0.0..=1.0).contains(&value) {
+                return Err((key, format!("must be a share between 0 and 1; got {value}")));
+            }
+        }
+        for (key, value) in [("bf16_speedup_min", self.bf16_speedup_min), ("outlier_sigma", self.outlier_sigma)] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err((key, format!("must be a finite number > 0; got {value}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The step report of a run: what `report.json` holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunReport {
+    pub name: String,
+    /// Steps the figures average over (after `skip_steps`), and of those the exactly timed ones
+    /// that the phase split comes from.
+    pub steps_measured: u64,
+    pub steps_timed: u64,
+    /// Mean wall time of a timed step, ms; the phases sum to it.
+    pub step_ms: f64,
+    /// Standard deviation of the step time over measured steps, ms.
+    pub step_ms_std: f64,
+    /// Tokens per second of this process over the measured steps (wall clock of the steps).
+    pub tokens_per_s: f64,
+    /// Mean milliseconds per step by phase; sums to `step_ms`.
+    pub phases: BTreeMap<String, f64>,
+    /// Phase shares of the step (0..1).
+    pub phase_shares: BTreeMap<String, f64>,
+    /// All communication per step, hidden or exposed, ms (not part of the sum).
+    pub comm_total_ms: f64,
+    /// (forward + backward + recompute + optimizer) / step.
+    pub effective_compute_ratio: f64,
+    /// Model FLOPs per second over the machine's peak.
+    pub mfu: f64,
+    /// Model FLOPs per second over the peak, counting only the compute phases' time.
+    pub compute_mfu: f64,
+    /// Peak memory: RSS on the CPU, device memory on a GPU.
+    pub peak_memory_bytes: u64,
+    /// Steps slower than mean + outlier_sigma · std.
+    pub outlier_steps: Vec<u64>,
+    /// For each removable phase, step / (step - phase): the speed-up if it vanished.
+    pub amdahl: BTreeMap<String, f64>,
+    /// Milliseconds per step the profiler's own observers spent (measured, always on).
+    pub profiler_overhead_ms: f64,
+    /// Findings, largest bound first.
+    pub findings: Vec<StepFinding>,
+    pub model: ModelFacts,
+    pub train: TrainFacts,
+    pub machine: MachineFacts,
+}
+
+/// Mean and standard deviation.
+fn mean_std(values: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
+    let n = values.clone().count().max(1) as f64;
+    let mean = values.clone().sum::<f64>() / n;
+    let var = values.map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+    (mean, var.sqrt())
+}
+
+/// Amdahl's bound of removing `part` ms from a `whole` ms step.
+pub fn amdahl(whole: f64, part: f64) -> f64 {
+    if whole <= 0.0 || part <= 0.0 {
+        1.0
+    } else if part >= whole {
+        f64::INFINITY
+    } else {
+        whole / (whole - part)
+    }
+}
+
+/// Builds the report of a run from its steps. `profiler_ms` is the total time the profiler's
+/// observers spent; `peak_memory_bytes` the run's peak.
+pub fn build_report(
+    facts: &RunFacts,
+    steps: &[StepSample],
+    peak_memory_bytes: u64,
+    profiler_ms: f64,
+    config: &ProfConfig,
+) -> RunReport {
+    let first = steps.first().map_or(0, |s| s.step);
+    let mut measured: Vec<&StepSample> = steps.iter().filter(|s| s.step >= first + config.skip_steps).collect();
+    if measured.is_empty() {
+        measured = steps.iter().collect();
+    }
+    let mut timed: Vec<&StepSample> = measured.iter().copied().filter(|s| s.timed).collect();
+    if timed.is_empty() {
+        timed = measured.clone();
+    }
+    let n_timed = timed.len().max(1) as f64;
+    let mut phase_ms = [0.0; N_PHASES];
+    for sample in &timed {
+        for (sum, ms) in phase_ms.iter_mut().zip(sample.phases_ms) {
+            *sum += ms / n_timed;
+        }
+    }
+    let step_ms = timed.iter().map(|s| s.wall_ms).sum::<f64>() / n_timed;
+    let comm_total_ms = timed.iter().map(|s| s.comm_total_ms).sum::<f64>() / n_timed;
+    let (mean, std) = mean_std(measured.iter().map(|s| s.wall_ms));
+    let outlier_steps: Vec<u64> = measured
+        .iter()
+        .filter(|s| std > 0.0 && s.wall_ms > mean + config.outlier_sigma * std)
+        .map(|s| s.step)
+        .collect();
+    let wall_s: f64 = measured.iter().map(|s| s.wall_ms).sum::<f64>() / 1e3;
+    let tokens: u64 = measured.iter().map(|s| s.tokens).sum();
+    let tokens_per_s = if wall_s > 0.0 { tokens as f64 / wall_s } else { 0.0 };
+    let compute_ms: f64 = COMPUTE_PHASES.iter().map(|p| phase_ms[phase_index(p).expect("a phase")]).sum();
+    let effective_compute_ratio = if step_ms > 0.0 { compute_ms / step_ms } else { 0.0 };
+    let peak = facts.machine.peak_flops;
+    let model_flops_per_s = facts.model.flops_per_token * tokens_per_s;
+    let mfu = if peak > 0.0 { model_flops_per_s / peak } else { 0.0 };
+    let compute_mfu = if effective_compute_ratio > 0.0 { mfu / effective_compute_ratio } else { 0.0 };
+    let phases: BTreeMap<String, f64> =
+        PHASE_NAMES.iter().zip(phase_ms).map(|(name, ms)| (name.to_string(), ms)).collect();
+    let phase_shares =
+        phases.iter().map(|(name, ms)| (name.clone(), if step_ms > 0.0 { ms / step_ms } else { 0.0 })).collect();
+    let amdahl = REMOVABLE_PHASES.iter().map(|&p| (p.to_string(), amdahl(step_ms, phases[p]))).collect();
+    let mut report = RunReport {
+        name: facts.name.clone(),
+        steps_measured: measured.len() as u64,
+        steps_timed: timed.len() as u64,
+        step_ms,
+        step_ms_std: std,
+        tokens_per_s,
+        phases,
+        phase_shares,
+        comm_total_ms,
+        effective_compute_ratio,
+        mfu,
+        compute_mfu,
+        peak_memory_bytes,
+        outlier_steps,
+        amdahl,
+        profiler_overhead_ms: profiler_ms / steps.len().max(1) as f64,
+        findings: Vec::new(),
+        model: facts.model.clone(),
+        train: facts.train.clone(),
+        machine: facts.machine.clone(),
+    };
+    let measured_owned: Vec<StepSample> = measured.into_iter().cloned().collect();
+    report.findings = diagnose(&report, &measured_owned, config);
+    report
+}
+
+fn human_bytes(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else {
+        format!("{:.1} MB", b / 1e6)
+    }
+}
+
+/// Formats a bound: "1.25x", or "-" when unknown.
+pub fn format_bound(bound: Option<f64>) -> String {
+    match bound {
+        Some(b) if b.is_finite() => format!("{b:.2}x"),
+        Some(_) => "inf".into(),
+        None => "-".into(),
+    }
+}
+
+impl RunReport {
+    /// The report as the terminal shows it at the end of every run.
+    pub fn render_text(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "step report: {} steps measured ({} timed), {:.2} ms/step (std {:.2}), {:.0} tokens/s",
+            self.steps_measured, self.steps_timed, self.step_ms, self.step_ms_std, self.tokens_per_s
+        );
+        let _ = writeln!(out, "  {:<13} {:>10} {:>7} {:>9}", "phase", "ms/step", "share", "bound");
+        for name in PHASE_NAMES {
+            let ms = self.phases[name];
+            let bound = self.amdahl.get(name).map(|b| format_bound(Some(*b))).unwrap_or_default();
+            if ms == 0.0 && name != "data_wait" {
+                continue;
+            }
+            let _ = writeln!(out, "  {:<13} {:>10.2} {:>6.1}% {:>9}", name, ms, 100.0 * self.phase_shares[name], bound);
+        }
+        if self.comm_total_ms > 0.0 {
+            let _ = writeln!(
+                out,
+                "  {:<13} {:>10.2} (overlapped or not; not in the sum)",
+                "comm_total", self.comm_total_ms
+            );
+        }
+        let _ = writeln!(
+            out,
+            "  effective compute ratio {:.3} | MFU {:.2}% of {:.1} GFLOP/s ({} {}) | peak memory {}",
+            self.effective_compute_ratio,
+            100.0 * self.mfu,
+            self.machine.peak_flops / 1e9,
+            self.machine.device,
+            self.train.precision,
+            human_bytes(self.peak_memory_bytes)
+        );
+        let _ = writeln!(
+            out,
+            "  outlier steps (> mean + 3 sigma): {} | profiler overhead {:.3} ms/step ({:.2}%)",
+            self.outlier_steps.len(),
+            self.profiler_overhead_ms,
+            if self.step_ms > 0.0 { 100.0 * self.profiler_overhead_ms / self.step_ms } else { 0.0 }
+        );
+        if self.findings.is_empty() {
+            let _ = writeln!(out, "findings: none");
+        } else {
+            let _ = writeln!(out, "findings (largest bound first):");
+            for f in &self.findings {
+                let _ = writeln!(out, "  [{}] bound {} | {}", f.id, format_bound(f.bound), f.evidence);
+                let _ = writeln!(out, "      cause: {}", f.cause);
+                let _ = writeln!(out, "      fix:   {}", f.fix);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn facts() -> RunFacts {
+        RunFacts {
+            name: "t".into(),
+            model: ModelFacts {
+                n_layer: 2,
+                n_head: 2,
+                d_model: 64,
+                seq_len: 32,
+                vocab_size: 256,
+                n_params: 100_000,
+                flops_per_token: 6e5,
+            },
+            train: TrainFacts { micro_batch: 8, grad_accum: 1, precision: "bf16".into(), world_size: 1 },
+            machine: MachineFacts {
+                peak_flops: 1e12,
+                peak_flops_fp32: Some(2.5e11),
+                peak_flops_bf16: Some(1e12),
+                device: "cpu".into(),
+                memory_capacity_bytes: Some(1 << 34),
+            },
+        }
+    }
+
+    /// A step from (phase, ms) pairs; the wall time is their sum.
+    pub(crate) fn step(step: u64, parts: &[(&str, f64)]) -> StepSample {
+        let mut phases_ms = [0.0; N_PHASES];
+        for (name, ms) in parts {
+            phases_ms[phase_index(name).unwrap()] += ms;
+        }
+        StepSample {
+            step,
+            wall_ms: phases_ms.iter().sum(),
+            phases_ms,
+            comm_total_ms: 0.0,
+            tokens: 256,
+            loss: 1.0,
+            loss_scale: None,
+            timed: true,
+        }
+    }
+
+    #[test]
+    fn phases_sum_to_the_step_and_bounds_follow_amdahl() {
+        let steps: Vec<StepSample> = (1..=20)
+            .map(|i| step(i, &[("data_wait", 2.0), ("forward", 3.0), ("backward", 4.0), ("optimizer", 1.0)]))
+            .collect();
+        let report = build_report(&facts(), &steps, 1 << 20, 0.0, &ProfConfig::default());
+        let sum: f64 = report.phases.values().sum();
+        assert!((sum - report.step_ms).abs() < 1e-9);
+        assert_eq!(report.step_ms, 10.0);
+        assert_eq!(report.steps_measured, 19);
+        assert!((report.effective_compute_ratio - 0.8).abs() < 1e-12);
+        assert!((report.amdahl["data_wait"] - 10.0 / 8.0).abs() < 1e-12);
+        // 256 tokens per 10 ms = 25600 tokens/s; 6e5 FLOPs each over 1e12.
+        assert!((report.tokens_per_s - 25_600.0).abs() < 1e-6);
+        assert!((report.mfu - 25_600.0 * 6e5 / 1e12).abs() < 1e-12);
+        assert!(report.render_text().contains("data_wait"));
+    }
+
+    #[test]
+    fn untimed_steps_count_for_throughput_not_for_the_split() {
+        let mut steps: Vec<StepSample> = (1..=10).map(|i| step(i, &[("forward", 5.0), ("other", 5.0)])).collect();
+        for s in steps.iter_mut().filter(|s| s.step % 2 == 0) {
+            s.timed = false;
+            s.phases_ms = [0.0; N_PHASES];
+            s.phases_ms[phase_index("forward").unwrap()] = 10.0;
+        }
+        let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
+        assert_eq!(report.steps_timed, 4);
+        assert_eq!(report.phases["other"], 5.0);
+    }
+
+    #[test]
+    fn a_slow_step_is_an_outlier() {
+        let mut steps: Vec<StepSample> = (1..=200).map(|i| step(i, &[("forward", 10.0 + (i % 3) as f64)])).collect();
+        steps[150] = step(151, &[("forward", 40.0)]);
+        let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
+        assert_eq!(report.outlier_steps, vec![151]);
+    }
+}

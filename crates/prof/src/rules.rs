@@ -1,0 +1,339 @@
+//! Diagnosis rules over a step report: each has an id, a configurable threshold (`ProfConfig`), the
+//! evidence, the cause, the fix, and the bound on the gain (Amdahl: step / (step - removable time)).
+//!
+//! | id | fires when (default) | bound |
+//! |---|---|---|
+//! | `data_wait` | data_wait > 5% of step | step / (step - data_wait) |
+//! | `comm_exposed` | comm_exposed > 10% | step / (step - comm_exposed) |
+//! | `ckpt_stall` | ckpt_stall > 2% | step / (step - ckpt_stall) |
+//! | `low_compute_ratio` | (fwd + bwd + recompute + opt) / step < 70% | the non-compute time no other finding claims |
+//! | `memory_pressure` | peak memory > 90% of capacity | none (a risk, not a cost) |
+//! | `fp32_on_bf16_hardware` | fp32 run where bf16 peak ≥ 1.5x fp32 | compute phases sped up by the peak ratio |
+//! | `loss_scale_thrashing` | loss scale changes on > 5% of steps | step / (step - skipped steps' share) |
+//! | `step_outliers` | > 1% of steps beyond mean + 3 sigma | mean step / mean of the others |
+//! | `small_batch` | compute phases < 30% of peak and a micro-batch < 8192 tokens | compute phases at 30% of peak |
+
+use serde::{Deserialize, Serialize};
+
+use crate::report::{amdahl, ProfConfig, RunReport, StepSample, COMPUTE_PHASES};
+
+/// One diagnosis.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepFinding {
+    pub id: String,
+    /// The rule's threshold, in words ("> 5% of step").
+    pub threshold: String,
+    /// The measured value the threshold applies to.
+    pub value: f64,
+    /// The numbers behind the finding.
+    pub evidence: String,
+    pub cause: String,
+    pub fix: String,
+    /// Upper bound on the step's speed-up from acting on the finding; None for risks.
+    pub bound: Option<f64>,
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", 100.0 * x)
+}
+
+/// Runs every rule; findings come sorted by bound, largest first (risks without a bound last).
+pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -> Vec<StepFinding> {
+    let step = report.step_ms;
+    let share = |name: &str| report.phase_shares.get(name).copied().unwrap_or(0.0);
+    let ms = |name: &str| report.phases.get(name).copied().unwrap_or(0.0);
+    let mut findings = Vec::new();
+    let mut claimed_ms = 0.0;
+    let mut finding = |id: &str, threshold: String, value: f64, evidence: String, cause: &str, fix: &str, bound| {
+        findings.push(StepFinding {
+            id: id.into(),
+            threshold,
+            value,
+            evidence,
+            cause: cause.into(),
+            fix: fix.into(),
+            bound,
+        })
+    };
+
+    if share("data_wait") > config.data_wait_max {
+        claimed_ms += ms("data_wait");
+        finding(
+            "data_wait",
+            format!("> {} of step", pct(config.data_wait_max)),
+            share("data_wait"),
+            format!("data_wait {:.2} ms of {:.2} ms per step ({})", ms("data_wait"), step, pct(share("data_wait"))),
+            "the trainer waits for batches: the loader prepares them slower than the model consumes them",
+            "raise data.workers and data.prefetch (load ahead on more threads), move expensive per-sample work \
+             offline (stoke prep), or put the data on faster storage",
+            Some(amdahl(step, ms("data_wait"))),
+        );
+    }
+    if share("comm_exposed") > config.comm_exposed_max {
+        claimed_ms += ms("comm_exposed");
+        finding(
+            "comm_exposed",
+            format!("> {} of step", pct(config.comm_exposed_max)),
+            share("comm_exposed"),
+            format!(
+                "comm_exposed {:.2} ms per step ({}) of comm_total {:.2} ms",
+                ms("comm_exposed"),
+                pct(share("comm_exposed")),
+                report.comm_total_ms
+            ),
+            "the step waits for gradient communication that is not hidden behind backward",
+            "overlap buckets with backward (smaller buckets start earlier), accumulate more micro-batches per \
+             all-reduce, or compress gradients",
+            Some(amdahl(step, ms("comm_exposed"))),
+        );
+    }
+    if share("ckpt_stall") > config.ckpt_stall_max {
+        claimed_ms += ms("ckpt_stall");
+        finding(
+            "ckpt_stall",
+            format!("> {} of step", pct(config.ckpt_stall_max)),
+            share("ckpt_stall"),
+            format!(
+                "checkpointing stalls {:.2} ms per step on average ({})",
+                ms("ckpt_stall"),
+                pct(share("ckpt_stall"))
+            ),
+            "the loop waits while a checkpoint is written",
+            "checkpoint less often (ckpt.every) or write asynchronously (copy to host, persist in the background)",
+            Some(amdahl(step, ms("ckpt_stall"))),
+        );
+    }
+    if let (Some(fp32), Some(bf16)) = (report.machine.peak_flops_fp32, report.machine.peak_flops_bf16) {
+        let speedup = bf16 / fp32;
+        if report.train.precision == "fp32" && speedup >= config.bf16_speedup_min {
+            let compute: f64 = COMPUTE_PHASES.iter().map(|p| ms(p)).sum();
+            let saved = compute * (1.0 - 1.0 / speedup);
+            finding(
+                "fp32_on_bf16_hardware",
+                format!("fp32 run where the bf16 peak is >= {:.1}x fp32", config.bf16_speedup_min),
+                speedup,
+                format!(
+                    "measured peaks: bf16 {:.0} GFLOP/s, fp32 {:.0} GFLOP/s ({speedup:.1}x); compute phases {:.2} ms per step",
+                    bf16 / 1e9,
+                    fp32 / 1e9,
+                    compute
+                ),
+                "the run multiplies matrices in fp32 on hardware with faster bf16 units",
+                "set train.precision = \"bf16\" (bf16 matrix multiplies, fp32 master weights)",
+                Some(amdahl(step, saved)),
+            );
+        }
+    }
+    let scales: Vec<f64> = steps.iter().filter_map(|s| s.loss_scale).collect();
+    if scales.len() > 1 {
+        let changes = scales.windows(2).filter(|w| w[0] != w[1]).count();
+        let decreases = scales.windows(2).filter(|w| w[1] < w[0]).count();
+        let rate = changes as f64 / (scales.len() - 1) as f64;
+        if rate > config.loss_scale_changes_max {
+            let skipped = decreases as f64 / scales.len() as f64;
+            finding(
+                "loss_scale_thrashing",
+                format!("loss scale changes on > {} of steps", pct(config.loss_scale_changes_max)),
+                rate,
+                format!("{changes} changes in {} steps, {decreases} of them overflows (skipped steps)", scales.len()),
+                "the dynamic loss scale keeps overflowing and growing back; every overflow wastes a step",
+                "use bf16 (no loss scale needed), or lengthen the growth interval / lower the initial scale",
+                Some(1.0 / (1.0 - skipped).max(1e-9)),
+            );
+        }
+    }
+    let n = report.steps_measured.max(1) as f64;
+    let outlier_share = report.outlier_steps.len() as f64 / n;
+    if outlier_share > config.outlier_fraction_max {
+        let outliers: std::collections::BTreeSet<u64> = report.outlier_steps.iter().copied().collect();
+        let (mut all, mut rest, mut n_rest) = (0.0, 0.0, 0usize);
+        for s in steps {
+            all += s.wall_ms;
+            if !outliers.contains(&s.step) {
+                rest += s.wall_ms;
+                n_rest += 1;
+            }
+        }
+        let mean_all = all / steps.len().max(1) as f64;
+        let mean_rest = rest / n_rest.max(1) as f64;
+        let shown: Vec<String> = report.outlier_steps.iter().take(8).map(u64::to_string).collect();
+        finding(
+            "step_outliers",
+            format!("> {} of steps beyond mean + {} sigma", pct(config.outlier_fraction_max), config.outlier_sigma),
+            outlier_share,
+            format!(
+                "{} of {} steps (steps {}{}) exceed {:.2} ms + {}·{:.2} ms",
+                report.outlier_steps.len(),
+                report.steps_measured,
+                shown.join(", "),
+                if report.outlier_steps.len() > 8 { ", ..." } else { "" },
+                mean_all,
+                config.outlier_sigma,
+                report.step_ms_std
+            ),
+            "some steps are much slower than the rest: other processes on the machine, page faults, allocator \
+             growth, garbage in the data pipeline, or periodic work (logging, evaluation)",
+            "open trace.json at the outlier steps and see which phase grew; pin threads (train.threads) and keep \
+             the machine to this run",
+            Some(if mean_rest > 0.0 { mean_all / mean_rest } else { 1.0 }),
+        );
+    }
+    let tokens_per_micro_batch = (report.train.micro_batch * report.model.seq_len) as u64;
+    if report.compute_mfu > 0.0
+        && report.compute_mfu < config.batch_mfu_min
+        && tokens_per_micro_batch < config.batch_tokens_small
+    {
+        let compute: f64 = COMPUTE_PHASES.iter().map(|p| ms(p)).sum();
+        let saved = compute * (1.0 - report.compute_mfu / config.batch_mfu_min);
+        claimed_ms += 0.0;
+        finding(
+            "small_batch",
+            format!(
+                "compute phases < {} of peak and < {} tokens per micro-batch",
+                pct(config.batch_mfu_min),
+                config.batch_tokens_small
+            ),
+            report.compute_mfu,
+            format!(
+                "the compute phases run at {} of peak with {} tokens per micro-batch ({} x {})",
+                pct(report.compute_mfu),
+                tokens_per_micro_batch,
+                report.train.micro_batch,
+                report.model.seq_len
+            ),
+            "the matrices are too small to keep the device's arithmetic units busy; fixed per-operation costs dominate",
+            "raise train.micro_batch (and lower train.grad_accum to keep the global batch), or train a wider model",
+            Some(amdahl(step, saved)),
+        );
+    }
+    if report.effective_compute_ratio < config.compute_ratio_min {
+        let compute: f64 = COMPUTE_PHASES.iter().map(|p| ms(p)).sum();
+        // The umbrella rule claims only what the specific rules above did not, so that it never
+        // outranks the finding that names the real cause.
+        let unclaimed = (step - compute - claimed_ms).max(0.0);
+        let mut parts: Vec<(String, f64)> = report
+            .phases
+            .iter()
+            .filter(|(name, ms)| !COMPUTE_PHASES.contains(&name.as_str()) && **ms > 0.0)
+            .map(|(name, ms)| (name.clone(), *ms))
+            .collect();
+        parts.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let listed: Vec<String> = parts.iter().map(|(name, ms)| format!("{name} {ms:.2} ms")).collect();
+        finding(
+            "low_compute_ratio",
+            format!("effective compute ratio < {}", pct(config.compute_ratio_min)),
+            report.effective_compute_ratio,
+            format!(
+                "compute {:.2} of {:.2} ms per step ({}); the rest: {}",
+                compute,
+                step,
+                pct(report.effective_compute_ratio),
+                listed.join(", ")
+            ),
+            "the step spends too much time outside the model's arithmetic",
+            "act on the other findings first; what remains (h2d, other: Python-free framework overhead, \
+             synchronization, logging) shrinks with larger micro-batches and less frequent logging (train.log_every)",
+            Some(amdahl(step, unclaimed)),
+        );
+    }
+    if let Some(capacity) = report.machine.memory_capacity_bytes.filter(|&c| c > 0) {
+        let used = report.peak_memory_bytes as f64 / capacity as f64;
+        if used > config.memory_max {
+            finding(
+                "memory_pressure",
+                format!("peak memory > {} of capacity", pct(config.memory_max)),
+                used,
+                format!("peak {} of {} bytes ({})", report.peak_memory_bytes, capacity, pct(used)),
+                "the run is close to running out of memory; allocator retries and fragmentation slow steps first",
+                "lower train.micro_batch and raise train.grad_accum, recompute activations, or shard optimizer state",
+                None,
+            );
+        }
+    }
+    findings.sort_by(|a, b| b.bound.unwrap_or(0.0).total_cmp(&a.bound.unwrap_or(0.0)));
+    findings
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::build_report;
+    use crate::report::tests::{facts, step};
+
+    /// Builds a run of 50 identical steps and returns the ids of the findings, in order.
+    fn check(parts: &[(&str, f64)], tweak: impl Fn(&mut crate::RunFacts), expected: &[&str]) {
+        let mut facts = facts();
+        tweak(&mut facts);
+        let steps: Vec<StepSample> = (1..=50).map(|i| step(i, parts)).collect();
+        let report = build_report(&facts, &steps, 1 << 20, 0.0, &ProfConfig::default());
+        let ids: Vec<&str> = report.findings.iter().map(|f| f.id.as_str()).collect();
+        assert_eq!(ids, expected, "{}", report.render_text());
+    }
+
+    // A large batch so the small_batch rule stays out of the way unless asked for.
+    fn big(facts: &mut crate::RunFacts) {
+        facts.train.micro_batch = 1024;
+    }
+
+    #[test]
+    fn balanced_steps_raise_nothing() {
+        check(&[("data_wait", 0.1), ("forward", 3.0), ("backward", 6.0), ("optimizer", 1.0), ("other", 0.2)], big, &[]);
+    }
+
+    #[test]
+    fn data_starvation_is_the_top_finding() {
+        check(
+            &[("data_wait", 10.0), ("forward", 3.0), ("backward", 6.0), ("optimizer", 1.0), ("other", 0.5)],
+            big,
+            &["data_wait", "low_compute_ratio"],
+        );
+    }
+
+    #[test]
+    fn each_rule_fires_on_its_own_evidence() {
+        let compute = [("forward", 3.0), ("backward", 6.0), ("optimizer", 1.0)];
+        let with = |extra: (&'static str, f64)| -> Vec<(&'static str, f64)> {
+            compute.iter().copied().chain(std::iter::once(extra)).collect()
+        };
+        check(&with(("comm_exposed", 2.0)), big, &["comm_exposed"]);
+        check(&with(("ckpt_stall", 0.5)), big, &["ckpt_stall"]);
+        check(&with(("other", 6.0)), big, &["low_compute_ratio"]);
+        check(
+            &compute,
+            |f| {
+                big(f);
+                f.train.precision = "fp32".into();
+            },
+            &["fp32_on_bf16_hardware"],
+        );
+        check(
+            &compute,
+            |f| {
+                big(f);
+                f.machine.memory_capacity_bytes = Some(1 << 20);
+            },
+            &["memory_pressure"],
+        );
+        // 10 ms steps of 256 tokens at 6e5 FLOPs each over a 1e12 peak: far below 30% of peak.
+        check(&compute, |_| {}, &["small_batch"]);
+    }
+
+    #[test]
+    fn thrashing_loss_scale_and_outliers() {
+        let mut steps: Vec<StepSample> =
+            (1..=200).map(|i| step(i, &[("forward", 5.0 + (i % 2) as f64), ("backward", 5.0)])).collect();
+        for s in steps.iter_mut() {
+            s.loss_scale = Some(if s.step % 4 == 0 { 1024.0 } else { 2048.0 });
+        }
+        for i in [50, 120, 170] {
+            steps[i].phases_ms[crate::phase_index("other").unwrap()] = 30.0;
+            steps[i].wall_ms += 30.0;
+        }
+        let mut facts = facts();
+        big(&mut facts);
+        let report = build_report(&facts, &steps, 0, 0.0, &ProfConfig::default());
+        let ids: Vec<&str> = report.findings.iter().map(|f| f.id.as_str()).collect();
+        assert!(ids.contains(&"loss_scale_thrashing") && ids.contains(&"step_outliers"), "{ids:?}");
+        assert_eq!(report.outlier_steps, vec![51, 121, 171]);
+    }
+}
