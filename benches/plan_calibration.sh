@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Calibrates `stoke plan` on this machine and checks it on runs held out of the fit.
 #
-# Trains fifteen shapes of short fp32 runs on the CPU, ROUNDS times each (default 3), takes each
+# Trains sixteen shapes of short fp32 runs on the CPU, ROUNDS times each (default 3), takes each
 # shape's median step time (report.json's step_ms) over its rounds, fits the efficiencies on ten
-# shapes, and prints predicted against measured step time for the other five.
+# shapes, and prints predicted against measured step time for the other six (one of them the
+# "small" preset, whose 256-token sequence no calibration shape has).
 # Runs use one libtorch thread under the real-time FIFO scheduler (`chrt -f`, needs root; else
 # `nice -n -10`, else plain): on the 2-core development machine, shared with other builds, a run at
 # normal priority measured steps 2x slower and 3x more spread than the same run holding one core
@@ -58,6 +59,7 @@ HELD_OUT=(
     "plan-cal-i model.n_layer=6 train.micro_batch=16"
     "plan-cal-n model.n_layer=2 model.d_model=448 model.n_head=7 train.micro_batch=8 train.grad_accum=2"
     "plan-cal-o model.n_layer=5 model.d_model=192 model.n_head=3 train.micro_batch=16"
+    "plan-cal-p model.preset=small train.micro_batch=4"
 )
 
 ROUNDS=${ROUNDS:-3}

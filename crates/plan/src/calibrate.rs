@@ -110,7 +110,11 @@ impl MeasuredRun {
             return Err(format!("machine.peak_flops must be positive; got {}", report.machine.peak_flops));
         }
         let m = &report.model;
-        let model = ModelConfig::gpt(m.n_layer, m.d_model, m.n_head, m.seq_len, m.vocab_size);
+        // stoke's GPT: nanoGPT's shape, attention through scaled_dot_product_attention.
+        let model = ModelConfig {
+            flash_attention: true,
+            ..ModelConfig::gpt(m.n_layer, m.d_model, m.n_head, m.seq_len, m.vocab_size)
+        };
         model.validate().map_err(|err| err.to_string())?;
         let train = &report.train;
         if train.micro_batch == 0 || train.grad_accum == 0 || train.world_size == 0 {

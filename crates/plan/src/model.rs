@@ -33,6 +33,11 @@ pub struct ModelConfig {
     pub tied_embeddings: bool,
     /// Linear layers and norms carry biases (GPT-2 yes, LLaMA no). Default true.
     pub biases: bool,
+    /// Attention runs as one fused kernel (FlashAttention; PyTorch's scaled_dot_product_attention,
+    /// which stoke's model calls) that keeps no s x s matrices and recomputes the scores in the
+    /// backward. False is Korthikanti et al.'s accounting, Megatron-LM's unfused attention.
+    /// Default false; true in the presets.
+    pub flash_attention: bool,
 }
 
 impl Default for ModelConfig {
@@ -59,6 +64,7 @@ impl ModelConfig {
             learned_positions: true,
             tied_embeddings: true,
             biases: true,
+            flash_attention: false,
         }
     }
 
@@ -82,19 +88,21 @@ impl ModelConfig {
             learned_positions: false,
             tied_embeddings: false,
             biases: false,
+            flash_attention: true,
         }
     }
 
-    /// A named model. tiny, small and gpt2-124m are stoke's own presets (the shapes `stoke train`
+    /// A named model, with fused attention. tiny, small and gpt2-124m are stoke's own presets (the shapes `stoke train`
     /// knows); gpt3-175b is Brown et al. (2020), Table 2.1; llama-7b and llama-13b are Touvron et
     /// al. (2023), Table 2 (sequence 2048); llama-70b is Llama 2 70B (grouped-query attention with
     /// 8 key/value heads, sequence 4096).
     pub fn preset(name: &str) -> Result<ModelConfig, PlanError> {
+        let fused = |model: ModelConfig| ModelConfig { flash_attention: true, ..model };
         Ok(match name {
-            "tiny" => ModelConfig::gpt(4, 256, 4, 128, 256),
-            "small" => ModelConfig::gpt(6, 384, 6, 256, 256),
-            "gpt2-124m" => ModelConfig::gpt(12, 768, 12, 1024, 50304),
-            "gpt3-175b" => ModelConfig::gpt(96, 12288, 96, 2048, 50257),
+            "tiny" => fused(ModelConfig::gpt(4, 256, 4, 128, 256)),
+            "small" => fused(ModelConfig::gpt(6, 384, 6, 256, 256)),
+            "gpt2-124m" => fused(ModelConfig::gpt(12, 768, 12, 1024, 50304)),
+            "gpt3-175b" => fused(ModelConfig::gpt(96, 12288, 96, 2048, 50257)),
             "llama-7b" => ModelConfig::llama(32, 4096, 32, 0, 11008, 2048),
             "llama-13b" => ModelConfig::llama(40, 5120, 40, 0, 13824, 2048),
             "llama-70b" => ModelConfig::llama(80, 8192, 64, 8, 28672, 4096),
@@ -225,7 +233,8 @@ pub struct LayerActivations {
     pub split_bytes: f64,
     /// Bytes plain tensor parallelism keeps on every rank (10·s·b·h); sequence parallelism splits them.
     pub replicated_bytes: f64,
-    /// Bytes of the attention core: softmax, its dropout mask and output, 5·a·s²·b.
+    /// Bytes of the attention core: softmax, its dropout mask and output, 5·a·s²·b (0 when the
+    /// attention is fused).
     pub attention_core_bytes: f64,
     /// Bytes of the block's input, 2·s·b·h, all that full recomputation keeps.
     pub input_bytes: f64,
@@ -252,7 +261,8 @@ impl ModelConfig {
         LayerActivations {
             split_bytes: split,
             replicated_bytes: replicated,
-            attention_core_bytes: 5.0 * a * s * s * b,
+            // A fused kernel keeps only per-row softmax statistics, negligible beside s·b·h.
+            attention_core_bytes: if self.flash_attention { 0.0 } else { 5.0 * a * s * s * b },
             input_bytes: 2.0 * sbh,
         }
     }

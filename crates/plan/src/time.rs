@@ -111,10 +111,14 @@ pub fn stage_flops_per_micro_batch(model: &ModelConfig, layout: &Layout, stage: 
     let b = layout.micro_batch;
     let layers = (model.n_layer / layout.pipeline) as f64;
     let forward = model.layer_forward_flops(b);
+    // Fused attention recomputes the scores in its backward, whatever the policy; selective
+    // recomputation of unfused attention does the same by hand.
+    let core = model.attention_core_forward_flops(b);
+    let fused = if model.flash_attention { core } else { 0.0 };
     let recompute = match layout.recompute {
-        Recompute::None => 0.0,
-        Recompute::Selective => model.attention_core_forward_flops(b),
-        Recompute::Full => forward,
+        Recompute::None => fused,
+        Recompute::Selective => core,
+        Recompute::Full => forward + fused,
     };
     let mut flops = layers * (3.0 * forward + recompute);
     if stage == Stage::Last || layout.pipeline == 1 {
