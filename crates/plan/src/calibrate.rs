@@ -121,6 +121,10 @@ impl MeasuredRun {
             return Err("train.micro_batch, grad_accum and world_size must be positive".into());
         }
         let mut cluster = ClusterConfig { n_devices: train.world_size, ..cluster.clone() };
+        if report.machine.device == "cpu" {
+            // Processes of a CPU run share one machine: their collectives stay inside the node.
+            cluster.devices_per_node = cluster.devices_per_node.max(train.world_size);
+        }
         match train.precision {
             Precision::Fp32 => cluster.peak_flops_fp32 = report.machine.peak_flops,
             Precision::Bf16 => cluster.peak_flops_bf16 = report.machine.peak_flops,
