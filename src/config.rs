@@ -19,6 +19,7 @@ pub struct StokeConfig {
     pub train: TrainConfig,
     pub data: DataConfig,
     pub ckpt: CkptConfig,
+    pub prof: stoke_prof::ProfConfig,
 }
 
 /// `[run]`: naming and placement.
@@ -206,6 +207,9 @@ impl StokeConfig {
             other => ConfigError::Invalid { key: "?".into(), message: other.to_string() },
         };
         self.train.validate().map_err(invalid)?;
+        self.prof
+            .validate()
+            .map_err(|(key, message)| ConfigError::Invalid { key: format!("prof.{key}"), message })?;
         self.model.shape().map_err(invalid)?;
         stoke_train::parse_device(&self.run.device).map_err(invalid)?;
         if self.run.dir.is_empty() {

@@ -4,6 +4,7 @@
 mod cli;
 mod config;
 mod observe;
+mod profiler;
 
 use std::process::ExitCode;
 

@@ -1,11 +1,12 @@
-//! Observers of training events: the metrics file, the progress bar and the end-of-run report.
+//! Observers of training events: the metrics file and the progress bar (the profiler is in
+//! `profiler.rs`).
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use anyhow::Context;
-use stoke_train::{Observer, ObserverError, Phase, PhaseTimes, RunInfo, TrainEvent};
+use stoke_train::{Observer, ObserverError, TrainEvent};
 
 /// `metrics.jsonl`: one JSON object per logged step, flushed as it is written so an interrupted
 /// run keeps every line it reported.
@@ -98,60 +99,5 @@ impl Observer for Progress {
             TrainEvent::Finished(_) => {}
         }
         Ok(())
-    }
-}
-
-/// Mean time per phase over the run, printed at the end.
-#[derive(Default)]
-pub struct StepReport {
-    info: Option<RunInfo>,
-    sum: PhaseTimes,
-    wall_ms: f64,
-    n_steps: u64,
-}
-
-impl Observer for StepReport {
-    fn on_event(&mut self, event: &TrainEvent<'_>) -> Result<(), ObserverError> {
-        match event {
-            TrainEvent::Started(info) => self.info = Some((*info).clone()),
-            // The first step pays one-time costs (allocator warm-up, lazy initialization); leave
-            // it out of the steady-state figures.
-            TrainEvent::Step(record) if self.info.as_ref().is_some_and(|i| record.step > i.start_step + 1) => {
-                for (phase, ms) in record.phases.iter() {
-                    self.sum.add(phase, ms);
-                }
-                self.wall_ms += record.wall_ms;
-                self.n_steps += 1;
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-}
-
-impl StepReport {
-    pub fn print(&self) {
-        let Some(info) = &self.info else { return };
-        if self.n_steps == 0 {
-            return;
-        }
-        let n = self.n_steps as f64;
-        let step_ms = self.wall_ms / n;
-        println!("\nstep report ({} steps, first step excluded): {step_ms:.1} ms/step", self.n_steps);
-        let compute: f64 = self.sum.iter().filter(|(p, _)| p.is_compute()).map(|(_, ms)| ms).sum::<f64>() / n;
-        for (phase, ms) in self.sum.iter() {
-            let ms = ms / n;
-            if ms == 0.0 && !matches!(phase, Phase::DataWait) {
-                continue;
-            }
-            println!("  {:<13} {:>9.2} ms  {:>5.1}%", phase.name(), ms, 100.0 * ms / step_ms);
-        }
-        let tokens_per_s = info.tokens_per_step as f64 / (step_ms / 1e3);
-        println!(
-            "  effective compute ratio {:.3} | {:.0} tokens/s | {:.2} GFLOP/s of model math",
-            compute / step_ms,
-            tokens_per_s,
-            info.shape.flops_per_token() * tokens_per_s / 1e9
-        );
     }
 }

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod config;
 mod corpus;
+mod doctor;
 mod plan;
 mod prep;
 mod trace;
@@ -27,6 +28,9 @@ pub struct Cli {
 pub enum Command {
     /// Train a model (the default: the tiny GPT on the built-in corpus).
     Train(train::TrainArgs),
+    /// Profile a short run of a configuration: where each step's milliseconds go, what to change
+    /// and what it can gain (findings sorted by bound); `--sweep key=a,b,c` names the best value.
+    Doctor(doctor::DoctorArgs),
     /// Print the resolved configuration, or every key with its default (`--defaults`).
     Config(config::ConfigCmdArgs),
     /// Write the built-in corpus to a file (for peers and other tools).
@@ -42,6 +46,7 @@ pub enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Train(args) => train::run(args),
+        Command::Doctor(args) => doctor::run(args),
         Command::Config(args) => config::run(args),
         Command::Corpus(args) => corpus::run(args),
         Command::Plan(args) => plan::run(args),

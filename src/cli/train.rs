@@ -12,7 +12,8 @@ use stoke_train::{CheckpointTarget, Observer, Trainer};
 
 use super::UsageError;
 use crate::config::StokeConfig;
-use crate::observe::{MetricsWriter, Progress, StepReport};
+use crate::observe::{MetricsWriter, Progress};
+use crate::profiler::{Peaks, Profiler};
 
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
@@ -58,7 +59,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let run_dir = prepare_run_dir(&mut config, args.resume)?;
     let stop = Arc::new(AtomicBool::new(false));
     install_interrupt_handler(stop.clone());
-    let summary = train(&config, &run_dir, args.resume, !args.quiet, &stop)?;
+    let (summary, _report) = train(&config, &run_dir, args.resume, !args.quiet, &stop)?;
     println!(
         "\n{} {} steps in {:.1}s | {:.0} tokens/s | loss: first {:.4}, final {:.4}, best {:.4} | run: {}",
         if summary.interrupted { "interrupted after" } else { "done:" },
@@ -74,7 +75,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// Picks the run's name and folder, and writes the resolved config there.
-fn prepare_run_dir(config: &mut StokeConfig, resume: bool) -> anyhow::Result<PathBuf> {
+pub(super) fn prepare_run_dir(config: &mut StokeConfig, resume: bool) -> anyhow::Result<PathBuf> {
     let runs = PathBuf::from(&config.run.dir);
     if config.run.name.is_empty() {
         config.run.name = if resume {
@@ -123,7 +124,7 @@ fn most_recent_run(runs: &Path) -> anyhow::Result<Option<String>> {
 }
 
 /// `YYYYmmdd-HHMMSS` in UTC, from the civil-from-days algorithm (Howard Hinnant).
-fn timestamp() -> String {
+pub(super) fn timestamp() -> String {
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
     let z = days + 719_468;
@@ -138,7 +139,7 @@ fn timestamp() -> String {
     format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
-fn install_interrupt_handler(stop: Arc<AtomicBool>) {
+pub(super) fn install_interrupt_handler(stop: Arc<AtomicBool>) {
     // The first Ctrl-C finishes the current step and checkpoints; a second one exits at once.
     let _ = ctrlc::set_handler(move || {
         if stop.swap(true, Ordering::SeqCst) {
@@ -160,17 +161,21 @@ pub fn batch_source(config: &StokeConfig) -> anyhow::Result<Box<dyn BatchSource>
     Ok(Box::new(source))
 }
 
-/// Runs the configured training in `run_dir`, with the metrics file, the step report and (if
-/// `progress`) the progress bar as observers.
+/// Runs the configured training in `run_dir`, with the metrics file, the profiler (trace.json,
+/// /metrics, report.json, report.html; the step report is printed at the end) and (if `progress`)
+/// the progress bar as observers. Returns the run's summary and its step report.
 pub fn train(
     config: &StokeConfig,
     run_dir: &Path,
     resume: bool,
     progress: bool,
     stop: &AtomicBool,
-) -> anyhow::Result<stoke_train::Summary> {
+) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>)> {
     let device = stoke_train::parse_device(&config.run.device)?;
     let mut trainer = Trainer::new(&config.model, &config.train, &config.ckpt, device)?;
+    trainer.set_sync_every(config.prof.sync_every);
+    // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
+    let peaks = Peaks::measure(device, Path::new(&config.run.dir))?;
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
     let mut source = batch_source(config)?;
     if resume {
@@ -181,12 +186,15 @@ pub fn train(
     let meta = serde_json::json!({ "config_toml": config.to_toml() });
     let target = CheckpointTarget { store, meta };
     let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resume)?;
-    let mut report = StepReport::default();
+    let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks)?;
     let mut bar = Progress::new(progress);
-    let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut report, &mut bar];
+    let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut profiler, &mut bar];
     let summary = trainer.run(source.as_mut(), &mut observers, Some(&target), stop)?;
     drop(observers);
     bar.finish();
-    report.print();
-    Ok(summary)
+    let report = profiler.finish()?;
+    if let Some(report) = &report {
+        println!("\n{}", report.render_text());
+    }
+    Ok((summary, report))
 }

@@ -29,6 +29,8 @@ pub struct LiveMetrics {
     steps: Counter,
     tokens: Counter,
     phase_seconds: Family<Vec<(String, String)>, FloatCounter>,
+    /// One counter per phase, looked up once so that a step costs no label hashing.
+    phase_counters: Vec<FloatCounter>,
     comm_seconds: FloatCounter,
     step_seconds: FloatGauge,
     loss: FloatGauge,
@@ -52,6 +54,7 @@ impl LiveMetrics {
             steps: Counter::default(),
             tokens: Counter::default(),
             phase_seconds: Family::default(),
+            phase_counters: Vec::new(),
             comm_seconds: FloatCounter::default(),
             step_seconds: FloatGauge::default(),
             loss: FloatGauge::default(),
@@ -81,15 +84,19 @@ impl LiveMetrics {
         );
         registry.register("stoke_mfu", "Model FLOPs utilization of the last step", m.mfu.clone());
         registry.register("stoke_memory_peak_bytes", "Peak memory of the run so far", m.memory_peak.clone());
-        LiveMetrics { registry, ..m }
+        let phase_counters = PHASE_NAMES
+            .iter()
+            .map(|name| m.phase_seconds.get_or_create(&vec![("phase".to_string(), name.to_string())]).clone())
+            .collect();
+        LiveMetrics { registry, phase_counters, ..m }
     }
 
     /// Records one step. `flops_per_token` and `peak_flops` give the MFU gauge.
     pub fn observe(&self, sample: &StepSample, lr: f64, flops_per_token: f64, peak_flops: f64) {
         self.steps.inc();
         self.tokens.inc_by(sample.tokens);
-        for (name, ms) in PHASE_NAMES.iter().zip(sample.phases_ms) {
-            self.phase_seconds.get_or_create(&vec![("phase".to_string(), name.to_string())]).inc_by(ms / 1e3);
+        for (counter, ms) in self.phase_counters.iter().zip(sample.phases_ms) {
+            counter.inc_by(ms / 1e3);
         }
         self.comm_seconds.inc_by(sample.comm_total_ms / 1e3);
         self.step_seconds.set(sample.wall_ms / 1e3);

@@ -17,6 +17,12 @@ pub enum TrainError {
     CheckpointMismatch { path: PathBuf, message: String },
     #[error("observer: {0}")]
     Observer(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 }

@@ -1,0 +1,220 @@
+//! The profiler observer: turns each `StepRecord` into a `stoke_prof::StepSample`, streams
+//! `trace.json`, updates the Prometheus registry behind `/metrics`, tracks peak memory, and at the
+//! end writes `report.json` and `report.html` and prints the step report. The analysis itself lives
+//! in `stoke-prof`; this is the glue between the trainer's events and it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use stoke_prof::{
+    build_report, render_html, ChromeTraceWriter, LiveMetrics, MachineFacts, MetricsServer, ModelFacts, ProfConfig,
+    RunFacts, RunReport, StepSample, TrainFacts, N_PHASES,
+};
+use stoke_train::{Observer, ObserverError, Phase, Precision, RunInfo, TrainEvent};
+
+/// The machine's measured matmul peaks (FLOP/s) for the run's device and threads.
+#[derive(Debug, Clone, Copy)]
+pub struct Peaks {
+    pub fp32: f64,
+    pub bf16: f64,
+}
+
+impl Peaks {
+    /// Measures (once per machine, device and thread count; cached in `runs_dir`) both peaks.
+    pub fn measure(device: tch::Device, runs_dir: &Path) -> anyhow::Result<Peaks> {
+        let fp32 = stoke_train::matmul_peak_flops_cached(Precision::Fp32, device, runs_dir)?;
+        let bf16 = stoke_train::matmul_peak_flops_cached(Precision::Bf16, device, runs_dir)?;
+        Ok(Peaks { fp32, bf16 })
+    }
+}
+
+fn precision_name(precision: Precision) -> &'static str {
+    match precision {
+        Precision::Fp32 => "fp32",
+        Precision::Bf16 => "bf16",
+    }
+}
+
+/// Converts the trainer's phases (its own enum) to the profiler's array, by name.
+fn sample_of(record: &stoke_train::StepRecord) -> StepSample {
+    let mut phases_ms = [0.0; N_PHASES];
+    for phase in Phase::ALL {
+        if let Some(i) = stoke_prof::phase_index(phase.name()) {
+            phases_ms[i] += record.phases.get(phase);
+        }
+    }
+    StepSample {
+        step: record.step,
+        wall_ms: record.wall_ms,
+        phases_ms,
+        comm_total_ms: record.comm_total_ms,
+        tokens: record.tokens,
+        loss: record.loss,
+        loss_scale: None,
+        timed: record.timed,
+    }
+}
+
+pub struct Profiler {
+    config: ProfConfig,
+    run_dir: PathBuf,
+    name: String,
+    peaks: Peaks,
+    facts: Option<RunFacts>,
+    device: Option<tch::Device>,
+    steps: Vec<StepSample>,
+    trace: Option<ChromeTraceWriter>,
+    metrics: Arc<LiveMetrics>,
+    server: Option<MetricsServer>,
+    run_start: Option<Instant>,
+    peak_memory_bytes: u64,
+    /// Time spent inside this observer, the profiler's own cost.
+    spent_ms: f64,
+}
+
+impl Profiler {
+    /// Opens the outputs in `run_dir` and starts `/metrics` when enabled. A port that is taken is a
+    /// warning, not a failure: the run matters more than its live metrics.
+    pub fn new(config: &ProfConfig, run_dir: &Path, name: &str, peaks: Peaks) -> anyhow::Result<Profiler> {
+        let metrics = Arc::new(LiveMetrics::new());
+        let mut server = None;
+        if config.enabled && config.prometheus {
+            match MetricsServer::start(&config.prometheus_host, config.prometheus_port, Arc::clone(&metrics)) {
+                Ok(started) => {
+                    let addr = started.addr();
+                    std::fs::write(run_dir.join("metrics.addr"), format!("{addr}\n"))
+                        .with_context(|| format!("cannot write {}", run_dir.join("metrics.addr").display()))?;
+                    eprintln!("metrics: http://{addr}/metrics");
+                    server = Some(started);
+                }
+                Err(err) => eprintln!(
+                    "warning: no /metrics endpoint: cannot listen on {}:{} ({err}); set prof.prometheus_port",
+                    config.prometheus_host, config.prometheus_port
+                ),
+            }
+        }
+        let trace = if config.enabled && config.trace {
+            let path = run_dir.join("trace.json");
+            Some(ChromeTraceWriter::create(&path, 0).with_context(|| format!("cannot write {}", path.display()))?)
+        } else {
+            None
+        };
+        Ok(Profiler {
+            config: config.clone(),
+            run_dir: run_dir.to_path_buf(),
+            name: name.to_string(),
+            peaks,
+            facts: None,
+            device: None,
+            steps: Vec::new(),
+            trace,
+            metrics,
+            server,
+            run_start: None,
+            peak_memory_bytes: 0,
+            spent_ms: 0.0,
+        })
+    }
+
+    fn started(&mut self, info: &RunInfo) {
+        let shape = info.shape;
+        let device = if info.device.is_cuda() { "cuda" } else { "cpu" };
+        let peak = match info.precision {
+            Precision::Fp32 => self.peaks.fp32,
+            Precision::Bf16 => self.peaks.bf16,
+        };
+        self.facts = Some(RunFacts {
+            name: self.name.clone(),
+            model: ModelFacts {
+                n_layer: shape.n_layer,
+                n_head: shape.n_head,
+                d_model: shape.d_model,
+                seq_len: shape.seq_len,
+                vocab_size: shape.vocab_size,
+                n_params: info.n_params,
+                flops_per_token: shape.flops_per_token(),
+            },
+            train: TrainFacts {
+                micro_batch: info.micro_batch,
+                grad_accum: info.grad_accum,
+                precision: precision_name(info.precision).into(),
+                world_size: 1,
+            },
+            machine: MachineFacts {
+                peak_flops: peak,
+                peak_flops_fp32: Some(self.peaks.fp32),
+                peak_flops_bf16: Some(self.peaks.bf16),
+                device: device.into(),
+                memory_capacity_bytes: stoke_train::memory_capacity_bytes(info.device),
+            },
+        });
+        self.device = Some(info.device);
+        self.run_start = Some(Instant::now());
+    }
+
+    fn step(&mut self, record: &stoke_train::StepRecord) -> std::io::Result<()> {
+        let sample = sample_of(record);
+        if let Some(device) = self.device {
+            let in_use = stoke_train::memory_in_use_bytes(device).unwrap_or(0);
+            self.peak_memory_bytes = self.peak_memory_bytes.max(in_use);
+            self.metrics.set_memory_peak(self.peak_memory_bytes);
+        }
+        if let Some(facts) = &self.facts {
+            self.metrics.observe(&sample, record.lr, facts.model.flops_per_token, facts.machine.peak_flops);
+        }
+        if let (Some(trace), Some(start)) = (&mut self.trace, self.run_start) {
+            // The record arrives as its step ends: the step began wall_ms earlier.
+            let start_us = start.elapsed().as_secs_f64() * 1e6 - record.wall_ms * 1e3;
+            trace.step(start_us.max(0.0), &sample)?;
+        }
+        self.steps.push(sample);
+        Ok(())
+    }
+
+    /// The report of the run so far (None before the first step).
+    pub fn report(&self) -> Option<RunReport> {
+        let facts = self.facts.as_ref()?;
+        if self.steps.is_empty() {
+            return None;
+        }
+        Some(build_report(facts, &self.steps, self.peak_memory_bytes, self.spent_ms, &self.config))
+    }
+
+    /// Closes the trace, stops `/metrics`, writes report.json and report.html; returns the report.
+    pub fn finish(&mut self) -> anyhow::Result<Option<RunReport>> {
+        self.server = None;
+        if let Some(trace) = self.trace.take() {
+            trace.finish().with_context(|| format!("cannot write {}", self.run_dir.join("trace.json").display()))?;
+        }
+        let Some(report) = self.report() else { return Ok(None) };
+        if self.config.enabled {
+            let path = self.run_dir.join("report.json");
+            let text = serde_json::to_string_pretty(&report).expect("the report serializes");
+            std::fs::write(&path, text + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+            if self.config.html {
+                let path = self.run_dir.join("report.html");
+                let html = render_html(&report, &self.steps).map_err(|e| anyhow::anyhow!("report.html: {e}"))?;
+                std::fs::write(&path, html).with_context(|| format!("cannot write {}", path.display()))?;
+            }
+        }
+        Ok(Some(report))
+    }
+}
+
+impl Observer for Profiler {
+    fn on_event(&mut self, event: &TrainEvent<'_>) -> Result<(), ObserverError> {
+        if !self.config.enabled {
+            return Ok(());
+        }
+        let start = Instant::now();
+        match event {
+            TrainEvent::Started(info) => self.started(info),
+            TrainEvent::Step(record) => self.step(record)?,
+            _ => {}
+        }
+        self.spent_ms += start.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+}
