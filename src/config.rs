@@ -44,15 +44,35 @@ impl Default for RunConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// A text file (byte-level tokens); "" trains on the built-in corpus. Default "".
+    /// What to train on: "" for the built-in corpus; a directory from `stoke prep text`; a Megatron
+    /// `.bin`/`.idx`; a raw token `.bin` (nanoGPT, llm.c); any other file as byte-level text; or a URL
+    /// (s3://, gs://, http(s)://) of a prepared directory, read through `cache_dir`. Default "".
     pub path: String,
     /// Size of the built-in corpus in bytes. Default 4194304.
     pub builtin_bytes: usize,
+    /// Loader threads that fill batches ahead of the step. Default 2.
+    pub workers: usize,
+    /// Batches prepared ahead of the step (the bound of the prefetch queue). Default 4.
+    pub prefetch: usize,
+    /// Skip the tail of an epoch that cannot fill a whole batch. Default true.
+    pub drop_last: bool,
+    /// Local cache directory for remote shards; "" refuses URLs. Default "".
+    pub cache_dir: String,
+    /// Size budget of the cache in bytes (least recently used shards are evicted). Default 17179869184.
+    pub cache_budget_bytes: u64,
 }
 
 impl Default for DataConfig {
     fn default() -> Self {
-        DataConfig { path: String::new(), builtin_bytes: 4 << 20 }
+        DataConfig {
+            path: String::new(),
+            builtin_bytes: 4 << 20,
+            workers: 2,
+            prefetch: 4,
+            drop_last: true,
+            cache_dir: String::new(),
+            cache_budget_bytes: 16 << 30,
+        }
     }
 }
 
@@ -221,10 +241,23 @@ impl StokeConfig {
                 message: format!("must be a plain folder name; got {:?}", self.run.name),
             });
         }
-        if !self.data.path.is_empty() && !Path::new(&self.data.path).exists() {
+        let remote = stoke_data::is_remote(&self.data.path);
+        if !self.data.path.is_empty() && !remote && !Path::new(&self.data.path).exists() {
             return Err(ConfigError::Invalid {
                 key: "data.path".into(),
                 message: format!("no such file or folder: {}", self.data.path),
+            });
+        }
+        if remote && self.data.cache_dir.is_empty() {
+            return Err(ConfigError::Invalid {
+                key: "data.cache_dir".into(),
+                message: format!("a remote data.path ({}) needs a cache directory", self.data.path),
+            });
+        }
+        if self.data.workers == 0 || self.data.prefetch == 0 {
+            return Err(ConfigError::Invalid {
+                key: if self.data.workers == 0 { "data.workers" } else { "data.prefetch" }.into(),
+                message: "must be at least 1".into(),
             });
         }
         Ok(())

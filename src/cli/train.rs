@@ -149,16 +149,42 @@ pub(super) fn install_interrupt_handler(stop: Arc<AtomicBool>) {
     });
 }
 
-/// The data the config names, as a batch source positioned at batch 0.
+/// The data the config names, as a prefetching loader at the start of its order. Every kind of data
+/// (the built-in corpus and text files as byte-level tokens in memory, prepared shards, Megatron and
+/// raw token files, remote shards through the cache) goes through the same loader.
 pub fn batch_source(config: &StokeConfig) -> anyhow::Result<Box<dyn BatchSource>> {
     let shape = config.model.shape()?;
-    let bytes = if config.data.path.is_empty() {
-        stoke_data::builtin_corpus(config.train.seed, config.data.builtin_bytes)
+    let data = &config.data;
+    let path = Path::new(&data.path);
+    let store = if data.path.is_empty() {
+        let corpus = stoke_data::builtin_corpus(config.train.seed, data.builtin_bytes);
+        stoke_data::TokenStore::from_bytes(corpus, "built-in corpus")
+    } else if stoke_data::is_remote(&data.path) {
+        let budget_bytes = data.cache_budget_bytes;
+        let cache = stoke_data::CacheConfig { dir: data.cache_dir.clone().into(), budget_bytes };
+        stoke_data::open_cached(&data.path, &cache)?.0
+    } else if path.is_dir() || path.extension().is_some_and(|e| e == "bin" || e == "idx") {
+        stoke_data::TokenStore::open(path)?
     } else {
-        stoke_data::read_text_bytes(Path::new(&config.data.path))?
+        stoke_data::TokenStore::from_bytes(stoke_data::read_text_bytes(path)?, &data.path)
     };
-    let source = stoke_data::RandomWindows::from_bytes(&bytes, shape.seq_len, config.train.micro_batch, config.train.seed)?;
-    Ok(Box::new(source))
+    if let Some(vocab_size) = store.vocab_size().filter(|&v| v > shape.vocab_size as u64) {
+        return Err(anyhow::Error::new(UsageError(format!(
+            "data.path {} has a vocabulary of {vocab_size}, the model's (model.vocab_size) is {}",
+            data.path, shape.vocab_size
+        ))));
+    }
+    let loader = stoke_data::LoaderConfig {
+        seq_len: shape.seq_len,
+        micro_batch: config.train.micro_batch,
+        seed: config.train.seed,
+        rank: 0,
+        world_size: 1,
+        n_workers: data.workers,
+        prefetch_depth: data.prefetch,
+        drop_last: data.drop_last,
+    };
+    Ok(Box::new(stoke_data::Loader::new(store, loader)?))
 }
 
 /// Runs the configured training in `run_dir`, with the metrics file, the profiler (trace.json,

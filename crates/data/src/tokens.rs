@@ -95,8 +95,9 @@ fn map(path: &Path) -> Result<Mmap, DataError> {
     // SAFETY: shards are written once by `stoke prep` (or another tool) and never modified while a
     // run reads them; a concurrent writer would be a user error, as with any mmap-based loader.
     let map = unsafe { Mmap::map(&file) }.map_err(DataError::read(path))?;
+    // Rows are read at random offsets a few KiB long: read-ahead would only evict useful pages.
     #[cfg(unix)]
-    let _ = map.advise(memmap2::Advice::WillNeed);
+    let _ = map.advise(memmap2::Advice::Random);
     Ok(map)
 }
 

@@ -581,3 +581,30 @@ mod cached {
         assert!(err.to_string().contains("s3://bucket/data") || err.to_string().contains("cache"), "{err}");
     }
 }
+
+mod config {
+    use super::common::*;
+    use stoke_data::{DataError, Loader, LoaderConfig};
+
+    #[test]
+    fn invalid_loader_configs_name_the_field() {
+        let check = |config: LoaderConfig, n_tokens: u32, expected: &str| {
+            let err = Loader::new(counting_store(n_tokens), config).err().expect("an error");
+            let message = err.to_string();
+            assert!(message.contains(expected), "{message} should contain {expected:?}");
+            assert!(matches!(
+                err,
+                DataError::Config { .. } | DataError::TooShortInMemory { .. } | DataError::TooShort { .. }
+            ));
+        };
+        let base = LoaderConfig { seq_len: 4, micro_batch: 2, ..LoaderConfig::default() };
+        check(LoaderConfig { seq_len: 0, ..base.clone() }, 100, "seq_len");
+        check(LoaderConfig { micro_batch: 0, ..base.clone() }, 100, "micro_batch");
+        check(LoaderConfig { n_workers: 0, ..base.clone() }, 100, "n_workers");
+        check(LoaderConfig { prefetch_depth: 0, ..base.clone() }, 100, "prefetch_depth");
+        check(LoaderConfig { rank: 2, world_size: 2, ..base.clone() }, 100, "rank");
+        check(base.clone(), 4, "fewer than one sequence");
+        check(LoaderConfig { world_size: 8, ..base.clone() }, 41, "fewer than one global batch of 16");
+        assert!(Loader::new(counting_store(41), LoaderConfig { world_size: 8, drop_last: false, ..base }).is_ok());
+    }
+}
