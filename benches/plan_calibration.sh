@@ -13,6 +13,12 @@
 # Usage: benches/plan_calibration.sh              # train, calibrate, compare (about 15 minutes)
 #        SKIP_TRAIN=1 benches/plan_calibration.sh  # reuse the runs/plan-cal-*-<round> already there
 #        benches/plan_calibration.sh --json        # extra arguments go to `stoke plan`
+#
+# Result on the development machine (2026-11-29, 3 rounds of 40 steps, stoke's measured fp32 peak
+# 148 GFLOP/s): compute 0.84, memory 0.29, optimizer 0.18 of peak, 0.03 ms per block pass, 4.9 ms
+# per step; calibration shapes within 3.6%, leave-one-out 2.5% RMS; held out: g +12.6%, h +5.9%,
+# i +2.0%, n +4.0%, o +3.2%, small preset -0.2%. One shape's step time moved by up to 45% between
+# quiet and busy spells of the machine, which is why rounds and medians.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
