@@ -133,3 +133,19 @@ fn one_run_is_too_few() {
     let runs = load(&[write_run(root.path(), "only", &report_json(2, 256, 16, 1, 900.0, 60.0))]);
     assert!(matches!(calibrate(&runs, &Efficiency::default()), Err(PlanError::TooFewRuns { needed: 2, got: 1 })));
 }
+
+#[test]
+fn reads_a_report_stoke_train_wrote() {
+    // runs/plan-cal-a-1/report.json of benches/plan_calibration.sh (2 blocks, d 256, b 16), as
+    // written by `stoke train`, with every field it has.
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/plan-cal-a-1/report.json");
+    let run = MeasuredRun::from_report_file(&path, &ClusterConfig::default()).unwrap();
+    assert_eq!(run.name, "plan-cal-a-1");
+    assert_eq!(run.layout, stoke_plan::Layout::single(16));
+    assert_eq!(run.config.precision, stoke_plan::Precision::Fp32);
+    // The planner counts the same parameters as the trainer's model.
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(run.config.model.n_params() as u64, report["model"]["n_params"].as_u64().unwrap());
+    assert_eq!(run.config.cluster.peak_flops_fp32, report["machine"]["peak_flops"].as_f64().unwrap());
+    assert!(run.measured_optimizer_s.is_some());
+}
