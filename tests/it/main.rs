@@ -1,6 +1,7 @@
 //! End-to-end tests of the `stoke` binary: real processes, real files, a small model.
 
 mod config_errors;
+mod doctor;
 mod train;
 
 use std::path::Path;

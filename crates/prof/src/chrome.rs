@@ -30,7 +30,8 @@ fn json_str(s: &str) -> String {
 impl ChromeTraceWriter {
     /// Creates `path` and writes the header and the names of rank `rank`'s tracks.
     pub fn create(path: &Path, rank: u32) -> std::io::Result<ChromeTraceWriter> {
-        let mut out = BufWriter::new(File::create(path)?);
+        // A large buffer: one write system call per few thousand steps, not per step.
+        let mut out = BufWriter::with_capacity(1 << 20, File::create(path)?);
         write!(out, "{{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")?;
         let meta = |name: &str, tid: u32, value: &str| {
             format!(

@@ -239,7 +239,7 @@ pub struct RunReport {
     pub outlier_steps: Vec<u64>,
     /// For each removable phase, step / (step - phase): the speed-up if it vanished.
     pub amdahl: BTreeMap<String, f64>,
-    /// Milliseconds per step the profiler's own observers spent (measured, always on).
+    /// Milliseconds per step the profiler's own observer spent (the median step, measured in every run).
     pub profiler_overhead_ms: f64,
     /// Findings, largest bound first.
     pub findings: Vec<StepFinding>,
