@@ -93,7 +93,7 @@ impl Observer for Progress {
                     bar.set_message(format!("loss {:.4} | {:.0} tok/s", record.loss, tokens_per_s));
                 }
             }
-            TrainEvent::CheckpointSaved { step, path, .. } => {
+            TrainEvent::CheckpointSaved { step, path } => {
                 bar.println(format!("checkpoint at step {step}: {}", path.display()));
             }
             TrainEvent::Finished(_) => {}

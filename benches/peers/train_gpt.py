@@ -63,6 +63,43 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+class TextWindows(torch.utils.data.Dataset):
+    """The naive pipeline: a map-style dataset that decodes and tokenizes each sample on access."""
+
+    def __init__(self, path, seq_len, n_samples, seed):
+        with open(path, "rb") as f:
+            self.text = f.read().decode("latin-1")
+        self.seq_len = seq_len
+        self.offsets = np.random.default_rng(seed).integers(0, len(self.text) - seq_len - 1, size=n_samples)
+
+    def __len__(self):
+        return len(self.offsets)
+
+    def __getitem__(self, i):
+        o = int(self.offsets[i])
+        ids = [ord(c) for c in self.text[o : o + self.seq_len + 1]]  # byte-level "tokenizer"
+        return torch.tensor(ids, dtype=torch.long)
+
+
+class MemmapWindows(torch.utils.data.Dataset):
+    """The tuned pipeline: windows of a memory-mapped token file."""
+
+    def __init__(self, path, seq_len, n_samples, seed):
+        self.path, self.seq_len = path, seq_len
+        self.data = None
+        n = np.memmap(path, dtype=np.uint8, mode="r").shape[0]
+        self.offsets = np.random.default_rng(seed).integers(0, n - seq_len - 1, size=n_samples)
+
+    def __len__(self):
+        return len(self.offsets)
+
+    def __getitem__(self, i):
+        if self.data is None:  # opened in each worker
+            self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        o = int(self.offsets[i])
+        return torch.from_numpy(self.data[o : o + self.seq_len + 1].astype(np.int64))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
@@ -75,6 +112,14 @@ def main():
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--pipeline", choices=["plain", "naive", "tuned"], default="plain",
+                    help="plain: in-memory random windows (the same work as `stoke train`); naive: per-sample "
+                         "tokenizing Dataset, default DataLoader, synchronous torch.save, .item() every step; "
+                         "tuned: memmap Dataset, 2 workers with pin_memory and persistent workers, checkpoints "
+                         "written by a background thread")
+    ap.add_argument("--ckpt-every", type=int, default=0)
+    ap.add_argument("--ckpt-dir", default="")
+    ap.add_argument("--log-every", type=int, default=1)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -87,9 +132,24 @@ def main():
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.99), eps=1e-8,
     )
-    data = torch.from_numpy(np.fromfile(args.data, dtype=np.uint8).astype(np.int64))
-    rng = np.random.default_rng(args.seed)
     t = cfg["seq_len"]
+    n_samples = args.steps * args.micro_batch
+    if args.pipeline == "plain":
+        data = torch.from_numpy(np.fromfile(args.data, dtype=np.uint8).astype(np.int64))
+        rng = np.random.default_rng(args.seed)
+
+        def batches():
+            for _ in range(args.steps):
+                offsets = rng.integers(0, len(data) - t - 1, size=args.micro_batch)
+                yield torch.stack([data[o : o + t + 1] for o in offsets])
+        batch_iter = batches()
+    elif args.pipeline == "naive":
+        batch_iter = iter(torch.utils.data.DataLoader(
+            TextWindows(args.data, t, n_samples, args.seed), batch_size=args.micro_batch))
+    else:
+        batch_iter = iter(torch.utils.data.DataLoader(
+            MemmapWindows(args.data, t, n_samples, args.seed), batch_size=args.micro_batch, num_workers=2,
+            pin_memory=True, persistent_workers=True, prefetch_factor=4))
 
     def lr_at(step):
         if step < args.warmup:
@@ -97,11 +157,30 @@ def main():
         progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
         return args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
+    writer = None
+    if args.pipeline == "tuned":
+        import concurrent.futures
+        writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    pending = None
+
+    def save(step):
+        nonlocal pending
+        path = f"{args.ckpt_dir}/step-{step}.pt"
+        if writer is None:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, path)
+            return
+        if pending is not None:
+            pending.result()
+        # Copy on the critical path, write off it.
+        state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                 "optim": copy_optim_state(opt.state_dict()), "step": step}
+        pending = writer.submit(torch.save, state, path)
+
     step_ms, losses = [], []
+    start_all = time.perf_counter()
     for step in range(args.steps):
         start = time.perf_counter()
-        offsets = rng.integers(0, len(data) - t - 1, size=args.micro_batch)
-        rows = torch.stack([data[o : o + t + 1] for o in offsets])
+        rows = next(batch_iter)
         x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
@@ -111,19 +190,40 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            losses.append(loss.item())
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+            save(step + 1)
         step_ms.append((time.perf_counter() - start) * 1e3)
+    if pending is not None:
+        pending.result()
+    wall = time.perf_counter() - start_all
     steady = sorted(step_ms[1:])
     median = steady[len(steady) // 2]
     print(json.dumps({
-        "peer": "pytorch",
+        "peer": f"pytorch-{args.pipeline}",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "steps": args.steps,
         "step_ms_median": median,
+        "step_ms_mean": sum(step_ms) / len(step_ms),
         "tokens_per_s": args.micro_batch * t / (median / 1e3),
+        "tokens_per_s_wall": args.steps * args.micro_batch * t / wall,
         "first_loss": losses[0],
         "final_loss": losses[-1],
+        "peak_rss_bytes": peak_rss_bytes(),
     }))
+
+
+def copy_optim_state(state):
+    return {"state": {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in s.items()}
+                      for k, s in state["state"].items()},
+            "param_groups": state["param_groups"]}
+
+
+def peak_rss_bytes():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 if __name__ == "__main__":

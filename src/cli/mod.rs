@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod config;
 mod corpus;
 mod doctor;
@@ -33,6 +34,8 @@ pub enum Command {
     Doctor(doctor::DoctorArgs),
     /// Print the resolved configuration, or every key with its default (`--defaults`).
     Config(config::ConfigCmdArgs),
+    /// Whole-run benchmarks against PyTorch and a naive baseline, machine limits, a regression gate.
+    Bench(bench::BenchArgs),
     /// Write the built-in corpus to a file (for peers and other tools).
     Corpus(corpus::CorpusArgs),
     /// Rank parallel layouts by predicted memory and step time, or calibrate on measured runs.
@@ -48,6 +51,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Train(args) => train::run(args),
         Command::Doctor(args) => doctor::run(args),
         Command::Config(args) => config::run(args),
+        Command::Bench(args) => bench::run(args),
         Command::Corpus(args) => corpus::run(args),
         Command::Plan(args) => plan::run(args),
         Command::Trace(args) => trace::run(args),

@@ -130,6 +130,18 @@ pub struct TrainConfig {
     pub log_every: u64,
     /// Intra-op threads for libtorch; 0 leaves libtorch's default (one per core). Default 0.
     pub threads: usize,
+    /// Precision of scaled_dot_product_attention under bf16: "fp32", "bf16", or "auto" (fp32 on a
+    /// CPU, where libtorch's fp32 attention kernel is the faster one; bf16 on a GPU). Default "auto".
+    pub attention: AttentionPrecision,
+}
+
+/// See `TrainConfig::attention`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionPrecision {
+    Auto,
+    Fp32,
+    Bf16,
 }
 
 impl Default for TrainConfig {
@@ -150,6 +162,7 @@ impl Default for TrainConfig {
             precision: Precision::Bf16,
             log_every: 1,
             threads: 0,
+            attention: AttentionPrecision::Auto,
         }
     }
 }
@@ -215,11 +228,13 @@ pub struct CkptConfig {
     pub at_end: bool,
     /// Keep this many newest checkpoints and delete older ones; 0 keeps all. Default 3.
     pub keep: usize,
+    /// Persist on a background thread: the step waits only for the copy to host memory. Default true.
+    pub background: bool,
 }
 
 impl Default for CkptConfig {
     fn default() -> Self {
-        CkptConfig { every: 200, at_end: true, keep: 3 }
+        CkptConfig { every: 200, at_end: true, keep: 3, background: true }
     }
 }
 

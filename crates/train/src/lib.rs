@@ -20,7 +20,7 @@ mod params;
 mod peak;
 mod trainer;
 
-pub use config::{CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
+pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
 pub use error::TrainError;
 pub use model::Gpt;
 pub use optim::{clip_grad_norm, AdamW, AdamWStep};

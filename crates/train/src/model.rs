@@ -5,13 +5,15 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::config::{GptShape, Precision};
+use crate::config::{AttentionPrecision, GptShape, Precision};
 use crate::params::{FlatParams, Init, ParamSpec};
 
 pub struct Gpt {
     shape: GptShape,
     params: FlatParams,
     precision: Precision,
+    /// The element type q, k and v have when they enter scaled_dot_product_attention.
+    attention_kind: Kind,
 }
 
 fn block_names(layer_idx: usize) -> [String; 12] {
@@ -35,7 +37,7 @@ fn block_names(layer_idx: usize) -> [String; 12] {
 impl Gpt {
     /// A freshly initialized model (nanoGPT's init: N(0, 0.02), residual projections scaled by
     /// 1/sqrt(2·n_layer)). Seed libtorch first for a reproducible init.
-    pub fn new(shape: GptShape, precision: Precision, device: Device) -> Gpt {
+    pub fn new(shape: GptShape, precision: Precision, attention: AttentionPrecision, device: Device) -> Gpt {
         let d = shape.d_model as i64;
         let std = 0.02;
         let proj_std = 0.02 / (2.0 * shape.n_layer as f64).sqrt();
@@ -69,7 +71,13 @@ impl Gpt {
         }
         specs.push(spec("transformer.ln_f.weight".into(), &[d], Init::Ones, false));
         specs.push(spec("transformer.ln_f.bias".into(), &[d], Init::Zeros, false));
-        Gpt { shape, params: FlatParams::new(specs, device), precision }
+        let attention_kind = match (precision, attention) {
+            (Precision::Fp32, _) | (Precision::Bf16, AttentionPrecision::Fp32) => Kind::Float,
+            (Precision::Bf16, AttentionPrecision::Bf16) => Kind::BFloat16,
+            (Precision::Bf16, AttentionPrecision::Auto) if device == Device::Cpu => Kind::Float,
+            (Precision::Bf16, AttentionPrecision::Auto) => Kind::BFloat16,
+        };
+        Gpt { shape, params: FlatParams::new(specs, device), precision, attention_kind }
     }
 
     pub fn shape(&self) -> GptShape {
@@ -127,7 +135,7 @@ impl Gpt {
                 block_names(layer_idx);
             let h = self.layer_norm(&x, &ln1_w, &ln1_b);
             let qkv = self.linear(&h, &attn_w, Some(&attn_b));
-            let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2);
+            let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2).to_kind(self.attention_kind);
             let parts = qkv.split(d, 2);
             let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
             let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false);

@@ -145,7 +145,8 @@ pub struct RunInfo {
 pub enum TrainEvent<'a> {
     Started(&'a RunInfo),
     Step(&'a StepRecord),
-    CheckpointSaved { step: u64, path: &'a Path, stall_ms: f64 },
+    /// A checkpoint is committed on disk (with background writes, some steps after its snapshot).
+    CheckpointSaved { step: u64, path: &'a Path },
     Finished(&'a Summary),
 }
 
@@ -201,7 +202,7 @@ impl Trainer {
             tch::set_num_threads(train.threads as i32);
         }
         tch::manual_seed(train.seed as i64);
-        let model = Gpt::new(shape, train.precision, device);
+        let model = Gpt::new(shape, train.precision, train.attention, device);
         let optimizer = AdamW::new(model.params());
         Ok(Trainer {
             train: train.clone(),
@@ -273,7 +274,8 @@ impl Trainer {
         number("data_position")
     }
 
-    fn save(&self, target: &CheckpointTarget, data_position: u64) -> Result<PathBuf, TrainError> {
+    /// Copies the state to host memory: the part of a checkpoint the step must wait for.
+    fn snapshot(&self, target: &CheckpointTarget, data_position: u64) -> Result<Snapshot, TrainError> {
         let params = self.model.params();
         let mut model_records = Vec::with_capacity(params.entries().len());
         for entry in params.entries() {
@@ -295,11 +297,7 @@ impl Trainer {
         if let (Some(meta), Some(extra)) = (meta.as_object_mut(), target.meta.as_object()) {
             meta.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
-        let path = target.store.save(self.step, &[("model", &model_records), ("optim", &optim_records)], meta)?;
-        for old in stoke_ckpt::steps_to_delete(&target.store.list()?, self.ckpt.keep) {
-            target.store.delete(old)?;
-        }
-        Ok(path)
+        Ok(Snapshot { step: self.step, model: model_records, optim: optim_records, meta })
     }
 
     /// On a GPU, synchronize at phase boundaries only every `every` steps (1, the default: every
@@ -347,6 +345,7 @@ impl Trainer {
         let run_start = Instant::now();
         let (mut first_loss, mut final_loss, mut best_loss) = (f64::NAN, f64::NAN, f64::INFINITY);
         let mut interrupted = false;
+        let mut pending: Option<PendingWrite> = None;
         while self.step < self.train.steps {
             let step_start = Instant::now();
             let mut phases = PhaseTimes::default();
@@ -417,13 +416,20 @@ impl Trainer {
             interrupted = stop.load(Ordering::Relaxed);
             let due = self.ckpt.every > 0 && step_number % self.ckpt.every == 0;
             let at_end = step_number == self.train.steps && self.ckpt.at_end;
-            let mut saved = None;
+            let mut saved = Vec::new();
             if let Some(target) = checkpoints.filter(|_| due || at_end || interrupted) {
                 lap(&mut phases, Phase::Other);
-                let path = self.save(target, source.position())?;
-                let before = phases.get(Phase::CkptStall);
+                // One write in flight at a time: a new snapshot waits for the previous write.
+                if let Some(write) = pending.take() {
+                    saved.push(write.finish()?);
+                }
+                let snapshot = self.snapshot(target, source.position())?;
+                if self.ckpt.background {
+                    pending = Some(PendingWrite::spawn(target.store.clone(), self.ckpt.keep, snapshot));
+                } else {
+                    saved.push((snapshot.step, snapshot.persist(&target.store, self.ckpt.keep)?));
+                }
                 lap(&mut phases, Phase::CkptStall);
-                saved = Some((path, phases.get(Phase::CkptStall) - before));
             }
             lap(&mut phases, Phase::Other);
             let wall_ms = (mark - step_start).as_secs_f64() * 1e3;
@@ -439,14 +445,17 @@ impl Trainer {
                 timed,
                 comm_total_ms: 0.0,
             };
-            let mut result = notify(observers, &TrainEvent::Step(&record));
-            if let (Some((path, stall_ms)), Ok(())) = (&saved, &result) {
-                result = notify(observers, &TrainEvent::CheckpointSaved { step: step_number, path, stall_ms: *stall_ms });
+            notify(observers, &TrainEvent::Step(&record))?;
+            for (step, path) in &saved {
+                notify(observers, &TrainEvent::CheckpointSaved { step: *step, path })?;
             }
-            result?;
             if interrupted {
                 break;
             }
+        }
+        if let Some(write) = pending.take() {
+            let (step, path) = write.finish()?;
+            notify(observers, &TrainEvent::CheckpointSaved { step, path: &path })?;
         }
         let wall_s = run_start.elapsed().as_secs_f64();
         let steps_run = self.step + 1 - first_step;
@@ -465,6 +474,50 @@ impl Trainer {
         };
         notify(observers, &TrainEvent::Finished(&summary))?;
         Ok(summary)
+    }
+}
+
+/// A checkpoint's state in host memory, ready to be written.
+struct Snapshot {
+    step: u64,
+    model: Vec<TensorRecord>,
+    optim: Vec<TensorRecord>,
+    meta: serde_json::Value,
+}
+
+impl Snapshot {
+    /// Commits the checkpoint, then applies the retention policy.
+    fn persist(self, store: &CheckpointStore, keep: usize) -> Result<PathBuf, stoke_ckpt::CkptError> {
+        let path = store.save(self.step, &[("model", &self.model), ("optim", &self.optim)], self.meta)?;
+        for old in stoke_ckpt::steps_to_delete(&store.list()?, keep) {
+            store.delete(old)?;
+        }
+        Ok(path)
+    }
+}
+
+/// A checkpoint being written on its own thread.
+struct PendingWrite {
+    step: u64,
+    handle: std::thread::JoinHandle<Result<PathBuf, stoke_ckpt::CkptError>>,
+}
+
+impl PendingWrite {
+    fn spawn(store: CheckpointStore, keep: usize, snapshot: Snapshot) -> PendingWrite {
+        let step = snapshot.step;
+        let handle = std::thread::Builder::new()
+            .name(format!("ckpt-step-{step}"))
+            .spawn(move || snapshot.persist(&store, keep))
+            .expect("the OS starts a thread");
+        PendingWrite { step, handle }
+    }
+
+    /// Waits for the write; its error is the run's error.
+    fn finish(self) -> Result<(u64, PathBuf), TrainError> {
+        match self.handle.join() {
+            Ok(result) => Ok((self.step, result?)),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
     }
 }
 

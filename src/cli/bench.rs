@@ -1,0 +1,497 @@
+//! `stoke bench`: whole-run comparisons against PyTorch and a naive baseline, the machine's
+//! physical limits, and a regression gate on ratios.
+//!
+//! Every configuration runs as its own process (so peak memory is per configuration) on the same
+//! corpus file, for the same number of tokens, in one invocation; figures are read back from each
+//! run's `report.json` and the peers' JSON line.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+
+use super::UsageError;
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub what: BenchCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchCommand {
+    /// Naive stoke, optimized stoke and two PyTorch peers on the same data and tokens; one table.
+    Fullchain(FullchainArgs),
+    /// This machine's matmul peak (fp32, bf16), memcpy bandwidth and disk bandwidth.
+    Limits(LimitsArgs),
+    /// A small fixed benchmark whose ratios are compared with a committed baseline (exit 4 on a
+    /// clear regression).
+    Gate(GateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct FullchainArgs {
+    /// Tokens each configuration trains on (rounded to whole steps).
+    #[arg(long, default_value_t = 245_760)]
+    pub tokens: u64,
+    /// Working folder for the corpus, the runs and the peers' checkpoints.
+    #[arg(long, default_value = "runs/bench")]
+    pub dir: PathBuf,
+    /// Python with torch for the peers (`cargo xtask peers` installs what they import).
+    #[arg(long, default_value = ".stoke/venv/bin/python")]
+    pub python: PathBuf,
+    /// The peers' script.
+    #[arg(long, default_value = "benches/peers/train_gpt.py")]
+    pub peer_script: PathBuf,
+    /// Run only the stoke configurations.
+    #[arg(long)]
+    pub no_peers: bool,
+    /// Also write the table as JSON here.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LimitsArgs {
+    /// Folder for the disk test file (deleted afterwards).
+    #[arg(long, default_value = "runs")]
+    pub dir: PathBuf,
+    /// Bytes for the memcpy and disk tests.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub bytes: usize,
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GateArgs {
+    /// The committed baseline of ratios.
+    #[arg(long, default_value = "benches/baseline.json")]
+    pub baseline: PathBuf,
+    /// Working folder.
+    #[arg(long, default_value = "runs/gate")]
+    pub dir: PathBuf,
+    /// Write the measured ratios as the new baseline instead of comparing.
+    #[arg(long)]
+    pub update: bool,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    match args.what {
+        BenchCommand::Fullchain(args) => fullchain(args),
+        BenchCommand::Limits(args) => limits(args),
+        BenchCommand::Gate(args) => gate(args),
+    }
+}
+
+const SEQ_LEN: u64 = 128;
+
+/// A stoke configuration of the comparison.
+struct StokeSetup {
+    name: &'static str,
+    micro_batch: u64,
+    overrides: &'static [&'static str],
+}
+
+/// Mirrors the naive PyTorch peer: fp32, a small batch, loading on the training thread, a
+/// synchronous checkpoint every 50 steps.
+const NAIVE: StokeSetup = StokeSetup {
+    name: "stoke-naive",
+    micro_batch: 8,
+    overrides: &[
+        "train.precision=fp32",
+        "data.workers=0",
+        "data.prefetch=0",
+        "ckpt.every=50",
+        "ckpt.background=false",
+        "train.lr=0.0015",
+    ],
+};
+
+/// What the other capabilities built: bf16, the prefetching loader, background checkpoints.
+const OPTIMIZED: StokeSetup = StokeSetup {
+    name: "stoke-optimized",
+    micro_batch: 16,
+    overrides: &["train.precision=bf16", "data.workers=1", "data.prefetch=4", "ckpt.every=25", "ckpt.background=true"],
+};
+
+fn stoke_exe() -> anyhow::Result<PathBuf> {
+    std::env::current_exe().context("cannot find the running stoke binary")
+}
+
+/// Runs one stoke configuration to completion in its own process; returns its report.json.
+fn run_stoke(dir: &Path, corpus: &Path, setup: &StokeSetup, tokens: u64, extra: &[String]) -> anyhow::Result<Value> {
+    let steps = (tokens / (setup.micro_batch * SEQ_LEN)).max(2);
+    let run_dir = dir.join(setup.name);
+    if run_dir.exists() {
+        std::fs::remove_dir_all(&run_dir).with_context(|| format!("cannot clear {}", run_dir.display()))?;
+    }
+    let mut cmd = Command::new(stoke_exe()?);
+    cmd.args(["train", "--quiet", "--data"]).arg(corpus);
+    let mut overrides: Vec<String> = vec![
+        format!("run.dir={}", toml::Value::String(dir.display().to_string())),
+        format!("run.name={}", setup.name),
+        format!("train.steps={steps}"),
+        format!("train.micro_batch={}", setup.micro_batch),
+        format!("train.warmup_steps={}", (steps / 10).max(1)),
+        "ckpt.keep=1".into(),
+    ];
+    overrides.extend(setup.overrides.iter().map(|s| s.to_string()));
+    overrides.extend_from_slice(extra);
+    for o in &overrides {
+        cmd.arg("--set").arg(o);
+    }
+    let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{} failed: {}", setup.name, String::from_utf8_lossy(&out.stderr));
+    }
+    let report_path = run_dir.join("report.json");
+    let text = std::fs::read_to_string(&report_path).with_context(|| format!("cannot read {}", report_path.display()))?;
+    let mut report: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", report_path.display()))?;
+    report["final_loss"] = json!(final_loss(&run_dir.join("metrics.jsonl"))?);
+    report["steps"] = json!(steps);
+    Ok(report)
+}
+
+/// Mean of the last 10 logged losses: one step's loss is too noisy to compare runs by.
+fn final_loss(metrics: &Path) -> anyhow::Result<f64> {
+    let text = std::fs::read_to_string(metrics).with_context(|| format!("cannot read {}", metrics.display()))?;
+    let losses: Vec<f64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["loss"].as_f64())
+        .collect();
+    let tail = &losses[losses.len().saturating_sub(10)..];
+    Ok(tail.iter().sum::<f64>() / tail.len().max(1) as f64)
+}
+
+fn run_peer(args: &FullchainArgs, corpus: &Path, pipeline: &str, tokens: u64) -> anyhow::Result<Value> {
+    let (micro_batch, precision, ckpt_every, lr) =
+        if pipeline == "naive" { (NAIVE.micro_batch, "fp32", 50, "0.0015") } else { (16, "bf16", 25, "0.002") };
+    let steps = (tokens / (micro_batch * SEQ_LEN)).max(2);
+    let ckpt_dir = args.dir.join(format!("pytorch-{pipeline}"));
+    std::fs::create_dir_all(&ckpt_dir)?;
+    let mut cmd = Command::new(&args.python);
+    cmd.arg(&args.peer_script)
+        .args(["--pipeline", pipeline, "--precision", precision, "--lr", lr])
+        .args(["--steps", &steps.to_string(), "--micro-batch", &micro_batch.to_string()])
+        .args(["--warmup", &(steps / 10).max(1).to_string(), "--ckpt-every", &ckpt_every.to_string()])
+        .arg("--data")
+        .arg(corpus)
+        .arg("--ckpt-dir")
+        .arg(&ckpt_dir);
+    let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("peer pytorch-{pipeline} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().rev().find(|l| l.starts_with('{')).context("the peer printed no JSON line")?;
+    let mut v: Value = serde_json::from_str(line)?;
+    v["steps"] = json!(steps);
+    Ok(v)
+}
+
+/// One row of the table, from a stoke report or a peer's JSON.
+struct Row {
+    name: String,
+    tokens_per_s: f64,
+    step_ms: f64,
+    data_share: f64,
+    ckpt_share: f64,
+    ecr: Option<f64>,
+    mfu: Option<f64>,
+    peak_mib: f64,
+    final_loss: f64,
+}
+
+fn stoke_row(name: &str, r: &Value) -> Row {
+    let step_ms = r["step_ms"].as_f64().unwrap_or(f64::NAN);
+    let phase = |p: &str| r["phases"][p].as_f64().unwrap_or(0.0) / step_ms;
+    Row {
+        name: name.into(),
+        tokens_per_s: r["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
+        step_ms,
+        data_share: phase("data_wait"),
+        ckpt_share: phase("ckpt_stall"),
+        ecr: r["effective_compute_ratio"].as_f64(),
+        mfu: r["mfu"].as_f64(),
+        peak_mib: r["peak_memory_bytes"].as_f64().unwrap_or(f64::NAN) / (1 << 20) as f64,
+        final_loss: r["final_loss"].as_f64().unwrap_or(f64::NAN),
+    }
+}
+
+fn peer_row(v: &Value) -> Row {
+    // The peers time whole steps only; their phase split would need their own profiler.
+    let steps = v["steps"].as_f64().unwrap_or(f64::NAN);
+    let tokens_per_s = v["tokens_per_s_wall"].as_f64().unwrap_or(f64::NAN);
+    Row {
+        name: v["peer"].as_str().unwrap_or("peer").into(),
+        tokens_per_s,
+        step_ms: v["step_ms_mean"].as_f64().unwrap_or(f64::NAN),
+        data_share: f64::NAN,
+        ckpt_share: f64::NAN,
+        ecr: None,
+        mfu: None,
+        peak_mib: v["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN) / (1 << 20) as f64,
+        final_loss: v["final_loss"].as_f64().unwrap_or(f64::NAN) + 0.0 * steps,
+    }
+}
+
+fn fmt_opt(v: Option<f64>, scale: f64) -> String {
+    v.map(|x| format!("{:.3}", x * scale)).unwrap_or_else(|| "-".into())
+}
+
+fn fmt_share(v: f64) -> String {
+    if v.is_nan() {
+        "-".into()
+    } else {
+        format!("{:.1}%", 100.0 * v)
+    }
+}
+
+fn fullchain(args: FullchainArgs) -> anyhow::Result<ExitCode> {
+    std::fs::create_dir_all(&args.dir).with_context(|| format!("cannot create {}", args.dir.display()))?;
+    let corpus = args.dir.join("corpus.txt");
+    std::fs::write(&corpus, stoke_data::builtin_corpus(1337, 4 << 20))?;
+    if !args.no_peers && !args.python.exists() {
+        return Err(UsageError(format!(
+            "no Python at {} for the peers: run `cargo xtask peers`, or pass --python or --no-peers",
+            args.python.display()
+        ))
+        .into());
+    }
+    let tokens = args.tokens;
+    let mut rows = Vec::new();
+    let naive = run_stoke(&args.dir, &corpus, &NAIVE, tokens, &[])?;
+    rows.push(stoke_row(NAIVE.name, &naive));
+    let optimized = run_stoke(&args.dir, &corpus, &OPTIMIZED, tokens, &[])?;
+    rows.push(stoke_row(OPTIMIZED.name, &optimized));
+    let mut peers = Vec::new();
+    if !args.no_peers {
+        for pipeline in ["naive", "tuned"] {
+            let v = run_peer(&args, &corpus, pipeline, tokens)?;
+            rows.push(peer_row(&v));
+            peers.push(v);
+        }
+    }
+    println!("\nfullchain: {tokens} tokens per configuration, tiny GPT, byte-level built-in corpus, one run\n");
+    println!(
+        "{:<18} {:>10} {:>9} {:>9} {:>9} {:>7} {:>7} {:>9} {:>10}",
+        "config", "tokens/s", "step ms", "data", "ckpt", "ECR", "MFU", "peak MiB", "final loss"
+    );
+    for r in &rows {
+        println!(
+            "{:<18} {:>10.0} {:>9.1} {:>9} {:>9} {:>7} {:>7} {:>9.0} {:>10.4}",
+            r.name,
+            r.tokens_per_s,
+            r.step_ms,
+            fmt_share(r.data_share),
+            fmt_share(r.ckpt_share),
+            fmt_opt(r.ecr, 1.0),
+            fmt_opt(r.mfu, 1.0),
+            r.peak_mib,
+            r.final_loss
+        );
+    }
+    let ratio = |a: &str, b: &str| {
+        let find = |n: &str| rows.iter().find(|r| r.name == n).map(|r| r.tokens_per_s);
+        find(a).zip(find(b)).map(|(x, y)| x / y)
+    };
+    let mut ratios = serde_json::Map::new();
+    println!();
+    for (a, b) in [
+        ("stoke-optimized", "stoke-naive"),
+        ("stoke-optimized", "pytorch-tuned"),
+        ("stoke-naive", "pytorch-naive"),
+        ("pytorch-tuned", "pytorch-naive"),
+    ] {
+        if let Some(r) = ratio(a, b) {
+            println!("tokens/s {a} / {b}: {r:.2}x");
+            ratios.insert(format!("{a}/{b}"), json!(r));
+        }
+    }
+    let loss_gap = rows[1].final_loss - rows[0].final_loss;
+    println!("final loss, optimized - naive: {loss_gap:+.4}");
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "tokens": tokens,
+            "stoke_naive": naive,
+            "stoke_optimized": optimized,
+            "peers": peers,
+            "ratios": ratios,
+            "final_loss_gap": loss_gap,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn limits(args: LimitsArgs) -> anyhow::Result<ExitCode> {
+    let device = stoke_train::parse_device("auto")?;
+    let mut out = serde_json::Map::new();
+    for precision in [stoke_train::Precision::Fp32, stoke_train::Precision::Bf16] {
+        let peak = stoke_train::measure_matmul_peak_flops(precision, device, 5);
+        println!("matmul peak {precision:?}: {:.1} GFLOP/s", peak / 1e9);
+        out.insert(format!("matmul_{precision:?}_flops").to_lowercase(), json!(peak));
+    }
+    let memcpy = memcpy_bandwidth(args.bytes);
+    println!("memcpy: {:.1} GB/s (bytes read + written, one thread)", memcpy / 1e9);
+    out.insert("memcpy_bytes_per_s".into(), json!(memcpy));
+    std::fs::create_dir_all(&args.dir)?;
+    let (write, read) = disk_bandwidth(&args.dir, args.bytes)?;
+    println!("disk write with fsync: {:.2} GB/s; read back: {:.2} GB/s (page cache unless dropped)", write / 1e9, read / 1e9);
+    out.insert("disk_write_bytes_per_s".into(), json!(write));
+    out.insert("disk_read_bytes_per_s".into(), json!(read));
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&Value::Object(out))?)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Bytes moved per second (read + write) copying a buffer of `bytes`, best of five.
+fn memcpy_bandwidth(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let start = std::time::Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    2.0 * bytes as f64 / best
+}
+
+fn disk_bandwidth(dir: &Path, bytes: usize) -> anyhow::Result<(f64, f64)> {
+    use std::io::{Read, Write};
+    let path = dir.join(".stoke-disk-test");
+    let block = vec![7u8; 4 << 20];
+    let start = std::time::Instant::now();
+    {
+        let mut f = std::fs::File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+        let mut written = 0;
+        while written < bytes {
+            f.write_all(&block)?;
+            written += block.len();
+        }
+        f.sync_all()?;
+    }
+    let write = bytes as f64 / start.elapsed().as_secs_f64();
+    let start = std::time::Instant::now();
+    let mut f = std::fs::File::open(&path)?;
+    let mut buf = vec![0u8; 4 << 20];
+    let mut total = 0usize;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        total += n;
+    }
+    let read = total as f64 / start.elapsed().as_secs_f64();
+    std::fs::remove_file(&path)?;
+    Ok((write, read))
+}
+
+/// The gate's configuration: small and fixed, so it runs in about a minute on two cores.
+const GATE_OVERRIDES: &[&str] = &[
+    "model.n_layer=2",
+    "model.d_model=128",
+    "model.n_head=4",
+    "model.seq_len=64",
+    "train.micro_batch=8",
+    "train.steps=40",
+    "ckpt.every=10",
+    "data.builtin_bytes=500000",
+];
+
+/// Ratios that do not depend on how fast the machine is: shares of the step and MFU against the
+/// peak measured in the same run.
+fn gate_ratios(report: &Value) -> serde_json::Map<String, Value> {
+    let step_ms = report["step_ms"].as_f64().unwrap_or(f64::NAN);
+    let mut m = serde_json::Map::new();
+    m.insert("effective_compute_ratio".into(), report["effective_compute_ratio"].clone());
+    m.insert("mfu".into(), report["mfu"].clone());
+    for phase in ["data_wait", "ckpt_stall", "other"] {
+        m.insert(format!("{phase}_share"), json!(report["phases"][phase].as_f64().unwrap_or(0.0) / step_ms));
+    }
+    m
+}
+
+/// A regression: higher-is-better ratios must not fall below `baseline * (1 - tolerance)`;
+/// shares (lower is better) must not rise above `baseline + tolerance`-sized slack.
+fn gate(args: GateArgs) -> anyhow::Result<ExitCode> {
+    std::fs::create_dir_all(&args.dir)?;
+    let mut runs = Vec::new();
+    // Three repetitions: the median of each ratio is what is compared, and their spread widens
+    // the tolerance on a noisy machine.
+    for rep in 0..3 {
+        let name = format!("gate-{rep}");
+        let run_dir = args.dir.join(&name);
+        if run_dir.exists() {
+            std::fs::remove_dir_all(&run_dir)?;
+        }
+        let mut cmd = Command::new(stoke_exe()?);
+        cmd.args(["train", "--quiet"]);
+        for o in GATE_OVERRIDES.iter().map(|s| s.to_string()).chain([
+            format!("run.dir={}", toml::Value::String(args.dir.display().to_string())),
+            format!("run.name={name}"),
+        ]) {
+            cmd.arg("--set").arg(o);
+        }
+        let out = cmd.output()?;
+        if !out.status.success() {
+            bail!("gate run failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let report: Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("report.json"))?)?;
+        runs.push(gate_ratios(&report));
+    }
+    let mut measured = serde_json::Map::new();
+    let mut spread = serde_json::Map::new();
+    for key in runs[0].keys() {
+        let mut values: Vec<f64> = runs.iter().filter_map(|r| r[key].as_f64()).collect();
+        values.sort_by(f64::total_cmp);
+        if values.is_empty() {
+            continue;
+        }
+        measured.insert(key.clone(), json!(values[values.len() / 2]));
+        spread.insert(key.clone(), json!(values[values.len() - 1] - values[0]));
+    }
+    if args.update {
+        let doc = json!({ "ratios": measured, "spread": spread, "overrides": GATE_OVERRIDES });
+        std::fs::write(&args.baseline, serde_json::to_string_pretty(&doc)? + "\n")?;
+        println!("baseline written to {}", args.baseline.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let text = std::fs::read_to_string(&args.baseline)
+        .with_context(|| format!("cannot read the baseline {}", args.baseline.display()))?;
+    let baseline: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", args.baseline.display()))?;
+    let mut regressions = Vec::new();
+    println!("{:<26} {:>10} {:>10} {:>10}  verdict", "ratio", "baseline", "measured", "allowed");
+    for (key, value) in &measured {
+        let (Some(now), Some(base)) = (value.as_f64(), baseline["ratios"][key].as_f64()) else { continue };
+        let noise = spread[key].as_f64().unwrap_or(0.0) + baseline["spread"][key].as_f64().unwrap_or(0.0);
+        let higher_is_better = !key.ends_with("_share");
+        // Clear regressions only: 25% relative for ratios, 5 points of the step for shares, widened
+        // by the spread seen in both measurements.
+        let (allowed, bad) = if higher_is_better {
+            let floor = base * 0.75 - noise;
+            (floor, now < floor)
+        } else {
+            let ceiling = base + 0.05 + noise;
+            (ceiling, now > ceiling)
+        };
+        println!("{key:<26} {base:>10.4} {now:>10.4} {allowed:>10.4}  {}", if bad { "REGRESSION" } else { "ok" });
+        if bad {
+            regressions.push(key.clone());
+        }
+    }
+    if regressions.is_empty() {
+        println!("gate: no regression");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("gate: regression in {}", regressions.join(", "));
+        Ok(ExitCode::from(4))
+    }
+}
