@@ -61,7 +61,17 @@ impl Dtype {
 
     /// Widens `bytes` (a whole number of tokens) into `out`, one token per element.
     pub fn widen(self, bytes: &[u8], out: &mut [i64]) {
-        debug_assert_eq!(bytes.len(), out.len() * self.size());
+        assert_eq!(bytes.len(), out.len() * self.size(), "whole tokens");
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self, Dtype::U8 | Dtype::U16 | Dtype::U32) && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above) and the lengths match (asserted above).
+            unsafe { simd::widen_avx2(self.size(), bytes, out) };
+            return;
+        }
+        self.widen_portable(bytes, out);
+    }
+
+    fn widen_portable(self, bytes: &[u8], out: &mut [i64]) {
         match self {
             Dtype::U8 => out.iter_mut().zip(bytes).for_each(|(o, &b)| *o = b as i64),
             Dtype::U16 => out
@@ -80,6 +90,47 @@ impl Dtype {
                 .iter_mut()
                 .zip(bytes.chunks_exact(8))
                 .for_each(|(o, b)| *o = i64::from_le_bytes(b.try_into().expect("chunk of 8"))),
+        }
+    }
+}
+
+/// Zero-extension of unsigned tokens with AVX2 (`vpmovzx`): four tokens per instruction, several
+/// times faster than the baseline x86-64 build's SSE2 code for the loader's hottest loop.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX2, `token_size` must be 1, 2 or 4, and
+    /// `bytes.len() == out.len() * token_size`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn widen_avx2(token_size: usize, bytes: &[u8], out: &mut [i64]) {
+        let n = out.len();
+        let n_vector = n / 4 * 4;
+        let src = bytes.as_ptr();
+        let dst = out.as_mut_ptr();
+        let mut i = 0;
+        // Invariant: out[..i] holds the widened tokens[..i]; every access below is within
+        // bytes[..n * token_size] and out[..n] because i + 4 <= n_vector <= n.
+        while i < n_vector {
+            // SAFETY: see the invariant; unaligned loads and stores are used throughout.
+            unsafe {
+                let wide = match token_size {
+                    1 => _mm256_cvtepu8_epi64(_mm_cvtsi32_si128((src.add(i) as *const i32).read_unaligned())),
+                    2 => _mm256_cvtepu16_epi64(_mm_loadl_epi64(src.add(2 * i) as *const __m128i)),
+                    _ => _mm256_cvtepu32_epi64(_mm_loadu_si128(src.add(4 * i) as *const __m128i)),
+                };
+                _mm256_storeu_si256(dst.add(i) as *mut __m256i, wide);
+            }
+            i += 4;
+        }
+        for (j, slot) in out.iter_mut().enumerate().skip(n_vector) {
+            let at = j * token_size;
+            *slot = match token_size {
+                1 => bytes[at] as i64,
+                2 => u16::from_le_bytes([bytes[at], bytes[at + 1]]) as i64,
+                _ => u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]) as i64,
+            };
         }
     }
 }
@@ -512,6 +563,20 @@ mod tests {
         assert!(matches!(raw_layout(p(), &llmc, 1024 + 9, Dtype::U16), Err(DataError::Truncated { .. })));
         assert_eq!(raw_layout(p(), &[1, 2], 6, Dtype::U16).unwrap().n_tokens, 3);
         assert!(matches!(raw_layout(p(), &[1, 2], 7, Dtype::U16), Err(DataError::DtypeMismatch { offset: 6, .. })));
+    }
+
+    #[test]
+    fn vector_and_portable_widening_agree() {
+        let bytes: Vec<u8> = (0..4 * 37u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        for dtype in [Dtype::U8, Dtype::U16, Dtype::U32] {
+            for n in 0..37 {
+                let mut fast = vec![-1; n];
+                let mut slow = vec![-2; n];
+                dtype.widen(&bytes[..n * dtype.size()], &mut fast);
+                dtype.widen_portable(&bytes[..n * dtype.size()], &mut slow);
+                assert_eq!(fast, slow, "{dtype:?} n {n}");
+            }
+        }
     }
 
     #[test]

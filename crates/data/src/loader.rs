@@ -116,9 +116,20 @@ impl Shared {
         let width = self.seq_len + 1;
         buffer.resize(self.micro_batch * width, 0);
         let first = start + (self.rank * self.micro_batch) as u64;
-        for (row_idx, row) in buffer.chunks_exact_mut(width).enumerate() {
+        let locate = |row_idx: usize| {
             let (dataset_idx, _epoch, sample) = self.stream.locate(first + row_idx as u64);
-            self.stores[dataset_idx].read(sample * self.seq_len as u64, row);
+            (dataset_idx, sample * self.seq_len as u64)
+        };
+        // Rows sit at random places in the data: ask for the next row's memory while copying this
+        // one, so the copy does not stall on a cache (and TLB) miss per row.
+        let mut next = locate(0);
+        for (row_idx, row) in buffer.chunks_exact_mut(width).enumerate() {
+            let (dataset_idx, token) = next;
+            if row_idx + 1 < self.micro_batch {
+                next = locate(row_idx + 1);
+                self.stores[next.0].prefetch(next.1, width);
+            }
+            self.stores[dataset_idx].read(token, row);
         }
     }
 }
@@ -283,6 +294,12 @@ impl Loader {
             self.dispatch_position = start + self.global_batch;
         }
         Ok(())
+    }
+
+    /// Fills `buffer` on the calling thread with this rank's rows of the global batch that starts at
+    /// stream position `start` (what a worker does for one job; for benchmarks and tools).
+    pub fn assemble(&self, start: u64, buffer: &mut Vec<i64>) {
+        self.shared.fill(start, buffer);
     }
 
     /// The resume state (seed, epoch, samples consumed).

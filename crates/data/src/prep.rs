@@ -286,9 +286,9 @@ pub fn prepare_text(inputs: &[PathBuf], config: &PrepTextConfig, out_dir: &Path)
 /// Encodes documents on `n_threads` threads; the result is in input order.
 fn encode_parallel(encoder: &Encoder, documents: &[Document], n_threads: usize) -> Result<Vec<Vec<u32>>, DataError> {
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut results: Vec<Option<Result<Vec<u32>, DataError>>> = (0..documents.len()).map(|_| None).collect();
-    let slots: Vec<std::sync::Mutex<&mut Option<Result<Vec<u32>, DataError>>>> =
-        results.iter_mut().map(std::sync::Mutex::new).collect();
+    type Encoded = Option<Result<Vec<u32>, DataError>>;
+    let mut results: Vec<Encoded> = (0..documents.len()).map(|_| None).collect();
+    let slots: Vec<std::sync::Mutex<&mut Encoded>> = results.iter_mut().map(std::sync::Mutex::new).collect();
     std::thread::scope(|scope| {
         for _ in 0..n_threads.min(documents.len()).max(1) {
             scope.spawn(|| loop {

@@ -70,6 +70,12 @@ pub struct Record<'a> {
     pub bytes: &'a [u8],
 }
 
+/// A record shard being written: file, its temporary path, payload crc, index bytes, payload
+/// offset, records so far.
+type OpenRecordShard = (BufWriter<File>, PathBuf, crc32fast::Hasher, Vec<u8>, u64, u64);
+/// A decoded record: its shape and bytes.
+type Decoded = ([u32; 3], Vec<u8>);
+
 struct Input {
     path: PathBuf,
     label: i64,
@@ -112,7 +118,7 @@ fn list_inputs(inputs: &[PathBuf]) -> Result<(Vec<Input>, Vec<String>), DataErro
 }
 
 /// Decodes an image into HWC uint8 RGB, or keeps another file's bytes.
-fn decode(path: &Path) -> Result<([u32; 3], Vec<u8>), DataError> {
+fn decode(path: &Path) -> Result<Decoded, DataError> {
     let bytes = std::fs::read(path).map_err(DataError::read(path))?;
     let is_image = path
         .extension()
@@ -137,7 +143,7 @@ pub fn prepare_records(
     let (inputs, classes) = list_inputs(inputs)?;
     std::fs::create_dir_all(out_dir).map_err(DataError::write(out_dir))?;
     let mut shards = Vec::new();
-    let mut writer: Option<(BufWriter<File>, PathBuf, crc32fast::Hasher, Vec<u8>, u64, u64)> = None;
+    let mut writer: Option<OpenRecordShard> = None;
     let n_threads = config.n_threads.max(1);
     // Decode in parallel in windows of inputs, write in input order.
     for window in inputs.chunks(64 * n_threads) {
@@ -182,7 +188,7 @@ pub fn prepare_records(
 fn finish_records_shard(
     out_dir: &Path,
     shard_idx: usize,
-    (file, tmp, crc, mut index, _offset, n_records): (BufWriter<File>, PathBuf, crc32fast::Hasher, Vec<u8>, u64, u64),
+    (file, tmp, crc, mut index, _offset, n_records): OpenRecordShard,
 ) -> Result<RecordShardEntry, DataError> {
     let file = file.into_inner().map_err(|err| DataError::Write { path: tmp.clone(), source: err.into_error() })?;
     file.sync_all().map_err(DataError::write(&tmp))?;
@@ -194,7 +200,7 @@ fn finish_records_shard(
     Ok(RecordShardEntry { rec, ridx, n_records, rec_crc32: crc.finalize(), ridx_crc32: crc32fast::hash(&index) })
 }
 
-fn decode_parallel(window: &[Input], n_threads: usize) -> Result<Vec<([u32; 3], Vec<u8>)>, DataError> {
+fn decode_parallel(window: &[Input], n_threads: usize) -> Result<Vec<Decoded>, DataError> {
     let chunk = window.len().div_ceil(n_threads).max(1);
     std::thread::scope(|scope| {
         let handles: Vec<_> = window

@@ -308,6 +308,29 @@ impl TokenStore {
         }
     }
 
+    /// Hints the CPU to start loading tokens `[start, start + len)` into cache, so that the next
+    /// `read` of them overlaps its memory latency with the current work. Never faults.
+    pub fn prefetch(&self, start: u64, len: usize) {
+        let segment_idx = self.starts.partition_point(|&s| s <= start).saturating_sub(1);
+        let Some(segment) = self.segments.get(segment_idx) else { return };
+        let local = start.saturating_sub(self.starts[segment_idx]);
+        let size = segment.dtype.size();
+        let bytes = segment.bytes.as_slice();
+        let from = (segment.data_offset + local as usize * size).min(bytes.len());
+        let to = (from + len * size).min(bytes.len());
+        #[cfg(target_arch = "x86_64")]
+        for line in (from..to).step_by(64) {
+            // SAFETY: a prefetch is only a hint and never faults; the address is inside the mapping.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    bytes.as_ptr().add(line) as *const i8
+                )
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (from, to);
+    }
+
     /// The file behind stream offset `token` (for error messages).
     pub fn path_of(&self, token: u64) -> &Path {
         let segment_idx = self.starts.partition_point(|&s| s <= token).saturating_sub(1);

@@ -362,7 +362,7 @@ mod formats {
         std::fs::write(&input, "{\"text\": \"ab\"}\n\n{\"text\": \"c\"}\n").unwrap();
         let out = dir.path().join("out");
         let config = PrepTextConfig { eos: "10".into(), ..PrepTextConfig::default() };
-        let manifest = prepare_text(&[input.clone()], &config, &out).unwrap();
+        let manifest = prepare_text(std::slice::from_ref(&input), &config, &out).unwrap();
         assert_eq!(manifest.n_documents, 2);
         assert_eq!(read_all(&TokenStore::open(&out).unwrap()), vec![97, 98, 10, 99, 10]);
         std::fs::write(&input, "{\"text\": \"ab\"}\n{\"txt\": 1}\n").unwrap();
