@@ -79,7 +79,8 @@ pub struct StepTime {
     pub pipeline_comm_s: f64,
     /// Idle time of the pipeline's fill and drain.
     pub bubble_s: f64,
-    /// Data-parallel (and ZeRO) communication the step waits for.
+    /// Data-parallel (and ZeRO) communication the step waits for, with the all-reduce of tied
+    /// embeddings' gradients between the first and the last pipeline stage.
     pub data_comm_exposed_s: f64,
     /// All data-parallel communication, hidden or not.
     pub data_comm_total_s: f64,
@@ -202,7 +203,14 @@ fn micro_batch_time(
         // scatter/gather splits the message over the t tensor ranks.
         // Neighbouring stages are t·d ranks apart: inside a node only when a whole replica is.
         let link = Link::for_group(cluster, layout.tensor * layout.data * layout.pipeline);
-        pipeline_comm_s = 2.0 * layout.virtual_stages as f64 * link.send_s(sbh_bytes / layout.tensor as f64);
+        let messages = 2.0 * layout.virtual_stages as f64;
+        pipeline_comm_s = messages * link.send_s(sbh_bytes / layout.tensor as f64);
+        if layout.tensor > 1 {
+            // The receiving tensor ranks all-gather the t pieces back into the whole activation
+            // (or gradient) before using it, once per message (Narayanan et al., 2021, section 4.1).
+            let tensor_link = Link::for_group(cluster, layout.tensor);
+            pipeline_comm_s += messages * tensor_link.gather_or_scatter_s(layout.tensor, sbh_bytes);
+        }
     }
     MicroBatchTime { compute_s, memory_s, overhead_s, tensor_comm_s, pipeline_comm_s }
 }
@@ -263,6 +271,18 @@ pub fn step_time(model: &ModelConfig, cluster: &ClusterConfig, precision: Precis
             }
         }
     };
+    // With a pipeline, tied input and output embeddings live on the first and the last stage;
+    // Megatron-LM all-reduces their gradient between the two after the data-parallel reduction.
+    // Their ranks are t·d·(p-1) apart: inside a node only when the whole layout is.
+    let embedding_comm_s = if layout.pipeline > 1 && model.tied_embeddings {
+        let embedding_bytes =
+            (model.vocab_size * model.d_model) as f64 / layout.tensor as f64 * precision.element_bytes();
+        Link::for_group(cluster, layout.n_devices()).all_reduce_s(2, embedding_bytes)
+    } else {
+        0.0
+    };
+    let data_comm_total_s = data_comm_total_s + embedding_comm_s;
+    let data_comm_exposed_s = data_comm_exposed_s + embedding_comm_s;
     let updated = if layout.zero == ZeroStage::None { params } else { params / d as f64 };
     let optimizer_s = updated * OPTIMIZER_BYTES_PER_PARAM / (cluster.memory_bandwidth * eff.optimizer);
     let scale = m + bubble_units;
