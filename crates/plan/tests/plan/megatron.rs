@@ -178,7 +178,7 @@ fn published_split(row: &Row) -> (Estimate, usize, Estimate) {
 /// share, while the pipeline it buys costs a bubble of (p-1)/(v·m) and 2v inter-node sends per
 /// micro-batch, both small at these batch sizes. The model already charges the tensor all-reduce
 /// NCCL's bus bandwidth on NVSwitch (about 225 GB/s of NVLink 3's 300 GB/s per direction); the
-/// published split only reaches the top three at about 400 GB/s, more than the link has (see
+/// published split only reaches the top three at 400-450 GB/s, more than the link has (see
 /// `..._even_at_the_links_full_peak` below).
 const KNOWN_DISAGREEMENTS: &[f64] = &[18.4, 39.1];
 
