@@ -5,11 +5,13 @@
 #
 # usage: benches/trace_vs_hta.sh            (fixtures + a ~2 GB synthetic trace)
 #        SYNTH_MB=0 benches/trace_vs_hta.sh (fixtures only)
-# env:   FIXTURES (default ../shared/fixtures/traces), SYNTH_MB (default 2000),
+# env:   FIXTURES (default ../shared/fixtures/traces; a missing folder skips them), SYNTH_MB
+#        (default 2000), SYNTH_KERNELS_PER_STEP (default 50000),
 #        WORK (default target/trace-bench; the synthetic trace is deleted afterwards).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FIXTURES=${FIXTURES:-../shared/fixtures/traces}
+[ -d "$FIXTURES" ] && FIXTURES=$(cd "$FIXTURES" && pwd)
 SYNTH_MB=${SYNTH_MB:-2000}
 WORK=${WORK:-target/trace-bench}
 PY=.stoke/venv/bin/python
@@ -25,33 +27,36 @@ STOKE=target/release/stoke
 # The same analyzer without the `stoke` binary's libtorch start-up (about 1 s and 120 MB here).
 ALONE=target/release/examples/trace_table
 
-# Runs a command under /usr/bin/time -v; prints "wall_seconds peak_rss_kb".
+# Runs a command under /usr/bin/time -v; prints "wall_seconds peak_rss_kb cpu_seconds" (wall time from the
+# nanosecond clock: /usr/bin/time rounds to 10 ms).
 measure() {
-    local log
+    local log t0 t1
     log=$(mktemp)
+    t0=$(date +%s%N)
     /usr/bin/time -v "$@" >/dev/null 2>"$log" || { cat "$log" >&2; rm -f "$log"; return 1; }
-    awk -F': ' '/Elapsed \(wall clock\)/ {n = split($2, p, ":"); s = 0; for (i = 1; i <= n; i++) s = s * 60 + p[i]; w = s}
-                /Maximum resident set size/ {r = $2}
-                END {print w, r}' "$log"
+    t1=$(date +%s%N)
+    awk -F': ' -v ns=$((t1 - t0)) '/Maximum resident set size/ {r = $2} /User time|System time/ {c += $2}
+                                   END {print ns / 1e9, r, c}' "$log"
     rm -f "$log"
 }
 
-report() { # name bytes stoke_wall stoke_rss alone_wall alone_rss hta_wall hta_rss
-    awk -v n="$1" -v b="$2" -v sw="$3" -v sr="$4" -v aw="$5" -v ar="$6" -v hw="$7" -v hr="$8" 'BEGIN {
-        printf "| %s | %.1f | %.2f | %.2f | %.2f | %.1fx | %.1fx | %.0f | %.0f | %.0f | %.1fx | %.2f | %.2f |\n",
-            n, b / 1e6, sw, aw, hw, hw / sw, hw / aw, sr / 1024, ar / 1024, hr / 1024, hr / sr, sr * 1024 / b, ar * 1024 / b }'
+report() { # name bytes stoke_wall stoke_rss stoke_cpu alone_wall alone_rss alone_cpu hta_wall hta_rss hta_cpu
+    awk -v n="$1" -v b="$2" -v sw="$3" -v sr="$4" -v sc="$5" -v aw="$6" -v ar="$7" -v ac="$8" \
+        -v hw="$9" -v hr="${10}" -v hc="${11}" 'BEGIN {
+        printf "| %s | %.1f | %.2f (%.2f) | %.3f (%.3f) | %.2f (%.2f) | %.1fx | %.0fx | %.0f / %.0f / %.0f | %.1fx | %.2f |\n",
+            n, b / 1e6, sw, sc, aw, ac, hw, hc, hw / sw, hw / aw, sr / 1024, ar / 1024, hr / 1024, hr / ar, ar * 1024 / b }'
 }
 
-echo "| trace | JSON MB | stoke s | analyzer-only s | HTA s | speed-up | speed-up analyzer-only | stoke MB RSS | analyzer-only MB RSS | HTA MB RSS | HTA/stoke RSS | stoke RSS / JSON | analyzer-only RSS / JSON |"
-echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| trace | JSON MB | stoke s (CPU s) | analyzer-only s (CPU s) | HTA s (CPU s) | speed-up, stoke | speed-up, analyzer-only | peak RSS MB stoke / analyzer-only / HTA | HTA / analyzer-only RSS | analyzer-only RSS / JSON |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 if [ -d "$FIXTURES" ]; then
     for f in "$FIXTURES"/*.json.gz; do
         name=$(basename "$f")
         bytes=$(gzip -dc "$f" | wc -c)
-        read -r sw sr < <(measure "$STOKE" trace analyze "$f" --format table)
-        read -r aw ar < <(measure "$ALONE" "$f")
-        read -r hw hr < <(measure "$PY" benches/peers/hta_analyze.py "$f")
-        report "$name" "$bytes" "$sw" "$sr" "$aw" "$ar" "$hw" "$hr"
+        read -r sw sr sc < <(measure "$STOKE" trace analyze "$f" --format table)
+        read -r aw ar ac < <(measure "$ALONE" "$f")
+        read -r hw hr hc < <(measure "$PY" benches/peers/hta_analyze.py "$f")
+        report "$name" "$bytes" "$sw" "$sr" "$sc" "$aw" "$ar" "$ac" "$hw" "$hr" "$hc"
         "$STOKE" trace analyze "$f" --format json >"$WORK/stoke/$name.stoke.json"
     done
     "$PY" benches/peers/hta_analyze.py "$FIXTURES"/*.json.gz >"$WORK/hta_fixtures.json" 2>/dev/null
@@ -61,13 +66,16 @@ fi
 
 if [ "$SYNTH_MB" -gt 0 ]; then
     synth="$WORK/synthetic"
-    "$STOKE" trace gen-synthetic --out "$synth" --ranks 1 --mb "$SYNTH_MB" 2>/dev/null
+    # Few long steps, as real multi-GB traces have (HTA's per-event step lookup is linear in the
+    # number of steps, so thousands of short steps would exaggerate its cost).
+    "$STOKE" trace gen-synthetic --out "$synth" --ranks 1 --mb "$SYNTH_MB" \
+        --kernels-per-step "${SYNTH_KERNELS_PER_STEP:-50000}" 2>/dev/null
     f="$synth/rank-0.json"
     bytes=$(stat -c %s "$f")
-    read -r sw sr < <(measure "$STOKE" trace analyze "$f" --format table)
-    read -r aw ar < <(measure "$ALONE" "$f")
-    read -r hw hr < <(measure "$PY" benches/peers/hta_analyze.py --quick "$f")
-    report "synthetic $((bytes / 1000000)) MB (HTA: load + temporal only)" "$bytes" "$sw" "$sr" "$aw" "$ar" "$hw" "$hr"
+    read -r sw sr sc < <(measure "$STOKE" trace analyze "$f" --format table)
+    read -r aw ar ac < <(measure "$ALONE" "$f")
+    read -r hw hr hc < <(measure "$PY" benches/peers/hta_analyze.py --quick "$f")
+    report "synthetic $((bytes / 1000000)) MB (HTA: load + temporal only)" "$bytes" "$sw" "$sr" "$sc" "$aw" "$ar" "$ac" "$hw" "$hr" "$hc"
     rm -rf "$synth"
 fi
 

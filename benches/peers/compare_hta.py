@@ -46,9 +46,14 @@ def main(stoke_dir, hta_json):
         elif isinstance(idle, dict):
             print(f"| idle breakdown | | {idle['error'][:60]} | |")
         k = h.get("kernels")
-        if isinstance(k, dict) and "top" in k and k["top"] and r["top_kernels"]:
-            top = max(k["top"], key=lambda x: x["sum (us)"])
-            print(row("top kernel total", us(r["top_kernels"][0]["total_ns"]), top["sum (us)"]))
+        if isinstance(k, dict) and "top" in k:
+            # HTA lists the top kernels of each type plus an "others" bucket; compare the kernels
+            # that both list under the same name.
+            theirs = {x["name"]: x["sum (us)"] for x in k["top"] if x["name"] != "others"}
+            for kernel in r["top_kernels"][:3]:
+                if kernel["name"] in theirs:
+                    label = kernel["name"][:40].replace("|", "\\|")
+                    print(row(f"kernel total: `{label}`", us(kernel["total_ns"]), theirs[kernel["name"]]))
         o = h.get("overlap")
         if isinstance(o, list) and o and r["overlap"]["overlap_ratio"] is not None:
             print(row("comm/compute overlap %", 100 * r["overlap"]["overlap_ratio"], o[0]["comp_comm_overlap_pctg"]))

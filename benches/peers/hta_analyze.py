@@ -11,6 +11,7 @@ Times are HTA's: microseconds.
 
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -80,7 +81,8 @@ def analyse(trace_files, quick):
 def main(argv):
     together = "--together" in argv
     quick = "--quick" in argv
-    files = [a for a in argv if not a.startswith("--")]
+    # HTA resolves relative paths against its default trace directory: pass absolute ones.
+    files = [os.path.abspath(a) for a in argv if not a.startswith("--")]
     if together:
         result = analyse({rank: path for rank, path in enumerate(files)}, quick)
     else:

@@ -199,12 +199,12 @@ fn gzip_is_detected_by_content() {
     let mut enc = flate2::write::GzEncoder::new(std::fs::File::create(&path).unwrap(), flate2::Compression::fast());
     enc.write_all(json.as_bytes()).unwrap();
     enc.finish().unwrap();
-    let a = analyze_paths(&[dir.clone()], &AnalyzeOptions::default()).unwrap();
+    let a = analyze_paths(std::slice::from_ref(&dir), &AnalyzeOptions::default()).unwrap();
     assert_eq!((a.ranks.len(), a.ranks[0].rank, a.ranks[0].steps[0].wall_ns), (1, 2, 10_000));
     // A truncated gzip stream is an error too.
     let full = std::fs::read(&path).unwrap();
     std::fs::write(&path, &full[..full.len() / 2]).unwrap();
-    let err = analyze_paths(&[path.clone()], &AnalyzeOptions::default()).unwrap_err();
+    let err = analyze_paths(std::slice::from_ref(&path), &AnalyzeOptions::default()).unwrap_err();
     assert!(format!("{err}").contains("rank-2.trace.json.gz"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -223,7 +223,7 @@ fn synthetic_traces_diagnose_and_diff() {
     let base = write("base.json", &base_opts);
     let slow = write("slow.json", &SynthOptions { dataloader_ns: 20_000_000, ..base_opts.clone() });
     let opts = AnalyzeOptions::default();
-    let (a, b) = (analyze_paths(&[base.clone()], &opts).unwrap(), analyze_paths(&[slow], &opts).unwrap());
+    let (a, b) = (analyze_paths(std::slice::from_ref(&base), &opts).unwrap(), analyze_paths(&[slow], &opts).unwrap());
     assert_eq!(a.ranks[0].steps.len(), 6);
     for s in a.ranks.iter().chain(&b.ranks).flat_map(|r| &r.steps) {
         assert_eq!(s.categories.sum(), s.wall_ns);
