@@ -226,3 +226,83 @@ impl Observer for Profiler {
         Ok(())
     }
 }
+
+/// Measures the profiler's cost in one run: passes events to the profiler in alternate blocks of
+/// `block` steps and times the interval between consecutive step ends (the step and everything
+/// the observers did after it) in the blocks with and without it. Alternating blocks within one
+/// process cancel the drift of a shared machine that separate runs would see.
+pub struct OverheadProbe<'a> {
+    profiler: &'a mut Profiler,
+    block: u64,
+    last: Option<Instant>,
+    /// Mean interval per block, ms, tagged on (true) or off.
+    blocks: Vec<(bool, f64)>,
+    current: (u64, f64),
+}
+
+/// The result of an `OverheadProbe`.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Overhead {
+    pub on_ms_per_step: f64,
+    pub off_ms_per_step: f64,
+    /// Median over adjacent (on, off) block pairs of on / off - 1.
+    pub overhead_fraction: f64,
+    pub n_block_pairs: usize,
+}
+
+impl<'a> OverheadProbe<'a> {
+    pub fn new(profiler: &'a mut Profiler, block: u64) -> OverheadProbe<'a> {
+        OverheadProbe { profiler, block: block.max(1), last: None, blocks: Vec::new(), current: (0, 0.0) }
+    }
+
+    fn on_for(&self, step: u64) -> bool {
+        (step / self.block) % 2 == 1
+    }
+
+    /// None until at least one pair of blocks was measured.
+    pub fn result(&self) -> Option<Overhead> {
+        // Skip the first two blocks: warm-up.
+        let blocks = &self.blocks[self.blocks.len().min(2)..];
+        let mean = |on: bool| {
+            let v: Vec<f64> = blocks.iter().filter(|b| b.0 == on).map(|b| b.1).collect();
+            v.iter().sum::<f64>() / v.len().max(1) as f64
+        };
+        let mut ratios: Vec<f64> = blocks
+            .windows(2)
+            .filter(|w| w[0].0 != w[1].0)
+            .map(|w| if w[0].0 { w[0].1 / w[1].1 } else { w[1].1 / w[0].1 } - 1.0)
+            .collect();
+        if ratios.is_empty() {
+            return None;
+        }
+        ratios.sort_by(f64::total_cmp);
+        Some(Overhead {
+            on_ms_per_step: mean(true),
+            off_ms_per_step: mean(false),
+            overhead_fraction: ratios[ratios.len() / 2],
+            n_block_pairs: ratios.len(),
+        })
+    }
+}
+
+impl Observer for OverheadProbe<'_> {
+    fn on_event(&mut self, event: &TrainEvent<'_>) -> Result<(), ObserverError> {
+        let TrainEvent::Step(record) = event else { return self.profiler.on_event(event) };
+        let on = self.on_for(record.step);
+        if on {
+            self.profiler.on_event(event)?;
+        }
+        // Timed after the profiler ran, so an on-step's interval includes its cost.
+        let now = Instant::now();
+        if let Some(last) = self.last {
+            self.current.0 += 1;
+            self.current.1 += (now - last).as_secs_f64() * 1e3;
+        }
+        self.last = Some(now);
+        if (record.step + 1) % self.block == 0 && self.current.0 > 0 {
+            self.blocks.push((on, self.current.1 / self.current.0 as f64));
+            self.current = (0, 0.0);
+        }
+        Ok(())
+    }
+}

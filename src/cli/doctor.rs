@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use stoke_prof::{format_bound, RunReport};
 
-use super::train::{install_interrupt_handler, prepare_run_dir, timestamp, train, ConfigArgs};
+use super::train::{install_interrupt_handler, prepare_run_dir, timestamp, train_probed, ConfigArgs};
 use super::UsageError;
 
 #[derive(Debug, clap::Args)]
@@ -22,6 +22,10 @@ pub struct DoctorArgs {
     /// Run once per value of one key and name the fastest: `--sweep data.workers=1,2,4`.
     #[arg(long, value_name = "SECTION.KEY=V1,V2,...")]
     pub sweep: Option<String>,
+    /// Also measure the profiler's own cost in the same run: it observes alternate blocks of this
+    /// many steps, and the step cadence with and without it is compared (e.g. `--overhead 10`).
+    #[arg(long, value_name = "BLOCK_STEPS")]
+    pub overhead: Option<u64>,
     /// Show the progress bar.
     #[arg(long)]
     pub progress: bool,
@@ -58,7 +62,19 @@ fn profile(args: &DoctorArgs, extra: &[String], name: &str, stop: &AtomicBool) -
         config.run.name = name.to_string();
     }
     let run_dir = prepare_run_dir(&mut config, false)?;
-    let (_, report) = train(&config, &run_dir, false, args.progress, stop)?;
+    let (_, report, overhead) = train_probed(&config, &run_dir, false, args.progress, stop, args.overhead)?;
+    if let Some(o) = overhead {
+        println!(
+            "profiler overhead, on vs off in this run: {:.3} vs {:.3} ms/step, median of {} block pairs {:+.2}%",
+            o.on_ms_per_step,
+            o.off_ms_per_step,
+            o.n_block_pairs,
+            100.0 * o.overhead_fraction
+        );
+        let path = run_dir.join("overhead.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&o)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     let report = report.ok_or_else(|| {
         UsageError("no step was profiled: set prof.enabled=true and --steps above prof.skip_steps".into())
     })?;

@@ -13,7 +13,7 @@ use stoke_train::{CheckpointTarget, Observer, Trainer};
 use super::UsageError;
 use crate::config::StokeConfig;
 use crate::observe::{MetricsWriter, Progress};
-use crate::profiler::{Peaks, Profiler};
+use crate::profiler::{Overhead, OverheadProbe, Peaks, Profiler};
 
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
@@ -197,6 +197,20 @@ pub fn train(
     progress: bool,
     stop: &AtomicBool,
 ) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>)> {
+    let (summary, report, _) = train_probed(config, run_dir, resume, progress, stop, None)?;
+    Ok((summary, report))
+}
+
+/// `train`, and with `overhead_block` the profiler's own cost measured in the same run: the
+/// profiler sees alternate blocks of that many steps (`OverheadProbe`).
+pub fn train_probed(
+    config: &StokeConfig,
+    run_dir: &Path,
+    resume: bool,
+    progress: bool,
+    stop: &AtomicBool,
+    overhead_block: Option<u64>,
+) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>, Option<Overhead>)> {
     let device = stoke_train::parse_device(&config.run.device)?;
     let mut trainer = Trainer::new(&config.model, &config.train, &config.ckpt, device)?;
     trainer.set_sync_every(config.prof.sync_every);
@@ -214,13 +228,23 @@ pub fn train(
     let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resume)?;
     let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks)?;
     let mut bar = Progress::new(progress);
-    let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut profiler, &mut bar];
-    let summary = trainer.run(source.as_mut(), &mut observers, Some(&target), stop)?;
-    drop(observers);
+    let (summary, overhead) = match overhead_block {
+        Some(block) => {
+            let mut probe = OverheadProbe::new(&mut profiler, block);
+            let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut probe, &mut bar];
+            let summary = trainer.run(source.as_mut(), &mut observers, Some(&target), stop)?;
+            drop(observers);
+            (summary, probe.result())
+        }
+        None => {
+            let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut profiler, &mut bar];
+            (trainer.run(source.as_mut(), &mut observers, Some(&target), stop)?, None)
+        }
+    };
     bar.finish();
     let report = profiler.finish()?;
     if let Some(report) = &report {
         println!("\n{}", report.render_text());
     }
-    Ok((summary, report))
+    Ok((summary, report, overhead))
 }

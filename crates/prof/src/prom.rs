@@ -303,6 +303,26 @@ mod tests {
     }
 
     #[test]
+    fn the_grafana_dashboard_names_only_metrics_we_export() {
+        let dashboard = include_str!("../../../dashboards/stoke-grafana.json");
+        let exported = LiveMetrics::new().encode();
+        let mut names: Vec<&str> = dashboard
+            .match_indices("stoke_")
+            .map(|(i, _)| {
+                let rest = &dashboard[i..];
+                &rest[..rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len())]
+            })
+            .filter(|name| name.len() > "stoke_".len())
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        assert!(names.len() >= 8, "{names:?}");
+        for name in names {
+            assert!(exported.contains(&format!("# TYPE {name} ")), "the dashboard plots {name}, which is not exported");
+        }
+    }
+
+    #[test]
     fn the_validator_rejects_bad_lines() {
         for (text, expected) in [
             ("# TYPE a gauge\na{x=1} 3\n", "bad label"),
