@@ -145,17 +145,21 @@ fn breakdown_chart(report: &RunReport) -> Result<String, String> {
             .margin(10)
             .x_label_area_size(36)
             .y_label_area_size(100)
-            .build_cartesian_2d(0.0..max, 0..N_PHASES)?;
+            .build_cartesian_2d(0.0..max, (0..N_PHASES).into_segmented())?;
         chart
             .configure_mesh()
             .disable_y_mesh()
             .y_labels(N_PHASES)
-            .y_label_formatter(&|i| PHASE_NAMES.get(*i).map(|s| s.to_string()).unwrap_or_default())
+            .y_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => PHASE_NAMES.get(*i).map(|s| s.to_string()).unwrap_or_default(),
+                _ => String::new(),
+            })
             .x_desc("ms")
             .draw()?;
         chart.draw_series(PHASE_NAMES.iter().enumerate().map(|(i, name)| {
             let ms = report.phases.get(*name).copied().unwrap_or(0.0);
-            Rectangle::new([(0.0, i), (ms, i + 1)], PHASE_COLORS[i].filled())
+            let (bottom, top) = (SegmentValue::Exact(i), SegmentValue::Exact(i + 1));
+            Rectangle::new([(0.0, bottom), (ms, top)], PHASE_COLORS[i].filled())
         }))?;
         root.present()?;
         Ok(())
