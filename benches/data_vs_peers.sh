@@ -39,7 +39,7 @@ for name, target in [("peer_a", 10), ("peer_b", 3), ("peer_c", 3)]:
     peer = json.loads(open(f"{work}/{name}.json").read().strip().splitlines()[-1])
     ratio = rate / peer["tokens_per_s"]
     print(f"  vs {peer['peer']}: {peer['tokens_per_s'] / 1e6:.2f} M tokens/s -> {ratio:.1f}x (target {target}x)")
-print(f"batch assembly (1 worker) = {100 * stoke['assembly_share_of_memcpy_1_thread']:.0f}% of 1-thread memcpy; "
+print(f"batch assembly (1 thread, CPU time) = {100 * stoke['assembly_share_of_memcpy_1_thread']:.0f}% of 1-thread memcpy; "
       f"loader (2 workers) = {100 * stoke['loader_share_of_memcpy_2_threads']:.0f}% of 2-thread memcpy")
 if stoke.get("first_batch_s") is not None:
     print(f"time to first batch on {stoke['first_batch_tokens']:.0e} tokens: {stoke['first_batch_s'] * 1e3:.1f} ms")
