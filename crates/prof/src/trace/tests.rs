@@ -310,3 +310,48 @@ proptest! {
         }
     }
 }
+
+fn rank_findings(json: &str, opts: &AnalyzeOptions) -> (RankReport, Vec<&'static str>) {
+    let report = analyze_rank(&parse(json).expect("parses"), opts);
+    let ids = report.findings.iter().map(|f| f.id).collect();
+    (report, ids)
+}
+
+#[test]
+fn memory_tensor_cores_outliers_and_mfu() {
+    // An 80 GB device, allocator samples up to 76 GB reserved, fp32 GEMMs only, and a slow step.
+    let memory = |ts: f64, reserved: u64| {
+        format!(
+            r#"{{"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1, "ts": {ts}, "s": "t", "args": {{"Device Type": 1, "Device Id": 0, "Bytes": 1024, "Total Allocated": {reserved}, "Total Reserved": {reserved}}}}}"#
+        )
+    };
+    let mut events = Vec::new();
+    for (i, wall) in [100.0, 100.0, 100.0, 400.0].iter().enumerate() {
+        let start = 1000.0 * i as f64;
+        events.push(x("user_annotation", &format!("ProfilerStep#{i}"), start, *wall, ""));
+        events.push(launch(start + 1.0, 2.0, i as u64 + 1));
+        events.push(gpu("kernel", "volta_sgemm_128x64_nn", start + 5.0, wall - 10.0, 7, i as u64 + 1));
+    }
+    events.push(memory(10.0, 40_000_000_000));
+    events.push(memory(20.0, 76_000_000_000));
+    let json = format!(
+        r#"{{"deviceProperties": [{{"id": 0, "name": "NVIDIA A100-SXM4-80GB", "totalGlobalMem": 80000000000, "computeMajor": 8, "computeMinor": 0}}], "traceEvents": [{}]}}"#,
+        events.join(",\n")
+    );
+    let opts = AnalyzeOptions { model_flops_per_step: Some(31.2e9), ..AnalyzeOptions::default() };
+    let (report, ids) = rank_findings(&json, &opts);
+    assert_eq!(report.memory.len(), 1);
+    assert_eq!(report.memory[0].peak_reserved_bytes, 76_000_000_000);
+    assert!(ids.contains(&"memory_pressure"), "{ids:?}");
+    assert!(ids.contains(&"no_tensor_cores"), "{ids:?}");
+    assert!(ids.contains(&"step_outliers"), "{ids:?}");
+    assert!(!ids.contains(&"low_gpu_utilization"), "{ids:?}");
+    // 31.2 GFLOP in a mean step of 175 µs on a 312 TFLOP/s A100.
+    let mfu = report.mfu.expect("model FLOPs given and the device is known");
+    assert!((mfu - 31.2e9 / 175e-6 / 312e12).abs() < 1e-9, "{mfu}");
+
+    // The same trace on Tensor Cores: no finding.
+    let tc = json.replace("volta_sgemm_128x64_nn", "sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize96x128x32");
+    let (_, ids) = rank_findings(&tc, &opts);
+    assert!(!ids.contains(&"no_tensor_cores"), "{ids:?}");
+}
