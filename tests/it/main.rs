@@ -2,6 +2,7 @@
 
 mod config_errors;
 mod doctor;
+mod prep;
 mod train;
 
 use std::path::Path;

@@ -1,0 +1,58 @@
+//! `stoke prep` end to end: prepare, verify, train on the result; damaged data and bad command lines
+//! are errors that name the file, with the documented exit codes.
+
+use crate::{losses, run_ok, stoke, SMALL};
+
+#[test]
+fn prepare_verify_and_train_on_a_prepared_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("corpus.txt");
+    std::fs::write(&text, stoke_data::builtin_corpus(7, 100_000)).unwrap();
+    let jsonl = dir.path().join("more.jsonl");
+    std::fs::write(&jsonl, "{\"text\": \"alice sees the cat .\"}\n{\"text\": \"12+30=42.\"}\n").unwrap();
+    let prepared = dir.path().join("prepared");
+    let out = run_ok(&mut stoke(
+        &["prep", "text", text.to_str().unwrap(), jsonl.to_str().unwrap(), "--out", prepared.to_str().unwrap()],
+        &[],
+    ));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("3 documents"));
+    run_ok(&mut stoke(&["prep", "verify", prepared.to_str().unwrap()], &[]));
+
+    let run_dir = format!("run.dir={}", dir.path().display());
+    let overrides: Vec<&str> = SMALL.iter().copied().chain([run_dir.as_str(), "run.name=p", "train.steps=4"]).collect();
+    run_ok(&mut stoke(&["train", "--quiet", "--data", prepared.to_str().unwrap()], &overrides));
+    assert_eq!(losses(&dir.path().join("p")).len(), 4);
+
+    // A flipped byte in a shard: verify fails with exit 1 and names the shard.
+    let shard = prepared.join("shard-00000.bin");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    bytes[10] ^= 1;
+    std::fs::write(&shard, bytes).unwrap();
+    let out = stoke(&["prep", "verify", prepared.to_str().unwrap()], &[]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("shard-00000.bin") && stderr.contains("checksum"), "{stderr}");
+
+    // A truncated shard: training refuses it with the file and what is missing.
+    std::fs::write(&shard, b"x").unwrap();
+    let overrides: Vec<&str> =
+        overrides.into_iter().map(|o| if o == "run.name=p" { "run.name=q" } else { o }).collect();
+    let out = stoke(&["train", "--quiet", "--data", prepared.to_str().unwrap()], &overrides).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("shard-00000.bin") && stderr.contains("truncated"), "{stderr}");
+}
+
+#[test]
+fn bad_prep_command_lines_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("out");
+    for args in [
+        vec!["prep", "text", "/no/such/input.txt", "--out", out_dir.to_str().unwrap()],
+        vec!["prep", "text", "--out", out_dir.to_str().unwrap()],
+        vec!["prep", "records", dir.path().to_str().unwrap(), "--out", out_dir.to_str().unwrap(), "--threads", "0"],
+    ] {
+        let out = stoke(&args, &[]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
