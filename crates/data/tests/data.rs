@@ -608,3 +608,70 @@ mod config {
         assert!(Loader::new(counting_store(41), LoaderConfig { world_size: 8, drop_last: false, ..base }).is_ok());
     }
 }
+
+mod tokenizer {
+    use stoke_data::{prepare_text, Dtype, PrepTextConfig, TokenStore};
+
+    /// A HuggingFace tokenizer.json with a word-level model: `[UNK]` = 0, `<eos>` = 1, then `words`.
+    fn word_level_tokenizer(path: &std::path::Path, words: &[String]) {
+        let mut vocab = serde_json::Map::new();
+        vocab.insert("[UNK]".into(), 0.into());
+        vocab.insert("<eos>".into(), 1.into());
+        for (i, word) in words.iter().enumerate() {
+            vocab.insert(word.clone(), (i + 2).into());
+        }
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+        });
+        std::fs::write(path, serde_json::to_vec(&json).unwrap()).unwrap();
+    }
+
+    fn check(n_words: usize, text: &str, expected_dtype: Dtype, expected_tokens: &[i64]) {
+        let dir = tempfile::tempdir().unwrap();
+        let words: Vec<String> = (0..n_words).map(|i| format!("w{i}")).collect();
+        let tokenizer = dir.path().join("tokenizer.json");
+        word_level_tokenizer(&tokenizer, &words);
+        let input = dir.path().join("doc.txt");
+        std::fs::write(&input, text).unwrap();
+        let config = PrepTextConfig {
+            tokenizer: tokenizer.to_str().unwrap().into(),
+            eos: "<eos>".into(),
+            ..PrepTextConfig::default()
+        };
+        let out = dir.path().join("out");
+        let manifest = prepare_text(&[input], &config, &out).unwrap();
+        assert_eq!((manifest.dtype, manifest.vocab_size), (expected_dtype, n_words as u64 + 2));
+        assert_eq!(manifest.tokenizer, "tokenizer.json");
+        let store = TokenStore::open(&out).unwrap();
+        let mut tokens = vec![0; store.n_tokens() as usize];
+        store.read(0, &mut tokens);
+        assert_eq!(tokens, expected_tokens);
+    }
+
+    #[test]
+    fn hugging_face_tokenizers_choose_u16_or_u32_by_vocabulary() {
+        check(10, "w3 w0 nope w9", Dtype::U16, &[5, 2, 0, 11, 1]);
+        check(70_000, "w69999 w1", Dtype::U32, &[70_001, 3, 1]);
+    }
+
+    #[test]
+    fn a_missing_tokenizer_or_eos_token_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("doc.txt");
+        std::fs::write(&input, "w1").unwrap();
+        let config = PrepTextConfig { tokenizer: "/no/such/tokenizer.json".into(), ..PrepTextConfig::default() };
+        let err = prepare_text(std::slice::from_ref(&input), &config, &dir.path().join("a")).unwrap_err();
+        assert!(err.to_string().contains("/no/such/tokenizer.json"), "{err}");
+        let tokenizer = dir.path().join("tokenizer.json");
+        word_level_tokenizer(&tokenizer, &["w1".into()]);
+        let config = PrepTextConfig {
+            tokenizer: tokenizer.to_str().unwrap().into(),
+            eos: "</s>".into(),
+            ..PrepTextConfig::default()
+        };
+        let err = prepare_text(&[input], &config, &dir.path().join("b")).unwrap_err();
+        assert!(err.to_string().contains("</s>"), "{err}");
+    }
+}
