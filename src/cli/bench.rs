@@ -94,15 +94,15 @@ struct StokeSetup {
     overrides: &'static [&'static str],
 }
 
-/// Mirrors the naive PyTorch peer: fp32, a small batch, loading on the training thread, a
-/// synchronous checkpoint every 50 steps.
+/// Mirrors the naive PyTorch peer: fp32, a small batch, one loader thread one batch ahead (the
+/// loader has no synchronous mode), a synchronous checkpoint every 50 steps.
 const NAIVE: StokeSetup = StokeSetup {
     name: "stoke-naive",
     micro_batch: 8,
     overrides: &[
         "train.precision=fp32",
-        "data.workers=0",
-        "data.prefetch=0",
+        "data.workers=1",
+        "data.prefetch=1",
         "ckpt.every=50",
         "ckpt.background=false",
         "train.lr=0.0015",

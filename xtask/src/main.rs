@@ -9,7 +9,8 @@
 //! Tasks:
 //! - `setup`: install libtorch if it is not there yet (idempotent, quick when done).
 //! - `train [ARGS]`: set up, then `stoke train ARGS` from a release build.
-//! - `test [ARGS]`: set up, then `cargo test --workspace ARGS`.
+//! - `test [ARGS]`: set up, then `cargo test --workspace ARGS`; without ARGS, then also the
+//!   benchmark regression gate (`stoke bench gate`).
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
 
@@ -59,7 +60,15 @@ fn main() -> ExitCode {
         "test" => setup(&root).and_then(|_| {
             let mut cmd = cargo(&root);
             cmd.args(["test", "--workspace"]).args(rest);
-            status(cmd)
+            let code = status(cmd)?;
+            if code != 0 || !rest.is_empty() {
+                return Ok(code);
+            }
+            // The regression gate: ratios of a small fixed run against benches/baseline.json
+            // (never absolute times). It is not a test; it fails only on a clear regression.
+            let mut gate = cargo(&root);
+            gate.args(["run", "--quiet", "--bin", "stoke", "--", "bench", "gate"]);
+            status(gate)
         }),
         "peers" => setup(&root).and_then(|_| install_peer_deps(&root)).map(|_| 0),
         other => Err(format!("unknown task `{other}`; tasks: setup, train, test, stoke, peers")),

@@ -14,7 +14,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::{CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
 use crate::model::Gpt;
-use crate::optim::{clip_grad_norm, AdamW, AdamWStep};
+use crate::optim::{AdamW, AdamWStep};
 use crate::TrainError;
 
 /// The phases a step's wall time splits into. They add up to the step's wall time: whatever is
@@ -174,6 +174,8 @@ pub struct Trainer {
     resumed_from: Option<PathBuf>,
     /// Synchronize a GPU at phase boundaries every this many steps (0: never).
     sync_every: u64,
+    /// Threads of the fused CPU optimizer: libtorch's intra-op thread count.
+    n_threads: usize,
 }
 
 /// Picks the device: "cpu", "cuda" (the first GPU) or "auto" (a GPU when libtorch sees one).
@@ -213,6 +215,7 @@ impl Trainer {
             step: 0,
             resumed_from: None,
             sync_every: 1,
+            n_threads: tch::get_num_threads().max(1) as usize,
         })
     }
 
@@ -389,8 +392,6 @@ impl Trainer {
                 loss_sum += loss.detach();
             }
             let lr = self.train.lr_at(self.step);
-            let mut grad = self.model.params_mut().take_flat_grad();
-            let grad_norm = clip_grad_norm(&mut grad, self.train.grad_clip);
             let hp = AdamWStep {
                 lr,
                 beta1: self.train.beta1,
@@ -398,7 +399,7 @@ impl Trainer {
                 eps: self.train.eps,
                 weight_decay: self.train.weight_decay,
             };
-            self.optimizer.step(self.model.params_mut(), &grad, hp);
+            let grad_norm = self.optimizer.step_from_grads(self.model.params_mut(), hp, self.train.grad_clip, self.n_threads);
             self.sync(timed);
             lap(&mut phases, Phase::Optimizer);
             self.step = step_number;
