@@ -524,6 +524,36 @@ mod fuzz {
             }
         }
     }
+
+    proptest! {
+        // Each case writes a record directory: fewer cases keep this under a few seconds.
+        #![proptest_config(ProptestConfig { cases: 100, .. ProptestConfig::default() })]
+
+        #[test]
+        fn record_shards_never_panic_on_damaged_indexes(
+            flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let input = dir.path().join("sample.bin");
+            std::fs::write(&input, b"payload bytes").unwrap();
+            let out = dir.path().join("records");
+            let manifest = stoke_data::prepare_records(&[input.clone(), input], &Default::default(), &out).unwrap();
+            let ridx = out.join(&manifest.shards[0].ridx);
+            let mut bytes = std::fs::read(&ridx).unwrap();
+            for (at, value) in &flips {
+                let at = at.index(bytes.len());
+                bytes[at] ^= value;
+            }
+            let len = cut.index(bytes.len() + 1);
+            std::fs::write(&ridx, &bytes[..len]).unwrap();
+            if let Ok(store) = stoke_data::RecordStore::open(&out, false) {
+                for record_idx in 0..store.len() {
+                    let _ = store.get(record_idx);
+                }
+            }
+        }
+    }
 }
 
 mod cached {
