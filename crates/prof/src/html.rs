@@ -175,19 +175,19 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, S
     let speed: Vec<(f64, f64)> = buckets.iter().map(|b| (b.step, b.tokens_per_s)).collect();
     let mut html = String::new();
     let w = &mut html;
-    let _ = write!(
+    let _ = writeln!(
         w,
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>stoke report: {name}</title><style>\
          body{{font-family:sans-serif;margin:24px;color:#222}} table{{border-collapse:collapse;margin:8px 0}} \
          td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} th{{background:#f3f3f3}} \
          td.l{{text-align:left}} .plots svg{{margin:4px}} .swatch{{display:inline-block;width:10px;height:10px}}\
-         </style></head><body>\n<h1>stoke step report: {name}</h1>\n",
+         </style></head><body>\n<h1>stoke step report: {name}</h1>",
         name = escape(&report.name)
     );
-    let _ = write!(
+    let _ = writeln!(
         w,
         "<p><b>{:.2} ms/step</b> (std {:.2}) over {} steps ({} timed) | <b>{:.0} tokens/s</b> | effective compute ratio \
-         <b>{:.3}</b> | MFU <b>{:.2}%</b> of {:.1} GFLOP/s ({} {}) | peak memory {:.1} MB | profiler {:.3} ms/step</p>\n",
+         <b>{:.3}</b> | MFU <b>{:.2}%</b> of {:.1} GFLOP/s ({} {}) | peak memory {:.1} MB | profiler {:.3} ms/step</p>",
         report.step_ms,
         report.step_ms_std,
         report.steps_measured,
@@ -201,13 +201,13 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, S
         report.peak_memory_bytes as f64 / 1e6,
         report.profiler_overhead_ms
     );
-    let _ = write!(w, "<table><tr><th>phase</th><th>ms/step</th><th>share</th><th>Amdahl bound</th></tr>\n");
+    let _ = writeln!(w, "<table><tr><th>phase</th><th>ms/step</th><th>share</th><th>Amdahl bound</th></tr>");
     for (i, name) in PHASE_NAMES.iter().enumerate() {
         let c = PHASE_COLORS[i];
-        let _ = write!(
+        let _ = writeln!(
             w,
             "<tr><td class=\"l\"><span class=\"swatch\" style=\"background:rgb({},{},{})\"></span> {name}</td>\
-             <td>{:.2}</td><td>{:.1}%</td><td>{}</td></tr>\n",
+             <td>{:.2}</td><td>{:.1}%</td><td>{}</td></tr>",
             c.0,
             c.1,
             c.2,
@@ -216,15 +216,15 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, S
             report.amdahl.get(*name).map(|b| format_bound(Some(*b))).unwrap_or_else(|| "-".into())
         );
     }
-    let _ = write!(w, "</table>\n<h2>Findings</h2>\n");
+    let _ = writeln!(w, "</table>\n<h2>Findings</h2>");
     if report.findings.is_empty() {
-        let _ = write!(w, "<p>None: no rule fired.</p>\n");
+        let _ = writeln!(w, "<p>None: no rule fired.</p>");
     } else {
-        let _ = write!(w, "<table><tr><th>id</th><th>bound</th><th>evidence</th><th>cause</th><th>fix</th></tr>\n");
+        let _ = writeln!(w, "<table><tr><th>id</th><th>bound</th><th>evidence</th><th>cause</th><th>fix</th></tr>");
         for f in &report.findings {
-            let _ = write!(
+            let _ = writeln!(
                 w,
-                "<tr><td class=\"l\">{}</td><td>{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td></tr>\n",
+                "<tr><td class=\"l\">{}</td><td>{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td><td class=\"l\">{}</td></tr>",
                 escape(&f.id),
                 format_bound(f.bound),
                 escape(&f.evidence),
@@ -232,9 +232,9 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, S
                 escape(&f.fix)
             );
         }
-        let _ = write!(w, "</table>\n");
+        let _ = writeln!(w, "</table>");
     }
-    let _ = write!(w, "<h2>Plots</h2><div class=\"plots\">\n");
+    let _ = writeln!(w, "<h2>Plots</h2><div class=\"plots\">");
     html.push_str(&line_chart("loss", "loss", &loss, RGBColor(31, 119, 180))?);
     html.push_str(&line_chart("tokens/s", "tokens/s", &speed, RGBColor(44, 160, 44))?);
     html.push_str("<br>\n");

@@ -242,7 +242,8 @@ pub fn validate_exposition(text: &str) -> Result<usize, String> {
         if let Some(labels) = labels.filter(|l| !l.is_empty()) {
             for pair in labels.split(',') {
                 let (key, quoted) = pair.split_once('=').ok_or(format!("line {n}: bad label {pair:?}"))?;
-                if !is_name(key, false) || !(quoted.len() >= 2 && quoted.starts_with('"') && quoted.ends_with('"')) {
+                let is_quoted = quoted.len() >= 2 && quoted.starts_with('"') && quoted.ends_with('"');
+                if !is_name(key, false) || !is_quoted {
                     return Err(format!("line {n}: bad label {pair:?}"));
                 }
             }
