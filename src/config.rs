@@ -60,6 +60,11 @@ pub struct DataConfig {
     pub cache_dir: String,
     /// Size budget of the cache in bytes (least recently used shards are evicted). Default 17179869184.
     pub cache_budget_bytes: u64,
+    /// More datasets, of the kinds `path` takes, blended with `path` (each sample drawn from one
+    /// dataset by weight, each dataset shuffled on its own). Default [].
+    pub blend: Vec<String>,
+    /// One weight per dataset, `path` first, then `blend`; [] weighs them equally. Default [].
+    pub weights: Vec<f64>,
 }
 
 impl Default for DataConfig {
@@ -72,6 +77,8 @@ impl Default for DataConfig {
             drop_last: true,
             cache_dir: String::new(),
             cache_budget_bytes: 16 << 30,
+            blend: Vec::new(),
+            weights: Vec::new(),
         }
     }
 }
@@ -241,17 +248,30 @@ impl StokeConfig {
                 message: format!("must be a plain folder name; got {:?}", self.run.name),
             });
         }
-        let remote = stoke_data::is_remote(&self.data.path);
-        if !self.data.path.is_empty() && !remote && !Path::new(&self.data.path).exists() {
-            return Err(ConfigError::Invalid {
-                key: "data.path".into(),
-                message: format!("no such file or folder: {}", self.data.path),
-            });
+        let blend = self.data.blend.iter().map(|p| ("data.blend", p));
+        let data_paths = std::iter::once(("data.path", &self.data.path)).chain(blend);
+        for (key, path) in data_paths {
+            let remote = stoke_data::is_remote(path);
+            let missing = if path.is_empty() { key == "data.blend" } else { !remote && !Path::new(path).exists() };
+            if missing {
+                return Err(ConfigError::Invalid { key: key.into(), message: format!("no such file or folder: {path}") });
+            }
+            if remote && self.data.cache_dir.is_empty() {
+                return Err(ConfigError::Invalid {
+                    key: "data.cache_dir".into(),
+                    message: format!("a remote {key} ({path}) needs a cache directory"),
+                });
+            }
         }
-        if remote && self.data.cache_dir.is_empty() {
+        let n_datasets = 1 + self.data.blend.len();
+        let bad_weight = self.data.weights.iter().any(|w| !(w.is_finite() && *w > 0.0));
+        if bad_weight || !(self.data.weights.is_empty() || self.data.weights.len() == n_datasets) {
             return Err(ConfigError::Invalid {
-                key: "data.cache_dir".into(),
-                message: format!("a remote data.path ({}) needs a cache directory", self.data.path),
+                key: "data.weights".into(),
+                message: format!(
+                    "[] or {n_datasets} positive numbers (data.path, then data.blend); got {:?}",
+                    self.data.weights
+                ),
             });
         }
         if self.data.workers == 0 || self.data.prefetch == 0 {

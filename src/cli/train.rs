@@ -155,24 +155,17 @@ pub(super) fn install_interrupt_handler(stop: Arc<AtomicBool>) {
 pub fn batch_source(config: &StokeConfig) -> anyhow::Result<Box<dyn BatchSource>> {
     let shape = config.model.shape()?;
     let data = &config.data;
-    let path = Path::new(&data.path);
-    let store = if data.path.is_empty() {
-        let corpus = stoke_data::builtin_corpus(config.train.seed, data.builtin_bytes);
-        stoke_data::TokenStore::from_bytes(corpus, "built-in corpus")
-    } else if stoke_data::is_remote(&data.path) {
-        let budget_bytes = data.cache_budget_bytes;
-        let cache = stoke_data::CacheConfig { dir: data.cache_dir.clone().into(), budget_bytes };
-        stoke_data::open_cached(&data.path, &cache)?.0
-    } else if path.is_dir() || path.extension().is_some_and(|e| e == "bin" || e == "idx") {
-        stoke_data::TokenStore::open(path)?
-    } else {
-        stoke_data::TokenStore::from_bytes(stoke_data::read_text_bytes(path)?, &data.path)
-    };
-    if let Some(vocab_size) = store.vocab_size().filter(|&v| v > shape.vocab_size as u64) {
-        return Err(anyhow::Error::new(UsageError(format!(
-            "data.path {} has a vocabulary of {vocab_size}, the model's (model.vocab_size) is {}",
-            data.path, shape.vocab_size
-        ))));
+    let mut datasets = Vec::with_capacity(1 + data.blend.len());
+    for (dataset_idx, spec) in std::iter::once(&data.path).chain(&data.blend).enumerate() {
+        let store = open_store(config, spec)?;
+        if let Some(vocab_size) = store.vocab_size().filter(|&v| v > shape.vocab_size as u64) {
+            return Err(anyhow::Error::new(UsageError(format!(
+                "data {spec} has a vocabulary of {vocab_size}, the model's (model.vocab_size) is {}",
+                shape.vocab_size
+            ))));
+        }
+        let weight = data.weights.get(dataset_idx).copied().unwrap_or(1.0);
+        datasets.push(stoke_data::WeightedStore { store, weight });
     }
     let loader = stoke_data::LoaderConfig {
         seq_len: shape.seq_len,
@@ -184,7 +177,25 @@ pub fn batch_source(config: &StokeConfig) -> anyhow::Result<Box<dyn BatchSource>
         prefetch_depth: data.prefetch,
         drop_last: data.drop_last,
     };
-    Ok(Box::new(stoke_data::Loader::new(store, loader)?))
+    Ok(Box::new(stoke_data::Loader::blend(datasets, loader)?))
+}
+
+/// One dataset as a token store: "" is the built-in corpus.
+fn open_store(config: &StokeConfig, spec: &str) -> anyhow::Result<stoke_data::TokenStore> {
+    let data = &config.data;
+    let path = Path::new(spec);
+    Ok(if spec.is_empty() {
+        let corpus = stoke_data::builtin_corpus(config.train.seed, data.builtin_bytes);
+        stoke_data::TokenStore::from_bytes(corpus, "built-in corpus")
+    } else if stoke_data::is_remote(spec) {
+        let budget_bytes = data.cache_budget_bytes;
+        let cache = stoke_data::CacheConfig { dir: data.cache_dir.clone().into(), budget_bytes };
+        stoke_data::open_cached(spec, &cache)?.0
+    } else if path.is_dir() || path.extension().is_some_and(|e| e == "bin" || e == "idx") {
+        stoke_data::TokenStore::open(path)?
+    } else {
+        stoke_data::TokenStore::from_bytes(stoke_data::read_text_bytes(path)?, spec)
+    })
 }
 
 /// Runs the configured training in `run_dir`, with the metrics file, the profiler (trace.json,

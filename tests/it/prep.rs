@@ -23,6 +23,20 @@ fn prepare_verify_and_train_on_a_prepared_directory() {
     run_ok(&mut stoke(&["train", "--quiet", "--data", prepared.to_str().unwrap()], &overrides));
     assert_eq!(losses(&dir.path().join("p")).len(), 4);
 
+    // The built-in corpus blended with the prepared directory, 1:3.
+    let blend = format!("data.blend=[{:?}]", prepared.to_str().unwrap());
+    let blended: Vec<&str> = SMALL
+        .iter()
+        .copied()
+        .chain([run_dir.as_str(), "run.name=b", "train.steps=3", &blend, "data.weights=[1, 3]"])
+        .collect();
+    run_ok(&mut stoke(&["train", "--quiet"], &blended));
+    assert_eq!(losses(&dir.path().join("b")).len(), 3);
+    let bad_weights: Vec<&str> = blended.iter().copied().chain(["run.name=c", "data.weights=[1]"]).collect();
+    let out = stoke(&["train", "--quiet"], &bad_weights).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("data.weights"));
+
     // A flipped byte in a shard: verify fails with exit 1 and names the shard.
     let shard = prepared.join("shard-00000.bin");
     let mut bytes = std::fs::read(&shard).unwrap();
