@@ -158,7 +158,11 @@ fn check_table(user: &mut toml::Table, defaults: &toml::Table, prefix: &str) -> 
             (toml::Value::Float(_), toml::Value::Integer(i)) => *value = toml::Value::Float(*i as f64),
             (d, u) if std::mem::discriminant(d) == std::mem::discriminant(u) => {}
             (d, u) => {
-                return Err(ConfigError::WrongType { key, expected: type_name(d), got: format!("{} ({u})", type_name(u)) })
+                return Err(ConfigError::WrongType {
+                    key,
+                    expected: type_name(d),
+                    got: format!("{} ({u})", type_name(u)),
+                })
             }
         }
     }
@@ -230,13 +234,13 @@ impl StokeConfig {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |e: stoke_train::TrainError| match e {
-            stoke_train::TrainError::InvalidConfig { key, message } => ConfigError::Invalid { key: key.into(), message },
+            stoke_train::TrainError::InvalidConfig { key, message } => {
+                ConfigError::Invalid { key: key.into(), message }
+            }
             other => ConfigError::Invalid { key: "?".into(), message: other.to_string() },
         };
         self.train.validate().map_err(invalid)?;
-        self.prof
-            .validate()
-            .map_err(|(key, message)| ConfigError::Invalid { key: format!("prof.{key}"), message })?;
+        self.prof.validate().map_err(|(key, message)| ConfigError::Invalid { key: format!("prof.{key}"), message })?;
         self.model.shape().map_err(invalid)?;
         stoke_train::parse_device(&self.run.device).map_err(invalid)?;
         if self.run.dir.is_empty() {
@@ -254,7 +258,10 @@ impl StokeConfig {
             let remote = stoke_data::is_remote(path);
             let missing = if path.is_empty() { key == "data.blend" } else { !remote && !Path::new(path).exists() };
             if missing {
-                return Err(ConfigError::Invalid { key: key.into(), message: format!("no such file or folder: {path}") });
+                return Err(ConfigError::Invalid {
+                    key: key.into(),
+                    message: format!("no such file or folder: {path}"),
+                });
             }
             if remote && self.data.cache_dir.is_empty() {
                 return Err(ConfigError::Invalid {

@@ -154,8 +154,10 @@ fn run_stoke(dir: &Path, corpus: &Path, setup: &StokeSetup, tokens: u64, extra: 
         bail!("{} failed: {}", setup.name, String::from_utf8_lossy(&out.stderr));
     }
     let report_path = run_dir.join("report.json");
-    let text = std::fs::read_to_string(&report_path).with_context(|| format!("cannot read {}", report_path.display()))?;
-    let mut report: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", report_path.display()))?;
+    let text =
+        std::fs::read_to_string(&report_path).with_context(|| format!("cannot read {}", report_path.display()))?;
+    let mut report: Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", report_path.display()))?;
     report["final_loss"] = json!(final_loss(&run_dir.join("metrics.jsonl"))?);
     report["steps"] = json!(steps);
     Ok(report)
@@ -164,11 +166,8 @@ fn run_stoke(dir: &Path, corpus: &Path, setup: &StokeSetup, tokens: u64, extra: 
 /// Mean of the last 10 logged losses: one step's loss is too noisy to compare runs by.
 fn final_loss(metrics: &Path) -> anyhow::Result<f64> {
     let text = std::fs::read_to_string(metrics).with_context(|| format!("cannot read {}", metrics.display()))?;
-    let losses: Vec<f64> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter_map(|v| v["loss"].as_f64())
-        .collect();
+    let losses: Vec<f64> =
+        text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).filter_map(|v| v["loss"].as_f64()).collect();
     let tail = &losses[losses.len().saturating_sub(10)..];
     Ok(tail.iter().sum::<f64>() / tail.len().max(1) as f64)
 }
@@ -347,7 +346,11 @@ fn limits(args: LimitsArgs) -> anyhow::Result<ExitCode> {
     out.insert("memcpy_bytes_per_s".into(), json!(memcpy));
     std::fs::create_dir_all(&args.dir)?;
     let (write, read) = disk_bandwidth(&args.dir, args.bytes)?;
-    println!("disk write with fsync: {:.2} GB/s; read back: {:.2} GB/s (page cache unless dropped)", write / 1e9, read / 1e9);
+    println!(
+        "disk write with fsync: {:.2} GB/s; read back: {:.2} GB/s (page cache unless dropped)",
+        write / 1e9,
+        read / 1e9
+    );
     out.insert("disk_write_bytes_per_s".into(), json!(write));
     out.insert("disk_read_bytes_per_s".into(), json!(read));
     if let Some(path) = &args.json {
@@ -475,7 +478,8 @@ fn gate(args: GateArgs) -> anyhow::Result<ExitCode> {
     }
     let text = std::fs::read_to_string(&args.baseline)
         .with_context(|| format!("cannot read the baseline {}", args.baseline.display()))?;
-    let baseline: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", args.baseline.display()))?;
+    let baseline: Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", args.baseline.display()))?;
     let mut regressions = Vec::new();
     println!("{:<26} {:>10} {:>10} {:>10}  verdict", "ratio", "baseline", "measured", "allowed");
     for (key, value) in &measured {

@@ -80,7 +80,10 @@ pub(super) fn prepare_run_dir(config: &mut StokeConfig, resume: bool) -> anyhow:
     if config.run.name.is_empty() {
         config.run.name = if resume {
             most_recent_run(&runs)?.ok_or_else(|| {
-                UsageError(format!("--resume: no run with a checkpoint in {}; name one with --set run.name=NAME", runs.display()))
+                UsageError(format!(
+                    "--resume: no run with a checkpoint in {}; name one with --set run.name=NAME",
+                    runs.display()
+                ))
             })?
         } else {
             format!("{}-{}", config.model.preset, timestamp())
@@ -104,7 +107,8 @@ pub(super) fn prepare_run_dir(config: &mut StokeConfig, resume: bool) -> anyhow:
     }
     std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run folder {}", run_dir.display()))?;
     let config_path = run_dir.join("config.toml");
-    std::fs::write(&config_path, config.to_toml()).with_context(|| format!("cannot write {}", config_path.display()))?;
+    std::fs::write(&config_path, config.to_toml())
+        .with_context(|| format!("cannot write {}", config_path.display()))?;
     Ok(run_dir)
 }
 

@@ -88,7 +88,8 @@ fn corrupt_checkpoint_is_named_and_nothing_is_overwritten() {
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x40;
     std::fs::write(&shard, &bytes).unwrap();
-    let out = stoke(&["train", "--quiet", "--resume"], &with(&[&run_dir, "run.name=a", "train.steps=6"])).output().unwrap();
+    let out =
+        stoke(&["train", "--quiet", "--resume"], &with(&[&run_dir, "run.name=a", "train.steps=6"])).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("step-3/model.safetensors") && stderr.contains("CRC-32"), "{stderr}");
@@ -99,9 +100,12 @@ fn corrupt_checkpoint_is_named_and_nothing_is_overwritten() {
 fn diverging_loss_stops_with_the_step() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = format!("run.dir={}", dir.path().display());
-    let out = stoke(&["train", "--quiet"], &with(&[&run_dir, "run.name=a", "train.steps=20", "train.lr=1e30", "train.grad_clip=0"]))
-        .output()
-        .unwrap();
+    let out = stoke(
+        &["train", "--quiet"],
+        &with(&[&run_dir, "run.name=a", "train.steps=20", "train.lr=1e30", "train.grad_clip=0"]),
+    )
+    .output()
+    .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("at step") && stderr.contains("training diverged"), "{stderr}");

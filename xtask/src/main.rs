@@ -147,11 +147,15 @@ fn find_host_python() -> Result<String, String> {
             return Ok(candidate.to_string());
         }
     }
-    Err("stoke needs Python 3.10 or newer with the venv module to install libtorch from PyPI; none found on PATH".into())
+    Err("stoke needs Python 3.10 or newer with the venv module to install libtorch from PyPI; none found on PATH"
+        .into())
 }
 
 fn python_output(python: &Path, code: &str) -> Result<String, String> {
-    let out = Command::new(python).args(["-c", code]).output().map_err(|e| format!("cannot run {}: {e}", python.display()))?;
+    let out = Command::new(python)
+        .args(["-c", code])
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
     if !out.status.success() {
         return Err(format!("{} failed: {}", python.display(), String::from_utf8_lossy(&out.stderr)));
     }

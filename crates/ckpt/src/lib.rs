@@ -18,4 +18,6 @@ mod error;
 mod store;
 
 pub use error::CkptError;
-pub use store::{load_dir, steps_to_delete, CheckpointStore, DType, FileEntry, Loaded, Manifest, TensorRecord, MANIFEST};
+pub use store::{
+    load_dir, steps_to_delete, CheckpointStore, DType, FileEntry, Loaded, Manifest, TensorRecord, MANIFEST,
+};

@@ -66,7 +66,12 @@ pub struct TensorRecord {
 }
 
 impl TensorRecord {
-    pub fn new(name: impl Into<String>, dtype: DType, shape: Vec<usize>, data: Vec<u8>) -> Result<TensorRecord, CkptError> {
+    pub fn new(
+        name: impl Into<String>,
+        dtype: DType,
+        shape: Vec<usize>,
+        data: Vec<u8>,
+    ) -> Result<TensorRecord, CkptError> {
         let name = name.into();
         let expected = shape.iter().product::<usize>() * dtype.size();
         if data.len() != expected {
@@ -126,7 +131,12 @@ impl CheckpointStore {
     /// Writes `files` (stem -> tensors, each to `<stem>.safetensors`) and the manifest, and commits
     /// them atomically as `step-<step>/`. An existing checkpoint of the same step is replaced only
     /// after the new one is complete.
-    pub fn save(&self, step: u64, files: &[(&str, &[TensorRecord])], meta: serde_json::Value) -> Result<PathBuf, CkptError> {
+    pub fn save(
+        &self,
+        step: u64,
+        files: &[(&str, &[TensorRecord])],
+        meta: serde_json::Value,
+    ) -> Result<PathBuf, CkptError> {
         std::fs::create_dir_all(&self.dir).map_err(io("create", &self.dir))?;
         self.remove_stale_temporaries()?;
         let tmp = self.dir.join(format!("{TMP_PREFIX}step-{step}-{}", std::process::id()));

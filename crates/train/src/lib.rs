@@ -24,11 +24,11 @@ pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precisio
 pub use error::TrainError;
 pub use model::Gpt;
 pub use optim::{clip_grad_norm, AdamW, AdamWStep};
+pub use params::{FlatParams, Init, ParamEntry, ParamSpec};
 pub use peak::{
     matmul_peak_flops_cached, measure_matmul_peak_flops, memory_capacity_bytes, memory_in_use_bytes, peak_key,
     PEAK_CACHE_FILE,
 };
-pub use params::{FlatParams, Init, ParamEntry, ParamSpec};
 pub use trainer::{
     parse_device, CheckpointTarget, Observer, ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary,
     TrainEvent, Trainer,

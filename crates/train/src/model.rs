@@ -135,7 +135,8 @@ impl Gpt {
                 block_names(layer_idx);
             let h = self.layer_norm(&x, &ln1_w, &ln1_b);
             let qkv = self.linear(&h, &attn_w, Some(&attn_b));
-            let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2).to_kind(self.attention_kind);
+            let heads =
+                |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2).to_kind(self.attention_kind);
             let parts = qkv.split(d, 2);
             let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
             let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false);

@@ -88,7 +88,11 @@ impl AdamW {
             self.step(params, &grad, hp);
             return norm;
         }
-        let (flat, m, v) = (params.flat().data_ptr() as *mut f32, self.exp_avg.data_ptr() as *mut f32, self.exp_avg_sq.data_ptr() as *mut f32);
+        let (flat, m, v) = (
+            params.flat().data_ptr() as *mut f32,
+            self.exp_avg.data_ptr() as *mut f32,
+            self.exp_avg_sq.data_ptr() as *mut f32,
+        );
         let slices: Vec<Slices> = params
             .entries()
             .iter()
@@ -150,7 +154,11 @@ impl AdamW {
 
 /// Runs `work` on every slice, the slices dealt to `n_threads` threads in contiguous runs of about
 /// equal size; returns the results in slice order.
-fn run_split<R: Send + Default + Clone>(slices: &[Slices], n_threads: usize, work: impl Fn(&Slices) -> R + Sync) -> Vec<R> {
+fn run_split<R: Send + Default + Clone>(
+    slices: &[Slices],
+    n_threads: usize,
+    work: impl Fn(&Slices) -> R + Sync,
+) -> Vec<R> {
     let total: usize = slices.iter().map(|s| s.numel).sum();
     let n_threads = n_threads.clamp(1, 8);
     if n_threads == 1 || total < 1 << 16 {
@@ -211,7 +219,8 @@ mod tests {
         };
         tch::manual_seed(0);
         // Large enough that the fused path splits the work across threads.
-        let mut params = FlatParams::new(vec![spec("w", vec![400, 200], true), spec("b", vec![200], false)], Device::Cpu);
+        let mut params =
+            FlatParams::new(vec![spec("w", vec![400, 200], true), spec("b", vec![200], false)], Device::Cpu);
         let mut optimizer = AdamW::new(&params);
         let hp = AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
         let mut norms = Vec::new();

@@ -146,7 +146,10 @@ pub enum TrainEvent<'a> {
     Started(&'a RunInfo),
     Step(&'a StepRecord),
     /// A checkpoint is committed on disk (with background writes, some steps after its snapshot).
-    CheckpointSaved { step: u64, path: &'a Path },
+    CheckpointSaved {
+        step: u64,
+        path: &'a Path,
+    },
     Finished(&'a Summary),
 }
 
@@ -197,7 +200,12 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
 
 impl Trainer {
     /// A fresh model and optimizer, initialized from `train.seed`.
-    pub fn new(model: &ModelConfig, train: &TrainConfig, ckpt: &CkptConfig, device: Device) -> Result<Trainer, TrainError> {
+    pub fn new(
+        model: &ModelConfig,
+        train: &TrainConfig,
+        ckpt: &CkptConfig,
+        device: Device,
+    ) -> Result<Trainer, TrainError> {
         train.validate()?;
         let shape = model.shape()?;
         if train.threads > 0 {
@@ -258,8 +266,11 @@ impl Trainer {
                 params.flat().narrow(0, entry.offset, entry.numel).copy_(&values.view([-1]));
             }
             let n = params.n_elements();
-            for (name, target) in [("exp_avg", &mut self.optimizer.exp_avg), ("exp_avg_sq", &mut self.optimizer.exp_avg_sq)] {
-                let record = optim_file.iter().find(|r| r.name == name).ok_or_else(|| mismatch(format!("no {name}")))?;
+            for (name, target) in
+                [("exp_avg", &mut self.optimizer.exp_avg), ("exp_avg_sq", &mut self.optimizer.exp_avg_sq)]
+            {
+                let record =
+                    optim_file.iter().find(|r| r.name == name).ok_or_else(|| mismatch(format!("no {name}")))?;
                 if record.shape != [n as usize] || record.dtype != DType::F32 {
                     return Err(mismatch(format!("{name} is {:?} {:?}, want F32 [{n}]", record.dtype, record.shape)));
                 }
@@ -269,7 +280,9 @@ impl Trainer {
         })?;
         let meta = &loaded.manifest.meta;
         let number = |key: &str| {
-            meta.get(key).and_then(serde_json::Value::as_u64).ok_or_else(|| mismatch(format!("manifest meta has no {key}")))
+            meta.get(key)
+                .and_then(serde_json::Value::as_u64)
+                .ok_or_else(|| mismatch(format!("manifest meta has no {key}")))
         };
         self.optimizer.n_steps = number("optimizer_steps")?;
         self.step = loaded.manifest.step;
@@ -399,7 +412,8 @@ impl Trainer {
                 eps: self.train.eps,
                 weight_decay: self.train.weight_decay,
             };
-            let grad_norm = self.optimizer.step_from_grads(self.model.params_mut(), hp, self.train.grad_clip, self.n_threads);
+            let grad_norm =
+                self.optimizer.step_from_grads(self.model.params_mut(), hp, self.train.grad_clip, self.n_threads);
             self.sync(timed);
             lap(&mut phases, Phase::Optimizer);
             self.step = step_number;
