@@ -1,5 +1,5 @@
-//! Puts libtorch's folders on the rpath of everything this crate links (its tests too), so they run
-//! without the user exporting LD_LIBRARY_PATH.
+// Puts libtorch's folders on the rpath of everything this crate links (its tests too), so they run
+// without the user exporting LD_LIBRARY_PATH.
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     let Ok(libtorch) = std::env::var("LIBTORCH") else { return };
