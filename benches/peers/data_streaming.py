@@ -5,7 +5,6 @@ shuffling through a DataLoader with num_workers=2 and pin_memory=True. Prints on
 Usage: data_streaming.py --bin shard-00000.bin --mds <dir> --batch 16 --seq 1024 --steps 2000
 """
 import argparse
-import json
 import os
 import time
 import warnings
@@ -13,6 +12,8 @@ import warnings
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+
+from _measure import measure
 
 
 def write_mds(bin_path, out, seq):
@@ -25,12 +26,6 @@ def write_mds(bin_path, out, seq):
     with MDSWriter(out=out, columns={"tokens": "bytes"}, size_limit=1 << 27) as writer:
         for i in range(n_samples):
             writer.write({"tokens": tokens[i * seq : i * seq + seq + 1].tobytes()})
-
-
-def forever(loader):
-    """Batches across epochs: a new epoch starts when one runs out."""
-    while True:
-        yield from loader
 
 
 def main():
@@ -59,24 +54,7 @@ def main():
     dataset = Tokens(local=args.mds, shuffle=True, shuffle_seed=1, batch_size=args.batch)
     loader = DataLoader(dataset, batch_size=args.batch, num_workers=2, pin_memory=True, drop_last=True,
                         persistent_workers=True)
-    it = forever(loader)
-    first = next(it)
-    first_batch_s = time.perf_counter() - t0
-    assert first.shape == (args.batch, args.seq + 1)
-    for _ in range(args.warmup):
-        next(it)
-    checksum = 0
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        batch = next(it)
-        checksum ^= int(batch[0, 0])
-    seconds = time.perf_counter() - start
-    print(json.dumps({
-        "peer": "mosaicml-streaming StreamingDataset, 2 workers, pin_memory",
-        "tokens_per_s": args.steps * args.batch * args.seq / seconds,
-        "first_batch_s": first_batch_s,
-        "checksum": checksum,
-    }))
+    measure(loader, t0, args, "mosaicml-streaming StreamingDataset, 2 workers, pin_memory")
 
 
 if __name__ == "__main__":

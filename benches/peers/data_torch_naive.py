@@ -5,11 +5,12 @@ num_workers=2 and pin_memory=True, shuffle, drop_last. Prints one JSON line.
 Usage: data_torch_naive.py --text corpus.txt --batch 16 --seq 1024 --steps 200
 """
 import argparse
-import json
 import time
 import warnings
 
 import torch
+
+from _measure import measure
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -27,12 +28,6 @@ class TextWindows(Dataset):
         start = i * self.seq
         ids = list(self.text[start : start + self.seq + 1].encode("utf-8"))
         return torch.tensor(ids, dtype=torch.long)
-
-
-def forever(loader):
-    """Batches across epochs: a new epoch starts when one runs out."""
-    while True:
-        yield from loader
 
 
 def main():
@@ -56,25 +51,8 @@ def main():
         drop_last=True,
         persistent_workers=True,
     )
-    it = forever(loader)
-    first = next(it)
-    first_batch_s = time.perf_counter() - t0
-    assert first.shape == (args.batch, args.seq + 1)
-    for _ in range(args.warmup):
-        next(it)
-    checksum = 0
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        batch = next(it)
-        checksum ^= int(batch[0, 0])
-    seconds = time.perf_counter() - start
-    print(json.dumps({
-        "peer": "torch DataLoader, per-sample tokenization, 2 workers, pin_memory",
-        "tokens_per_s": args.steps * args.batch * args.seq / seconds,
-        "first_batch_s": first_batch_s,
-        "checksum": checksum,
-        "pin_memory_active": torch.cuda.is_available(),
-    }))
+    peer = "torch DataLoader, per-sample tokenization, 2 workers, pin_memory"
+    measure(loader, t0, args, peer, pin_memory_active=torch.cuda.is_available())
 
 
 if __name__ == "__main__":

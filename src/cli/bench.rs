@@ -91,6 +91,10 @@ const SEQ_LEN: u64 = 128;
 struct StokeSetup {
     name: &'static str,
     micro_batch: u64,
+    /// Precision, learning rate and checkpoint interval, which the matching PyTorch peer shares.
+    precision: &'static str,
+    lr: &'static str,
+    ckpt_every: u64,
     overrides: &'static [&'static str],
 }
 
@@ -99,28 +103,20 @@ struct StokeSetup {
 const NAIVE: StokeSetup = StokeSetup {
     name: "stoke-naive",
     micro_batch: 8,
-    overrides: &[
-        "train.precision=fp32",
-        "data.workers=1",
-        "data.prefetch=1",
-        "ckpt.every=50",
-        "ckpt.background=false",
-        "train.lr=0.0015",
-    ],
+    precision: "fp32",
+    lr: "0.0015",
+    ckpt_every: 50,
+    overrides: &["data.workers=1", "data.prefetch=1", "ckpt.background=false"],
 };
 
 /// What the other capabilities built: bf16, the prefetching loader, background checkpoints.
 const OPTIMIZED: StokeSetup = StokeSetup {
     name: "stoke-optimized",
     micro_batch: 16,
-    overrides: &[
-        "train.precision=bf16",
-        "data.workers=1",
-        "data.prefetch=4",
-        "ckpt.every=25",
-        "ckpt.background=true",
-        "train.lr=0.003",
-    ],
+    precision: "bf16",
+    lr: "0.003",
+    ckpt_every: 25,
+    overrides: &["data.workers=1", "data.prefetch=4", "ckpt.background=true"],
 };
 
 fn stoke_exe() -> anyhow::Result<PathBuf> {
@@ -142,6 +138,9 @@ fn run_stoke(dir: &Path, corpus: &Path, setup: &StokeSetup, tokens: u64, extra: 
         format!("train.steps={steps}"),
         format!("train.micro_batch={}", setup.micro_batch),
         format!("train.warmup_steps={}", (steps / 10).max(1)),
+        format!("train.precision={}", setup.precision),
+        format!("train.lr={}", setup.lr),
+        format!("ckpt.every={}", setup.ckpt_every),
         "ckpt.keep=1".into(),
     ];
     overrides.extend(setup.overrides.iter().map(|s| s.to_string()));
@@ -173,8 +172,8 @@ fn final_loss(metrics: &Path) -> anyhow::Result<f64> {
 }
 
 fn run_peer(args: &FullchainArgs, corpus: &Path, pipeline: &str, tokens: u64) -> anyhow::Result<Value> {
-    let (micro_batch, precision, ckpt_every, lr) =
-        if pipeline == "naive" { (NAIVE.micro_batch, "fp32", 50, "0.0015") } else { (16, "bf16", 25, "0.003") };
+    let setup = if pipeline == "naive" { &NAIVE } else { &OPTIMIZED };
+    let (micro_batch, precision, ckpt_every, lr) = (setup.micro_batch, setup.precision, setup.ckpt_every, setup.lr);
     let steps = (tokens / (micro_batch * SEQ_LEN)).max(2);
     let ckpt_dir = args.dir.join(format!("pytorch-{pipeline}"));
     std::fs::create_dir_all(&ckpt_dir)?;
@@ -229,7 +228,6 @@ fn stoke_row(name: &str, r: &Value) -> Row {
 
 fn peer_row(v: &Value) -> Row {
     // The peers time whole steps only; their phase split would need their own profiler.
-    let steps = v["steps"].as_f64().unwrap_or(f64::NAN);
     let tokens_per_s = v["tokens_per_s_wall"].as_f64().unwrap_or(f64::NAN);
     Row {
         name: v["peer"].as_str().unwrap_or("peer").into(),
@@ -240,7 +238,7 @@ fn peer_row(v: &Value) -> Row {
         ecr: None,
         mfu: None,
         peak_mib: v["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN) / (1 << 20) as f64,
-        final_loss: v["final_loss"].as_f64().unwrap_or(f64::NAN) + 0.0 * steps,
+        final_loss: v["final_loss"].as_f64().unwrap_or(f64::NAN),
     }
 }
 
