@@ -19,6 +19,7 @@ fn unknown_key() {
 fn wrong_type() {
     check(&["train"], &["train.steps=twenty"], "config key `train.steps` expects an integer, got a string");
     check(&["train"], &["ckpt.at_end=3"], "config key `ckpt.at_end` expects a boolean, got an integer");
+    check(&["train"], &["train.fused_optimizer=1"], "config key `train.fused_optimizer` expects a boolean, got an integer");
 }
 
 #[test]
@@ -26,6 +27,7 @@ fn out_of_range() {
     check(&["train"], &["train.lr=-0.1"], "config key `train.lr`: must be a finite number > 0; got -0.1");
     check(&["train"], &["train.micro_batch=0"], "config key `train.micro_batch`: must be at least 1");
     check(&["train"], &["train.precision=fp16"], "config key `train.precision`: unknown variant `fp16`");
+    check(&["train"], &["train.host_memory=keep"], "config key `train.host_memory`: unknown variant `keep`");
     check(&["train"], &["model.n_head=5"], "config key `model.n_head`: must divide model.d_model");
 }
 

@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::host_memory::HostMemory;
+
 use crate::TrainError;
 
 /// `[model]`: the GPT's shape. Sizes left at 0 come from the preset.
@@ -133,6 +135,14 @@ pub struct TrainConfig {
     /// Precision of scaled_dot_product_attention under bf16: "fp32", "bf16", or "auto" (fp32 on a
     /// CPU, where libtorch's fp32 attention kernel is the faster one; bf16 on a GPU). Default "auto".
     pub attention: AttentionPrecision,
+    /// What the C allocator does with host memory freed between steps: "retain" keeps it for the
+    /// next step, "system" leaves the C library's defaults (which return it to the kernel, so
+    /// every step faults its pages in again). Process-wide. Default "retain".
+    pub host_memory: HostMemory,
+    /// On a CPU, update the parameters in one fused, threaded pass; false runs the update as a
+    /// chain of libtorch tensor ops over the flat buffers (PyTorch's default AdamW does one such
+    /// chain per parameter). Default true.
+    pub fused_optimizer: bool,
 }
 
 /// See `TrainConfig::attention`.
@@ -163,6 +173,8 @@ impl Default for TrainConfig {
             log_every: 1,
             threads: 0,
             attention: AttentionPrecision::Auto,
+            host_memory: HostMemory::Retain,
+            fused_optimizer: true,
         }
     }
 }

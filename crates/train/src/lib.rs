@@ -14,6 +14,7 @@
 
 mod config;
 mod error;
+mod host_memory;
 mod model;
 mod optim;
 mod params;
@@ -22,6 +23,7 @@ mod trainer;
 
 pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
 pub use error::TrainError;
+pub use host_memory::HostMemory;
 pub use model::Gpt;
 pub use optim::{clip_grad_norm, AdamW, AdamWStep};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec};

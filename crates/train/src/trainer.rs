@@ -211,6 +211,7 @@ impl Trainer {
         if train.threads > 0 {
             tch::set_num_threads(train.threads as i32);
         }
+        crate::host_memory::apply(train.host_memory);
         tch::manual_seed(train.seed as i64);
         let model = Gpt::new(shape, train.precision, train.attention, device);
         let optimizer = AdamW::new(model.params());
@@ -412,8 +413,13 @@ impl Trainer {
                 eps: self.train.eps,
                 weight_decay: self.train.weight_decay,
             };
-            let grad_norm =
-                self.optimizer.step_from_grads(self.model.params_mut(), hp, self.train.grad_clip, self.n_threads);
+            let grad_norm = self.optimizer.step_from_grads(
+                self.model.params_mut(),
+                hp,
+                self.train.grad_clip,
+                self.n_threads,
+                self.train.fused_optimizer,
+            );
             self.sync(timed);
             lap(&mut phases, Phase::Optimizer);
             self.step = step_number;
