@@ -1,5 +1,6 @@
 //! A GPT decoder in nanoGPT's shape: token and position embeddings, pre-LayerNorm blocks of causal
-//! self-attention (libtorch's scaled_dot_product_attention) and a GELU MLP, a final LayerNorm and a
+//! self-attention (libtorch's scaled_dot_product_attention, or bf16 batched matrix multiplies) and a
+//! GELU MLP, a final LayerNorm and a
 //! head tied to the token embedding. Parameter names follow nanoGPT, so a checkpoint's tensors load
 //! into its `GPT` by name.
 
@@ -12,9 +13,22 @@ pub struct Gpt {
     shape: GptShape,
     params: FlatParams,
     precision: Precision,
-    /// The element type q, k and v have when they enter scaled_dot_product_attention.
-    attention_kind: Kind,
+    attention: Attention,
 }
+
+/// How a block computes causal self-attention.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Attention {
+    /// libtorch's scaled_dot_product_attention, q, k and v cast to this element type.
+    Sdpa(Kind),
+    /// Explicit bf16 batched matrix multiplies: scores (with an additive causal mask), softmax
+    /// (fp32 inside, bf16 out), probabilities times v.
+    Bf16Math,
+}
+
+/// The longest context "auto" runs as bf16-math on a CPU: the probabilities it keeps for the
+/// backward grow with its square.
+const MATH_ATTENTION_MAX_SEQ: usize = 256;
 
 fn block_names(layer_idx: usize) -> [String; 12] {
     let p = format!("transformer.h.{layer_idx}");
@@ -71,13 +85,20 @@ impl Gpt {
         }
         specs.push(spec("transformer.ln_f.weight".into(), &[d], Init::Ones, false));
         specs.push(spec("transformer.ln_f.bias".into(), &[d], Init::Zeros, false));
-        let attention_kind = match (precision, attention) {
-            (Precision::Fp32, _) | (Precision::Bf16, AttentionPrecision::Fp32) => Kind::Float,
-            (Precision::Bf16, AttentionPrecision::Bf16) => Kind::BFloat16,
-            (Precision::Bf16, AttentionPrecision::Auto) if device == Device::Cpu => Kind::Float,
-            (Precision::Bf16, AttentionPrecision::Auto) => Kind::BFloat16,
+        let attention = match (precision, attention) {
+            (Precision::Fp32, _) | (Precision::Bf16, AttentionPrecision::Fp32) => Attention::Sdpa(Kind::Float),
+            (Precision::Bf16, AttentionPrecision::Bf16) => Attention::Sdpa(Kind::BFloat16),
+            (Precision::Bf16, AttentionPrecision::Bf16Math) => Attention::Bf16Math,
+            (Precision::Bf16, AttentionPrecision::Auto) if device == Device::Cpu => {
+                if shape.seq_len <= MATH_ATTENTION_MAX_SEQ {
+                    Attention::Bf16Math
+                } else {
+                    Attention::Sdpa(Kind::Float)
+                }
+            }
+            (Precision::Bf16, AttentionPrecision::Auto) => Attention::Sdpa(Kind::BFloat16),
         };
-        Gpt { shape, params: FlatParams::new(specs, device), precision, attention_kind }
+        Gpt { shape, params: FlatParams::new(specs, device), precision, attention }
     }
 
     pub fn shape(&self) -> GptShape {
@@ -130,16 +151,33 @@ impl Gpt {
         let positions = Tensor::arange(seq, (Kind::Int64, device));
         let mut x = Tensor::embedding(wte, inputs, -1, false, false)
             + Tensor::embedding(self.params.get("transformer.wpe.weight"), &positions, -1, false, false);
+        let mut causal_mask: Option<Tensor> = None;
         for layer_idx in 0..self.shape.n_layer {
             let [ln1_w, ln1_b, attn_w, attn_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b] =
                 block_names(layer_idx);
             let h = self.layer_norm(&x, &ln1_w, &ln1_b);
             let qkv = self.linear(&h, &attn_w, Some(&attn_b));
-            let heads =
-                |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2).to_kind(self.attention_kind);
             let parts = qkv.split(d, 2);
-            let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
-            let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false);
+            let y = match self.attention {
+                Attention::Sdpa(kind) => {
+                    let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2).to_kind(kind);
+                    let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
+                    Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false)
+                }
+                Attention::Bf16Math => {
+                    let mask = causal_mask.get_or_insert_with(|| {
+                        Tensor::full([seq, seq], f64::NEG_INFINITY, (Kind::BFloat16, device)).triu(1)
+                    });
+                    let heads = |t: &Tensor| {
+                        t.view([batch, seq, n_head, head_dim]).transpose(1, 2).reshape([batch * n_head, seq, head_dim])
+                    };
+                    let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
+                    let scale = 1.0 / (head_dim as f64).sqrt();
+                    let scores =
+                        mask.expand([batch * n_head, seq, seq], false).baddbmm(&q, &k.transpose(1, 2), 1.0, scale);
+                    scores.softmax(-1, None).bmm(&v).view([batch, n_head, seq, head_dim])
+                }
+            };
             let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
             x = x + self.linear(&y, &attn_proj_w, Some(&attn_proj_b));
             let h = self.layer_norm(&x, &ln2_w, &ln2_b);
@@ -148,5 +186,37 @@ impl Gpt {
         }
         let x = self.layer_norm(&x, "transformer.ln_f.weight", "transformer.ln_f.bias");
         self.linear(&x, "transformer.wte.weight", None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(attention: AttentionPrecision) -> Gpt {
+        tch::manual_seed(11);
+        let shape = GptShape { n_layer: 2, n_head: 4, d_model: 64, seq_len: 32, vocab_size: 64 };
+        Gpt::new(shape, Precision::Bf16, attention, Device::Cpu)
+    }
+
+    #[test]
+    fn bf16_math_attention_is_causal_sdpa_in_bf16() {
+        let inputs = Tensor::randint(64, [3, 32], (Kind::Int64, Device::Cpu));
+        let reference = model(AttentionPrecision::Fp32);
+        let math = model(AttentionPrecision::Bf16Math);
+        assert_eq!(math.attention, Attention::Bf16Math);
+        assert_eq!(model(AttentionPrecision::Auto).attention, Attention::Bf16Math, "auto on a CPU at context 32");
+        let (a, b) = (reference.forward(&inputs).to_kind(Kind::Float), math.forward(&inputs).to_kind(Kind::Float));
+        // Same weights (same seed); the difference is bf16 rounding of scores and probabilities.
+        let worst = (&a - &b).abs().max().double_value(&[]);
+        let scale = a.abs().max().double_value(&[]);
+        assert!(worst < 0.05 * scale, "logits differ by {worst} (largest {scale})");
+        // Causal: changing the last token leaves every earlier position's logits alone.
+        let changed = inputs.copy();
+        let mut last = changed.narrow(1, 31, 1);
+        last.copy_(&((inputs.narrow(1, 31, 1) + 1).remainder(64)));
+        let c = math.forward(&changed).to_kind(Kind::Float);
+        let earlier = (b.narrow(1, 0, 31) - c.narrow(1, 0, 31)).abs().max().double_value(&[]);
+        assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
     }
 }
