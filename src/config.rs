@@ -50,7 +50,8 @@ pub struct DataConfig {
     pub path: String,
     /// Size of the built-in corpus in bytes. Default 4194304.
     pub builtin_bytes: usize,
-    /// Loader threads that fill batches ahead of the step. Default 2.
+    /// Loader threads that fill batches ahead of the step; 0 assembles each batch on the training
+    /// thread when the step asks for it (no prefetch). Default 2.
     pub workers: usize,
     /// Batches prepared ahead of the step (the bound of the prefetch queue). Default 4.
     pub prefetch: usize,
@@ -281,11 +282,8 @@ impl StokeConfig {
                 ),
             });
         }
-        if self.data.workers == 0 || self.data.prefetch == 0 {
-            return Err(ConfigError::Invalid {
-                key: if self.data.workers == 0 { "data.workers" } else { "data.prefetch" }.into(),
-                message: "must be at least 1".into(),
-            });
+        if self.data.prefetch == 0 {
+            return Err(ConfigError::Invalid { key: "data.prefetch".into(), message: "must be at least 1".into() });
         }
         Ok(())
     }

@@ -100,22 +100,17 @@ struct StokeSetup {
     overrides: &'static [&'static str],
 }
 
-/// Mirrors the naive PyTorch peer: fp32, a small batch, one loader thread one batch ahead (the
-/// loader has no synchronous mode), a synchronous checkpoint every 50 steps, AdamW as a chain of
-/// tensor ops (PyTorch's default on a CPU), the C allocator's defaults.
+/// Mirrors the naive PyTorch peer: fp32, a small batch, each batch assembled on the training
+/// thread when the step asks for it (no loader thread, no prefetch), a synchronous checkpoint every
+/// 50 steps, AdamW as a chain of tensor ops (PyTorch's default on a CPU), the C allocator's
+/// defaults.
 const NAIVE: StokeSetup = StokeSetup {
     name: "stoke-naive",
     micro_batch: 8,
     precision: "fp32",
     lr: "0.0015",
     ckpt_every: 50,
-    overrides: &[
-        "data.workers=1",
-        "data.prefetch=1",
-        "ckpt.background=false",
-        "train.fused_optimizer=false",
-        "train.host_memory=system",
-    ],
+    overrides: &["data.workers=0", "ckpt.background=false", "train.fused_optimizer=false", "train.host_memory=system"],
 };
 
 /// What the other capabilities built: bf16, a 4x larger batch (the learning rate of the naive

@@ -4,6 +4,8 @@
 //! (waiting only if a worker has not finished it) and hands out one more job, so memory is bounded
 //! by `prefetch_depth` buffers plus those the trainer holds, and the workers stop when the trainer
 //! stops taking (back-pressure). Workers live as long as the loader, across epochs and seeks.
+//! With no workers the loader is synchronous: each `next_batch` assembles its batch on the calling
+//! thread, which waits for all of it (the baseline a prefetching loader is measured against).
 //!
 //! The state is one integer, the global stream position of the next batch (plus the seed and the
 //! config): batch rows for rank `r` of `world_size` are stream positions
@@ -36,9 +38,11 @@ pub struct LoaderConfig {
     pub rank: usize,
     /// Number of ranks sharing the global order. Default 1.
     pub world_size: usize,
-    /// Worker threads filling batches. Default 2.
+    /// Worker threads filling batches; 0 assembles each batch on the calling thread when asked
+    /// (no prefetch). Default 2.
     pub n_workers: usize,
-    /// Batches prepared ahead of the trainer (the bound of the prefetch queue). Default 4.
+    /// Batches prepared ahead of the trainer (the bound of the prefetch queue; unused without
+    /// workers). Default 4.
     pub prefetch_depth: usize,
     /// With one dataset, skip the tail of an epoch that cannot fill a whole global batch, so a batch
     /// never mixes epochs; without it batches run across epoch ends. Default true.
@@ -172,7 +176,6 @@ impl Loader {
             ("seq_len", c.seq_len),
             ("micro_batch", c.micro_batch),
             ("world_size", c.world_size),
-            ("n_workers", c.n_workers),
             ("prefetch_depth", c.prefetch_depth),
         ] {
             if value == 0 {
@@ -281,7 +284,7 @@ impl Loader {
     }
 
     fn top_up(&mut self) -> Result<(), DataError> {
-        while self.in_flight.len() < self.config.prefetch_depth {
+        while !self.workers.is_empty() && self.in_flight.len() < self.config.prefetch_depth {
             let start = self.align(self.dispatch_position);
             let buffer = self.free.pop().unwrap_or_else(|| {
                 self.stats.buffers_allocated += 1;
@@ -323,8 +326,27 @@ impl Loader {
     }
 }
 
+impl Loader {
+    /// `next_batch` without workers: the whole batch is assembled now, on this thread.
+    fn next_batch_synchronous(&mut self) -> Batch {
+        let start = self.align(self.position);
+        let mut buffer = self.free.pop().unwrap_or_else(|| {
+            self.stats.buffers_allocated += 1;
+            Vec::with_capacity(self.config.micro_batch * (self.config.seq_len + 1))
+        });
+        self.shared.fill(start, &mut buffer);
+        self.stats.batches += 1;
+        self.stats.waited += 1;
+        self.position = start + self.global_batch;
+        Batch { micro_batch: self.config.micro_batch, seq_len: self.config.seq_len, tokens: buffer }
+    }
+}
+
 impl BatchSource for Loader {
     fn next_batch(&mut self) -> Result<Batch, DataError> {
+        if self.workers.is_empty() {
+            return Ok(self.next_batch_synchronous());
+        }
         let start = *self.in_flight.front().expect("top_up keeps batches in flight");
         let mut waited = false;
         // Invariant: every Done of the current generation is either in `finished` or still coming.

@@ -268,6 +268,32 @@ mod resume {
     }
 
     #[test]
+    fn synchronous_loader_gives_the_prefetching_loaders_batches() {
+        // No workers: each batch is assembled when asked, on this thread, with the same order,
+        // epoch tails, ranks and seeks as the threaded loader.
+        let store = counting_store(37 * 8 + 1);
+        for (world_size, drop_last) in [(1, true), (2, false), (3, true)] {
+            let base = config(8, 2, world_size, world_size - 1, drop_last);
+            let mut threaded = Loader::new(store.clone(), base.clone()).unwrap();
+            let mut synchronous =
+                Loader::new(store.clone(), stoke_data::LoaderConfig { n_workers: 0, ..base.clone() }).unwrap();
+            for step in 0..30 {
+                if step == 20 {
+                    threaded.seek(5 * base.micro_batch as u64 * world_size as u64);
+                    synchronous.seek(5 * base.micro_batch as u64 * world_size as u64);
+                }
+                assert_eq!(synchronous.position(), threaded.position(), "step {step}");
+                let batch = synchronous.next_batch().unwrap();
+                assert_eq!(batch, threaded.next_batch().unwrap(), "world {world_size} step {step}");
+                synchronous.recycle(batch);
+            }
+            let stats = synchronous.stats();
+            assert_eq!((stats.batches, stats.waited, stats.jobs_dispatched), (30, 30, 0), "{stats:?}");
+            assert_eq!(stats.buffers_allocated, 1, "a recycled buffer is reused: {stats:?}");
+        }
+    }
+
+    #[test]
     fn recycled_buffers_are_reused_and_change_nothing() {
         let store = counting_store(10_001);
         let base = config(16, 4, 1, 0, true);
@@ -630,7 +656,6 @@ mod config {
         let base = LoaderConfig { seq_len: 4, micro_batch: 2, ..LoaderConfig::default() };
         check(LoaderConfig { seq_len: 0, ..base.clone() }, 100, "seq_len");
         check(LoaderConfig { micro_batch: 0, ..base.clone() }, 100, "micro_batch");
-        check(LoaderConfig { n_workers: 0, ..base.clone() }, 100, "n_workers");
         check(LoaderConfig { prefetch_depth: 0, ..base.clone() }, 100, "prefetch_depth");
         check(LoaderConfig { rank: 2, world_size: 2, ..base.clone() }, 100, "rank");
         check(base.clone(), 4, "fewer than one sequence");
