@@ -19,7 +19,11 @@ fn unknown_key() {
 fn wrong_type() {
     check(&["train"], &["train.steps=twenty"], "config key `train.steps` expects an integer, got a string");
     check(&["train"], &["ckpt.at_end=3"], "config key `ckpt.at_end` expects a boolean, got an integer");
-    check(&["train"], &["train.fused_optimizer=1"], "config key `train.fused_optimizer` expects a boolean, got an integer");
+    check(
+        &["train"],
+        &["train.fused_optimizer=1"],
+        "config key `train.fused_optimizer` expects a boolean, got an integer",
+    );
 }
 
 #[test]

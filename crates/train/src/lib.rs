@@ -35,3 +35,8 @@ pub use trainer::{
     parse_device, CheckpointTarget, Observer, ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary,
     TrainEvent, Trainer,
 };
+
+/// Held by unit tests that seed libtorch's global generator and then draw from it, so tests
+/// running in parallel do not draw from each other's seeds.
+#[cfg(test)]
+pub(crate) static GLOBAL_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
