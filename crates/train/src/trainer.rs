@@ -392,6 +392,8 @@ impl Trainer {
                     return Err(TrainError::TokenOutOfVocab { step: step_number, token, vocab_size: shape.vocab_size });
                 }
                 let rows = Tensor::from_slice(&batch.tokens).view([micro_batch as i64, seq_len as i64 + 1]);
+                // from_slice copied the tokens: the buffer goes back to the source for a later batch.
+                source.recycle(batch);
                 let rows = rows.to_device(self.device);
                 let inputs = rows.narrow(1, 0, seq_len as i64).contiguous();
                 let targets = rows.narrow(1, 1, seq_len as i64).contiguous();
