@@ -1,8 +1,7 @@
 //! A GPT decoder in nanoGPT's shape: token and position embeddings, pre-LayerNorm blocks of causal
 //! self-attention (libtorch's scaled_dot_product_attention, or bf16 batched matrix multiplies) and a
-//! GELU MLP, a final LayerNorm and a
-//! head tied to the token embedding. Parameter names follow nanoGPT, so a checkpoint's tensors load
-//! into its `GPT` by name.
+//! GELU MLP, a final LayerNorm and a head tied to the token embedding. Parameter names follow
+//! nanoGPT, so a checkpoint's tensors load into its `GPT` by name.
 
 use tch::{Device, Kind, Tensor};
 
