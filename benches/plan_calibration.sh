@@ -14,13 +14,15 @@
 #        SKIP_TRAIN=1 benches/plan_calibration.sh  # reuse the runs/plan-cal-*-<round> already there
 #        benches/plan_calibration.sh --json        # extra arguments go to `stoke plan`
 #
-# Result on the development machine (2026-11-29, 3 rounds of 40 steps, stoke's measured fp32 peak
-# 148 GFLOP/s): compute 0.84, memory 0.29, optimizer 0.18 of peak, 0.03 ms per block pass, 4.9 ms
-# per step; calibration shapes within 3.6%, leave-one-out 2.5% RMS; held out: g +12.6%, h +5.9%,
-# i +2.0%, n +4.0%, o +3.2%, small preset -0.2%. One shape's step time moved by up to 45% between
-# quiet and busy spells of the machine, which is why rounds and medians. PRECISION=bf16 ROUNDS=2
-# (bf16 peak 571 GFLOP/s): compute at its bound 1.0, memory 0.10, optimizer 0.17; leave-one-out
-# 6.8%; held out -0.6%, +2.4%, -4.9%, -3.1%, -4.0%, small preset -6.5%.
+# Result on the development machine (2026-11-29, session 2 code: retained host memory, the AVX2 fused
+# optimizer, bf16-math attention), 3 rounds of 40 steps, fp32: compute 1.0, memory 0.20, optimizer 0.51 of
+# peak, 0.17 ms per block pass, 2.5 ms per step; calibration shapes within 7.2%, leave-one-out 6.4%; held
+# out: g +2.9%, h +5.0%, i -7.7%, n +7.8%, o +6.1%, small preset -0.8% (worst 7.8%). PRECISION=bf16
+# ROUNDS=2: compute 0.87, memory 0.15, optimizer 0.56, 2.1 ms per block pass; leave-one-out 7.0%; held
+# out -1.4%, -17.4% (h: micro-batch 4, accumulation 4, the most block passes), -6.1%, -1.8%, -9.3%, small
+# preset +11.4%. (Session 1, with fp32 SDPA under bf16: fp32 worst held out 12.6%, bf16 6.5%.) One
+# shape's step time moved by up to 45% between quiet and busy spells of the machine, which is why rounds
+# and medians.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
