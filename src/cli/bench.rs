@@ -182,13 +182,6 @@ fn final_loss(metrics: &Path) -> anyhow::Result<f64> {
     Ok(tail.iter().sum::<f64>() / tail.len().max(1) as f64)
 }
 
-/// glibc's environment equivalent of stoke's `train.host_memory = "retain"`.
-const TUNED_MALLOC_ENV: &[(&str, &str)] = &[
-    ("MALLOC_MMAP_THRESHOLD_", "33554432"),
-    ("MALLOC_TRIM_THRESHOLD_", "2147483647"),
-    ("MALLOC_TOP_PAD_", "67108864"),
-];
-
 fn run_peer(args: &FullchainArgs, corpus: &Path, pipeline: &str, tokens: u64) -> anyhow::Result<Value> {
     let setup = if pipeline == "naive" { &NAIVE } else { &OPTIMIZED };
     let (micro_batch, precision, ckpt_every, lr) = (setup.micro_batch, setup.precision, setup.ckpt_every, setup.lr);
@@ -207,7 +200,7 @@ fn run_peer(args: &FullchainArgs, corpus: &Path, pipeline: &str, tokens: u64) ->
     if pipeline == "tuned" {
         // What `train.host_memory = "retain"` sets in stoke, through glibc's environment: a tuned
         // PyTorch CPU job keeps freed memory too (tcmalloc, jemalloc or these).
-        cmd.envs(TUNED_MALLOC_ENV.iter().copied());
+        cmd.envs(stoke_train::retain_env());
     }
     let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
     if !out.status.success() {

@@ -286,10 +286,7 @@ impl Loader {
     fn top_up(&mut self) -> Result<(), DataError> {
         while !self.workers.is_empty() && self.in_flight.len() < self.config.prefetch_depth {
             let start = self.align(self.dispatch_position);
-            let buffer = self.free.pop().unwrap_or_else(|| {
-                self.stats.buffers_allocated += 1;
-                Vec::with_capacity(self.config.micro_batch * (self.config.seq_len + 1))
-            });
+            let buffer = self.take_buffer();
             let job = Job { generation: self.generation, start, buffer };
             self.job_tx.as_ref().expect("sender lives until drop").send(job).map_err(|_| DataError::WorkerGone)?;
             self.in_flight.push_back(start);
@@ -327,13 +324,18 @@ impl Loader {
 }
 
 impl Loader {
+    /// A recycled buffer, or a new one (counted).
+    fn take_buffer(&mut self) -> Vec<i64> {
+        self.free.pop().unwrap_or_else(|| {
+            self.stats.buffers_allocated += 1;
+            Vec::with_capacity(self.config.micro_batch * (self.config.seq_len + 1))
+        })
+    }
+
     /// `next_batch` without workers: the whole batch is assembled now, on this thread.
     fn next_batch_synchronous(&mut self) -> Batch {
         let start = self.align(self.position);
-        let mut buffer = self.free.pop().unwrap_or_else(|| {
-            self.stats.buffers_allocated += 1;
-            Vec::with_capacity(self.config.micro_batch * (self.config.seq_len + 1))
-        });
+        let mut buffer = self.take_buffer();
         self.shared.fill(start, &mut buffer);
         self.stats.batches += 1;
         self.stats.waited += 1;

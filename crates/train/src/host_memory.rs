@@ -22,6 +22,19 @@ pub enum HostMemory {
 
 /// glibc refuses an mmap threshold above half its largest heap (64 MiB on 64-bit targets).
 const MMAP_THRESHOLD_MAX: i32 = 32 << 20;
+/// Never give the heap's top back to the kernel.
+const TRIM_THRESHOLD: i32 = i32::MAX;
+/// Grow the heap in steps this large.
+const TOP_PAD: i32 = 64 << 20;
+
+/// The environment that gives another glibc process (a PyTorch peer, say) the `Retain` policy.
+pub fn retain_env() -> [(&'static str, String); 3] {
+    [
+        ("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD_MAX.to_string()),
+        ("MALLOC_TRIM_THRESHOLD_", TRIM_THRESHOLD.to_string()),
+        ("MALLOC_TOP_PAD_", TOP_PAD.to_string()),
+    ]
+}
 
 /// Applies `policy` to the whole process; returns whether the C library took it (always true for
 /// `System`, which changes nothing; false off glibc).
@@ -38,8 +51,8 @@ fn retain() -> bool {
     // thread, and returns 0 for a value it refuses.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
-            && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1
-            && libc::mallopt(libc::M_TOP_PAD, 64 << 20) == 1
+            && libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+            && libc::mallopt(libc::M_TOP_PAD, TOP_PAD) == 1
     }
 }
 

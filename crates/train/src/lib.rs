@@ -23,7 +23,7 @@ mod trainer;
 
 pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
 pub use error::TrainError;
-pub use host_memory::HostMemory;
+pub use host_memory::{retain_env, HostMemory};
 pub use model::Gpt;
 pub use optim::{clip_grad_norm, AdamW, AdamWStep};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec};
