@@ -34,6 +34,7 @@ fn precision_name(precision: Precision) -> &'static str {
     match precision {
         Precision::Fp32 => "fp32",
         Precision::Bf16 => "bf16",
+        Precision::Fp16 => "fp16",
     }
 }
 
@@ -124,6 +125,9 @@ impl Profiler {
         let peak = match info.precision {
             Precision::Fp32 => self.peaks.fp32,
             Precision::Bf16 => self.peaks.bf16,
+            // GPUs multiply fp16 and bf16 at the same peak; a CPU without fp16 matrix units is
+            // slower in fp16, so there MFU against the bf16 peak is a lower bound.
+            Precision::Fp16 => self.peaks.bf16,
         };
         self.facts = Some(RunFacts {
             name: self.name.clone(),

@@ -4,7 +4,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::executor::{ExecutorKind, Recompute};
 use crate::host_memory::HostMemory;
+use crate::precision::LossScaleConfig;
 
 use crate::TrainError;
 
@@ -90,12 +92,13 @@ impl ModelConfig {
 }
 
 /// Arithmetic precision of the matrix multiplies. Master weights, optimizer state, layer norms and
-/// the loss stay fp32 either way.
+/// the loss stay fp32 either way (`precision::FP32_OPS`); fp16 adds dynamic loss scaling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     Fp32,
     Bf16,
+    Fp16,
 }
 
 /// `[train]`: the loop and the optimizer (AdamW, warmup + cosine).
@@ -126,8 +129,29 @@ pub struct TrainConfig {
     pub eps: f64,
     /// Global gradient-norm clip; 0 turns clipping off. Default 1.0.
     pub grad_clip: f64,
-    /// "fp32" or "bf16" (bf16 matrix multiplies, fp32 master weights). Default "bf16".
+    /// "fp32", "bf16" (bf16 matrix multiplies, fp32 master weights) or "fp16" (fp16 matrix
+    /// multiplies with dynamic loss scaling, see `loss_scale_*`). Default "bf16".
     pub precision: Precision,
+    /// fp16 only: the loss scale of the first step. Default 65536.
+    pub loss_scale_init: f64,
+    /// fp16 only: multiply the loss scale by this after `loss_scale_interval` steps in a row whose
+    /// gradients were finite. Default 2.
+    pub loss_scale_growth: f64,
+    /// fp16 only: multiply the loss scale by this when a step's gradients hold an inf or NaN (that
+    /// step's update is skipped). Default 0.5.
+    pub loss_scale_backoff: f64,
+    /// fp16 only: finite steps in a row before the loss scale grows. Default 2000.
+    pub loss_scale_interval: u64,
+    /// Activation recomputation: the chosen parts of each block keep only their input in the
+    /// forward pass and run their forward again inside the backward pass, trading compute for
+    /// memory. "none", "mlp" (each block's LayerNorm + MLP half), "attention" (each block's
+    /// LayerNorm + attention half), "block" (whole blocks), or "every:K" (whole blocks 0, K, 2K,
+    /// ...). Default "none".
+    pub recompute: Recompute,
+    /// How the step runs the model: "blocks" (the block executor: unit by unit, with callbacks
+    /// between units and recomputation) or "single-graph" (one autograd graph and one backward
+    /// call; the reference the executor is measured against; no recomputation). Default "blocks".
+    pub executor: ExecutorKind,
     /// Report loss and metrics every this many steps (reading the loss synchronizes a GPU). Default 1.
     pub log_every: u64,
     /// Intra-op threads for libtorch; 0 leaves libtorch's default (one per core). Default 0.
@@ -177,6 +201,12 @@ impl Default for TrainConfig {
             eps: 1e-8,
             grad_clip: 1.0,
             precision: Precision::Bf16,
+            loss_scale_init: 65536.0,
+            loss_scale_growth: 2.0,
+            loss_scale_backoff: 0.5,
+            loss_scale_interval: 2000,
+            recompute: Recompute::None,
+            executor: ExecutorKind::Blocks,
             log_every: 1,
             threads: 0,
             attention: AttentionPrecision::Auto,
@@ -218,10 +248,38 @@ impl TrainConfig {
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
             return bad("train.grad_clip", format!("must be a finite number >= 0 (0 = off); got {}", self.grad_clip));
         }
+        if !(self.loss_scale_init.is_finite() && self.loss_scale_init > 0.0) {
+            return bad("train.loss_scale_init", format!("must be a finite number > 0; got {}", self.loss_scale_init));
+        }
+        if !(self.loss_scale_growth.is_finite() && self.loss_scale_growth >= 1.0) {
+            return bad("train.loss_scale_growth", format!("must be a finite number >= 1; got {}", self.loss_scale_growth));
+        }
+        if !(self.loss_scale_backoff > 0.0 && self.loss_scale_backoff < 1.0) {
+            return bad("train.loss_scale_backoff", format!("must be in (0, 1); got {}", self.loss_scale_backoff));
+        }
+        if self.loss_scale_interval == 0 {
+            return bad("train.loss_scale_interval", "must be at least 1; got 0".into());
+        }
+        if self.executor == ExecutorKind::SingleGraph && self.recompute != Recompute::None {
+            return bad(
+                "train.recompute",
+                format!("is \"{}\", but train.executor = \"single-graph\" cannot recompute; use \"blocks\"", self.recompute),
+            );
+        }
         if self.log_every == 0 {
             return bad("train.log_every", "must be at least 1; got 0".into());
         }
         Ok(())
+    }
+
+    /// The fp16 loss scaler's settings.
+    pub fn loss_scale(&self) -> LossScaleConfig {
+        LossScaleConfig {
+            init: self.loss_scale_init,
+            growth: self.loss_scale_growth,
+            backoff: self.loss_scale_backoff,
+            interval: self.loss_scale_interval,
+        }
     }
 
     /// Learning rate at `step` (0-based): linear warmup, then cosine decay to `min_lr` at the

@@ -12,28 +12,34 @@
 //! println!("final loss {}", summary.final_loss);
 //! ```
 
+mod clock;
 mod config;
 mod error;
+mod executor;
 mod host_memory;
 mod model;
 mod optim;
 mod params;
 mod peak;
+mod precision;
 mod trainer;
 
+pub use clock::StepClock;
 pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
 pub use error::TrainError;
+pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};
 pub use host_memory::{retain_env, HostMemory};
 pub use model::Gpt;
-pub use optim::{clip_grad_norm, AdamW, AdamWStep};
-pub use params::{FlatParams, Init, ParamEntry, ParamSpec};
+pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
+pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 pub use peak::{
-    matmul_peak_flops_cached, measure_matmul_peak_flops, memory_capacity_bytes, memory_in_use_bytes, peak_key,
-    PEAK_CACHE_FILE,
+    host_bytes_in_use, matmul_peak_flops_cached, measure_matmul_peak_flops, memory_capacity_bytes,
+    memory_in_use_bytes, peak_key, PEAK_CACHE_FILE,
 };
+pub use precision::{compute_kind, LossScaleConfig, LossScaler, ScaleOutcome, FP32_OPS};
 pub use trainer::{
-    parse_device, CheckpointTarget, Observer, ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary,
-    TrainEvent, Trainer,
+    parse_device, CheckpointTarget, MemoryReport, Observer, ObserverError, Phase, PhaseTimes, RunInfo, StepRecord,
+    Summary, TrainEvent, Trainer,
 };
 
 /// Held by unit tests that seed libtorch's global generator and then draw from it, so tests

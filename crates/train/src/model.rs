@@ -1,18 +1,41 @@
 //! A GPT decoder in nanoGPT's shape: token and position embeddings, pre-LayerNorm blocks of causal
-//! self-attention (libtorch's scaled_dot_product_attention, or bf16 batched matrix multiplies) and a
-//! GELU MLP, a final LayerNorm and a head tied to the token embedding. Parameter names follow
+//! self-attention (libtorch's scaled_dot_product_attention, or 16-bit batched matrix multiplies)
+//! and a GELU MLP, a final LayerNorm and a head tied to the token embedding. Parameter names follow
 //! nanoGPT, so a checkpoint's tensors load into its `GPT` by name.
 
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{AttentionPrecision, GptShape, Precision};
-use crate::params::{FlatParams, Init, ParamSpec};
+use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
+use crate::precision::compute_kind;
 
 pub struct Gpt {
     shape: GptShape,
     params: FlatParams,
-    precision: Precision,
+    /// Element type of the matrix multiplies (see `precision::compute_kind`).
+    compute: Kind,
     attention: Attention,
+    /// Handles to the parameters, resolved once from `params` (they share its storage).
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: Vec<BlockParams>,
+    ln_f: (Tensor, Tensor),
+    /// `[seq_len, seq_len]` additive causal mask in the compute type, for `Attention::Math`.
+    causal_mask: Option<Tensor>,
+}
+
+/// One block's parameters.
+struct BlockParams {
+    ln_1: (Tensor, Tensor),
+    attn_w: Tensor,
+    attn_b: Tensor,
+    attn_proj_w: Tensor,
+    attn_proj_b: Tensor,
+    ln_2: (Tensor, Tensor),
+    fc_w: Tensor,
+    fc_b: Tensor,
+    mlp_proj_w: Tensor,
+    mlp_proj_b: Tensor,
 }
 
 /// How a block computes causal self-attention.
@@ -20,9 +43,9 @@ pub struct Gpt {
 enum Attention {
     /// libtorch's scaled_dot_product_attention, q, k and v cast to this element type.
     Sdpa(Kind),
-    /// Explicit bf16 batched matrix multiplies: scores (with an additive causal mask), softmax
-    /// (fp32 inside, bf16 out), probabilities times v.
-    Bf16Math,
+    /// Explicit batched matrix multiplies in this 16-bit type: scores (with an additive causal
+    /// mask), softmax (fp32 inside, 16-bit out), probabilities times v.
+    Math(Kind),
 }
 
 /// The longest context "auto" runs as bf16-math on a CPU: the probabilities it keeps for the
@@ -47,9 +70,32 @@ fn block_names(layer_idx: usize) -> [String; 12] {
     ]
 }
 
+fn choose_attention(precision: Precision, attention: AttentionPrecision, shape: GptShape, device: Device) -> Attention {
+    let short = shape.seq_len <= MATH_ATTENTION_MAX_SEQ;
+    match (precision, attention) {
+        (Precision::Fp32, _) | (_, AttentionPrecision::Fp32) => Attention::Sdpa(Kind::Float),
+        (Precision::Bf16, AttentionPrecision::Bf16) => Attention::Sdpa(Kind::BFloat16),
+        (Precision::Bf16, AttentionPrecision::Bf16Math) => Attention::Math(Kind::BFloat16),
+        (Precision::Bf16, AttentionPrecision::Auto) if device == Device::Cpu => {
+            if short {
+                Attention::Math(Kind::BFloat16)
+            } else {
+                Attention::Sdpa(Kind::Float)
+            }
+        }
+        (Precision::Bf16, AttentionPrecision::Auto) => Attention::Sdpa(Kind::BFloat16),
+        // Under fp16 the 16-bit choices run in fp16; a CPU has no fast fp16 attention kernel.
+        (Precision::Fp16, AttentionPrecision::Bf16) => Attention::Sdpa(Kind::Half),
+        (Precision::Fp16, AttentionPrecision::Bf16Math) => Attention::Math(Kind::Half),
+        (Precision::Fp16, AttentionPrecision::Auto) if device == Device::Cpu => Attention::Sdpa(Kind::Float),
+        (Precision::Fp16, AttentionPrecision::Auto) => Attention::Sdpa(Kind::Half),
+    }
+}
+
 impl Gpt {
     /// A freshly initialized model (nanoGPT's init: N(0, 0.02), residual projections scaled by
-    /// 1/sqrt(2·n_layer)). Seed libtorch first for a reproducible init.
+    /// 1/sqrt(2·n_layer)). Seed libtorch first for a reproducible init. The flat buffers are laid
+    /// out unit by unit: the embedding (wte, wpe), each block, then the final norm.
     pub fn new(shape: GptShape, precision: Precision, attention: AttentionPrecision, device: Device) -> Gpt {
         let d = shape.d_model as i64;
         let std = 0.02;
@@ -60,44 +106,79 @@ impl Gpt {
             init,
             decay,
         };
-        let mut specs = vec![
-            spec("transformer.wte.weight".into(), &[shape.vocab_size as i64, d], Init::Normal { std }, true),
-            spec("transformer.wpe.weight".into(), &[shape.seq_len as i64, d], Init::Normal { std }, true),
-        ];
+        let mut units = vec![UnitSpec {
+            name: "embedding".into(),
+            params: vec![
+                spec("transformer.wte.weight".into(), &[shape.vocab_size as i64, d], Init::Normal { std }, true),
+                spec("transformer.wpe.weight".into(), &[shape.seq_len as i64, d], Init::Normal { std }, true),
+            ],
+        }];
         for layer_idx in 0..shape.n_layer {
             let [ln1_w, ln1_b, attn_w, attn_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b] =
                 block_names(layer_idx);
-            specs.extend([
-                spec(ln1_w, &[d], Init::Ones, false),
-                spec(ln1_b, &[d], Init::Zeros, false),
-                spec(attn_w, &[3 * d, d], Init::Normal { std }, true),
-                spec(attn_b, &[3 * d], Init::Zeros, false),
-                spec(attn_proj_w, &[d, d], Init::Normal { std: proj_std }, true),
-                spec(attn_proj_b, &[d], Init::Zeros, false),
-                spec(ln2_w, &[d], Init::Ones, false),
-                spec(ln2_b, &[d], Init::Zeros, false),
-                spec(fc_w, &[4 * d, d], Init::Normal { std }, true),
-                spec(fc_b, &[4 * d], Init::Zeros, false),
-                spec(mlp_proj_w, &[d, 4 * d], Init::Normal { std: proj_std }, true),
-                spec(mlp_proj_b, &[d], Init::Zeros, false),
-            ]);
+            units.push(UnitSpec {
+                name: format!("transformer.h.{layer_idx}"),
+                params: vec![
+                    spec(ln1_w, &[d], Init::Ones, false),
+                    spec(ln1_b, &[d], Init::Zeros, false),
+                    spec(attn_w, &[3 * d, d], Init::Normal { std }, true),
+                    spec(attn_b, &[3 * d], Init::Zeros, false),
+                    spec(attn_proj_w, &[d, d], Init::Normal { std: proj_std }, true),
+                    spec(attn_proj_b, &[d], Init::Zeros, false),
+                    spec(ln2_w, &[d], Init::Ones, false),
+                    spec(ln2_b, &[d], Init::Zeros, false),
+                    spec(fc_w, &[4 * d, d], Init::Normal { std }, true),
+                    spec(fc_b, &[4 * d], Init::Zeros, false),
+                    spec(mlp_proj_w, &[d, 4 * d], Init::Normal { std: proj_std }, true),
+                    spec(mlp_proj_b, &[d], Init::Zeros, false),
+                ],
+            });
         }
-        specs.push(spec("transformer.ln_f.weight".into(), &[d], Init::Ones, false));
-        specs.push(spec("transformer.ln_f.bias".into(), &[d], Init::Zeros, false));
-        let attention = match (precision, attention) {
-            (Precision::Fp32, _) | (Precision::Bf16, AttentionPrecision::Fp32) => Attention::Sdpa(Kind::Float),
-            (Precision::Bf16, AttentionPrecision::Bf16) => Attention::Sdpa(Kind::BFloat16),
-            (Precision::Bf16, AttentionPrecision::Bf16Math) => Attention::Bf16Math,
-            (Precision::Bf16, AttentionPrecision::Auto) if device == Device::Cpu => {
-                if shape.seq_len <= MATH_ATTENTION_MAX_SEQ {
-                    Attention::Bf16Math
-                } else {
-                    Attention::Sdpa(Kind::Float)
+        units.push(UnitSpec {
+            name: "head".into(),
+            params: vec![
+                spec("transformer.ln_f.weight".into(), &[d], Init::Ones, false),
+                spec("transformer.ln_f.bias".into(), &[d], Init::Zeros, false),
+            ],
+        });
+        let params = FlatParams::new(units, device);
+        let get = |name: &str| params.get(name).shallow_clone();
+        let blocks = (0..shape.n_layer)
+            .map(|layer_idx| {
+                let n = block_names(layer_idx);
+                BlockParams {
+                    ln_1: (get(&n[0]), get(&n[1])),
+                    attn_w: get(&n[2]),
+                    attn_b: get(&n[3]),
+                    attn_proj_w: get(&n[4]),
+                    attn_proj_b: get(&n[5]),
+                    ln_2: (get(&n[6]), get(&n[7])),
+                    fc_w: get(&n[8]),
+                    fc_b: get(&n[9]),
+                    mlp_proj_w: get(&n[10]),
+                    mlp_proj_b: get(&n[11]),
                 }
+            })
+            .collect();
+        let attention = choose_attention(precision, attention, shape, device);
+        let causal_mask = match attention {
+            Attention::Math(kind) => {
+                let seq = shape.seq_len as i64;
+                Some(Tensor::full([seq, seq], f64::NEG_INFINITY, (kind, device)).triu(1))
             }
-            (Precision::Bf16, AttentionPrecision::Auto) => Attention::Sdpa(Kind::BFloat16),
+            Attention::Sdpa(_) => None,
         };
-        Gpt { shape, params: FlatParams::new(specs, device), precision, attention }
+        Gpt {
+            shape,
+            wte: get("transformer.wte.weight"),
+            wpe: get("transformer.wpe.weight"),
+            ln_f: (get("transformer.ln_f.weight"), get("transformer.ln_f.bias")),
+            blocks,
+            params,
+            compute: compute_kind(precision),
+            attention,
+            causal_mask,
+        }
     }
 
     pub fn shape(&self) -> GptShape {
@@ -108,83 +189,110 @@ impl Gpt {
         &self.params
     }
 
-    pub fn params_mut(&mut self) -> &mut FlatParams {
-        &mut self.params
+    /// The number of units the executor runs: the embedding, each block, the head.
+    pub fn n_units(&self) -> usize {
+        self.shape.n_layer + 2
     }
 
-    /// A linear layer in the run's precision. Under bf16 the input, weight and bias are cast for
-    /// the multiply (what autocast does for `linear`), and the result stays bf16.
-    fn linear(&self, x: &Tensor, weight: &str, bias: Option<&str>) -> Tensor {
-        let w = self.params.get(weight);
-        let b = bias.map(|name| self.params.get(name));
-        match self.precision {
-            Precision::Fp32 => x.linear(w, b),
-            Precision::Bf16 => {
-                let b16 = b.map(|b| b.to_kind(Kind::BFloat16));
-                x.to_kind(Kind::BFloat16).linear(&w.to_kind(Kind::BFloat16), b16.as_ref())
-            }
+    /// A linear layer in the compute type. Under 16-bit precision the input, weight and bias are
+    /// cast for the multiply (what autocast does for `linear`), and the result stays 16-bit.
+    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
+        if self.compute == Kind::Float {
+            return x.linear(weight, bias);
         }
+        let b16 = bias.map(|b| b.to_kind(self.compute));
+        x.to_kind(self.compute).linear(&weight.to_kind(self.compute), b16.as_ref())
     }
 
-    /// LayerNorm always in fp32 (autocast's policy too).
-    fn layer_norm(&self, x: &Tensor, weight: &str, bias: &str) -> Tensor {
+    /// LayerNorm always in fp32 (`precision::FP32_OPS`).
+    fn layer_norm(&self, x: &Tensor, (weight, bias): &(Tensor, Tensor)) -> Tensor {
         let d = self.shape.d_model as i64;
-        x.to_kind(Kind::Float).layer_norm([d], Some(self.params.get(weight)), Some(self.params.get(bias)), 1e-5, true)
+        x.to_kind(Kind::Float).layer_norm([d], Some(weight), Some(bias), 1e-5, true)
     }
 
-    /// Mean cross-entropy of predicting `targets` from `inputs`, both `[batch, seq]` int64.
-    pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
-        let logits = self.forward(inputs);
-        let vocab = self.shape.vocab_size as i64;
-        logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    /// The embedding unit: token plus position embeddings, `[batch, seq, d]` fp32.
+    pub fn embed(&self, inputs: &Tensor) -> Tensor {
+        let seq = inputs.size()[1];
+        let positions = Tensor::arange(seq, (Kind::Int64, inputs.device()));
+        Tensor::embedding(&self.wte, inputs, -1, false, false)
+            + Tensor::embedding(&self.wpe, &positions, -1, false, false)
     }
 
-    /// Logits `[batch, seq, vocab]` (bf16 under bf16 precision).
-    pub fn forward(&self, inputs: &Tensor) -> Tensor {
-        let (batch, seq) = inputs.size2().expect("inputs are [batch, seq]");
-        let d = self.shape.d_model as i64;
+    /// The first half of block `layer_idx`: `x + attention(ln_1(x))`.
+    pub fn attention_residual(&self, layer_idx: usize, x: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        let (batch, seq, d) = x.size3().expect("activations are [batch, seq, d]");
         let n_head = self.shape.n_head as i64;
         let head_dim = d / n_head;
-        let device = inputs.device();
-        let wte = self.params.get("transformer.wte.weight");
-        let positions = Tensor::arange(seq, (Kind::Int64, device));
-        let mut x = Tensor::embedding(wte, inputs, -1, false, false)
-            + Tensor::embedding(self.params.get("transformer.wpe.weight"), &positions, -1, false, false);
-        let mut causal_mask: Option<Tensor> = None;
+        let h = self.layer_norm(x, &block.ln_1);
+        let qkv = self.linear(&h, &block.attn_w, Some(&block.attn_b));
+        let parts = qkv.split(d, 2);
+        let y = match self.attention {
+            Attention::Sdpa(kind) => {
+                let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2).to_kind(kind);
+                let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
+                Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false)
+            }
+            Attention::Math(kind) => {
+                let mask = self.causal_mask.as_ref().expect("math attention builds its mask").narrow(0, 0, seq).narrow(
+                    1,
+                    0,
+                    seq,
+                );
+                let heads = |t: &Tensor| {
+                    t.view([batch, seq, n_head, head_dim])
+                        .transpose(1, 2)
+                        .reshape([batch * n_head, seq, head_dim])
+                        .to_kind(kind)
+                };
+                let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
+                let scale = 1.0 / (head_dim as f64).sqrt();
+                let scores = mask.expand([batch * n_head, seq, seq], false).baddbmm(&q, &k.transpose(1, 2), 1.0, scale);
+                scores.softmax(-1, None).bmm(&v).view([batch, n_head, seq, head_dim])
+            }
+        };
+        let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
+        x + self.linear(&y, &block.attn_proj_w, Some(&block.attn_proj_b))
+    }
+
+    /// The second half of block `layer_idx`: `x + mlp(ln_2(x))`.
+    pub fn mlp_residual(&self, layer_idx: usize, x: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        let h = self.layer_norm(x, &block.ln_2);
+        let h = self.linear(&h, &block.fc_w, Some(&block.fc_b)).gelu("none");
+        x + self.linear(&h, &block.mlp_proj_w, Some(&block.mlp_proj_b))
+    }
+
+    /// Logits `[batch, seq, vocab]` from the last block's output (16-bit under 16-bit precision).
+    pub fn head_logits(&self, x: &Tensor) -> Tensor {
+        let x = self.layer_norm(x, &self.ln_f);
+        self.linear(&x, &self.wte, None)
+    }
+
+    /// Mean cross-entropy (fp32) of the head's predictions against `targets` `[batch, seq]`.
+    pub fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
+        let vocab = self.shape.vocab_size as i64;
+        self.head_logits(x).to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    }
+
+    /// Mean cross-entropy of predicting `targets` from `inputs`, both `[batch, seq]` int64, as
+    /// one autograd graph (the executor runs the same functions unit by unit).
+    pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
+        self.head_loss(&self.trunk(inputs), targets)
+    }
+
+    /// Logits `[batch, seq, vocab]` (16-bit under 16-bit precision), as one graph.
+    pub fn forward(&self, inputs: &Tensor) -> Tensor {
+        self.head_logits(&self.trunk(inputs))
+    }
+
+    fn trunk(&self, inputs: &Tensor) -> Tensor {
+        let mut x = self.embed(inputs);
         for layer_idx in 0..self.shape.n_layer {
-            let [ln1_w, ln1_b, attn_w, attn_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b] =
-                block_names(layer_idx);
-            let h = self.layer_norm(&x, &ln1_w, &ln1_b);
-            let qkv = self.linear(&h, &attn_w, Some(&attn_b));
-            let parts = qkv.split(d, 2);
-            let y = match self.attention {
-                Attention::Sdpa(kind) => {
-                    let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2).to_kind(kind);
-                    let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
-                    Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false)
-                }
-                Attention::Bf16Math => {
-                    let mask = causal_mask.get_or_insert_with(|| {
-                        Tensor::full([seq, seq], f64::NEG_INFINITY, (Kind::BFloat16, device)).triu(1)
-                    });
-                    let heads = |t: &Tensor| {
-                        t.view([batch, seq, n_head, head_dim]).transpose(1, 2).reshape([batch * n_head, seq, head_dim])
-                    };
-                    let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
-                    let scale = 1.0 / (head_dim as f64).sqrt();
-                    let scores =
-                        mask.expand([batch * n_head, seq, seq], false).baddbmm(&q, &k.transpose(1, 2), 1.0, scale);
-                    scores.softmax(-1, None).bmm(&v).view([batch, n_head, seq, head_dim])
-                }
-            };
-            let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
-            x = x + self.linear(&y, &attn_proj_w, Some(&attn_proj_b));
-            let h = self.layer_norm(&x, &ln2_w, &ln2_b);
-            let h = self.linear(&h, &fc_w, Some(&fc_b)).gelu("none");
-            x = x + self.linear(&h, &mlp_proj_w, Some(&mlp_proj_b));
+            x = self.attention_residual(layer_idx, &x);
+            x = self.mlp_residual(layer_idx, &x);
         }
-        let x = self.layer_norm(&x, "transformer.ln_f.weight", "transformer.ln_f.bias");
-        self.linear(&x, "transformer.wte.weight", None)
+        x
     }
 }
 
@@ -206,8 +314,8 @@ mod tests {
         let math = model(AttentionPrecision::Bf16Math);
         // The same weights whatever other tests do to libtorch's global generator meanwhile.
         tch::no_grad(|| math.params().flat().shallow_clone().copy_(reference.params().flat()));
-        assert_eq!(math.attention, Attention::Bf16Math);
-        assert_eq!(model(AttentionPrecision::Auto).attention, Attention::Bf16Math, "auto on a CPU at context 32");
+        assert_eq!(math.attention, Attention::Math(Kind::BFloat16));
+        assert_eq!(model(AttentionPrecision::Auto).attention, Attention::Math(Kind::BFloat16), "auto on a CPU at context 32");
         let (a, b) = (reference.forward(&inputs).to_kind(Kind::Float), math.forward(&inputs).to_kind(Kind::Float));
         // The difference is bf16 rounding of scores and probabilities.
         let worst = (&a - &b).abs().max().double_value(&[]);

@@ -1,14 +1,23 @@
-//! AdamW with decoupled weight decay over the flat parameter buffer.
+//! AdamW with decoupled weight decay over the flat parameter buffers.
 //!
-//! On a CPU the whole update (gradient norm, clipping, decay, both moments, the step, and clearing
-//! the gradient) is one fused pass in Rust over each parameter's slice, split across threads: each
-//! element is read and written once while it is in cache, where a chain of libtorch ops would
-//! stream the multi-megabyte buffers through memory ten times. On a GPU the same arithmetic runs
-//! as vectorized libtorch ops over the flat buffers.
+//! The optimizer owns its state (the two moment buffers, laid out like the parameters, and the step
+//! count) and works on ranges of the flat buffers: `grad_sq_sum` and `update_range` take a range,
+//! so a sharded step can sum its shard's squares, all-reduce the sum into the global norm, and
+//! update only its shard. `step` is that sequence for the whole buffer on one process.
+//!
+//! On a CPU the update (clipping and unscaling, decay, both moments, the step, and clearing the
+//! gradient) is one fused pass in Rust over each parameter's slice, split across threads, after a
+//! first pass that sums the squares for the norm: each element is read and written once per pass
+//! while it is in cache, where a chain of libtorch ops would stream the multi-megabyte buffers
+//! through memory ten times. On a GPU, or with `UpdateKernel::TensorOps`, the same arithmetic runs
+//! as libtorch ops over the range.
+
+use std::ops::Range;
 
 use tch::{Kind, Tensor};
 
 use crate::params::FlatParams;
+use crate::precision::{LossScaler, ScaleOutcome};
 
 /// Hyper-parameters of one AdamW step.
 #[derive(Debug, Clone, Copy)]
@@ -20,12 +29,45 @@ pub struct AdamWStep {
     pub weight_decay: f64,
 }
 
-/// Moment estimates, flat like the parameters, and the count of steps taken.
-pub struct AdamW {
-    pub exp_avg: Tensor,
-    pub exp_avg_sq: Tensor,
-    pub n_steps: u64,
+/// Which arithmetic runs the update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpdateKernel {
+    /// One fused, threaded Rust pass per parameter slice on a CPU (falls back to `TensorOps` on a
+    /// GPU).
+    Fused,
+    /// A chain of libtorch tensor ops over the range (what PyTorch's default AdamW does on a CPU).
+    TensorOps,
 }
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// Global gradient norm before clipping, with any loss scale divided out (inf or NaN when the
+    /// gradients overflowed).
+    pub grad_norm: f64,
+    /// True when the fp16 scaler found an overflow and skipped the update.
+    pub skipped: bool,
+}
+
+/// AdamW's state: moment estimates, flat like the parameters, and the count of steps taken. The
+/// state is private; checkpoints go through `state_tensors` and `load_state`, by parameter name.
+pub struct AdamW {
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    n_steps: u64,
+}
+
+/// A tensor of the optimizer's state, as a checkpoint stores it.
+pub struct StateTensor {
+    /// `<parameter name>.exp_avg` or `<parameter name>.exp_avg_sq`.
+    pub name: String,
+    pub shape: Vec<i64>,
+    /// The values, a view of the optimizer's buffer.
+    pub tensor: Tensor,
+}
+
+/// Suffixes of the per-parameter state tensors.
+const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
 impl AdamW {
     pub fn new(params: &FlatParams) -> AdamW {
@@ -33,27 +75,219 @@ impl AdamW {
         AdamW { exp_avg: flat.zeros_like(), exp_avg_sq: flat.zeros_like(), n_steps: 0 }
     }
 
-    /// One update of every parameter from the flat gradient. The same arithmetic as PyTorch's
-    /// `torch.optim.AdamW` (bias-corrected moments, decay applied to the weights before the step).
-    pub fn step(&mut self, params: &mut FlatParams, grad: &Tensor, hp: AdamWStep) {
+    /// Optimizer steps taken (the bias corrections' t).
+    pub fn n_steps(&self) -> u64 {
+        self.n_steps
+    }
+
+    /// The state as named tensors: both moments of every parameter, in the parameters' order.
+    pub fn state_tensors(&self, params: &FlatParams) -> Vec<StateTensor> {
+        let mut out = Vec::with_capacity(2 * params.entries().len());
+        for entry in params.entries() {
+            for (suffix, buffer) in MOMENTS.iter().zip([&self.exp_avg, &self.exp_avg_sq]) {
+                out.push(StateTensor {
+                    name: format!("{}.{suffix}", entry.name),
+                    shape: entry.shape.clone(),
+                    tensor: buffer.narrow(0, entry.offset, entry.numel).view(entry.shape.as_slice()),
+                });
+            }
+        }
+        out
+    }
+
+    /// Restores the state saved by `state_tensors`. `lookup(name)` returns a saved tensor's shape
+    /// and fp32 values. Every parameter's moments must be there with the parameter's shape: a
+    /// changed layout is an error naming the tensor, never moments loaded into the wrong place.
+    pub fn load_state(
+        &mut self,
+        params: &FlatParams,
+        n_steps: u64,
+        mut lookup: impl FnMut(&str) -> Option<(Vec<i64>, Tensor)>,
+    ) -> Result<(), String> {
+        let mut loaded = Vec::with_capacity(2 * params.entries().len());
+        for entry in params.entries() {
+            for suffix in MOMENTS {
+                let name = format!("{}.{suffix}", entry.name);
+                let (shape, values) = lookup(&name).ok_or_else(|| format!("optimizer state has no tensor {name:?}"))?;
+                if shape != entry.shape {
+                    return Err(format!(
+                        "optimizer tensor {name:?} has shape {shape:?}, the parameter {:?} has {:?}",
+                        entry.name, entry.shape
+                    ));
+                }
+                loaded.push((entry.offset, entry.numel, suffix, values));
+            }
+        }
+        // Only after every tensor checked out: a failed load leaves the state as it was.
+        tch::no_grad(|| {
+            for (offset, numel, suffix, values) in loaded {
+                let buffer = if suffix == MOMENTS[0] { &self.exp_avg } else { &self.exp_avg_sq };
+                buffer.narrow(0, offset, numel).copy_(&values.reshape([-1]).to_device(buffer.device()));
+            }
+        });
+        self.n_steps = n_steps;
+        Ok(())
+    }
+
+    /// One step on one process: the global norm, the loss scaler's verdict (fp16), clipping to
+    /// `max_norm` (0: none), the update, and the gradients cleared for the next step.
+    pub fn step(
+        &mut self,
+        params: &FlatParams,
+        hp: AdamWStep,
+        max_norm: f64,
+        scaler: Option<&mut LossScaler>,
+        kernel: UpdateKernel,
+        n_threads: usize,
+    ) -> StepOutcome {
+        let all = 0..params.n_elements();
+        let scaled_norm = self.grad_sq_sum(params, all.clone(), kernel, n_threads).sqrt();
+        let scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+        let grad_norm = scaled_norm / scale;
+        if let Some(scaler) = scaler {
+            if scaler.update(scaled_norm) == ScaleOutcome::Skipped {
+                params.zero_grad();
+                return StepOutcome { grad_norm, skipped: true };
+            }
+        }
+        let clip = if max_norm > 0.0 && grad_norm > max_norm { max_norm / (grad_norm + 1e-6) } else { 1.0 };
+        self.begin_step();
+        self.update_range(params, all, hp, clip / scale, kernel, n_threads);
+        StepOutcome { grad_norm, skipped: false }
+    }
+
+    /// Counts a step (call once per step, before `update_range` on any range).
+    pub fn begin_step(&mut self) {
         self.n_steps += 1;
-        let t = self.n_steps as i32;
+    }
+
+    /// Sum of squares of `flat_grad[range]` in f64, in an order that does not depend on threads.
+    pub fn grad_sq_sum(&self, params: &FlatParams, range: Range<i64>, kernel: UpdateKernel, n_threads: usize) -> f64 {
+        match self.fused_slices(params, &range, kernel) {
+            Some(slices) => run_split(&slices, n_threads, |s| {
+                // SAFETY: see `Slices`; this pass only reads.
+                let g = unsafe { std::slice::from_raw_parts(s.grad, s.numel) };
+                sum_of_squares(g)
+            })
+            .iter()
+            .sum(),
+            None => {
+                let grad = params.flat_grad().narrow(0, range.start, range.end - range.start);
+                // Squares in fp32, summed in fp64: the sum of a split equals the whole's.
+                grad.square().sum(Kind::Double).double_value(&[])
+            }
+        }
+    }
+
+    /// AdamW on `range` of the parameters from the gradients times `grad_multiplier` (clipping and
+    /// loss-scale division folded into one factor); clears those gradients. The same arithmetic as
+    /// PyTorch's `torch.optim.AdamW` (bias-corrected moments, decay applied to the weights before
+    /// the step).
+    pub fn update_range(
+        &mut self,
+        params: &FlatParams,
+        range: Range<i64>,
+        hp: AdamWStep,
+        grad_multiplier: f64,
+        kernel: UpdateKernel,
+        n_threads: usize,
+    ) {
+        let t = self.n_steps.max(1) as i32;
+        match self.fused_slices(params, &range, kernel) {
+            Some(slices) => {
+                let step_size = (hp.lr / (1.0 - hp.beta1.powi(t))) as f32;
+                let inv_sqrt_bc2 = (1.0 / (1.0 - hp.beta2.powi(t)).sqrt()) as f32;
+                let (w1, w2, eps) = ((1.0 - hp.beta1) as f32, (1.0 - hp.beta2) as f32, hp.eps as f32);
+                let decay_factor = (1.0 - hp.lr * hp.weight_decay) as f32;
+                let clip = grad_multiplier as f32;
+                run_split(&slices, n_threads, |s| {
+                    // SAFETY: see `Slices`: this thread is the only one touching these four ranges.
+                    let (g, p, m, v) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(s.grad, s.numel),
+                            std::slice::from_raw_parts_mut(s.param, s.numel),
+                            std::slice::from_raw_parts_mut(s.exp_avg, s.numel),
+                            std::slice::from_raw_parts_mut(s.exp_avg_sq, s.numel),
+                        )
+                    };
+                    let decay = if s.decay { decay_factor } else { 1.0 };
+                    let k = UpdateConsts { clip, w1, w2, inv_sqrt_bc2, eps, decay, step_size };
+                    update(g, p, m, v, &k);
+                });
+            }
+            None => self.update_range_tensor_ops(params, range, hp, grad_multiplier, t),
+        }
+    }
+
+    fn update_range_tensor_ops(&mut self, params: &FlatParams, range: Range<i64>, hp: AdamWStep, grad_multiplier: f64, t: i32) {
         let bias_correction1 = 1.0 - hp.beta1.powi(t);
         let bias_correction2 = 1.0 - hp.beta2.powi(t);
-        let n_decay = params.n_decay();
+        let len = range.end - range.start;
         tch::no_grad(|| {
-            let mut flat = params.flat().shallow_clone();
-            if hp.weight_decay > 0.0 && n_decay > 0 {
-                let _ = flat.narrow(0, 0, n_decay).g_mul_scalar_(1.0 - hp.lr * hp.weight_decay);
+            let narrow = |t: &Tensor| t.narrow(0, range.start, len);
+            let mut flat = narrow(params.flat());
+            let mut grad = narrow(params.flat_grad());
+            let (mut exp_avg, mut exp_avg_sq) = (narrow(&self.exp_avg), narrow(&self.exp_avg_sq));
+            if grad_multiplier != 1.0 {
+                let _ = grad.g_mul_scalar_(grad_multiplier);
             }
-            let _ = self.exp_avg.lerp_(grad, 1.0 - hp.beta1);
-            let _ = self.exp_avg_sq.lerp_(&grad.square(), 1.0 - hp.beta2);
-            let mut denom = self.exp_avg_sq.sqrt();
+            if hp.weight_decay > 0.0 {
+                for entry in params.entries().iter().filter(|e| e.decay) {
+                    let (lo, hi) = (entry.offset.max(range.start), (entry.offset + entry.numel).min(range.end));
+                    if lo < hi {
+                        let _ = flat.narrow(0, lo - range.start, hi - lo).g_mul_scalar_(1.0 - hp.lr * hp.weight_decay);
+                    }
+                }
+            }
+            let _ = exp_avg.lerp_(&grad, 1.0 - hp.beta1);
+            let _ = exp_avg_sq.lerp_(&grad.square(), 1.0 - hp.beta2);
+            let mut denom = exp_avg_sq.sqrt();
             let _ = denom.g_div_scalar_(bias_correction2.sqrt()).g_add_scalar_(hp.eps);
-            let mut update = self.exp_avg.divide(&denom);
+            let mut update = exp_avg.divide(&denom);
             let _ = update.g_mul_scalar_(hp.lr / bias_correction1);
             let _ = flat.g_sub_(&update);
+            let _ = grad.zero_();
         });
+    }
+
+    /// The fused kernel's slices of `range` (each parameter's part of it), or None when the fused
+    /// kernel does not apply (not asked for, or the buffers are not contiguous CPU fp32).
+    fn fused_slices(&self, params: &FlatParams, range: &Range<i64>, kernel: UpdateKernel) -> Option<Vec<Slices>> {
+        let cpu_f32 = |t: &Tensor| t.device() == tch::Device::Cpu && t.kind() == Kind::Float && t.is_contiguous();
+        let fusable = kernel == UpdateKernel::Fused
+            && [params.flat(), params.flat_grad(), &self.exp_avg, &self.exp_avg_sq].into_iter().all(cpu_f32);
+        if !fusable {
+            return None;
+        }
+        let (g, p, m, v) = (
+            params.flat_grad().data_ptr() as *mut f32,
+            params.flat().data_ptr() as *mut f32,
+            self.exp_avg.data_ptr() as *mut f32,
+            self.exp_avg_sq.data_ptr() as *mut f32,
+        );
+        let slices = params
+            .entries()
+            .iter()
+            .filter_map(|e| {
+                let (lo, hi) = (e.offset.max(range.start), (e.offset + e.numel).min(range.end));
+                (lo < hi).then(|| {
+                    let offset = lo as usize;
+                    // SAFETY: `lo..hi` lies inside the flat buffers, which all hold
+                    // `n_elements()` f32 (checked by construction in `FlatParams::new`).
+                    unsafe {
+                        Slices {
+                            grad: g.add(offset),
+                            param: p.add(offset),
+                            exp_avg: m.add(offset),
+                            exp_avg_sq: v.add(offset),
+                            numel: (hi - lo) as usize,
+                            decay: e.decay,
+                        }
+                    }
+                })
+            })
+            .collect();
+        Some(slices)
     }
 }
 
@@ -72,89 +306,6 @@ struct Slices {
 unsafe impl Send for Slices {}
 // SAFETY: as above; a `&Slices` is only dereferenced by the one thread the slice is dealt to.
 unsafe impl Sync for Slices {}
-
-impl AdamW {
-    /// One step from the parameters' own gradients: global-norm clipping to `max_norm` (0: none),
-    /// then AdamW; the gradients are cleared for the next accumulation. Returns the norm before
-    /// clipping.
-    /// `fused` false always takes the chain of tensor ops (what PyTorch's default AdamW does on a
-    /// CPU), for comparisons.
-    pub fn step_from_grads(
-        &mut self,
-        params: &mut FlatParams,
-        hp: AdamWStep,
-        max_norm: f64,
-        n_threads: usize,
-        fused: bool,
-    ) -> f64 {
-        let cpu_f32 = |t: &Tensor| t.device() == tch::Device::Cpu && t.kind() == Kind::Float && t.is_contiguous();
-        let grads: Vec<Tensor> = params.entries().iter().map(|e| e.tensor.grad()).collect();
-        let fusable = fused
-            && [params.flat(), &self.exp_avg, &self.exp_avg_sq].into_iter().all(cpu_f32)
-            && grads.iter().all(|g| g.defined() && cpu_f32(g));
-        if !fusable {
-            let mut grad = params.take_flat_grad();
-            let norm = clip_grad_norm(&mut grad, max_norm);
-            self.step(params, &grad, hp);
-            return norm;
-        }
-        let (flat, m, v) = (
-            params.flat().data_ptr() as *mut f32,
-            self.exp_avg.data_ptr() as *mut f32,
-            self.exp_avg_sq.data_ptr() as *mut f32,
-        );
-        let slices: Vec<Slices> = params
-            .entries()
-            .iter()
-            .zip(&grads)
-            .map(|(e, g)| {
-                let offset = e.offset as usize;
-                // SAFETY: `offset..offset + numel` lies inside the flat buffers, which hold
-                // `n_elements()` f32 each (checked by construction in `FlatParams::new`).
-                unsafe {
-                    Slices {
-                        grad: g.data_ptr() as *mut f32,
-                        param: flat.add(offset),
-                        exp_avg: m.add(offset),
-                        exp_avg_sq: v.add(offset),
-                        numel: e.numel as usize,
-                        decay: e.decay,
-                    }
-                }
-            })
-            .collect();
-        // Sum of squares per parameter, then added in a fixed order: the same norm whatever the
-        // thread split.
-        let sums = run_split(&slices, n_threads, |s| {
-            // SAFETY: see `Slices`; this pass only reads.
-            let g = unsafe { std::slice::from_raw_parts(s.grad, s.numel) };
-            sum_of_squares(g)
-        });
-        let norm = sums.iter().sum::<f64>().sqrt();
-        let clip = if max_norm > 0.0 && norm > max_norm { (max_norm / (norm + 1e-6)) as f32 } else { 1.0 };
-        self.n_steps += 1;
-        let t = self.n_steps as i32;
-        let step_size = (hp.lr / (1.0 - hp.beta1.powi(t))) as f32;
-        let inv_sqrt_bc2 = (1.0 / (1.0 - hp.beta2.powi(t)).sqrt()) as f32;
-        let (w1, w2, eps) = ((1.0 - hp.beta1) as f32, (1.0 - hp.beta2) as f32, hp.eps as f32);
-        let decay_factor = (1.0 - hp.lr * hp.weight_decay) as f32;
-        run_split(&slices, n_threads, |s| {
-            // SAFETY: see `Slices`: this thread is the only one touching these four ranges.
-            let (g, p, m, v) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(s.grad, s.numel),
-                    std::slice::from_raw_parts_mut(s.param, s.numel),
-                    std::slice::from_raw_parts_mut(s.exp_avg, s.numel),
-                    std::slice::from_raw_parts_mut(s.exp_avg_sq, s.numel),
-                )
-            };
-            let decay = if s.decay { decay_factor } else { 1.0 };
-            let k = UpdateConsts { clip, w1, w2, inv_sqrt_bc2, eps, decay, step_size };
-            update(g, p, m, v, &k);
-        });
-        norm
-    }
-}
 
 /// Sum of squares in f64 over eight independent lanes, so the adds pipeline and vectorize (one
 /// running sum waits four cycles per element); the lanes are added in a fixed order, so the
@@ -259,24 +410,14 @@ fn run_split<R: Send + Default + Clone>(
     results
 }
 
-/// Scales `grad` in place so its global L2 norm is at most `max_norm`; returns the norm before.
-pub fn clip_grad_norm(grad: &mut Tensor, max_norm: f64) -> f64 {
-    let norm = grad.norm().to_kind(Kind::Double).double_value(&[]);
-    if max_norm > 0.0 && norm > max_norm {
-        let _ = grad.g_mul_scalar_(max_norm / (norm + 1e-6));
-    }
-    norm
-}
-
 #[cfg(test)]
 mod tests {
     use tch::{Device, Kind};
 
     use super::*;
-    use crate::params::{Init, ParamSpec};
+    use crate::params::{Init, ParamSpec, UnitSpec};
 
-    /// Final parameters and the norms seen, after three steps on a fixed loss.
-    fn train_three_steps(fused: bool) -> (Vec<f32>, Vec<f64>) {
+    fn params() -> FlatParams {
         let spec = |name: &str, shape: Vec<i64>, decay: bool| ParamSpec {
             name: name.into(),
             shape,
@@ -285,8 +426,15 @@ mod tests {
         };
         tch::manual_seed(0);
         // Large enough that the fused path splits the work across threads.
-        let mut params =
-            FlatParams::new(vec![spec("w", vec![400, 200], true), spec("b", vec![200], false)], Device::Cpu);
+        FlatParams::new(
+            vec![UnitSpec { name: "u".into(), params: vec![spec("b", vec![200], false), spec("w", vec![400, 200], true)] }],
+            Device::Cpu,
+        )
+    }
+
+    /// Final parameters and the norms seen, after three steps on a fixed loss.
+    fn train_three_steps(kernel: UpdateKernel) -> (Vec<f32>, Vec<f64>) {
+        let params = params();
         let mut optimizer = AdamW::new(&params);
         let hp = AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
         let mut norms = Vec::new();
@@ -294,15 +442,7 @@ mod tests {
             let w = params.get("w");
             let loss = (w.square().sum(Kind::Float) * 0.01 + params.get("b").sum(Kind::Float)) * step as f64;
             loss.backward();
-            let norm = if fused {
-                optimizer.step_from_grads(&mut params, hp, 5.0, 2, true)
-            } else {
-                let mut grad = params.take_flat_grad();
-                let norm = clip_grad_norm(&mut grad, 5.0);
-                optimizer.step(&mut params, &grad, hp);
-                norm
-            };
-            norms.push(norm);
+            norms.push(optimizer.step(&params, hp, 5.0, None, kernel, 2).grad_norm);
         }
         (Vec::<f32>::try_from(params.flat()).unwrap(), norms)
     }
@@ -310,13 +450,59 @@ mod tests {
     #[test]
     fn fused_cpu_step_matches_the_tensor_ops() {
         let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let (fused, fused_norms) = train_three_steps(true);
-        let (reference, reference_norms) = train_three_steps(false);
+        let (fused, fused_norms) = train_three_steps(UpdateKernel::Fused);
+        let (reference, reference_norms) = train_three_steps(UpdateKernel::TensorOps);
         for (a, b) in fused_norms.iter().zip(&reference_norms) {
             assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "norms {fused_norms:?} vs {reference_norms:?}");
         }
         assert!(reference_norms[2] > 5.0, "the test must exercise clipping: {reference_norms:?}");
         let worst = fused.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst < 1e-5, "fused and tensor AdamW differ by {worst}");
+    }
+
+    #[test]
+    fn ranges_add_up_to_the_whole() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let params = params();
+        params.get("w").square().sum(Kind::Float).backward();
+        let optimizer = AdamW::new(&params);
+        for kernel in [UpdateKernel::Fused, UpdateKernel::TensorOps] {
+            let whole = optimizer.grad_sq_sum(&params, 0..params.n_elements(), kernel, 2);
+            // A split that cuts through the middle of a parameter, as a ZeRO shard would.
+            let parts = optimizer.grad_sq_sum(&params, 0..30_000, kernel, 2)
+                + optimizer.grad_sq_sum(&params, 30_000..params.n_elements(), kernel, 2);
+            assert!((whole - parts).abs() < 1e-9 * whole, "{kernel:?}: {whole} vs {parts}");
+        }
+    }
+
+    #[test]
+    fn state_loads_by_name_and_refuses_another_layout() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let params = params();
+        params.get("w").square().sum(Kind::Float).backward();
+        let mut optimizer = AdamW::new(&params);
+        let hp = AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        optimizer.step(&params, hp, 0.0, None, UpdateKernel::Fused, 1);
+        let saved: Vec<(String, Vec<i64>, Tensor)> =
+            optimizer.state_tensors(&params).into_iter().map(|s| (s.name, s.shape, s.tensor.copy())).collect();
+        let mut restored = AdamW::new(&params);
+        let find = |saved: &[(String, Vec<i64>, Tensor)], name: &str| {
+            saved.iter().find(|s| s.0 == name).map(|s| (s.1.clone(), s.2.shallow_clone()))
+        };
+        restored.load_state(&params, 1, |name| find(&saved, name)).unwrap();
+        assert!(restored.exp_avg.equal(&optimizer.exp_avg) && restored.exp_avg_sq.equal(&optimizer.exp_avg_sq));
+        // Another model whose "w" has another shape: the error names the tensor.
+        let other = FlatParams::new(
+            vec![UnitSpec {
+                name: "u".into(),
+                params: vec![
+                    ParamSpec { name: "b".into(), shape: vec![200], init: Init::Zeros, decay: false },
+                    ParamSpec { name: "w".into(), shape: vec![200, 400], init: Init::Zeros, decay: true },
+                ],
+            }],
+            Device::Cpu,
+        );
+        let err = AdamW::new(&other).load_state(&other, 1, |name| find(&saved, name)).unwrap_err();
+        assert!(err.contains("\"w.exp_avg\"") && err.contains("[400, 200]"), "{err}");
     }
 }

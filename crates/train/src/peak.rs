@@ -39,6 +39,7 @@ fn precision_name(precision: Precision) -> &'static str {
     match precision {
         Precision::Fp32 => "fp32",
         Precision::Bf16 => "bf16",
+        Precision::Fp16 => "fp16",
     }
 }
 
@@ -60,6 +61,7 @@ pub fn measure_matmul_peak_flops(precision: Precision, device: Device, repeats: 
     let kind = match precision {
         Precision::Fp32 => Kind::Float,
         Precision::Bf16 => Kind::BFloat16,
+        Precision::Fp16 => Kind::Half,
     };
     let _guard = tch::no_grad_guard();
     let a = Tensor::randn([n, n], (kind, device));
@@ -147,4 +149,20 @@ fn cuda_mem_info() -> Option<(u64, u64)> {
     // SAFETY: both pointers are to live locals.
     let status = unsafe { mem_get_info(&mut free, &mut total) };
     (status == 0).then_some((free as u64, total as u64))
+}
+
+/// Bytes the C allocator has handed out and not taken back (glibc's `mallinfo2`: arena chunks in
+/// use plus mmapped chunks). libtorch allocates CPU tensors through it, so the difference across a
+/// block's forward is the memory that block's kept activations hold. None off glibc.
+pub fn host_bytes_in_use() -> Option<u64> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 takes no arguments and returns a plain struct by value.
+        let info = unsafe { libc::mallinfo2() };
+        Some((info.uordblks + info.hblkhd) as u64)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
 }

@@ -12,9 +12,12 @@ use stoke_ckpt::{CheckpointStore, DType, TensorRecord};
 use stoke_data::BatchSource;
 use tch::{Device, Kind, Tensor};
 
+use crate::clock::StepClock;
 use crate::config::{CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
+use crate::executor::{Executor, NoHooks, Recompute, StepHooks};
 use crate::model::Gpt;
-use crate::optim::{AdamW, AdamWStep};
+use crate::optim::{AdamW, AdamWStep, UpdateKernel};
+use crate::precision::LossScaler;
 use crate::TrainError;
 
 /// The phases a step's wall time splits into. They add up to the step's wall time: whatever is
@@ -108,6 +111,10 @@ pub struct StepRecord {
     pub timed: bool,
     /// All communication time of the step, hidden or exposed (0 on one process).
     pub comm_total_ms: f64,
+    /// fp16: the loss scale this step's backward used; None under fp32 and bf16.
+    pub loss_scale: Option<f64>,
+    /// fp16: true when this step's gradients overflowed and its update was skipped.
+    pub skipped: bool,
 }
 
 /// The end of a run.
@@ -123,6 +130,26 @@ pub struct Summary {
     pub final_loss: f64,
     pub best_loss: f64,
     pub interrupted: bool,
+    /// fp16: updates skipped for overflowing gradients over the whole run (resumes included).
+    pub skipped_steps: u64,
+    /// fp16: the loss scale at the end.
+    pub loss_scale: Option<f64>,
+    /// Activation memory, measured on the run's first step (CPU only).
+    pub memory: Option<MemoryReport>,
+}
+
+/// Activation memory of one micro-batch, measured through the C allocator on a CPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryReport {
+    /// The recomputation policy it was measured under.
+    pub recompute: Recompute,
+    /// Bytes each block's kept activations hold at the end of the forward pass.
+    pub activation_bytes_per_block: Vec<u64>,
+    /// Host bytes in use at the end of the forward pass of the step's first micro-batch minus
+    /// before it: all activations the backward will need.
+    pub activation_bytes: u64,
+    /// Host bytes in use at that moment: parameters, gradients, optimizer state and activations.
+    pub peak_bytes_in_use: u64,
 }
 
 /// Facts about the run that observers need up front.
@@ -138,6 +165,7 @@ pub struct RunInfo {
     pub start_step: u64,
     pub total_steps: u64,
     pub resumed_from: Option<PathBuf>,
+    pub recompute: Recompute,
 }
 
 /// Everything the loop tells its observers.
@@ -171,6 +199,11 @@ pub struct Trainer {
     ckpt: CkptConfig,
     model: Gpt,
     optimizer: AdamW,
+    executor: Executor,
+    /// fp16 only.
+    scaler: Option<LossScaler>,
+    /// Test hook: poison the gradients of this step (1-based) with an inf.
+    inject_overflow_at: Option<u64>,
     device: Device,
     /// Optimizer steps completed.
     step: u64,
@@ -215,11 +248,16 @@ impl Trainer {
         tch::manual_seed(train.seed as i64);
         let model = Gpt::new(shape, train.precision, train.attention, device);
         let optimizer = AdamW::new(model.params());
+        let executor = Executor::new(train.executor, train.recompute)?;
+        let scaler = (train.precision == Precision::Fp16).then(|| LossScaler::new(train.loss_scale()));
         Ok(Trainer {
             train: train.clone(),
             ckpt: ckpt.clone(),
             model,
             optimizer,
+            executor,
+            scaler,
+            inject_overflow_at: None,
             device,
             step: 0,
             resumed_from: None,
@@ -236,7 +274,15 @@ impl Trainer {
         self.step
     }
 
-    /// Restores model, optimizer and step from a checkpoint; returns the data position to seek to.
+    /// Test hook: put an inf into the gradients of step `step` (1-based), as an fp16 overflow
+    /// would, so the loss scaler's skip and back-off can be tested end to end.
+    #[doc(hidden)]
+    pub fn inject_overflow_at(&mut self, step: u64) {
+        self.inject_overflow_at = Some(step);
+    }
+
+    /// Restores model, optimizer, loss scaler and step from a checkpoint; returns the data
+    /// position to seek to.
     pub fn restore(&mut self, store: &CheckpointStore, step: u64) -> Result<u64, TrainError> {
         let loaded = store.load(step)?;
         let mismatch = |message: String| TrainError::CheckpointMismatch { path: loaded.path.clone(), message };
@@ -250,45 +296,62 @@ impl Trainer {
                 params.entries().len()
             )));
         }
-        tch::no_grad(|| -> Result<(), TrainError> {
-            for entry in params.entries() {
-                let record = model_file
-                    .iter()
-                    .find(|r| r.name == entry.name)
-                    .ok_or_else(|| mismatch(format!("no tensor {:?}", entry.name)))?;
-                let shape: Vec<i64> = record.shape.iter().map(|&s| s as i64).collect();
-                if shape != entry.shape || record.dtype != DType::F32 {
-                    return Err(mismatch(format!(
-                        "tensor {:?} is {:?} {:?}, the model wants F32 {:?}",
-                        entry.name, record.dtype, shape, entry.shape
-                    )));
-                }
-                let values = Tensor::from_data_size(&record.data, &shape, Kind::Float).to_device(self.device);
-                params.flat().narrow(0, entry.offset, entry.numel).copy_(&values.view([-1]));
-            }
-            let n = params.n_elements();
-            for (name, target) in
-                [("exp_avg", &mut self.optimizer.exp_avg), ("exp_avg_sq", &mut self.optimizer.exp_avg_sq)]
-            {
-                let record =
-                    optim_file.iter().find(|r| r.name == name).ok_or_else(|| mismatch(format!("no {name}")))?;
-                if record.shape != [n as usize] || record.dtype != DType::F32 {
-                    return Err(mismatch(format!("{name} is {:?} {:?}, want F32 [{n}]", record.dtype, record.shape)));
-                }
-                target.copy_(&Tensor::from_data_size(&record.data, &[n], Kind::Float).to_device(self.device));
-            }
-            Ok(())
-        })?;
         let meta = &loaded.manifest.meta;
         let number = |key: &str| {
             meta.get(key)
                 .and_then(serde_json::Value::as_u64)
                 .ok_or_else(|| mismatch(format!("manifest meta has no {key}")))
         };
-        self.optimizer.n_steps = number("optimizer_steps")?;
+        let optimizer_steps = number("optimizer_steps")?;
+        let data_position = number("data_position")?;
+        let device = self.device;
+        let f32_tensor = |record: &TensorRecord| -> Result<(Vec<i64>, Tensor), TrainError> {
+            let shape: Vec<i64> = record.shape.iter().map(|&s| s as i64).collect();
+            if record.dtype != DType::F32 {
+                return Err(mismatch(format!("tensor {:?} is {:?}, want F32", record.name, record.dtype)));
+            }
+            Ok((shape.clone(), Tensor::from_data_size(&record.data, &shape, Kind::Float).to_device(device)))
+        };
+        tch::no_grad(|| -> Result<(), TrainError> {
+            for entry in params.entries() {
+                let record = model_file
+                    .iter()
+                    .find(|r| r.name == entry.name)
+                    .ok_or_else(|| mismatch(format!("no tensor {:?}", entry.name)))?;
+                let (shape, values) = f32_tensor(record)?;
+                if shape != entry.shape {
+                    return Err(mismatch(format!(
+                        "tensor {:?} has shape {shape:?}, the model wants {:?}",
+                        entry.name, entry.shape
+                    )));
+                }
+                params.flat().narrow(0, entry.offset, entry.numel).copy_(&values.view([-1]));
+            }
+            Ok(())
+        })?;
+        let mut bad_record = None;
+        self.optimizer
+            .load_state(params, optimizer_steps, |name| {
+                let record = optim_file.iter().find(|r| r.name == name)?;
+                match f32_tensor(record) {
+                    Ok(found) => Some(found),
+                    Err(err) => {
+                        bad_record = Some(err);
+                        None
+                    }
+                }
+            })
+            .map_err(|message| bad_record.take().unwrap_or_else(|| mismatch(message)))?;
+        if let Some(scaler) = &mut self.scaler {
+            let scale = meta.get("loss_scale").and_then(serde_json::Value::as_f64);
+            match (scale, number("loss_scale_clean_steps"), number("skipped_steps")) {
+                (Some(scale), Ok(clean), Ok(skipped)) => scaler.restore(scale, clean, skipped),
+                _ => return Err(mismatch("an fp16 run needs the loss scaler's state in the manifest".into())),
+            }
+        }
         self.step = loaded.manifest.step;
         self.resumed_from = Some(loaded.path.clone());
-        number("data_position")
+        Ok(data_position)
     }
 
     /// Copies the state to host memory: the part of a checkpoint the step must wait for.
@@ -300,17 +363,27 @@ impl Trainer {
             let shape = entry.shape.iter().map(|&s| s as usize).collect();
             model_records.push(TensorRecord::new(entry.name.clone(), DType::F32, shape, tensor_bytes(&host))?);
         }
-        let n = params.n_elements() as usize;
-        let optim_records = [("exp_avg", &self.optimizer.exp_avg), ("exp_avg_sq", &self.optimizer.exp_avg_sq)]
+        let optim_records = self
+            .optimizer
+            .state_tensors(params)
             .into_iter()
-            .map(|(name, t)| TensorRecord::new(name, DType::F32, vec![n], tensor_bytes(&t.to_device(Device::Cpu))))
+            .map(|state| {
+                let shape = state.shape.iter().map(|&s| s as usize).collect();
+                TensorRecord::new(state.name, DType::F32, shape, tensor_bytes(&state.tensor.to_device(Device::Cpu)))
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let mut meta = serde_json::json!({
             "step": self.step,
-            "optimizer_steps": self.optimizer.n_steps,
+            "optimizer_steps": self.optimizer.n_steps(),
             "data_position": data_position,
             "seed": self.train.seed,
         });
+        if let (Some(scaler), Some(object)) = (&self.scaler, meta.as_object_mut()) {
+            let (scale, clean, skipped) = scaler.state();
+            object.insert("loss_scale".into(), serde_json::json!(scale));
+            object.insert("loss_scale_clean_steps".into(), serde_json::json!(clean));
+            object.insert("skipped_steps".into(), serde_json::json!(skipped));
+        }
         if let (Some(meta), Some(extra)) = (meta.as_object_mut(), target.meta.as_object()) {
             meta.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
@@ -324,15 +397,6 @@ impl Trainer {
         self.sync_every = every;
     }
 
-    fn sync(&self, timed: bool) {
-        if !timed {
-            return;
-        }
-        if let Device::Cuda(ordinal) = self.device {
-            tch::Cuda::synchronize(ordinal as i64);
-        }
-    }
-
     /// Trains until `train.steps` optimizer steps are done or `stop` is raised (then it finishes
     /// the current step, checkpoints, and returns with `interrupted`).
     pub fn run(
@@ -342,20 +406,32 @@ impl Trainer {
         checkpoints: Option<&CheckpointTarget>,
         stop: &AtomicBool,
     ) -> Result<Summary, TrainError> {
+        self.run_with_hooks(source, observers, checkpoints, stop, &mut NoHooks)
+    }
+
+    /// `run`, with `hooks` called between the units of every step (see `executor`).
+    pub fn run_with_hooks(
+        &mut self,
+        source: &mut dyn BatchSource,
+        observers: &mut [&mut dyn Observer],
+        checkpoints: Option<&CheckpointTarget>,
+        stop: &AtomicBool,
+        hooks: &mut dyn StepHooks,
+    ) -> Result<Summary, TrainError> {
         let shape = self.model.shape();
-        let (micro_batch, seq_len) = (self.train.micro_batch, shape.seq_len);
-        let tokens_per_step = (micro_batch * seq_len * self.train.grad_accum) as u64;
+        let tokens_per_step = (self.train.micro_batch * shape.seq_len * self.train.grad_accum) as u64;
         let info = RunInfo {
             shape,
             n_params: shape.n_params(),
             precision: self.train.precision,
             device: self.device,
-            micro_batch,
+            micro_batch: self.train.micro_batch,
             grad_accum: self.train.grad_accum,
             tokens_per_step,
             start_step: self.step,
             total_steps: self.train.steps,
             resumed_from: self.resumed_from.clone(),
+            recompute: self.executor.recompute(),
         };
         notify(observers, &TrainEvent::Started(&info))?;
         let first_step = self.step + 1;
@@ -363,67 +439,21 @@ impl Trainer {
         let (mut first_loss, mut final_loss, mut best_loss) = (f64::NAN, f64::NAN, f64::INFINITY);
         let mut interrupted = false;
         let mut pending: Option<PendingWrite> = None;
+        let mut memory = None;
         while self.step < self.train.steps {
-            let step_start = Instant::now();
-            let mut phases = PhaseTimes::default();
-            let mut mark = step_start;
-            let mut lap = |phases: &mut PhaseTimes, phase: Phase| {
-                let now = Instant::now();
-                phases.add(phase, (now - mark).as_secs_f64() * 1e3);
-                mark = now;
-            };
             let step_number = self.step + 1;
             let logged = step_number % self.train.log_every == 0 || step_number == self.train.steps;
             let timed = !self.device.is_cuda() || (self.sync_every > 0 && step_number % self.sync_every == 0);
-            let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
-            for _ in 0..self.train.grad_accum {
-                let batch = source.next_batch()?;
-                lap(&mut phases, Phase::DataWait);
-                if batch.micro_batch != micro_batch || batch.seq_len != seq_len {
-                    return Err(TrainError::InvalidConfig {
-                        key: "data",
-                        message: format!(
-                            "the data source gave a [{}, {}] batch, the run wants [{micro_batch}, {seq_len}]",
-                            batch.micro_batch, batch.seq_len
-                        ),
-                    });
-                }
-                if let Some(&token) = batch.tokens.iter().find(|&&t| t < 0 || t as usize >= shape.vocab_size) {
-                    return Err(TrainError::TokenOutOfVocab { step: step_number, token, vocab_size: shape.vocab_size });
-                }
-                let rows = Tensor::from_slice(&batch.tokens).view([micro_batch as i64, seq_len as i64 + 1]);
-                // from_slice copied the tokens: the buffer goes back to the source for a later batch.
-                source.recycle(batch);
-                let rows = rows.to_device(self.device);
-                let inputs = rows.narrow(1, 0, seq_len as i64).contiguous();
-                let targets = rows.narrow(1, 1, seq_len as i64).contiguous();
-                self.sync(timed);
-                lap(&mut phases, Phase::H2d);
-                let loss = self.model.loss(&inputs, &targets) / self.train.grad_accum as f64;
-                self.sync(timed);
-                lap(&mut phases, Phase::Forward);
-                loss.backward();
-                self.sync(timed);
-                lap(&mut phases, Phase::Backward);
-                loss_sum += loss.detach();
+            let mut clock = StepClock::start(self.device, timed);
+            let measure_memory = step_number == first_step;
+            let (loss_sum, step_memory) = self.forward_backward(source, step_number, measure_memory, &mut clock, hooks)?;
+            if memory.is_none() {
+                memory = step_memory;
             }
             let lr = self.train.lr_at(self.step);
-            let hp = AdamWStep {
-                lr,
-                beta1: self.train.beta1,
-                beta2: self.train.beta2,
-                eps: self.train.eps,
-                weight_decay: self.train.weight_decay,
-            };
-            let grad_norm = self.optimizer.step_from_grads(
-                self.model.params_mut(),
-                hp,
-                self.train.grad_clip,
-                self.n_threads,
-                self.train.fused_optimizer,
-            );
-            self.sync(timed);
-            lap(&mut phases, Phase::Optimizer);
+            let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
+            let outcome = self.optimizer_step(lr);
+            clock.lap(Phase::Optimizer);
             self.step = step_number;
             let loss = if logged { loss_sum.double_value(&[]) } else { f64::NAN };
             if logged && !loss.is_finite() {
@@ -441,7 +471,7 @@ impl Trainer {
             let at_end = step_number == self.train.steps && self.ckpt.at_end;
             let mut saved = Vec::new();
             if let Some(target) = checkpoints.filter(|_| due || at_end || interrupted) {
-                lap(&mut phases, Phase::Other);
+                clock.lap(Phase::Other);
                 // One write in flight at a time: a new snapshot waits for the previous write.
                 if let Some(write) = pending.take() {
                     saved.push(write.finish()?);
@@ -452,21 +482,22 @@ impl Trainer {
                 } else {
                     saved.push((snapshot.step, snapshot.persist(&target.store, self.ckpt.keep)?));
                 }
-                lap(&mut phases, Phase::CkptStall);
+                clock.lap(Phase::CkptStall);
             }
-            lap(&mut phases, Phase::Other);
-            let wall_ms = (mark - step_start).as_secs_f64() * 1e3;
+            let (phases, wall_ms) = clock.finish();
             let record = StepRecord {
                 step: step_number,
                 loss,
                 lr,
-                grad_norm,
+                grad_norm: outcome.grad_norm,
                 tokens: tokens_per_step,
                 wall_ms,
                 phases,
                 logged,
                 timed,
                 comm_total_ms: 0.0,
+                loss_scale,
+                skipped: outcome.skipped,
             };
             notify(observers, &TrainEvent::Step(&record))?;
             for (step, path) in &saved {
@@ -494,9 +525,95 @@ impl Trainer {
             final_loss,
             best_loss,
             interrupted,
+            skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped_steps),
+            loss_scale: self.scaler.as_ref().map(LossScaler::scale),
+            memory,
         };
         notify(observers, &TrainEvent::Finished(&summary))?;
         Ok(summary)
+    }
+
+    /// The forward and backward of every micro-batch of one step, through the executor. Returns
+    /// the step's mean loss (a device scalar) and, when measured, the activation memory.
+    fn forward_backward(
+        &mut self,
+        source: &mut dyn BatchSource,
+        step_number: u64,
+        measure_memory: bool,
+        clock: &mut StepClock,
+        hooks: &mut dyn StepHooks,
+    ) -> Result<(Tensor, Option<MemoryReport>), TrainError> {
+        let shape = self.model.shape();
+        let (micro_batch, seq_len) = (self.train.micro_batch, shape.seq_len);
+        let n_micro = self.train.grad_accum;
+        let loss_multiplier = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / n_micro as f64;
+        let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
+        let mut memory = None;
+        for micro_idx in 0..n_micro {
+            let batch = source.next_batch()?;
+            clock.lap(Phase::DataWait);
+            if batch.micro_batch != micro_batch || batch.seq_len != seq_len {
+                return Err(TrainError::InvalidConfig {
+                    key: "data",
+                    message: format!(
+                        "the data source gave a [{}, {}] batch, the run wants [{micro_batch}, {seq_len}]",
+                        batch.micro_batch, batch.seq_len
+                    ),
+                });
+            }
+            if let Some(&token) = batch.tokens.iter().find(|&&t| t < 0 || t as usize >= shape.vocab_size) {
+                return Err(TrainError::TokenOutOfVocab { step: step_number, token, vocab_size: shape.vocab_size });
+            }
+            let rows = Tensor::from_slice(&batch.tokens).view([micro_batch as i64, seq_len as i64 + 1]);
+            // from_slice copied the tokens: the buffer goes back to the source for a later batch.
+            source.recycle(batch);
+            let rows = rows.to_device(self.device);
+            let inputs = rows.narrow(1, 0, seq_len as i64).contiguous();
+            let targets = rows.narrow(1, 1, seq_len as i64).contiguous();
+            clock.lap(Phase::H2d);
+            let measure = measure_memory && micro_idx == 0;
+            let before = measure.then(crate::peak::host_bytes_in_use).flatten();
+            let last = micro_idx + 1 == n_micro;
+            let result = self.executor.run_micro_batch(
+                &self.model,
+                &inputs,
+                &targets,
+                loss_multiplier,
+                last,
+                measure,
+                clock,
+                hooks,
+            )?;
+            if let (Some(before), Some(per_block)) = (before, result.activation_bytes) {
+                let peak = result.peak_bytes_in_use.unwrap_or(before);
+                memory = Some(MemoryReport {
+                    recompute: self.executor.recompute(),
+                    activation_bytes_per_block: per_block,
+                    activation_bytes: peak.saturating_sub(before),
+                    peak_bytes_in_use: peak,
+                });
+            }
+            loss_sum += result.loss / n_micro as f64;
+        }
+        if self.inject_overflow_at == Some(step_number) {
+            tch::no_grad(|| {
+                let _ = self.model.params().flat_grad().narrow(0, 0, 1).fill_(f64::INFINITY);
+            });
+        }
+        Ok((loss_sum, memory))
+    }
+
+    /// The optimizer's step at learning rate `lr` (clipping, fp16 unscaling and skipping inside).
+    fn optimizer_step(&mut self, lr: f64) -> crate::optim::StepOutcome {
+        let hp = AdamWStep {
+            lr,
+            beta1: self.train.beta1,
+            beta2: self.train.beta2,
+            eps: self.train.eps,
+            weight_decay: self.train.weight_decay,
+        };
+        let kernel = if self.train.fused_optimizer { UpdateKernel::Fused } else { UpdateKernel::TensorOps };
+        self.optimizer.step(self.model.params(), hp, self.train.grad_clip, self.scaler.as_mut(), kernel, self.n_threads)
     }
 }
 

@@ -1,0 +1,379 @@
+//! The block executor: one micro-batch's forward and backward, run unit by unit.
+//!
+//! tch has no autograd hooks, so a step that needs to act between blocks (start reducing a
+//! block's gradients, gather a sharded block's parameters, recompute a block's activations) must
+//! drive the backward itself. The model is a sequence of units: the embedding (unit 0), the blocks
+//! (units 1..=n_layer), the head with the loss (the last unit). Forward runs them in order; each
+//! block half (attention, MLP) starts from a detached copy of its input, so its autograd graph ends
+//! there. Backward runs in reverse: the head's backward starts from the loss, and each earlier
+//! segment's from the gradient of its output, which is the gradient its successor left on its
+//! detached input. Parameter gradients accumulate into the model's flat gradient buffer (see
+//! `params`), so a unit's gradients are final, for the last micro-batch of a step, as soon as its
+//! backward is done.
+//!
+//! Invariants:
+//! - Forward fires `before_forward(u)` for u = 0, 1, ..., n_units-1; backward fires
+//!   `before_backward(u)` for u = n_units-1, ..., 0; on the last micro-batch of a step
+//!   `grads_final(u)` follows unit u's backward, so it fires in reverse unit order, exactly once per
+//!   unit per step.
+//! - With fp32 and any recompute policy, the gradients are bit-identical to the policy "none":
+//!   recomputation reruns the same ops on the same inputs, and every activation gets at most two
+//!   gradient contributions (the residual and the branch), whose sum does not depend on order.
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Tensor};
+
+use crate::clock::StepClock;
+use crate::model::Gpt;
+use crate::{Phase, TrainError};
+
+/// Which parts of each block keep only their input in the forward pass and run their forward
+/// again inside the backward pass (`train.recompute`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Recompute {
+    /// Keep every activation.
+    None,
+    /// Recompute each block's MLP half (LayerNorm, both linears, GELU): most of a block's
+    /// activation memory for about a third of its forward arithmetic.
+    Mlp,
+    /// Recompute each block's attention half.
+    Attention,
+    /// Recompute every block whole: only block inputs are kept.
+    Block,
+    /// Recompute whole blocks 0, K, 2K, ... (one block in every K).
+    Every(usize),
+}
+
+impl Recompute {
+    /// Whether `half` of block `layer_idx` is recomputed.
+    fn recomputes(self, layer_idx: usize, half: Half) -> bool {
+        match self {
+            Recompute::None => false,
+            Recompute::Mlp => half == Half::Mlp,
+            Recompute::Attention => half == Half::Attention,
+            Recompute::Block => true,
+            Recompute::Every(k) => layer_idx % k == 0,
+        }
+    }
+}
+
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Recompute::None => f.write_str("none"),
+            Recompute::Mlp => f.write_str("mlp"),
+            Recompute::Attention => f.write_str("attention"),
+            Recompute::Block => f.write_str("block"),
+            Recompute::Every(k) => write!(f, "every:{k}"),
+        }
+    }
+}
+
+impl FromStr for Recompute {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Recompute, String> {
+        let allowed = "allowed: \"none\", \"mlp\", \"attention\", \"block\", \"every:K\" (K >= 1)";
+        match text {
+            "none" => Ok(Recompute::None),
+            "mlp" => Ok(Recompute::Mlp),
+            "attention" => Ok(Recompute::Attention),
+            "block" => Ok(Recompute::Block),
+            _ => match text.strip_prefix("every:").map(str::parse::<usize>) {
+                Some(Ok(k)) if k >= 1 => Ok(Recompute::Every(k)),
+                _ => Err(format!("got {text:?}; {allowed}")),
+            },
+        }
+    }
+}
+
+impl Serialize for Recompute {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Recompute {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Recompute, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// How a step's forward and backward are driven (`train.executor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExecutorKind {
+    /// Unit by unit, with callbacks between units and recomputation.
+    Blocks,
+    /// The whole model as one autograd graph and one `backward()`: no recomputation, callbacks
+    /// only before and after. Kept as the reference the block executor is measured against.
+    SingleGraph,
+}
+
+/// Code that acts between units. Every method has a do-nothing default.
+pub trait StepHooks {
+    /// Unit `unit` is about to run its forward (a sharded step gathers its parameters here).
+    fn before_forward(&mut self, _unit: usize, _clock: &mut StepClock) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    /// Unit `unit` is about to run its backward (and its recomputation, if any).
+    fn before_backward(&mut self, _unit: usize, _clock: &mut StepClock) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    /// Unit `unit`'s gradients, `flat_grad[range]`, are final for this step (called on the last
+    /// micro-batch only): a data-parallel step starts reducing that bucket here.
+    fn grads_final(
+        &mut self,
+        _unit: usize,
+        _range: Range<i64>,
+        _flat_grad: &Tensor,
+        _clock: &mut StepClock,
+    ) -> Result<(), TrainError> {
+        Ok(())
+    }
+}
+
+/// Hooks that do nothing: a single-process step.
+pub struct NoHooks;
+
+impl StepHooks for NoHooks {}
+
+/// The two halves of a block, each one autograd segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Half {
+    Attention,
+    Mlp,
+}
+
+/// One block half between forward and backward.
+struct Segment {
+    layer_idx: usize,
+    half: Half,
+    /// The half's input: a leaf that requires grad when `output` holds its graph, else a plain
+    /// detached tensor from which the backward recomputes.
+    input: Tensor,
+    output: Option<Tensor>,
+}
+
+/// What one micro-batch gave.
+pub struct MicroBatch {
+    /// The micro-batch's mean loss, detached and unscaled.
+    pub loss: Tensor,
+    /// Host bytes each block's kept activations hold, when measured (CPU only).
+    pub activation_bytes: Option<Vec<u64>>,
+    /// Host bytes in use at the end of the forward pass, when measured: the step's peak, since
+    /// every activation the backward needs is alive then and none has been freed yet.
+    pub peak_bytes_in_use: Option<u64>,
+}
+
+/// Drives the forward and backward of micro-batches; see the module doc.
+pub struct Executor {
+    kind: ExecutorKind,
+    recompute: Recompute,
+}
+
+impl Executor {
+    pub fn new(kind: ExecutorKind, recompute: Recompute) -> Result<Executor, TrainError> {
+        if kind == ExecutorKind::SingleGraph && recompute != Recompute::None {
+            return Err(TrainError::InvalidConfig {
+                key: "train.recompute",
+                message: format!("is {recompute}, but train.executor = \"single-graph\" cannot recompute; use \"blocks\""),
+            });
+        }
+        Ok(Executor { kind, recompute })
+    }
+
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
+    }
+
+    /// Forward and backward of one micro-batch. The backward starts from the loss times
+    /// `loss_multiplier` (1/k for k accumulated micro-batches, times the fp16 loss scale).
+    /// Gradients accumulate into the model's flat gradient buffer; `last` says this is the step's
+    /// last micro-batch, so `grads_final` fires. `measure_memory` records each block's activation
+    /// bytes (host memory, so only on a CPU).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_micro_batch(
+        &self,
+        model: &Gpt,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_multiplier: f64,
+        last: bool,
+        measure_memory: bool,
+        clock: &mut StepClock,
+        hooks: &mut dyn StepHooks,
+    ) -> Result<MicroBatch, TrainError> {
+        match self.kind {
+            ExecutorKind::Blocks => {
+                self.run_blocks(model, inputs, targets, loss_multiplier, last, measure_memory, clock, hooks)
+            }
+            ExecutorKind::SingleGraph => run_single_graph(model, inputs, targets, loss_multiplier, last, clock, hooks),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_blocks(
+        &self,
+        model: &Gpt,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_multiplier: f64,
+        last: bool,
+        measure_memory: bool,
+        clock: &mut StepClock,
+        hooks: &mut dyn StepHooks,
+    ) -> Result<MicroBatch, TrainError> {
+        let n_layer = model.shape().n_layer;
+        let head_unit = n_layer + 1;
+        let measure_memory = measure_memory && inputs.device() == Device::Cpu;
+        let mut activation_bytes = Vec::with_capacity(n_layer);
+
+        hooks.before_forward(0, clock)?;
+        let embedded = model.embed(inputs);
+        let mut current = embedded.detach();
+        let mut segments: Vec<Segment> = Vec::with_capacity(2 * n_layer);
+        for layer_idx in 0..n_layer {
+            hooks.before_forward(layer_idx + 1, clock)?;
+            let bytes_before = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
+            for half in [Half::Attention, Half::Mlp] {
+                let segment = if self.recompute.recomputes(layer_idx, half) {
+                    let input = current.detach();
+                    current = tch::no_grad(|| run_half(model, layer_idx, half, &input));
+                    Segment { layer_idx, half, input, output: None }
+                } else {
+                    let input = current.detach().set_requires_grad(true);
+                    let output = run_half(model, layer_idx, half, &input);
+                    current = output.shallow_clone();
+                    Segment { layer_idx, half, input, output: Some(output) }
+                };
+                segments.push(segment);
+            }
+            if let (Some(before), Some(after)) = (bytes_before, measure_memory.then(crate::peak::host_bytes_in_use).flatten()) {
+                activation_bytes.push(after.saturating_sub(before));
+            }
+        }
+        hooks.before_forward(head_unit, clock)?;
+        let head_input = current.detach().set_requires_grad(true);
+        drop(current);
+        let loss = model.head_loss(&head_input, targets);
+        let peak_bytes_in_use = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
+        clock.lap(Phase::Forward);
+
+        hooks.before_backward(head_unit, clock)?;
+        (&loss * loss_multiplier).backward();
+        let mut grad_output = head_input.grad();
+        drop(head_input);
+        clock.lap(Phase::Backward);
+        grads_final(model, head_unit, last, clock, hooks)?;
+
+        // Invariant: `grad_output` is the gradient of the loss (times the multiplier) with respect
+        // to the output of the segment on top of `segments`.
+        while let Some(segment) = segments.pop() {
+            let unit = segment.layer_idx + 1;
+            if segment.half == Half::Mlp {
+                hooks.before_backward(unit, clock)?;
+            }
+            let (input, output) = match segment.output {
+                Some(output) => (segment.input, output),
+                None => {
+                    clock.lap(Phase::Backward);
+                    let input = segment.input.set_requires_grad(true);
+                    let output = run_half(model, segment.layer_idx, segment.half, &input);
+                    clock.lap(Phase::Recompute);
+                    (input, output)
+                }
+            };
+            backward_from(&output, &grad_output);
+            grad_output = input.grad();
+            if segment.half == Half::Attention {
+                clock.lap(Phase::Backward);
+                grads_final(model, unit, last, clock, hooks)?;
+            }
+        }
+        hooks.before_backward(0, clock)?;
+        backward_from(&embedded, &grad_output);
+        clock.lap(Phase::Backward);
+        grads_final(model, 0, last, clock, hooks)?;
+        Ok(MicroBatch { loss: loss.detach(), activation_bytes: measure_memory.then_some(activation_bytes), peak_bytes_in_use })
+    }
+}
+
+fn run_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> Tensor {
+    match half {
+        Half::Attention => model.attention_residual(layer_idx, input),
+        Half::Mlp => model.mlp_residual(layer_idx, input),
+    }
+}
+
+/// Runs the backward of `output`'s graph with `grad_output` as its incoming gradient. tch's
+/// `backward` starts from a scalar with gradient one, so it starts from `<output, grad_output>`,
+/// whose gradient with respect to `output` is exactly `grad_output`.
+fn backward_from(output: &Tensor, grad_output: &Tensor) {
+    output.view([-1]).dot(&grad_output.view([-1])).backward();
+}
+
+fn grads_final(
+    model: &Gpt,
+    unit: usize,
+    last: bool,
+    clock: &mut StepClock,
+    hooks: &mut dyn StepHooks,
+) -> Result<(), TrainError> {
+    if !last {
+        return Ok(());
+    }
+    let range = model.params().units()[unit].range.clone();
+    hooks.grads_final(unit, range, model.params().flat_grad(), clock)
+}
+
+/// Today's step before the executor: one graph, one `backward()`.
+fn run_single_graph(
+    model: &Gpt,
+    inputs: &Tensor,
+    targets: &Tensor,
+    loss_multiplier: f64,
+    last: bool,
+    clock: &mut StepClock,
+    hooks: &mut dyn StepHooks,
+) -> Result<MicroBatch, TrainError> {
+    let n_units = model.n_units();
+    for unit in 0..n_units {
+        hooks.before_forward(unit, clock)?;
+    }
+    let loss = model.loss(inputs, targets);
+    clock.lap(Phase::Forward);
+    for unit in (0..n_units).rev() {
+        hooks.before_backward(unit, clock)?;
+    }
+    (&loss * loss_multiplier).backward();
+    clock.lap(Phase::Backward);
+    for unit in (0..n_units).rev() {
+        grads_final(model, unit, last, clock, hooks)?;
+    }
+    Ok(MicroBatch { loss: loss.detach(), activation_bytes: None, peak_bytes_in_use: None })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recompute_policies_parse_and_print() {
+        for text in ["none", "mlp", "attention", "block", "every:2"] {
+            assert_eq!(text.parse::<Recompute>().unwrap().to_string(), text);
+        }
+        for bad in ["every:0", "every:", "all", "Block"] {
+            let err = bad.parse::<Recompute>().unwrap_err();
+            assert!(err.contains("allowed"), "{err}");
+        }
+        assert!(Recompute::Every(2).recomputes(0, Half::Mlp) && !Recompute::Every(2).recomputes(1, Half::Mlp));
+    }
+}

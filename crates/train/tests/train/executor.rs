@@ -1,0 +1,150 @@
+//! The block executor against the single-graph step, recomputation, accumulation and callbacks.
+
+use std::ops::Range;
+
+use stoke_train::{
+    AttentionPrecision, Executor, ExecutorKind, GptShape, Gpt, Precision, Recompute, StepClock, StepHooks, TrainError,
+};
+use tch::{Device, Kind, Tensor};
+
+const SHAPE: GptShape = GptShape { n_layer: 4, n_head: 4, d_model: 64, seq_len: 32, vocab_size: 96 };
+
+fn model(precision: Precision) -> Gpt {
+    tch::manual_seed(7);
+    Gpt::new(SHAPE, precision, AttentionPrecision::Auto, Device::Cpu)
+}
+
+fn batch(rows: i64, seed: i64) -> (Tensor, Tensor) {
+    tch::manual_seed(seed);
+    let tokens = Tensor::randint(SHAPE.vocab_size as i64, [rows, SHAPE.seq_len as i64 + 1], (Kind::Int64, Device::Cpu));
+    (tokens.narrow(1, 0, SHAPE.seq_len as i64).contiguous(), tokens.narrow(1, 1, SHAPE.seq_len as i64).contiguous())
+}
+
+/// The flat gradient after `micro_batches` run through `executor` (the loss averaged over them).
+fn gradients(model: &Gpt, executor: &Executor, micro_batches: &[(Tensor, Tensor)]) -> Vec<f32> {
+    model.params().zero_grad();
+    let mut clock = StepClock::start(Device::Cpu, true);
+    let k = micro_batches.len();
+    for (idx, (inputs, targets)) in micro_batches.iter().enumerate() {
+        executor
+            .run_micro_batch(model, inputs, targets, 1.0 / k as f64, idx + 1 == k, false, &mut clock, &mut stoke_train::NoHooks)
+            .unwrap();
+    }
+    assert!(model.params().grads_are_bound(), "a gradient left the flat buffer");
+    Vec::<f32>::try_from(model.params().flat_grad()).unwrap()
+}
+
+/// max |a - b| over max |b|: the difference relative to the gradient's scale (element-wise
+/// relative differences are meaningless for the many gradients near zero).
+fn relative_difference(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+    let worst = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
+    worst / scale
+}
+
+#[test]
+fn executor_gradients_equal_the_single_graph_gradients() {
+    let _rng = super::rng_lock();
+    let data = [batch(4, 1)];
+    let reference = gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::SingleGraph, Recompute::None).unwrap(), &data);
+    let blocks = gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
+    assert!(reference.iter().any(|&g| g != 0.0));
+    let diff = relative_difference(&blocks, &reference);
+    assert!(diff <= 1e-6, "block executor vs single graph: relative difference {diff:e}");
+}
+
+#[test]
+fn recomputation_is_bit_identical_in_fp32() {
+    let _rng = super::rng_lock();
+    let data = [batch(4, 2)];
+    let none = gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
+    for policy in [Recompute::Mlp, Recompute::Attention, Recompute::Block, Recompute::Every(2)] {
+        let recomputed = gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, policy).unwrap(), &data);
+        let differing = none.iter().zip(&recomputed).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differing, 0, "recompute {policy}: {differing} gradient elements differ from \"none\"");
+    }
+}
+
+#[test]
+fn accumulated_micro_batches_equal_one_large_batch() {
+    let _rng = super::rng_lock();
+    let k = 4;
+    let (inputs, targets) = batch(2 * k, 3);
+    let whole = [(inputs.shallow_clone(), targets.shallow_clone())];
+    let parts: Vec<(Tensor, Tensor)> = (0..k).map(|i| (inputs.narrow(0, 2 * i, 2), targets.narrow(0, 2 * i, 2))).collect();
+    let executor = Executor::new(ExecutorKind::Blocks, Recompute::Mlp).unwrap();
+    let one = gradients(&model(Precision::Fp32), &executor, &whole);
+    let accumulated = gradients(&model(Precision::Fp32), &executor, &parts);
+    let diff = relative_difference(&accumulated, &one);
+    assert!(diff <= 1e-6, "{k} accumulated micro-batches vs one batch: relative difference {diff:e}");
+}
+
+/// Records every callback.
+#[derive(Default)]
+struct Recorder {
+    events: Vec<String>,
+}
+
+impl StepHooks for Recorder {
+    fn before_forward(&mut self, unit: usize, _clock: &mut StepClock) -> Result<(), TrainError> {
+        self.events.push(format!("f{unit}"));
+        Ok(())
+    }
+
+    fn before_backward(&mut self, unit: usize, _clock: &mut StepClock) -> Result<(), TrainError> {
+        self.events.push(format!("b{unit}"));
+        Ok(())
+    }
+
+    fn grads_final(
+        &mut self,
+        unit: usize,
+        range: Range<i64>,
+        flat_grad: &Tensor,
+        _clock: &mut StepClock,
+    ) -> Result<(), TrainError> {
+        // The bucket is final: its values no longer change until the next step.
+        let norm = flat_grad.narrow(0, range.start, range.end - range.start).norm().double_value(&[]);
+        assert!(norm > 0.0, "unit {unit}'s gradients are zero when declared final");
+        self.events.push(format!("g{unit}"));
+        Ok(())
+    }
+}
+
+#[test]
+fn callbacks_fire_in_unit_order_and_grads_final_once_per_step() {
+    let _rng = super::rng_lock();
+    let gpt = model(Precision::Fp32);
+    let executor = Executor::new(ExecutorKind::Blocks, Recompute::Block).unwrap();
+    let mut hooks = Recorder::default();
+    let mut clock = StepClock::start(Device::Cpu, true);
+    for (idx, seed) in [4, 5].into_iter().enumerate() {
+        let (inputs, targets) = batch(2, seed);
+        executor.run_micro_batch(&gpt, &inputs, &targets, 0.5, idx == 1, false, &mut clock, &mut hooks).unwrap();
+    }
+    let n = gpt.n_units();
+    let forward: Vec<String> = (0..n).map(|u| format!("f{u}")).collect();
+    let backward_first: Vec<String> = (0..n).rev().map(|u| format!("b{u}")).collect();
+    let backward_last: Vec<String> = (0..n).rev().flat_map(|u| [format!("b{u}"), format!("g{u}")]).collect();
+    let expected: Vec<String> = [forward.clone(), backward_first, forward, backward_last].concat();
+    assert_eq!(hooks.events, expected);
+    let (phases, _) = clock.finish();
+    assert!(phases.get(stoke_train::Phase::Recompute) > 0.0, "recomputation was not timed as its own phase");
+}
+
+#[test]
+fn recomputation_keeps_less_activation_memory() {
+    let _rng = super::rng_lock();
+    let gpt = model(Precision::Fp32);
+    let (inputs, targets) = batch(16, 6);
+    let measure = |policy: Recompute| {
+        let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
+        let mut clock = StepClock::start(Device::Cpu, true);
+        let result = executor
+            .run_micro_batch(&gpt, &inputs, &targets, 1.0, true, true, &mut clock, &mut stoke_train::NoHooks)
+            .unwrap();
+        result.activation_bytes.expect("measured on a CPU").iter().sum::<u64>()
+    };
+    let (none, mlp, block) = (measure(Recompute::None), measure(Recompute::Mlp), measure(Recompute::Block));
+    assert!(mlp < none && block < mlp, "activation bytes: none {none}, mlp {mlp}, block {block}");
+}
