@@ -331,7 +331,8 @@ mod tests {
         check_err(&["trian.steps=3"], "unknown config key `trian`");
         check_err(&["train.steps=abc"], "config key `train.steps` expects an integer, got a string");
         check_err(&["train.lr=-1"], "config key `train.lr`: must be a finite number > 0");
-        check_err(&["train.precision=fp16"], "config key `train.precision`: unknown variant `fp16`");
+        check_err(&["train.precision=fp8"], "config key `train.precision`: unknown variant `fp8`");
+        check_err(&["train.recompute=all"], "config key `train.recompute`");
         check_err(&["model.preset=huge"], "config key `model.preset`: must be one of");
         check_err(&["train.steps"], "expected section.key=value");
         check_err(&["data.path=/no/such/file.txt"], "config key `data.path`: no such file");

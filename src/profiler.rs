@@ -145,6 +145,12 @@ impl Profiler {
                 grad_accum: info.grad_accum,
                 precision: precision_name(info.precision).into(),
                 world_size: 1,
+                recompute: info.recompute.to_string(),
+                activation_bytes_per_block: Vec::new(),
+                activation_bytes: None,
+                step_peak_bytes_in_use: None,
+                loss_scale: None,
+                skipped_steps: 0,
             },
             machine: MachineFacts {
                 peak_flops: peak,
@@ -224,6 +230,17 @@ impl Observer for Profiler {
                 let start = Instant::now();
                 self.step(record)?;
                 self.spent_ms.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+            TrainEvent::Finished(summary) => {
+                if let Some(facts) = &mut self.facts {
+                    facts.train.loss_scale = summary.loss_scale;
+                    facts.train.skipped_steps = summary.skipped_steps;
+                    if let Some(memory) = &summary.memory {
+                        facts.train.activation_bytes_per_block = memory.activation_bytes_per_block.clone();
+                        facts.train.activation_bytes = Some(memory.activation_bytes);
+                        facts.train.step_peak_bytes_in_use = Some(memory.peak_bytes_in_use);
+                    }
+                }
             }
             _ => {}
         }

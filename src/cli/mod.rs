@@ -8,6 +8,7 @@ mod bench;
 mod config;
 mod corpus;
 mod doctor;
+mod find_batch;
 mod plan;
 mod prep;
 mod trace;

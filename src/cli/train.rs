@@ -29,6 +29,14 @@ pub struct TrainArgs {
     /// No progress bar (for logs and tests).
     #[arg(long)]
     pub quiet: bool,
+    /// Do not train: find the largest train.micro_batch whose step fits the memory budget (CPU),
+    /// with the configured train.recompute, and print it.
+    #[arg(long)]
+    pub find_batch: bool,
+    /// The budget for --find-batch, in bytes (suffixes K, M, G, T for powers of 1024). Default:
+    /// 80% of the memory available now.
+    #[arg(long, value_name = "BYTES", requires = "find_batch")]
+    pub memory_budget: Option<String>,
 }
 
 /// The config file and overrides, shared by every subcommand that runs a configuration.
@@ -56,6 +64,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         extra.push(format!("data.path={}", toml::Value::String(data.display().to_string())));
     }
     let mut config = args.config.load(&extra)?;
+    if args.find_batch {
+        return super::find_batch::run(&config, args.memory_budget.as_deref());
+    }
     let run_dir = prepare_run_dir(&mut config, args.resume)?;
     let stop = Arc::new(AtomicBool::new(false));
     install_interrupt_handler(stop.clone());

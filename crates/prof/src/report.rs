@@ -73,13 +73,31 @@ pub struct ModelFacts {
 }
 
 /// `report.json`'s `train`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainFacts {
     pub micro_batch: usize,
     pub grad_accum: usize,
-    /// "fp32" or "bf16".
+    /// "fp32", "bf16" or "fp16".
     pub precision: String,
     pub world_size: usize,
+    /// The activation recomputation policy (`train.recompute`).
+    #[serde(default)]
+    pub recompute: String,
+    /// Host bytes each block's kept activations held, measured on the first step (CPU only;
+    /// empty when not measured).
+    #[serde(default)]
+    pub activation_bytes_per_block: Vec<u64>,
+    /// Host bytes of all activations of one micro-batch at the step's peak, and the process's
+    /// bytes in use then (parameters, gradients, optimizer state and activations).
+    #[serde(default)]
+    pub activation_bytes: Option<u64>,
+    #[serde(default)]
+    pub step_peak_bytes_in_use: Option<u64>,
+    /// fp16: the loss scale at the end, and the updates skipped for overflowing gradients.
+    #[serde(default)]
+    pub loss_scale: Option<f64>,
+    #[serde(default)]
+    pub skipped_steps: u64,
 }
 
 /// `report.json`'s `machine`: what the run ran on, measured on it.
@@ -431,7 +449,7 @@ pub(crate) mod tests {
                 n_params: 100_000,
                 flops_per_token: 6e5,
             },
-            train: TrainFacts { micro_batch: 8, grad_accum: 1, precision: "bf16".into(), world_size: 1 },
+            train: TrainFacts { micro_batch: 8, grad_accum: 1, precision: "bf16".into(), world_size: 1, ..TrainFacts::default() },
             machine: MachineFacts {
                 peak_flops: 1e12,
                 peak_flops_fp32: Some(2.5e11),

@@ -269,6 +269,10 @@ impl Executor {
 
         hooks.before_backward(head_unit, clock)?;
         (&loss * loss_multiplier).backward();
+        // The head's backward (logit gradients) runs while every activation is still alive.
+        let peak_bytes_in_use = peak_bytes_in_use
+            .zip(measure_memory.then(crate::peak::host_bytes_in_use).flatten())
+            .map(|(a, b)| a.max(b));
         let mut grad_output = head_input.grad();
         drop(head_input);
         clock.lap(Phase::Backward);

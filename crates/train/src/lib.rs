@@ -14,6 +14,7 @@
 
 mod clock;
 mod config;
+mod find_batch;
 mod error;
 mod executor;
 mod host_memory;
@@ -27,13 +28,14 @@ mod trainer;
 pub use clock::StepClock;
 pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
 pub use error::TrainError;
+pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};
 pub use host_memory::{retain_env, HostMemory};
 pub use model::Gpt;
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 pub use peak::{
-    host_bytes_in_use, matmul_peak_flops_cached, measure_matmul_peak_flops, memory_capacity_bytes,
+    host_bytes_in_use, matmul_peak_flops_cached, memory_available_bytes, measure_matmul_peak_flops, memory_capacity_bytes,
     memory_in_use_bytes, peak_key, PEAK_CACHE_FILE,
 };
 pub use precision::{compute_kind, LossScaleConfig, LossScaler, ScaleOutcome, FP32_OPS};

@@ -127,6 +127,11 @@ pub fn memory_in_use_bytes(device: Device) -> Option<u64> {
     }
 }
 
+/// Memory the system could give this process now without swapping (`MemAvailable`), in bytes.
+pub fn memory_available_bytes() -> Option<u64> {
+    proc_kib("/proc/meminfo", "MemAvailable:")
+}
+
 fn proc_kib(path: &str, field: &str) -> Option<u64> {
     let text = std::fs::read_to_string(path).ok()?;
     let line = text.lines().find(|l| l.starts_with(field))?;
