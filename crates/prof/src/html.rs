@@ -6,14 +6,15 @@ use std::fmt::Write as _;
 
 use plotters::prelude::*;
 
-use crate::report::{format_bound, RunReport, StepSample, N_PHASES, PHASE_NAMES};
+use crate::report::{format_bound, RunReport, StepSample};
+use crate::vocab::{Phase, N_PHASES};
 
 const WIDTH: u32 = 560;
 const HEIGHT: u32 = 300;
 /// At most this many points per curve: long runs are averaged into buckets of steps.
 const MAX_POINTS: usize = 400;
 
-/// One color per phase, in `PHASE_NAMES` order.
+/// One color per phase, in `Phase::ALL` order.
 const PHASE_COLORS: [RGBColor; N_PHASES] = [
     RGBColor(214, 39, 40),   // data_wait
     RGBColor(255, 127, 14),  // h2d
@@ -50,7 +51,7 @@ fn buckets(steps: &[StepSample]) -> Vec<Bucket> {
             let logged: Vec<f64> = chunk.iter().map(|s| s.loss).filter(|l| l.is_finite()).collect();
             let mut shares = [0.0; N_PHASES];
             for s in chunk {
-                for (share, ms) in shares.iter_mut().zip(s.phases_ms) {
+                for (share, ms) in shares.iter_mut().zip(s.phases.ms) {
                     *share += ms;
                 }
             }
@@ -118,7 +119,7 @@ fn phase_area_chart(buckets: &[Bucket]) -> Result<String, String> {
             let color = PHASE_COLORS[phase_idx];
             chart
                 .draw_series(AreaSeries::new(top, 0.0, color.mix(0.85)).border_style(color))?
-                .label(PHASE_NAMES[phase_idx])
+                .label(Phase::ALL[phase_idx].name())
                 .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
         }
         chart
@@ -151,13 +152,13 @@ fn breakdown_chart(report: &RunReport) -> Result<String, String> {
             .disable_y_mesh()
             .y_labels(N_PHASES)
             .y_label_formatter(&|v| match v {
-                SegmentValue::CenterOf(i) => PHASE_NAMES.get(*i).map(|s| s.to_string()).unwrap_or_default(),
+                SegmentValue::CenterOf(i) => Phase::ALL.get(*i).map(|p| p.name().to_string()).unwrap_or_default(),
                 _ => String::new(),
             })
             .x_desc("ms")
             .draw()?;
-        chart.draw_series(PHASE_NAMES.iter().enumerate().map(|(i, name)| {
-            let ms = report.phases.get(*name).copied().unwrap_or(0.0);
+        chart.draw_series(Phase::ALL.iter().enumerate().map(|(i, phase)| {
+            let ms = report.phases.get(phase).copied().unwrap_or(0.0);
             let (bottom, top) = (SegmentValue::Exact(i), SegmentValue::Exact(i + 1));
             Rectangle::new([(0.0, bottom), (ms, top)], PHASE_COLORS[i].filled())
         }))?;
@@ -197,23 +198,24 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, S
         100.0 * report.mfu,
         report.machine.peak_flops / 1e9,
         escape(&report.machine.device),
-        escape(&report.train.precision),
+        report.train.precision,
         report.peak_memory_bytes as f64 / 1e6,
         report.profiler_overhead_ms
     );
     let _ = writeln!(w, "<table><tr><th>phase</th><th>ms/step</th><th>share</th><th>Amdahl bound</th></tr>");
-    for (i, name) in PHASE_NAMES.iter().enumerate() {
+    for (i, phase) in Phase::ALL.iter().enumerate() {
         let c = PHASE_COLORS[i];
         let _ = writeln!(
             w,
-            "<tr><td class=\"l\"><span class=\"swatch\" style=\"background:rgb({},{},{})\"></span> {name}</td>\
+            "<tr><td class=\"l\"><span class=\"swatch\" style=\"background:rgb({},{},{})\"></span> {}</td>\
              <td>{:.2}</td><td>{:.1}%</td><td>{}</td></tr>",
             c.0,
             c.1,
             c.2,
-            report.phases.get(*name).copied().unwrap_or(0.0),
-            100.0 * report.phase_shares.get(*name).copied().unwrap_or(0.0),
-            report.amdahl.get(*name).map(|b| format_bound(Some(*b))).unwrap_or_else(|| "-".into())
+            phase.name(),
+            report.phases.get(phase).copied().unwrap_or(0.0),
+            100.0 * report.phase_shares.get(phase).copied().unwrap_or(0.0),
+            report.amdahl.get(phase).map(|b| format_bound(Some(*b))).unwrap_or_else(|| "-".into())
         );
     }
     let _ = writeln!(w, "</table>\n<h2>Findings</h2>");
@@ -255,7 +257,10 @@ mod tests {
     fn the_page_has_every_plot_and_finding() {
         let steps: Vec<StepSample> = (1..=1000)
             .map(|i| {
-                let mut s = step(i, &[("data_wait", 3.0), ("forward", 3.0), ("backward", 6.0), ("optimizer", 1.0)]);
+                let mut s = step(
+                    i,
+                    &[(Phase::DataWait, 3.0), (Phase::Forward, 3.0), (Phase::Backward, 6.0), (Phase::Optimizer, 1.0)],
+                );
                 s.loss = 5.0 / (1.0 + i as f64 / 100.0);
                 s
             })

@@ -12,25 +12,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::rules::{diagnose, StepFinding};
-
-/// Number of additive phases.
-pub const N_PHASES: usize = 9;
-
-/// The phases a step's wall time splits into, in loop order. They add up to the step's wall time;
-/// `comm_total` (all communication, hidden or not) is reported beside them and is not one of them.
-pub const PHASE_NAMES: [&str; N_PHASES] =
-    ["data_wait", "h2d", "forward", "backward", "recompute", "comm_exposed", "optimizer", "ckpt_stall", "other"];
-
-/// Phases that are the model's own arithmetic: the numerator of the effective compute ratio.
-pub const COMPUTE_PHASES: [&str; 4] = ["forward", "backward", "recompute", "optimizer"];
-
-/// Phases that a change of configuration can remove entirely, so their Amdahl bound is meaningful.
-pub const REMOVABLE_PHASES: [&str; 6] = ["data_wait", "h2d", "recompute", "comm_exposed", "ckpt_stall", "other"];
-
-/// The index of a phase in `PHASE_NAMES`.
-pub fn phase_index(name: &str) -> Option<usize> {
-    PHASE_NAMES.iter().position(|&p| p == name)
-}
+use crate::vocab::{Phase, PhaseTimes, Precision};
 
 /// What one optimizer step measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,8 +20,8 @@ pub struct StepSample {
     /// 1-based step number.
     pub step: u64,
     pub wall_ms: f64,
-    /// Milliseconds per phase, indexed like `PHASE_NAMES`; they sum to `wall_ms`.
-    pub phases_ms: [f64; N_PHASES],
+    /// Milliseconds per phase; they sum to `wall_ms`.
+    pub phases: PhaseTimes,
     /// All communication time of the step, overlapped or not (0 on one process).
     pub comm_total_ms: f64,
     /// Tokens this process trained on in the step.
@@ -51,12 +33,6 @@ pub struct StepSample {
     /// True when phase boundaries were synchronized with the device, so the phase split is exact.
     /// Always true on the CPU; on a GPU only on sampled steps.
     pub timed: bool,
-}
-
-impl StepSample {
-    pub fn phase_ms(&self, name: &str) -> f64 {
-        phase_index(name).map_or(0.0, |i| self.phases_ms[i])
-    }
 }
 
 /// `report.json`'s `model`: the shape and its arithmetic.
@@ -77,8 +53,7 @@ pub struct ModelFacts {
 pub struct TrainFacts {
     pub micro_batch: usize,
     pub grad_accum: usize,
-    /// "fp32" or "bf16".
-    pub precision: String,
+    pub precision: Precision,
     pub world_size: usize,
 }
 
@@ -222,9 +197,9 @@ pub struct RunReport {
     /// Tokens per second of this process over the measured steps (wall clock of the steps).
     pub tokens_per_s: f64,
     /// Mean milliseconds per step by phase; sums to `step_ms`.
-    pub phases: BTreeMap<String, f64>,
+    pub phases: BTreeMap<Phase, f64>,
     /// Phase shares of the step (0..1).
-    pub phase_shares: BTreeMap<String, f64>,
+    pub phase_shares: BTreeMap<Phase, f64>,
     /// All communication per step, hidden or exposed, ms (not part of the sum).
     pub comm_total_ms: f64,
     /// (forward + backward + recompute + optimizer) / step.
@@ -238,7 +213,7 @@ pub struct RunReport {
     /// Steps slower than mean + outlier_sigma · std.
     pub outlier_steps: Vec<u64>,
     /// For each removable phase, step / (step - phase): the speed-up if it vanished.
-    pub amdahl: BTreeMap<String, f64>,
+    pub amdahl: BTreeMap<Phase, f64>,
     /// Milliseconds per step the profiler's own observer spent (the median step, measured in every run).
     pub profiler_overhead_ms: f64,
     /// Findings, largest bound first.
@@ -286,10 +261,10 @@ pub fn build_report(
         timed = measured.clone();
     }
     let n_timed = timed.len().max(1) as f64;
-    let mut phase_ms = [0.0; N_PHASES];
+    let mut phase_ms = PhaseTimes::default();
     for sample in &timed {
-        for (sum, ms) in phase_ms.iter_mut().zip(sample.phases_ms) {
-            *sum += ms / n_timed;
+        for (phase, ms) in sample.phases.iter() {
+            phase_ms.add(phase, ms / n_timed);
         }
     }
     let step_ms = timed.iter().map(|s| s.wall_ms).sum::<f64>() / n_timed;
@@ -303,17 +278,16 @@ pub fn build_report(
     let wall_s: f64 = measured.iter().map(|s| s.wall_ms).sum::<f64>() / 1e3;
     let tokens: u64 = measured.iter().map(|s| s.tokens).sum();
     let tokens_per_s = if wall_s > 0.0 { tokens as f64 / wall_s } else { 0.0 };
-    let compute_ms: f64 = COMPUTE_PHASES.iter().map(|p| phase_ms[phase_index(p).expect("a phase")]).sum();
+    let compute_ms = phase_ms.compute();
     let effective_compute_ratio = if step_ms > 0.0 { compute_ms / step_ms } else { 0.0 };
     let peak = facts.machine.peak_flops;
     let model_flops_per_s = facts.model.flops_per_token * tokens_per_s;
     let mfu = if peak > 0.0 { model_flops_per_s / peak } else { 0.0 };
     let compute_mfu = if effective_compute_ratio > 0.0 { mfu / effective_compute_ratio } else { 0.0 };
-    let phases: BTreeMap<String, f64> =
-        PHASE_NAMES.iter().zip(phase_ms).map(|(name, ms)| (name.to_string(), ms)).collect();
+    let phases: BTreeMap<Phase, f64> = phase_ms.iter().collect();
     let phase_shares =
-        phases.iter().map(|(name, ms)| (name.clone(), if step_ms > 0.0 { ms / step_ms } else { 0.0 })).collect();
-    let amdahl = REMOVABLE_PHASES.iter().map(|&p| (p.to_string(), amdahl(step_ms, phases[p]))).collect();
+        phases.iter().map(|(&phase, ms)| (phase, if step_ms > 0.0 { ms / step_ms } else { 0.0 })).collect();
+    let amdahl = Phase::REMOVABLE.iter().map(|&p| (p, amdahl(step_ms, phases[&p]))).collect();
     let mut report = RunReport {
         name: facts.name.clone(),
         steps_measured: measured.len() as u64,
@@ -369,13 +343,20 @@ impl RunReport {
             self.steps_measured, self.steps_timed, self.step_ms, self.step_ms_std, self.tokens_per_s
         );
         let _ = writeln!(out, "  {:<13} {:>10} {:>7} {:>9}", "phase", "ms/step", "share", "bound");
-        for name in PHASE_NAMES {
-            let ms = self.phases[name];
-            let bound = self.amdahl.get(name).map(|b| format_bound(Some(*b))).unwrap_or_default();
-            if ms == 0.0 && name != "data_wait" {
+        for phase in Phase::ALL {
+            let ms = self.phases[&phase];
+            let bound = self.amdahl.get(&phase).map(|b| format_bound(Some(*b))).unwrap_or_default();
+            if ms == 0.0 && phase != Phase::DataWait {
                 continue;
             }
-            let _ = writeln!(out, "  {:<13} {:>10.2} {:>6.1}% {:>9}", name, ms, 100.0 * self.phase_shares[name], bound);
+            let _ = writeln!(
+                out,
+                "  {:<13} {:>10.2} {:>6.1}% {:>9}",
+                phase.name(),
+                ms,
+                100.0 * self.phase_shares[&phase],
+                bound
+            );
         }
         if self.comm_total_ms > 0.0 {
             let _ = writeln!(
@@ -431,7 +412,7 @@ pub(crate) mod tests {
                 n_params: 100_000,
                 flops_per_token: 6e5,
             },
-            train: TrainFacts { micro_batch: 8, grad_accum: 1, precision: "bf16".into(), world_size: 1 },
+            train: TrainFacts { micro_batch: 8, grad_accum: 1, precision: Precision::Bf16, world_size: 1 },
             machine: MachineFacts {
                 peak_flops: 1e12,
                 peak_flops_fp32: Some(2.5e11),
@@ -443,15 +424,15 @@ pub(crate) mod tests {
     }
 
     /// A step from (phase, ms) pairs; the wall time is their sum.
-    pub(crate) fn step(step: u64, parts: &[(&str, f64)]) -> StepSample {
-        let mut phases_ms = [0.0; N_PHASES];
-        for (name, ms) in parts {
-            phases_ms[phase_index(name).unwrap()] += ms;
+    pub(crate) fn step(step: u64, parts: &[(Phase, f64)]) -> StepSample {
+        let mut phases = PhaseTimes::default();
+        for &(phase, ms) in parts {
+            phases.add(phase, ms);
         }
         StepSample {
             step,
-            wall_ms: phases_ms.iter().sum(),
-            phases_ms,
+            wall_ms: phases.total(),
+            phases,
             comm_total_ms: 0.0,
             tokens: 256,
             loss: 1.0,
@@ -463,7 +444,12 @@ pub(crate) mod tests {
     #[test]
     fn phases_sum_to_the_step_and_bounds_follow_amdahl() {
         let steps: Vec<StepSample> = (1..=20)
-            .map(|i| step(i, &[("data_wait", 2.0), ("forward", 3.0), ("backward", 4.0), ("optimizer", 1.0)]))
+            .map(|i| {
+                step(
+                    i,
+                    &[(Phase::DataWait, 2.0), (Phase::Forward, 3.0), (Phase::Backward, 4.0), (Phase::Optimizer, 1.0)],
+                )
+            })
             .collect();
         let report = build_report(&facts(), &steps, 1 << 20, 0.0, &ProfConfig::default());
         let sum: f64 = report.phases.values().sum();
@@ -471,7 +457,7 @@ pub(crate) mod tests {
         assert_eq!(report.step_ms, 10.0);
         assert_eq!(report.steps_measured, 19);
         assert!((report.effective_compute_ratio - 0.8).abs() < 1e-12);
-        assert!((report.amdahl["data_wait"] - 10.0 / 8.0).abs() < 1e-12);
+        assert!((report.amdahl[&Phase::DataWait] - 10.0 / 8.0).abs() < 1e-12);
         // 256 tokens per 10 ms = 25600 tokens/s; 6e5 FLOPs each over 1e12.
         assert!((report.tokens_per_s - 25_600.0).abs() < 1e-6);
         assert!((report.mfu - 25_600.0 * 6e5 / 1e12).abs() < 1e-12);
@@ -480,21 +466,23 @@ pub(crate) mod tests {
 
     #[test]
     fn untimed_steps_count_for_throughput_not_for_the_split() {
-        let mut steps: Vec<StepSample> = (1..=10).map(|i| step(i, &[("forward", 5.0), ("other", 5.0)])).collect();
+        let mut steps: Vec<StepSample> =
+            (1..=10).map(|i| step(i, &[(Phase::Forward, 5.0), (Phase::Other, 5.0)])).collect();
         for s in steps.iter_mut().filter(|s| s.step % 2 == 0) {
             s.timed = false;
-            s.phases_ms = [0.0; N_PHASES];
-            s.phases_ms[phase_index("forward").unwrap()] = 10.0;
+            s.phases = PhaseTimes::default();
+            s.phases.add(Phase::Forward, 10.0);
         }
         let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
         assert_eq!(report.steps_timed, 4);
-        assert_eq!(report.phases["other"], 5.0);
+        assert_eq!(report.phases[&Phase::Other], 5.0);
     }
 
     #[test]
     fn a_slow_step_is_an_outlier() {
-        let mut steps: Vec<StepSample> = (1..=200).map(|i| step(i, &[("forward", 10.0 + (i % 3) as f64)])).collect();
-        steps[150] = step(151, &[("forward", 40.0)]);
+        let mut steps: Vec<StepSample> =
+            (1..=200).map(|i| step(i, &[(Phase::Forward, 10.0 + (i % 3) as f64)])).collect();
+        steps[150] = step(151, &[(Phase::Forward, 40.0)]);
         let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
         assert_eq!(report.outlier_steps, vec![151]);
     }

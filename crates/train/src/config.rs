@@ -91,12 +91,7 @@ impl ModelConfig {
 
 /// Arithmetic precision of the matrix multiplies. Master weights, optimizer state, layer norms and
 /// the loss stay fp32 either way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    Fp32,
-    Bf16,
-}
+pub use stoke_prof::Precision;
 
 /// `[train]`: the loop and the optimizer (AdamW, warmup + cosine).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
