@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use plotters::prelude::*;
 
 use crate::report::{format_bound, RunReport, StepSample};
+use crate::stats::tokens_per_s;
 use crate::vocab::{Phase, N_PHASES};
 
 const WIDTH: u32 = 560;
@@ -61,7 +62,7 @@ fn buckets(steps: &[StepSample]) -> Vec<Bucket> {
             Bucket {
                 step: chunk.iter().map(|s| s.step as f64).sum::<f64>() / n,
                 loss: if logged.is_empty() { f64::NAN } else { logged.iter().sum::<f64>() / logged.len() as f64 },
-                tokens_per_s: if wall > 0.0 { tokens as f64 / (wall / 1e3) } else { 0.0 },
+                tokens_per_s: tokens_per_s(tokens as f64, wall),
                 shares,
             }
         })
@@ -187,13 +188,18 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, S
     );
     let _ = writeln!(
         w,
-        "<p><b>{:.2} ms/step</b> (std {:.2}) over {} steps ({} timed) | <b>{:.0} tokens/s</b> | effective compute ratio \
+        "<p><b>{:.2} ms/step</b> median (mean {:.2}, p90 {:.2}, std {:.2}) over {} steps ({} timed) | \
+         <b>{:.0} tokens/s</b> median (mean {:.0}, p90 step {:.0}) | effective compute ratio \
          <b>{:.3}</b> | MFU <b>{:.2}%</b> of {:.1} GFLOP/s ({} {}) | peak memory {:.1} MB | profiler {:.3} ms/step</p>",
         report.step_ms,
+        report.step_ms_mean,
+        report.step_ms_p90,
         report.step_ms_std,
         report.steps_measured,
         report.steps_timed,
         report.tokens_per_s,
+        report.tokens_per_s_mean,
+        report.tokens_per_s_p90_step,
         report.effective_compute_ratio,
         100.0 * report.mfu,
         report.machine.peak_flops / 1e9,

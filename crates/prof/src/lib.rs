@@ -55,6 +55,7 @@ mod html;
 mod prom;
 mod report;
 mod rules;
+mod stats;
 mod trace;
 mod vocab;
 
@@ -66,6 +67,7 @@ pub use report::{
     TrainFacts,
 };
 pub use rules::{diagnose, StepFinding};
+pub use stats::{median, percentile, tokens_per_s, Spread};
 pub use trace::{
     analyze, analyze_paths, analyze_rank, cross_rank, diff, diff_markdown, diff_table, find_trace_files, kernel_type,
     load_trace, load_traces, markdown, overlay_trace, peak_flops_for, prometheus, rank_from_file_name, table,

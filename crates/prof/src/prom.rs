@@ -105,7 +105,7 @@ impl LiveMetrics {
             self.loss.set(sample.loss);
         }
         self.learning_rate.set(lr);
-        let tokens_per_s = if sample.wall_ms > 0.0 { sample.tokens as f64 / (sample.wall_ms / 1e3) } else { 0.0 };
+        let tokens_per_s = crate::stats::tokens_per_s(sample.tokens as f64, sample.wall_ms);
         self.tokens_per_second.set(tokens_per_s);
         let compute = sample.phases.compute();
         self.compute_ratio.set(if sample.wall_ms > 0.0 { compute / sample.wall_ms } else { 0.0 });

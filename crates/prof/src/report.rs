@@ -12,6 +12,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::rules::{diagnose, StepFinding};
+use crate::stats::{median, tokens_per_s as tokens_per_s_fn, Spread};
 use crate::vocab::{Phase, PhaseTimes, Precision};
 
 /// What one optimizer step measured.
@@ -186,21 +187,29 @@ impl ProfConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunReport {
     pub name: String,
-    /// Steps the figures average over (after `skip_steps`), and of those the exactly timed ones
-    /// that the phase split comes from.
+    /// Steps the figures describe (after `skip_steps`), and of those the exactly timed ones that
+    /// the phase split comes from.
     pub steps_measured: u64,
     pub steps_timed: u64,
-    /// Mean wall time of a timed step, ms; the phases sum to it.
+    /// The headline: the median wall time of the measured steps, ms. The phases sum to it.
     pub step_ms: f64,
-    /// Standard deviation of the step time over measured steps, ms.
+    /// Mean, 90th percentile and standard deviation of the measured steps' wall time, ms.
+    pub step_ms_mean: f64,
+    pub step_ms_p90: f64,
     pub step_ms_std: f64,
-    /// Tokens per second of this process over the measured steps (wall clock of the steps).
+    /// The headline rate: `stats::tokens_per_s(tokens per step, step_ms)`, the median step's.
     pub tokens_per_s: f64,
-    /// Mean milliseconds per step by phase; sums to `step_ms`.
+    /// All tokens of the measured steps over their summed wall time (the mean step's rate).
+    pub tokens_per_s_mean: f64,
+    /// The rate of the 90th-percentile step: nine steps in ten were at least this fast.
+    pub tokens_per_s_p90_step: f64,
+    /// Milliseconds per phase: `step_ms` split in `phase_shares`, so they sum to `step_ms`.
     pub phases: BTreeMap<Phase, f64>,
-    /// Phase shares of the step (0..1).
+    /// Each phase's share of the timed steps' summed wall time (0..1): a cost that comes every
+    /// few steps, such as a checkpoint, counts at its average rate.
     pub phase_shares: BTreeMap<Phase, f64>,
-    /// All communication per step, hidden or exposed, ms (not part of the sum).
+    /// All communication per step, hidden or exposed, ms, at the scale of `phases` (not part of
+    /// their sum).
     pub comm_total_ms: f64,
     /// (forward + backward + recompute + optimizer) / step.
     pub effective_compute_ratio: f64,
@@ -223,14 +232,6 @@ pub struct RunReport {
     pub machine: MachineFacts,
 }
 
-/// Mean and standard deviation.
-fn mean_std(values: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
-    let n = values.clone().count().max(1) as f64;
-    let mean = values.clone().sum::<f64>() / n;
-    let var = values.map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
-    (mean, var.sqrt())
-}
-
 /// Amdahl's bound of removing `part` ms from a `whole` ms step.
 pub fn amdahl(whole: f64, part: f64) -> f64 {
     if whole <= 0.0 || part <= 0.0 {
@@ -242,6 +243,39 @@ pub fn amdahl(whole: f64, part: f64) -> f64 {
     }
 }
 
+/// The steps after the first `skip` (all of them when the run was shorter), and of those the
+/// exactly timed ones (all measured ones when none was).
+fn measured_steps(steps: &[StepSample], skip: u64) -> (Vec<&StepSample>, Vec<&StepSample>) {
+    let first = steps.first().map_or(0, |s| s.step);
+    let mut measured: Vec<&StepSample> = steps.iter().filter(|s| s.step >= first + skip).collect();
+    if measured.is_empty() {
+        measured = steps.iter().collect();
+    }
+    let mut timed: Vec<&StepSample> = measured.iter().copied().filter(|s| s.timed).collect();
+    if timed.is_empty() {
+        timed = measured.clone();
+    }
+    (measured, timed)
+}
+
+/// Each phase's share of the timed steps' summed wall time, and communication's. Time-weighted
+/// over every timed step, so a cost that comes every few steps (a checkpoint, a slow batch) counts
+/// at its average rate, as it does in the run's wall time.
+fn mean_shares(timed: &[&StepSample]) -> (PhaseTimes, f64) {
+    let wall: f64 = timed.iter().map(|s| s.wall_ms).sum();
+    let mut shares = PhaseTimes::default();
+    let mut comm = 0.0;
+    if wall > 0.0 {
+        for sample in timed {
+            for (phase, ms) in sample.phases.iter() {
+                shares.add(phase, ms / wall);
+            }
+            comm += sample.comm_total_ms / wall;
+        }
+    }
+    (shares, comm)
+}
+
 /// Builds the report of a run from its steps. `profiler_ms` is the total time the profiler's
 /// observers spent; `peak_memory_bytes` the run's peak.
 pub fn build_report(
@@ -251,53 +285,43 @@ pub fn build_report(
     profiler_ms: f64,
     config: &ProfConfig,
 ) -> RunReport {
-    let first = steps.first().map_or(0, |s| s.step);
-    let mut measured: Vec<&StepSample> = steps.iter().filter(|s| s.step >= first + config.skip_steps).collect();
-    if measured.is_empty() {
-        measured = steps.iter().collect();
-    }
-    let mut timed: Vec<&StepSample> = measured.iter().copied().filter(|s| s.timed).collect();
-    if timed.is_empty() {
-        timed = measured.clone();
-    }
-    let n_timed = timed.len().max(1) as f64;
-    let mut phase_ms = PhaseTimes::default();
-    for sample in &timed {
-        for (phase, ms) in sample.phases.iter() {
-            phase_ms.add(phase, ms / n_timed);
-        }
-    }
-    let step_ms = timed.iter().map(|s| s.wall_ms).sum::<f64>() / n_timed;
-    let comm_total_ms = timed.iter().map(|s| s.comm_total_ms).sum::<f64>() / n_timed;
-    let (mean, std) = mean_std(measured.iter().map(|s| s.wall_ms));
+    let (measured, timed) = measured_steps(steps, config.skip_steps);
+    let walls: Vec<f64> = measured.iter().map(|s| s.wall_ms).collect();
+    let spread = Spread::of(&walls);
+    let step_ms = if spread.median.is_finite() { spread.median } else { 0.0 };
     let outlier_steps: Vec<u64> = measured
         .iter()
-        .filter(|s| std > 0.0 && s.wall_ms > mean + config.outlier_sigma * std)
+        .filter(|s| spread.std > 0.0 && s.wall_ms > spread.mean + config.outlier_sigma * spread.std)
         .map(|s| s.step)
         .collect();
-    let wall_s: f64 = measured.iter().map(|s| s.wall_ms).sum::<f64>() / 1e3;
-    let tokens: u64 = measured.iter().map(|s| s.tokens).sum();
-    let tokens_per_s = if wall_s > 0.0 { tokens as f64 / wall_s } else { 0.0 };
-    let compute_ms = phase_ms.compute();
-    let effective_compute_ratio = if step_ms > 0.0 { compute_ms / step_ms } else { 0.0 };
+    let tokens: Vec<f64> = measured.iter().map(|s| s.tokens as f64).collect();
+    let tokens_per_step = median(&tokens);
+    let tokens_per_s = tokens_per_s_fn(tokens_per_step, step_ms);
+    let tokens_per_s_mean = tokens_per_s_fn(tokens.iter().sum(), walls.iter().sum());
+    let tokens_per_s_p90_step = tokens_per_s_fn(tokens_per_step, spread.p90);
+    let (shares, comm_share) = mean_shares(&timed);
+    let phase_shares: BTreeMap<Phase, f64> = shares.iter().collect();
+    let phases: BTreeMap<Phase, f64> = shares.iter().map(|(phase, share)| (phase, share * step_ms)).collect();
+    let effective_compute_ratio = shares.compute();
     let peak = facts.machine.peak_flops;
     let model_flops_per_s = facts.model.flops_per_token * tokens_per_s;
     let mfu = if peak > 0.0 { model_flops_per_s / peak } else { 0.0 };
     let compute_mfu = if effective_compute_ratio > 0.0 { mfu / effective_compute_ratio } else { 0.0 };
-    let phases: BTreeMap<Phase, f64> = phase_ms.iter().collect();
-    let phase_shares =
-        phases.iter().map(|(&phase, ms)| (phase, if step_ms > 0.0 { ms / step_ms } else { 0.0 })).collect();
     let amdahl = Phase::REMOVABLE.iter().map(|&p| (p, amdahl(step_ms, phases[&p]))).collect();
     let mut report = RunReport {
         name: facts.name.clone(),
         steps_measured: measured.len() as u64,
         steps_timed: timed.len() as u64,
         step_ms,
-        step_ms_std: std,
+        step_ms_mean: spread.mean,
+        step_ms_p90: spread.p90,
+        step_ms_std: spread.std,
         tokens_per_s,
+        tokens_per_s_mean,
+        tokens_per_s_p90_step,
         phases,
         phase_shares,
-        comm_total_ms,
+        comm_total_ms: comm_share * step_ms,
         effective_compute_ratio,
         mfu,
         compute_mfu,
@@ -339,8 +363,17 @@ impl RunReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "step report: {} steps measured ({} timed), {:.2} ms/step (std {:.2}), {:.0} tokens/s",
-            self.steps_measured, self.steps_timed, self.step_ms, self.step_ms_std, self.tokens_per_s
+            "step report: {} steps measured ({} timed) | {:.2} ms/step median (mean {:.2}, p90 {:.2}, std {:.2}) | \
+             {:.0} tokens/s median (mean {:.0}, p90 step {:.0})",
+            self.steps_measured,
+            self.steps_timed,
+            self.step_ms,
+            self.step_ms_mean,
+            self.step_ms_p90,
+            self.step_ms_std,
+            self.tokens_per_s,
+            self.tokens_per_s_mean,
+            self.tokens_per_s_p90_step
         );
         let _ = writeln!(out, "  {:<13} {:>10} {:>7} {:>9}", "phase", "ms/step", "share", "bound");
         for phase in Phase::ALL {
@@ -476,6 +509,61 @@ pub(crate) mod tests {
         let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
         assert_eq!(report.steps_timed, 4);
         assert_eq!(report.phases[&Phase::Other], 5.0);
+    }
+
+    #[test]
+    fn the_headline_is_the_median_when_the_machine_was_busy_for_a_third_of_the_run() {
+        // Steps 1-100 shared the cores with another process (everything 4x slower, the data wait
+        // 20x); steps 101-300 are the steady state: 10 ms, of which 1 ms data_wait.
+        let steps: Vec<StepSample> = (1..=300)
+            .map(|i| {
+                let busy = i <= 100;
+                let parts = [
+                    (Phase::DataWait, if busy { 20.0 } else { 1.0 }),
+                    (Phase::Forward, if busy { 12.0 } else { 3.0 }),
+                    (Phase::Backward, if busy { 20.0 } else { 5.0 }),
+                    (Phase::Optimizer, if busy { 4.0 } else { 1.0 }),
+                ];
+                step(i, &parts)
+            })
+            .collect();
+        let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
+        assert_eq!(report.step_ms, 10.0);
+        assert_eq!(report.tokens_per_s, 25_600.0);
+        assert!(report.step_ms_mean > 25.0 && report.step_ms_p90 == 56.0, "{}", report.render_text());
+        // 299 steps of 256 tokens in 99 x 56 + 200 x 10 ms; the p90 step took 56 ms.
+        assert!((report.tokens_per_s_mean - 299.0 * 256.0 / 7.544).abs() < 1e-6);
+        assert!((report.tokens_per_s_p90_step - 256.0 / 0.056).abs() < 1e-6);
+        // The split weighs every step by its time and sums to the headline.
+        let data_wait_share = (99.0 * 20.0 + 200.0 * 1.0) / 7544.0;
+        assert!((report.phase_shares[&Phase::DataWait] - data_wait_share).abs() < 1e-12);
+        assert!((report.phases.values().sum::<f64>() - report.step_ms).abs() < 1e-9);
+        assert!((report.amdahl[&Phase::DataWait] - 1.0 / (1.0 - data_wait_share)).abs() < 1e-9);
+        let text = report.render_text();
+        assert!(text.contains("10.00 ms/step median") && text.contains("25600 tokens/s median"), "{text}");
+    }
+
+    #[test]
+    fn a_checkpoint_every_ten_steps_counts_at_its_average_rate() {
+        let steps: Vec<StepSample> = (1..=101)
+            .map(|i| {
+                let stall = if i % 10 == 0 { 10.0 } else { 0.0 };
+                step(
+                    i,
+                    &[
+                        (Phase::Forward, 4.0),
+                        (Phase::Backward, 5.0),
+                        (Phase::Optimizer, 1.0),
+                        (Phase::CkptStall, stall),
+                    ],
+                )
+            })
+            .collect();
+        let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
+        // The median step does not checkpoint; one step in ten adds 10 ms: 100 of 1100 ms.
+        assert_eq!(report.step_ms, 10.0);
+        assert!((report.phase_shares[&Phase::CkptStall] - 100.0 / 1100.0).abs() < 1e-12);
+        assert!(report.findings.iter().any(|f| f.id == "ckpt_stall"), "{}", report.render_text());
     }
 
     #[test]
