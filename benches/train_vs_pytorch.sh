@@ -28,7 +28,7 @@ for precision in bf16 fp32; do
       --set prof.prometheus=false >/dev/null
     ours=$(median_stoke "$dir/$name/metrics.jsonl")
     peer=$("${prio[@]}" "$py" benches/peers/train_gpt.py --data "$dir/corpus.txt" --steps "$steps" --precision "$precision" \
-      | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['step_ms_median'])")
+      | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['step_ms'])")
     python3 -c "import sys; o,p=float(sys.argv[2]),float(sys.argv[3]); print(f'{sys.argv[1]:<8} stoke {o:8.1f} ms  pytorch {p:8.1f} ms  stoke/pytorch {o/p:.3f}')" "$name" "$ours" "$peer"
   done
 done

@@ -42,7 +42,7 @@ impl Observer for MetricsWriter {
                 "lr": record.lr,
                 "grad_norm": record.grad_norm,
                 "tokens": record.tokens,
-                "tokens_per_s": record.tokens as f64 / (record.wall_ms / 1e3),
+                "tokens_per_s": stoke_prof::tokens_per_s(record.tokens as f64, record.wall_ms),
                 "step_ms": record.wall_ms,
                 "phases_ms": phases,
             });
@@ -89,7 +89,7 @@ impl Observer for Progress {
             TrainEvent::Step(record) => {
                 bar.set_position(record.step);
                 if record.logged {
-                    let tokens_per_s = record.tokens as f64 / (record.wall_ms / 1e3);
+                    let tokens_per_s = stoke_prof::tokens_per_s(record.tokens as f64, record.wall_ms);
                     bar.set_message(format!("loss {:.4} | {:.0} tok/s", record.loss, tokens_per_s));
                 }
             }

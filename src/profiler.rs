@@ -10,9 +10,9 @@ use std::time::Instant;
 use anyhow::Context;
 use stoke_prof::{
     build_report, render_html, ChromeTraceWriter, LiveMetrics, MachineFacts, MetricsServer, ModelFacts, ProfConfig,
-    RunFacts, RunReport, StepSample, TrainFacts, N_PHASES,
+    RunFacts, RunReport, StepSample, TrainFacts,
 };
-use stoke_train::{Observer, ObserverError, Phase, Precision, RunInfo, TrainEvent};
+use stoke_train::{Observer, ObserverError, Precision, RunInfo, TrainEvent};
 
 /// The machine's measured matmul peaks (FLOP/s) for the run's device and threads.
 #[derive(Debug, Clone, Copy)]
@@ -30,26 +30,12 @@ impl Peaks {
     }
 }
 
-fn precision_name(precision: Precision) -> &'static str {
-    match precision {
-        Precision::Fp32 => "fp32",
-        Precision::Bf16 => "bf16",
-        Precision::Fp16 => "fp16",
-    }
-}
-
-/// Converts the trainer's phases (its own enum) to the profiler's array, by name.
+/// The trainer's record as the profiler's plain sample (the phases are the same type on both sides).
 fn sample_of(record: &stoke_train::StepRecord) -> StepSample {
-    let mut phases_ms = [0.0; N_PHASES];
-    for phase in Phase::ALL {
-        if let Some(i) = stoke_prof::phase_index(phase.name()) {
-            phases_ms[i] += record.phases.get(phase);
-        }
-    }
     StepSample {
         step: record.step,
         wall_ms: record.wall_ms,
-        phases_ms,
+        phases: record.phases,
         comm_total_ms: record.comm_total_ms,
         tokens: record.tokens,
         loss: record.loss,
@@ -143,7 +129,7 @@ impl Profiler {
             train: TrainFacts {
                 micro_batch: info.micro_batch,
                 grad_accum: info.grad_accum,
-                precision: precision_name(info.precision).into(),
+                precision: info.precision,
                 world_size: 1,
                 recompute: info.recompute.to_string(),
                 activation_bytes_per_block: Vec::new(),

@@ -7,6 +7,7 @@ global-norm clipping, warmup + cosine). Prints one JSON line with its step times
 import argparse
 import json
 import math
+import statistics
 import time
 
 import numpy as np
@@ -120,6 +121,8 @@ def main():
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--ckpt-dir", default="")
     ap.add_argument("--log-every", type=int, default=1)
+    ap.add_argument("--skip", type=int, default=1,
+                    help="warm-up steps left out of the step figures (stoke's prof.skip_steps, default 1)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,22 +203,38 @@ def main():
     if pending is not None:
         pending.result()
     wall = time.perf_counter() - start_all
-    steady = sorted(step_ms[1:])
-    median = steady[len(steady) // 2]
+    tokens_per_step = args.micro_batch * t
     print(json.dumps({
         "peer": f"pytorch-{args.pipeline}",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "steps": args.steps,
-        "step_ms_median": median,
-        "step_ms_mean": sum(step_ms) / len(step_ms),
-        "tokens_per_s": args.micro_batch * t / (median / 1e3),
-        "tokens_per_s_wall": args.steps * args.micro_batch * t / wall,
+        **step_figures(step_ms[args.skip:], tokens_per_step),
+        "tokens_per_s_wall": args.steps * tokens_per_step / wall,
         "first_loss": losses[0],
         # Mean of the last 10 logged losses, as `stoke bench` takes stoke's.
         "final_loss": sum(losses[-10:]) / len(losses[-10:]),
         "peak_rss_bytes": peak_rss_bytes(),
     }))
+
+
+def step_figures(step_ms, tokens_per_step):
+    """The step report's figures, defined as crates/prof's `stats` defines them: the median step
+    time (the mean of the two middle ones for an even count), mean, 90th percentile by nearest
+    rank, and tokens/s = tokens per step / median step time (`stats::tokens_per_s`)."""
+    ordered = sorted(step_ms)
+    median = statistics.median(ordered)
+    p90 = ordered[max(1, math.ceil(0.9 * len(ordered))) - 1]
+    mean = sum(ordered) / len(ordered)
+    return {
+        "steps_measured": len(ordered),
+        "step_ms": median,
+        "step_ms_mean": mean,
+        "step_ms_p90": p90,
+        "tokens_per_s": tokens_per_step / (median / 1e3),
+        "tokens_per_s_mean": tokens_per_step * len(ordered) / (sum(ordered) / 1e3),
+        "tokens_per_s_p90_step": tokens_per_step / (p90 / 1e3),
+    }
 
 
 def copy_optim_state(state):

@@ -226,15 +226,17 @@ struct Row {
     final_loss: f64,
 }
 
+/// The whole chain's figures are the means over the measured steps (stoke's report and the peers'
+/// JSON define them the same way, after the same warm-up step): unlike the median, the mean counts
+/// the steps that checkpoint, which are part of what the chain costs.
 fn stoke_row(name: &str, r: &Value) -> Row {
-    let step_ms = r["step_ms"].as_f64().unwrap_or(f64::NAN);
-    let phase = |p: &str| r["phases"][p].as_f64().unwrap_or(0.0) / step_ms;
+    let share = |p: &str| r["phase_shares"][p].as_f64().unwrap_or(f64::NAN);
     Row {
         name: name.into(),
-        tokens_per_s: r["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
-        step_ms,
-        data_share: phase("data_wait"),
-        ckpt_share: phase("ckpt_stall"),
+        tokens_per_s: r["tokens_per_s_mean"].as_f64().unwrap_or(f64::NAN),
+        step_ms: r["step_ms_mean"].as_f64().unwrap_or(f64::NAN),
+        data_share: share("data_wait"),
+        ckpt_share: share("ckpt_stall"),
         ecr: r["effective_compute_ratio"].as_f64(),
         mfu: r["mfu"].as_f64(),
         peak_mib: r["peak_memory_bytes"].as_f64().unwrap_or(f64::NAN) / (1 << 20) as f64,
@@ -244,10 +246,9 @@ fn stoke_row(name: &str, r: &Value) -> Row {
 
 fn peer_row(v: &Value) -> Row {
     // The peers time whole steps only; their phase split would need their own profiler.
-    let tokens_per_s = v["tokens_per_s_wall"].as_f64().unwrap_or(f64::NAN);
     Row {
         name: v["peer"].as_str().unwrap_or("peer").into(),
-        tokens_per_s,
+        tokens_per_s: v["tokens_per_s_mean"].as_f64().unwrap_or(f64::NAN),
         step_ms: v["step_ms_mean"].as_f64().unwrap_or(f64::NAN),
         data_share: f64::NAN,
         ckpt_share: f64::NAN,
@@ -295,7 +296,10 @@ fn fullchain(args: FullchainArgs) -> anyhow::Result<ExitCode> {
             peers.push(v);
         }
     }
-    println!("\nfullchain: {tokens} tokens per configuration, tiny GPT, byte-level built-in corpus, one run\n");
+    println!(
+        "\nfullchain: {tokens} tokens per configuration, tiny GPT, byte-level built-in corpus, one run; \
+         tokens/s and step ms are means over the steps after the first (checkpointing steps included)\n"
+    );
     println!(
         "{:<18} {:>10} {:>9} {:>9} {:>9} {:>7} {:>7} {:>9} {:>10}",
         "config", "tokens/s", "step ms", "data", "ckpt", "ECR", "MFU", "peak MiB", "final loss"

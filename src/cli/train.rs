@@ -72,7 +72,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     install_interrupt_handler(stop.clone());
     let (summary, _report) = train(&config, &run_dir, args.resume, !args.quiet, &stop)?;
     println!(
-        "\n{} {} steps in {:.1}s | {:.0} tokens/s | loss: first {:.4}, final {:.4}, best {:.4} | run: {}",
+        "\n{} {} steps in {:.1}s | {:.0} tokens/s over the wall time | loss: first {:.4}, final {:.4}, best {:.4} | run: {}",
         if summary.interrupted { "interrupted after" } else { "done:" },
         summary.steps_run,
         summary.wall_s,

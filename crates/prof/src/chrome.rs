@@ -10,7 +10,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use crate::report::{StepSample, PHASE_NAMES};
+use crate::report::StepSample;
 
 /// Thread ids inside a rank's process.
 const TID_STEPS: u32 = 0;
@@ -60,9 +60,9 @@ impl ChromeTraceWriter {
     pub fn step(&mut self, start_us: f64, sample: &StepSample) -> std::io::Result<()> {
         self.span(&format!("step {}", sample.step), TID_STEPS, start_us, sample.wall_ms * 1e3, sample.step)?;
         let mut ts = start_us;
-        for (name, ms) in PHASE_NAMES.iter().zip(sample.phases_ms) {
+        for (phase, ms) in sample.phases.iter() {
             if ms > 0.0 {
-                self.span(name, TID_PHASES, ts, ms * 1e3, sample.step)?;
+                self.span(phase.name(), TID_PHASES, ts, ms * 1e3, sample.step)?;
                 ts += ms * 1e3;
             }
         }
@@ -116,6 +116,7 @@ pub fn validate_chrome_trace(text: &str) -> Result<usize, String> {
 mod tests {
     use super::*;
     use crate::report::tests::step;
+    use crate::vocab::Phase;
 
     #[test]
     fn a_written_trace_is_valid_and_the_trace_analyzer_reads_it() {
@@ -125,7 +126,10 @@ mod tests {
         let mut writer = ChromeTraceWriter::create(&path, 0).unwrap();
         let mut start = 0.0;
         for i in 1..=3 {
-            let mut s = step(i, &[("data_wait", 1.0), ("forward", 2.0), ("backward", 3.0), ("optimizer", 0.5)]);
+            let mut s = step(
+                i,
+                &[(Phase::DataWait, 1.0), (Phase::Forward, 2.0), (Phase::Backward, 3.0), (Phase::Optimizer, 0.5)],
+            );
             s.comm_total_ms = 1.5;
             writer.step(start, &s).unwrap();
             start += s.wall_ms * 1e3;

@@ -6,14 +6,16 @@ use std::fmt::Write as _;
 
 use plotters::prelude::*;
 
-use crate::report::{format_bound, RunReport, StepSample, N_PHASES, PHASE_NAMES};
+use crate::report::{format_bound, RunReport, StepSample};
+use crate::stats::tokens_per_s;
+use crate::vocab::{Phase, N_PHASES};
 
 const WIDTH: u32 = 560;
 const HEIGHT: u32 = 300;
 /// At most this many points per curve: long runs are averaged into buckets of steps.
 const MAX_POINTS: usize = 400;
 
-/// One color per phase, in `PHASE_NAMES` order.
+/// One color per phase, in `Phase::ALL` order.
 const PHASE_COLORS: [RGBColor; N_PHASES] = [
     RGBColor(214, 39, 40),   // data_wait
     RGBColor(255, 127, 14),  // h2d
@@ -50,7 +52,7 @@ fn buckets(steps: &[StepSample]) -> Vec<Bucket> {
             let logged: Vec<f64> = chunk.iter().map(|s| s.loss).filter(|l| l.is_finite()).collect();
             let mut shares = [0.0; N_PHASES];
             for s in chunk {
-                for (share, ms) in shares.iter_mut().zip(s.phases_ms) {
+                for (share, ms) in shares.iter_mut().zip(s.phases.ms) {
                     *share += ms;
                 }
             }
@@ -60,7 +62,7 @@ fn buckets(steps: &[StepSample]) -> Vec<Bucket> {
             Bucket {
                 step: chunk.iter().map(|s| s.step as f64).sum::<f64>() / n,
                 loss: if logged.is_empty() { f64::NAN } else { logged.iter().sum::<f64>() / logged.len() as f64 },
-                tokens_per_s: if wall > 0.0 { tokens as f64 / (wall / 1e3) } else { 0.0 },
+                tokens_per_s: tokens_per_s(tokens as f64, wall),
                 shares,
             }
         })
@@ -118,7 +120,7 @@ fn phase_area_chart(buckets: &[Bucket]) -> Result<String, String> {
             let color = PHASE_COLORS[phase_idx];
             chart
                 .draw_series(AreaSeries::new(top, 0.0, color.mix(0.85)).border_style(color))?
-                .label(PHASE_NAMES[phase_idx])
+                .label(Phase::ALL[phase_idx].name())
                 .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
         }
         chart
@@ -151,13 +153,13 @@ fn breakdown_chart(report: &RunReport) -> Result<String, String> {
             .disable_y_mesh()
             .y_labels(N_PHASES)
             .y_label_formatter(&|v| match v {
-                SegmentValue::CenterOf(i) => PHASE_NAMES.get(*i).map(|s| s.to_string()).unwrap_or_default(),
+                SegmentValue::CenterOf(i) => Phase::ALL.get(*i).map(|p| p.name().to_string()).unwrap_or_default(),
                 _ => String::new(),
             })
             .x_desc("ms")
             .draw()?;
-        chart.draw_series(PHASE_NAMES.iter().enumerate().map(|(i, name)| {
-            let ms = report.phases.get(*name).copied().unwrap_or(0.0);
+        chart.draw_series(Phase::ALL.iter().enumerate().map(|(i, phase)| {
+            let ms = report.phases.get(phase).copied().unwrap_or(0.0);
             let (bottom, top) = (SegmentValue::Exact(i), SegmentValue::Exact(i + 1));
             Rectangle::new([(0.0, bottom), (ms, top)], PHASE_COLORS[i].filled())
         }))?;
@@ -186,34 +188,40 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, S
     );
     let _ = writeln!(
         w,
-        "<p><b>{:.2} ms/step</b> (std {:.2}) over {} steps ({} timed) | <b>{:.0} tokens/s</b> | effective compute ratio \
+        "<p><b>{:.2} ms/step</b> median (mean {:.2}, p90 {:.2}, std {:.2}) over {} steps ({} timed) | \
+         <b>{:.0} tokens/s</b> median (mean {:.0}, p90 step {:.0}) | effective compute ratio \
          <b>{:.3}</b> | MFU <b>{:.2}%</b> of {:.1} GFLOP/s ({} {}) | peak memory {:.1} MB | profiler {:.3} ms/step</p>",
         report.step_ms,
+        report.step_ms_mean,
+        report.step_ms_p90,
         report.step_ms_std,
         report.steps_measured,
         report.steps_timed,
         report.tokens_per_s,
+        report.tokens_per_s_mean,
+        report.tokens_per_s_p90_step,
         report.effective_compute_ratio,
         100.0 * report.mfu,
         report.machine.peak_flops / 1e9,
         escape(&report.machine.device),
-        escape(&report.train.precision),
+        report.train.precision,
         report.peak_memory_bytes as f64 / 1e6,
         report.profiler_overhead_ms
     );
     let _ = writeln!(w, "<table><tr><th>phase</th><th>ms/step</th><th>share</th><th>Amdahl bound</th></tr>");
-    for (i, name) in PHASE_NAMES.iter().enumerate() {
+    for (i, phase) in Phase::ALL.iter().enumerate() {
         let c = PHASE_COLORS[i];
         let _ = writeln!(
             w,
-            "<tr><td class=\"l\"><span class=\"swatch\" style=\"background:rgb({},{},{})\"></span> {name}</td>\
+            "<tr><td class=\"l\"><span class=\"swatch\" style=\"background:rgb({},{},{})\"></span> {}</td>\
              <td>{:.2}</td><td>{:.1}%</td><td>{}</td></tr>",
             c.0,
             c.1,
             c.2,
-            report.phases.get(*name).copied().unwrap_or(0.0),
-            100.0 * report.phase_shares.get(*name).copied().unwrap_or(0.0),
-            report.amdahl.get(*name).map(|b| format_bound(Some(*b))).unwrap_or_else(|| "-".into())
+            phase.name(),
+            report.phases.get(phase).copied().unwrap_or(0.0),
+            100.0 * report.phase_shares.get(phase).copied().unwrap_or(0.0),
+            report.amdahl.get(phase).map(|b| format_bound(Some(*b))).unwrap_or_else(|| "-".into())
         );
     }
     let _ = writeln!(w, "</table>\n<h2>Findings</h2>");
@@ -255,7 +263,10 @@ mod tests {
     fn the_page_has_every_plot_and_finding() {
         let steps: Vec<StepSample> = (1..=1000)
             .map(|i| {
-                let mut s = step(i, &[("data_wait", 3.0), ("forward", 3.0), ("backward", 6.0), ("optimizer", 1.0)]);
+                let mut s = step(
+                    i,
+                    &[(Phase::DataWait, 3.0), (Phase::Forward, 3.0), (Phase::Backward, 6.0), (Phase::Optimizer, 1.0)],
+                );
                 s.loss = 5.0 / (1.0 + i as f64 / 100.0);
                 s
             })

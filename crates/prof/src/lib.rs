@@ -1,5 +1,8 @@
 //! stoke-prof: where the milliseconds of a training step go.
 //!
+//! The vocabulary the trainer and the report share: `Phase`, `PhaseTimes`, `Precision` (this crate
+//! has no libtorch, so the trainer depends on it, not the other way round).
+//!
 //! The step report ("CT scan"): given plain per-step data from the trainer (milliseconds per phase,
 //! tokens, the model's FLOPs per token, the machine's measured peak, memory), `build_report`
 //! computes each phase's share, the effective compute ratio, MFU, tokens/s, step-time outliers and
@@ -8,17 +11,18 @@
 //! `LiveMetrics` + `MetricsServer` serve Prometheus `/metrics`, `render_html` draws `report.html`.
 //!
 //! ```
-//! use stoke_prof::{build_report, MachineFacts, ModelFacts, ProfConfig, RunFacts, StepSample, TrainFacts};
+//! use stoke_prof::{build_report, MachineFacts, ModelFacts, PhaseTimes, Precision, ProfConfig, RunFacts, StepSample,
+//!     TrainFacts};
 //! let model = ModelFacts { n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, vocab_size: 256,
 //!     n_params: 120_000, flops_per_token: 7e5 };
-//! let train = TrainFacts { micro_batch: 512, grad_accum: 1, precision: "bf16".into(), world_size: 1, ..TrainFacts::default() };
+//! let train = TrainFacts { micro_batch: 512, grad_accum: 1, precision: Precision::Bf16, world_size: 1, ..TrainFacts::default() };
 //! let machine = MachineFacts { peak_flops: 8e11, peak_flops_fp32: None, peak_flops_bf16: None,
 //!     device: "cpu".into(), memory_capacity_bytes: None };
 //! let facts = RunFacts { name: "demo".into(), model, train, machine };
 //! // data_wait, h2d, forward, backward, recompute, comm_exposed, optimizer, ckpt_stall, other
-//! let phases_ms = [4.0, 0.1, 3.0, 6.0, 0.0, 0.0, 1.0, 0.0, 0.4];
-//! let steps: Vec<StepSample> = (1..=50).map(|step| StepSample { step, wall_ms: phases_ms.iter().sum(),
-//!     phases_ms, comm_total_ms: 0.0, tokens: 16_384, loss: 2.0, loss_scale: None, timed: true }).collect();
+//! let phases = PhaseTimes { ms: [4.0, 0.1, 3.0, 6.0, 0.0, 0.0, 1.0, 0.0, 0.4] };
+//! let steps: Vec<StepSample> = (1..=50).map(|step| StepSample { step, wall_ms: phases.total(),
+//!     phases, comm_total_ms: 0.0, tokens: 16_384, loss: 2.0, loss_scale: None, timed: true }).collect();
 //! let report = build_report(&facts, &steps, 1 << 30, 0.0, &ProfConfig::default());
 //! assert!((report.phases.values().sum::<f64>() - report.step_ms).abs() < 1e-9);
 //! assert_eq!(report.findings[0].id, "data_wait"); // 4 of 14.5 ms: removing it bounds the gain at 1.38x
@@ -51,16 +55,19 @@ mod html;
 mod prom;
 mod report;
 mod rules;
+mod stats;
 mod trace;
+mod vocab;
 
 pub use chrome::{validate_chrome_trace, ChromeTraceWriter};
 pub use html::render_html;
 pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};
 pub use report::{
-    amdahl, build_report, format_bound, phase_index, MachineFacts, ModelFacts, ProfConfig, RunFacts, RunReport,
-    StepSample, TrainFacts, COMPUTE_PHASES, N_PHASES, PHASE_NAMES, REMOVABLE_PHASES,
+    amdahl, build_report, format_bound, MachineFacts, ModelFacts, ProfConfig, RunFacts, RunReport, StepSample,
+    TrainFacts,
 };
 pub use rules::{diagnose, StepFinding};
+pub use stats::{median, percentile, tokens_per_s, Spread};
 pub use trace::{
     analyze, analyze_paths, analyze_rank, cross_rank, diff, diff_markdown, diff_table, find_trace_files, kernel_type,
     load_trace, load_traces, markdown, overlay_trace, peak_flops_for, prometheus, rank_from_file_name, table,
@@ -69,3 +76,4 @@ pub use trace::{
     MemorySample, MemoryStat, NameDiff, Overlap, QueueStat, RankCollectives, RankReport, RankTrace, StepReport,
     StepStats, StreamIdle, SynthOptions, TensorCoreStat, TraceDiff, TraceError,
 };
+pub use vocab::{Phase, PhaseTimes, Precision, N_PHASES};

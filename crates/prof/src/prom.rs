@@ -18,7 +18,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::report::{StepSample, COMPUTE_PHASES, PHASE_NAMES};
+use crate::report::StepSample;
+use crate::vocab::Phase;
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 type FloatCounter = Counter<f64, AtomicU64>;
@@ -84,9 +85,9 @@ impl LiveMetrics {
         );
         registry.register("stoke_mfu", "Model FLOPs utilization of the last step", m.mfu.clone());
         registry.register("stoke_memory_peak_bytes", "Peak memory of the run so far", m.memory_peak.clone());
-        let phase_counters = PHASE_NAMES
+        let phase_counters = Phase::ALL
             .iter()
-            .map(|name| m.phase_seconds.get_or_create(&vec![("phase".to_string(), name.to_string())]).clone())
+            .map(|phase| m.phase_seconds.get_or_create(&vec![("phase".to_string(), phase.name().to_string())]).clone())
             .collect();
         LiveMetrics { registry, phase_counters, ..m }
     }
@@ -95,7 +96,7 @@ impl LiveMetrics {
     pub fn observe(&self, sample: &StepSample, lr: f64, flops_per_token: f64, peak_flops: f64) {
         self.steps.inc();
         self.tokens.inc_by(sample.tokens);
-        for (counter, ms) in self.phase_counters.iter().zip(sample.phases_ms) {
+        for (counter, (_, ms)) in self.phase_counters.iter().zip(sample.phases.iter()) {
             counter.inc_by(ms / 1e3);
         }
         self.comm_seconds.inc_by(sample.comm_total_ms / 1e3);
@@ -104,9 +105,9 @@ impl LiveMetrics {
             self.loss.set(sample.loss);
         }
         self.learning_rate.set(lr);
-        let tokens_per_s = if sample.wall_ms > 0.0 { sample.tokens as f64 / (sample.wall_ms / 1e3) } else { 0.0 };
+        let tokens_per_s = crate::stats::tokens_per_s(sample.tokens as f64, sample.wall_ms);
         self.tokens_per_second.set(tokens_per_s);
-        let compute: f64 = COMPUTE_PHASES.iter().map(|p| sample.phase_ms(p)).sum();
+        let compute = sample.phases.compute();
         self.compute_ratio.set(if sample.wall_ms > 0.0 { compute / sample.wall_ms } else { 0.0 });
         self.mfu.set(if peak_flops > 0.0 { flops_per_token * tokens_per_s / peak_flops } else { 0.0 });
     }
@@ -292,7 +293,12 @@ mod tests {
         let metrics = Arc::new(LiveMetrics::new());
         let server = MetricsServer::start("127.0.0.1", 0, Arc::clone(&metrics)).unwrap();
         for i in 1..=3 {
-            metrics.observe(&step(i, &[("data_wait", 1.0), ("forward", 2.0), ("backward", 3.0)]), 1e-3, 6e5, 1e12);
+            metrics.observe(
+                &step(i, &[(Phase::DataWait, 1.0), (Phase::Forward, 2.0), (Phase::Backward, 3.0)]),
+                1e-3,
+                6e5,
+                1e12,
+            );
         }
         metrics.set_memory_peak(1 << 20);
         let body = scrape(server.addr()).unwrap();

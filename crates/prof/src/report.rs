@@ -12,25 +12,8 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::rules::{diagnose, StepFinding};
-
-/// Number of additive phases.
-pub const N_PHASES: usize = 9;
-
-/// The phases a step's wall time splits into, in loop order. They add up to the step's wall time;
-/// `comm_total` (all communication, hidden or not) is reported beside them and is not one of them.
-pub const PHASE_NAMES: [&str; N_PHASES] =
-    ["data_wait", "h2d", "forward", "backward", "recompute", "comm_exposed", "optimizer", "ckpt_stall", "other"];
-
-/// Phases that are the model's own arithmetic: the numerator of the effective compute ratio.
-pub const COMPUTE_PHASES: [&str; 4] = ["forward", "backward", "recompute", "optimizer"];
-
-/// Phases that a change of configuration can remove entirely, so their Amdahl bound is meaningful.
-pub const REMOVABLE_PHASES: [&str; 6] = ["data_wait", "h2d", "recompute", "comm_exposed", "ckpt_stall", "other"];
-
-/// The index of a phase in `PHASE_NAMES`.
-pub fn phase_index(name: &str) -> Option<usize> {
-    PHASE_NAMES.iter().position(|&p| p == name)
-}
+use crate::stats::{median, tokens_per_s as tokens_per_s_fn, Spread};
+use crate::vocab::{Phase, PhaseTimes, Precision};
 
 /// What one optimizer step measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,8 +21,8 @@ pub struct StepSample {
     /// 1-based step number.
     pub step: u64,
     pub wall_ms: f64,
-    /// Milliseconds per phase, indexed like `PHASE_NAMES`; they sum to `wall_ms`.
-    pub phases_ms: [f64; N_PHASES],
+    /// Milliseconds per phase; they sum to `wall_ms`.
+    pub phases: PhaseTimes,
     /// All communication time of the step, overlapped or not (0 on one process).
     pub comm_total_ms: f64,
     /// Tokens this process trained on in the step.
@@ -51,12 +34,6 @@ pub struct StepSample {
     /// True when phase boundaries were synchronized with the device, so the phase split is exact.
     /// Always true on the CPU; on a GPU only on sampled steps.
     pub timed: bool,
-}
-
-impl StepSample {
-    pub fn phase_ms(&self, name: &str) -> f64 {
-        phase_index(name).map_or(0.0, |i| self.phases_ms[i])
-    }
 }
 
 /// `report.json`'s `model`: the shape and its arithmetic.
@@ -77,8 +54,7 @@ pub struct ModelFacts {
 pub struct TrainFacts {
     pub micro_batch: usize,
     pub grad_accum: usize,
-    /// "fp32", "bf16" or "fp16".
-    pub precision: String,
+    pub precision: Precision,
     pub world_size: usize,
     /// The activation recomputation policy (`train.recompute`).
     #[serde(default)]
@@ -229,21 +205,29 @@ impl ProfConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunReport {
     pub name: String,
-    /// Steps the figures average over (after `skip_steps`), and of those the exactly timed ones
-    /// that the phase split comes from.
+    /// Steps the figures describe (after `skip_steps`), and of those the exactly timed ones that
+    /// the phase split comes from.
     pub steps_measured: u64,
     pub steps_timed: u64,
-    /// Mean wall time of a timed step, ms; the phases sum to it.
+    /// The headline: the median wall time of the measured steps, ms. The phases sum to it.
     pub step_ms: f64,
-    /// Standard deviation of the step time over measured steps, ms.
+    /// Mean, 90th percentile and standard deviation of the measured steps' wall time, ms.
+    pub step_ms_mean: f64,
+    pub step_ms_p90: f64,
     pub step_ms_std: f64,
-    /// Tokens per second of this process over the measured steps (wall clock of the steps).
+    /// The headline rate: `stats::tokens_per_s(tokens per step, step_ms)`, the median step's.
     pub tokens_per_s: f64,
-    /// Mean milliseconds per step by phase; sums to `step_ms`.
-    pub phases: BTreeMap<String, f64>,
-    /// Phase shares of the step (0..1).
-    pub phase_shares: BTreeMap<String, f64>,
-    /// All communication per step, hidden or exposed, ms (not part of the sum).
+    /// All tokens of the measured steps over their summed wall time (the mean step's rate).
+    pub tokens_per_s_mean: f64,
+    /// The rate of the 90th-percentile step: nine steps in ten were at least this fast.
+    pub tokens_per_s_p90_step: f64,
+    /// Milliseconds per phase: `step_ms` split in `phase_shares`, so they sum to `step_ms`.
+    pub phases: BTreeMap<Phase, f64>,
+    /// Each phase's share of the timed steps' summed wall time (0..1): a cost that comes every
+    /// few steps, such as a checkpoint, counts at its average rate.
+    pub phase_shares: BTreeMap<Phase, f64>,
+    /// All communication per step, hidden or exposed, ms, at the scale of `phases` (not part of
+    /// their sum).
     pub comm_total_ms: f64,
     /// (forward + backward + recompute + optimizer) / step.
     pub effective_compute_ratio: f64,
@@ -256,7 +240,7 @@ pub struct RunReport {
     /// Steps slower than mean + outlier_sigma · std.
     pub outlier_steps: Vec<u64>,
     /// For each removable phase, step / (step - phase): the speed-up if it vanished.
-    pub amdahl: BTreeMap<String, f64>,
+    pub amdahl: BTreeMap<Phase, f64>,
     /// Milliseconds per step the profiler's own observer spent (the median step, measured in every run).
     pub profiler_overhead_ms: f64,
     /// Findings, largest bound first.
@@ -264,14 +248,6 @@ pub struct RunReport {
     pub model: ModelFacts,
     pub train: TrainFacts,
     pub machine: MachineFacts,
-}
-
-/// Mean and standard deviation.
-fn mean_std(values: impl Iterator<Item = f64> + Clone) -> (f64, f64) {
-    let n = values.clone().count().max(1) as f64;
-    let mean = values.clone().sum::<f64>() / n;
-    let var = values.map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
-    (mean, var.sqrt())
 }
 
 /// Amdahl's bound of removing `part` ms from a `whole` ms step.
@@ -285,6 +261,39 @@ pub fn amdahl(whole: f64, part: f64) -> f64 {
     }
 }
 
+/// The steps after the first `skip` (all of them when the run was shorter), and of those the
+/// exactly timed ones (all measured ones when none was).
+fn measured_steps(steps: &[StepSample], skip: u64) -> (Vec<&StepSample>, Vec<&StepSample>) {
+    let first = steps.first().map_or(0, |s| s.step);
+    let mut measured: Vec<&StepSample> = steps.iter().filter(|s| s.step >= first + skip).collect();
+    if measured.is_empty() {
+        measured = steps.iter().collect();
+    }
+    let mut timed: Vec<&StepSample> = measured.iter().copied().filter(|s| s.timed).collect();
+    if timed.is_empty() {
+        timed = measured.clone();
+    }
+    (measured, timed)
+}
+
+/// Each phase's share of the timed steps' summed wall time, and communication's. Time-weighted
+/// over every timed step, so a cost that comes every few steps (a checkpoint, a slow batch) counts
+/// at its average rate, as it does in the run's wall time.
+fn mean_shares(timed: &[&StepSample]) -> (PhaseTimes, f64) {
+    let wall: f64 = timed.iter().map(|s| s.wall_ms).sum();
+    let mut shares = PhaseTimes::default();
+    let mut comm = 0.0;
+    if wall > 0.0 {
+        for sample in timed {
+            for (phase, ms) in sample.phases.iter() {
+                shares.add(phase, ms / wall);
+            }
+            comm += sample.comm_total_ms / wall;
+        }
+    }
+    (shares, comm)
+}
+
 /// Builds the report of a run from its steps. `profiler_ms` is the total time the profiler's
 /// observers spent; `peak_memory_bytes` the run's peak.
 pub fn build_report(
@@ -294,54 +303,43 @@ pub fn build_report(
     profiler_ms: f64,
     config: &ProfConfig,
 ) -> RunReport {
-    let first = steps.first().map_or(0, |s| s.step);
-    let mut measured: Vec<&StepSample> = steps.iter().filter(|s| s.step >= first + config.skip_steps).collect();
-    if measured.is_empty() {
-        measured = steps.iter().collect();
-    }
-    let mut timed: Vec<&StepSample> = measured.iter().copied().filter(|s| s.timed).collect();
-    if timed.is_empty() {
-        timed = measured.clone();
-    }
-    let n_timed = timed.len().max(1) as f64;
-    let mut phase_ms = [0.0; N_PHASES];
-    for sample in &timed {
-        for (sum, ms) in phase_ms.iter_mut().zip(sample.phases_ms) {
-            *sum += ms / n_timed;
-        }
-    }
-    let step_ms = timed.iter().map(|s| s.wall_ms).sum::<f64>() / n_timed;
-    let comm_total_ms = timed.iter().map(|s| s.comm_total_ms).sum::<f64>() / n_timed;
-    let (mean, std) = mean_std(measured.iter().map(|s| s.wall_ms));
+    let (measured, timed) = measured_steps(steps, config.skip_steps);
+    let walls: Vec<f64> = measured.iter().map(|s| s.wall_ms).collect();
+    let spread = Spread::of(&walls);
+    let step_ms = if spread.median.is_finite() { spread.median } else { 0.0 };
     let outlier_steps: Vec<u64> = measured
         .iter()
-        .filter(|s| std > 0.0 && s.wall_ms > mean + config.outlier_sigma * std)
+        .filter(|s| spread.std > 0.0 && s.wall_ms > spread.mean + config.outlier_sigma * spread.std)
         .map(|s| s.step)
         .collect();
-    let wall_s: f64 = measured.iter().map(|s| s.wall_ms).sum::<f64>() / 1e3;
-    let tokens: u64 = measured.iter().map(|s| s.tokens).sum();
-    let tokens_per_s = if wall_s > 0.0 { tokens as f64 / wall_s } else { 0.0 };
-    let compute_ms: f64 = COMPUTE_PHASES.iter().map(|p| phase_ms[phase_index(p).expect("a phase")]).sum();
-    let effective_compute_ratio = if step_ms > 0.0 { compute_ms / step_ms } else { 0.0 };
+    let tokens: Vec<f64> = measured.iter().map(|s| s.tokens as f64).collect();
+    let tokens_per_step = median(&tokens);
+    let tokens_per_s = tokens_per_s_fn(tokens_per_step, step_ms);
+    let tokens_per_s_mean = tokens_per_s_fn(tokens.iter().sum(), walls.iter().sum());
+    let tokens_per_s_p90_step = tokens_per_s_fn(tokens_per_step, spread.p90);
+    let (shares, comm_share) = mean_shares(&timed);
+    let phase_shares: BTreeMap<Phase, f64> = shares.iter().collect();
+    let phases: BTreeMap<Phase, f64> = shares.iter().map(|(phase, share)| (phase, share * step_ms)).collect();
+    let effective_compute_ratio = shares.compute();
     let peak = facts.machine.peak_flops;
     let model_flops_per_s = facts.model.flops_per_token * tokens_per_s;
     let mfu = if peak > 0.0 { model_flops_per_s / peak } else { 0.0 };
     let compute_mfu = if effective_compute_ratio > 0.0 { mfu / effective_compute_ratio } else { 0.0 };
-    let phases: BTreeMap<String, f64> =
-        PHASE_NAMES.iter().zip(phase_ms).map(|(name, ms)| (name.to_string(), ms)).collect();
-    let phase_shares =
-        phases.iter().map(|(name, ms)| (name.clone(), if step_ms > 0.0 { ms / step_ms } else { 0.0 })).collect();
-    let amdahl = REMOVABLE_PHASES.iter().map(|&p| (p.to_string(), amdahl(step_ms, phases[p]))).collect();
+    let amdahl = Phase::REMOVABLE.iter().map(|&p| (p, amdahl(step_ms, phases[&p]))).collect();
     let mut report = RunReport {
         name: facts.name.clone(),
         steps_measured: measured.len() as u64,
         steps_timed: timed.len() as u64,
         step_ms,
-        step_ms_std: std,
+        step_ms_mean: spread.mean,
+        step_ms_p90: spread.p90,
+        step_ms_std: spread.std,
         tokens_per_s,
+        tokens_per_s_mean,
+        tokens_per_s_p90_step,
         phases,
         phase_shares,
-        comm_total_ms,
+        comm_total_ms: comm_share * step_ms,
         effective_compute_ratio,
         mfu,
         compute_mfu,
@@ -383,17 +381,33 @@ impl RunReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "step report: {} steps measured ({} timed), {:.2} ms/step (std {:.2}), {:.0} tokens/s",
-            self.steps_measured, self.steps_timed, self.step_ms, self.step_ms_std, self.tokens_per_s
+            "step report: {} steps measured ({} timed) | {:.2} ms/step median (mean {:.2}, p90 {:.2}, std {:.2}) | \
+             {:.0} tokens/s median (mean {:.0}, p90 step {:.0})",
+            self.steps_measured,
+            self.steps_timed,
+            self.step_ms,
+            self.step_ms_mean,
+            self.step_ms_p90,
+            self.step_ms_std,
+            self.tokens_per_s,
+            self.tokens_per_s_mean,
+            self.tokens_per_s_p90_step
         );
         let _ = writeln!(out, "  {:<13} {:>10} {:>7} {:>9}", "phase", "ms/step", "share", "bound");
-        for name in PHASE_NAMES {
-            let ms = self.phases[name];
-            let bound = self.amdahl.get(name).map(|b| format_bound(Some(*b))).unwrap_or_default();
-            if ms == 0.0 && name != "data_wait" {
+        for phase in Phase::ALL {
+            let ms = self.phases[&phase];
+            let bound = self.amdahl.get(&phase).map(|b| format_bound(Some(*b))).unwrap_or_default();
+            if ms == 0.0 && phase != Phase::DataWait {
                 continue;
             }
-            let _ = writeln!(out, "  {:<13} {:>10.2} {:>6.1}% {:>9}", name, ms, 100.0 * self.phase_shares[name], bound);
+            let _ = writeln!(
+                out,
+                "  {:<13} {:>10.2} {:>6.1}% {:>9}",
+                phase.name(),
+                ms,
+                100.0 * self.phase_shares[&phase],
+                bound
+            );
         }
         if self.comm_total_ms > 0.0 {
             let _ = writeln!(
@@ -449,7 +463,7 @@ pub(crate) mod tests {
                 n_params: 100_000,
                 flops_per_token: 6e5,
             },
-            train: TrainFacts { micro_batch: 8, grad_accum: 1, precision: "bf16".into(), world_size: 1, ..TrainFacts::default() },
+            train: TrainFacts { micro_batch: 8, grad_accum: 1, precision: Precision::Bf16, world_size: 1, ..TrainFacts::default() },
             machine: MachineFacts {
                 peak_flops: 1e12,
                 peak_flops_fp32: Some(2.5e11),
@@ -461,15 +475,15 @@ pub(crate) mod tests {
     }
 
     /// A step from (phase, ms) pairs; the wall time is their sum.
-    pub(crate) fn step(step: u64, parts: &[(&str, f64)]) -> StepSample {
-        let mut phases_ms = [0.0; N_PHASES];
-        for (name, ms) in parts {
-            phases_ms[phase_index(name).unwrap()] += ms;
+    pub(crate) fn step(step: u64, parts: &[(Phase, f64)]) -> StepSample {
+        let mut phases = PhaseTimes::default();
+        for &(phase, ms) in parts {
+            phases.add(phase, ms);
         }
         StepSample {
             step,
-            wall_ms: phases_ms.iter().sum(),
-            phases_ms,
+            wall_ms: phases.total(),
+            phases,
             comm_total_ms: 0.0,
             tokens: 256,
             loss: 1.0,
@@ -481,7 +495,12 @@ pub(crate) mod tests {
     #[test]
     fn phases_sum_to_the_step_and_bounds_follow_amdahl() {
         let steps: Vec<StepSample> = (1..=20)
-            .map(|i| step(i, &[("data_wait", 2.0), ("forward", 3.0), ("backward", 4.0), ("optimizer", 1.0)]))
+            .map(|i| {
+                step(
+                    i,
+                    &[(Phase::DataWait, 2.0), (Phase::Forward, 3.0), (Phase::Backward, 4.0), (Phase::Optimizer, 1.0)],
+                )
+            })
             .collect();
         let report = build_report(&facts(), &steps, 1 << 20, 0.0, &ProfConfig::default());
         let sum: f64 = report.phases.values().sum();
@@ -489,7 +508,7 @@ pub(crate) mod tests {
         assert_eq!(report.step_ms, 10.0);
         assert_eq!(report.steps_measured, 19);
         assert!((report.effective_compute_ratio - 0.8).abs() < 1e-12);
-        assert!((report.amdahl["data_wait"] - 10.0 / 8.0).abs() < 1e-12);
+        assert!((report.amdahl[&Phase::DataWait] - 10.0 / 8.0).abs() < 1e-12);
         // 256 tokens per 10 ms = 25600 tokens/s; 6e5 FLOPs each over 1e12.
         assert!((report.tokens_per_s - 25_600.0).abs() < 1e-6);
         assert!((report.mfu - 25_600.0 * 6e5 / 1e12).abs() < 1e-12);
@@ -498,21 +517,78 @@ pub(crate) mod tests {
 
     #[test]
     fn untimed_steps_count_for_throughput_not_for_the_split() {
-        let mut steps: Vec<StepSample> = (1..=10).map(|i| step(i, &[("forward", 5.0), ("other", 5.0)])).collect();
+        let mut steps: Vec<StepSample> =
+            (1..=10).map(|i| step(i, &[(Phase::Forward, 5.0), (Phase::Other, 5.0)])).collect();
         for s in steps.iter_mut().filter(|s| s.step % 2 == 0) {
             s.timed = false;
-            s.phases_ms = [0.0; N_PHASES];
-            s.phases_ms[phase_index("forward").unwrap()] = 10.0;
+            s.phases = PhaseTimes::default();
+            s.phases.add(Phase::Forward, 10.0);
         }
         let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
         assert_eq!(report.steps_timed, 4);
-        assert_eq!(report.phases["other"], 5.0);
+        assert_eq!(report.phases[&Phase::Other], 5.0);
+    }
+
+    #[test]
+    fn the_headline_is_the_median_when_the_machine_was_busy_for_a_third_of_the_run() {
+        // Steps 1-100 shared the cores with another process (everything 4x slower, the data wait
+        // 20x); steps 101-300 are the steady state: 10 ms, of which 1 ms data_wait.
+        let steps: Vec<StepSample> = (1..=300)
+            .map(|i| {
+                let busy = i <= 100;
+                let parts = [
+                    (Phase::DataWait, if busy { 20.0 } else { 1.0 }),
+                    (Phase::Forward, if busy { 12.0 } else { 3.0 }),
+                    (Phase::Backward, if busy { 20.0 } else { 5.0 }),
+                    (Phase::Optimizer, if busy { 4.0 } else { 1.0 }),
+                ];
+                step(i, &parts)
+            })
+            .collect();
+        let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
+        assert_eq!(report.step_ms, 10.0);
+        assert_eq!(report.tokens_per_s, 25_600.0);
+        assert!(report.step_ms_mean > 25.0 && report.step_ms_p90 == 56.0, "{}", report.render_text());
+        // 299 steps of 256 tokens in 99 x 56 + 200 x 10 ms; the p90 step took 56 ms.
+        assert!((report.tokens_per_s_mean - 299.0 * 256.0 / 7.544).abs() < 1e-6);
+        assert!((report.tokens_per_s_p90_step - 256.0 / 0.056).abs() < 1e-6);
+        // The split weighs every step by its time and sums to the headline.
+        let data_wait_share = (99.0 * 20.0 + 200.0 * 1.0) / 7544.0;
+        assert!((report.phase_shares[&Phase::DataWait] - data_wait_share).abs() < 1e-12);
+        assert!((report.phases.values().sum::<f64>() - report.step_ms).abs() < 1e-9);
+        assert!((report.amdahl[&Phase::DataWait] - 1.0 / (1.0 - data_wait_share)).abs() < 1e-9);
+        let text = report.render_text();
+        assert!(text.contains("10.00 ms/step median") && text.contains("25600 tokens/s median"), "{text}");
+    }
+
+    #[test]
+    fn a_checkpoint_every_ten_steps_counts_at_its_average_rate() {
+        let steps: Vec<StepSample> = (1..=101)
+            .map(|i| {
+                let stall = if i % 10 == 0 { 10.0 } else { 0.0 };
+                step(
+                    i,
+                    &[
+                        (Phase::Forward, 4.0),
+                        (Phase::Backward, 5.0),
+                        (Phase::Optimizer, 1.0),
+                        (Phase::CkptStall, stall),
+                    ],
+                )
+            })
+            .collect();
+        let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
+        // The median step does not checkpoint; one step in ten adds 10 ms: 100 of 1100 ms.
+        assert_eq!(report.step_ms, 10.0);
+        assert!((report.phase_shares[&Phase::CkptStall] - 100.0 / 1100.0).abs() < 1e-12);
+        assert!(report.findings.iter().any(|f| f.id == "ckpt_stall"), "{}", report.render_text());
     }
 
     #[test]
     fn a_slow_step_is_an_outlier() {
-        let mut steps: Vec<StepSample> = (1..=200).map(|i| step(i, &[("forward", 10.0 + (i % 3) as f64)])).collect();
-        steps[150] = step(151, &[("forward", 40.0)]);
+        let mut steps: Vec<StepSample> =
+            (1..=200).map(|i| step(i, &[(Phase::Forward, 10.0 + (i % 3) as f64)])).collect();
+        steps[150] = step(151, &[(Phase::Forward, 40.0)]);
         let report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
         assert_eq!(report.outlier_steps, vec![151]);
     }

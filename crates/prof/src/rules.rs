@@ -15,7 +15,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::report::{amdahl, ProfConfig, RunReport, StepSample, COMPUTE_PHASES};
+use crate::report::{amdahl, ProfConfig, RunReport, StepSample};
+use crate::vocab::{Phase, Precision};
 
 /// One diagnosis.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -40,8 +41,8 @@ fn pct(x: f64) -> String {
 /// Runs every rule; findings come sorted by bound, largest first (risks without a bound last).
 pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -> Vec<StepFinding> {
     let step = report.step_ms;
-    let share = |name: &str| report.phase_shares.get(name).copied().unwrap_or(0.0);
-    let ms = |name: &str| report.phases.get(name).copied().unwrap_or(0.0);
+    let share = |phase: Phase| report.phase_shares.get(&phase).copied().unwrap_or(0.0);
+    let ms = |phase: Phase| report.phases.get(&phase).copied().unwrap_or(0.0);
     let mut findings = Vec::new();
     let mut claimed_ms = 0.0;
     let mut finding = |id: &str, threshold: String, value: f64, evidence: String, cause: &str, fix: &str, bound| {
@@ -56,57 +57,62 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
         })
     };
 
-    if share("data_wait") > config.data_wait_max {
-        claimed_ms += ms("data_wait");
+    if share(Phase::DataWait) > config.data_wait_max {
+        claimed_ms += ms(Phase::DataWait);
         finding(
             "data_wait",
             format!("> {} of step", pct(config.data_wait_max)),
-            share("data_wait"),
-            format!("data_wait {:.2} ms of {:.2} ms per step ({})", ms("data_wait"), step, pct(share("data_wait"))),
+            share(Phase::DataWait),
+            format!(
+                "data_wait {:.2} ms of {:.2} ms per step ({})",
+                ms(Phase::DataWait),
+                step,
+                pct(share(Phase::DataWait))
+            ),
             "the trainer waits for batches: the loader prepares them slower than the model consumes them",
             "raise data.workers and data.prefetch (load ahead on more threads), move expensive per-sample work \
              offline (stoke prep), or put the data on faster storage",
-            Some(amdahl(step, ms("data_wait"))),
+            Some(amdahl(step, ms(Phase::DataWait))),
         );
     }
-    if share("comm_exposed") > config.comm_exposed_max {
-        claimed_ms += ms("comm_exposed");
+    if share(Phase::CommExposed) > config.comm_exposed_max {
+        claimed_ms += ms(Phase::CommExposed);
         finding(
             "comm_exposed",
             format!("> {} of step", pct(config.comm_exposed_max)),
-            share("comm_exposed"),
+            share(Phase::CommExposed),
             format!(
                 "comm_exposed {:.2} ms per step ({}) of comm_total {:.2} ms",
-                ms("comm_exposed"),
-                pct(share("comm_exposed")),
+                ms(Phase::CommExposed),
+                pct(share(Phase::CommExposed)),
                 report.comm_total_ms
             ),
             "the step waits for gradient communication that is not hidden behind backward",
             "overlap buckets with backward (smaller buckets start earlier), accumulate more micro-batches per \
              all-reduce, or compress gradients",
-            Some(amdahl(step, ms("comm_exposed"))),
+            Some(amdahl(step, ms(Phase::CommExposed))),
         );
     }
-    if share("ckpt_stall") > config.ckpt_stall_max {
-        claimed_ms += ms("ckpt_stall");
+    if share(Phase::CkptStall) > config.ckpt_stall_max {
+        claimed_ms += ms(Phase::CkptStall);
         finding(
             "ckpt_stall",
             format!("> {} of step", pct(config.ckpt_stall_max)),
-            share("ckpt_stall"),
+            share(Phase::CkptStall),
             format!(
                 "checkpointing stalls {:.2} ms per step on average ({})",
-                ms("ckpt_stall"),
-                pct(share("ckpt_stall"))
+                ms(Phase::CkptStall),
+                pct(share(Phase::CkptStall))
             ),
             "the loop waits while a checkpoint is written",
             "checkpoint less often (ckpt.every) or write asynchronously (copy to host, persist in the background)",
-            Some(amdahl(step, ms("ckpt_stall"))),
+            Some(amdahl(step, ms(Phase::CkptStall))),
         );
     }
     if let (Some(fp32), Some(bf16)) = (report.machine.peak_flops_fp32, report.machine.peak_flops_bf16) {
         let speedup = bf16 / fp32;
-        if report.train.precision == "fp32" && speedup >= config.bf16_speedup_min {
-            let compute: f64 = COMPUTE_PHASES.iter().map(|p| ms(p)).sum();
+        if report.train.precision == Precision::Fp32 && speedup >= config.bf16_speedup_min {
+            let compute: f64 = Phase::COMPUTE.iter().map(|&p| ms(p)).sum();
             let saved = compute * (1.0 - 1.0 / speedup);
             finding(
                 "fp32_on_bf16_hardware",
@@ -183,7 +189,7 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
         && report.compute_mfu < config.batch_mfu_min
         && tokens_per_micro_batch < config.batch_tokens_small
     {
-        let compute: f64 = COMPUTE_PHASES.iter().map(|p| ms(p)).sum();
+        let compute: f64 = Phase::COMPUTE.iter().map(|&p| ms(p)).sum();
         let saved = compute * (1.0 - report.compute_mfu / config.batch_mfu_min);
         claimed_ms += 0.0;
         finding(
@@ -207,15 +213,15 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
         );
     }
     if report.effective_compute_ratio < config.compute_ratio_min {
-        let compute: f64 = COMPUTE_PHASES.iter().map(|p| ms(p)).sum();
+        let compute: f64 = Phase::COMPUTE.iter().map(|&p| ms(p)).sum();
         // The umbrella rule claims only what the specific rules above did not, so that it never
         // outranks the finding that names the real cause.
         let unclaimed = (step - compute - claimed_ms).max(0.0);
-        let mut parts: Vec<(String, f64)> = report
+        let mut parts: Vec<(Phase, f64)> = report
             .phases
             .iter()
-            .filter(|(name, ms)| !COMPUTE_PHASES.contains(&name.as_str()) && **ms > 0.0)
-            .map(|(name, ms)| (name.clone(), *ms))
+            .filter(|(phase, ms)| !phase.is_compute() && **ms > 0.0)
+            .map(|(&phase, &ms)| (phase, ms))
             .collect();
         parts.sort_by(|a, b| b.1.total_cmp(&a.1));
         let listed: Vec<String> = parts.iter().map(|(name, ms)| format!("{name} {ms:.2} ms")).collect();
@@ -261,7 +267,7 @@ mod tests {
     use crate::report::tests::{facts, step};
 
     /// Builds a run of 50 identical steps and returns the ids of the findings, in order.
-    fn check(parts: &[(&str, f64)], tweak: impl Fn(&mut crate::RunFacts), expected: &[&str]) {
+    fn check(parts: &[(Phase, f64)], tweak: impl Fn(&mut crate::RunFacts), expected: &[&str]) {
         let mut facts = facts();
         tweak(&mut facts);
         let steps: Vec<StepSample> = (1..=50).map(|i| step(i, parts)).collect();
@@ -277,13 +283,29 @@ mod tests {
 
     #[test]
     fn balanced_steps_raise_nothing() {
-        check(&[("data_wait", 0.1), ("forward", 3.0), ("backward", 6.0), ("optimizer", 1.0), ("other", 0.2)], big, &[]);
+        check(
+            &[
+                (Phase::DataWait, 0.1),
+                (Phase::Forward, 3.0),
+                (Phase::Backward, 6.0),
+                (Phase::Optimizer, 1.0),
+                (Phase::Other, 0.2),
+            ],
+            big,
+            &[],
+        );
     }
 
     #[test]
     fn data_starvation_is_the_top_finding() {
         check(
-            &[("data_wait", 10.0), ("forward", 3.0), ("backward", 6.0), ("optimizer", 1.0), ("other", 0.5)],
+            &[
+                (Phase::DataWait, 10.0),
+                (Phase::Forward, 3.0),
+                (Phase::Backward, 6.0),
+                (Phase::Optimizer, 1.0),
+                (Phase::Other, 0.5),
+            ],
             big,
             &["data_wait", "low_compute_ratio"],
         );
@@ -291,18 +313,18 @@ mod tests {
 
     #[test]
     fn each_rule_fires_on_its_own_evidence() {
-        let compute = [("forward", 3.0), ("backward", 6.0), ("optimizer", 1.0)];
-        let with = |extra: (&'static str, f64)| -> Vec<(&'static str, f64)> {
+        let compute = [(Phase::Forward, 3.0), (Phase::Backward, 6.0), (Phase::Optimizer, 1.0)];
+        let with = |extra: (Phase, f64)| -> Vec<(Phase, f64)> {
             compute.iter().copied().chain(std::iter::once(extra)).collect()
         };
-        check(&with(("comm_exposed", 2.0)), big, &["comm_exposed"]);
-        check(&with(("ckpt_stall", 0.5)), big, &["ckpt_stall"]);
-        check(&with(("other", 6.0)), big, &["low_compute_ratio"]);
+        check(&with((Phase::CommExposed, 2.0)), big, &["comm_exposed"]);
+        check(&with((Phase::CkptStall, 0.5)), big, &["ckpt_stall"]);
+        check(&with((Phase::Other, 6.0)), big, &["low_compute_ratio"]);
         check(
             &compute,
             |f| {
                 big(f);
-                f.train.precision = "fp32".into();
+                f.train.precision = Precision::Fp32;
             },
             &["fp32_on_bf16_hardware"],
         );
@@ -321,12 +343,12 @@ mod tests {
     #[test]
     fn thrashing_loss_scale_and_outliers() {
         let mut steps: Vec<StepSample> =
-            (1..=200).map(|i| step(i, &[("forward", 5.0 + (i % 2) as f64), ("backward", 5.0)])).collect();
+            (1..=200).map(|i| step(i, &[(Phase::Forward, 5.0 + (i % 2) as f64), (Phase::Backward, 5.0)])).collect();
         for s in steps.iter_mut() {
             s.loss_scale = Some(if s.step % 4 == 0 { 1024.0 } else { 2048.0 });
         }
         for i in [50, 120, 170] {
-            steps[i].phases_ms[crate::phase_index("other").unwrap()] = 30.0;
+            steps[i].phases.add(Phase::Other, 30.0);
             steps[i].wall_ms += 30.0;
         }
         let mut facts = facts();

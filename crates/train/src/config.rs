@@ -92,14 +92,8 @@ impl ModelConfig {
 }
 
 /// Arithmetic precision of the matrix multiplies. Master weights, optimizer state, layer norms and
-/// the loss stay fp32 either way (`precision::FP32_OPS`); fp16 adds dynamic loss scaling.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    Fp32,
-    Bf16,
-    Fp16,
-}
+/// the loss stay fp32 either way.
+pub use stoke_prof::Precision;
 
 /// `[train]`: the loop and the optimizer (AdamW, warmup + cosine).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

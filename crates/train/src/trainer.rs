@@ -20,77 +20,7 @@ use crate::optim::{AdamW, AdamWStep, UpdateKernel};
 use crate::precision::LossScaler;
 use crate::TrainError;
 
-/// The phases a step's wall time splits into. They add up to the step's wall time: whatever is
-/// not measured as one of the named phases is `Other`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Phase {
-    DataWait,
-    H2d,
-    Forward,
-    Backward,
-    Recompute,
-    CommExposed,
-    Optimizer,
-    CkptStall,
-    Other,
-}
-
-impl Phase {
-    pub const ALL: [Phase; 9] = [
-        Phase::DataWait,
-        Phase::H2d,
-        Phase::Forward,
-        Phase::Backward,
-        Phase::Recompute,
-        Phase::CommExposed,
-        Phase::Optimizer,
-        Phase::CkptStall,
-        Phase::Other,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Phase::DataWait => "data_wait",
-            Phase::H2d => "h2d",
-            Phase::Forward => "forward",
-            Phase::Backward => "backward",
-            Phase::Recompute => "recompute",
-            Phase::CommExposed => "comm_exposed",
-            Phase::Optimizer => "optimizer",
-            Phase::CkptStall => "ckpt_stall",
-            Phase::Other => "other",
-        }
-    }
-
-    /// Phases that are the model's own arithmetic (the numerator of the effective compute ratio).
-    pub fn is_compute(self) -> bool {
-        matches!(self, Phase::Forward | Phase::Backward | Phase::Recompute | Phase::Optimizer)
-    }
-}
-
-/// Milliseconds per phase of one step.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct PhaseTimes {
-    pub ms: [f64; 9],
-}
-
-impl PhaseTimes {
-    pub fn get(&self, phase: Phase) -> f64 {
-        self.ms[phase as usize]
-    }
-
-    pub fn add(&mut self, phase: Phase, ms: f64) {
-        self.ms[phase as usize] += ms;
-    }
-
-    pub fn total(&self) -> f64 {
-        self.ms.iter().sum()
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (Phase, f64)> + '_ {
-        Phase::ALL.iter().map(|&p| (p, self.get(p)))
-    }
-}
+pub use stoke_prof::{Phase, PhaseTimes};
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, PartialEq)]

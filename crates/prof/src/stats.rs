@@ -1,0 +1,84 @@
+//! The few statistics every figure of stoke uses, defined once: a throughput, a median, a
+//! percentile, a distribution summary. The PyTorch peers in `benches/peers/` compute theirs the
+//! same way (`_measure.py` says so next to each).
+
+use serde::{Deserialize, Serialize};
+
+/// Tokens per second of `tokens` trained in `wall_ms` milliseconds; 0 when no time passed.
+///
+/// The headline rate of a run is `tokens_per_s(tokens per step, median step time)`, over the steps
+/// after the warm-up ones, on both sides of every comparison.
+pub fn tokens_per_s(tokens: f64, wall_ms: f64) -> f64 {
+    if wall_ms > 0.0 {
+        tokens / (wall_ms / 1e3)
+    } else {
+        0.0
+    }
+}
+
+/// The median; the mean of the two middle values for an even count. NaN when empty or when any
+/// value is NaN (a missing figure never becomes a plausible number).
+pub fn median(values: &[f64]) -> f64 {
+    if values.is_empty() || values.iter().any(|v| v.is_nan()) {
+        return f64::NAN;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    if n % 2 == 1 {
+        sorted[n / 2]
+    } else {
+        0.5 * (sorted[n / 2 - 1] + sorted[n / 2])
+    }
+}
+
+/// The `p`-th percentile (0..=100) by nearest rank: the smallest value with at least p% of the
+/// values at or below it. NaN when empty or when any value is NaN.
+pub fn percentile(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() || values.iter().any(|v| v.is_nan()) {
+        return f64::NAN;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// A distribution of step times, ms.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    pub median: f64,
+    pub mean: f64,
+    pub p90: f64,
+    /// Population standard deviation.
+    pub std: f64,
+}
+
+impl Spread {
+    pub fn of(values: &[f64]) -> Spread {
+        let n = values.len().max(1) as f64;
+        let mean = values.iter().sum::<f64>() / n;
+        let var = values.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+        Spread { median: median(values), mean, p90: percentile(values, 90.0), std: var.sqrt() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_percentiles_and_rates() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&[]).is_nan() && median(&[1.0, f64::NAN]).is_nan());
+        let ten: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(percentile(&ten, 90.0), 9.0);
+        assert_eq!(percentile(&ten, 100.0), 10.0);
+        assert_eq!(percentile(&ten, 0.0), 1.0);
+        assert_eq!(tokens_per_s(1000.0, 250.0), 4000.0);
+        assert_eq!(tokens_per_s(1000.0, 0.0), 0.0);
+        let spread = Spread::of(&[1.0, 1.0, 1.0, 5.0]);
+        assert_eq!((spread.median, spread.mean, spread.p90), (1.0, 2.0, 5.0));
+    }
+}
