@@ -30,7 +30,8 @@ fn wrong_type() {
 fn out_of_range() {
     check(&["train"], &["train.lr=-0.1"], "config key `train.lr`: must be a finite number > 0; got -0.1");
     check(&["train"], &["train.micro_batch=0"], "config key `train.micro_batch`: must be at least 1");
-    check(&["train"], &["train.precision=fp16"], "config key `train.precision`: unknown variant `fp16`");
+    check(&["train"], &["train.precision=fp8"], "config key `train.precision`: unknown variant `fp8`");
+    check(&["train"], &["train.recompute=everything"], "config key `train.recompute`: got \"everything\"; allowed:");
     check(&["train"], &["train.host_memory=keep"], "config key `train.host_memory`: unknown variant `keep`");
     check(&["train"], &["model.n_head=5"], "config key `model.n_head`: must divide model.d_model");
 }
