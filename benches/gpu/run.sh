@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Every GPU check in one go, for a machine with an NVIDIA GPU and PyTorch 2.11.0 installed (its
+# libtorch and NVIDIA wheels are what the binaries load). Build the binaries on any machine first:
+#
+#   STOKE_LINK_TORCH_CUDA=1 CARGO_TARGET_DIR=target/gpu cargo build --release --bin stoke
+#   CARGO_TARGET_DIR=target/gpu cargo build --release -p stoke-comm --features nccl --bin stoke-comm-worker
+#   benches/gpu/run.sh target/gpu/release [out-dir]
+#
+# STOKE_LINK_TORCH_CUDA=1 links libtorch_cuda.so explicitly (the linker's --as-needed drops it
+# otherwise, and libtorch then sees no GPU). Checks, each printed with its figures:
+#   1. stoke-comm's nccl backend (benches/gpu/nccl_check.sh): every op, dtype and odd size.
+#   2. bf16 training on the GPU for the tiny, small and gpt2-124m presets: median step, tokens/s, MFU.
+#   3. The block executor against the single-graph step on the GPU (interleaved pairs).
+#   4. Recomputation on the GPU: device memory at the step's peak and step time per policy.
+#   5. fp16 with dynamic loss scaling against bf16 and fp32 on the built-in data.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+BIN="$(cd "${1:-$ROOT/target/gpu/release}" && pwd)"
+OUTDIR="${2:-${OUT:-$ROOT/runs/gpu}}"
+mkdir -p "$OUTDIR"
+RUNS="$(mktemp -d)"
+PY="${PYTHON:-python3}"
+TORCH="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')" || { echo "no PyTorch for $PY" >&2; exit 2; }
+NV="$("$PY" -c 'import nvidia, os; print(":".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in sorted(os.listdir(p)) if os.path.isdir(os.path.join(p, d, "lib"))))' 2>/dev/null || true)"
+export LD_LIBRARY_PATH="$TORCH/lib${NV:+:$NV}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "torch: $TORCH ($("$PY" -c 'import torch; print(torch.__version__)'))"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+if ldd "$BIN/stoke" | grep -q 'libtorch_cuda.so => /'; then
+  echo "stoke links libtorch_cuda: $(ldd "$BIN/stoke" | awk '/libtorch_cuda.so/ {print $3}')"
+else
+  echo "stoke does not link libtorch_cuda (build with STOKE_LINK_TORCH_CUDA=1)"; ldd "$BIN/stoke" | grep -i 'torch\|not found'
+fi
+
+echo "== 1. nccl backend"
+if [ -x "$BIN/stoke-comm-worker" ]; then
+  timeout 300 "$ROOT/benches/gpu/nccl_check.sh" "$BIN/stoke-comm-worker" 2>&1 | tail -20
+else
+  echo "skipped: no $BIN/stoke-comm-worker"
+fi
+
+train() { # name, then --set overrides
+  local name="$1"; shift
+  local args=()
+  for kv in "$@"; do args+=(--set "$kv"); done
+  timeout 300 "$BIN/stoke" train --quiet --set run.dir="$RUNS" --set run.name="$name" --set run.device=cuda \
+    --set ckpt.every=0 --set ckpt.at_end=false --set prof.prometheus=false --set prof.html=false \
+    --set prof.trace=false --set prof.sync_every=1 "${args[@]}" > "$RUNS/$name.log" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ]; then echo "$name: exit $rc"; tail -5 "$RUNS/$name.log"; return $rc; fi
+  "$PY" - "$RUNS/$name/report.json" "$RUNS/$name/metrics.jsonl" "$name" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+losses = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+tail = losses[-20:]
+print(f"{sys.argv[3]:<28} step {r['step_ms']:8.2f} ms  {r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu']:.3f}  "
+      f"peak mem {r['peak_memory_bytes'] / 2**30:6.2f} GiB  final loss (mean of last 20) {sum(tail) / len(tail):.4f}")
+PY
+  cp "$RUNS/$name/report.json" "$OUTDIR/$name.json" 2>/dev/null || true
+}
+
+echo "== 2. bf16 training per preset"
+train tiny-bf16 model.preset=tiny train.precision=bf16 train.micro_batch=32 train.steps=80
+train small-bf16 model.preset=small train.precision=bf16 train.micro_batch=32 train.steps=60
+train gpt2-bf16 model.preset=gpt2-124m train.precision=bf16 train.micro_batch=16 train.steps=40
+
+echo "== 3. block executor vs single graph (gpt2-124m, bf16, interleaved)"
+for pair in 1 2 3; do
+  train "exec-blocks-$pair" model.preset=gpt2-124m train.micro_batch=16 train.steps=25 train.executor=blocks
+  train "exec-graph-$pair" model.preset=gpt2-124m train.micro_batch=16 train.steps=25 train.executor=single-graph
+done
+"$PY" - "$RUNS" <<'PY'
+import json, statistics, sys
+d = sys.argv[1]
+r = [json.load(open(f"{d}/exec-blocks-{i}/report.json"))["step_ms"] / json.load(open(f"{d}/exec-graph-{i}/report.json"))["step_ms"] for i in (1, 2, 3)]
+print(f"blocks / single-graph step time: median {statistics.median(r):.3f} [min {min(r):.3f}, max {max(r):.3f}]")
+PY
+
+echo "== 4. recomputation (gpt2-124m, bf16, micro-batch 16)"
+for policy in none mlp attention block; do
+  train "recompute-$policy" model.preset=gpt2-124m train.micro_batch=16 train.steps=20 train.recompute=$policy
+done
+
+echo "== 5. fp16 with loss scaling vs bf16 and fp32 (small, 300 steps)"
+for precision in fp32 bf16 fp16; do
+  train "precision-$precision" model.preset=small train.precision=$precision train.micro_batch=32 train.steps=300
+done
+grep -h '"skipped_steps"\|"loss_scale"' "$RUNS/precision-fp16/report.json" || true
+rm -rf "$RUNS"
