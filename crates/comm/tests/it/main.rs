@@ -1,0 +1,5 @@
+//! stoke-comm's integration tests: real worker processes (`stoke-comm-worker`) talking over
+//! shared memory and loopback, started directly, by `mpirun`, or by `srun`.
+
+mod harness;
+mod shm;
