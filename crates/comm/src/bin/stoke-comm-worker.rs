@@ -7,8 +7,8 @@
 //!   Exit 0 when all agree, 1 on a wrong value, 3 on a communication error.
 //! - `victim --victim R [--backend B] [--timeout S]`: all ranks join and print `ready`; rank R then
 //!   sleeps (for a test to kill or stop it) while the others all-reduce and report what happened.
-//! - `bench --sizes BYTES,.. --iters K [--backend B]`: times f32 all-reduces; rank 0 prints one
-//!   JSON line per size with the median seconds of K iterations.
+//! - `bench --sizes BYTES,.. [--iters K] [--backend B]`: times f32 all-reduces; rank 0 prints one
+//!   JSON line per size with the median and minimum seconds of K iterations.
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -204,8 +204,15 @@ fn check(comm: &dyn Communicator) -> stoke_comm::Result<usize> {
     Ok(checker.failures)
 }
 
-fn bench(comm: &dyn Communicator, sizes: &[usize], iters: usize) -> stoke_comm::Result<()> {
+/// Iterations per size when not given: about 256 MiB moved, 5..200 iterations (the gloo peer
+/// script uses the same rule).
+fn iterations(bytes: usize) -> usize {
+    ((256usize << 20) / bytes.max(1)).clamp(5, 200)
+}
+
+fn bench(comm: &dyn Communicator, sizes: &[usize], iters: Option<usize>) -> stoke_comm::Result<()> {
     for &bytes in sizes {
+        let iters = iters.unwrap_or_else(|| iterations(bytes));
         let count = bytes / 4;
         let mut buf = vec![1.0f32; count];
         // Warm-up: page faults and caches.
@@ -290,7 +297,7 @@ fn main() -> ExitCode {
                 .split(',')
                 .map(|s| s.parse().expect("sizes are byte counts"))
                 .collect();
-            let iters = arg(&args, "--iters").and_then(|v| v.parse().ok()).unwrap_or(20);
+            let iters = arg(&args, "--iters").and_then(|v| v.parse().ok());
             bench(comm.as_ref(), &sizes, iters).map(|_| 0)
         }
         _ => {

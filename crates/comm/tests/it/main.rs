@@ -2,4 +2,7 @@
 //! shared memory and loopback, started directly, by `mpirun`, or by `srun`.
 
 mod harness;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod shm;
+mod slurm;
