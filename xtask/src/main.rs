@@ -10,7 +10,7 @@
 //! - `setup`: install libtorch if it is not there yet (idempotent, quick when done).
 //! - `train [ARGS]`: set up, then `stoke train ARGS` from a release build.
 //! - `test [ARGS]`: set up, install Open MPI when missing (apt-get, as root), then
-//!   `cargo test --workspace --features stoke-comm/mpi ARGS`; without ARGS, then also the
+//!   `cargo test --workspace --features stoke-comm/mpi,stoke-comm/nccl ARGS`; without ARGS, then also the
 //!   benchmark regression gate (`stoke bench gate`). (The Slurm test installs Slurm itself.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
@@ -60,7 +60,7 @@ fn main() -> ExitCode {
         }),
         "test" => setup(&root).and_then(|_| ensure_open_mpi()).and_then(|_| {
             let mut cmd = cargo(&root);
-            cmd.args(["test", "--workspace", "--features", "stoke-comm/mpi"]).args(rest);
+            cmd.args(["test", "--workspace", "--features", "stoke-comm/mpi,stoke-comm/nccl"]).args(rest);
             let code = status(cmd)?;
             if code != 0 || !rest.is_empty() {
                 return Ok(code);

@@ -205,7 +205,9 @@ impl Communicator for ProcessGroup {
         sorted.sort_unstable();
         sorted.dedup();
         if sorted.is_empty() || sorted.len() != ranks.len() || sorted.iter().any(|&r| r >= self.size) {
-            return Err(self.invalid("new_group", format!("ranks {ranks:?} must be distinct ranks in 0..{}", self.size)));
+            return Err(
+                self.invalid("new_group", format!("ranks {ranks:?} must be distinct ranks in 0..{}", self.size))
+            );
         }
         let work = self.worker.submit(self.group, Op::NewGroup { ranks: sorted })?;
         let info = work.wait_outcome()?;

@@ -145,7 +145,8 @@ impl DistEnv {
         let master_port = match get("MASTER_PORT") {
             None => None,
             Some(v) => Some(
-                v.parse::<u16>().map_err(|_| CommError::Environment(format!("MASTER_PORT={v} is not a port number")))?,
+                v.parse::<u16>()
+                    .map_err(|_| CommError::Environment(format!("MASTER_PORT={v} is not a port number")))?,
             ),
         };
         let mut env = if get("RANK").is_some() {
@@ -235,7 +236,13 @@ mod tests {
     fn reads_torchrun_then_open_mpi_then_slurm() {
         check(&[], Some((0, 1, 0, 1, EnvSource::Single)));
         check(
-            &[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("SLURM_PROCID", "3")],
+            &[
+                ("RANK", "1"),
+                ("WORLD_SIZE", "4"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", "2"),
+                ("SLURM_PROCID", "3"),
+            ],
             Some((1, 4, 1, 2, EnvSource::Torchrun)),
         );
         check(
@@ -249,7 +256,12 @@ mod tests {
             Some((2, 3, 2, 3, EnvSource::OpenMpi)),
         );
         check(
-            &[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "2(x1)")],
+            &[
+                ("SLURM_PROCID", "1"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_LOCALID", "1"),
+                ("SLURM_STEP_TASKS_PER_NODE", "2(x1)"),
+            ],
             Some((1, 2, 1, 2, EnvSource::Slurm)),
         );
         check(&[("RANK", "2"), ("WORLD_SIZE", "2")], None);

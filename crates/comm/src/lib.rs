@@ -79,6 +79,11 @@ fn connect_shm(config: &CommConfig, env: &DistEnv) -> Result<Box<dyn Communicato
 
 /// The handle type backends return (exposed to the feature modules).
 #[allow(dead_code)] // used by the `mpi` and `nccl` features
-pub(crate) fn process_group(worker: Arc<work::Worker>, rank: usize, size: usize, backend: &'static str) -> Box<dyn Communicator> {
+pub(crate) fn process_group(
+    worker: Arc<work::Worker>,
+    rank: usize,
+    size: usize,
+    backend: &'static str,
+) -> Box<dyn Communicator> {
     Box::new(api::ProcessGroup { worker, group: 0, rank, size, backend })
 }

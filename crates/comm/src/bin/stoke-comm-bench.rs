@@ -49,7 +49,11 @@ fn run_torchrun(program: &Path, args: &[String]) -> Result<String, String> {
     for (rank, child) in children.into_iter().enumerate() {
         let out = child.wait_with_output().map_err(|e| e.to_string())?;
         if !out.status.success() {
-            return Err(format!("rank {rank} of {} failed: {}", program.display(), String::from_utf8_lossy(&out.stderr)));
+            return Err(format!(
+                "rank {rank} of {} failed: {}",
+                program.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ));
         }
         if rank == 0 {
             rank0 = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -71,7 +75,11 @@ fn run_mpirun(worker: &Path, sizes: &str) -> Result<String, String> {
         .output()
         .map_err(|e| format!("cannot run mpirun: {e}"))?;
     if !out.status.success() {
-        return Err(format!("mpirun failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)));
+        return Err(format!(
+            "mpirun failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -131,7 +139,8 @@ fn main() {
     let python = arg(&args, "--python").map(PathBuf::from).unwrap_or_else(|| root.join(".stoke/venv/bin/python"));
     let gloo_script = root.join("benches/peers/comm_gloo.py");
     let worker = std::env::current_exe().expect("own path").with_file_name("stoke-comm-worker");
-    let bench_args: Vec<String> = ["bench", "--backend", "shm", "--sizes", &sizes].iter().map(|s| s.to_string()).collect();
+    let bench_args: Vec<String> =
+        ["bench", "--backend", "shm", "--sizes", &sizes].iter().map(|s| s.to_string()).collect();
 
     let mut peers: Vec<&str> = vec!["shm", "mpi", "gloo"];
     let mut results: BTreeMap<(&str, usize), Vec<f64>> = BTreeMap::new();

@@ -67,7 +67,13 @@ struct Checker<'a> {
 }
 
 impl Checker<'_> {
-    fn expect<T: TestElem>(&mut self, what: &str, got: &[T], range: std::ops::Range<usize>, want: impl Fn(usize) -> f32) {
+    fn expect<T: TestElem>(
+        &mut self,
+        what: &str,
+        got: &[T],
+        range: std::ops::Range<usize>,
+        want: impl Fn(usize) -> f32,
+    ) {
         for i in range {
             if got[i].to_f32() != want(i) {
                 eprintln!(
@@ -115,8 +121,7 @@ impl Checker<'_> {
         self.expect("all_gather", &buf, 0..len, |i| value(shard_of(i), i));
 
         let root = n - 1;
-        let mut buf: Vec<T> =
-            (0..len).map(|i| if rank == root { mine(i) } else { T::from_f32(99.0) }).collect();
+        let mut buf: Vec<T> = (0..len).map(|i| if rank == root { mine(i) } else { T::from_f32(99.0) }).collect();
         self.comm.broadcast(&mut buf, root)?;
         self.expect("broadcast", &buf, 0..len, |i| value(root, i));
 

@@ -7,6 +7,7 @@ use crate::Communicator;
 pub(crate) fn connect(_config: &CommConfig, _env: &DistEnv) -> Result<Box<dyn Communicator>> {
     Err(CommError::Unavailable {
         backend: "mpi",
-        reason: "this build lacks the `mpi` feature (build with `--features stoke-comm/mpi`, needs libopenmpi-dev)".into(),
+        reason: "this build lacks the `mpi` feature (build with `--features stoke-comm/mpi`, needs libopenmpi-dev)"
+            .into(),
     })
 }

@@ -206,7 +206,16 @@ impl MpiEngine {
         let code = match self.in_place {
             // SAFETY: in-place all-gather: this rank's block already sits at its displacement.
             Some(in_place) => unsafe {
-                ffi::MPI_Allgatherv(in_place, 0, datatype, ptr as *mut c_void, counts.as_ptr(), displs.as_ptr(), datatype, group.comm)
+                ffi::MPI_Allgatherv(
+                    in_place,
+                    0,
+                    datatype,
+                    ptr as *mut c_void,
+                    counts.as_ptr(),
+                    displs.as_ptr(),
+                    datatype,
+                    group.comm,
+                )
             },
             None => {
                 self.scratch.clear();
@@ -259,9 +268,7 @@ impl Engine for MpiEngine {
     fn execute(&mut self, g: usize, op: &Op) -> Result<Option<GroupInfo>> {
         let comm = self.groups[g].comm;
         match op {
-            Op::AllReduce { region, op } => {
-                self.all_reduce(g, region.ptr(), region.count(), region.dtype(), *op)?
-            }
+            Op::AllReduce { region, op } => self.all_reduce(g, region.ptr(), region.count(), region.dtype(), *op)?,
             Op::ReduceScatter { region, op } => {
                 self.reduce_scatter(g, region.ptr(), region.count(), region.dtype(), *op)?
             }

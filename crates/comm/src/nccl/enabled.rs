@@ -14,8 +14,8 @@ use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::driver::sys as driver;
+use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::sys as nccl;
 
 type CuPtr = driver::CUdeviceptr;
@@ -119,6 +119,20 @@ struct NcclEngine {
     world_rank: usize,
 }
 
+/// An NCCL failure with NCCL's own words: the result code and its last error message.
+fn nccl_failed(op: &'static str, rank: usize, error: cudarc::nccl::result::NcclError) -> CommError {
+    // SAFETY: ncclGetLastError(NULL) returns a NUL-terminated string owned by NCCL (or null).
+    let last = unsafe {
+        let text = nccl::ncclGetLastError(std::ptr::null_mut());
+        if text.is_null() {
+            String::new()
+        } else {
+            std::ffi::CStr::from_ptr(text).to_string_lossy().into_owned()
+        }
+    };
+    CommError::Backend { backend: "nccl", op, rank, reason: format!("{:?}: {last}", error.0) }
+}
+
 fn failed(op: &'static str, rank: usize, reason: impl std::fmt::Debug) -> CommError {
     CommError::Backend { backend: "nccl", op, rank, reason: format!("{reason:?}") }
 }
@@ -136,7 +150,7 @@ impl NcclEngine {
         let stream = ctx.new_stream().map_err(|e| failed("init", rank, e))?;
         let timeout = Duration::from_secs_f64(config.timeout_s);
         let id = if rank == 0 || env.world_size == 1 {
-            let id = cudarc::nccl::result::get_uniqueid().map_err(|e| failed("init", rank, e))?;
+            let id = cudarc::nccl::result::get_uniqueid().map_err(|e| nccl_failed("init", rank, e))?;
             if let Some(store) = store.as_mut() {
                 let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
                 store.set("nccl/world", &bytes).map_err(|reason| CommError::Rendezvous {
@@ -162,7 +176,7 @@ impl NcclEngine {
         let mut comm: nccl::ncclComm_t = std::ptr::null_mut();
         // SAFETY: comm is an out pointer; every rank passes the same id and world size.
         unsafe { cudarc::nccl::result::comm_init_rank(&mut comm, env.world_size as i32, id, rank as i32) }
-            .map_err(|e| failed("init", rank, e))?;
+            .map_err(|e| nccl_failed("init", rank, e))?;
         let barrier_buf = device_alloc(4).map_err(|e| failed("init", rank, e))?;
         Ok(NcclEngine {
             _ctx: ctx,
@@ -196,7 +210,12 @@ impl NcclEngine {
         }
         // SAFETY: the host region holds region.bytes() (the async contract), staging at least as many.
         let status = unsafe {
-            driver::cuMemcpyHtoDAsync_v2(self.staging, region.ptr() as *const c_void, region.bytes(), self.stream.cu_stream())
+            driver::cuMemcpyHtoDAsync_v2(
+                self.staging,
+                region.ptr() as *const c_void,
+                region.bytes(),
+                self.stream.cu_stream(),
+            )
         };
         check_cu(status, "stage", self.world_rank)?;
         Ok((Region::new(self.staging as *mut u8, region.count(), region.dtype()), Some(region.ptr())))
@@ -321,13 +340,27 @@ impl Engine for NcclEngine {
             Op::Send { region, peer } => {
                 let (datatype, _) = Self::types(region.dtype(), ReduceOp::Sum);
                 unsafe {
-                    cudarc::nccl::result::send(region.ptr() as *const c_void, region.count(), datatype, *peer as i32, comm, stream)
+                    cudarc::nccl::result::send(
+                        region.ptr() as *const c_void,
+                        region.count(),
+                        datatype,
+                        *peer as i32,
+                        comm,
+                        stream,
+                    )
                 }
             }
             Op::Recv { region, peer } => {
                 let (datatype, _) = Self::types(region.dtype(), ReduceOp::Sum);
                 unsafe {
-                    cudarc::nccl::result::recv(region.ptr() as *mut c_void, region.count(), datatype, *peer as i32, comm, stream)
+                    cudarc::nccl::result::recv(
+                        region.ptr() as *mut c_void,
+                        region.count(),
+                        datatype,
+                        *peer as i32,
+                        comm,
+                        stream,
+                    )
                 }
             }
             Op::Barrier => {
@@ -351,18 +384,19 @@ impl Engine for NcclEngine {
                 // SAFETY: collective over the parent; child is an out pointer; null config.
                 unsafe { nccl::ncclCommSplit(comm, color, group_rank as i32, &mut child, std::ptr::null_mut()) }
                     .result()
-                    .map_err(|e| failed(name, rank, e))?;
+                    .map_err(|e| nccl_failed(name, rank, e))?;
                 let Some(sub_rank) = member else { return Ok(None) };
                 self.groups.push(NcclGroup { comm: child, rank: sub_rank, size: ranks.len() });
                 return Ok(Some(GroupInfo { id: self.groups.len() - 1, rank: sub_rank, size: ranks.len() }));
             }
         };
-        status.map_err(|e| failed(name, rank, e))?;
+        status.map_err(|e| nccl_failed(name, rank, e))?;
         if let Some(((dev, Some(host)), bytes)) = staged {
             // SAFETY: copies the result back into the caller's host region (bytes long), after
             // the collective on the same stream.
-            let status =
-                unsafe { driver::cuMemcpyDtoHAsync_v2(host as *mut c_void, dev.ptr() as u64, bytes, self.stream.cu_stream()) };
+            let status = unsafe {
+                driver::cuMemcpyDtoHAsync_v2(host as *mut c_void, dev.ptr() as u64, bytes, self.stream.cu_stream())
+            };
             check_cu(status, name, rank)?;
         }
         self.finish(g, name)?;

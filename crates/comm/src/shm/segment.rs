@@ -86,12 +86,20 @@ fn c_path(path: &Path) -> CString {
 impl Segment {
     /// Creates the segment at `path` as group rank 0: writes the file under a temporary name,
     /// locks rank 0's byte, then renames it into place (replacing any stale file).
-    pub(crate) fn create(path: &Path, size: usize, slots: usize, slot_bytes: usize, timeout: Duration) -> Result<Segment> {
+    pub(crate) fn create(
+        path: &Path,
+        size: usize,
+        slots: usize,
+        slot_bytes: usize,
+        timeout: Duration,
+    ) -> Result<Segment> {
         let (data_offset, total) = layout(size, slots, slot_bytes);
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let c_tmp = c_path(&tmp);
         // SAFETY: c_tmp is a valid NUL-terminated path.
-        let fd = unsafe { libc::open(c_tmp.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC | libc::O_CLOEXEC, 0o600) };
+        let fd = unsafe {
+            libc::open(c_tmp.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC | libc::O_CLOEXEC, 0o600)
+        };
         if fd < 0 {
             return Err(CommError::io("create shared-memory segment", &tmp, std::io::Error::last_os_error()));
         }
@@ -151,7 +159,13 @@ impl Segment {
     }
 
     /// Maps an opened file; `Ok(None)` when it is not (yet) a live segment (the fd is closed).
-    fn try_attach(fd: libc::c_int, path: &Path, rank: usize, size: usize, timeout: Duration) -> Result<Option<Segment>> {
+    fn try_attach(
+        fd: libc::c_int,
+        path: &Path,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<Option<Segment>> {
         // SAFETY: stat is plain data, fully written by fstat on success.
         let mut stat: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fd is open; stat is a valid out pointer.
@@ -365,7 +379,13 @@ impl Segment {
     /// Waits until `ready(word)` holds: spins briefly, then sleeps on the futex in slices,
     /// checking after each slice whether the segment was aborted or any member died, and giving
     /// up after `timeout_s`. Returns the word's value.
-    pub(crate) fn wait(&self, word: &AtomicU32, waiter: &AtomicU32, ready: impl Fn(u32) -> bool, why: WaitFor<'_>) -> Result<u32> {
+    pub(crate) fn wait(
+        &self,
+        word: &AtomicU32,
+        waiter: &AtomicU32,
+        ready: impl Fn(u32) -> bool,
+        why: WaitFor<'_>,
+    ) -> Result<u32> {
         let value = word.load(Ordering::Acquire);
         if ready(value) {
             return Ok(value);
@@ -445,11 +465,20 @@ impl Drop for Segment {
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    let ts =
+        libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // SAFETY: word is a valid, aligned u32 in a shared mapping (hence no FUTEX_PRIVATE_FLAG);
     // the kernel only reads it. EAGAIN, EINTR and ETIMEDOUT all mean "look again".
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, 0usize, 0u32);
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            0usize,
+            0u32,
+        );
     }
 }
 

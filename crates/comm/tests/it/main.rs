@@ -4,5 +4,7 @@
 mod harness;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod shm;
 mod slurm;
