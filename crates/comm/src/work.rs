@@ -6,6 +6,7 @@
 //! refuses every later operation with [`CommError::Poisoned`], because the peers' message streams
 //! are no longer in step.
 
+use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -101,11 +102,18 @@ pub(crate) struct GroupInfo {
     pub size: usize,
 }
 
-/// A backend's executor, owned by the communication thread.
-pub(crate) trait Engine {
+/// A backend's executor. It lives on the communication thread; engines whose `any_thread` is
+/// true may also be run by a caller that waits on a `Work` (see [`Work::wait`]).
+pub(crate) trait Engine: Send {
     /// Runs one operation on group `group` (0 is the world). `NewGroup` returns the new group, or
     /// `None` on a rank that is not a member; every other operation returns `None`.
     fn execute(&mut self, group: usize, op: &Op) -> Result<Option<GroupInfo>>;
+
+    /// Whether any thread may run operations (shm), or only the communication thread (MPI and
+    /// CUDA tie their state to one thread).
+    fn any_thread(&self) -> bool {
+        false
+    }
 }
 
 type Outcome = Result<Option<GroupInfo>>;
@@ -121,6 +129,71 @@ impl WorkState {
         *self.outcome.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
         self.done.notify_all();
     }
+
+    fn is_done(&self) -> bool {
+        self.outcome.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+}
+
+struct Job {
+    group: usize,
+    op: Op,
+    state: Arc<WorkState>,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    closed: bool,
+}
+
+/// The engine and the first failure, behind the lock that whoever runs operations holds.
+struct Exec {
+    engine: Box<dyn Engine>,
+    poisoned: Option<CommError>,
+}
+
+impl Exec {
+    fn run(&mut self, job: Job) {
+        let outcome = match &self.poisoned {
+            Some(err) => Err(CommError::Poisoned(Box::new(err.clone()))),
+            None => {
+                let outcome = self.engine.execute(job.group, &job.op);
+                if let Err(err) = &outcome {
+                    // Argument errors are caught before queueing; anything failing here may leave
+                    // the peers' streams out of step.
+                    self.poisoned = Some(err.clone());
+                }
+                outcome
+            }
+        };
+        job.state.complete(outcome);
+    }
+}
+
+struct Shared {
+    rank: usize,
+    queue: Mutex<Queue>,
+    queued: Condvar,
+    exec: Mutex<Option<Exec>>,
+    any_thread: bool,
+}
+
+impl Shared {
+    fn lock_queue(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs queued jobs in order, holding `exec`, until the queue is empty or `until` is done.
+    fn run_pending(&self, exec: &mut Exec, until: Option<&WorkState>) {
+        loop {
+            if until.is_some_and(WorkState::is_done) {
+                return;
+            }
+            let Some(job) = self.lock_queue().jobs.pop_front() else { return };
+            exec.run(job);
+        }
+    }
 }
 
 /// A handle on a submitted operation. Dropping it waits for the operation to finish, so a region
@@ -128,18 +201,21 @@ impl WorkState {
 #[must_use = "an operation's failure is only reported by waiting on its Work"]
 pub struct Work {
     state: Arc<WorkState>,
+    shared: Arc<Shared>,
     op: &'static str,
 }
 
 impl Work {
     /// Blocks until the operation has finished and returns its outcome. Every wait inside the
-    /// operation is bounded by the communicator's `timeout_s`, so this returns.
+    /// operation is bounded by the communicator's `timeout_s`, so this returns. With the `shm`
+    /// backend a waiting caller runs its queued operation (and those before it) itself when the
+    /// communication thread has not started it yet, which saves two thread wake-ups per call.
     pub fn wait(self) -> Result<()> {
         self.wait_outcome().map(|_| ())
     }
 
     /// Waits at most `timeout`: `Ok(true)` when the operation finished well, `Ok(false)` when it
-    /// is still running, `Err` when it failed.
+    /// is still running, `Err` when it failed. It never runs the operation itself.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<bool> {
         let deadline = Instant::now() + timeout;
         let mut guard = self.state.outcome.lock().unwrap_or_else(|e| e.into_inner());
@@ -157,7 +233,7 @@ impl Work {
 
     /// Whether the operation has finished (well or not).
     pub fn is_done(&self) -> bool {
-        self.state.outcome.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.state.is_done()
     }
 
     /// The operation's name (`all_reduce`, ...).
@@ -166,19 +242,34 @@ impl Work {
     }
 
     pub(crate) fn wait_outcome(&self) -> Outcome {
-        let mut guard = self.state.outcome.lock().unwrap_or_else(|e| e.into_inner());
         loop {
+            if self.shared.any_thread {
+                // Run it here if nobody is running operations; order is kept because only the
+                // queue's head is ever taken, under the same lock the thread takes.
+                if let Ok(mut exec) = self.shared.exec.try_lock() {
+                    if let Some(exec) = exec.as_mut() {
+                        self.shared.run_pending(exec, Some(&self.state));
+                    }
+                }
+            }
+            let guard = self.state.outcome.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(outcome) = guard.as_ref() {
                 return outcome.clone();
             }
-            guard = self.state.done.wait(guard).unwrap_or_else(|e| e.into_inner());
+            // Someone else runs operations: the thread notifies on completion; another caller
+            // may stop before ours, so look again after a while.
+            let slice = if self.shared.any_thread { Duration::from_millis(1) } else { Duration::from_secs(1) };
+            let (guard, _) = self.state.done.wait_timeout(guard, slice).unwrap_or_else(|e| e.into_inner());
+            if let Some(outcome) = guard.as_ref() {
+                return outcome.clone();
+            }
         }
     }
 }
 
 impl Drop for Work {
     fn drop(&mut self) {
-        // The region must not be written after the handle is gone: wait for the thread.
+        // The region must not be written after the handle is gone: wait for the operation.
         let _ = self.wait_outcome();
     }
 }
@@ -189,16 +280,9 @@ impl std::fmt::Debug for Work {
     }
 }
 
-struct Job {
-    group: usize,
-    op: Op,
-    state: Arc<WorkState>,
-}
-
 /// The communication thread of one communicator and its queue.
 pub(crate) struct Worker {
-    rank: usize,
-    queue: Mutex<Option<mpsc::Sender<Job>>>,
+    shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -209,42 +293,50 @@ impl Worker {
     where
         F: FnOnce() -> Result<Box<dyn Engine>> + Send + 'static,
     {
-        let (job_tx, job_rx) = mpsc::channel::<Job>();
-        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<()>>(1);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<bool>>(1);
+        let shared_slot: Arc<Mutex<Option<Arc<Shared>>>> = Arc::new(Mutex::new(None));
+        let slot = shared_slot.clone();
         let thread = std::thread::Builder::new()
             .name(format!("stoke-comm-{name}-{rank}"))
             .spawn(move || {
-                let mut engine = match make_engine() {
-                    Ok(engine) => {
-                        let _ = ready_tx.send(Ok(()));
-                        engine
-                    }
+                let engine = match make_engine() {
+                    Ok(engine) => engine,
                     Err(err) => {
                         let _ = ready_tx.send(Err(err));
                         return;
                     }
                 };
-                let mut poisoned: Option<CommError> = None;
-                while let Ok(job) = job_rx.recv() {
-                    let outcome = match &poisoned {
-                        Some(err) => Err(CommError::Poisoned(Box::new(err.clone()))),
-                        None => {
-                            let outcome = engine.execute(job.group, &job.op);
-                            if let Err(err) = &outcome {
-                                // Argument errors are caught before queueing; anything failing
-                                // here may leave peers' streams out of step.
-                                poisoned = Some(err.clone());
-                            }
-                            outcome
+                let shared = Arc::new(Shared {
+                    rank,
+                    queue: Mutex::new(Queue::default()),
+                    queued: Condvar::new(),
+                    any_thread: engine.any_thread(),
+                    exec: Mutex::new(Some(Exec { engine, poisoned: None })),
+                });
+                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(shared.clone());
+                let _ = ready_tx.send(Ok(true));
+                loop {
+                    {
+                        let mut queue = shared.lock_queue();
+                        while queue.jobs.is_empty() && !queue.closed {
+                            queue = shared.queued.wait(queue).unwrap_or_else(|e| e.into_inner());
                         }
-                    };
-                    job.state.complete(outcome);
+                        if queue.jobs.is_empty() && queue.closed {
+                            break;
+                        }
+                    }
+                    let mut exec = shared.exec.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(exec) = exec.as_mut() {
+                        shared.run_pending(exec, None);
+                    }
                 }
-                drop(engine);
+                // Tear the engine down on this thread (MPI finalizes where it initialized).
+                let exec = shared.exec.lock().unwrap_or_else(|e| e.into_inner()).take();
+                drop(exec);
             })
             .map_err(|e| CommError::Backend { backend: "thread", op: "spawn", rank, reason: e.to_string() })?;
         match ready_rx.recv() {
-            Ok(Ok(())) => {}
+            Ok(Ok(_)) => {}
             Ok(Err(err)) => {
                 let _ = thread.join();
                 return Err(err);
@@ -254,26 +346,31 @@ impl Worker {
                 return Err(CommError::WorkerGone { rank });
             }
         }
-        Ok(Arc::new(Worker { rank, queue: Mutex::new(Some(job_tx)), thread: Mutex::new(Some(thread)) }))
+        let shared =
+            shared_slot.lock().unwrap_or_else(|e| e.into_inner()).take().ok_or(CommError::WorkerGone { rank })?;
+        Ok(Arc::new(Worker { shared, thread: Mutex::new(Some(thread)) }))
     }
 
     pub(crate) fn submit(&self, group: usize, op: Op) -> Result<Work> {
         let name = op.name();
         let state = Arc::new(WorkState::default());
-        let job = Job { group, op, state: state.clone() };
-        let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        match queue.as_ref() {
-            Some(tx) => tx.send(job).map_err(|_| CommError::WorkerGone { rank: self.rank })?,
-            None => return Err(CommError::WorkerGone { rank: self.rank }),
+        {
+            let mut queue = self.shared.lock_queue();
+            if queue.closed {
+                return Err(CommError::WorkerGone { rank: self.shared.rank });
+            }
+            queue.jobs.push_back(Job { group, op, state: state.clone() });
         }
-        Ok(Work { state, op: name })
+        self.shared.queued.notify_one();
+        Ok(Work { state, shared: self.shared.clone(), op: name })
     }
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
         // Closing the queue lets the thread finish what is queued (each wait is bounded) and exit.
-        self.queue.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.shared.lock_queue().closed = true;
+        self.shared.queued.notify_all();
         if let Some(thread) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = thread.join();
         }

@@ -38,6 +38,11 @@ struct MpiEngine {
     add_f16: ffi::MPI_Op,
 }
 
+// SAFETY: the engine holds MPI handles (raw pointers) that must only be used on the thread that
+// initialized MPI; `any_thread` is false, so only the communication thread ever runs or drops it,
+// and moving it into the shared slot there does not use it elsewhere.
+unsafe impl Send for MpiEngine {}
+
 unsafe extern "C" fn add_bf16(invec: *mut c_void, inout: *mut c_void, len: *mut c_int, _dt: *mut ffi::MPI_Datatype) {
     // SAFETY: MPI hands two buffers of `*len` u16 elements (the datatype this op is used with).
     unsafe { dtype::add_into(DType::BF16, inout as *mut u8, invec as *const u8, *len as usize) }

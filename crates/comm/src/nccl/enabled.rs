@@ -133,6 +133,10 @@ fn nccl_failed(op: &'static str, rank: usize, error: cudarc::nccl::result::NcclE
     CommError::Backend { backend: "nccl", op, rank, reason: format!("{:?}: {last}", error.0) }
 }
 
+// SAFETY: NCCL communicators and the CUDA context are bound to the communication thread;
+// `any_thread` is false, so only that thread ever runs or drops the engine.
+unsafe impl Send for NcclEngine {}
+
 fn failed(op: &'static str, rank: usize, reason: impl std::fmt::Debug) -> CommError {
     CommError::Backend { backend: "nccl", op, rank, reason: format!("{reason:?}") }
 }

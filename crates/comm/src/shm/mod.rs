@@ -134,6 +134,10 @@ impl ShmEngine {
 }
 
 impl Engine for ShmEngine {
+    fn any_thread(&self) -> bool {
+        true
+    }
+
     fn execute(&mut self, group: usize, op: &Op) -> Result<Option<GroupInfo>> {
         if let Op::NewGroup { ranks } = op {
             let parent = &mut self.groups[group];
