@@ -39,7 +39,8 @@ pub struct CommConfig {
     /// Folder for shared-memory segments (should be a tmpfs). Default: `/dev/shm`.
     pub shm_dir: PathBuf,
     /// Bytes of one message slot in the shared-memory channels; the ring moves buffers in chunks
-    /// of this size. Must be a positive multiple of 64. Default: 256 KiB.
+    /// of this size. Must be a positive multiple of 64. Default: 512 KiB (measured on a 2-core
+    /// machine: 256 KiB chunks cost a third of the 1-4 MiB bandwidth in wake-ups).
     pub slot_bytes: usize,
     /// Slots per channel: how many chunks a sender may run ahead of its receiver. Default: 4.
     pub slots: usize,
@@ -55,7 +56,7 @@ impl Default for CommConfig {
             backend: Backend::Shm,
             timeout_s: 300.0,
             shm_dir: PathBuf::from("/dev/shm"),
-            slot_bytes: 256 << 10,
+            slot_bytes: 512 << 10,
             slots: 4,
             direct_max_bytes: 64 << 10,
         }

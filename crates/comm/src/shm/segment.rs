@@ -1,5 +1,5 @@
 //! One shared-memory segment per group: header, channel control words, message slots; liveness
-//! through byte-range locks; waiting that spins briefly, then sleeps on a futex.
+//! through byte-range locks; waiting that spins briefly, yields, then sleeps on a futex.
 //!
 //! Layout (offsets in bytes):
 //! - `0..4096` header: magic, version, group size, slots, slot bytes, `ready`, `joined`, `abort`.
@@ -27,8 +27,11 @@ const HEADER_BYTES: usize = 4096;
 const CONTROL_BYTES: usize = 256;
 pub(crate) const SLOT_HEADER_BYTES: usize = 64;
 const LOCK_BASE: i64 = 1 << 40;
-/// How long a waiter spins before it sleeps on the futex.
+/// How long a waiter spins before it yields.
 const SPIN: Duration = Duration::from_micros(30);
+/// How long a waiter keeps yielding its core (to a peer that may be waiting for it) before it
+/// sleeps on the futex.
+const YIELD: Duration = Duration::from_micros(200);
 /// The longest single futex sleep; after each, the waiter checks its peers' liveness.
 const SLEEP_SLICE: Duration = Duration::from_millis(50);
 
@@ -399,8 +402,14 @@ impl Segment {
                 return Ok(value);
             }
             spins += 1;
-            if spins % 64 == 0 && start.elapsed() >= SPIN {
-                break;
+            if spins % 64 == 0 {
+                let waited = start.elapsed();
+                if waited >= YIELD {
+                    break;
+                }
+                if waited >= SPIN {
+                    std::thread::yield_now();
+                }
             }
         }
         let deadline = start + self.timeout;
