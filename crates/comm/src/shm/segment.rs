@@ -28,7 +28,7 @@ const CONTROL_BYTES: usize = 256;
 pub(crate) const SLOT_HEADER_BYTES: usize = 64;
 const LOCK_BASE: i64 = 1 << 40;
 /// How long a waiter spins before it yields.
-const SPIN: Duration = Duration::from_micros(30);
+const SPIN: Duration = Duration::from_micros(5);
 /// How long a waiter keeps yielding its core (to a peer that may be waiting for it) before it
 /// sleeps on the futex.
 const YIELD: Duration = Duration::from_micros(200);
