@@ -92,11 +92,14 @@ impl MpiEngine {
             check(ffi::MPI_Op_create(Some(add_bf16), 1, &mut add_bf16_op), "init", rank as usize)?;
             check(ffi::MPI_Op_create(Some(add_f16), 1, &mut add_f16_op), "init", rank as usize)?;
         }
+        // Open MPI's mpi.h: `#define MPI_IN_PLACE ((void *) 1)`; a sentinel, never dereferenced.
+        #[allow(clippy::manual_dangling_ptr)]
+        let open_mpi_in_place = 1usize as *mut c_void;
         Ok(MpiEngine {
             _universe: universe,
             groups: vec![MpiGroup { comm: world, rank: rank as usize, size: size as usize }],
             world_rank: rank as usize,
-            in_place: is_open_mpi.then_some(1usize as *mut c_void),
+            in_place: is_open_mpi.then_some(open_mpi_in_place),
             scratch: Vec::new(),
             add_bf16: add_bf16_op,
             add_f16: add_f16_op,
