@@ -138,7 +138,8 @@ fn main() {
     let sizes = arg(&args, "--sizes").unwrap_or_else(|| DEFAULT_SIZES.to_string());
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let python = arg(&args, "--python").map(PathBuf::from).unwrap_or_else(|| root.join(".stoke/venv/bin/python"));
-    let gloo_script = root.join("benches/peers/comm_gloo.py");
+    let gloo_script =
+        arg(&args, "--gloo-script").map(PathBuf::from).unwrap_or_else(|| root.join("benches/peers/comm_gloo.py"));
     let worker = std::env::current_exe().expect("own path").with_file_name("stoke-comm-worker");
     let bench_args: Vec<String> =
         ["bench", "--backend", "shm", "--sizes", &sizes].iter().map(|s| s.to_string()).collect();
