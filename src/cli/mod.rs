@@ -9,6 +9,7 @@ mod config;
 mod corpus;
 mod doctor;
 mod find_batch;
+mod launch;
 mod plan;
 mod prep;
 mod trace;
@@ -43,6 +44,8 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Analyze PyTorch profiler (Kineto) traces, or diff two runs (exit 3 on a regression).
     Trace(trace::TraceArgs),
+    /// Start N workers on this machine with torchrun's variables (`stoke launch --nproc 2 -- train`).
+    Launch(launch::LaunchArgs),
     /// Prepare data offline: tokenize text into shards, pack records, verify a prepared directory.
     Prep(prep::PrepArgs),
 }
@@ -57,5 +60,6 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Plan(args) => plan::run(args),
         Command::Trace(args) => trace::run(args),
         Command::Prep(args) => prep::run(args),
+        Command::Launch(args) => launch::run(args),
     }
 }

@@ -2,6 +2,7 @@
 
 mod config_errors;
 mod doctor;
+mod launch;
 mod prep;
 mod train;
 

@@ -9,8 +9,9 @@
 //! Tasks:
 //! - `setup`: install libtorch if it is not there yet (idempotent, quick when done).
 //! - `train [ARGS]`: set up, then `stoke train ARGS` from a release build.
-//! - `test [ARGS]`: set up, then `cargo test --workspace ARGS`; without ARGS, then also the
-//!   benchmark regression gate (`stoke bench gate`).
+//! - `test [ARGS]`: set up, install Open MPI when missing (apt-get, as root), then
+//!   `cargo test --workspace --features stoke-comm/mpi,stoke-comm/nccl ARGS`; without ARGS, then also the
+//!   benchmark regression gate (`stoke bench gate`). (The Slurm test installs Slurm itself.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
 
@@ -57,9 +58,9 @@ fn main() -> ExitCode {
             cmd.args(["run", "--release", "--quiet", "--bin", "stoke", "--"]).args(rest);
             status(cmd)
         }),
-        "test" => setup(&root).and_then(|_| {
+        "test" => setup(&root).and_then(|_| ensure_open_mpi()).and_then(|_| {
             let mut cmd = cargo(&root);
-            cmd.args(["test", "--workspace"]).args(rest);
+            cmd.args(["test", "--workspace", "--features", "stoke-comm/mpi,stoke-comm/nccl"]).args(rest);
             let code = status(cmd)?;
             if code != 0 || !rest.is_empty() {
                 return Ok(code);
@@ -130,6 +131,36 @@ fn setup(root: &Path) -> Result<(), String> {
     std::fs::write(&stamp, SETUP_STAMP).map_err(|e| format!("cannot write {}: {e}", stamp.display()))?;
     eprintln!("xtask: libtorch ready at .stoke/torch");
     Ok(())
+}
+
+/// Debian packages the `mpi` feature needs to build (mpi.h, libmpi, libclang for bindgen) and its
+/// test needs to run (`mpirun`).
+const OPEN_MPI_PACKAGES: &[&str] = &["openmpi-bin", "libopenmpi-dev", "libclang-dev"];
+
+/// Installs Open MPI with apt-get when `mpirun` or `mpicc` is missing (as root, non-interactive).
+fn ensure_open_mpi() -> Result<(), String> {
+    let present = |tool: &str| Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
+    let has_libclang = ["/usr/lib/llvm-14/lib", "/usr/lib/llvm-15/lib", "/usr/lib/llvm-16/lib", "/usr/lib/x86_64-linux-gnu"]
+        .iter()
+        .any(|dir| std::fs::read_dir(dir).is_ok_and(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with("libclang"))));
+    if present("mpirun") && present("mpicc") && has_libclang {
+        return Ok(());
+    }
+    let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    if !is_root {
+        return Err(format!(
+            "the tests need Open MPI; install it as root: apt-get install -y {}",
+            OPEN_MPI_PACKAGES.join(" ")
+        ));
+    }
+    eprintln!("xtask: installing Open MPI ({})", OPEN_MPI_PACKAGES.join(" "));
+    run_checked(Command::new("apt-get").args(["update", "-q"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
+    run_checked(
+        Command::new("apt-get")
+            .args(["install", "-y", "-q"])
+            .args(OPEN_MPI_PACKAGES)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
 }
 
 fn install_peer_deps(root: &Path) -> Result<(), String> {

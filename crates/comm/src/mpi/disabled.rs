@@ -1,0 +1,13 @@
+//! Without the `mpi` feature: a clear error.
+
+use crate::config::{CommConfig, DistEnv};
+use crate::error::{CommError, Result};
+use crate::Communicator;
+
+pub(crate) fn connect(_config: &CommConfig, _env: &DistEnv) -> Result<Box<dyn Communicator>> {
+    Err(CommError::Unavailable {
+        backend: "mpi",
+        reason: "this build lacks the `mpi` feature (build with `--features stoke-comm/mpi`, needs libopenmpi-dev)"
+            .into(),
+    })
+}

@@ -1,0 +1,446 @@
+//! The shared-memory backend: processes of one machine exchange chunks through per-pair
+//! channels in one segment per group.
+//!
+//! Algorithms, all built on `send_chunk`/`recv_chunk` over channel (src, dst):
+//! - all-reduce up to `direct_max_bytes`: direct. Every rank posts its whole buffer to every
+//!   other rank and sums all inputs in rank order (f32 accumulation, one rounding): one round trip.
+//! - larger all-reduce, reduce-scatter, all-gather: a ring, chunk by chunk. Each chunk of each of
+//!   the `n` shards travels `n - 1` hops being reduced, then `n - 1` hops being copied; a sender
+//!   runs up to `slots` chunks ahead of its receiver.
+//! - broadcast: a chain from the root, chunk by chunk. Send/recv: the pair's channel.
+//!
+//! Receivers reduce straight out of the sender's slot, so each byte is copied into shared memory
+//! once per hop and read from there once.
+
+mod segment;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::api::shard_range;
+use crate::config::CommConfig;
+use crate::dtype::{self, DType, ReduceOp};
+use crate::error::{CommError, Result};
+use crate::store::StoreClient;
+use crate::work::{Engine, GroupInfo, Op, Region};
+use segment::{Segment, WaitFor};
+
+/// Where the members of a group find its segment.
+pub(crate) enum Rendezvous {
+    /// Through the TCP store: the group's rank 0 publishes the segment's path under a key.
+    Store(StoreClient),
+    /// At a fixed path (sub-groups append `.g<key>`).
+    Path(PathBuf),
+}
+
+/// A message kind in each slot header, so ranks that disagree on the call sequence get an error
+/// instead of garbage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+enum Kind {
+    AllReduce = 1,
+    ReduceScatter = 2,
+    AllGather = 3,
+    Broadcast = 4,
+    Send = 5,
+    Barrier = 6,
+}
+
+struct Group {
+    /// Group rank -> world rank.
+    world_ranks: Vec<usize>,
+    rank: usize,
+    size: usize,
+    key: String,
+    children: u32,
+    /// `None` for a group of one.
+    segment: Option<Segment>,
+    /// Chunks this rank has posted to each destination.
+    sent: Vec<u32>,
+    /// Chunks this rank has consumed from each source.
+    received: Vec<u32>,
+}
+
+pub(crate) struct ShmEngine {
+    config: CommConfig,
+    rendezvous: Rendezvous,
+    groups: Vec<Group>,
+}
+
+impl ShmEngine {
+    /// Joins the world group: rank 0 creates the segment, the others open it, all wait for all.
+    pub(crate) fn new(config: CommConfig, rank: usize, size: usize, rendezvous: Rendezvous) -> Result<ShmEngine> {
+        let mut engine = ShmEngine { config, rendezvous, groups: Vec::new() };
+        let world = engine.make_group((0..size).collect(), rank, "world".into())?;
+        engine.groups.push(world);
+        Ok(engine)
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.config.timeout_s)
+    }
+
+    fn make_group(&mut self, world_ranks: Vec<usize>, rank: usize, key: String) -> Result<Group> {
+        let size = world_ranks.len();
+        let timeout = self.timeout();
+        let segment = if size == 1 {
+            None
+        } else {
+            let (slots, slot_bytes) = (self.config.slots, self.config.slot_bytes);
+            let world_rank = world_ranks[rank];
+            let mut segment = match &mut self.rendezvous {
+                Rendezvous::Store(store) => {
+                    let store_key = format!("shm/{key}");
+                    if rank == 0 {
+                        let nanos = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|d| d.as_nanos())
+                            .unwrap_or(0);
+                        let name = format!("stoke-comm-{}-{nanos}-{}", std::process::id(), key.replace('/', "."));
+                        let path = self.config.shm_dir.join(name);
+                        let segment = Segment::create(&path, size, slots, slot_bytes, timeout)?;
+                        store.set(&store_key, path.as_os_str().as_encoded_bytes()).map_err(|reason| {
+                            CommError::Rendezvous { rank: world_rank, place: store.place.clone(), reason }
+                        })?;
+                        segment
+                    } else {
+                        let path = store.get(&store_key, timeout).map_err(|reason| CommError::Rendezvous {
+                            rank: world_rank,
+                            place: store.place.clone(),
+                            reason,
+                        })?;
+                        let path = PathBuf::from(String::from_utf8_lossy(&path).into_owned());
+                        Segment::open(&path, rank, size, timeout)?
+                    }
+                }
+                Rendezvous::Path(base) => {
+                    let path = if key == "world" {
+                        base.clone()
+                    } else {
+                        PathBuf::from(format!("{}.g{}", base.display(), key.replace('/', ".")))
+                    };
+                    if rank == 0 {
+                        Segment::create(&path, size, slots, slot_bytes, timeout)?
+                    } else {
+                        Segment::open(&path, rank, size, timeout)?
+                    }
+                }
+            };
+            segment.join(rank, &world_ranks)?;
+            Some(segment)
+        };
+        Ok(Group { world_ranks, rank, size, key, children: 0, segment, sent: vec![0; size], received: vec![0; size] })
+    }
+}
+
+impl Engine for ShmEngine {
+    fn any_thread(&self) -> bool {
+        true
+    }
+
+    fn execute(&mut self, group: usize, op: &Op) -> Result<Option<GroupInfo>> {
+        if let Op::NewGroup { ranks } = op {
+            let parent = &mut self.groups[group];
+            parent.children += 1;
+            let key = format!("{}/{}", parent.key, parent.children);
+            let Some(rank) = ranks.iter().position(|&r| r == parent.rank) else {
+                return Ok(None);
+            };
+            let world_ranks: Vec<usize> = ranks.iter().map(|&r| parent.world_ranks[r]).collect();
+            let size = world_ranks.len();
+            let child = self.make_group(world_ranks, rank, key)?;
+            self.groups.push(child);
+            return Ok(Some(GroupInfo { id: self.groups.len() - 1, rank, size }));
+        }
+        let direct_max = self.config.direct_max_bytes.min(self.config.slot_bytes);
+        let g = &mut self.groups[group];
+        if g.size == 1 {
+            return Ok(None); // every operation on a group of one is the identity (avg divides by 1)
+        }
+        let name = op.name();
+        match op {
+            Op::AllReduce { region, op } if region.bytes() <= direct_max => g.all_reduce_direct(name, region, *op),
+            Op::AllReduce { region, op } => g.ring(name, region, Some(*op), true),
+            Op::ReduceScatter { region, op } => g.ring(name, region, Some(*op), false),
+            Op::AllGather { region } => g.ring(name, region, None, true),
+            Op::Broadcast { region, root } => g.broadcast(name, region, *root),
+            Op::Send { region, peer } => g.send(name, region, *peer),
+            Op::Recv { region, peer } => g.recv(name, region, *peer),
+            Op::Barrier => g.barrier(name),
+            Op::NewGroup { .. } => unreachable!("handled above"),
+        }?;
+        Ok(None)
+    }
+}
+
+impl Group {
+    fn seg(&self) -> &Segment {
+        self.segment.as_ref().expect("groups of more than one rank have a segment")
+    }
+
+    fn why(&self, op: &'static str, peer: usize) -> WaitFor<'_> {
+        WaitFor { op, peer, world_ranks: &self.world_ranks, rank: self.rank }
+    }
+
+    /// Elements per chunk: one slot.
+    fn chunk_elems(&self, dtype: DType) -> usize {
+        self.seg().slot_bytes / dtype.size()
+    }
+
+    /// Waits for a free slot towards `dst` and returns its data pointer.
+    fn send_begin(&self, op: &'static str, dst: usize) -> Result<*mut u8> {
+        let seg = self.seg();
+        let sent = self.sent[dst];
+        let slots = seg.slots as u32;
+        let (freed, waiter) = seg.freed(self.rank, dst);
+        seg.wait(freed, waiter, |f| sent.wrapping_sub(f) < slots, self.why(op, dst))?;
+        Ok(seg.slot(self.rank, dst, (sent % slots) as usize).1)
+    }
+
+    /// Posts the slot filled after `send_begin`.
+    fn send_end(&mut self, dst: usize, kind: Kind, bytes: usize) {
+        let seg = self.seg();
+        let sent = self.sent[dst];
+        let (header, _) = seg.slot(self.rank, dst, (sent % seg.slots as u32) as usize);
+        // SAFETY: the slot header is ours until we post it (the receiver reads it after `posted`
+        // moves, with SeqCst ordering through `publish`).
+        unsafe {
+            (header as *mut u32).write(kind as u32);
+            (header.add(8) as *mut u64).write(bytes as u64);
+        }
+        let (posted, waiter) = seg.posted(self.rank, dst);
+        Segment::publish(posted, waiter, sent.wrapping_add(1));
+        self.sent[dst] = sent.wrapping_add(1);
+    }
+
+    /// Copies `bytes` at `src` into the next slot towards `dst`.
+    fn send_chunk(&mut self, op: &'static str, dst: usize, kind: Kind, src: *const u8, bytes: usize) -> Result<()> {
+        let slot = self.send_begin(op, dst)?;
+        // SAFETY: src is valid for `bytes` (the caller's region); the slot holds slot_bytes >= bytes
+        // and is ours until send_end.
+        unsafe { std::ptr::copy_nonoverlapping(src, slot, bytes) };
+        self.send_end(dst, kind, bytes);
+        Ok(())
+    }
+
+    /// Waits for the next chunk from `src`, checks its kind and size, and returns its data.
+    fn recv_begin(&self, op: &'static str, src: usize, kind: Kind, bytes: usize) -> Result<*const u8> {
+        let seg = self.seg();
+        let received = self.received[src];
+        let (posted, waiter) = seg.posted(src, self.rank);
+        seg.wait(posted, waiter, |p| p != received, self.why(op, src))?;
+        let (header, data) = seg.slot(src, self.rank, (received % seg.slots as u32) as usize);
+        // SAFETY: the sender wrote the header before posting; it is ours until recv_end.
+        let (got_kind, got_bytes) = unsafe { ((header as *const u32).read(), (header.add(8) as *const u64).read()) };
+        if got_kind != kind as u32 || got_bytes != bytes as u64 {
+            return Err(CommError::Mismatch {
+                rank: self.world_ranks[self.rank],
+                peer: self.world_ranks[src],
+                op,
+                reason: format!(
+                    "expected a {kind:?} chunk of {bytes} bytes, got kind {got_kind} with {got_bytes} bytes \
+                     (ranks called different operations or sizes)"
+                ),
+            });
+        }
+        Ok(data)
+    }
+
+    /// Frees the slot returned by `recv_begin`.
+    fn recv_end(&mut self, src: usize) {
+        let seg = self.seg();
+        let next = self.received[src].wrapping_add(1);
+        let (freed, waiter) = seg.freed(src, self.rank);
+        Segment::publish(freed, waiter, next);
+        self.received[src] = next;
+    }
+
+    fn all_reduce_direct(&mut self, op: &'static str, region: &Region, reduce: ReduceOp) -> Result<()> {
+        let (ptr, bytes) = (region.ptr(), region.bytes());
+        let me = self.rank;
+        for peer in (0..self.size).filter(|&p| p != me) {
+            self.send_chunk(op, peer, Kind::AllReduce, ptr, bytes)?;
+        }
+        let mut inputs = Vec::with_capacity(self.size);
+        for peer in 0..self.size {
+            if peer == self.rank {
+                inputs.push(ptr as *const u8);
+            } else {
+                inputs.push(self.recv_begin(op, peer, Kind::AllReduce, bytes)?);
+            }
+        }
+        let divisor = (reduce == ReduceOp::Avg).then_some(self.size as f32);
+        // SAFETY: every input holds `count` elements (own region, or a slot checked for `bytes`);
+        // the output aliases only our own input, which sum_inputs allows.
+        unsafe { dtype::sum_inputs(region.dtype(), ptr, &inputs, region.count(), divisor) };
+        let me = self.rank;
+        for peer in (0..self.size).filter(|&p| p != me) {
+            self.recv_end(peer);
+        }
+        Ok(())
+    }
+
+    /// The ring: with `reduce`, reduce-scatter steps; with `gather`, all-gather steps; both make
+    /// an all-reduce. Chunk `c` of every shard moves before chunk `c + 1`.
+    fn ring(&mut self, op: &'static str, region: &Region, reduce: Option<ReduceOp>, gather: bool) -> Result<()> {
+        let (n, rank) = (self.size, self.rank);
+        let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+        let dtype = region.dtype();
+        let size = dtype.size();
+        let chunk = self.chunk_elems(dtype);
+        let count = region.count();
+        let longest = (0..n).map(|s| shard_range(count, n, s).len()).max().unwrap_or(0);
+        let n_chunks = longest.div_ceil(chunk).max(1);
+        let kind = match (reduce.is_some(), gather) {
+            (true, true) => Kind::AllReduce,
+            (true, false) => Kind::ReduceScatter,
+            _ => Kind::AllGather,
+        };
+        // Chunk c of shard s as (byte pointer, elements); possibly empty.
+        let piece = |shard: usize, c: usize| -> (*mut u8, usize) {
+            let range = shard_range(count, n, shard);
+            let start = (range.start + c * chunk).min(range.end);
+            let end = (start + chunk).min(range.end);
+            // SAFETY: start <= count, within or one past the region.
+            (unsafe { region.ptr().add(start * size) }, end - start)
+        };
+        for c in 0..n_chunks {
+            if let Some(reduce_op) = reduce {
+                for step in 0..n - 1 {
+                    let (out_ptr, out_len) = piece((rank + 2 * n - step - 1) % n, c);
+                    self.send_chunk(op, right, kind, out_ptr, out_len * size)?;
+                    let shard = (rank + 2 * n - step - 2) % n;
+                    let (in_ptr, in_len) = piece(shard, c);
+                    let data = self.recv_begin(op, left, kind, in_len * size)?;
+                    // SAFETY: in_ptr holds in_len elements of our region; the slot was checked to
+                    // hold as many; they do not overlap (slot memory is not the caller's).
+                    unsafe { dtype::add_into(dtype, in_ptr, data, in_len) };
+                    self.recv_end(left);
+                    if step == n - 2 && reduce_op == ReduceOp::Avg {
+                        // SAFETY: as above; this is our final shard's chunk.
+                        unsafe { dtype::divide(dtype, in_ptr, in_len, n as f32) };
+                    }
+                }
+            }
+            if gather {
+                for step in 0..n - 1 {
+                    let (out_ptr, out_len) = piece((rank + n - step) % n, c);
+                    self.send_chunk(op, right, kind, out_ptr, out_len * size)?;
+                    let (in_ptr, in_len) = piece((rank + 2 * n - step - 1) % n, c);
+                    let data = self.recv_begin(op, left, kind, in_len * size)?;
+                    // SAFETY: as in the reduce steps; a plain copy.
+                    unsafe { std::ptr::copy_nonoverlapping(data, in_ptr, in_len * size) };
+                    self.recv_end(left);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A chain from the root: each rank copies a chunk out of its predecessor's slot, then passes
+    /// it on.
+    fn broadcast(&mut self, op: &'static str, region: &Region, root: usize) -> Result<()> {
+        let n = self.size;
+        let position = (self.rank + n - root) % n;
+        let (prev, next) = ((self.rank + n - 1) % n, (self.rank + 1) % n);
+        let size = region.dtype().size();
+        let chunk = self.chunk_elems(region.dtype());
+        let n_chunks = region.count().div_ceil(chunk).max(1);
+        for c in 0..n_chunks {
+            let start = (c * chunk).min(region.count());
+            let len = (region.count() - start).min(chunk);
+            // SAFETY: start <= count.
+            let ptr = unsafe { region.ptr().add(start * size) };
+            if position > 0 {
+                let data = self.recv_begin(op, prev, Kind::Broadcast, len * size)?;
+                // SAFETY: the slot holds len elements (checked), ptr has room for them.
+                unsafe { std::ptr::copy_nonoverlapping(data, ptr, len * size) };
+                self.recv_end(prev);
+            }
+            if position < n - 1 {
+                self.send_chunk(op, next, Kind::Broadcast, ptr, len * size)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, op: &'static str, region: &Region, peer: usize) -> Result<()> {
+        let size = region.dtype().size();
+        let chunk = self.chunk_elems(region.dtype());
+        let n_chunks = region.count().div_ceil(chunk).max(1);
+        for c in 0..n_chunks {
+            let start = (c * chunk).min(region.count());
+            let len = (region.count() - start).min(chunk);
+            // SAFETY: start <= count; the region is valid for reads.
+            let ptr = unsafe { region.ptr().add(start * size) };
+            self.send_chunk(op, peer, Kind::Send, ptr, len * size)?;
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self, op: &'static str, region: &Region, peer: usize) -> Result<()> {
+        let size = region.dtype().size();
+        let chunk = self.chunk_elems(region.dtype());
+        let n_chunks = region.count().div_ceil(chunk).max(1);
+        for c in 0..n_chunks {
+            let start = (c * chunk).min(region.count());
+            let len = (region.count() - start).min(chunk);
+            let data = self.recv_begin(op, peer, Kind::Send, len * size)?;
+            // SAFETY: the slot holds len elements (checked); the region has room for them.
+            unsafe { std::ptr::copy_nonoverlapping(data, region.ptr().add(start * size), len * size) };
+            self.recv_end(peer);
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self, op: &'static str) -> Result<()> {
+        let me = self.rank;
+        for peer in (0..self.size).filter(|&p| p != me) {
+            self.send_begin(op, peer)?;
+            self.send_end(peer, Kind::Barrier, 0);
+        }
+        let me = self.rank;
+        for peer in (0..self.size).filter(|&p| p != me) {
+            self.recv_begin(op, peer, Kind::Barrier, 0)?;
+            self.recv_end(peer);
+        }
+        Ok(())
+    }
+}
+
+/// Connects the shm backend: rank 0 serves the TCP store when the rendezvous is MASTER_ADDR/PORT.
+pub(crate) fn rendezvous_for(
+    config: &CommConfig,
+    env: &crate::config::DistEnv,
+    deadline: Instant,
+) -> Result<Rendezvous> {
+    if let (Some(addr), Some(port)) = (&env.master_addr, env.master_port) {
+        if env.rank == 0 {
+            use std::net::ToSocketAddrs;
+            let bind = (addr.as_str(), port)
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| CommError::Environment(format!("MASTER_ADDR={addr} does not resolve")))?;
+            crate::store::serve(bind).map_err(|e| CommError::Rendezvous {
+                rank: 0,
+                place: format!("{addr}:{port}"),
+                reason: format!("cannot serve the store: {e}"),
+            })?;
+        }
+        let store = StoreClient::connect(addr, port, deadline).map_err(|reason| CommError::Rendezvous {
+            rank: env.rank,
+            place: format!("{addr}:{port}"),
+            reason,
+        })?;
+        return Ok(Rendezvous::Store(store));
+    }
+    if let Some(job) = &env.job_key {
+        return Ok(Rendezvous::Path(config.shm_dir.join(format!("stoke-comm-{job}"))));
+    }
+    Err(CommError::Environment(format!(
+        "rank {} of {} has no rendezvous: set MASTER_ADDR and MASTER_PORT (stoke launch and torchrun do), \
+         or run under mpirun or srun",
+        env.rank, env.world_size
+    )))
+}

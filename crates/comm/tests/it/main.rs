@@ -1,0 +1,10 @@
+//! stoke-comm's integration tests: real worker processes (`stoke-comm-worker`) talking over
+//! shared memory and loopback, started directly, by `mpirun`, or by `srun`.
+
+mod harness;
+#[cfg(feature = "mpi")]
+mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
+mod shm;
+mod slurm;

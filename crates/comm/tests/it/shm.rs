@@ -1,0 +1,97 @@
+//! The shared-memory backend with 1 to 4 processes, a killed peer and a stopped peer.
+
+use std::time::Instant;
+
+use crate::harness::{assert_all_passed, finish_all, spawn_torchrun, HANG_LIMIT};
+
+#[test]
+fn every_op_dtype_and_odd_size_with_one_to_four_processes() {
+    for n in 1..=4 {
+        let outcomes = finish_all(spawn_torchrun(n, &["check", "--timeout", "60"]));
+        assert_all_passed(&outcomes, &format!("shm with {n} processes"));
+    }
+}
+
+#[test]
+fn small_slots_force_many_ring_chunks() {
+    // 4 KiB slots: every size above 1 KiB of f32 crosses several chunks, odd remainders included.
+    let outcomes = finish_all(spawn_torchrun(3, &["check", "--timeout", "60", "--slot-bytes", "4096"]));
+    assert_all_passed(&outcomes, "shm with 4 KiB slots");
+}
+
+#[test]
+fn path_rendezvous_under_a_job_key() {
+    // Without MASTER_ADDR/PORT, Slurm's job and step ids name a segment path.
+    let job = format!("{}", std::process::id());
+    let workers = (0..2)
+        .map(|rank| {
+            let mut cmd = std::process::Command::new(crate::harness::WORKER);
+            cmd.args(["check", "--timeout", "60"])
+                .env_remove("MASTER_ADDR")
+                .env_remove("MASTER_PORT")
+                .env_remove("RANK")
+                .env("SLURM_PROCID", rank.to_string())
+                .env("SLURM_NTASKS", "2")
+                .env("SLURM_LOCALID", rank.to_string())
+                .env("SLURM_JOB_ID", format!("test{job}"))
+                .env("SLURM_STEP_ID", "0");
+            crate::harness::Worker::spawn(cmd, rank)
+        })
+        .collect();
+    let outcomes = finish_all(workers);
+    assert_all_passed(&outcomes, "shm with a path rendezvous");
+    let leftover = std::path::Path::new("/dev/shm").join(format!("stoke-comm-slurm-test{job}-0"));
+    assert!(!leftover.exists(), "the segment file {} was left behind", leftover.display());
+}
+
+#[test]
+fn a_killed_worker_is_named_by_the_others() {
+    // A long timeout: the others must notice the death itself, not time out.
+    let victim = 1;
+    let mut workers = spawn_torchrun(3, &["victim", "--victim", "1", "--timeout", "120"]);
+    let deadline = Instant::now() + HANG_LIMIT;
+    for w in &mut workers {
+        let line = format!("ready {}", w.rank);
+        w.wait_line(&line, deadline);
+    }
+    // SAFETY: kill with the pid of a child we started and have not reaped.
+    unsafe { libc::kill(workers[victim].child.id() as i32, libc::SIGKILL) };
+    let outcomes = finish_all(workers);
+    for (rank, outcome) in outcomes.iter().enumerate() {
+        if rank == victim {
+            assert_eq!(outcome.code, None, "the victim was killed by a signal");
+            continue;
+        }
+        assert_eq!(outcome.code, Some(3), "rank {rank} should fail with a comm error: {}", outcome.stderr);
+        assert!(
+            outcome.stderr.contains("rank 1 was lost"),
+            "rank {rank} should name the lost rank 1, said: {}",
+            outcome.stderr
+        );
+    }
+}
+
+#[test]
+fn a_stopped_worker_times_out_with_its_rank_named() {
+    let mut workers = spawn_torchrun(2, &["victim", "--victim", "1", "--timeout", "2"]);
+    let deadline = Instant::now() + HANG_LIMIT;
+    for w in &mut workers {
+        let line = format!("ready {}", w.rank);
+        w.wait_line(&line, deadline);
+    }
+    let victim_pid = workers[1].child.id() as i32;
+    // SAFETY: signals to a child we started and have not reaped.
+    unsafe { libc::kill(victim_pid, libc::SIGSTOP) };
+    let mut workers = workers.into_iter();
+    let rank0 = workers.next().unwrap().finish(Instant::now() + HANG_LIMIT);
+    let mut victim = workers.next().unwrap();
+    // SAFETY: as above.
+    unsafe { libc::kill(victim_pid, libc::SIGKILL) };
+    let _ = victim.child.wait();
+    assert_eq!(rank0.code, Some(3), "rank 0 should fail: {}", rank0.stderr);
+    assert!(
+        rank0.stderr.contains("for rank 1") && rank0.stderr.contains("timeout_s"),
+        "rank 0 should name rank 1 and the timeout, said: {}",
+        rank0.stderr
+    );
+}
