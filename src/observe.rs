@@ -36,7 +36,7 @@ impl Observer for MetricsWriter {
             }
             let phases: serde_json::Map<String, serde_json::Value> =
                 record.phases.iter().map(|(p, ms)| (p.name().to_string(), serde_json::json!(ms))).collect();
-            let line = serde_json::json!({
+            let mut line = serde_json::json!({
                 "step": record.step,
                 "loss": record.loss,
                 "lr": record.lr,
@@ -46,6 +46,11 @@ impl Observer for MetricsWriter {
                 "step_ms": record.wall_ms,
                 "phases_ms": phases,
             });
+            // fp16 only: the loss scale this step ran at, and whether its update was skipped.
+            if let (Some(scale), Some(object)) = (record.loss_scale, line.as_object_mut()) {
+                object.insert("loss_scale".into(), serde_json::json!(scale));
+                object.insert("skipped".into(), serde_json::json!(record.skipped));
+            }
             writeln!(self.out, "{line}")?;
             self.out.flush()?;
         }
