@@ -95,3 +95,24 @@ fn a_stopped_worker_times_out_with_its_rank_named() {
         rank0.stderr
     );
 }
+
+#[test]
+fn bad_arguments_are_refused_before_anything_is_queued() {
+    use stoke_comm::{connect, CommConfig, CommError, CommunicatorExt, DistEnv, ReduceOp};
+    let comm = connect(&CommConfig::default(), &DistEnv::single()).unwrap();
+    let mut bytes = [1u8, 2, 3];
+    let err = comm.all_reduce(&mut bytes, ReduceOp::Avg).unwrap_err();
+    assert!(matches!(err, CommError::InvalidArgument { op: "all_reduce", .. }), "{err}");
+    let err = comm.broadcast(&mut bytes, 1).unwrap_err();
+    assert!(err.to_string().contains("root 1"), "{err}");
+    let err = comm.send(&bytes, 0).unwrap_err();
+    assert!(matches!(err, CommError::InvalidArgument { op: "send", .. }), "{err}");
+    assert!(comm.new_group(&[0, 0]).is_err());
+    // None of that poisoned the communicator: a valid call still works, on any element type.
+    let mut floats = [1.5f32, -2.0];
+    comm.all_reduce(&mut floats, ReduceOp::Avg).unwrap();
+    assert_eq!(floats, [1.5, -2.0]);
+    comm.barrier().unwrap();
+    let config = CommConfig { timeout_s: 0.0, ..CommConfig::default() };
+    assert!(connect(&config, &DistEnv::single()).is_err(), "timeout_s 0 is refused");
+}
