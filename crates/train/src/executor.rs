@@ -49,14 +49,22 @@ pub enum Recompute {
 }
 
 impl Recompute {
-    /// Whether `half` of block `layer_idx` is recomputed.
-    fn recomputes(self, layer_idx: usize, half: Half) -> bool {
+    /// The autograd segments block `layer_idx` runs as, in forward order, each with whether it is
+    /// recomputed. A block runs as one segment unless only one of its halves is recomputed: fewer
+    /// segments are fewer backward calls.
+    fn segments(self, layer_idx: usize) -> &'static [(Half, bool)] {
         match self {
-            Recompute::None => false,
-            Recompute::Mlp => half == Half::Mlp,
-            Recompute::Attention => half == Half::Attention,
-            Recompute::Block => true,
-            Recompute::Every(k) => layer_idx % k == 0,
+            Recompute::None => &[(Half::Whole, false)],
+            Recompute::Mlp => &[(Half::Attention, false), (Half::Mlp, true)],
+            Recompute::Attention => &[(Half::Attention, true), (Half::Mlp, false)],
+            Recompute::Block => &[(Half::Whole, true)],
+            Recompute::Every(k) => {
+                if layer_idx % k == 0 {
+                    &[(Half::Whole, true)]
+                } else {
+                    &[(Half::Whole, false)]
+                }
+            }
         }
     }
 }
@@ -145,14 +153,15 @@ pub struct NoHooks;
 
 impl StepHooks for NoHooks {}
 
-/// The two halves of a block, each one autograd segment.
+/// A block's autograd segments: the whole block, or one of its halves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Half {
+    Whole,
     Attention,
     Mlp,
 }
 
-/// One block half between forward and backward.
+/// One block segment between forward and backward.
 struct Segment {
     layer_idx: usize,
     half: Half,
@@ -243,8 +252,8 @@ impl Executor {
         for layer_idx in 0..n_layer {
             hooks.before_forward(layer_idx + 1, clock)?;
             let bytes_before = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
-            for half in [Half::Attention, Half::Mlp] {
-                let segment = if self.recompute.recomputes(layer_idx, half) {
+            for &(half, recomputed) in self.recompute.segments(layer_idx) {
+                let segment = if recomputed {
                     let input = current.detach();
                     current = tch::no_grad(|| run_half(model, layer_idx, half, &input));
                     Segment { layer_idx, half, input, output: None }
@@ -282,7 +291,8 @@ impl Executor {
         // to the output of the segment on top of `segments`.
         while let Some(segment) = segments.pop() {
             let unit = segment.layer_idx + 1;
-            if segment.half == Half::Mlp {
+            // A block's last segment is backward-ed first; its first segment completes the unit.
+            if matches!(segment.half, Half::Whole | Half::Mlp) {
                 hooks.before_backward(unit, clock)?;
             }
             let (input, output) = match segment.output {
@@ -297,7 +307,7 @@ impl Executor {
             };
             backward_from(&output, &grad_output);
             grad_output = input.grad();
-            if segment.half == Half::Attention {
+            if matches!(segment.half, Half::Whole | Half::Attention) {
                 clock.lap(Phase::Backward);
                 grads_final(model, unit, last, clock, hooks)?;
             }
@@ -312,6 +322,7 @@ impl Executor {
 
 fn run_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> Tensor {
     match half {
+        Half::Whole => model.mlp_residual(layer_idx, &model.attention_residual(layer_idx, input)),
         Half::Attention => model.attention_residual(layer_idx, input),
         Half::Mlp => model.mlp_residual(layer_idx, input),
     }
@@ -378,6 +389,7 @@ mod tests {
             let err = bad.parse::<Recompute>().unwrap_err();
             assert!(err.contains("allowed"), "{err}");
         }
-        assert!(Recompute::Every(2).recomputes(0, Half::Mlp) && !Recompute::Every(2).recomputes(1, Half::Mlp));
+        assert_eq!(Recompute::Every(2).segments(0), &[(Half::Whole, true)]);
+        assert_eq!(Recompute::Every(2).segments(1), &[(Half::Whole, false)]);
     }
 }
