@@ -82,7 +82,7 @@ fn kill_trials(trials: usize) -> Tally {
     assert_eq!(expected.len(), 30);
 
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
-    println!("kill trials: {trials}, kill times uniform over the {training_ms} ms of training, seed {seed}");
+    println!("kill trials: {trials}, kill times uniform over the {training_ms} ms the uninterrupted run trained, seed {seed}");
     let mut rng = Rng(seed);
     let mut tally = Tally { trials, ..Tally::default() };
     for trial in 0..trials {
@@ -95,7 +95,7 @@ fn kill_trials(trials: usize) -> Tally {
             assert!(start.elapsed() < Duration::from_secs(300), "trial {trial} never started training");
             std::thread::sleep(Duration::from_millis(1));
         }
-        let delay_ms = rng.below(training_ms + training_ms / 10);
+        let delay_ms = rng.below(training_ms);
         std::thread::sleep(Duration::from_millis(delay_ms));
         let finished = child.try_wait().unwrap().is_some();
         child.kill().unwrap_or(()); // SIGKILL
