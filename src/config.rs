@@ -185,6 +185,29 @@ fn parse_override(arg: &str) -> Result<(Vec<String>, toml::Value), ConfigError> 
     Ok((path, value))
 }
 
+/// Deep-merges `user` into `base`: tables merge key by key, any other value replaces.
+fn merge(base: &mut toml::Table, user: toml::Table) {
+    for (name, value) in user {
+        match (base.get_mut(&name), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(u)) => merge(b, u),
+            (_, value) => {
+                base.insert(name, value);
+            }
+        }
+    }
+}
+
+/// Every leaf of `table` as (`section.key`, value).
+fn flatten(table: &toml::Table, prefix: &str, out: &mut Vec<(String, toml::Value)>) {
+    for (name, value) in table {
+        let key = if prefix.is_empty() { name.clone() } else { format!("{prefix}.{name}") };
+        match value {
+            toml::Value::Table(t) => flatten(t, &key, out),
+            other => out.push((key, other.clone())),
+        }
+    }
+}
+
 fn insert(table: &mut toml::Table, path: &[String], value: toml::Value) -> Result<(), ConfigError> {
     let (last, sections) = path.split_last().expect("overrides have at least two parts");
     let mut current = table;
@@ -208,6 +231,17 @@ fn insert(table: &mut toml::Table, path: &[String], value: toml::Value) -> Resul
 impl StokeConfig {
     /// Loads `file` (if any), applies `overrides`, and checks every key, type and value.
     pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<StokeConfig, ConfigError> {
+        StokeConfig::load_over(toml::Table::new(), file, overrides)
+    }
+
+    /// `load` on top of a run's saved config instead of the defaults (what `--resume` does): keys
+    /// the file and overrides do not name keep their saved values.
+    pub fn load_resumed(saved: &StokeConfig, file: Option<&Path>, overrides: &[String]) -> Result<StokeConfig, ConfigError> {
+        let base = toml::Table::try_from(saved).expect("a config serializes");
+        StokeConfig::load_over(base, file, overrides)
+    }
+
+    fn load_over(mut base: toml::Table, file: Option<&Path>, overrides: &[String]) -> Result<StokeConfig, ConfigError> {
         let mut user = match file {
             Some(path) => {
                 let text =
@@ -223,7 +257,8 @@ impl StokeConfig {
         }
         let defaults = toml::Table::try_from(StokeConfig::default()).expect("defaults serialize");
         check_table(&mut user, &defaults, "")?;
-        let config: StokeConfig = serde_path_to_error::deserialize(toml::Value::Table(user)).map_err(|e| {
+        merge(&mut base, user);
+        let config: StokeConfig = serde_path_to_error::deserialize(toml::Value::Table(base)).map_err(|e| {
             let key = e.path().to_string();
             let message = e.into_inner().to_string();
             let message = message.split(" for key").next().unwrap_or(&message).to_string();
@@ -285,7 +320,29 @@ impl StokeConfig {
         if self.data.prefetch == 0 {
             return Err(ConfigError::Invalid { key: "data.prefetch".into(), message: "must be at least 1".into() });
         }
+        if self.ckpt.host_buffers == 0 {
+            return Err(ConfigError::Invalid { key: "ckpt.host_buffers".into(), message: "must be at least 1".into() });
+        }
         Ok(())
+    }
+
+    /// The value of `section.key` as TOML text ("?" when there is no such key).
+    pub fn value_of(&self, key: &str) -> String {
+        let mut leaves = Vec::new();
+        flatten(&toml::Table::try_from(self).expect("a config serializes"), "", &mut leaves);
+        leaves.into_iter().find(|(k, _)| k == key).map(|(_, v)| v.to_string()).unwrap_or_else(|| "?".into())
+    }
+
+    /// Keys whose values differ between `self` and `other`, as `section.key`, sorted.
+    pub fn differing_keys(&self, other: &StokeConfig) -> Vec<String> {
+        let mut a = Vec::new();
+        let mut b = Vec::new();
+        flatten(&toml::Table::try_from(self).expect("a config serializes"), "", &mut a);
+        flatten(&toml::Table::try_from(other).expect("a config serializes"), "", &mut b);
+        let b: std::collections::BTreeMap<String, toml::Value> = b.into_iter().collect();
+        let mut keys: Vec<String> = a.into_iter().filter(|(k, v)| b.get(k) != Some(v)).map(|(k, _)| k).collect();
+        keys.sort();
+        keys
     }
 
     pub fn to_toml(&self) -> String {
@@ -337,6 +394,17 @@ mod tests {
         check_err(&["train.steps"], "expected section.key=value");
         check_err(&["data.path=/no/such/file.txt"], "config key `data.path`: no such file");
         check_err(&["train=3"], "expected section.key=value");
+    }
+
+    #[test]
+    fn resumed_load_keeps_saved_values_and_reports_differences() {
+        let saved = StokeConfig::load(None, &["train.steps=20".into(), "train.seed=5".into()]).unwrap();
+        let resumed = StokeConfig::load_resumed(&saved, None, &["train.steps=30".into()]).unwrap();
+        assert_eq!((resumed.train.steps, resumed.train.seed), (30, 5));
+        assert_eq!(saved.differing_keys(&resumed), ["train.steps"]);
+        let same = StokeConfig::load_resumed(&saved, None, &["train.seed=5".into()]).unwrap();
+        assert!(saved.differing_keys(&same).is_empty());
+        assert!(StokeConfig::load_resumed(&saved, None, &["train.sead=5".into()]).is_err());
     }
 
     #[test]

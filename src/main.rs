@@ -5,12 +5,15 @@ mod cli;
 mod config;
 mod observe;
 mod profiler;
+mod signals;
 
 use std::process::ExitCode;
 
 use clap::Parser;
 
-/// Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error.
+/// Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 3 trace diff regression
+/// (`stoke trace diff`), 4 bench gate regression (`stoke bench gate`), 75 preempted by a signal
+/// with a checkpoint written, resumable (`signals::EXIT_PREEMPTED`).
 const EXIT_RUNTIME: u8 = 1;
 const EXIT_USAGE: u8 = 2;
 

@@ -15,17 +15,41 @@ pub struct MetricsWriter {
 }
 
 impl MetricsWriter {
-    /// A new file, or (when resuming) the existing one continued.
-    pub fn create(path: &Path, append: bool) -> anyhow::Result<MetricsWriter> {
+    /// A new file, or (when resuming from `resumed_step`) the existing one cut back to the lines
+    /// of steps up to `resumed_step` and continued, so no step is ever in the file twice.
+    pub fn create(path: &Path, resumed_step: Option<u64>) -> anyhow::Result<MetricsWriter> {
+        if let Some(step) = resumed_step {
+            truncate_to_step(path, step)?;
+        }
         let file = OpenOptions::new()
             .create(true)
             .write(true)
-            .append(append)
-            .truncate(!append)
+            .append(resumed_step.is_some())
+            .truncate(resumed_step.is_none())
             .open(path)
             .with_context(|| format!("cannot open {}", path.display()))?;
         Ok(MetricsWriter { out: BufWriter::new(file) })
     }
+}
+
+/// Keeps the lines of `path` whose step is at most `step` (a line cut short by a kill has no step
+/// and goes too), replacing the file atomically.
+fn truncate_to_step(path: &Path, step: u64) -> anyhow::Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let line_step = |line: &str| serde_json::from_str::<serde_json::Value>(line).ok()?.get("step")?.as_u64();
+    let kept: String =
+        text.lines().filter(|line| line_step(line).is_some_and(|s| s <= step)).map(|line| format!("{line}\n")).collect();
+    if kept.len() == text.len() {
+        return Ok(());
+    }
+    let tmp = path.with_extension("jsonl.tmp");
+    let mut file = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    file.write_all(kept.as_bytes()).and_then(|()| file.sync_all()).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))
 }
 
 impl Observer for MetricsWriter {

@@ -28,6 +28,9 @@ pub enum BenchCommand {
     /// A small fixed benchmark whose ratios are compared with a committed baseline (exit 4 on a
     /// clear regression).
     Gate(GateArgs),
+    /// Checkpoints: the step's stall in the background vs a synchronous save, save throughput vs
+    /// the disk, resume time, torch.save and DCP async_save as peers.
+    Ckpt(super::bench_ckpt::CkptBenchArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -84,6 +87,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         BenchCommand::Fullchain(args) => fullchain(args),
         BenchCommand::Limits(args) => limits(args),
         BenchCommand::Gate(args) => gate(args),
+        BenchCommand::Ckpt(args) => super::bench_ckpt::run(args),
     }
 }
 
@@ -412,7 +416,7 @@ fn memcpy_bandwidth(bytes: usize) -> f64 {
     2.0 * bytes as f64 / best
 }
 
-fn disk_bandwidth(dir: &Path, bytes: usize) -> anyhow::Result<(f64, f64)> {
+pub(super) fn disk_bandwidth(dir: &Path, bytes: usize) -> anyhow::Result<(f64, f64)> {
     use std::io::{Read, Write};
     let path = dir.join(".stoke-disk-test");
     let block = vec![7u8; 4 << 20];

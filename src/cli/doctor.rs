@@ -4,12 +4,11 @@
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use anyhow::Context;
 use stoke_prof::{format_bound, RunReport};
 
-use super::train::{install_interrupt_handler, prepare_run_dir, timestamp, train_probed, ConfigArgs};
+use super::train::{prepare_run_dir, timestamp, train_probed, ConfigArgs};
 use super::UsageError;
 
 #[derive(Debug, clap::Args)]
@@ -62,7 +61,7 @@ fn profile(args: &DoctorArgs, extra: &[String], name: &str, stop: &AtomicBool) -
         config.run.name = name.to_string();
     }
     let run_dir = prepare_run_dir(&mut config, false)?;
-    let (_, report, overhead) = train_probed(&config, &run_dir, false, args.progress, stop, args.overhead)?;
+    let (_, report, overhead) = train_probed(&config, &run_dir, None, args.progress, stop, args.overhead)?;
     if let Some(o) = overhead {
         println!(
             "profiler overhead, on vs off in this run: {:.3} vs {:.3} ms/step, median of {} block pairs {:+.2}%",
@@ -82,11 +81,10 @@ fn profile(args: &DoctorArgs, extra: &[String], name: &str, stop: &AtomicBool) -
 }
 
 pub fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {
-    let stop = Arc::new(AtomicBool::new(false));
-    install_interrupt_handler(stop.clone());
+    let stop = crate::signals::install();
     let base = format!("doctor-{}", timestamp());
     let Some(spec) = &args.sweep else {
-        let (name, report) = profile(&args, &[], &base, &stop)?;
+        let (name, report) = profile(&args, &[], &base, stop)?;
         println!("doctor: {} finding(s); report: {}", report.findings.len(), report_path(&args, &name)?);
         return Ok(ExitCode::SUCCESS);
     };
@@ -98,7 +96,7 @@ pub fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         let run_name = format!("{name}-{}-{value}", key.replace('.', "_"));
         let extra = [format!("{key}={value}"), format!("run.name={run_name}")];
         println!("\n=== {key} = {value} ===");
-        let (run, report) = profile(&args, &extra, &run_name, &stop)?;
+        let (run, report) = profile(&args, &extra, &run_name, stop)?;
         points.push(SweepPoint {
             value: value.clone(),
             run,

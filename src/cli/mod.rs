@@ -5,6 +5,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_ckpt;
+mod ckpt;
 mod config;
 mod corpus;
 mod doctor;
@@ -48,6 +50,8 @@ pub enum Command {
     Launch(launch::LaunchArgs),
     /// Prepare data offline: tokenize text into shards, pack records, verify a prepared directory.
     Prep(prep::PrepArgs),
+    /// Checkpoints: `verify` checks every file's size and checksum (exit 1 on damage).
+    Ckpt(ckpt::CkptArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -61,5 +65,6 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Trace(args) => trace::run(args),
         Command::Prep(args) => prep::run(args),
         Command::Launch(args) => launch::run(args),
+        Command::Ckpt(args) => ckpt::run(args),
     }
 }

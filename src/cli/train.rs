@@ -2,11 +2,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use anyhow::Context;
-use stoke_ckpt::CheckpointStore;
+use stoke_ckpt::{CheckpointStore, CheckpointWriter, Loaded, WriterConfig};
 use stoke_data::BatchSource;
 use stoke_train::{CheckpointTarget, Observer, Trainer};
 
@@ -14,6 +13,7 @@ use super::UsageError;
 use crate::config::StokeConfig;
 use crate::observe::{MetricsWriter, Progress};
 use crate::profiler::{Overhead, OverheadProbe, Peaks, Profiler};
+use crate::signals::EXIT_PREEMPTED;
 
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
@@ -23,9 +23,14 @@ pub struct TrainArgs {
     /// `--set data.path=PATH`.
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
-    /// Continue the named run (run.name; default: the most recent run) from its latest checkpoint.
+    /// Continue the named run (run.name; default: the most recent run) from its latest checkpoint,
+    /// with the configuration saved in it (`--set` may change only keys that keep the trajectory).
     #[arg(long)]
     pub resume: bool,
+    /// With --resume: when the latest checkpoint fails its checks, resume from the newest one
+    /// before it that passes.
+    #[arg(long, requires = "resume")]
+    pub fallback: bool,
     /// No progress bar (for logs and tests).
     #[arg(long)]
     pub quiet: bool,
@@ -63,14 +68,19 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     if let Some(data) = &args.data {
         extra.push(format!("data.path={}", toml::Value::String(data.display().to_string())));
     }
-    let mut config = args.config.load(&extra)?;
     if args.find_batch {
-        return super::find_batch::run(&config, args.memory_budget.as_deref());
+        return super::find_batch::run(&args.config.load(&extra)?, args.memory_budget.as_deref());
     }
-    let run_dir = prepare_run_dir(&mut config, args.resume)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    install_interrupt_handler(stop.clone());
-    let (summary, _report) = train(&config, &run_dir, args.resume, !args.quiet, &stop)?;
+    let stop = crate::signals::install();
+    let (config, run_dir, resume) = if args.resume {
+        let (config, run_dir, loaded) = prepare_resume(&args.config, &extra, args.fallback)?;
+        (config, run_dir, Some(loaded))
+    } else {
+        let mut config = args.config.load(&extra)?;
+        let run_dir = prepare_run_dir(&mut config, false)?;
+        (config, run_dir, None)
+    };
+    let (summary, _report) = train(&config, &run_dir, resume, !args.quiet, stop)?;
     println!(
         "\n{} {} steps in {:.1}s | {:.0} tokens/s over the wall time | loss: first {:.4}, final {:.4}, best {:.4} | run: {}",
         if summary.interrupted { "interrupted after" } else { "done:" },
@@ -82,11 +92,34 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         summary.best_loss,
         run_dir.display()
     );
+    if summary.interrupted {
+        let signal = crate::signals::received().map(|s| format!(" by signal {s}")).unwrap_or_default();
+        eprintln!(
+            "stoke: stopped{signal} with a checkpoint at step {}; continue with `stoke train --resume --set run.name={}` \
+             (exit code {EXIT_PREEMPTED}: preempted, resumable)",
+            summary.last_step, config.run.name
+        );
+        return Ok(ExitCode::from(EXIT_PREEMPTED));
+    }
     Ok(ExitCode::SUCCESS)
 }
 
 /// Picks the run's name and folder, and writes the resolved config there.
 pub(super) fn prepare_run_dir(config: &mut StokeConfig, resume: bool) -> anyhow::Result<PathBuf> {
+    let run_dir = locate_run(config, resume)?;
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run folder {}", run_dir.display()))?;
+    write_config(config, &run_dir)?;
+    Ok(run_dir)
+}
+
+fn write_config(config: &StokeConfig, run_dir: &Path) -> anyhow::Result<()> {
+    let config_path = run_dir.join("config.toml");
+    std::fs::write(&config_path, config.to_toml()).with_context(|| format!("cannot write {}", config_path.display()))
+}
+
+/// The run's folder: named by run.name (made up for a fresh run, the most recent run with a
+/// checkpoint for a resume); a fresh run must not find checkpoints there, a resume must.
+fn locate_run(config: &mut StokeConfig, resume: bool) -> anyhow::Result<PathBuf> {
     let runs = PathBuf::from(&config.run.dir);
     if config.run.name.is_empty() {
         config.run.name = if resume {
@@ -116,11 +149,99 @@ pub(super) fn prepare_run_dir(config: &mut StokeConfig, resume: bool) -> anyhow:
         }
         _ => {}
     }
-    std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run folder {}", run_dir.display()))?;
-    let config_path = run_dir.join("config.toml");
-    std::fs::write(&config_path, config.to_toml())
-        .with_context(|| format!("cannot write {}", config_path.display()))?;
     Ok(run_dir)
+}
+
+/// Keys a resume may change: they leave the sequence of losses as it was. `train.steps` extends
+/// or shortens the run (the schedule's horizon is kept unless `train.lr_horizon` is set too);
+/// run placement, logging, profiling, checkpointing, loader threads and the cache are not part
+/// of the trajectory (the batches are a function of the data position alone).
+fn resume_may_change(key: &str) -> bool {
+    let section = key.split('.').next().unwrap_or("");
+    matches!(section, "prof" | "ckpt")
+        || matches!(
+            key,
+            "run.name"
+                | "run.dir"
+                | "train.steps"
+                | "train.lr_horizon"
+                | "train.log_every"
+                | "train.host_memory"
+                | "data.workers"
+                | "data.prefetch"
+                | "data.cache_dir"
+                | "data.cache_budget_bytes"
+        )
+}
+
+/// `--resume`: the run's newest good checkpoint, and the config saved in it with the command
+/// line's changes, which may touch only `resume_may_change` keys.
+fn prepare_resume(args: &ConfigArgs, extra: &[String], fallback: bool) -> anyhow::Result<(StokeConfig, PathBuf, Resume)> {
+    // The command line names the run (run.dir, run.name); the checkpoint holds its config.
+    let mut located = args.load(extra)?;
+    let run_dir = locate_run(&mut located, true)?;
+    let store = CheckpointStore::new(run_dir.join("checkpoints"));
+    let start = std::time::Instant::now();
+    let loaded = pick_checkpoint(&store, fallback)?;
+    let load_s = start.elapsed().as_secs_f64();
+    let step = loaded.manifest.step;
+    let manifest_path = loaded.path.join(stoke_ckpt::MANIFEST);
+    let saved_toml = loaded.manifest.meta.get("config_toml").and_then(serde_json::Value::as_str).ok_or_else(|| {
+        anyhow::anyhow!("checkpoint {} holds no config (meta.config_toml); it was not written by stoke train", manifest_path.display())
+    })?;
+    let saved: StokeConfig = toml::from_str(saved_toml)
+        .with_context(|| format!("the config saved in {} does not parse", manifest_path.display()))?;
+    let mut overrides = args.overrides.clone();
+    overrides.extend_from_slice(extra);
+    let mut config = StokeConfig::load_resumed(&saved, args.config.as_deref(), &overrides)
+        .map_err(|e| anyhow::Error::new(UsageError(e.to_string())))?;
+    config.run.name = located.run.name.clone();
+    config.run.dir = located.run.dir.clone();
+    let refused: Vec<String> = saved
+        .differing_keys(&config)
+        .into_iter()
+        .filter(|key| !resume_may_change(key))
+        .map(|key| format!("{key} (checkpoint: {}, asked: {})", saved.value_of(&key), config.value_of(&key)))
+        .collect();
+    if !refused.is_empty() {
+        return Err(UsageError(format!(
+            "--resume from step {step} of {}: these keys would change the run's trajectory: {}; \
+             resume without them, or start a new run",
+            run_dir.display(),
+            refused.join(", ")
+        ))
+        .into());
+    }
+    if config.train.steps != saved.train.steps && config.train.lr_horizon == saved.train.lr_horizon {
+        // An extension keeps the schedule of the steps already run.
+        config.train.lr_horizon = saved.train.horizon();
+    }
+    write_config(&config, &run_dir)?;
+    Ok((config, run_dir, Resume { loaded, load_s }))
+}
+
+/// A checkpoint to resume from, loaded and verified, and how long that took.
+pub struct Resume {
+    pub loaded: Loaded,
+    pub load_s: f64,
+}
+
+/// The newest checkpoint that loads and verifies; with `fallback`, older ones when it does not.
+fn pick_checkpoint(store: &CheckpointStore, fallback: bool) -> anyhow::Result<Loaded> {
+    let steps = store.list()?;
+    for &step in steps.iter().rev() {
+        match store.load(step) {
+            Ok(loaded) => return Ok(loaded),
+            Err(e) if fallback => eprintln!("stoke: skipping checkpoint step {step}: {e}"),
+            Err(e) => {
+                return Err(anyhow::Error::new(e).context(format!(
+                    "cannot resume from the latest checkpoint (step {step}); \
+                     `--resume --fallback` resumes from the newest good one before it"
+                )))
+            }
+        }
+    }
+    anyhow::bail!("--fallback: none of the {} checkpoints in {} passes its checks", steps.len(), store.dir().display())
 }
 
 fn most_recent_run(runs: &Path) -> anyhow::Result<Option<String>> {
@@ -152,16 +273,6 @@ pub(super) fn timestamp() -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
-}
-
-pub(super) fn install_interrupt_handler(stop: Arc<AtomicBool>) {
-    // The first Ctrl-C finishes the current step and checkpoints; a second one exits at once.
-    let _ = ctrlc::set_handler(move || {
-        if stop.swap(true, Ordering::SeqCst) {
-            std::process::exit(130);
-        }
-        eprintln!("\nstopping after this step (Ctrl-C again to quit now)");
-    });
 }
 
 /// The data the config names, as a prefetching loader at the start of its order. Every kind of data
@@ -219,7 +330,7 @@ fn open_store(config: &StokeConfig, spec: &str) -> anyhow::Result<stoke_data::To
 pub fn train(
     config: &StokeConfig,
     run_dir: &Path,
-    resume: bool,
+    resume: Option<Resume>,
     progress: bool,
     stop: &AtomicBool,
 ) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>)> {
@@ -232,7 +343,7 @@ pub fn train(
 pub fn train_probed(
     config: &StokeConfig,
     run_dir: &Path,
-    resume: bool,
+    resume: Option<Resume>,
     progress: bool,
     stop: &AtomicBool,
     overhead_block: Option<u64>,
@@ -244,33 +355,85 @@ pub fn train_probed(
     let peaks = Peaks::measure(device, Path::new(&config.run.dir))?;
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
     let mut source = batch_source(config)?;
-    if resume {
-        let step = store.latest()?.expect("prepare_run_dir checked that a checkpoint exists");
-        let position = trainer.restore(&store, step)?;
+    let resumed_step = resume.as_ref().map(|r| r.loaded.manifest.step);
+    let mut resume_stats = serde_json::Value::Null;
+    if let Some(Resume { loaded, load_s }) = resume {
+        let start = std::time::Instant::now();
+        let position = trainer.restore_loaded(&loaded)?;
         source.seek(position);
+        let restore_s = start.elapsed().as_secs_f64();
+        let bytes = loaded.manifest.total_bytes();
+        println!(
+            "resumed from step {} ({:.1} MB): loaded and verified in {load_s:.3} s, restored in {restore_s:.3} s",
+            loaded.manifest.step,
+            bytes as f64 / 1e6
+        );
+        resume_stats = serde_json::json!({ "step": loaded.manifest.step, "bytes": bytes, "load_s": load_s, "restore_s": restore_s });
     }
     let meta = serde_json::json!({ "config_toml": config.to_toml() });
-    let target = CheckpointTarget { store, meta };
-    let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resume)?;
+    let writer_config = WriterConfig {
+        background: config.ckpt.background,
+        buffers: config.ckpt.host_buffers,
+        keep: config.ckpt.keep,
+    };
+    let mut target = CheckpointTarget { writer: CheckpointWriter::new(store, writer_config)?, meta };
+    let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resumed_step)?;
     let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks)?;
     let mut bar = Progress::new(progress);
     let (summary, overhead) = match overhead_block {
         Some(block) => {
             let mut probe = OverheadProbe::new(&mut profiler, block);
             let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut probe, &mut bar];
-            let summary = trainer.run(source.as_mut(), &mut observers, Some(&target), stop)?;
+            let summary = trainer.run(source.as_mut(), &mut observers, Some(&mut target), stop)?;
             drop(observers);
             (summary, probe.result())
         }
         None => {
             let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut profiler, &mut bar];
-            (trainer.run(source.as_mut(), &mut observers, Some(&target), stop)?, None)
+            (trainer.run(source.as_mut(), &mut observers, Some(&mut target), stop)?, None)
         }
     };
     bar.finish();
+    print_checkpoint_stats(&target.writer);
+    write_checkpoint_stats(&target.writer, resume_stats, &run_dir.join("checkpoint-stats.json"))?;
     let report = profiler.finish()?;
     if let Some(report) = &report {
         println!("\n{}", report.render_text());
     }
     Ok((summary, report, overhead))
+}
+
+fn print_checkpoint_stats(writer: &CheckpointWriter) {
+    let stats = writer.stats();
+    if stats.commits == 0 {
+        return;
+    }
+    println!(
+        "checkpoints: {} written, {:.1} MB in {:.2} s ({:.2} GB/s){}; host buffers: {} of {:.1} MB; back-pressure waits {:.1} ms",
+        stats.commits,
+        stats.bytes_written as f64 / 1e6,
+        stats.write_s,
+        stats.bytes_written as f64 / stats.write_s.max(1e-9) / 1e9,
+        if writer.config().background { " in the background" } else { " in the step" },
+        stats.buffers,
+        stats.host_bytes as f64 / 1e6,
+        stats.wait_s * 1e3
+    );
+}
+
+/// `checkpoint-stats.json`: the writer's totals and, after a resume, its load and restore times.
+fn write_checkpoint_stats(writer: &CheckpointWriter, resume: serde_json::Value, path: &Path) -> anyhow::Result<()> {
+    let stats = writer.stats();
+    let json = serde_json::json!({
+        "background": writer.config().background,
+        "snapshots": stats.snapshots,
+        "commits": stats.commits,
+        "bytes_written": stats.bytes_written,
+        "write_s": stats.write_s,
+        "wait_s": stats.wait_s,
+        "buffers": stats.buffers,
+        "host_bytes": stats.host_bytes,
+        "resume": resume,
+    });
+    std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))
 }

@@ -1,5 +1,7 @@
 //! End-to-end tests of the `stoke` binary: real processes, real files, a small model.
 
+mod ckpt;
+mod ckpt_crash;
 mod config_errors;
 mod doctor;
 mod launch;

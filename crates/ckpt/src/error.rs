@@ -1,6 +1,6 @@
 use std::path::PathBuf;
 
-/// What can go wrong writing or reading a checkpoint. Every variant names the file.
+/// What can go wrong writing or reading a checkpoint. Every variant names the file or folder.
 #[derive(Debug, thiserror::Error)]
 pub enum CkptError {
     #[error("cannot {action} {path}: {source}")]
@@ -9,10 +9,21 @@ pub enum CkptError {
     BadManifest { path: PathBuf, message: String },
     #[error("checkpoint file {path} is corrupt: {message}")]
     Corrupt { path: PathBuf, message: String },
-    #[error("no checkpoint at step {step} in {dir}")]
+    #[error("no committed checkpoint at step {step} in {dir}")]
     Missing { dir: PathBuf, step: u64 },
     #[error("tensor {name:?}: {message}")]
     BadTensor { name: String, message: String },
+    #[error("writer id {id:?} must be 1-32 ASCII letters, digits or '_'")]
+    BadWriterId { id: String },
+    #[error(
+        "cannot replace {path} atomically: this filesystem has no rename exchange ({source}); \
+         remove the old checkpoint first or write to another folder"
+    )]
+    NoAtomicReplace { path: PathBuf, source: std::io::Error },
+    #[error("the checkpoint writer thread stopped after an earlier error (reported before)")]
+    WriterFailed,
+    #[error("checkpoint writer: {message}")]
+    Writer { message: String },
 }
 
 pub(crate) fn io<'a>(action: &'static str, path: &'a std::path::Path) -> impl FnOnce(std::io::Error) -> CkptError + 'a {

@@ -1,23 +1,40 @@
-//! stoke-ckpt: checkpoints as safetensors shards plus a JSON manifest, committed atomically.
+//! stoke-ckpt: checkpoints as safetensors shards plus a JSON manifest, committed atomically, and
+//! written in the background from reusable host buffers.
 //!
-//! This is the synchronous first version: the trainer hands over host copies of its tensors and a
-//! step is committed by renaming a fully written, fsynced folder. The files load in PyTorch with
-//! `safetensors.torch.load_file`. The async writer, tiers and resharding are later capabilities
-//! that keep this on-disk format.
+//! `CheckpointStore` is the mechanism: the commit protocol (temporary folder per writer, fsync,
+//! rename or atomic exchange, trash before removal), listing of complete checkpoints, verified
+//! loading, `verify_dir` for a full pass. `steps_to_delete` is the retention policy.
+//! `CheckpointWriter` persists `Snapshot`s (host buffers, two by default) on a long-lived thread,
+//! with back-pressure when every buffer is busy; a snapshot is published once the caller
+//! `release`s its step (after recording it), so no checkpoint is ever ahead of the run's
+//! records. The files load in PyTorch with
+//! `safetensors.torch.load_file`.
 //!
 //! ```
-//! use stoke_ckpt::{CheckpointStore, DType, TensorRecord};
+//! use stoke_ckpt::{CheckpointStore, CheckpointWriter, DType, WriterConfig};
 //! let dir = tempfile::tempdir().unwrap();
 //! let store = CheckpointStore::new(dir.path());
-//! let w = TensorRecord::new("w", DType::F32, vec![2], [1f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect()).unwrap();
-//! store.save(100, &[("model", &[w])], serde_json::json!({"step": 100})).unwrap();
+//! let mut writer = CheckpointWriter::new(store.clone(), WriterConfig::default()).unwrap();
+//! let mut snapshot = writer.begin(100).unwrap();
+//! snapshot.tensor("model", "w", DType::F32, &[2]).copy_from_slice(&[0, 0, 128, 63, 0, 0, 0, 64]);
+//! snapshot.set_meta(serde_json::json!({"data_position": 1600}));
+//! writer.submit(snapshot).unwrap();
+//! writer.release(100).unwrap();
+//! let committed = writer.finish().unwrap();
+//! assert_eq!(committed[0].step, 100);
 //! assert_eq!(store.latest().unwrap(), Some(100));
+//! assert_eq!(store.load(100).unwrap().files["model"][0].data[4..], 2f32.to_le_bytes());
 //! ```
 
 mod error;
+mod format;
+mod fsops;
 mod store;
+mod writer;
 
 pub use error::CkptError;
+pub use format::{DType, TensorRecord};
 pub use store::{
-    load_dir, steps_to_delete, CheckpointStore, DType, FileEntry, Loaded, Manifest, TensorRecord, MANIFEST,
+    load_dir, steps_to_delete, verify_dir, CheckpointStore, FileEntry, Loaded, Manifest, VerifyReport, MANIFEST,
 };
+pub use writer::{CheckpointWriter, Committed, Snapshot, WriterConfig, WriterStats};

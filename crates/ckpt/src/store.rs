@@ -1,88 +1,42 @@
-//! Checkpoint storage: save, list, load and delete committed checkpoints, atomically.
+//! Checkpoint storage: save, list, load, verify and delete committed checkpoints, atomically.
 //!
 //! A checkpoint is a folder `step-<n>/` holding safetensors files and `manifest.json`, which lists
-//! each file with its size and CRC-32. It is written under a temporary name, every file is
-//! fsynced, and only then is the folder renamed into place and its parent fsynced: a crash at any
-//! moment leaves either the complete checkpoint or none (a stray temporary folder that listing
-//! ignores and the next save removes). Loading verifies sizes and checksums before parsing.
+//! each file with its size and CRC-32. The commit protocol:
+//!
+//! 1. write every file into the writer's own temporary folder `.tmp-<writer>-step-<n>/`, fsync
+//!    each file, write and fsync the manifest, fsync the folder;
+//! 2. rename the folder to `step-<n>` and fsync the parent. When `step-<n>` already exists the two
+//!    names are exchanged in one atomic step (`renameat2(RENAME_EXCHANGE)`), so there is no moment
+//!    without a committed `step-<n>`; the old folder, now under the temporary name, is discarded;
+//! 3. discarding (retention, replaced checkpoints) renames the folder to `.trash-<writer>-...` and
+//!    fsyncs the parent before removing anything, so a kill mid-removal never leaves a `step-<n>`
+//!    with missing files.
+//!
+//! A checkpoint exists if and only if its manifest parses, names its own step, and every file it
+//! lists exists with the listed size; listing checks exactly that (no reading of data). Loading
+//! also verifies every CRC-32 before parsing, and `verify_dir` does that for every checkpoint.
+//! Temporaries and trash carry the writer's id, so concurrent writers (ranks) into one folder
+//! never remove each other's; each writer removes its own leftovers before its next commit.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 
 use crate::error::io;
-use crate::CkptError;
+use crate::format::{deserialize, write_file, FileSource, TensorRef};
+use crate::fsops::{rename_exchange, sync_dir, write_synced};
+use crate::{CkptError, TensorRecord};
 
 pub const MANIFEST: &str = "manifest.json";
 const FORMAT_VERSION: u32 = 1;
 const TMP_PREFIX: &str = ".tmp-";
+const TRASH_PREFIX: &str = ".trash-";
+const STEP_PREFIX: &str = "step-";
 
-/// Element types a checkpoint stores.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum DType {
-    F32,
-    BF16,
-    I64,
-}
-
-impl DType {
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::BF16 => 2,
-            DType::I64 => 8,
-        }
-    }
-
-    fn to_safetensors(self) -> Dtype {
-        match self {
-            DType::F32 => Dtype::F32,
-            DType::BF16 => Dtype::BF16,
-            DType::I64 => Dtype::I64,
-        }
-    }
-
-    fn from_safetensors(dtype: Dtype) -> Option<DType> {
-        match dtype {
-            Dtype::F32 => Some(DType::F32),
-            Dtype::BF16 => Some(DType::BF16),
-            Dtype::I64 => Some(DType::I64),
-            _ => None,
-        }
-    }
-}
-
-/// One named tensor's bytes (little-endian, row-major), as safetensors holds them.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TensorRecord {
-    pub name: String,
-    pub dtype: DType,
-    pub shape: Vec<usize>,
-    pub data: Vec<u8>,
-}
-
-impl TensorRecord {
-    pub fn new(
-        name: impl Into<String>,
-        dtype: DType,
-        shape: Vec<usize>,
-        data: Vec<u8>,
-    ) -> Result<TensorRecord, CkptError> {
-        let name = name.into();
-        let expected = shape.iter().product::<usize>() * dtype.size();
-        if data.len() != expected {
-            return Err(CkptError::BadTensor {
-                name,
-                message: format!("shape {shape:?} of {dtype:?} needs {expected} bytes, got {}", data.len()),
-            });
-        }
-        Ok(TensorRecord { name, dtype, shape, data })
-    }
-}
+/// Makes trash names unique within a process.
+static TRASH_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FileEntry {
@@ -101,6 +55,21 @@ pub struct Manifest {
     pub meta: serde_json::Value,
 }
 
+impl Manifest {
+    /// Bytes of all listed files.
+    pub fn total_bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.bytes).sum()
+    }
+}
+
+/// A checkpoint written and synced under its writer's temporary name, not yet published.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    step: u64,
+    tmp: PathBuf,
+    pub(crate) bytes: u64,
+}
+
 /// A loaded checkpoint: its manifest and, per file stem, its tensors.
 #[derive(Debug)]
 pub struct Loaded {
@@ -109,15 +78,29 @@ pub struct Loaded {
     pub files: BTreeMap<String, Vec<TensorRecord>>,
 }
 
-/// The checkpoints of one run, in one folder.
+/// The checkpoints of one run, in one folder, as seen by one writer.
 #[derive(Debug, Clone)]
 pub struct CheckpointStore {
     dir: PathBuf,
+    writer: String,
 }
 
 impl CheckpointStore {
+    /// The store in `dir`, writing as writer `rank0`.
     pub fn new(dir: impl Into<PathBuf>) -> CheckpointStore {
-        CheckpointStore { dir: dir.into() }
+        CheckpointStore { dir: dir.into(), writer: "rank0".into() }
+    }
+
+    /// The same folder, writing as `id` (for example `rank3`): temporaries and trash carry it, so
+    /// writers never remove each other's. The id is stable across restarts, so a restarted writer
+    /// cleans up what its killed predecessor left.
+    pub fn with_writer(mut self, id: &str) -> Result<CheckpointStore, CkptError> {
+        let valid = !id.is_empty() && id.len() <= 32 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !valid {
+            return Err(CkptError::BadWriterId { id: id.into() });
+        }
+        self.writer = id.into();
+        Ok(self)
     }
 
     pub fn dir(&self) -> &Path {
@@ -125,97 +108,195 @@ impl CheckpointStore {
     }
 
     pub fn step_dir(&self, step: u64) -> PathBuf {
-        self.dir.join(format!("step-{step}"))
+        self.dir.join(format!("{STEP_PREFIX}{step}"))
+    }
+
+    fn tmp_dir(&self, step: u64) -> PathBuf {
+        self.dir.join(format!("{TMP_PREFIX}{}-step-{step}", self.writer))
+    }
+
+    fn trash_dir(&self, what: &str) -> PathBuf {
+        let n = TRASH_COUNTER.fetch_add(1, Ordering::Relaxed);
+        self.dir.join(format!("{TRASH_PREFIX}{}-{what}-{}-{n}", self.writer, std::process::id()))
     }
 
     /// Writes `files` (stem -> tensors, each to `<stem>.safetensors`) and the manifest, and commits
-    /// them atomically as `step-<step>/`. An existing checkpoint of the same step is replaced only
-    /// after the new one is complete.
+    /// them atomically as `step-<step>/`. An existing checkpoint of the same step is replaced in
+    /// one atomic exchange.
     pub fn save(
         &self,
         step: u64,
         files: &[(&str, &[TensorRecord])],
         meta: serde_json::Value,
     ) -> Result<PathBuf, CkptError> {
+        let sources: Vec<FileSource<'_>> = files
+            .iter()
+            .map(|(stem, tensors)| FileSource {
+                stem,
+                tensors: tensors
+                    .iter()
+                    .map(|t| TensorRef { name: &t.name, dtype: t.dtype, shape: &t.shape, data: &t.data })
+                    .collect(),
+            })
+            .collect();
+        self.commit(step, &sources, meta).map(|(path, _)| path)
+    }
+
+    /// The commit protocol (see the module doc). Returns the folder and the bytes written.
+    pub(crate) fn commit(
+        &self,
+        step: u64,
+        sources: &[FileSource<'_>],
+        meta: serde_json::Value,
+    ) -> Result<(PathBuf, u64), CkptError> {
         std::fs::create_dir_all(&self.dir).map_err(io("create", &self.dir))?;
-        self.remove_stale_temporaries()?;
-        let tmp = self.dir.join(format!("{TMP_PREFIX}step-{step}-{}", std::process::id()));
-        if tmp.exists() {
+        self.remove_own_leftovers()?;
+        let prepared = self.prepare(step, sources, meta)?;
+        let bytes = prepared.bytes;
+        Ok((self.publish(prepared)?, bytes))
+    }
+
+    /// Steps 1 of the commit protocol: the checkpoint, complete and durable, under this writer's
+    /// temporary name (not a checkpoint yet).
+    pub(crate) fn prepare(
+        &self,
+        step: u64,
+        sources: &[FileSource<'_>],
+        meta: serde_json::Value,
+    ) -> Result<Prepared, CkptError> {
+        std::fs::create_dir_all(&self.dir).map_err(io("create", &self.dir))?;
+        let tmp = self.tmp_dir(step);
+        if std::fs::symlink_metadata(&tmp).is_ok() {
+            // Left by a killed predecessor of this writer.
             std::fs::remove_dir_all(&tmp).map_err(io("remove", &tmp))?;
         }
         std::fs::create_dir(&tmp).map_err(io("create", &tmp))?;
-        let mut entries = Vec::with_capacity(files.len());
-        for (stem, tensors) in files {
-            let name = format!("{stem}.safetensors");
-            let path = tmp.join(&name);
-            let bytes = serialize(tensors)?;
-            write_synced(&path, &bytes)?;
-            entries.push(FileEntry { name, bytes: bytes.len() as u64, crc32: crc32fast::hash(&bytes) });
+        let mut entries = Vec::with_capacity(sources.len());
+        for source in sources {
+            let name = format!("{}.safetensors", source.stem);
+            let (bytes, crc32) = write_file(&tmp.join(&name), source)?;
+            entries.push(FileEntry { name, bytes, crc32 });
         }
         let manifest = Manifest { format_version: FORMAT_VERSION, step, files: entries, meta };
+        let bytes = manifest.total_bytes();
         let manifest_bytes = serde_json::to_vec_pretty(&manifest).expect("a manifest always serializes");
         write_synced(&tmp.join(MANIFEST), &manifest_bytes)?;
         sync_dir(&tmp)?;
+        Ok(Prepared { step, tmp, bytes })
+    }
+
+    /// Step 2 of the commit protocol: the prepared folder becomes `step-<n>`, durably.
+    pub(crate) fn publish(&self, prepared: Prepared) -> Result<PathBuf, CkptError> {
+        let Prepared { step, tmp, .. } = prepared;
         let target = self.step_dir(step);
-        if target.exists() {
-            // Move the old one aside first: rename cannot replace a non-empty folder.
-            let old = self.dir.join(format!("{TMP_PREFIX}old-step-{step}-{}", std::process::id()));
-            std::fs::rename(&target, &old).map_err(io("move aside", &target))?;
-            std::fs::rename(&tmp, &target).map_err(io("commit", &target))?;
-            std::fs::remove_dir_all(&old).map_err(io("remove", &old))?;
-        } else {
-            std::fs::rename(&tmp, &target).map_err(io("commit", &target))?;
+        match std::fs::symlink_metadata(&target) {
+            Ok(_) => {
+                rename_exchange(&tmp, &target)
+                    .map_err(|source| CkptError::NoAtomicReplace { path: target.clone(), source })?;
+                sync_dir(&self.dir)?;
+                // The replaced checkpoint now sits under the temporary name.
+                self.discard(&tmp, &format!("replaced-step-{step}"))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::rename(&tmp, &target).map_err(io("commit", &target))?;
+                sync_dir(&self.dir)?;
+            }
+            Err(e) => return Err(CkptError::Io { action: "inspect", path: target, source: e }),
         }
-        sync_dir(&self.dir)?;
         Ok(target)
     }
 
-    /// Steps of the committed checkpoints, oldest first. Folders without a manifest (never
-    /// committed) are not checkpoints.
+    /// Drops a prepared checkpoint that will not be published.
+    pub(crate) fn abandon(&self, prepared: Prepared) -> Result<(), CkptError> {
+        std::fs::remove_dir_all(&prepared.tmp).map_err(io("remove", &prepared.tmp))
+    }
+
+    /// Steps of the committed checkpoints, oldest first: folders `step-<n>` whose manifest is
+    /// complete and whose files all have the listed sizes. Anything else is not a checkpoint.
     pub fn list(&self) -> Result<Vec<u64>, CkptError> {
+        let mut steps = Vec::new();
+        for (step, path) in self.step_folders()? {
+            if inspect(&path, Some(step)).is_ok() {
+                steps.push(step);
+            }
+        }
+        Ok(steps)
+    }
+
+    /// Every folder named `step-<n>`, committed or not, oldest first.
+    fn step_folders(&self) -> Result<Vec<(u64, PathBuf)>, CkptError> {
         let read = match std::fs::read_dir(&self.dir) {
             Ok(read) => read,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(CkptError::Io { action: "list", path: self.dir.clone(), source: e }),
         };
-        let mut steps = Vec::new();
+        let mut out = Vec::new();
         for entry in read {
             let entry = entry.map_err(io("list", &self.dir))?;
             let name = entry.file_name();
-            let Some(step) = name.to_str().and_then(|n| n.strip_prefix("step-")).and_then(|n| n.parse::<u64>().ok())
-            else {
-                continue;
-            };
-            if entry.path().join(MANIFEST).is_file() {
-                steps.push(step);
+            if let Some(step) = name.to_str().and_then(parse_step_name) {
+                out.push((step, entry.path()));
             }
         }
-        steps.sort_unstable();
-        Ok(steps)
+        out.sort_unstable();
+        Ok(out)
     }
 
     pub fn latest(&self) -> Result<Option<u64>, CkptError> {
         Ok(self.list()?.last().copied())
     }
 
-    /// Reads and verifies the checkpoint of `step`.
+    /// The manifest of the committed checkpoint of `step` (sizes checked, data not read).
+    pub fn manifest(&self, step: u64) -> Result<Manifest, CkptError> {
+        let path = self.step_dir(step);
+        if !path.join(MANIFEST).is_file() {
+            return Err(CkptError::Missing { dir: self.dir.clone(), step });
+        }
+        inspect(&path, Some(step))
+    }
+
+    /// Reads and verifies (sizes, then every CRC-32) the checkpoint of `step`.
     pub fn load(&self, step: u64) -> Result<Loaded, CkptError> {
         let path = self.step_dir(step);
         if !path.join(MANIFEST).is_file() {
             return Err(CkptError::Missing { dir: self.dir.clone(), step });
         }
-        load_dir(&path)
+        let loaded = load_dir(&path)?;
+        if loaded.manifest.step != step {
+            return Err(CkptError::BadManifest {
+                path: path.join(MANIFEST),
+                message: format!("says step {}, the folder is step {step}", loaded.manifest.step),
+            });
+        }
+        Ok(loaded)
     }
 
+    /// Deletes the checkpoint of `step`: renamed to trash (and the rename made durable) before
+    /// any file is removed.
     pub fn delete(&self, step: u64) -> Result<(), CkptError> {
         let path = self.step_dir(step);
-        std::fs::remove_dir_all(&path).map_err(io("delete", &path))
+        self.discard(&path, &format!("step-{step}"))
     }
 
-    fn remove_stale_temporaries(&self) -> Result<(), CkptError> {
+    fn discard(&self, path: &Path, what: &str) -> Result<(), CkptError> {
+        let trash = self.trash_dir(what);
+        std::fs::rename(path, &trash).map_err(io("move to trash", path))?;
+        sync_dir(&self.dir)?;
+        std::fs::remove_dir_all(&trash).map_err(io("remove", &trash))
+    }
+
+    /// Removes this writer's temporaries and trash (what a killed predecessor left).
+    pub fn remove_own_leftovers(&self) -> Result<(), CkptError> {
+        if !self.dir.is_dir() {
+            return Ok(());
+        }
+        let tmp_prefix = format!("{TMP_PREFIX}{}-", self.writer);
+        let trash_prefix = format!("{TRASH_PREFIX}{}-", self.writer);
         for entry in std::fs::read_dir(&self.dir).map_err(io("list", &self.dir))? {
             let entry = entry.map_err(io("list", &self.dir))?;
-            if entry.file_name().to_string_lossy().starts_with(TMP_PREFIX) {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(&tmp_prefix) || name.starts_with(&trash_prefix) {
                 let path = entry.path();
                 std::fs::remove_dir_all(&path).map_err(io("remove", &path))?;
             }
@@ -224,8 +305,16 @@ impl CheckpointStore {
     }
 }
 
-/// Reads and verifies a checkpoint folder.
-pub fn load_dir(path: &Path) -> Result<Loaded, CkptError> {
+fn parse_step_name(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix(STEP_PREFIX)?;
+    // Only the canonical spelling, so one step has one folder name.
+    let step = digits.parse::<u64>().ok()?;
+    (step.to_string() == digits).then_some(step)
+}
+
+/// Reads a checkpoint folder's manifest and checks that every listed file has its size; with
+/// `step`, also that the manifest names that step.
+fn inspect(path: &Path, step: Option<u64>) -> Result<Manifest, CkptError> {
     let manifest_path = path.join(MANIFEST);
     let text = std::fs::read(&manifest_path).map_err(io("read", &manifest_path))?;
     let manifest: Manifest = serde_json::from_slice(&text)
@@ -236,23 +325,38 @@ pub fn load_dir(path: &Path) -> Result<Loaded, CkptError> {
             message: format!("format_version {} is not {FORMAT_VERSION}", manifest.format_version),
         });
     }
+    if let Some(step) = step.filter(|&s| s != manifest.step) {
+        return Err(CkptError::BadManifest {
+            path: manifest_path,
+            message: format!("says step {}, the folder is step {step}", manifest.step),
+        });
+    }
+    for entry in &manifest.files {
+        if entry.name.contains(['/', '\\']) || entry.name.starts_with('.') {
+            return Err(CkptError::BadManifest {
+                path: manifest_path,
+                message: format!("file name {:?} is not a plain name", entry.name),
+            });
+        }
+        let file_path = path.join(&entry.name);
+        let len = std::fs::metadata(&file_path).map_err(io("stat", &file_path))?.len();
+        if len != entry.bytes {
+            return Err(CkptError::Corrupt {
+                path: file_path,
+                message: format!("{len} bytes on disk, the manifest says {}", entry.bytes),
+            });
+        }
+    }
+    Ok(manifest)
+}
+
+/// Reads and verifies a checkpoint folder: sizes, then every file's CRC-32, then the format.
+pub fn load_dir(path: &Path) -> Result<Loaded, CkptError> {
+    let manifest = inspect(path, None)?;
     let mut files = BTreeMap::new();
     for entry in &manifest.files {
         let file_path = path.join(&entry.name);
-        let bytes = std::fs::read(&file_path).map_err(io("read", &file_path))?;
-        if bytes.len() as u64 != entry.bytes {
-            return Err(CkptError::Corrupt {
-                path: file_path,
-                message: format!("{} bytes on disk, the manifest says {}", bytes.len(), entry.bytes),
-            });
-        }
-        let crc = crc32fast::hash(&bytes);
-        if crc != entry.crc32 {
-            return Err(CkptError::Corrupt {
-                path: file_path,
-                message: format!("CRC-32 {crc:08x}, the manifest says {:08x}", entry.crc32),
-            });
-        }
+        let bytes = read_verified(&file_path, entry)?;
         let tensors = deserialize(&bytes).map_err(|message| CkptError::Corrupt { path: file_path.clone(), message })?;
         let stem = entry.name.strip_suffix(".safetensors").unwrap_or(&entry.name).to_string();
         files.insert(stem, tensors);
@@ -260,37 +364,72 @@ pub fn load_dir(path: &Path) -> Result<Loaded, CkptError> {
     Ok(Loaded { path: path.to_path_buf(), manifest, files })
 }
 
-fn serialize(tensors: &[TensorRecord]) -> Result<Vec<u8>, CkptError> {
-    let mut views = Vec::with_capacity(tensors.len());
-    for t in tensors {
-        let view = TensorView::new(t.dtype.to_safetensors(), t.shape.clone(), &t.data)
-            .map_err(|e| CkptError::BadTensor { name: t.name.clone(), message: e.to_string() })?;
-        views.push((t.name.as_str(), view));
+fn read_verified(file_path: &Path, entry: &FileEntry) -> Result<Vec<u8>, CkptError> {
+    let bytes = std::fs::read(file_path).map_err(io("read", file_path))?;
+    if bytes.len() as u64 != entry.bytes {
+        return Err(CkptError::Corrupt {
+            path: file_path.into(),
+            message: format!("{} bytes on disk, the manifest says {}", bytes.len(), entry.bytes),
+        });
     }
-    safetensors::tensor::serialize(views, None)
-        .map_err(|e| CkptError::BadTensor { name: "<file>".into(), message: e.to_string() })
-}
-
-fn deserialize(bytes: &[u8]) -> Result<Vec<TensorRecord>, String> {
-    let parsed = SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
-    let mut out = Vec::new();
-    for (name, view) in parsed.tensors() {
-        let dtype = DType::from_safetensors(view.dtype())
-            .ok_or_else(|| format!("tensor {name:?} has unsupported dtype {:?}", view.dtype()))?;
-        out.push(TensorRecord { name, dtype, shape: view.shape().to_vec(), data: view.data().to_vec() });
+    let crc = crc32fast::hash(&bytes);
+    if crc != entry.crc32 {
+        return Err(CkptError::Corrupt {
+            path: file_path.into(),
+            message: format!("CRC-32 {crc:08x}, the manifest says {:08x}", entry.crc32),
+        });
     }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
+    Ok(bytes)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CkptError> {
-    let mut file = File::create(path).map_err(io("create", path))?;
-    file.write_all(bytes).map_err(io("write", path))?;
-    file.sync_all().map_err(io("fsync", path))
+/// What `verify_dir` found.
+#[derive(Debug)]
+pub struct VerifyReport {
+    /// Each `step-<n>` folder, oldest first, with its manifest or what is wrong with it.
+    pub checkpoints: Vec<(PathBuf, Result<Manifest, CkptError>)>,
+    /// Temporaries and trash: never checkpoints, removed by their writer's next commit.
+    pub leftovers: Vec<PathBuf>,
 }
 
-fn sync_dir(path: &Path) -> Result<(), CkptError> {
-    File::open(path).and_then(|dir| dir.sync_all()).map_err(io("fsync", path))
+impl VerifyReport {
+    pub fn damaged(&self) -> usize {
+        self.checkpoints.iter().filter(|(_, r)| r.is_err()).count()
+    }
+}
+
+/// A full pass over a folder of checkpoints (or one checkpoint folder): every `step-<n>` folder's
+/// manifest, sizes and CRC-32s, and the safetensors format of every file.
+pub fn verify_dir(dir: &Path) -> Result<VerifyReport, CkptError> {
+    let check = |path: &Path, step: Option<u64>| -> Result<Manifest, CkptError> {
+        let manifest = inspect(path, step)?;
+        for entry in &manifest.files {
+            let file_path = path.join(&entry.name);
+            let bytes = read_verified(&file_path, entry)?;
+            deserialize(&bytes).map_err(|message| CkptError::Corrupt { path: file_path, message })?;
+        }
+        Ok(manifest)
+    };
+    if dir.join(MANIFEST).is_file() {
+        let step = dir.file_name().and_then(|n| n.to_str()).and_then(parse_step_name);
+        return Ok(VerifyReport { checkpoints: vec![(dir.to_path_buf(), check(dir, step))], leftovers: Vec::new() });
+    }
+    let store = CheckpointStore::new(dir);
+    let checkpoints = store.step_folders()?.into_iter().map(|(step, path)| {
+        let result = check(&path, Some(step));
+        (path, result)
+    });
+    let checkpoints = checkpoints.collect();
+    let mut leftovers = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io("list", dir))? {
+        let entry = entry.map_err(io("list", dir))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(TMP_PREFIX) || name.starts_with(TRASH_PREFIX) {
+            leftovers.push(entry.path());
+        }
+    }
+    leftovers.sort();
+    Ok(VerifyReport { checkpoints, leftovers })
 }
 
 /// Retention policy, apart from the mechanism: given committed steps (any order), which to delete
@@ -307,10 +446,18 @@ pub fn steps_to_delete(steps: &[u64], keep: usize) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::DType;
 
     fn record(name: &str, values: &[f32]) -> TensorRecord {
         let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         TensorRecord::new(name, DType::F32, vec![values.len()], data).unwrap()
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> =
+            std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        names
     }
 
     #[test]
@@ -324,18 +471,59 @@ mod tests {
         let loaded = store.load(10).unwrap();
         assert_eq!(loaded.manifest.meta["data_position"], 10);
         assert_eq!(loaded.files["model"], model.to_vec());
+        assert_eq!(names(dir.path()), ["step-10", "step-20"], "no temporaries left");
     }
 
     #[test]
-    fn uncommitted_folder_is_not_a_checkpoint() {
+    fn only_complete_folders_are_checkpoints() {
         let dir = tempfile::tempdir().unwrap();
         let store = CheckpointStore::new(dir.path());
-        // What a crash between writing the shards and the manifest leaves behind.
-        std::fs::create_dir_all(dir.path().join(".tmp-step-5-1")).unwrap();
+        for step in [1, 2, 3, 4] {
+            store.save(step, &[("model", &[record("a", &[1.0, 2.0])])], serde_json::json!({})).unwrap();
+        }
+        // What older code left after a kill: a manifest with a missing shard, a truncated shard,
+        // a half-written manifest, a folder without a manifest.
+        std::fs::remove_file(dir.path().join("step-1/model.safetensors")).unwrap();
+        let shard = dir.path().join("step-2/model.safetensors");
+        let bytes = std::fs::read(&shard).unwrap();
+        std::fs::write(&shard, &bytes[..bytes.len() - 1]).unwrap();
+        let manifest = std::fs::read(dir.path().join("step-3/manifest.json")).unwrap();
+        std::fs::write(dir.path().join("step-3/manifest.json"), &manifest[..manifest.len() / 2]).unwrap();
         std::fs::create_dir_all(dir.path().join("step-7")).unwrap();
+        std::fs::create_dir_all(dir.path().join("step-007")).unwrap();
+        assert_eq!(store.list().unwrap(), vec![4]);
+        assert!(matches!(store.load(7), Err(CkptError::Missing { .. })));
+        let report = verify_dir(dir.path()).unwrap();
+        assert_eq!(report.damaged(), 4, "{report:?}");
+    }
+
+    #[test]
+    fn a_writer_removes_its_own_leftovers_and_no_one_else_s() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::new(dir.path()).with_writer("rank0").unwrap();
+        // What kills leave behind: a temporary mid-write, trash mid-removal; and another rank's.
+        for name in [".tmp-rank0-step-5", ".trash-rank0-step-3-1-0", ".tmp-rank1-step-5"] {
+            std::fs::create_dir_all(dir.path().join(name)).unwrap();
+            std::fs::write(dir.path().join(name).join(MANIFEST), b"{}").unwrap();
+        }
         assert_eq!(store.list().unwrap(), Vec::<u64>::new());
+        assert_eq!(verify_dir(dir.path()).unwrap().leftovers.len(), 3);
         store.save(9, &[("model", &[record("a", &[1.0])])], serde_json::json!({})).unwrap();
-        assert!(!dir.path().join(".tmp-step-5-1").exists(), "the next save cleans up");
+        assert_eq!(names(dir.path()), [".tmp-rank1-step-5", "step-9"]);
+        assert!(CheckpointStore::new(dir.path()).with_writer("rank/1").is_err());
+    }
+
+    #[test]
+    fn overwrite_replaces_in_place_and_delete_goes_through_trash() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::new(dir.path());
+        store.save(5, &[("model", &[record("a", &[1.0])])], serde_json::json!({"v": 1})).unwrap();
+        store.save(5, &[("model", &[record("a", &[2.0])])], serde_json::json!({"v": 2})).unwrap();
+        let loaded = store.load(5).unwrap();
+        assert_eq!((loaded.manifest.meta["v"].as_u64(), &loaded.files["model"][0]), (Some(2), &record("a", &[2.0])));
+        assert_eq!(names(dir.path()), ["step-5"]);
+        store.delete(5).unwrap();
+        assert!(names(dir.path()).is_empty());
     }
 
     #[test]
@@ -348,8 +536,12 @@ mod tests {
         let last = bytes.len() - 1;
         bytes[last] ^= 0xff;
         std::fs::write(&file, &bytes).unwrap();
+        assert_eq!(store.list().unwrap(), vec![1], "same size: listed, caught on load");
         let err = store.load(1).unwrap_err().to_string();
         assert!(err.contains("model.safetensors") && err.contains("CRC-32"), "{err}");
+        let report = verify_dir(dir.path()).unwrap();
+        let err = report.checkpoints[0].1.as_ref().unwrap_err().to_string();
+        assert!(err.contains("step-1/model.safetensors") && err.contains("CRC-32"), "{err}");
         std::fs::write(&file, &bytes[..10]).unwrap();
         let err = store.load(1).unwrap_err().to_string();
         assert!(err.contains("bytes on disk"), "{err}");
@@ -370,10 +562,5 @@ mod tests {
         assert_eq!(steps_to_delete(&[30, 10, 20, 40], 2), vec![10, 20]);
         assert_eq!(steps_to_delete(&[10, 20], 3), Vec::<u64>::new());
         assert_eq!(steps_to_delete(&[10, 20], 0), Vec::<u64>::new());
-    }
-
-    #[test]
-    fn wrong_size_record_is_rejected() {
-        assert!(TensorRecord::new("x", DType::F32, vec![3], vec![0; 8]).is_err());
     }
 }

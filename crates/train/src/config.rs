@@ -101,6 +101,10 @@ pub use stoke_prof::Precision;
 pub struct TrainConfig {
     /// Optimizer steps to run. Default 600.
     pub steps: u64,
+    /// Step at which the cosine decay reaches `min_lr`; 0 takes `steps`. A resume that extends
+    /// `steps` sets it to the original `steps`, so the schedule of the steps already run stays
+    /// the same; set it on resume to stretch the decay instead. Default 0.
+    pub lr_horizon: u64,
     /// Sequences per micro-batch, per process. Default 16.
     pub micro_batch: usize,
     /// Micro-batches accumulated into one optimizer step. Default 1.
@@ -183,6 +187,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             steps: 600,
+            lr_horizon: 0,
             micro_batch: 16,
             grad_accum: 1,
             seed: 1337,
@@ -276,13 +281,23 @@ impl TrainConfig {
         }
     }
 
+    /// The step at which the decay ends: `lr_horizon`, or `steps` when it is 0.
+    pub fn horizon(&self) -> u64 {
+        if self.lr_horizon == 0 {
+            self.steps
+        } else {
+            self.lr_horizon
+        }
+    }
+
     /// Learning rate at `step` (0-based): linear warmup, then cosine decay to `min_lr` at the
-    /// last step. A pure function of the step, so a resumed run follows the same schedule.
+    /// horizon (`lr_horizon`, else the last step), `min_lr` after it. A pure function of the step,
+    /// so a resumed run follows the same schedule.
     pub fn lr_at(&self, step: u64) -> f64 {
         if step < self.warmup_steps {
             return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
         }
-        let decay_steps = self.steps.saturating_sub(self.warmup_steps).max(1);
+        let decay_steps = self.horizon().saturating_sub(self.warmup_steps).max(1);
         let progress = ((step - self.warmup_steps) as f64 / decay_steps as f64).min(1.0);
         let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
         self.min_lr + cosine * (self.lr - self.min_lr)
@@ -301,11 +316,15 @@ pub struct CkptConfig {
     pub keep: usize,
     /// Persist on a background thread: the step waits only for the copy to host memory. Default true.
     pub background: bool,
+    /// Host buffers for snapshots (at least 1): host memory for checkpoints is at most this many
+    /// copies of the state. With 2, a snapshot can be taken while the previous one is written;
+    /// when all are being written the step waits (counted in `ckpt_stall`). Default 2.
+    pub host_buffers: usize,
 }
 
 impl Default for CkptConfig {
     fn default() -> Self {
-        CkptConfig { every: 200, at_end: true, keep: 3, background: true }
+        CkptConfig { every: 200, at_end: true, keep: 3, background: true, host_buffers: 2 }
     }
 }
 
@@ -322,6 +341,18 @@ mod tests {
         assert!((cfg.lr_at(55) - 0.55).abs() < 1e-12);
         assert!((cfg.lr_at(100) - 0.1).abs() < 1e-12);
         assert!(cfg.lr_at(30) > cfg.lr_at(40));
+    }
+
+    #[test]
+    fn lr_horizon_keeps_the_schedule_when_steps_grow() {
+        let base = TrainConfig { steps: 100, warmup_steps: 10, lr: 1.0, min_lr: 0.1, ..TrainConfig::default() };
+        let extended = TrainConfig { steps: 150, lr_horizon: 100, ..base.clone() };
+        for step in 0..100 {
+            assert_eq!(base.lr_at(step).to_bits(), extended.lr_at(step).to_bits(), "step {step}");
+        }
+        assert_eq!(extended.lr_at(120), 0.1, "past the horizon the rate stays at min_lr");
+        let stretched = TrainConfig { steps: 150, ..base.clone() };
+        assert!(stretched.lr_at(60) > base.lr_at(60));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use stoke_ckpt::{CheckpointStore, DType, TensorRecord};
+use stoke_ckpt::{CheckpointStore, CheckpointWriter, DType, Loaded, Snapshot, TensorRecord};
 use stoke_data::BatchSource;
 use tch::{Device, Kind, Tensor};
 
@@ -118,9 +118,10 @@ pub trait Observer {
     fn on_event(&mut self, event: &TrainEvent<'_>) -> Result<(), ObserverError>;
 }
 
-/// Where checkpoints go and what the caller wants stored with each (for example the resolved config).
+/// Where checkpoints go and what the caller wants stored with each (for example the resolved
+/// config). The writer decides how (in the background or not, host buffers, retention).
 pub struct CheckpointTarget {
-    pub store: CheckpointStore,
+    pub writer: CheckpointWriter,
     pub meta: serde_json::Value,
 }
 
@@ -214,7 +215,11 @@ impl Trainer {
     /// Restores model, optimizer, loss scaler and step from a checkpoint; returns the data
     /// position to seek to.
     pub fn restore(&mut self, store: &CheckpointStore, step: u64) -> Result<u64, TrainError> {
-        let loaded = store.load(step)?;
+        self.restore_loaded(&store.load(step)?)
+    }
+
+    /// `restore` from a checkpoint already loaded (and verified) by the caller.
+    pub fn restore_loaded(&mut self, loaded: &Loaded) -> Result<u64, TrainError> {
         let mismatch = |message: String| TrainError::CheckpointMismatch { path: loaded.path.clone(), message };
         let model_file = loaded.files.get("model").ok_or_else(|| mismatch("no model.safetensors".into()))?;
         let optim_file = loaded.files.get("optim").ok_or_else(|| mismatch("no optim.safetensors".into()))?;
@@ -284,24 +289,17 @@ impl Trainer {
         Ok(data_position)
     }
 
-    /// Copies the state to host memory: the part of a checkpoint the step must wait for.
-    fn snapshot(&self, target: &CheckpointTarget, data_position: u64) -> Result<Snapshot, TrainError> {
+    /// Copies the state into a host buffer: the part of a checkpoint the step must wait for.
+    fn snapshot_into(&self, snapshot: &mut Snapshot, extra: &serde_json::Value, data_position: u64) {
         let params = self.model.params();
-        let mut model_records = Vec::with_capacity(params.entries().len());
         for entry in params.entries() {
-            let host = entry.tensor.detach().to_device(Device::Cpu).contiguous();
-            let shape = entry.shape.iter().map(|&s| s as usize).collect();
-            model_records.push(TensorRecord::new(entry.name.clone(), DType::F32, shape, tensor_bytes(&host))?);
+            let shape: Vec<usize> = entry.shape.iter().map(|&s| s as usize).collect();
+            copy_into(&entry.tensor.detach(), snapshot.tensor("model", &entry.name, DType::F32, &shape));
         }
-        let optim_records = self
-            .optimizer
-            .state_tensors(params)
-            .into_iter()
-            .map(|state| {
-                let shape = state.shape.iter().map(|&s| s as usize).collect();
-                TensorRecord::new(state.name, DType::F32, shape, tensor_bytes(&state.tensor.to_device(Device::Cpu)))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        for state in self.optimizer.state_tensors(params) {
+            let shape: Vec<usize> = state.shape.iter().map(|&s| s as usize).collect();
+            copy_into(&state.tensor, snapshot.tensor("optim", &state.name, DType::F32, &shape));
+        }
         let mut meta = serde_json::json!({
             "step": self.step,
             "optimizer_steps": self.optimizer.n_steps(),
@@ -314,10 +312,10 @@ impl Trainer {
             object.insert("loss_scale_clean_steps".into(), serde_json::json!(clean));
             object.insert("skipped_steps".into(), serde_json::json!(skipped));
         }
-        if let (Some(meta), Some(extra)) = (meta.as_object_mut(), target.meta.as_object()) {
+        if let (Some(meta), Some(extra)) = (meta.as_object_mut(), extra.as_object()) {
             meta.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
-        Ok(Snapshot { step: self.step, model: model_records, optim: optim_records, meta })
+        snapshot.set_meta(meta);
     }
 
     /// On a GPU, synchronize at phase boundaries only every `every` steps (1, the default: every
@@ -333,7 +331,7 @@ impl Trainer {
         &mut self,
         source: &mut dyn BatchSource,
         observers: &mut [&mut dyn Observer],
-        checkpoints: Option<&CheckpointTarget>,
+        checkpoints: Option<&mut CheckpointTarget>,
         stop: &AtomicBool,
     ) -> Result<Summary, TrainError> {
         self.run_with_hooks(source, observers, checkpoints, stop, &mut NoHooks)
@@ -344,7 +342,7 @@ impl Trainer {
         &mut self,
         source: &mut dyn BatchSource,
         observers: &mut [&mut dyn Observer],
-        checkpoints: Option<&CheckpointTarget>,
+        mut checkpoints: Option<&mut CheckpointTarget>,
         stop: &AtomicBool,
         hooks: &mut dyn StepHooks,
     ) -> Result<Summary, TrainError> {
@@ -368,7 +366,6 @@ impl Trainer {
         let run_start = Instant::now();
         let (mut first_loss, mut final_loss, mut best_loss) = (f64::NAN, f64::NAN, f64::INFINITY);
         let mut interrupted = false;
-        let mut pending: Option<PendingWrite> = None;
         let mut memory = None;
         while self.step < self.train.steps {
             let step_number = self.step + 1;
@@ -399,19 +396,12 @@ impl Trainer {
             interrupted = stop.load(Ordering::Relaxed);
             let due = self.ckpt.every > 0 && step_number % self.ckpt.every == 0;
             let at_end = step_number == self.train.steps && self.ckpt.at_end;
-            let mut saved = Vec::new();
-            if let Some(target) = checkpoints.filter(|_| due || at_end || interrupted) {
+            if let Some(target) = checkpoints.as_deref_mut().filter(|_| due || at_end || interrupted) {
                 clock.lap(Phase::Other);
-                // One write in flight at a time: a new snapshot waits for the previous write.
-                if let Some(write) = pending.take() {
-                    saved.push(write.finish()?);
-                }
-                let snapshot = self.snapshot(target, source.position())?;
-                if self.ckpt.background {
-                    pending = Some(PendingWrite::spawn(target.store.clone(), self.ckpt.keep, snapshot));
-                } else {
-                    saved.push((snapshot.step, snapshot.persist(&target.store, self.ckpt.keep)?));
-                }
+                // Blocks only while every host buffer is still being written (back-pressure).
+                let mut snapshot = target.writer.begin(self.step)?;
+                self.snapshot_into(&mut snapshot, &target.meta, source.position());
+                target.writer.submit(snapshot)?;
                 clock.lap(Phase::CkptStall);
             }
             let (phases, wall_ms) = clock.finish();
@@ -430,16 +420,21 @@ impl Trainer {
                 skipped: outcome.skipped,
             };
             notify(observers, &TrainEvent::Step(&record))?;
-            for (step, path) in &saved {
-                notify(observers, &TrainEvent::CheckpointSaved { step: *step, path })?;
+            if let Some(target) = checkpoints.as_deref_mut() {
+                // The step is recorded: its checkpoint may now be published.
+                target.writer.release(step_number)?;
+                for saved in target.writer.committed()? {
+                    notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
+                }
             }
             if interrupted {
                 break;
             }
         }
-        if let Some(write) = pending.take() {
-            let (step, path) = write.finish()?;
-            notify(observers, &TrainEvent::CheckpointSaved { step, path: &path })?;
+        if let Some(target) = checkpoints {
+            for saved in target.writer.finish()? {
+                notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
+            }
         }
         let wall_s = run_start.elapsed().as_secs_f64();
         let steps_run = self.step + 1 - first_step;
@@ -547,50 +542,6 @@ impl Trainer {
     }
 }
 
-/// A checkpoint's state in host memory, ready to be written.
-struct Snapshot {
-    step: u64,
-    model: Vec<TensorRecord>,
-    optim: Vec<TensorRecord>,
-    meta: serde_json::Value,
-}
-
-impl Snapshot {
-    /// Commits the checkpoint, then applies the retention policy.
-    fn persist(self, store: &CheckpointStore, keep: usize) -> Result<PathBuf, stoke_ckpt::CkptError> {
-        let path = store.save(self.step, &[("model", &self.model), ("optim", &self.optim)], self.meta)?;
-        for old in stoke_ckpt::steps_to_delete(&store.list()?, keep) {
-            store.delete(old)?;
-        }
-        Ok(path)
-    }
-}
-
-/// A checkpoint being written on its own thread.
-struct PendingWrite {
-    step: u64,
-    handle: std::thread::JoinHandle<Result<PathBuf, stoke_ckpt::CkptError>>,
-}
-
-impl PendingWrite {
-    fn spawn(store: CheckpointStore, keep: usize, snapshot: Snapshot) -> PendingWrite {
-        let step = snapshot.step;
-        let handle = std::thread::Builder::new()
-            .name(format!("ckpt-step-{step}"))
-            .spawn(move || snapshot.persist(&store, keep))
-            .expect("the OS starts a thread");
-        PendingWrite { step, handle }
-    }
-
-    /// Waits for the write; its error is the run's error.
-    fn finish(self) -> Result<(u64, PathBuf), TrainError> {
-        match self.handle.join() {
-            Ok(result) => Ok((self.step, result?)),
-            Err(panic) => std::panic::resume_unwind(panic),
-        }
-    }
-}
-
 fn notify(observers: &mut [&mut dyn Observer], event: &TrainEvent<'_>) -> Result<(), TrainError> {
     for observer in observers.iter_mut() {
         observer.on_event(event).map_err(|e| TrainError::Observer(e.to_string()))?;
@@ -598,10 +549,14 @@ fn notify(observers: &mut [&mut dyn Observer], event: &TrainEvent<'_>) -> Result
     Ok(())
 }
 
-fn tensor_bytes(t: &Tensor) -> Vec<u8> {
-    let t = t.contiguous();
+/// Copies `t` (any device) into `dst` with libtorch's copy, which splits a large tensor across the
+/// intra-op threads.
+fn copy_into(t: &Tensor, dst: &mut [u8]) {
     let numel = t.numel();
-    let mut bytes = vec![0u8; numel * t.kind().elt_size_in_bytes()];
-    t.copy_data_u8(&mut bytes, numel);
-    bytes
+    assert_eq!(dst.len(), numel * t.kind().elt_size_in_bytes(), "the host slot fits the tensor");
+    // SAFETY: `host` views exactly `dst`'s bytes (length checked above) as a CPU tensor; `dst` is
+    // borrowed mutably for this whole function and `host` is dropped before it returns, so
+    // nothing else reads or writes that memory meanwhile and the view never outlives it.
+    let mut host = unsafe { Tensor::from_blob(dst.as_mut_ptr(), &[numel as i64], &[1], t.kind(), Device::Cpu) };
+    tch::no_grad(|| host.copy_(&t.reshape([-1])));
 }

@@ -1,0 +1,585 @@
+//! Asynchronous saves: the caller copies its state into a host buffer (the only part a training
+//! step waits for), and a long-lived writer thread commits it through the store and applies
+//! retention.
+//!
+//! There are `buffers` host buffers (two by default): one can be written while the next snapshot
+//! is taken into the other. When every buffer is taken (a snapshot is due while the previous two
+//! are still being written), `begin` blocks until one comes back: back-pressure, reported as the
+//! snapshot's `waited` time. Buffers are kept and reused, so their memory is bounded by
+//! `buffers` x the largest snapshot, faulted in once, and reported by `stats`.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{mpsc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::format::{check_size, FileSource, TensorRef};
+use crate::store::Prepared;
+use crate::{steps_to_delete, CheckpointStore, CkptError, DType};
+
+/// How a `CheckpointWriter` persists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriterConfig {
+    /// Persist on the writer thread (true) or inside `submit` (false: a synchronous save).
+    pub background: bool,
+    /// Host buffers for snapshots; at least 1. With `background`, 2 lets a snapshot be taken
+    /// while the previous one is written.
+    pub buffers: usize,
+    /// Keep this many newest checkpoints after each commit; 0 keeps all.
+    pub keep: usize,
+}
+
+impl Default for WriterConfig {
+    fn default() -> Self {
+        WriterConfig { background: true, buffers: 2, keep: 3 }
+    }
+}
+
+struct Slot {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    start: usize,
+    len: usize,
+}
+
+struct HostFile {
+    stem: String,
+    slots: Vec<Slot>,
+    /// Grows to the largest snapshot and stays; `used` bytes of it are this snapshot's.
+    arena: Vec<u8>,
+    used: usize,
+}
+
+/// One checkpoint's state in a host buffer. Fill it with `tensor`, then hand it to
+/// `CheckpointWriter::submit`.
+pub struct Snapshot {
+    id: usize,
+    step: u64,
+    meta: serde_json::Value,
+    files: Vec<HostFile>,
+    waited: Duration,
+}
+
+impl Snapshot {
+    fn empty(id: usize) -> Snapshot {
+        Snapshot { id, step: 0, meta: serde_json::Value::Null, files: Vec::new(), waited: Duration::ZERO }
+    }
+
+    fn reset(&mut self, step: u64) {
+        self.step = step;
+        self.meta = serde_json::Value::Null;
+        for file in &mut self.files {
+            file.slots.clear();
+            file.used = 0;
+        }
+    }
+
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// How long `begin` waited for this buffer to come back from the writer (back-pressure).
+    pub fn waited(&self) -> Duration {
+        self.waited
+    }
+
+    pub fn set_meta(&mut self, meta: serde_json::Value) {
+        self.meta = meta;
+    }
+
+    /// Room for tensor `name` of file `<stem>.safetensors`, to be filled with its little-endian
+    /// bytes. Tensors are stored in the order they are added.
+    pub fn tensor(&mut self, stem: &str, name: &str, dtype: DType, shape: &[usize]) -> &mut [u8] {
+        let len = shape.iter().product::<usize>() * dtype.size();
+        let file_idx = match self.files.iter().position(|f| f.stem == stem) {
+            Some(idx) => idx,
+            None => {
+                self.files.push(HostFile { stem: stem.into(), slots: Vec::new(), arena: Vec::new(), used: 0 });
+                self.files.len() - 1
+            }
+        };
+        let file = &mut self.files[file_idx];
+        let start = file.used;
+        if file.arena.len() < start + len {
+            // Only the first snapshots grow the buffer; later ones reuse its pages.
+            file.arena.resize(start + len, 0);
+        }
+        file.used += len;
+        file.slots.push(Slot { name: name.into(), dtype, shape: shape.to_vec(), start, len });
+        &mut file.arena[start..start + len]
+    }
+
+    /// Bytes of tensor data in this snapshot.
+    pub fn bytes(&self) -> usize {
+        self.files.iter().map(|f| f.used).sum()
+    }
+
+    fn capacity(&self) -> usize {
+        self.files.iter().map(|f| f.arena.capacity()).sum()
+    }
+
+    fn sources(&self) -> Result<Vec<FileSource<'_>>, CkptError> {
+        let mut out = Vec::with_capacity(self.files.len());
+        for file in self.files.iter().filter(|f| !f.slots.is_empty()) {
+            let mut tensors = Vec::with_capacity(file.slots.len());
+            for slot in &file.slots {
+                check_size(&slot.name, slot.dtype, &slot.shape, slot.len)?;
+                tensors.push(TensorRef {
+                    name: &slot.name,
+                    dtype: slot.dtype,
+                    shape: &slot.shape,
+                    data: &file.arena[slot.start..slot.start + slot.len],
+                });
+            }
+            out.push(FileSource { stem: &file.stem, tensors });
+        }
+        Ok(out)
+    }
+}
+
+/// A committed checkpoint, as the writer reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Committed {
+    pub step: u64,
+    pub path: PathBuf,
+    /// Bytes of the files written (manifest excluded).
+    pub bytes: u64,
+    /// Seconds from the start of the write to the durable rename (retention excluded).
+    pub write_s: f64,
+    /// Steps deleted by retention after this commit.
+    pub deleted: Vec<u64>,
+}
+
+/// Totals since the writer was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WriterStats {
+    /// Host buffers allocated so far (at most `WriterConfig::buffers`).
+    pub buffers: usize,
+    /// Host memory those buffers hold, in bytes: the bound on snapshot memory.
+    pub host_bytes: usize,
+    pub snapshots: u64,
+    pub commits: u64,
+    pub bytes_written: u64,
+    /// Seconds `begin` waited for a free buffer (back-pressure).
+    pub wait_s: f64,
+    /// Seconds spent writing and committing (on the writer thread when in the background).
+    pub write_s: f64,
+}
+
+type Returned = (Snapshot, Result<Committed, CkptError>);
+
+/// Which prepared checkpoints may be published: those of steps up to `released`.
+#[derive(Default)]
+struct Gate {
+    released: u64,
+    closing: bool,
+}
+
+type SharedGate = std::sync::Arc<(Mutex<Gate>, Condvar)>;
+
+/// Waits until `step` is released (true) or the writer closes without releasing it (false).
+fn wait_released(gate: &SharedGate, step: u64) -> bool {
+    let (lock, cvar) = &**gate;
+    let mut state = lock.lock().expect("the gate's lock is never poisoned");
+    while state.released < step && !state.closing {
+        state = cvar.wait(state).expect("the gate's lock is never poisoned");
+    }
+    state.released >= step
+}
+
+/// Persists snapshots through a `CheckpointStore`, on a long-lived thread or inline.
+///
+/// A submitted snapshot is written and synced under a temporary name at once, but published as
+/// `step-<n>` only after `release(n)`: the caller releases a step once everything it reports
+/// about that step (its metrics line) is written, so a kill can never leave a checkpoint of a
+/// step whose record is missing.
+pub struct CheckpointWriter {
+    store: CheckpointStore,
+    config: WriterConfig,
+    jobs: Option<mpsc::Sender<Snapshot>>,
+    returns: mpsc::Receiver<Returned>,
+    returns_tx: mpsc::Sender<Returned>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    gate: SharedGate,
+    /// Inline mode: snapshots written but not yet published.
+    unpublished: VecDeque<(Snapshot, Prepared, f64)>,
+    free: Vec<Snapshot>,
+    capacities: Vec<usize>,
+    in_flight: usize,
+    done: VecDeque<Committed>,
+    failed: bool,
+    stats: WriterStats,
+}
+
+impl CheckpointWriter {
+    /// A writer into `store`; removes what a killed predecessor with the same writer id left.
+    pub fn new(store: CheckpointStore, config: WriterConfig) -> Result<CheckpointWriter, CkptError> {
+        if config.buffers == 0 {
+            return Err(CkptError::Writer { message: "needs at least one host buffer".into() });
+        }
+        store.remove_own_leftovers()?;
+        let gate: SharedGate = std::sync::Arc::new((Mutex::new(Gate::default()), Condvar::new()));
+        let (returns_tx, returns) = mpsc::channel::<Returned>();
+        let (jobs, thread) = if config.background {
+            let (jobs_tx, jobs_rx) = mpsc::channel::<Snapshot>();
+            let (store, keep, tx, gate) = (store.clone(), config.keep, returns_tx.clone(), gate.clone());
+            let thread = std::thread::Builder::new()
+                .name("ckpt-writer".into())
+                .spawn(move || {
+                    for snapshot in jobs_rx {
+                        let result = persist_when_released(&store, &snapshot, keep, &gate);
+                        if tx.send((snapshot, result)).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .map_err(|e| CkptError::Writer { message: format!("cannot start the writer thread: {e}") })?;
+            (Some(jobs_tx), Some(thread))
+        } else {
+            (None, None)
+        };
+        Ok(CheckpointWriter {
+            store,
+            config,
+            jobs,
+            returns,
+            returns_tx,
+            thread,
+            gate,
+            unpublished: VecDeque::new(),
+            free: Vec::new(),
+            capacities: Vec::new(),
+            in_flight: 0,
+            done: VecDeque::new(),
+            failed: false,
+            stats: WriterStats::default(),
+        })
+    }
+
+    pub fn store(&self) -> &CheckpointStore {
+        &self.store
+    }
+
+    pub fn config(&self) -> &WriterConfig {
+        &self.config
+    }
+
+    /// A host buffer for the snapshot of `step`; blocks while every buffer is being written.
+    /// An error of an earlier background write is returned here (or by `committed`/`finish`).
+    pub fn begin(&mut self, step: u64) -> Result<Snapshot, CkptError> {
+        self.check()?;
+        let start = Instant::now();
+        self.collect(false)?;
+        let mut snapshot = match self.free.pop() {
+            Some(snapshot) => snapshot,
+            None if self.capacities.len() < self.config.buffers => {
+                self.capacities.push(0);
+                self.stats.buffers = self.capacities.len();
+                Snapshot::empty(self.capacities.len() - 1)
+            }
+            None if self.jobs.is_none() => {
+                return Err(CkptError::Writer {
+                    message: format!("every host buffer holds an unreleased snapshot (release step {step}'s predecessors first)"),
+                })
+            }
+            None => {
+                self.collect(true)?;
+                self.free.pop().expect("a write came back with its buffer")
+            }
+        };
+        snapshot.reset(step);
+        snapshot.waited = start.elapsed();
+        self.stats.wait_s += snapshot.waited.as_secs_f64();
+        Ok(snapshot)
+    }
+
+    /// Persists `snapshot`: queued for the writer thread, or (not `background`) written and synced
+    /// now. Either way it is published by `release` of its step.
+    pub fn submit(&mut self, snapshot: Snapshot) -> Result<(), CkptError> {
+        self.check()?;
+        self.capacities[snapshot.id] = snapshot.capacity();
+        self.stats.host_bytes = self.capacities.iter().sum();
+        self.stats.snapshots += 1;
+        self.in_flight += 1;
+        match &self.jobs {
+            Some(jobs) => jobs.send(snapshot).map_err(|_| self.gone()),
+            None => {
+                let start = Instant::now();
+                match snapshot.sources().and_then(|sources| self.store.prepare(snapshot.step, &sources, snapshot.meta.clone())) {
+                    Ok(prepared) => {
+                        self.unpublished.push_back((snapshot, prepared, start.elapsed().as_secs_f64()));
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.returns_tx.send((snapshot, Err(e))).expect("the receiver is ours");
+                        self.collect(false)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lets snapshots of steps up to `step` be published (the caller has recorded those steps).
+    pub fn release(&mut self, step: u64) -> Result<(), CkptError> {
+        self.check()?;
+        {
+            let (lock, cvar) = &*self.gate;
+            let mut state = lock.lock().expect("the gate's lock is never poisoned");
+            state.released = state.released.max(step);
+            cvar.notify_all();
+        }
+        while self.unpublished.front().is_some_and(|(snapshot, _, _)| snapshot.step <= step) {
+            let (snapshot, prepared, prepare_s) = self.unpublished.pop_front().expect("checked");
+            let result = publish(&self.store, &snapshot, prepared, prepare_s, self.config.keep);
+            self.returns_tx.send((snapshot, result)).expect("the receiver is ours");
+        }
+        self.collect(false)
+    }
+
+    /// Checkpoints committed since the last call, oldest first; does not block.
+    pub fn committed(&mut self) -> Result<Vec<Committed>, CkptError> {
+        self.check()?;
+        self.collect(false)?;
+        Ok(self.done.drain(..).collect())
+    }
+
+    /// Releases every submitted snapshot and waits until all are committed; returns those not
+    /// reported yet.
+    pub fn finish(&mut self) -> Result<Vec<Committed>, CkptError> {
+        self.release(u64::MAX)?;
+        while self.in_flight > 0 {
+            self.collect(true)?;
+        }
+        Ok(self.done.drain(..).collect())
+    }
+
+    pub fn stats(&self) -> WriterStats {
+        self.stats
+    }
+
+    fn check(&self) -> Result<(), CkptError> {
+        if self.failed {
+            Err(CkptError::WriterFailed)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn gone(&self) -> CkptError {
+        CkptError::Writer { message: "the writer thread ended unexpectedly".into() }
+    }
+
+    /// Takes back returned buffers and results: all that are ready, or (when `block`) at least one.
+    fn collect(&mut self, block: bool) -> Result<(), CkptError> {
+        let mut first = block;
+        loop {
+            let returned = if first {
+                first = false;
+                match self.returns.recv() {
+                    Ok(r) => r,
+                    Err(_) => {
+                        self.failed = true;
+                        return Err(self.join_error());
+                    }
+                }
+            } else {
+                match self.returns.try_recv() {
+                    Ok(r) => r,
+                    Err(_) => return Ok(()),
+                }
+            };
+            let (snapshot, result) = returned;
+            self.in_flight -= 1;
+            self.free.push(snapshot);
+            match result {
+                Ok(committed) => {
+                    self.stats.commits += 1;
+                    self.stats.bytes_written += committed.bytes;
+                    self.stats.write_s += committed.write_s;
+                    self.done.push_back(committed);
+                }
+                Err(e) => {
+                    self.failed = true;
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// The writer thread's panic, if it panicked; otherwise a plain "gone" error.
+    fn join_error(&mut self) -> CkptError {
+        if let Some(thread) = self.thread.take() {
+            if let Err(panic) = thread.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        self.gone()
+    }
+}
+
+impl Drop for CheckpointWriter {
+    fn drop(&mut self) {
+        // Dropped without `finish` (the run failed): snapshots not released are abandoned, never
+        // published; the thread ends after the queue.
+        {
+            let (lock, cvar) = &*self.gate;
+            if let Ok(mut state) = lock.lock() {
+                state.closing = true;
+                cvar.notify_all();
+            }
+        }
+        self.jobs.take();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        for (_, prepared, _) in self.unpublished.drain(..) {
+            let _ = self.store.abandon(prepared);
+        }
+    }
+}
+
+/// On the writer thread: write and sync the snapshot, wait for its release, publish it.
+fn persist_when_released(
+    store: &CheckpointStore,
+    snapshot: &Snapshot,
+    keep: usize,
+    gate: &SharedGate,
+) -> Result<Committed, CkptError> {
+    let start = Instant::now();
+    let sources = snapshot.sources()?;
+    let prepared = store.prepare(snapshot.step, &sources, snapshot.meta.clone())?;
+    let prepare_s = start.elapsed().as_secs_f64();
+    if !wait_released(gate, snapshot.step) {
+        store.abandon(prepared)?;
+        return Err(CkptError::Writer { message: format!("step {} was never released; not published", snapshot.step) });
+    }
+    publish(store, snapshot, prepared, prepare_s, keep)
+}
+
+/// Publishes a prepared snapshot, then applies retention.
+fn publish(
+    store: &CheckpointStore,
+    snapshot: &Snapshot,
+    prepared: Prepared,
+    prepare_s: f64,
+    keep: usize,
+) -> Result<Committed, CkptError> {
+    let start = Instant::now();
+    let bytes = prepared.bytes;
+    let path = store.publish(prepared)?;
+    let write_s = prepare_s + start.elapsed().as_secs_f64();
+    let deleted = steps_to_delete(&store.list()?, keep);
+    for &old in &deleted {
+        store.delete(old)?;
+    }
+    Ok(Committed { step: snapshot.step, path, bytes, write_s, deleted })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verify_dir;
+
+    fn fill(snapshot: &mut Snapshot, value: f32, n: usize) {
+        let dst = snapshot.tensor("model", "w", DType::F32, &[n]);
+        for chunk in dst.chunks_exact_mut(4) {
+            chunk.copy_from_slice(&value.to_le_bytes());
+        }
+        let dst = snapshot.tensor("optim", "m", DType::F32, &[1]);
+        dst.copy_from_slice(&(-value).to_le_bytes());
+        snapshot.set_meta(serde_json::json!({ "value": value }));
+    }
+
+    #[test]
+    fn background_writes_commit_in_order_with_retention() {
+        for background in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let store = CheckpointStore::new(dir.path());
+            let config = WriterConfig { background, buffers: 2, keep: 2 };
+            let mut writer = CheckpointWriter::new(store.clone(), config).unwrap();
+            let mut committed = Vec::new();
+            for step in 1..=5u64 {
+                let mut snapshot = writer.begin(step).unwrap();
+                fill(&mut snapshot, step as f32, 1000);
+                writer.submit(snapshot).unwrap();
+                writer.release(step).unwrap();
+                committed.extend(writer.committed().unwrap());
+            }
+            committed.extend(writer.finish().unwrap());
+            let steps: Vec<u64> = committed.iter().map(|c| c.step).collect();
+            assert_eq!(steps, [1, 2, 3, 4, 5], "background {background}");
+            assert_eq!(store.list().unwrap(), vec![4, 5]);
+            let loaded = store.load(5).unwrap();
+            assert_eq!(loaded.files["model"][0].data[..4], 5f32.to_le_bytes());
+            assert_eq!(loaded.files["optim"][0].data, (-5f32).to_le_bytes());
+            assert_eq!(loaded.manifest.meta["value"], 5.0);
+            let stats = writer.stats();
+            assert!(stats.buffers <= 2 && stats.commits == 5, "{stats:?}");
+            assert!(stats.host_bytes >= 4004 && stats.host_bytes <= 2 * 4004 * 2, "{stats:?}");
+        }
+    }
+
+    #[test]
+    fn a_failed_write_is_reported_and_sticks() {
+        let dir = tempfile::tempdir().unwrap();
+        // A file where the checkpoint folder should be: every commit fails.
+        let blocked = dir.path().join("ckpt");
+        std::fs::write(&blocked, b"not a folder").unwrap();
+        let mut writer = CheckpointWriter::new(CheckpointStore::new(&blocked), WriterConfig::default()).unwrap();
+        let mut snapshot = writer.begin(1).unwrap();
+        fill(&mut snapshot, 1.0, 4);
+        writer.submit(snapshot).unwrap();
+        let err = writer.finish().unwrap_err().to_string();
+        assert!(err.contains("ckpt"), "{err}");
+        assert!(matches!(writer.begin(2), Err(CkptError::WriterFailed)));
+    }
+
+    #[test]
+    fn nothing_is_published_before_its_release() {
+        for background in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let store = CheckpointStore::new(dir.path());
+            let config = WriterConfig { background, buffers: 2, keep: 0 };
+            let mut writer = CheckpointWriter::new(store.clone(), config).unwrap();
+            for step in [1, 2] {
+                let mut snapshot = writer.begin(step).unwrap();
+                fill(&mut snapshot, 1.0, 8);
+                writer.submit(snapshot).unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            assert_eq!(store.list().unwrap(), Vec::<u64>::new(), "background {background}");
+            writer.release(1).unwrap();
+            let first = loop {
+                let c = writer.committed().unwrap();
+                if !c.is_empty() {
+                    break c;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            };
+            assert_eq!(first.iter().map(|c| c.step).collect::<Vec<_>>(), [1]);
+            assert_eq!(store.list().unwrap(), vec![1]);
+            drop(writer);
+            assert_eq!(store.list().unwrap(), vec![1], "dropping abandons the unreleased step 2");
+            let leftovers = verify_dir(dir.path()).unwrap().leftovers;
+            assert!(leftovers.is_empty(), "{leftovers:?}");
+        }
+    }
+
+    #[test]
+    fn buffers_are_reused_and_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = WriterConfig { background: true, buffers: 2, keep: 1 };
+        let mut writer = CheckpointWriter::new(CheckpointStore::new(dir.path()), config).unwrap();
+        for step in 1..=6u64 {
+            let mut snapshot = writer.begin(step).unwrap();
+            fill(&mut snapshot, 1.0, 1 << 16);
+            writer.submit(snapshot).unwrap();
+            writer.release(step).unwrap();
+        }
+        writer.finish().unwrap();
+        let stats = writer.stats();
+        assert_eq!((stats.buffers, stats.snapshots, stats.commits), (2, 6, 6));
+        assert!(stats.host_bytes < 3 * (4 << 16), "two buffers of one snapshot each: {stats:?}");
+    }
+}

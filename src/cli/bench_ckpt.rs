@@ -1,0 +1,295 @@
+//! `stoke bench ckpt`: what a checkpoint costs the training step, in the background (the copy
+//! into host buffers) against a synchronous save of the same state; save throughput against the
+//! disk's write bandwidth with fsync, measured in the same run; the time to resume; and PyTorch's
+//! `torch.save` and DCP `async_save` of the same state as peers.
+//!
+//! Background and synchronous runs alternate (A, B, A, B, ...), each its own `stoke train`
+//! process writing several checkpoints; the disk is measured before each pair. Figures are the
+//! median with min and max over all runs' checkpoints.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+
+use super::bench::disk_bandwidth;
+
+/// A state of about 100 M parameters (1.2 GB with AdamW's two moments) whose steps are short:
+/// wide layers, a short context, one sequence per step.
+const STATE_SHAPE: &[&str] = &[
+    "model.n_layer=8",
+    "model.d_model=1024",
+    "model.n_head=8",
+    "model.seq_len=32",
+    "train.micro_batch=1",
+    "train.precision=fp32",
+    "train.warmup_steps=2",
+];
+
+#[derive(Debug, clap::Args)]
+pub struct CkptBenchArgs {
+    /// Working folder: the runs, the disk test file, the peers' files.
+    #[arg(long, default_value = "runs/bench-ckpt")]
+    pub dir: PathBuf,
+    /// Pairs of runs (background, synchronous), interleaved.
+    #[arg(long, default_value_t = 3)]
+    pub pairs: usize,
+    /// Checkpoints each run writes.
+    #[arg(long, default_value_t = 5)]
+    pub checkpoints: u64,
+    /// Steps between checkpoints.
+    #[arg(long, default_value_t = 4)]
+    pub every: u64,
+    /// More overrides for every run (for example another model size).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Python with torch for the peers.
+    #[arg(long, default_value = ".stoke/venv/bin/python")]
+    pub python: PathBuf,
+    #[arg(long, default_value = "benches/peers/ckpt_torch.py")]
+    pub peer_script: PathBuf,
+    #[arg(long)]
+    pub no_peers: bool,
+    /// Also write the figures as JSON here.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// What one `stoke train` run measured.
+struct RunFigures {
+    /// ckpt_stall of each checkpoint step, in order, ms.
+    stalls_ms: Vec<f64>,
+    bytes_written: u64,
+    write_s: f64,
+    commits: u64,
+    host_bytes: u64,
+    wait_s: f64,
+}
+
+fn run_train(args: &CkptBenchArgs, name: &str, background: bool) -> anyhow::Result<RunFigures> {
+    let run_dir = args.dir.join(name);
+    if run_dir.exists() {
+        std::fs::remove_dir_all(&run_dir).with_context(|| format!("cannot clear {}", run_dir.display()))?;
+    }
+    let steps = args.every * args.checkpoints;
+    let mut overrides: Vec<String> = STATE_SHAPE.iter().map(|s| s.to_string()).collect();
+    overrides.extend([
+        format!("run.dir={}", toml::Value::String(args.dir.display().to_string())),
+        format!("run.name={name}"),
+        format!("train.steps={steps}"),
+        format!("ckpt.every={}", args.every),
+        "ckpt.keep=1".into(),
+        format!("ckpt.background={background}"),
+        "prof.enabled=false".into(),
+    ]);
+    overrides.extend(args.overrides.iter().cloned());
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(["train", "--quiet"]);
+    for o in &overrides {
+        cmd.arg("--set").arg(o);
+    }
+    let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{name} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl"))?;
+    let mut stalls_ms = Vec::new();
+    for line in metrics.lines() {
+        let v: Value = serde_json::from_str(line)?;
+        if v["step"].as_u64().is_some_and(|s| s % args.every == 0) {
+            stalls_ms.push(v["phases_ms"]["ckpt_stall"].as_f64().context("ckpt_stall in metrics")?);
+        }
+    }
+    let stats: Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("checkpoint-stats.json"))?)?;
+    let number = |key: &str| stats[key].as_f64().with_context(|| format!("{key} in checkpoint-stats.json"));
+    Ok(RunFigures {
+        stalls_ms,
+        bytes_written: number("bytes_written")? as u64,
+        write_s: number("write_s")?,
+        commits: number("commits")? as u64,
+        host_bytes: number("host_bytes")? as u64,
+        wait_s: number("wait_s")?,
+    })
+}
+
+/// Drops the checkpoint's pages from the page cache (they are clean after fsync), so a resume
+/// reads from the disk.
+fn evict_from_page_cache(folder: &Path) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    for entry in std::fs::read_dir(folder)? {
+        let file = std::fs::File::open(entry?.path())?;
+        // SAFETY: posix_fadvise only reads the descriptor, which `file` keeps open for the call.
+        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if rc != 0 {
+            bail!("posix_fadvise on {} failed: {rc}", folder.display());
+        }
+    }
+    Ok(())
+}
+
+/// Resumes the finished run `name` (no steps left): returns (load and verify s, restore s).
+fn run_resume(args: &CkptBenchArgs, name: &str) -> anyhow::Result<(f64, f64)> {
+    let run_dir = args.dir.join(name);
+    let latest = stoke_ckpt::CheckpointStore::new(run_dir.join("checkpoints")).latest()?.context("a checkpoint")?;
+    evict_from_page_cache(&run_dir.join(format!("checkpoints/step-{latest}")))?;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(["train", "--quiet", "--resume", "--set"])
+        .arg(format!("run.dir={}", toml::Value::String(args.dir.display().to_string())))
+        .args(["--set", &format!("run.name={name}")]);
+    let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("resume of {name} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let stats: Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("checkpoint-stats.json"))?)?;
+    let resume = &stats["resume"];
+    Ok((resume["load_s"].as_f64().context("load_s")?, resume["restore_s"].as_f64().context("restore_s")?))
+}
+
+fn run_peer(args: &CkptBenchArgs, state: &Path) -> anyhow::Result<Value> {
+    let out_dir = args.dir.join("peer");
+    let mut cmd = Command::new(&args.python);
+    cmd.arg(&args.peer_script).arg("--state").arg(state).arg("--out").arg(&out_dir).args(["--repeats", "3"]);
+    let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("peer failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().rev().find(|l| l.starts_with('{')).context("the peer printed no JSON line")?;
+    Ok(serde_json::from_str(line)?)
+}
+
+/// (median, min, max).
+fn spread(values: &[f64]) -> (f64, f64, f64) {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    let mid = v.len() / 2;
+    let median = if v.len() % 2 == 0 { 0.5 * (v[mid - 1] + v[mid]) } else { v[mid] };
+    (median, v[0], v[v.len() - 1])
+}
+
+fn row(name: &str, unit: &str, values: &[f64]) -> Value {
+    let (median, min, max) = spread(values);
+    println!("| {name} | {median:.4} | {min:.4} | {max:.4} | {unit} | {} |", values.len());
+    json!({ "name": name, "unit": unit, "median": median, "min": min, "max": max, "n": values.len() })
+}
+
+pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
+    std::fs::create_dir_all(&args.dir)?;
+    let (mut disk, mut async_steady, mut async_first, mut sync_save) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut sync_tput, mut async_tput, mut load_s, mut restore_s) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut state_bytes, mut host_bytes, mut waits) = (0u64, 0u64, Vec::new());
+    for pair in 0..args.pairs {
+        let a = run_train(&args, &format!("async-{pair}"), true)?;
+        let b = run_train(&args, &format!("sync-{pair}"), false)?;
+        state_bytes = b.bytes_written / b.commits.max(1);
+        let (write, _) = disk_bandwidth(&args.dir, state_bytes as usize)?;
+        disk.push(write / 1e9);
+        // The first snapshot into each of the two host buffers faults its pages in; later ones reuse them.
+        let cold = a.stalls_ms.len().min(2);
+        async_first.extend_from_slice(&a.stalls_ms[..cold]);
+        async_steady.extend_from_slice(&a.stalls_ms[cold..]);
+        sync_save.extend_from_slice(&b.stalls_ms);
+        sync_tput.push(b.bytes_written as f64 / b.write_s / 1e9);
+        async_tput.push(a.bytes_written as f64 / a.write_s / 1e9);
+        host_bytes = a.host_bytes;
+        waits.push(a.wait_s * 1e3);
+        let (load, restore) = run_resume(&args, &format!("sync-{pair}"))?;
+        load_s.push(load);
+        restore_s.push(restore);
+        // Each run keeps a checkpoint of the whole state: keep only the last one (the peers' input).
+        std::fs::remove_dir_all(args.dir.join(format!("async-{pair}")))?;
+        if pair + 1 < args.pairs {
+            std::fs::remove_dir_all(args.dir.join(format!("sync-{pair}")))?;
+        }
+        println!(
+            "pair {pair}: background stalls {:?} ms, synchronous saves {:?} ms, disk {:.2} GB/s",
+            a.stalls_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            b.stalls_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            write / 1e9
+        );
+    }
+    println!("\nstate: {:.1} MB per checkpoint (model and AdamW moments, fp32); host buffers {:.1} MB", state_bytes as f64 / 1e6, host_bytes as f64 / 1e6);
+    println!("\n| figure | median | min | max | unit | n |\n|---|---|---|---|---|---|");
+    let mut rows = vec![
+        row("background checkpoint: step stall (warm host buffers)", "ms", &async_steady),
+        row("background checkpoint: step stall, first two (buffers faulted in)", "ms", &async_first),
+        row("background: back-pressure waits per run", "ms", &waits),
+        row("synchronous save of the same state: step stall", "ms", &sync_save),
+        row("synchronous save throughput (write, fsync, commit)", "GB/s", &sync_tput),
+        row("background save throughput (beside training)", "GB/s", &async_tput),
+        row("disk write with fsync, same size, same run", "GB/s", &disk),
+        row("resume: load and verify (page cache dropped)", "s", &load_s),
+        row("resume: restore into the model", "s", &restore_s),
+    ];
+    let (stall, _, _) = spread(&async_steady);
+    let (save, _, _) = spread(&sync_save);
+    let (tput, _, _) = spread(&sync_tput);
+    let (disk_median, _, _) = spread(&disk);
+    let stall_ratio = stall / save;
+    let tput_ratio = tput / disk_median;
+    println!(
+        "\nstall / synchronous save: {:.1}% (target at most 5%: {}); save throughput / disk: {:.0}% (target at least 70%: {})",
+        100.0 * stall_ratio,
+        if stall_ratio <= 0.05 { "met" } else { "NOT met" },
+        100.0 * tput_ratio,
+        if tput_ratio >= 0.7 { "met" } else { "NOT met" }
+    );
+    // The write path alone, tightly interleaved with the raw disk figure: the last run's state,
+    // saved through the store (serialize, CRC-32, write, fsync, commit), against the same bytes
+    // written in 4 MiB blocks and fsynced.
+    let last = args.dir.join(format!("sync-{}", args.pairs - 1)).join("checkpoints");
+    let latest = stoke_ckpt::CheckpointStore::new(&last).latest()?.context("a checkpoint")?;
+    let loaded = stoke_ckpt::CheckpointStore::new(&last).load(latest)?;
+    let files: Vec<(&str, &[stoke_ckpt::TensorRecord])> =
+        loaded.files.iter().map(|(stem, records)| (stem.as_str(), records.as_slice())).collect();
+    let scratch = stoke_ckpt::CheckpointStore::new(args.dir.join("write-path"));
+    let (mut save_tput, mut raw_tput) = (Vec::new(), Vec::new());
+    for round in 0..args.pairs.max(3) {
+        let (write, _) = disk_bandwidth(&args.dir, state_bytes as usize)?;
+        raw_tput.push(write / 1e9);
+        let start = std::time::Instant::now();
+        scratch.save(round as u64, &files, loaded.manifest.meta.clone())?;
+        save_tput.push(state_bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+        scratch.delete(round as u64)?;
+    }
+    drop(loaded);
+    println!("\nthe write path alone, interleaved (store save, raw write):");
+    println!("| figure | median | min | max | unit | n |\n|---|---|---|---|---|---|");
+    rows.push(row("store save of the state (CRC-32, write, fsync, commit)", "GB/s", &save_tput));
+    rows.push(row("raw write of as many bytes in 4 MiB blocks, fsync", "GB/s", &raw_tput));
+    let ratios: Vec<f64> = save_tput.iter().zip(&raw_tput).map(|(s, r)| s / r).collect();
+    rows.push(row("store save / raw write, per round", "ratio", &ratios));
+    let (write_path_ratio, _, _) = spread(&ratios);
+    println!(
+        "store save / raw disk write, same bytes, interleaved: {:.0}% (target at least 70%: {})",
+        100.0 * write_path_ratio,
+        if write_path_ratio >= 0.7 { "met" } else { "NOT met" }
+    );
+
+    let mut peer = Value::Null;
+    if !args.no_peers {
+        peer = run_peer(&args, &last.join(format!("step-{latest}")))?;
+        let seconds = |key: &str| -> Vec<f64> {
+            peer[key].as_array().map(|a| a.iter().filter_map(Value::as_f64).collect()).unwrap_or_default()
+        };
+        println!("\nPyTorch {} on the same state ({:.1} MB):", peer["torch"], peer["bytes"].as_f64().unwrap_or(0.0) / 1e6);
+        println!("| figure | median | min | max | unit | n |\n|---|---|---|---|---|---|");
+        let ms = |v: Vec<f64>| v.iter().map(|s| s * 1e3).collect::<Vec<_>>();
+        rows.push(row("torch.save + fsync", "ms", &ms(seconds("torch_save_s"))));
+        rows.push(row("DCP async_save: stall until it returns", "ms", &ms(seconds("dcp_async_stall_s"))));
+        rows.push(row("DCP async_save: until written", "ms", &ms(seconds("dcp_async_total_s"))));
+    }
+    if let Some(path) = &args.json {
+        let out = json!({
+            "state_bytes": state_bytes, "host_bytes": host_bytes, "rows": rows,
+            "stall_over_sync_save": stall_ratio, "save_throughput_over_disk": tput_ratio,
+            "write_path_over_raw_write": write_path_ratio, "peer": peer,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&out)? + "\n")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

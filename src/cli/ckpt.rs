@@ -1,0 +1,63 @@
+//! `stoke ckpt verify DIR`: a full pass over a run's checkpoints (or one checkpoint folder).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Debug, clap::Args)]
+pub struct CkptArgs {
+    #[command(subcommand)]
+    pub command: CkptCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum CkptCommand {
+    /// Check every checkpoint: the manifest, each file's size and CRC-32, the safetensors format.
+    /// DIR is a run folder, its `checkpoints/` folder, or one `step-<n>/` folder. Exit 1 when
+    /// any checkpoint is damaged (naming the file) or there is none.
+    Verify {
+        dir: PathBuf,
+    },
+}
+
+pub fn run(args: CkptArgs) -> anyhow::Result<ExitCode> {
+    match args.command {
+        CkptCommand::Verify { dir } => verify(&dir),
+    }
+}
+
+fn verify(dir: &Path) -> anyhow::Result<ExitCode> {
+    let run_checkpoints = dir.join("checkpoints");
+    let dir = if run_checkpoints.is_dir() { run_checkpoints } else { dir.to_path_buf() };
+    if !dir.is_dir() {
+        anyhow::bail!("no such folder: {}", dir.display());
+    }
+    let report = stoke_ckpt::verify_dir(&dir)?;
+    let mut first_damage = None;
+    for (path, result) in &report.checkpoints {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        match result {
+            Ok(manifest) => println!(
+                "ok       {name}: step {}, {} files, {:.1} MB",
+                manifest.step,
+                manifest.files.len(),
+                manifest.total_bytes() as f64 / 1e6
+            ),
+            Err(e) => {
+                println!("DAMAGED  {name}: {e}");
+                first_damage.get_or_insert_with(|| e.to_string());
+            }
+        }
+    }
+    for path in &report.leftovers {
+        println!("leftover {} (never a checkpoint; its writer removes it at its next save)", path.display());
+    }
+    let (n, damaged) = (report.checkpoints.len(), report.damaged());
+    if let Some(first) = first_damage {
+        anyhow::bail!("{damaged} of {n} checkpoints in {} are damaged; first: {first}", dir.display());
+    }
+    if n == 0 {
+        anyhow::bail!("no checkpoint in {}", dir.display());
+    }
+    println!("{n} checkpoints in {} verified", dir.display());
+    Ok(ExitCode::SUCCESS)
+}
