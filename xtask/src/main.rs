@@ -165,7 +165,9 @@ fn ensure_open_mpi() -> Result<(), String> {
 
 fn install_peer_deps(root: &Path) -> Result<(), String> {
     let mut pip = Command::new(venv_python(root));
-    pip.args(["-m", "pip", "install", "--quiet", "--no-input"]).args(PEER_DEPS);
+    // TORCH is named with them so the resolver keeps it: mosaicml-streaming pulls torchvision, whose
+    // newest release wants a newer torch, and libtorch must stay the version tch builds against.
+    pip.args(["-m", "pip", "install", "--quiet", "--no-input", TORCH]).args(PEER_DEPS);
     run_checked(&mut pip)
 }
 
