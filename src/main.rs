@@ -10,7 +10,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-/// Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error.
+/// Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error; subcommands return 3
+/// (`stoke trace diff`: a regression) and 4 (`stoke bench gate`: a regression) themselves.
 const EXIT_RUNTIME: u8 = 1;
 const EXIT_USAGE: u8 = 2;
 
