@@ -1,5 +1,6 @@
 //! End-to-end tests of the `stoke` binary: real processes, real files, a small model.
 
+mod boundary;
 mod config_errors;
 mod doctor;
 mod launch;
