@@ -259,7 +259,12 @@ impl StokeConfig {
             other => ConfigError::Invalid { key: "?".into(), message: other.to_string() },
         };
         self.train.validate().map_err(invalid)?;
-        self.prof.validate().map_err(|(key, message)| ConfigError::Invalid { key: format!("prof.{key}"), message })?;
+        self.prof.validate().map_err(|e| match e {
+            stoke_prof::ProfError::InvalidConfig { key, message } => {
+                ConfigError::Invalid { key: format!("prof.{key}"), message }
+            }
+            other => ConfigError::Invalid { key: "prof".into(), message: other.to_string() },
+        })?;
         self.model.shape().map_err(invalid)?;
         stoke_train::parse_device(&self.run.device).map_err(invalid)?;
         if self.run.dir.is_empty() {

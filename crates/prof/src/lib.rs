@@ -51,6 +51,7 @@
 //! ```
 
 mod chrome;
+mod error;
 mod html;
 mod prom;
 mod report;
@@ -60,6 +61,7 @@ mod trace;
 mod vocab;
 
 pub use chrome::{validate_chrome_trace, ChromeTraceWriter};
+pub use error::ProfError;
 pub use html::render_html;
 pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};
 pub use report::{

@@ -11,6 +11,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::ProfError;
 use crate::rules::{diagnose, StepFinding};
 use crate::stats::{median, tokens_per_s as tokens_per_s_fn, Spread};
 use crate::vocab::{Phase, PhaseTimes, Precision};
@@ -177,7 +178,8 @@ impl Default for ProfConfig {
 
 impl ProfConfig {
     /// Names the first key whose value is out of range.
-    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+    pub fn validate(&self) -> Result<(), ProfError> {
+        let invalid = |key, message| Err(ProfError::InvalidConfig { key, message });
         for (key, value) in [
             ("data_wait_max", self.data_wait_max),
             ("comm_exposed_max", self.comm_exposed_max),
@@ -189,12 +191,12 @@ impl ProfConfig {
             ("batch_mfu_min", self.batch_mfu_min),
         ] {
             if !(0.0..=1.0).contains(&value) {
-                return Err((key, format!("must be a share between 0 and 1; got {value}")));
+                return invalid(key, format!("must be a share between 0 and 1; got {value}"));
             }
         }
         for (key, value) in [("bf16_speedup_min", self.bf16_speedup_min), ("outlier_sigma", self.outlier_sigma)] {
             if !(value.is_finite() && value > 0.0) {
-                return Err((key, format!("must be a finite number > 0; got {value}")));
+                return invalid(key, format!("must be a finite number > 0; got {value}"));
             }
         }
         Ok(())
