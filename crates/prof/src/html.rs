@@ -262,7 +262,8 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, P
 mod tests {
     use super::*;
     use crate::report::tests::{facts, step};
-    use crate::report::{build_report, ProfConfig};
+    use crate::report::ProfConfig;
+    use crate::step::build_report;
 
     #[test]
     fn the_page_has_every_plot_and_finding() {

@@ -23,12 +23,13 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::findings::Finding;
+
 pub use analyze::{
-    analyze_rank, kernel_type, peak_flops_for, AnalyzeOptions, Categories, Category, Dist, GpuTime, KernelStat,
-    KernelType, KernelTypeTime, LaunchStats, MemcpyStat, MemoryStat, Overlap, QueueStat, RankReport, StepReport,
-    StreamIdle, TensorCoreStat,
+    kernel_type, peak_flops_for, AnalyzeOptions, Categories, Category, Dist, GpuTime, KernelStat, KernelType,
+    KernelTypeTime, LaunchStats, MemcpyStat, MemoryStat, Overlap, QueueStat, RankReport, StepReport, StreamIdle,
+    TensorCoreStat,
 };
-pub use diagnose::Finding;
 pub use diff::{diff, DiffOptions, NameDiff, StepStats, TraceDiff};
 pub use error::TraceError;
 pub use event::{DeviceInfo, Event, IngestStats, Kind, MemorySample, RankTrace};
@@ -53,6 +54,13 @@ impl Analysis {
             .flat_map(|r| r.findings.iter().map(move |f| (Some(r.rank), f)))
             .chain(self.cross_rank.iter().flat_map(|c| c.findings.iter().map(|f| (None, f))))
     }
+}
+
+/// One rank's report: its figures (`analyze`), then its findings (`diagnose`).
+pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
+    let mut report = analyze::measure_rank(trace, opts);
+    diagnose::diagnose(&mut report, trace.devices.first());
+    report
 }
 
 /// Analyzes already loaded traces.
