@@ -79,8 +79,11 @@ pub const GATE_OVERRIDES: &[&str] = &[
 
 /// Runs `--update` records, at the least.
 const UPDATE_REPEATS: usize = 7;
-/// Floors of the tolerances: 5% of a time ratio, 2 points of the step for a share.
-const MIN_RELATIVE_TOLERANCE: f64 = 0.05;
+/// Floors of the tolerances: 8% of a time ratio, 2 points of the step for a share. The runs of
+/// one recording agree more closely than checks minutes apart do: measured on a shared 2-core
+/// machine, a ratio's median moved by up to 5% between invocations of unchanged code while its
+/// MAD within one was 1-2%.
+const MIN_RELATIVE_TOLERANCE: f64 = 0.08;
 const MIN_SHARE_TOLERANCE: f64 = 0.02;
 /// A tolerance is this many median absolute deviations of the recorded runs (1.48 MAD estimates
 /// a standard deviation, so 4 MAD is about 2.7 of them); the MAD, unlike the range, is not moved
