@@ -228,6 +228,22 @@ fn insert(table: &mut toml::Table, path: &[String], value: toml::Value) -> Resul
     Ok(())
 }
 
+/// The environment variable of the hidden test switch `TrainConfig::test_slow_forward`.
+pub const SLOW_FORWARD_ENV: &str = "STOKE_TEST_SLOW_FORWARD";
+
+/// `STOKE_TEST_SLOW_FORWARD=0.10` makes every forward 10% slower (a busy-wait); unset is 0.
+fn test_slow_forward() -> Result<f64, ConfigError> {
+    let Some(raw) = std::env::var_os(SLOW_FORWARD_ENV) else { return Ok(0.0) };
+    let raw = raw.to_string_lossy();
+    match raw.trim().parse::<f64>() {
+        Ok(value) if value.is_finite() && (0.0..=10.0).contains(&value) => Ok(value),
+        _ => Err(ConfigError::Invalid {
+            key: SLOW_FORWARD_ENV.into(),
+            message: format!("must be a number from 0 to 10 (a fraction of the forward's time); got {raw:?}"),
+        }),
+    }
+}
+
 impl StokeConfig {
     /// Loads `file` (if any), applies `overrides`, and checks every key, type and value.
     pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<StokeConfig, ConfigError> {
@@ -264,6 +280,8 @@ impl StokeConfig {
             let message = message.split(" for key").next().unwrap_or(&message).to_string();
             ConfigError::Invalid { key, message }
         })?;
+        let mut config = config;
+        config.train.test_slow_forward = test_slow_forward()?;
         config.validate()?;
         Ok(config)
     }
@@ -276,7 +294,12 @@ impl StokeConfig {
             other => ConfigError::Invalid { key: "?".into(), message: other.to_string() },
         };
         self.train.validate().map_err(invalid)?;
-        self.prof.validate().map_err(|(key, message)| ConfigError::Invalid { key: format!("prof.{key}"), message })?;
+        self.prof.validate().map_err(|e| match e {
+            stoke_prof::ProfError::InvalidConfig { key, message } => {
+                ConfigError::Invalid { key: format!("prof.{key}"), message }
+            }
+            other => ConfigError::Invalid { key: "prof".into(), message: other.to_string() },
+        })?;
         self.model.shape().map_err(invalid)?;
         stoke_train::parse_device(&self.run.device).map_err(invalid)?;
         if self.run.dir.is_empty() {

@@ -197,7 +197,7 @@ impl Profiler {
             std::fs::write(&path, text + "\n").with_context(|| format!("cannot write {}", path.display()))?;
             if self.config.html {
                 let path = self.run_dir.join("report.html");
-                let html = render_html(&report, &self.steps).map_err(|e| anyhow::anyhow!("report.html: {e}"))?;
+                let html = render_html(&report, &self.steps)?;
                 std::fs::write(&path, html).with_context(|| format!("cannot write {}", path.display()))?;
             }
         }

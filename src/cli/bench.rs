@@ -1,5 +1,5 @@
 //! `stoke bench`: whole-run comparisons against PyTorch and a naive baseline, the machine's
-//! physical limits, and a regression gate on ratios.
+//! physical limits, and a regression gate on ratios (`gate.rs`).
 //!
 //! Every configuration runs as its own process (so peak memory is per configuration) on the same
 //! corpus file, for the same number of tokens, in one invocation; figures are read back from each
@@ -25,9 +25,10 @@ pub enum BenchCommand {
     Fullchain(FullchainArgs),
     /// This machine's matmul peak (fp32, bf16), memcpy bandwidth and disk bandwidth.
     Limits(LimitsArgs),
-    /// A small fixed benchmark whose ratios are compared with a committed baseline (exit 4 on a
-    /// clear regression).
-    Gate(GateArgs),
+    /// A small fixed run whose step, forward, backward and optimizer times over the same model's
+    /// matrix multiplies (timed between its steps) and phase shares are compared with a committed
+    /// baseline (exit 4 on a regression).
+    Gate(super::gate::GateArgs),
     /// Checkpoints: the step's stall in the background vs a synchronous save, save throughput vs
     /// the disk, resume time, torch.save and DCP async_save as peers.
     Ckpt(super::bench_ckpt::CkptBenchArgs),
@@ -69,24 +70,11 @@ pub struct LimitsArgs {
     pub json: Option<PathBuf>,
 }
 
-#[derive(Debug, clap::Args)]
-pub struct GateArgs {
-    /// The committed baseline of ratios.
-    #[arg(long, default_value = "benches/baseline.json")]
-    pub baseline: PathBuf,
-    /// Working folder.
-    #[arg(long, default_value = "runs/gate")]
-    pub dir: PathBuf,
-    /// Write the measured ratios as the new baseline instead of comparing.
-    #[arg(long)]
-    pub update: bool,
-}
-
 pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     match args.what {
         BenchCommand::Fullchain(args) => fullchain(args),
         BenchCommand::Limits(args) => limits(args),
-        BenchCommand::Gate(args) => gate(args),
+        BenchCommand::Gate(args) => super::gate::gate(args),
         BenchCommand::Ckpt(args) => super::bench_ckpt::run(args),
     }
 }
@@ -445,107 +433,4 @@ pub(super) fn disk_bandwidth(dir: &Path, bytes: usize) -> anyhow::Result<(f64, f
     let read = total as f64 / start.elapsed().as_secs_f64();
     std::fs::remove_file(&path)?;
     Ok((write, read))
-}
-
-/// The gate's configuration: small and fixed, so it runs in about a minute on two cores.
-const GATE_OVERRIDES: &[&str] = &[
-    "model.n_layer=2",
-    "model.d_model=128",
-    "model.n_head=4",
-    "model.seq_len=64",
-    "train.micro_batch=8",
-    "train.steps=40",
-    "ckpt.every=10",
-    "data.builtin_bytes=500000",
-];
-
-/// Ratios that do not depend on how fast (or how loaded) the machine is: the effective compute
-/// ratio and the shares of the step. MFU is left out: against a peak cached on a quiet moment it
-/// swings tenfold when other work shares the cores.
-fn gate_ratios(report: &Value) -> serde_json::Map<String, Value> {
-    let step_ms = report["step_ms"].as_f64().unwrap_or(f64::NAN);
-    let mut m = serde_json::Map::new();
-    m.insert("effective_compute_ratio".into(), report["effective_compute_ratio"].clone());
-    for phase in ["data_wait", "ckpt_stall", "other"] {
-        m.insert(format!("{phase}_share"), json!(report["phases"][phase].as_f64().unwrap_or(0.0) / step_ms));
-    }
-    m
-}
-
-/// A regression: higher-is-better ratios must not fall below `baseline * (1 - tolerance)`;
-/// shares (lower is better) must not rise above `baseline + tolerance`-sized slack.
-fn gate(args: GateArgs) -> anyhow::Result<ExitCode> {
-    std::fs::create_dir_all(&args.dir)?;
-    let mut runs = Vec::new();
-    // Three repetitions: the median of each ratio is what is compared, and their spread widens
-    // the tolerance on a noisy machine.
-    for rep in 0..3 {
-        let name = format!("gate-{rep}");
-        let run_dir = args.dir.join(&name);
-        if run_dir.exists() {
-            std::fs::remove_dir_all(&run_dir)?;
-        }
-        let mut cmd = Command::new(stoke_exe()?);
-        cmd.args(["train", "--quiet"]);
-        for o in GATE_OVERRIDES.iter().map(|s| s.to_string()).chain([
-            format!("run.dir={}", toml::Value::String(args.dir.display().to_string())),
-            format!("run.name={name}"),
-        ]) {
-            cmd.arg("--set").arg(o);
-        }
-        let out = cmd.output()?;
-        if !out.status.success() {
-            bail!("gate run failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        let report: Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("report.json"))?)?;
-        runs.push(gate_ratios(&report));
-    }
-    let mut measured = serde_json::Map::new();
-    let mut spread = serde_json::Map::new();
-    for key in runs[0].keys() {
-        let mut values: Vec<f64> = runs.iter().filter_map(|r| r[key].as_f64()).collect();
-        values.sort_by(f64::total_cmp);
-        if values.is_empty() {
-            continue;
-        }
-        measured.insert(key.clone(), json!(values[values.len() / 2]));
-        spread.insert(key.clone(), json!(values[values.len() - 1] - values[0]));
-    }
-    if args.update {
-        let doc = json!({ "ratios": measured, "spread": spread, "overrides": GATE_OVERRIDES });
-        std::fs::write(&args.baseline, serde_json::to_string_pretty(&doc)? + "\n")?;
-        println!("baseline written to {}", args.baseline.display());
-        return Ok(ExitCode::SUCCESS);
-    }
-    let text = std::fs::read_to_string(&args.baseline)
-        .with_context(|| format!("cannot read the baseline {}", args.baseline.display()))?;
-    let baseline: Value =
-        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", args.baseline.display()))?;
-    let mut regressions = Vec::new();
-    println!("{:<26} {:>10} {:>10} {:>10}  verdict", "ratio", "baseline", "measured", "allowed");
-    for (key, value) in &measured {
-        let (Some(now), Some(base)) = (value.as_f64(), baseline["ratios"][key].as_f64()) else { continue };
-        let noise = spread[key].as_f64().unwrap_or(0.0) + baseline["spread"][key].as_f64().unwrap_or(0.0);
-        let higher_is_better = !key.ends_with("_share");
-        // Clear regressions only: 25% relative for ratios, 5 points of the step for shares, widened
-        // by the spread seen in both measurements.
-        let (allowed, bad) = if higher_is_better {
-            let floor = base * 0.75 - noise;
-            (floor, now < floor)
-        } else {
-            let ceiling = base + 0.05 + noise;
-            (ceiling, now > ceiling)
-        };
-        println!("{key:<26} {base:>10.4} {now:>10.4} {allowed:>10.4}  {}", if bad { "REGRESSION" } else { "ok" });
-        if bad {
-            regressions.push(key.clone());
-        }
-    }
-    if regressions.is_empty() {
-        println!("gate: no regression");
-        Ok(ExitCode::SUCCESS)
-    } else {
-        println!("gate: regression in {}", regressions.join(", "));
-        Ok(ExitCode::from(4))
-    }
 }

@@ -11,6 +11,7 @@ mod config;
 mod corpus;
 mod doctor;
 mod find_batch;
+mod gate;
 mod launch;
 mod plan;
 mod prep;

@@ -348,6 +348,47 @@ pub fn train_probed(
     stop: &AtomicBool,
     overhead_block: Option<u64>,
 ) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>, Option<Overhead>)> {
+    let (summary, report, overhead) = train_inner(config, run_dir, resume, progress, stop, overhead_block, None)?;
+    if let Some(report) = &report {
+        println!("\n{}", report.render_text());
+    }
+    Ok((summary, report, overhead))
+}
+
+/// A fresh run with one more observer beside the usual ones, no progress bar and no printed
+/// report (for `stoke bench gate`).
+pub fn train_observed(
+    config: &StokeConfig,
+    run_dir: &Path,
+    stop: &AtomicBool,
+    extra: &mut dyn Observer,
+) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>)> {
+    let (summary, report, _) = train_inner(config, run_dir, None, false, stop, None, Some(extra))?;
+    Ok((summary, report))
+}
+
+/// A caller's optional observer.
+struct MaybeObserver<'a>(Option<&'a mut dyn Observer>);
+
+impl Observer for MaybeObserver<'_> {
+    fn on_event(&mut self, event: &stoke_train::TrainEvent<'_>) -> Result<(), stoke_train::ObserverError> {
+        match &mut self.0 {
+            Some(observer) => observer.on_event(event),
+            None => Ok(()),
+        }
+    }
+}
+
+fn train_inner(
+    config: &StokeConfig,
+    run_dir: &Path,
+    resume: Option<Resume>,
+    progress: bool,
+    stop: &AtomicBool,
+    overhead_block: Option<u64>,
+    extra: Option<&mut dyn Observer>,
+) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>, Option<Overhead>)> {
+    let mut extra = MaybeObserver(extra);
     let device = stoke_train::parse_device(&config.run.device)?;
     let mut trainer = Trainer::new(&config.model, &config.train, &config.ckpt, device)?;
     trainer.set_sync_every(config.prof.sync_every);
@@ -383,13 +424,13 @@ pub fn train_probed(
     let (summary, overhead) = match overhead_block {
         Some(block) => {
             let mut probe = OverheadProbe::new(&mut profiler, block);
-            let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut probe, &mut bar];
+            let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut probe, &mut bar, &mut extra];
             let summary = trainer.run(source.as_mut(), &mut observers, Some(&mut target), stop)?;
             drop(observers);
             (summary, probe.result())
         }
         None => {
-            let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut profiler, &mut bar];
+            let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut profiler, &mut bar, &mut extra];
             (trainer.run(source.as_mut(), &mut observers, Some(&mut target), stop)?, None)
         }
     };
@@ -397,9 +438,6 @@ pub fn train_probed(
     print_checkpoint_stats(&target.writer);
     write_checkpoint_stats(&target.writer, resume_stats, &run_dir.join("checkpoint-stats.json"))?;
     let report = profiler.finish()?;
-    if let Some(report) = &report {
-        println!("\n{}", report.render_text());
-    }
     Ok((summary, report, overhead))
 }
 

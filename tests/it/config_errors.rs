@@ -54,3 +54,15 @@ fn malformed_config_file() {
 fn usage_error() {
     check(&["train", "--no-such-flag"], &[], "--no-such-flag");
 }
+
+#[test]
+fn a_bad_slow_forward_test_switch_is_a_usage_error() {
+    for bad in ["fast", "-0.1", "nan", "11"] {
+        let mut cmd = stoke(&["train"], &[]);
+        cmd.env("STOKE_TEST_SLOW_FORWARD", bad);
+        let out = cmd.output().expect("stoke runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {stderr}");
+        assert!(stderr.contains("STOKE_TEST_SLOW_FORWARD") && stderr.contains("from 0 to 10"), "{bad}: {stderr}");
+    }
+}

@@ -2,6 +2,7 @@
 
 mod ckpt;
 mod ckpt_crash;
+mod boundary;
 mod config_errors;
 mod doctor;
 mod launch;

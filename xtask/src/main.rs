@@ -11,7 +11,9 @@
 //! - `train [ARGS]`: set up, then `stoke train ARGS` from a release build.
 //! - `test [ARGS]`: set up, install Open MPI when missing (apt-get, as root), then
 //!   `cargo test --workspace --features stoke-comm/mpi,stoke-comm/nccl ARGS`; without ARGS, then also the
-//!   benchmark regression gate (`stoke bench gate`). (The Slurm test installs Slurm itself.)
+//!   benchmark regression gate (`stoke bench gate`), once as the code is (exit 0 expected) and once
+//!   with the forward made 10% slower by its hidden test switch (exit 4 expected). (The Slurm test
+//!   installs Slurm itself.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
 
@@ -66,10 +68,30 @@ fn main() -> ExitCode {
                 return Ok(code);
             }
             // The regression gate: ratios of a small fixed run against benches/baseline.json
-            // (never absolute times). It is not a test; it fails only on a clear regression.
-            let mut gate = cargo(&root);
-            gate.args(["run", "--quiet", "--bin", "stoke", "--", "bench", "gate"]);
-            status(gate)
+            // (never absolute times). It must pass on this code, and it must catch a forward made
+            // 10% slower by the hidden test switch (exit 4), or it could not see a slowdown at all.
+            let gate = |slow_forward: Option<&str>| {
+                let mut gate = cargo(&root);
+                gate.args(["run", "--quiet", "--bin", "stoke", "--", "bench", "gate"]);
+                if let Some(fraction) = slow_forward {
+                    gate.env("STOKE_TEST_SLOW_FORWARD", fraction);
+                }
+                status(gate)
+            };
+            let code = gate(None)?;
+            if code != 0 {
+                return Ok(code);
+            }
+            println!(
+                "xtask: the gate again, with every forward 10% slower (STOKE_TEST_SLOW_FORWARD=0.10): exit 4 expected"
+            );
+            match gate(Some("0.10"))? {
+                4 => {
+                    println!("xtask: the gate caught the slower forward");
+                    Ok(0)
+                }
+                other => Err(format!("the gate did not catch a 10% slower forward: exit {other}, expected 4")),
+            }
         }),
         "peers" => setup(&root).and_then(|_| install_peer_deps(&root)).map(|_| 0),
         other => Err(format!("unknown task `{other}`; tasks: setup, train, test, stoke, peers")),

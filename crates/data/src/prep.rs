@@ -248,6 +248,9 @@ pub fn prepare_text(inputs: &[PathBuf], config: &PrepTextConfig, out_dir: &Path)
         return Err(DataError::Config { field: "n_threads/shard_tokens", reason: "must be at least 1".into() });
     }
     let encoder = Encoder::load(&config.tokenizer)?;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(config.n_threads).build().map_err(|e| {
+        DataError::Config { field: "n_threads", reason: format!("cannot start the tokenizer threads: {e}") }
+    })?;
     let eos = if config.eos.is_empty() { None } else { Some(encoder.token_id(&config.eos, &config.tokenizer)?) };
     let vocab_size = encoder.vocab_size();
     let dtype = Dtype::for_vocab(vocab_size);
@@ -260,7 +263,7 @@ pub fn prepare_text(inputs: &[PathBuf], config: &PrepTextConfig, out_dir: &Path)
         current: None,
     };
     for_each_chunk(inputs, config.chunk_bytes.max(1), |documents| {
-        let encoded = encode_parallel(&encoder, &documents, config.n_threads)?;
+        let encoded = encode_parallel(&pool, &encoder, &documents)?;
         for mut tokens in encoded {
             tokens.extend(eos);
             writer.append(&tokens)?;
@@ -283,22 +286,15 @@ pub fn prepare_text(inputs: &[PathBuf], config: &PrepTextConfig, out_dir: &Path)
     Ok(manifest)
 }
 
-/// Encodes documents on `n_threads` threads; the result is in input order.
-fn encode_parallel(encoder: &Encoder, documents: &[Document], n_threads: usize) -> Result<Vec<Vec<u32>>, DataError> {
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    type Encoded = Option<Result<Vec<u32>, DataError>>;
-    let mut results: Vec<Encoded> = (0..documents.len()).map(|_| None).collect();
-    let slots: Vec<std::sync::Mutex<&mut Encoded>> = results.iter_mut().map(std::sync::Mutex::new).collect();
-    std::thread::scope(|scope| {
-        for _ in 0..n_threads.min(documents.len()).max(1) {
-            scope.spawn(|| loop {
-                let doc_idx = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(document) = documents.get(doc_idx) else { return };
-                let encoded = encoder.encode(document);
-                **slots[doc_idx].lock().expect("no panics while holding a slot") = Some(encoded);
-            });
-        }
-    });
-    drop(slots);
-    results.into_iter().map(|r| r.expect("every document encoded")).collect()
+/// Encodes documents on the pool's threads; the result is in input order.
+fn encode_parallel(
+    pool: &rayon::ThreadPool,
+    encoder: &Encoder,
+    documents: &[Document],
+) -> Result<Vec<Vec<u32>>, DataError> {
+    use rayon::prelude::*;
+    let encoded: Vec<Result<Vec<u32>, DataError>> =
+        pool.install(|| documents.par_iter().map(|document| encoder.encode(document)).collect());
+    // The first document's error in input order, as encoding them one by one would report.
+    encoded.into_iter().collect()
 }

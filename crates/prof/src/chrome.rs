@@ -87,7 +87,11 @@ impl ChromeTraceWriter {
 /// Checks that `text` is a Chrome trace in the object form: `traceEvents` is an array of events,
 /// each with a string `name` and `ph`, integer `pid` and `tid`, and (except metadata) a numeric
 /// `ts`; complete events (`X`) carry a non-negative `dur`. Returns the number of `X` events.
-pub fn validate_chrome_trace(text: &str) -> Result<usize, String> {
+pub fn validate_chrome_trace(text: &str) -> Result<usize, crate::ProfError> {
+    check_chrome_trace(text).map_err(|reason| crate::ProfError::InvalidChromeTrace { reason })
+}
+
+fn check_chrome_trace(text: &str) -> Result<usize, String> {
     let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
     let events = value.get("traceEvents").and_then(|v| v.as_array()).ok_or("no traceEvents array")?;
     let mut complete = 0;
@@ -137,7 +141,7 @@ mod tests {
         writer.finish().unwrap();
         let text = std::fs::read_to_string(&path).unwrap();
         // Per step: the step span, four phases and comm_total.
-        assert_eq!(validate_chrome_trace(&text), Ok(18));
+        assert_eq!(validate_chrome_trace(&text).unwrap(), 18);
         let loaded = crate::load_trace(&path).expect("the Kineto ingester parses it");
         assert_eq!(loaded.events.len(), 18);
         std::fs::remove_dir_all(&dir).unwrap();
@@ -151,7 +155,7 @@ mod tests {
             (r#"{"traceEvents":[{"name":"a","ph":"X","ts":0,"pid":0,"tid":0}]}"#, "no dur"),
             (r#"{"traceEvents":[{"name":"a","ph":"X","ts":0,"dur":-1,"pid":0,"tid":0}]}"#, "negative dur"),
         ] {
-            let err = validate_chrome_trace(text).unwrap_err();
+            let err = validate_chrome_trace(text).unwrap_err().to_string();
             assert!(err.contains(expected), "{text}: {err}");
         }
     }

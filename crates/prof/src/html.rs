@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 
 use plotters::prelude::*;
 
+use crate::error::ProfError;
 use crate::report::{format_bound, RunReport, StepSample};
 use crate::stats::tokens_per_s;
 use crate::vocab::{Phase, N_PHASES};
@@ -71,7 +72,11 @@ fn buckets(steps: &[StepSample]) -> Vec<Bucket> {
 
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
-fn line_chart(title: &str, y_label: &str, points: &[(f64, f64)], color: RGBColor) -> Result<String, String> {
+fn plot_error(chart: &str, error: Box<dyn std::error::Error>) -> ProfError {
+    ProfError::Plot { chart: chart.to_string(), message: error.to_string() }
+}
+
+fn line_chart(title: &str, y_label: &str, points: &[(f64, f64)], color: RGBColor) -> Result<String, ProfError> {
     let mut svg = String::new();
     let draw = |svg: &mut String| -> DrawResult {
         let root = SVGBackend::with_string(svg, (WIDTH, HEIGHT)).into_drawing_area();
@@ -92,11 +97,11 @@ fn line_chart(title: &str, y_label: &str, points: &[(f64, f64)], color: RGBColor
         root.present()?;
         Ok(())
     };
-    draw(&mut svg).map_err(|e| format!("{title}: {e}"))?;
+    draw(&mut svg).map_err(|e| plot_error(title, e))?;
     Ok(svg)
 }
 
-fn phase_area_chart(buckets: &[Bucket]) -> Result<String, String> {
+fn phase_area_chart(buckets: &[Bucket]) -> Result<String, ProfError> {
     let mut svg = String::new();
     let draw = |svg: &mut String| -> DrawResult {
         let root = SVGBackend::with_string(svg, (WIDTH * 2, HEIGHT + 40)).into_drawing_area();
@@ -132,11 +137,11 @@ fn phase_area_chart(buckets: &[Bucket]) -> Result<String, String> {
         root.present()?;
         Ok(())
     };
-    draw(&mut svg).map_err(|e| format!("phase areas: {e}"))?;
+    draw(&mut svg).map_err(|e| plot_error("phase areas", e))?;
     Ok(svg)
 }
 
-fn breakdown_chart(report: &RunReport) -> Result<String, String> {
+fn breakdown_chart(report: &RunReport) -> Result<String, ProfError> {
     let mut svg = String::new();
     let draw = |svg: &mut String| -> DrawResult {
         let root = SVGBackend::with_string(svg, (WIDTH, HEIGHT)).into_drawing_area();
@@ -166,12 +171,12 @@ fn breakdown_chart(report: &RunReport) -> Result<String, String> {
         root.present()?;
         Ok(())
     };
-    draw(&mut svg).map_err(|e| format!("breakdown: {e}"))?;
+    draw(&mut svg).map_err(|e| plot_error("breakdown", e))?;
     Ok(svg)
 }
 
 /// The whole page.
-pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, String> {
+pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, ProfError> {
     let buckets = buckets(steps);
     let loss: Vec<(f64, f64)> = buckets.iter().filter(|b| b.loss.is_finite()).map(|b| (b.step, b.loss)).collect();
     let speed: Vec<(f64, f64)> = buckets.iter().map(|b| (b.step, b.tokens_per_s)).collect();
@@ -257,7 +262,8 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, S
 mod tests {
     use super::*;
     use crate::report::tests::{facts, step};
-    use crate::report::{build_report, ProfConfig};
+    use crate::report::ProfConfig;
+    use crate::step::build_report;
 
     #[test]
     fn the_page_has_every_plot_and_finding() {

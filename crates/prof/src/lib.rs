@@ -6,7 +6,8 @@
 //! The step report ("CT scan"): given plain per-step data from the trainer (milliseconds per phase,
 //! tokens, the model's FLOPs per token, the machine's measured peak, memory), `build_report`
 //! computes each phase's share, the effective compute ratio, MFU, tokens/s, step-time outliers and
-//! the Amdahl bound of every removable phase, and runs the diagnosis rules (`rules`), each with a
+//! the Amdahl bound of every removable phase, and runs the diagnosis rules (`rules`; one `Finding` type
+//! and one table of rules, `RULES`, serve this and the trace analyzer), each with a
 //! configurable threshold, evidence, cause, fix and bound. `ChromeTraceWriter` streams `trace.json`,
 //! `LiveMetrics` + `MetricsServer` serve Prometheus `/metrics`, `render_html` draws `report.html`.
 //!
@@ -51,28 +52,31 @@
 //! ```
 
 mod chrome;
+mod error;
+mod findings;
 mod html;
 mod prom;
 mod report;
 mod rules;
 mod stats;
+mod step;
 mod trace;
 mod vocab;
 
 pub use chrome::{validate_chrome_trace, ChromeTraceWriter};
+pub use error::ProfError;
+pub use findings::{amdahl, amdahl_bound, Finding, Rule, RuleId, Scope, RULES};
 pub use html::render_html;
 pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};
-pub use report::{
-    amdahl, build_report, format_bound, MachineFacts, ModelFacts, ProfConfig, RunFacts, RunReport, StepSample,
-    TrainFacts,
-};
-pub use rules::{diagnose, StepFinding};
+pub use report::{format_bound, MachineFacts, ModelFacts, ProfConfig, RunFacts, RunReport, StepSample, TrainFacts};
+pub use rules::diagnose;
 pub use stats::{median, percentile, tokens_per_s, Spread};
+pub use step::build_report;
 pub use trace::{
     analyze, analyze_paths, analyze_rank, cross_rank, diff, diff_markdown, diff_table, find_trace_files, kernel_type,
     load_trace, load_traces, markdown, overlay_trace, peak_flops_for, prometheus, rank_from_file_name, table,
     write_synthetic, AlignedStep, Analysis, AnalyzeOptions, Categories, Category, CrossRank, DeviceInfo, DiffOptions,
-    Dist, Event, Finding, GpuTime, IngestStats, KernelStat, KernelType, KernelTypeTime, Kind, LaunchStats, MemcpyStat,
+    Dist, Event, GpuTime, IngestStats, KernelStat, KernelType, KernelTypeTime, Kind, LaunchStats, MemcpyStat,
     MemorySample, MemoryStat, NameDiff, Overlap, QueueStat, RankCollectives, RankReport, RankTrace, StepReport,
     StepStats, StreamIdle, SynthOptions, TensorCoreStat, TraceDiff, TraceError,
 };

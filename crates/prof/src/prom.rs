@@ -201,7 +201,11 @@ impl Drop for MetricsServer {
 /// Checks Prometheus text exposition format 0.0.4: `# HELP name text`, `# TYPE name type` with a
 /// known type, and samples `name{label="value",...} number`, with metric and label names of the
 /// allowed characters and every sample's family typed. Returns the number of samples.
-pub fn validate_exposition(text: &str) -> Result<usize, String> {
+pub fn validate_exposition(text: &str) -> Result<usize, crate::ProfError> {
+    check_exposition(text).map_err(|reason| crate::ProfError::InvalidExposition { reason })
+}
+
+fn check_exposition(text: &str) -> Result<usize, String> {
     fn is_name(s: &str, colon: bool) -> bool {
         let mut chars = s.chars();
         chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || (colon && c == ':'))
@@ -338,7 +342,7 @@ mod tests {
             ("# TYPE a widget\n", "unknown type"),
             ("# TYPE 1a gauge\n", "malformed"),
         ] {
-            let err = validate_exposition(text).unwrap_err();
+            let err = validate_exposition(text).unwrap_err().to_string();
             assert!(err.contains(expected), "{text:?}: {err}");
         }
     }

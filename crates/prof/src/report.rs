@@ -11,7 +11,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::rules::{diagnose, StepFinding};
+use crate::error::ProfError;
+use crate::findings::{amdahl, Finding};
 use crate::stats::{median, tokens_per_s as tokens_per_s_fn, Spread};
 use crate::vocab::{Phase, PhaseTimes, Precision};
 
@@ -177,7 +178,8 @@ impl Default for ProfConfig {
 
 impl ProfConfig {
     /// Names the first key whose value is out of range.
-    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+    pub fn validate(&self) -> Result<(), ProfError> {
+        let invalid = |key, message| Err(ProfError::InvalidConfig { key, message });
         for (key, value) in [
             ("data_wait_max", self.data_wait_max),
             ("comm_exposed_max", self.comm_exposed_max),
@@ -189,12 +191,12 @@ impl ProfConfig {
             ("batch_mfu_min", self.batch_mfu_min),
         ] {
             if !(0.0..=1.0).contains(&value) {
-                return Err((key, format!("must be a share between 0 and 1; got {value}")));
+                return invalid(key, format!("must be a share between 0 and 1; got {value}"));
             }
         }
         for (key, value) in [("bf16_speedup_min", self.bf16_speedup_min), ("outlier_sigma", self.outlier_sigma)] {
             if !(value.is_finite() && value > 0.0) {
-                return Err((key, format!("must be a finite number > 0; got {value}")));
+                return invalid(key, format!("must be a finite number > 0; got {value}"));
             }
         }
         Ok(())
@@ -244,26 +246,15 @@ pub struct RunReport {
     /// Milliseconds per step the profiler's own observer spent (the median step, measured in every run).
     pub profiler_overhead_ms: f64,
     /// Findings, largest bound first.
-    pub findings: Vec<StepFinding>,
+    pub findings: Vec<Finding>,
     pub model: ModelFacts,
     pub train: TrainFacts,
     pub machine: MachineFacts,
 }
 
-/// Amdahl's bound of removing `part` ms from a `whole` ms step.
-pub fn amdahl(whole: f64, part: f64) -> f64 {
-    if whole <= 0.0 || part <= 0.0 {
-        1.0
-    } else if part >= whole {
-        f64::INFINITY
-    } else {
-        whole / (whole - part)
-    }
-}
-
 /// The steps after the first `skip` (all of them when the run was shorter), and of those the
 /// exactly timed ones (all measured ones when none was).
-fn measured_steps(steps: &[StepSample], skip: u64) -> (Vec<&StepSample>, Vec<&StepSample>) {
+pub(crate) fn measured_steps(steps: &[StepSample], skip: u64) -> (Vec<&StepSample>, Vec<&StepSample>) {
     let first = steps.first().map_or(0, |s| s.step);
     let mut measured: Vec<&StepSample> = steps.iter().filter(|s| s.step >= first + skip).collect();
     if measured.is_empty() {
@@ -294,9 +285,9 @@ fn mean_shares(timed: &[&StepSample]) -> (PhaseTimes, f64) {
     (shares, comm)
 }
 
-/// Builds the report of a run from its steps. `profiler_ms` is the total time the profiler's
-/// observers spent; `peak_memory_bytes` the run's peak.
-pub fn build_report(
+/// The figures of a run's report from its steps, without findings (`step::build_report` adds them).
+/// `profiler_ms` is the total time the profiler's observers spent; `peak_memory_bytes` the run's peak.
+pub(crate) fn measure_report(
     facts: &RunFacts,
     steps: &[StepSample],
     peak_memory_bytes: u64,
@@ -326,7 +317,7 @@ pub fn build_report(
     let mfu = if peak > 0.0 { model_flops_per_s / peak } else { 0.0 };
     let compute_mfu = if effective_compute_ratio > 0.0 { mfu / effective_compute_ratio } else { 0.0 };
     let amdahl = Phase::REMOVABLE.iter().map(|&p| (p, amdahl(step_ms, phases[&p]))).collect();
-    let mut report = RunReport {
+    RunReport {
         name: facts.name.clone(),
         steps_measured: measured.len() as u64,
         steps_timed: timed.len() as u64,
@@ -351,10 +342,7 @@ pub fn build_report(
         model: facts.model.clone(),
         train: facts.train.clone(),
         machine: facts.machine.clone(),
-    };
-    let measured_owned: Vec<StepSample> = measured.into_iter().cloned().collect();
-    report.findings = diagnose(&report, &measured_owned, config);
-    report
+    }
 }
 
 fn human_bytes(bytes: u64) -> String {
@@ -450,6 +438,7 @@ impl RunReport {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::step::build_report;
 
     pub(crate) fn facts() -> RunFacts {
         RunFacts {

@@ -13,54 +13,28 @@
 //! | `step_outliers` | > 1% of steps beyond mean + 3 sigma | mean step / mean of the others |
 //! | `small_batch` | compute phases < 30% of peak and a micro-batch < 8192 tokens | compute phases at 30% of peak |
 
-use serde::{Deserialize, Serialize};
-
-use crate::report::{amdahl, ProfConfig, RunReport, StepSample};
+use crate::findings::{amdahl, pct, sort_by_bound, Finding, RuleId};
+use crate::report::{measured_steps, ProfConfig, RunReport, StepSample};
 use crate::vocab::{Phase, Precision};
 
-/// One diagnosis.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StepFinding {
-    pub id: String,
-    /// The rule's threshold, in words ("> 5% of step").
-    pub threshold: String,
-    /// The measured value the threshold applies to.
-    pub value: f64,
-    /// The numbers behind the finding.
-    pub evidence: String,
-    pub cause: String,
-    pub fix: String,
-    /// Upper bound on the step's speed-up from acting on the finding; None for risks.
-    pub bound: Option<f64>,
-}
-
-fn pct(x: f64) -> String {
-    format!("{:.1}%", 100.0 * x)
-}
-
 /// Runs every rule; findings come sorted by bound, largest first (risks without a bound last).
-pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -> Vec<StepFinding> {
+/// `steps` are all of the run's steps; those the report skipped are left out here too.
+pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -> Vec<Finding> {
+    let (measured, _) = measured_steps(steps, config.skip_steps);
+    let steps: Vec<StepSample> = measured.into_iter().cloned().collect();
     let step = report.step_ms;
     let share = |phase: Phase| report.phase_shares.get(&phase).copied().unwrap_or(0.0);
     let ms = |phase: Phase| report.phases.get(&phase).copied().unwrap_or(0.0);
     let mut findings = Vec::new();
     let mut claimed_ms = 0.0;
-    let mut finding = |id: &str, threshold: String, value: f64, evidence: String, cause: &str, fix: &str, bound| {
-        findings.push(StepFinding {
-            id: id.into(),
-            threshold,
-            value,
-            evidence,
-            cause: cause.into(),
-            fix: fix.into(),
-            bound,
-        })
+    let mut finding = |rule: RuleId, threshold: String, value: f64, evidence: String, bound: Option<f64>| {
+        findings.push(Finding::new(rule, threshold, value, evidence, bound))
     };
 
     if share(Phase::DataWait) > config.data_wait_max {
         claimed_ms += ms(Phase::DataWait);
         finding(
-            "data_wait",
+            RuleId::StepDataWait,
             format!("> {} of step", pct(config.data_wait_max)),
             share(Phase::DataWait),
             format!(
@@ -69,16 +43,13 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
                 step,
                 pct(share(Phase::DataWait))
             ),
-            "the trainer waits for batches: the loader prepares them slower than the model consumes them",
-            "raise data.workers and data.prefetch (load ahead on more threads), move expensive per-sample work \
-             offline (stoke prep), or put the data on faster storage",
             Some(amdahl(step, ms(Phase::DataWait))),
         );
     }
     if share(Phase::CommExposed) > config.comm_exposed_max {
         claimed_ms += ms(Phase::CommExposed);
         finding(
-            "comm_exposed",
+            RuleId::StepCommExposed,
             format!("> {} of step", pct(config.comm_exposed_max)),
             share(Phase::CommExposed),
             format!(
@@ -87,16 +58,13 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
                 pct(share(Phase::CommExposed)),
                 report.comm_total_ms
             ),
-            "the step waits for gradient communication that is not hidden behind backward",
-            "overlap buckets with backward (smaller buckets start earlier), accumulate more micro-batches per \
-             all-reduce, or compress gradients",
             Some(amdahl(step, ms(Phase::CommExposed))),
         );
     }
     if share(Phase::CkptStall) > config.ckpt_stall_max {
         claimed_ms += ms(Phase::CkptStall);
         finding(
-            "ckpt_stall",
+            RuleId::StepCkptStall,
             format!("> {} of step", pct(config.ckpt_stall_max)),
             share(Phase::CkptStall),
             format!(
@@ -104,8 +72,6 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
                 ms(Phase::CkptStall),
                 pct(share(Phase::CkptStall))
             ),
-            "the loop waits while a checkpoint is written",
-            "checkpoint less often (ckpt.every) or write asynchronously (copy to host, persist in the background)",
             Some(amdahl(step, ms(Phase::CkptStall))),
         );
     }
@@ -115,7 +81,7 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
             let compute: f64 = Phase::COMPUTE.iter().map(|&p| ms(p)).sum();
             let saved = compute * (1.0 - 1.0 / speedup);
             finding(
-                "fp32_on_bf16_hardware",
+            RuleId::StepFp32OnBf16Hardware,
                 format!("fp32 run where the bf16 peak is >= {:.1}x fp32", config.bf16_speedup_min),
                 speedup,
                 format!(
@@ -124,8 +90,6 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
                     fp32 / 1e9,
                     compute
                 ),
-                "the run multiplies matrices in fp32 on hardware with faster bf16 units",
-                "set train.precision = \"bf16\" (bf16 matrix multiplies, fp32 master weights)",
                 Some(amdahl(step, saved)),
             );
         }
@@ -138,12 +102,10 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
         if rate > config.loss_scale_changes_max {
             let skipped = decreases as f64 / scales.len() as f64;
             finding(
-                "loss_scale_thrashing",
+                RuleId::StepLossScaleThrashing,
                 format!("loss scale changes on > {} of steps", pct(config.loss_scale_changes_max)),
                 rate,
                 format!("{changes} changes in {} steps, {decreases} of them overflows (skipped steps)", scales.len()),
-                "the dynamic loss scale keeps overflowing and growing back; every overflow wastes a step",
-                "use bf16 (no loss scale needed), or lengthen the growth interval / lower the initial scale",
                 Some(1.0 / (1.0 - skipped).max(1e-9)),
             );
         }
@@ -153,7 +115,7 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
     if outlier_share > config.outlier_fraction_max {
         let outliers: std::collections::BTreeSet<u64> = report.outlier_steps.iter().copied().collect();
         let (mut all, mut rest, mut n_rest) = (0.0, 0.0, 0usize);
-        for s in steps {
+        for s in &steps {
             all += s.wall_ms;
             if !outliers.contains(&s.step) {
                 rest += s.wall_ms;
@@ -164,7 +126,7 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
         let mean_rest = rest / n_rest.max(1) as f64;
         let shown: Vec<String> = report.outlier_steps.iter().take(8).map(u64::to_string).collect();
         finding(
-            "step_outliers",
+            RuleId::StepOutliers,
             format!("> {} of steps beyond mean + {} sigma", pct(config.outlier_fraction_max), config.outlier_sigma),
             outlier_share,
             format!(
@@ -177,10 +139,6 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
                 config.outlier_sigma,
                 report.step_ms_std
             ),
-            "some steps are much slower than the rest: other processes on the machine, page faults, allocator \
-             growth, garbage in the data pipeline, or periodic work (logging, evaluation)",
-            "open trace.json at the outlier steps and see which phase grew; pin threads (train.threads) and keep \
-             the machine to this run",
             Some(if mean_rest > 0.0 { mean_all / mean_rest } else { 1.0 }),
         );
     }
@@ -193,7 +151,7 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
         let saved = compute * (1.0 - report.compute_mfu / config.batch_mfu_min);
         claimed_ms += 0.0;
         finding(
-            "small_batch",
+            RuleId::StepSmallBatch,
             format!(
                 "compute phases < {} of peak and < {} tokens per micro-batch",
                 pct(config.batch_mfu_min),
@@ -207,8 +165,6 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
                 report.train.micro_batch,
                 report.model.seq_len
             ),
-            "the matrices are too small to keep the device's arithmetic units busy; fixed per-operation costs dominate",
-            "raise train.micro_batch (and lower train.grad_accum to keep the global batch), or train a wider model",
             Some(amdahl(step, saved)),
         );
     }
@@ -226,7 +182,7 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
         parts.sort_by(|a, b| b.1.total_cmp(&a.1));
         let listed: Vec<String> = parts.iter().map(|(name, ms)| format!("{name} {ms:.2} ms")).collect();
         finding(
-            "low_compute_ratio",
+            RuleId::StepLowComputeRatio,
             format!("effective compute ratio < {}", pct(config.compute_ratio_min)),
             report.effective_compute_ratio,
             format!(
@@ -236,9 +192,6 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
                 pct(report.effective_compute_ratio),
                 listed.join(", ")
             ),
-            "the step spends too much time outside the model's arithmetic",
-            "act on the other findings first; what remains (h2d, other: Python-free framework overhead, \
-             synchronization, logging) shrinks with larger micro-batches and less frequent logging (train.log_every)",
             Some(amdahl(step, unclaimed)),
         );
     }
@@ -246,25 +199,23 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
         let used = report.peak_memory_bytes as f64 / capacity as f64;
         if used > config.memory_max {
             finding(
-                "memory_pressure",
+                RuleId::StepMemoryPressure,
                 format!("peak memory > {} of capacity", pct(config.memory_max)),
                 used,
                 format!("peak {} of {} bytes ({})", report.peak_memory_bytes, capacity, pct(used)),
-                "the run is close to running out of memory; allocator retries and fragmentation slow steps first",
-                "lower train.micro_batch and raise train.grad_accum, recompute activations, or shard optimizer state",
                 None,
             );
         }
     }
-    findings.sort_by(|a, b| b.bound.unwrap_or(0.0).total_cmp(&a.bound.unwrap_or(0.0)));
+    sort_by_bound(&mut findings);
     findings
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::build_report;
     use crate::report::tests::{facts, step};
+    use crate::step::build_report;
 
     /// Builds a run of 50 identical steps and returns the ids of the findings, in order.
     fn check(parts: &[(Phase, f64)], tweak: impl Fn(&mut crate::RunFacts), expected: &[&str]) {

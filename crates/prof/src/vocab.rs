@@ -156,10 +156,10 @@ mod tests {
             assert_eq!(Phase::from_name(phase.name()), Some(phase));
             assert_eq!(Phase::ALL[phase as usize], phase);
         }
-        for precision in [Precision::Fp32, Precision::Bf16] {
+        for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
             assert_eq!(serde_json::to_string(&precision).unwrap(), format!("\"{precision}\""));
         }
-        assert!(serde_json::from_str::<Precision>("\"fp16\"").is_err());
+        assert!(serde_json::from_str::<Precision>("\"fp8\"").is_err());
         let mut times = PhaseTimes::default();
         times.add(Phase::Forward, 2.0);
         times.add(Phase::Other, 1.0);

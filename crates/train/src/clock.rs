@@ -18,6 +18,8 @@ pub struct StepClock {
     /// On a GPU, synchronize before each lap so the lap holds the device's work, not just the
     /// launches (only on "timed" steps; see `Trainer::set_sync_every`).
     sync_device: Option<i64>,
+    /// Test-only: the forward lap busy-waits this fraction of its own time (`TrainConfig::test_slow_forward`).
+    slow_forward: f64,
 }
 
 impl StepClock {
@@ -28,7 +30,13 @@ impl StepClock {
             Device::Cuda(ordinal) if timed => Some(ordinal as i64),
             _ => None,
         };
-        StepClock { start: now, mark: now, phases: PhaseTimes::default(), sync_device }
+        StepClock { start: now, mark: now, phases: PhaseTimes::default(), sync_device, slow_forward: 0.0 }
+    }
+
+    /// Test-only: makes every forward lap that fraction slower (`TrainConfig::test_slow_forward`).
+    pub fn slow_forward(mut self, fraction: f64) -> StepClock {
+        self.slow_forward = fraction;
+        self
     }
 
     /// Charges the time since the previous lap (or the start) to `phase`.
@@ -36,7 +44,12 @@ impl StepClock {
         if let Some(ordinal) = self.sync_device {
             tch::Cuda::synchronize(ordinal);
         }
-        let now = Instant::now();
+        let mut now = Instant::now();
+        if phase == Phase::Forward && self.slow_forward > 0.0 {
+            let until = now + (now - self.mark).mul_f64(self.slow_forward);
+            while Instant::now() < until {}
+            now = Instant::now();
+        }
         self.phases.add(phase, (now - self.mark).as_secs_f64() * 1e3);
         self.mark = now;
     }

@@ -170,6 +170,11 @@ pub struct TrainConfig {
     /// chain of libtorch tensor ops over the flat buffers (PyTorch's default AdamW does one such
     /// chain per parameter). Default true.
     pub fused_optimizer: bool,
+    /// Test-only, not a config key: busy-wait after each forward for this fraction of its measured
+    /// time (`stoke bench gate`'s sensitivity check; the binary sets it from
+    /// STOKE_TEST_SLOW_FORWARD). Default 0.
+    #[serde(skip)]
+    pub test_slow_forward: f64,
 }
 
 /// See `TrainConfig::attention`.
@@ -211,6 +216,7 @@ impl Default for TrainConfig {
             attention: AttentionPrecision::Auto,
             host_memory: HostMemory::Retain,
             fused_optimizer: true,
+            test_slow_forward: 0.0,
         }
     }
 }

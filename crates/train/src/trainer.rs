@@ -371,7 +371,7 @@ impl Trainer {
             let step_number = self.step + 1;
             let logged = step_number % self.train.log_every == 0 || step_number == self.train.steps;
             let timed = !self.device.is_cuda() || (self.sync_every > 0 && step_number % self.sync_every == 0);
-            let mut clock = StepClock::start(self.device, timed);
+            let mut clock = StepClock::start(self.device, timed).slow_forward(self.train.test_slow_forward);
             let measure_memory = step_number == first_step;
             let (loss_sum, step_memory) = self.forward_backward(source, step_number, measure_memory, &mut clock, hooks)?;
             if memory.is_none() {

@@ -6,9 +6,9 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::diagnose::{diagnose_rank, diagnose_step, Finding};
 use super::event::{Event, FxBuild, Kind, RankTrace};
 use super::intervals::Union;
+use crate::findings::Finding;
 
 /// Knobs of the analyses; `Default` gives HTA's defaults where HTA has one.
 #[derive(Clone, Debug, PartialEq)]
@@ -403,7 +403,7 @@ pub fn peak_flops_for(device_name: &str) -> Option<f64> {
 }
 
 /// Runs every per-rank analysis.
-pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
+pub(crate) fn measure_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
     let events = &trace.events;
     let names = &trace.names;
     let name_of = |e: &Event| names[e.name as usize].as_str();
@@ -546,7 +546,7 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
         cats.other = wall - cats.sum();
         debug_assert!(cats.other >= 0, "exclusive categories cannot exceed the window");
         total.add(&cats);
-        let mut step = StepReport {
+        let step = StepReport {
             step: n,
             start_ns: lo,
             wall_ns: wall,
@@ -558,7 +558,6 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
             ckpt_stall_ns: ckpt_stall_union.clipped_len(lo, hi),
             findings: Vec::new(),
         };
-        step.findings = diagnose_step(&step);
         steps.push(step);
     }
     let walls: Vec<i64> = steps.iter().map(|s| s.wall_ns).collect();
@@ -794,7 +793,7 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
         .map(|e| (e.ts + trace.base_time_ns, e.dur, name_of(e).to_string()))
         .collect();
 
-    let mut report = RankReport {
+    let report = RankReport {
         rank: trace.rank,
         rank_source: trace.rank_source,
         file: trace.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
@@ -822,7 +821,6 @@ pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
         kernels,
         collectives,
     };
-    report.findings = diagnose_rank(&report, trace.devices.first());
     report
 }
 

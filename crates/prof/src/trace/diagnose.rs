@@ -6,26 +6,9 @@
 //! plugin's rules: `dataloader`, `communication`, `low_gpu_utilization`, `no_tensor_cores`.
 //! Across ranks: `straggler`.
 
-use serde::Serialize;
-
 use super::analyze::{RankReport, StepReport};
 use super::event::DeviceInfo;
-
-/// One diagnosis.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Finding {
-    pub id: &'static str,
-    /// The rule's threshold, in words ("> 5% of step").
-    pub threshold: String,
-    /// The measured value the threshold applies to (a fraction or a count).
-    pub value: f64,
-    /// The numbers behind the finding.
-    pub evidence: String,
-    pub cause: &'static str,
-    pub fix: &'static str,
-    /// Amdahl bound on the speed-up from removing the phase: step / (step - phase).
-    pub bound: Option<f64>,
-}
+use crate::findings::{amdahl_bound, pct, Finding, RuleId};
 
 /// Thresholds, in one place so that documentation and code agree.
 pub const DATA_WAIT_FRACTION: f64 = 0.02;
@@ -40,16 +23,12 @@ pub const STEP_OUTLIER_FACTOR: f64 = 1.5;
 pub const SMALL_KERNEL_NS: i64 = 10_000;
 pub const STRAGGLER_FACTOR: f64 = 1.05;
 
-fn pct(x: f64) -> String {
-    format!("{:.1}%", x * 100.0)
-}
-
 fn ms(ns: i64) -> String {
     format!("{:.3} ms", ns as f64 / 1e6)
 }
 
 fn amdahl(wall: i64, phase: i64) -> Option<f64> {
-    (wall > phase && phase > 0).then(|| wall as f64 / (wall - phase) as f64)
+    amdahl_bound(wall as f64, phase as f64)
 }
 
 /// Ratio rules on one step's (or a rank's summed) numbers.
@@ -60,97 +39,90 @@ fn ratio_rules(wall: i64, s: &StepReport, out: &mut Vec<Finding>) {
     let frac = |ns: i64| ns as f64 / wall as f64;
     let dl = s.categories.dataloader;
     if frac(dl) > DATA_WAIT_FRACTION {
-        out.push(Finding {
-            id: "data_wait",
-            threshold: format!("> {} of step", pct(DATA_WAIT_FRACTION)),
-            value: frac(dl),
-            evidence: format!("the step waits on the DataLoader for {} of {} ({})", ms(dl), ms(wall), pct(frac(dl))),
-            cause: "the input pipeline does not keep up: the training loop blocks on the next batch with no GPU work queued",
-            fix: "more DataLoader workers, pin_memory and prefetch_factor, or pre-tokenised shards (stoke's loader prefetches on its own threads)",
-            bound: amdahl(wall, dl),
-        });
+        out.push(Finding::new(
+            RuleId::TraceDataWait,
+            format!("> {} of step", pct(DATA_WAIT_FRACTION)),
+            frac(dl),
+            format!("the step waits on the DataLoader for {} of {} ({})", ms(dl), ms(wall), pct(frac(dl))),
+            amdahl(wall, dl),
+        ));
     }
     if frac(dl) > DATALOADER_FRACTION {
-        out.push(Finding {
-            id: "dataloader",
-            threshold: format!("> {} of step", pct(DATALOADER_FRACTION)),
-            value: frac(dl),
-            evidence: format!("DataLoader time {} is {} of the step", ms(dl), pct(frac(dl))),
-            cause: "data loading runs on the critical path (TensorBoard profiler rule)",
-            fix: "set num_workers > 0 on the DataLoader and enable pin_memory; move preprocessing offline",
-            bound: amdahl(wall, dl),
-        });
+        out.push(Finding::new(
+            RuleId::TraceDataloader,
+            format!("> {} of step", pct(DATALOADER_FRACTION)),
+            frac(dl),
+            format!("DataLoader time {} is {} of the step", ms(dl), pct(frac(dl))),
+            amdahl(wall, dl),
+        ));
     }
     let comm = s.categories.communication;
     if frac(comm) > COMMUNICATION_FRACTION {
-        out.push(Finding {
-            id: "communication",
-            threshold: format!("> {} of step", pct(COMMUNICATION_FRACTION)),
-            value: frac(comm),
-            evidence: format!("communication not hidden behind kernels takes {} ({})", ms(comm), pct(frac(comm))),
-            cause: "collectives dominate the step (TensorBoard profiler rule)",
-            fix: "larger gradient buckets, gradient accumulation (fewer all-reduces), compression, or a faster interconnect",
-            bound: amdahl(wall, comm),
-        });
+        out.push(Finding::new(
+            RuleId::TraceCommunication,
+            format!("> {} of step", pct(COMMUNICATION_FRACTION)),
+            frac(comm),
+            format!("communication not hidden behind kernels takes {} ({})", ms(comm), pct(frac(comm))),
+            amdahl(wall, comm),
+        ));
     }
     if frac(s.comm_exposed_ns) > COMM_EXPOSED_FRACTION {
-        out.push(Finding {
-            id: "comm_exposed",
-            threshold: format!("> {} of step", pct(COMM_EXPOSED_FRACTION)),
-            value: frac(s.comm_exposed_ns),
-            evidence: format!(
+        out.push(Finding::new(
+            RuleId::TraceCommExposed,
+            format!("> {} of step", pct(COMM_EXPOSED_FRACTION)),
+            frac(s.comm_exposed_ns),
+            format!(
                 "{} of {} communication kernel time runs with no compute kernel beside it",
                 ms(s.comm_exposed_ns),
                 ms(s.comm_ns)
             ),
-            cause: "communication is not overlapped with computation",
-            fix: "overlap gradient all-reduce with backward (DDP buckets, FSDP prefetch), put collectives on their own stream",
-            bound: amdahl(wall, s.comm_exposed_ns),
-        });
+            amdahl(wall, s.comm_exposed_ns),
+        ));
     }
     if frac(s.gpu_busy_ns) < LOW_GPU_UTILIZATION {
-        out.push(Finding {
-            id: "low_gpu_utilization",
-            threshold: format!("< {} GPU busy", pct(LOW_GPU_UTILIZATION)),
-            value: frac(s.gpu_busy_ns),
-            evidence: format!("the GPU runs work {} of {} ({})", ms(s.gpu_busy_ns), ms(wall), pct(frac(s.gpu_busy_ns))),
-            cause:
-                "the GPU waits for the host (launches, data, Python) more than it computes (TensorBoard profiler rule)",
-            fix: "bigger batches, CUDA graphs or torch.compile to cut launches, move host work off the step",
-            bound: amdahl(wall, wall - s.gpu_busy_ns),
-        });
+        out.push(Finding::new(
+            RuleId::TraceLowGpuUtilization,
+            format!("< {} GPU busy", pct(LOW_GPU_UTILIZATION)),
+            frac(s.gpu_busy_ns),
+            format!("the GPU runs work {} of {} ({})", ms(s.gpu_busy_ns), ms(wall), pct(frac(s.gpu_busy_ns))),
+            amdahl(wall, wall - s.gpu_busy_ns),
+        ));
     }
     if frac(s.compute_ns) < LOW_COMPUTE_RATIO {
-        out.push(Finding {
-            id: "low_compute_ratio",
-            threshold: format!("< {} of step in compute kernels", pct(LOW_COMPUTE_RATIO)),
-            value: frac(s.compute_ns),
-            evidence: format!("compute kernels run {} of {} ({})", ms(s.compute_ns), ms(wall), pct(frac(s.compute_ns))),
-            cause: "most of the step is spent outside compute: waiting, copying or communicating",
-            fix: "remove the largest non-compute category first (see the breakdown); its Amdahl bound is the most to gain",
-            bound: amdahl(wall, wall - s.compute_ns),
-        });
+        out.push(Finding::new(
+            RuleId::TraceLowComputeRatio,
+            format!("< {} of step in compute kernels", pct(LOW_COMPUTE_RATIO)),
+            frac(s.compute_ns),
+            format!("compute kernels run {} of {} ({})", ms(s.compute_ns), ms(wall), pct(frac(s.compute_ns))),
+            amdahl(wall, wall - s.compute_ns),
+        ));
     }
     if frac(s.ckpt_stall_ns) > CKPT_STALL_FRACTION {
-        out.push(Finding {
-            id: "ckpt_stall",
-            threshold: format!("> {} of step", pct(CKPT_STALL_FRACTION)),
-            value: frac(s.ckpt_stall_ns),
-            evidence: format!("a checkpoint save runs {} while the GPU is idle", ms(s.ckpt_stall_ns)),
-            cause: "checkpointing blocks training",
-            fix: "save asynchronously (copy to host, persist on a background thread), or checkpoint less often",
-            bound: amdahl(wall, s.ckpt_stall_ns),
-        });
+        out.push(Finding::new(
+            RuleId::TraceCkptStall,
+            format!("> {} of step", pct(CKPT_STALL_FRACTION)),
+            frac(s.ckpt_stall_ns),
+            format!("a checkpoint save runs {} while the GPU is idle", ms(s.ckpt_stall_ns)),
+            amdahl(wall, s.ckpt_stall_ns),
+        ));
     }
 }
 
-pub(crate) fn diagnose_step(step: &StepReport) -> Vec<Finding> {
+/// Adds the findings of each step and of the rank to an analyzed rank.
+pub(crate) fn diagnose(report: &mut RankReport, device: Option<&DeviceInfo>) {
+    for step in &mut report.steps {
+        step.findings = diagnose_step(step);
+    }
+    report.findings = diagnose_rank(report, device);
+}
+
+fn diagnose_step(step: &StepReport) -> Vec<Finding> {
     let mut out = Vec::new();
     ratio_rules(step.wall_ns, step, &mut out);
     out
 }
 
-pub(crate) fn diagnose_rank(r: &RankReport, device: Option<&DeviceInfo>) -> Vec<Finding> {
+fn diagnose_rank(r: &RankReport, device: Option<&DeviceInfo>) -> Vec<Finding> {
     let mut out = Vec::new();
     // The ratio rules on the sum over steps.
     let summed = StepReport {
@@ -169,20 +141,18 @@ pub(crate) fn diagnose_rank(r: &RankReport, device: Option<&DeviceInfo>) -> Vec<
 
     for m in &r.memory {
         if let Some(f) = m.peak_fraction.filter(|&f| f > MEMORY_PRESSURE_FRACTION) {
-            out.push(Finding {
-                id: "memory_pressure",
-                threshold: format!("> {} of device memory reserved", pct(MEMORY_PRESSURE_FRACTION)),
-                value: f,
-                evidence: format!(
+            out.push(Finding::new(
+                RuleId::TraceMemoryPressure,
+                format!("> {} of device memory reserved", pct(MEMORY_PRESSURE_FRACTION)),
+                f,
+                format!(
                     "device {} peak reserved {:.2} GiB of {:.2} GiB",
                     m.device,
                     m.peak_reserved_bytes as f64 / (1u64 << 30) as f64,
                     m.device_bytes as f64 / (1u64 << 30) as f64
                 ),
-                cause: "the caching allocator is near the device limit: fragmentation, retries and OOM risk",
-                fix: "activation checkpointing, a smaller micro-batch with accumulation, sharded optimizer state, or expandable_segments",
-                bound: None,
-            });
+                None,
+            ));
         }
     }
 
@@ -190,15 +160,13 @@ pub(crate) fn diagnose_rank(r: &RankReport, device: Option<&DeviceInfo>) -> Vec<
     let has_tensor_cores = device.is_none_or(|d| d.compute_major >= 7 || d.name.contains("AMD"));
     let tc = &r.tensor_cores;
     if has_tensor_cores && tc.eligible_ns > 0 && tc.tensor_core_ns == 0 {
-        out.push(Finding {
-            id: "no_tensor_cores",
-            threshold: "no Tensor Core kernel among GEMM/convolution kernels".into(),
-            value: 0.0,
-            evidence: format!("{} of GEMM/convolution kernels, none on Tensor Cores", ms(tc.eligible_ns)),
-            cause: "matrix math runs in fp32 on CUDA cores (TensorBoard profiler rule)",
-            fix: "autocast to bf16/fp16, or allow TF32 (torch.backends.cuda.matmul.allow_tf32 = True)",
-            bound: None,
-        });
+        out.push(Finding::new(
+            RuleId::TraceNoTensorCores,
+            "no Tensor Core kernel among GEMM/convolution kernels".into(),
+            0.0,
+            format!("{} of GEMM/convolution kernels, none on Tensor Cores", ms(tc.eligible_ns)),
+            None,
+        ));
     }
 
     let with_number: Vec<&StepReport> = r.steps.iter().filter(|s| s.step.is_some()).collect();
@@ -209,15 +177,13 @@ pub(crate) fn diagnose_rank(r: &RankReport, device: Option<&DeviceInfo>) -> Vec<
             .map(|s| format!("#{} {}", s.step.unwrap_or(0), ms(s.wall_ns)))
             .collect();
         if !slow.is_empty() {
-            out.push(Finding {
-                id: "step_outliers",
-                threshold: format!("step > {STEP_OUTLIER_FACTOR}x the median"),
-                value: slow.len() as f64,
-                evidence: format!("median {}; slow steps: {}", ms(r.median_step_ns), slow.join(", ")),
-                cause: "some steps are much slower than the rest: warm-up, allocator growth, checkpoints, or host interference",
-                fix: "look at the slow steps' breakdown; exclude warm-up from measurements",
-                bound: None,
-            });
+            out.push(Finding::new(
+                RuleId::TraceStepOutliers,
+                format!("step > {STEP_OUTLIER_FACTOR}x the median"),
+                slow.len() as f64,
+                format!("median {}; slow steps: {}", ms(r.median_step_ns), slow.join(", ")),
+                None,
+            ));
         }
     }
 
@@ -229,21 +195,19 @@ pub(crate) fn diagnose_rank(r: &RankReport, device: Option<&DeviceInfo>) -> Vec<
         let mean_kernel = kernel_time / kernel_count as i64;
         let busy = (r.gpu.span_ns - r.gpu.idle_ns) as f64 / r.gpu.span_ns as f64;
         if mean_kernel < SMALL_KERNEL_NS && busy < LOW_GPU_UTILIZATION && host_wait * 2 > idle_total {
-            out.push(Finding {
-                id: "small_batch",
-                threshold: format!("mean kernel < {} us and GPU busy < {}", SMALL_KERNEL_NS / 1000, pct(LOW_GPU_UTILIZATION)),
-                value: mean_kernel as f64,
-                evidence: format!(
+            out.push(Finding::new(
+                RuleId::TraceSmallBatch,
+                format!("mean kernel < {} us and GPU busy < {}", SMALL_KERNEL_NS / 1000, pct(LOW_GPU_UTILIZATION)),
+                mean_kernel as f64,
+                format!(
                     "mean kernel {:.1} us, GPU busy {}, host wait {} of {} idle",
                     mean_kernel as f64 / 1e3,
                     pct(busy),
                     ms(host_wait),
                     ms(idle_total)
                 ),
-                cause: "kernels are too small to hide their launch cost: the step is launch-bound",
-                fix: "raise the batch size (with gradient accumulation if memory allows), fuse ops (torch.compile), CUDA graphs",
-                bound: None,
-            });
+                None,
+            ));
         }
     }
     out

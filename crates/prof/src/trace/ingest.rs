@@ -43,26 +43,10 @@ pub fn find_trace_files(inputs: &[PathBuf]) -> std::result::Result<Vec<PathBuf>,
 /// `distributedInfo`, else from a `rank<N>` / `rank-<N>` / `rank_<N>` in the file name, else the
 /// lowest free rank in file order. Two files with the same rank are an error.
 pub fn load_traces(files: &[PathBuf]) -> std::result::Result<Vec<RankTrace>, TraceError> {
-    let n_workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(files.len()).max(1);
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut slots: Vec<Option<std::result::Result<RankTrace, TraceError>>> = (0..files.len()).map(|_| None).collect();
-    let results = std::sync::Mutex::new(&mut slots);
-    std::thread::scope(|scope| {
-        for _ in 0..n_workers {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= files.len() {
-                    break;
-                }
-                let result = load_trace(&files[i]);
-                results.lock().expect("no worker panics while holding the lock")[i] = Some(result);
-            });
-        }
-    });
-    let mut traces = Vec::with_capacity(files.len());
-    for slot in slots {
-        traces.push(slot.expect("every index was processed")?);
-    }
+    use rayon::prelude::*;
+    let loaded: Vec<std::result::Result<RankTrace, TraceError>> = files.par_iter().map(|p| load_trace(p)).collect();
+    // The first file's error in file order, as reading them one by one would report.
+    let mut traces = loaded.into_iter().collect::<std::result::Result<Vec<RankTrace>, TraceError>>()?;
     let paths: Vec<PathBuf> = traces.iter().map(|t| t.path.clone()).collect();
     let mut slots: Vec<RankSlot<'_>> = traces
         .iter_mut()

@@ -23,12 +23,13 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::findings::Finding;
+
 pub use analyze::{
-    analyze_rank, kernel_type, peak_flops_for, AnalyzeOptions, Categories, Category, Dist, GpuTime, KernelStat,
-    KernelType, KernelTypeTime, LaunchStats, MemcpyStat, MemoryStat, Overlap, QueueStat, RankReport, StepReport,
-    StreamIdle, TensorCoreStat,
+    kernel_type, peak_flops_for, AnalyzeOptions, Categories, Category, Dist, GpuTime, KernelStat, KernelType,
+    KernelTypeTime, LaunchStats, MemcpyStat, MemoryStat, Overlap, QueueStat, RankReport, StepReport, StreamIdle,
+    TensorCoreStat,
 };
-pub use diagnose::Finding;
 pub use diff::{diff, DiffOptions, NameDiff, StepStats, TraceDiff};
 pub use error::TraceError;
 pub use event::{DeviceInfo, Event, IngestStats, Kind, MemorySample, RankTrace};
@@ -55,6 +56,13 @@ impl Analysis {
     }
 }
 
+/// One rank's report: its figures (`analyze`), then its findings (`diagnose`).
+pub fn analyze_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankReport {
+    let mut report = analyze::measure_rank(trace, opts);
+    diagnose::diagnose(&mut report, trace.devices.first());
+    report
+}
+
 /// Analyzes already loaded traces.
 pub fn analyze(traces: &[RankTrace], opts: &AnalyzeOptions) -> Analysis {
     let ranks: Vec<RankReport> = traces.iter().map(|t| analyze_rank(t, opts)).collect();
@@ -67,26 +75,12 @@ pub fn analyze(traces: &[RankTrace], opts: &AnalyzeOptions) -> Analysis {
 /// of all of them.
 pub fn analyze_paths(inputs: &[PathBuf], opts: &AnalyzeOptions) -> Result<Analysis, TraceError> {
     let files = find_trace_files(inputs)?;
-    let n_workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(files.len()).max(1);
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let slots: std::sync::Mutex<Vec<Option<Result<RankReport, TraceError>>>> =
-        std::sync::Mutex::new((0..files.len()).map(|_| None).collect());
-    std::thread::scope(|scope| {
-        for _ in 0..n_workers {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= files.len() {
-                    break;
-                }
-                let result = load_trace(&files[i]).map(|t| analyze_rank(&t, opts));
-                slots.lock().expect("no worker panics while holding the lock")[i] = Some(result);
-            });
-        }
-    });
-    let mut ranks = Vec::with_capacity(files.len());
-    for slot in slots.into_inner().expect("workers joined") {
-        ranks.push(slot.expect("every file was processed")?);
-    }
+    use rayon::prelude::*;
+    // Each worker holds one trace at a time and drops it once analyzed.
+    let analyzed: Vec<Result<RankReport, TraceError>> =
+        files.par_iter().map(|path| load_trace(path).map(|t| analyze_rank(&t, opts))).collect();
+    // The first file's error in file order, as analyzing them one by one would report.
+    let mut ranks = analyzed.into_iter().collect::<Result<Vec<RankReport>, TraceError>>()?;
     let mut slots: Vec<ingest::RankSlot<'_>> = ranks
         .iter_mut()
         .zip(&files)

@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 
 use super::analyze::RankReport;
-use super::diagnose::{Finding, STRAGGLER_FACTOR};
+use super::diagnose::STRAGGLER_FACTOR;
+use crate::findings::{Finding, RuleId};
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct AlignedStep {
@@ -108,15 +109,13 @@ pub fn cross_rank(ranks: &[RankReport]) -> Option<CrossRank> {
     for (r, &m) in ranks.iter().zip(&means) {
         if med > 0 && m as f64 > STRAGGLER_FACTOR * med as f64 {
             stragglers.push(r.rank);
-            findings.push(Finding {
-                id: "straggler",
-                threshold: format!("mean step > {STRAGGLER_FACTOR}x the median rank's"),
-                value: m as f64 / med as f64,
-                evidence: format!("rank {} mean step {:.3} ms vs median {:.3} ms", r.rank, m as f64 / 1e6, med as f64 / 1e6),
-                cause: "one rank is slower, and synchronous collectives make every rank wait for it",
-                fix: "compare this rank's breakdown with the others': data skew, a slow host, thermal throttling, a bad link",
-                bound: Some(m as f64 / med as f64),
-            });
+            findings.push(Finding::new(
+                RuleId::StragglerSlowSteps,
+                format!("mean step > {STRAGGLER_FACTOR}x the median rank's"),
+                m as f64 / med as f64,
+                format!("rank {} mean step {:.3} ms vs median {:.3} ms", r.rank, m as f64 / 1e6, med as f64 / 1e6),
+                Some(m as f64 / med as f64),
+            ));
         }
     }
     // The rank that waits least in matched collectives arrives last: the others wait for it.
@@ -126,20 +125,18 @@ pub fn cross_rank(ranks: &[RankReport]) -> Option<CrossRank> {
         let others_wait = median(matched.iter().map(|c| c.wait_ns).collect());
         if others_wait > 0 && least.wait_ns * 2 < others_wait && !stragglers.contains(&least.rank) {
             stragglers.push(least.rank);
-            findings.push(Finding {
-                id: "straggler",
-                threshold: "waits less than half the median rank's collective wait".into(),
-                value: least.wait_ns as f64 / others_wait as f64,
-                evidence: format!(
+            findings.push(Finding::new(
+                RuleId::StragglerLastArrival,
+                "waits less than half the median rank's collective wait".into(),
+                least.wait_ns as f64 / others_wait as f64,
+                format!(
                     "rank {} waits {:.3} ms in collectives, the median rank {:.3} ms",
                     least.rank,
                     least.wait_ns as f64 / 1e6,
                     others_wait as f64 / 1e6
                 ),
-                cause: "this rank reaches collectives last; the others wait for it",
-                fix: "look at what this rank does before its collectives (data loading, extra work, a slow host)",
-                bound: None,
-            });
+                None,
+            ));
         }
     }
     Some(CrossRank { n_ranks: ranks.len(), steps, collectives, stragglers, findings })

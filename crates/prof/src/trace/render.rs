@@ -294,7 +294,7 @@ pub fn prometheus(a: &Analysis) -> String {
     let _ = writeln!(o, "# HELP stoke_trace_finding A diagnosis that fired (1).\n# TYPE stoke_trace_finding gauge");
     for (rank, f) in a.findings() {
         let rank = rank.map_or_else(|| "all".to_string(), |r| r.to_string());
-        let _ = writeln!(o, "stoke_trace_finding{{rank=\"{}\",id=\"{}\"}} 1", rank, escape_label(f.id));
+        let _ = writeln!(o, "stoke_trace_finding{{rank=\"{}\",id=\"{}\"}} 1", rank, escape_label(&f.id));
     }
     o
 }
@@ -311,7 +311,7 @@ pub fn overlay_trace(a: &Analysis, out: &mut impl Write) -> std::io::Result<()> 
         for s in &r.steps {
             let ts = s.start_ns as f64 / 1e3;
             let label = s.step.map_or_else(|| "trace".to_string(), |n| format!("step #{n}"));
-            let ids: Vec<&str> = s.findings.iter().map(|f| f.id).collect();
+            let ids: Vec<&str> = s.findings.iter().map(|f| f.id.as_str()).collect();
             events.push(serde_json::json!({
                 "ph": "X", "name": label, "cat": "stoke", "pid": pid, "tid": "steps", "ts": ts, "dur": s.wall_ns as f64 / 1e3,
                 "args": {"categories_ns": s.categories, "findings": ids},

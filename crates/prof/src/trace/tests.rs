@@ -228,9 +228,10 @@ fn synthetic_traces_diagnose_and_diff() {
     for s in a.ranks.iter().chain(&b.ranks).flat_map(|r| &r.steps) {
         assert_eq!(s.categories.sum(), s.wall_ns);
     }
-    let ids = |an: &Analysis| an.ranks[0].findings.iter().map(|f| f.id).collect::<Vec<_>>();
-    assert!(!ids(&a).contains(&"dataloader"), "{:?}", ids(&a));
-    assert!(ids(&b).contains(&"dataloader") && ids(&b).contains(&"data_wait"), "{:?}", ids(&b));
+    let ids = |an: &Analysis| an.ranks[0].findings.iter().map(|f| f.id.clone()).collect::<Vec<String>>();
+    assert!(!ids(&a).iter().any(|id| id == "dataloader"), "{:?}", ids(&a));
+    let has = |an: &Analysis, id: &str| ids(an).iter().any(|i| i == id);
+    assert!(has(&b, "dataloader") && has(&b, "data_wait"), "{:?}", ids(&b));
     let same = diff(&a, &a, &DiffOptions::default());
     assert!(!same.regression && same.ops.is_empty());
     let worse = diff(&a, &b, &DiffOptions::default());
@@ -311,9 +312,9 @@ proptest! {
     }
 }
 
-fn rank_findings(json: &str, opts: &AnalyzeOptions) -> (RankReport, Vec<&'static str>) {
+fn rank_findings(json: &str, opts: &AnalyzeOptions) -> (RankReport, Vec<String>) {
     let report = analyze_rank(&parse(json).expect("parses"), opts);
-    let ids = report.findings.iter().map(|f| f.id).collect();
+    let ids = report.findings.iter().map(|f| f.id.clone()).collect();
     (report, ids)
 }
 
@@ -342,10 +343,10 @@ fn memory_tensor_cores_outliers_and_mfu() {
     let (report, ids) = rank_findings(&json, &opts);
     assert_eq!(report.memory.len(), 1);
     assert_eq!(report.memory[0].peak_reserved_bytes, 76_000_000_000);
-    assert!(ids.contains(&"memory_pressure"), "{ids:?}");
-    assert!(ids.contains(&"no_tensor_cores"), "{ids:?}");
-    assert!(ids.contains(&"step_outliers"), "{ids:?}");
-    assert!(!ids.contains(&"low_gpu_utilization"), "{ids:?}");
+    assert!(ids.iter().any(|i| i == "memory_pressure"), "{ids:?}");
+    assert!(ids.iter().any(|i| i == "no_tensor_cores"), "{ids:?}");
+    assert!(ids.iter().any(|i| i == "step_outliers"), "{ids:?}");
+    assert!(!ids.iter().any(|i| i == "low_gpu_utilization"), "{ids:?}");
     // 31.2 GFLOP in a mean step of 175 µs on a 312 TFLOP/s A100.
     let mfu = report.mfu.expect("model FLOPs given and the device is known");
     assert!((mfu - 31.2e9 / 175e-6 / 312e12).abs() < 1e-9, "{mfu}");
@@ -353,5 +354,5 @@ fn memory_tensor_cores_outliers_and_mfu() {
     // The same trace on Tensor Cores: no finding.
     let tc = json.replace("volta_sgemm_128x64_nn", "sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize96x128x32");
     let (_, ids) = rank_findings(&tc, &opts);
-    assert!(!ids.contains(&"no_tensor_cores"), "{ids:?}");
+    assert!(!ids.iter().any(|i| i == "no_tensor_cores"), "{ids:?}");
 }

@@ -1,0 +1,18 @@
+//! The step-report half's errors (the trace analyzer has its own, `TraceError`).
+
+/// What can go wrong building, drawing or checking a step report's outputs.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfError {
+    /// A `[prof]` value out of range; `key` is the key inside the section.
+    #[error("prof.{key}: {message}")]
+    InvalidConfig { key: &'static str, message: String },
+    /// A plot of report.html could not be drawn.
+    #[error("report.html: cannot draw the {chart} plot: {message}")]
+    Plot { chart: String, message: String },
+    /// `validate_chrome_trace` rejected a trace.
+    #[error("not a valid Chrome trace: {reason}")]
+    InvalidChromeTrace { reason: String },
+    /// `validate_exposition` rejected a Prometheus text exposition.
+    #[error("not valid Prometheus exposition format: {reason}")]
+    InvalidExposition { reason: String },
+}
