@@ -13,7 +13,10 @@
 #   3. The block executor against the single-graph step on the GPU (interleaved pairs).
 #   4. Recomputation on the GPU: device memory at the step's peak and step time per policy.
 #   5. fp16 with dynamic loss scaling against bf16 and fp32 on the built-in data.
+#
+# SECTIONS="2 3" runs only those checks (default: all).
 set -uo pipefail
+want() { [ -z "${SECTIONS:-}" ] || [[ " $SECTIONS " == *" $1 "* ]]; }
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BIN="$(cd "${1:-$ROOT/target/gpu/release}" && pwd)"
 OUTDIR="${2:-${OUT:-$ROOT/runs/gpu}}"
@@ -31,11 +34,12 @@ else
   echo "stoke does not link libtorch_cuda (build with STOKE_LINK_TORCH_CUDA=1)"; ldd "$BIN/stoke" | grep -i 'torch\|not found'
 fi
 
-echo "== 1. nccl backend"
+if want 1; then echo "== 1. nccl backend"
 if [ -x "$BIN/stoke-comm-worker" ]; then
   timeout 300 "$ROOT/benches/gpu/nccl_check.sh" "$BIN/stoke-comm-worker" 2>&1 | tail -20
 else
   echo "skipped: no $BIN/stoke-comm-worker"
+fi
 fi
 
 train() { # name, then --set overrides
@@ -58,12 +62,13 @@ PY
   cp "$RUNS/$name/report.json" "$OUTDIR/$name.json" 2>/dev/null || true
 }
 
-echo "== 2. bf16 training per preset"
+if want 2; then echo "== 2. bf16 training per preset"
 train tiny-bf16 model.preset=tiny train.precision=bf16 train.micro_batch=32 train.steps=80
 train small-bf16 model.preset=small train.precision=bf16 train.micro_batch=32 train.steps=60
 train gpt2-bf16 model.preset=gpt2-124m train.precision=bf16 train.micro_batch=16 train.steps=40
+fi
 
-echo "== 3. block executor vs single graph (gpt2-124m, bf16, interleaved)"
+if want 3; then echo "== 3. block executor vs single graph (gpt2-124m, bf16, interleaved)"
 for pair in 1 2 3; do
   train "exec-blocks-$pair" model.preset=gpt2-124m train.micro_batch=16 train.steps=25 train.executor=blocks
   train "exec-graph-$pair" model.preset=gpt2-124m train.micro_batch=16 train.steps=25 train.executor=single-graph
@@ -74,15 +79,18 @@ d = sys.argv[1]
 r = [json.load(open(f"{d}/exec-blocks-{i}/report.json"))["step_ms"] / json.load(open(f"{d}/exec-graph-{i}/report.json"))["step_ms"] for i in (1, 2, 3)]
 print(f"blocks / single-graph step time: median {statistics.median(r):.3f} [min {min(r):.3f}, max {max(r):.3f}]")
 PY
+fi
 
-echo "== 4. recomputation (gpt2-124m, bf16, micro-batch 16)"
+if want 4; then echo "== 4. recomputation (gpt2-124m, bf16, micro-batch 16)"
 for policy in none mlp attention block; do
   train "recompute-$policy" model.preset=gpt2-124m train.micro_batch=16 train.steps=20 train.recompute=$policy
 done
+fi
 
-echo "== 5. fp16 with loss scaling vs bf16 and fp32 (small, 300 steps)"
+if want 5; then echo "== 5. fp16 with loss scaling vs bf16 and fp32 (small, 300 steps)"
 for precision in fp32 bf16 fp16; do
   train "precision-$precision" model.preset=small train.precision=$precision train.micro_batch=32 train.steps=300
 done
 grep -h '"skipped_steps"\|"loss_scale"' "$RUNS/precision-fp16/report.json" || true
+fi
 rm -rf "$RUNS"
