@@ -15,7 +15,9 @@ const MODEL: &[&str] = &[
     "model.n_head=4",
     "model.seq_len=32",
     "train.precision=\"fp32\"",
-    "train.lr=0.01",
+    // A stable learning rate: at 0.01 this model's loss spikes (to 10 at step 9; a bump at step
+    // 13 at 0.003), and a spike amplifies fp32 rounding differences (summation order) past 1e-5.
+    "train.lr=0.002",
     "train.warmup_steps=5",
     "train.threads=1",
     "data.builtin_bytes=200000",
