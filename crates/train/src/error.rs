@@ -23,7 +23,7 @@ pub enum TrainError {
         #[source]
         source: std::io::Error,
     },
-    #[error("data-parallel `{op}` on rank {rank} of {world_size}: {source}")]
+    #[error("data-parallel `{op}` failed on rank {rank} of {world_size}")]
     Comm {
         rank: usize,
         world_size: usize,
