@@ -20,6 +20,28 @@ pub struct StokeConfig {
     pub data: DataConfig,
     pub ckpt: CkptConfig,
     pub prof: stoke_prof::ProfConfig,
+    pub dist: DistConfig,
+}
+
+/// `[dist]`: data-parallel training, used when a launcher (`stoke launch`, torchrun, mpirun,
+/// srun) starts more than one process.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// "shm" (processes on one machine, no system dependency), "mpi" (Open MPI; a binary built
+    /// with the `mpi` feature) or "nccl" (GPUs; the `nccl` feature). Default "shm".
+    pub backend: String,
+    /// Seconds any wait for another rank may take before the run fails naming that rank.
+    /// Default 300.
+    pub timeout_s: f64,
+    /// Folder for the shm backend's shared-memory segments (a tmpfs). Default "/dev/shm".
+    pub shm_dir: String,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        DistConfig { backend: "shm".into(), timeout_s: 300.0, shm_dir: "/dev/shm".into() }
+    }
 }
 
 /// `[run]`: naming and placement.

@@ -70,6 +70,10 @@ impl Observer for MetricsWriter {
                 "step_ms": record.wall_ms,
                 "phases_ms": phases,
             });
+            // Data-parallel runs only: all communication time of the step, hidden or exposed.
+            if let (true, Some(object)) = (record.comm_total_ms > 0.0, line.as_object_mut()) {
+                object.insert("comm_total_ms".into(), serde_json::json!(record.comm_total_ms));
+            }
             // fp16 only: the loss scale this step ran at, and whether its update was skipped.
             if let (Some(scale), Some(object)) = (record.loss_scale, line.as_object_mut()) {
                 object.insert("loss_scale".into(), serde_json::json!(scale));

@@ -61,7 +61,7 @@ fn profile(args: &DoctorArgs, extra: &[String], name: &str, stop: &AtomicBool) -
         config.run.name = name.to_string();
     }
     let run_dir = prepare_run_dir(&mut config, false)?;
-    let (_, report, overhead) = train_probed(&config, &run_dir, None, args.progress, stop, args.overhead)?;
+    let (_, report, overhead) = train_probed(&config, &run_dir, None, args.progress, stop, args.overhead, None)?;
     if let Some(o) = overhead {
         println!(
             "profiler overhead, on vs off in this run: {:.3} vs {:.3} ms/step, median of {} block pairs {:+.2}%",

@@ -7,7 +7,8 @@ use std::sync::atomic::AtomicBool;
 use anyhow::Context;
 use stoke_ckpt::{CheckpointStore, CheckpointWriter, Loaded, WriterConfig};
 use stoke_data::BatchSource;
-use stoke_train::{CheckpointTarget, Observer, Trainer};
+use stoke_comm::{Backend, CommConfig, CommunicatorExt, DistEnv};
+use stoke_train::{CheckpointTarget, DataParallel, NoHooks, Observer, Trainer};
 
 use super::UsageError;
 use crate::config::StokeConfig;
@@ -72,15 +73,32 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         return super::find_batch::run(&args.config.load(&extra)?, args.memory_budget.as_deref());
     }
     let stop = crate::signals::install();
+    // The only place that reads the launcher's variables: no variables is one process, as before.
+    let vars: std::collections::HashMap<String, String> = std::env::vars().collect();
+    let env = DistEnv::from_vars(&vars).context("reading the launcher's rank and world variables")?;
+    let mut dist = if env.world_size > 1 {
+        let mut dist = connect(&args.config.load(&extra)?, &env)?;
+        // Every rank must train in the same run folder: rank 0 names it.
+        let name = agree_run_name(&mut dist, &args.config, &extra, args.resume)?;
+        extra.push(format!("run.name={}", toml::Value::String(name)));
+        Some(dist)
+    } else {
+        None
+    };
+    let writer = dist.as_ref().is_none_or(|d| d.rank() == 0);
     let (config, run_dir, resume) = if args.resume {
-        let (config, run_dir, loaded) = prepare_resume(&args.config, &extra, args.fallback)?;
+        let (config, run_dir, loaded) = prepare_resume(&args.config, &extra, args.fallback, writer)?;
         (config, run_dir, Some(loaded))
     } else {
         let mut config = args.config.load(&extra)?;
-        let run_dir = prepare_run_dir(&mut config, false)?;
+        let run_dir = if writer { prepare_run_dir(&mut config, false)? } else { PathBuf::from(&config.run.dir).join(&config.run.name) };
         (config, run_dir, None)
     };
-    let (summary, _report) = train(&config, &run_dir, resume, !args.quiet, stop)?;
+    let progress = !args.quiet && writer;
+    let (summary, _report, _) = train_probed(&config, &run_dir, resume, progress, stop, None, dist.as_mut())?;
+    if !writer {
+        return Ok(if summary.interrupted { ExitCode::from(EXIT_PREEMPTED) } else { ExitCode::SUCCESS });
+    }
     println!(
         "\n{} {} steps in {:.1}s | {:.0} tokens/s over the wall time | loss: first {:.4}, final {:.4}, best {:.4} | run: {}",
         if summary.interrupted { "interrupted after" } else { "done:" },
@@ -102,6 +120,45 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(EXIT_PREEMPTED));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Joins the data-parallel job described by `env` with the `[dist]` settings of `config`, and
+/// gives this rank's libtorch `threads_per_worker` threads unless `train.threads` is set.
+fn connect(config: &crate::config::StokeConfig, env: &DistEnv) -> anyhow::Result<DataParallel> {
+    let dist = &config.dist;
+    let comm_config = CommConfig {
+        backend: Backend::parse(&dist.backend).map_err(|e| UsageError(format!("config key `dist.backend`: {e}")))?,
+        timeout_s: dist.timeout_s,
+        shm_dir: PathBuf::from(&dist.shm_dir),
+        ..CommConfig::default()
+    };
+    if config.train.threads == 0 {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        tch::set_num_threads(stoke_comm::threads_per_worker(cores, env.local_world_size) as i32);
+    }
+    let comm = stoke_comm::connect(&comm_config, env).with_context(|| {
+        format!("rank {} of {} cannot join the {} job", env.rank, env.world_size, dist.backend)
+    })?;
+    Ok(DataParallel::new(comm))
+}
+
+/// The run name all ranks use: rank 0's (made up there when run.name is empty), broadcast.
+fn agree_run_name(dist: &mut DataParallel, args: &ConfigArgs, extra: &[String], resume: bool) -> anyhow::Result<String> {
+    const MAX: usize = 1024;
+    let mut buf = vec![0u8; MAX + 2];
+    if dist.rank() == 0 {
+        let mut config = args.load(extra)?;
+        if config.run.name.is_empty() {
+            locate_run(&mut config, resume)?;
+        }
+        let name = config.run.name.as_bytes();
+        anyhow::ensure!(name.len() <= MAX, "run.name is longer than {MAX} bytes");
+        buf[..2].copy_from_slice(&(name.len() as u16).to_le_bytes());
+        buf[2..2 + name.len()].copy_from_slice(name);
+    }
+    dist.communicator().broadcast(&mut buf, 0).with_context(|| format!("rank {}: broadcast of run.name", dist.rank()))?;
+    let len = (u16::from_le_bytes([buf[0], buf[1]]) as usize).min(MAX);
+    Ok(String::from_utf8_lossy(&buf[2..2 + len]).into_owned())
 }
 
 /// Picks the run's name and folder, and writes the resolved config there.
@@ -158,7 +215,7 @@ fn locate_run(config: &mut StokeConfig, resume: bool) -> anyhow::Result<PathBuf>
 /// of the trajectory (the batches are a function of the data position alone).
 fn resume_may_change(key: &str) -> bool {
     let section = key.split('.').next().unwrap_or("");
-    matches!(section, "prof" | "ckpt")
+    matches!(section, "prof" | "ckpt" | "dist")
         || matches!(
             key,
             "run.name"
@@ -176,7 +233,12 @@ fn resume_may_change(key: &str) -> bool {
 
 /// `--resume`: the run's newest good checkpoint, and the config saved in it with the command
 /// line's changes, which may touch only `resume_may_change` keys.
-fn prepare_resume(args: &ConfigArgs, extra: &[String], fallback: bool) -> anyhow::Result<(StokeConfig, PathBuf, Resume)> {
+fn prepare_resume(
+    args: &ConfigArgs,
+    extra: &[String],
+    fallback: bool,
+    writer: bool,
+) -> anyhow::Result<(StokeConfig, PathBuf, Resume)> {
     // The command line names the run (run.dir, run.name); the checkpoint holds its config.
     let mut located = args.load(extra)?;
     let run_dir = locate_run(&mut located, true)?;
@@ -216,7 +278,9 @@ fn prepare_resume(args: &ConfigArgs, extra: &[String], fallback: bool) -> anyhow
         // An extension keeps the schedule of the steps already run.
         config.train.lr_horizon = saved.train.horizon();
     }
-    write_config(&config, &run_dir)?;
+    if writer {
+        write_config(&config, &run_dir)?;
+    }
     Ok((config, run_dir, Resume { loaded, load_s }))
 }
 
@@ -278,7 +342,8 @@ pub(super) fn timestamp() -> String {
 /// The data the config names, as a prefetching loader at the start of its order. Every kind of data
 /// (the built-in corpus and text files as byte-level tokens in memory, prepared shards, Megatron and
 /// raw token files, remote shards through the cache) goes through the same loader.
-pub fn batch_source(config: &StokeConfig) -> anyhow::Result<Box<dyn BatchSource>> {
+/// For rank `rank` of `world_size`: its rows of each global batch (`0, 1` for one process).
+pub fn batch_source_for(config: &StokeConfig, rank: usize, world_size: usize) -> anyhow::Result<Box<dyn BatchSource>> {
     let shape = config.model.shape()?;
     let data = &config.data;
     let mut datasets = Vec::with_capacity(1 + data.blend.len());
@@ -297,8 +362,8 @@ pub fn batch_source(config: &StokeConfig) -> anyhow::Result<Box<dyn BatchSource>
         seq_len: shape.seq_len,
         micro_batch: config.train.micro_batch,
         seed: config.train.seed,
-        rank: 0,
-        world_size: 1,
+        rank,
+        world_size,
         n_workers: data.workers,
         prefetch_depth: data.prefetch,
         drop_last: data.drop_last,
@@ -326,20 +391,9 @@ fn open_store(config: &StokeConfig, spec: &str) -> anyhow::Result<stoke_data::To
 
 /// Runs the configured training in `run_dir`, with the metrics file, the profiler (trace.json,
 /// /metrics, report.json, report.html; the step report is printed at the end) and (if `progress`)
-/// the progress bar as observers. Returns the run's summary and its step report.
-pub fn train(
-    config: &StokeConfig,
-    run_dir: &Path,
-    resume: Option<Resume>,
-    progress: bool,
-    stop: &AtomicBool,
-) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>)> {
-    let (summary, report, _) = train_probed(config, run_dir, resume, progress, stop, None)?;
-    Ok((summary, report))
-}
-
-/// `train`, and with `overhead_block` the profiler's own cost measured in the same run: the
-/// profiler sees alternate blocks of that many steps (`OverheadProbe`).
+/// the progress bar as observers, and with `overhead_block` the profiler's own cost measured in
+/// the same run: the profiler sees alternate blocks of that many steps (`OverheadProbe`). With
+/// `dist`, a data-parallel rank: rank 0 does all of that, the other ranks write nothing.
 pub fn train_probed(
     config: &StokeConfig,
     run_dir: &Path,
@@ -347,8 +401,9 @@ pub fn train_probed(
     progress: bool,
     stop: &AtomicBool,
     overhead_block: Option<u64>,
+    dist: Option<&mut DataParallel>,
 ) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>, Option<Overhead>)> {
-    let (summary, report, overhead) = train_inner(config, run_dir, resume, progress, stop, overhead_block, None)?;
+    let (summary, report, overhead) = train_inner(config, run_dir, resume, progress, stop, overhead_block, None, dist)?;
     if let Some(report) = &report {
         println!("\n{}", report.render_text());
     }
@@ -363,7 +418,7 @@ pub fn train_observed(
     stop: &AtomicBool,
     extra: &mut dyn Observer,
 ) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>)> {
-    let (summary, report, _) = train_inner(config, run_dir, None, false, stop, None, Some(extra))?;
+    let (summary, report, _) = train_inner(config, run_dir, None, false, stop, None, Some(extra), None)?;
     Ok((summary, report))
 }
 
@@ -379,6 +434,7 @@ impl Observer for MaybeObserver<'_> {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // the three entry points above each fix some of them
 fn train_inner(
     config: &StokeConfig,
     run_dir: &Path,
@@ -387,15 +443,15 @@ fn train_inner(
     stop: &AtomicBool,
     overhead_block: Option<u64>,
     extra: Option<&mut dyn Observer>,
+    dist: Option<&mut DataParallel>,
 ) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>, Option<Overhead>)> {
     let mut extra = MaybeObserver(extra);
     let device = stoke_train::parse_device(&config.run.device)?;
     let mut trainer = Trainer::new(&config.model, &config.train, &config.ckpt, device)?;
     trainer.set_sync_every(config.prof.sync_every);
-    // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
-    let peaks = Peaks::measure(device, Path::new(&config.run.dir))?;
+    let (rank, world_size) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world_size()));
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
-    let mut source = batch_source(config)?;
+    let mut source = batch_source_for(config, rank, world_size)?;
     let resumed_step = resume.as_ref().map(|r| r.loaded.manifest.step);
     let mut resume_stats = serde_json::Value::Null;
     if let Some(Resume { loaded, load_s }) = resume {
@@ -411,6 +467,22 @@ fn train_inner(
         );
         resume_stats = serde_json::json!({ "step": loaded.manifest.step, "bytes": bytes, "load_s": load_s, "restore_s": restore_s });
     }
+    let mut no_hooks = NoHooks;
+    let hooks: &mut dyn stoke_train::StepHooks = match dist {
+        Some(dist) => {
+            // All ranks start from rank 0's parameters (fresh or restored).
+            dist.broadcast_parameters(&trainer)?;
+            if rank != 0 {
+                // Ranks other than 0 write nothing: no checkpoints, metrics, reports or /metrics.
+                let summary = trainer.run_with_hooks(source.as_mut(), &mut [], None, stop, dist)?;
+                return Ok((summary, None, None));
+            }
+            dist
+        }
+        None => &mut no_hooks,
+    };
+    // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
+    let peaks = Peaks::measure(device, Path::new(&config.run.dir))?;
     let meta = serde_json::json!({ "config_toml": config.to_toml() });
     let writer_config = WriterConfig {
         background: config.ckpt.background,
@@ -425,13 +497,13 @@ fn train_inner(
         Some(block) => {
             let mut probe = OverheadProbe::new(&mut profiler, block);
             let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut probe, &mut bar, &mut extra];
-            let summary = trainer.run(source.as_mut(), &mut observers, Some(&mut target), stop)?;
+            let summary = trainer.run_with_hooks(source.as_mut(), &mut observers, Some(&mut target), stop, hooks)?;
             drop(observers);
             (summary, probe.result())
         }
         None => {
             let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut profiler, &mut bar, &mut extra];
-            (trainer.run(source.as_mut(), &mut observers, Some(&mut target), stop)?, None)
+            (trainer.run_with_hooks(source.as_mut(), &mut observers, Some(&mut target), stop, hooks)?, None)
         }
     };
     bar.finish();

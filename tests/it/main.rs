@@ -4,6 +4,7 @@ mod ckpt;
 mod ckpt_crash;
 mod boundary;
 mod config_errors;
+mod dist;
 mod doctor;
 mod launch;
 mod prep;

@@ -23,6 +23,14 @@ pub enum TrainError {
         #[source]
         source: std::io::Error,
     },
+    #[error("data-parallel `{op}` failed on rank {rank} of {world_size}")]
+    Comm {
+        rank: usize,
+        world_size: usize,
+        op: &'static str,
+        #[source]
+        source: stoke_comm::CommError,
+    },
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 }

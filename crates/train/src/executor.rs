@@ -146,6 +146,24 @@ pub trait StepHooks {
     ) -> Result<(), TrainError> {
         Ok(())
     }
+
+    /// Every micro-batch's backward is done and the optimizer step is next: a data-parallel step
+    /// waits here for the reductions still in flight (charged to `comm_exposed`).
+    fn before_optimizer(&mut self, _clock: &mut StepClock) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    /// This process's mean loss of the step, turned into the value the step logs (data-parallel:
+    /// the mean over all ranks). Called on logged steps only, on every rank alike.
+    fn reduce_loss(&mut self, loss: f64) -> Result<f64, TrainError> {
+        Ok(loss)
+    }
+
+    /// Milliseconds of communication, hidden or exposed, in the step just finished (0 without
+    /// communication); reading it resets it.
+    fn take_comm_ms(&mut self) -> f64 {
+        0.0
+    }
 }
 
 /// Hooks that do nothing: a single-process step.

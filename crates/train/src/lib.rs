@@ -14,6 +14,7 @@
 
 mod clock;
 mod config;
+mod dist;
 mod find_batch;
 mod error;
 mod executor;
@@ -27,6 +28,7 @@ mod trainer;
 
 pub use clock::StepClock;
 pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
+pub use dist::DataParallel;
 pub use error::TrainError;
 pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};

@@ -377,12 +377,13 @@ impl Trainer {
             if memory.is_none() {
                 memory = step_memory;
             }
+            hooks.before_optimizer(&mut clock)?;
             let lr = self.train.lr_at(self.step);
             let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
             let outcome = self.optimizer_step(lr);
             clock.lap(Phase::Optimizer);
             self.step = step_number;
-            let loss = if logged { loss_sum.double_value(&[]) } else { f64::NAN };
+            let loss = if logged { hooks.reduce_loss(loss_sum.double_value(&[]))? } else { f64::NAN };
             if logged && !loss.is_finite() {
                 return Err(TrainError::NonFiniteLoss { step: step_number, value: loss });
             }
@@ -415,7 +416,7 @@ impl Trainer {
                 phases,
                 logged,
                 timed,
-                comm_total_ms: 0.0,
+                comm_total_ms: hooks.take_comm_ms(),
                 loss_scale,
                 skipped: outcome.skipped,
             };
