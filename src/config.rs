@@ -274,7 +274,11 @@ impl StokeConfig {
 
     /// `load` on top of a run's saved config instead of the defaults (what `--resume` does): keys
     /// the file and overrides do not name keep their saved values.
-    pub fn load_resumed(saved: &StokeConfig, file: Option<&Path>, overrides: &[String]) -> Result<StokeConfig, ConfigError> {
+    pub fn load_resumed(
+        saved: &StokeConfig,
+        file: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<StokeConfig, ConfigError> {
         let base = toml::Table::try_from(saved).expect("a config serializes");
         StokeConfig::load_over(base, file, overrides)
     }

@@ -41,14 +41,19 @@ fn truncate_to_step(path: &Path, step: u64) -> anyhow::Result<()> {
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
     };
     let line_step = |line: &str| serde_json::from_str::<serde_json::Value>(line).ok()?.get("step")?.as_u64();
-    let kept: String =
-        text.lines().filter(|line| line_step(line).is_some_and(|s| s <= step)).map(|line| format!("{line}\n")).collect();
+    let kept: String = text
+        .lines()
+        .filter(|line| line_step(line).is_some_and(|s| s <= step))
+        .map(|line| format!("{line}\n"))
+        .collect();
     if kept.len() == text.len() {
         return Ok(());
     }
     let tmp = path.with_extension("jsonl.tmp");
     let mut file = File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    file.write_all(kept.as_bytes()).and_then(|()| file.sync_all()).with_context(|| format!("cannot write {}", tmp.display()))?;
+    file.write_all(kept.as_bytes())
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))
 }
 

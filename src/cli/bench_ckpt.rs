@@ -212,7 +212,11 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
             write / 1e9
         );
     }
-    println!("\nstate: {:.1} MB per checkpoint (model and AdamW moments, fp32); host buffers {:.1} MB", state_bytes as f64 / 1e6, host_bytes as f64 / 1e6);
+    println!(
+        "\nstate: {:.1} MB per checkpoint (model and AdamW moments, fp32); host buffers {:.1} MB",
+        state_bytes as f64 / 1e6,
+        host_bytes as f64 / 1e6
+    );
     println!("\n| figure | median | min | max | unit | n |\n|---|---|---|---|---|---|");
     let mut rows = vec![
         row("background checkpoint: step stall (warm host buffers)", "ms", &async_steady),
@@ -276,7 +280,11 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         let seconds = |key: &str| -> Vec<f64> {
             peer[key].as_array().map(|a| a.iter().filter_map(Value::as_f64).collect()).unwrap_or_default()
         };
-        println!("\nPyTorch {} on the same state ({:.1} MB):", peer["torch"], peer["bytes"].as_f64().unwrap_or(0.0) / 1e6);
+        println!(
+            "\nPyTorch {} on the same state ({:.1} MB):",
+            peer["torch"],
+            peer["bytes"].as_f64().unwrap_or(0.0) / 1e6
+        );
         println!("| figure | median | min | max | unit | n |\n|---|---|---|---|---|---|");
         let ms = |v: Vec<f64>| v.iter().map(|s| s * 1e3).collect::<Vec<_>>();
         rows.push(row("torch.save + fsync", "ms", &ms(seconds("torch_save_s"))));

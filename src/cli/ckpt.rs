@@ -14,9 +14,7 @@ pub enum CkptCommand {
     /// Check every checkpoint: the manifest, each file's size and CRC-32, the safetensors format.
     /// DIR is a run folder, its `checkpoints/` folder, or one `step-<n>/` folder. Exit 1 when
     /// any checkpoint is damaged (naming the file) or there is none.
-    Verify {
-        dir: PathBuf,
-    },
+    Verify { dir: PathBuf },
 }
 
 pub fn run(args: CkptArgs) -> anyhow::Result<ExitCode> {

@@ -6,8 +6,8 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::Context;
 use stoke_ckpt::{CheckpointStore, CheckpointWriter, Loaded, WriterConfig};
-use stoke_data::BatchSource;
 use stoke_comm::{Backend, CommConfig, CommunicatorExt, DistEnv};
+use stoke_data::BatchSource;
 use stoke_train::{CheckpointTarget, DataParallel, NoHooks, Observer, Trainer};
 
 use super::UsageError;
@@ -91,7 +91,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         (config, run_dir, Some(loaded))
     } else {
         let mut config = args.config.load(&extra)?;
-        let run_dir = if writer { prepare_run_dir(&mut config, false)? } else { PathBuf::from(&config.run.dir).join(&config.run.name) };
+        let run_dir = if writer {
+            prepare_run_dir(&mut config, false)?
+        } else {
+            PathBuf::from(&config.run.dir).join(&config.run.name)
+        };
         (config, run_dir, None)
     };
     let progress = !args.quiet && writer;
@@ -136,14 +140,18 @@ fn connect(config: &crate::config::StokeConfig, env: &DistEnv) -> anyhow::Result
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         tch::set_num_threads(stoke_comm::threads_per_worker(cores, env.local_world_size) as i32);
     }
-    let comm = stoke_comm::connect(&comm_config, env).with_context(|| {
-        format!("rank {} of {} cannot join the {} job", env.rank, env.world_size, dist.backend)
-    })?;
+    let comm = stoke_comm::connect(&comm_config, env)
+        .with_context(|| format!("rank {} of {} cannot join the {} job", env.rank, env.world_size, dist.backend))?;
     Ok(DataParallel::new(comm))
 }
 
 /// The run name all ranks use: rank 0's (made up there when run.name is empty), broadcast.
-fn agree_run_name(dist: &mut DataParallel, args: &ConfigArgs, extra: &[String], resume: bool) -> anyhow::Result<String> {
+fn agree_run_name(
+    dist: &mut DataParallel,
+    args: &ConfigArgs,
+    extra: &[String],
+    resume: bool,
+) -> anyhow::Result<String> {
     const MAX: usize = 1024;
     let mut buf = vec![0u8; MAX + 2];
     if dist.rank() == 0 {
@@ -156,7 +164,9 @@ fn agree_run_name(dist: &mut DataParallel, args: &ConfigArgs, extra: &[String], 
         buf[..2].copy_from_slice(&(name.len() as u16).to_le_bytes());
         buf[2..2 + name.len()].copy_from_slice(name);
     }
-    dist.communicator().broadcast(&mut buf, 0).with_context(|| format!("rank {}: broadcast of run.name", dist.rank()))?;
+    dist.communicator()
+        .broadcast(&mut buf, 0)
+        .with_context(|| format!("rank {}: broadcast of run.name", dist.rank()))?;
     let len = (u16::from_le_bytes([buf[0], buf[1]]) as usize).min(MAX);
     Ok(String::from_utf8_lossy(&buf[2..2 + len]).into_owned())
 }
@@ -249,7 +259,10 @@ fn prepare_resume(
     let step = loaded.manifest.step;
     let manifest_path = loaded.path.join(stoke_ckpt::MANIFEST);
     let saved_toml = loaded.manifest.meta.get("config_toml").and_then(serde_json::Value::as_str).ok_or_else(|| {
-        anyhow::anyhow!("checkpoint {} holds no config (meta.config_toml); it was not written by stoke train", manifest_path.display())
+        anyhow::anyhow!(
+            "checkpoint {} holds no config (meta.config_toml); it was not written by stoke train",
+            manifest_path.display()
+        )
     })?;
     let saved: StokeConfig = toml::from_str(saved_toml)
         .with_context(|| format!("the config saved in {} does not parse", manifest_path.display()))?;
@@ -484,11 +497,8 @@ fn train_inner(
     // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
     let peaks = Peaks::measure(device, Path::new(&config.run.dir))?;
     let meta = serde_json::json!({ "config_toml": config.to_toml() });
-    let writer_config = WriterConfig {
-        background: config.ckpt.background,
-        buffers: config.ckpt.host_buffers,
-        keep: config.ckpt.keep,
-    };
+    let writer_config =
+        WriterConfig { background: config.ckpt.background, buffers: config.ckpt.host_buffers, keep: config.ckpt.keep };
     let mut target = CheckpointTarget { writer: CheckpointWriter::new(store, writer_config)?, meta };
     let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resumed_step)?;
     let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks)?;
@@ -545,5 +555,6 @@ fn write_checkpoint_stats(writer: &CheckpointWriter, resume: serde_json::Value, 
         "host_bytes": stats.host_bytes,
         "resume": resume,
     });
-    std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n").with_context(|| format!("cannot write {}", path.display()))
+    std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))
 }

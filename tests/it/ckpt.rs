@@ -56,7 +56,10 @@ fn resume_refuses_trajectory_changes_naming_the_keys() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("train.seed (checkpoint: 1337, asked: 8)"), "{stderr}");
     assert!(stderr.contains("train.lr (checkpoint: 0.01, asked: 0.02)"), "{stderr}");
-    assert!(!stderr.contains("train.steps") && !stderr.contains("prof.enabled"), "allowed keys are not named: {stderr}");
+    assert!(
+        !stderr.contains("train.steps") && !stderr.contains("prof.enabled"),
+        "allowed keys are not named: {stderr}"
+    );
     // Without the overrides the saved config is used: the model shape need not be repeated.
     let name = "run.name=a".to_string();
     run_ok(&mut stoke(&["train", "--quiet", "--resume"], &[run_dir.as_str(), name.as_str(), "train.steps=5"]));

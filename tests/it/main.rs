@@ -1,8 +1,8 @@
 //! End-to-end tests of the `stoke` binary: real processes, real files, a small model.
 
+mod boundary;
 mod ckpt;
 mod ckpt_crash;
-mod boundary;
 mod config_errors;
 mod dist;
 mod doctor;

@@ -162,9 +162,13 @@ const OPEN_MPI_PACKAGES: &[&str] = &["openmpi-bin", "libopenmpi-dev", "libclang-
 /// Installs Open MPI with apt-get when `mpirun` or `mpicc` is missing (as root, non-interactive).
 fn ensure_open_mpi() -> Result<(), String> {
     let present = |tool: &str| Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
-    let has_libclang = ["/usr/lib/llvm-14/lib", "/usr/lib/llvm-15/lib", "/usr/lib/llvm-16/lib", "/usr/lib/x86_64-linux-gnu"]
-        .iter()
-        .any(|dir| std::fs::read_dir(dir).is_ok_and(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with("libclang"))));
+    let has_libclang =
+        ["/usr/lib/llvm-14/lib", "/usr/lib/llvm-15/lib", "/usr/lib/llvm-16/lib", "/usr/lib/x86_64-linux-gnu"]
+            .iter()
+            .any(|dir| {
+                std::fs::read_dir(dir)
+                    .is_ok_and(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with("libclang")))
+            });
     if present("mpirun") && present("mpicc") && has_libclang {
         return Ok(());
     }

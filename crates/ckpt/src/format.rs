@@ -138,7 +138,8 @@ pub(crate) fn write_file(path: &Path, source: &FileSource<'_>) -> Result<(u64, u
     for t in &source.tensors {
         put(&mut out, t.data)?;
     }
-    let file = out.into_inner().map_err(|e| CkptError::Io { action: "write", path: path.into(), source: e.into_error() })?;
+    let file =
+        out.into_inner().map_err(|e| CkptError::Io { action: "write", path: path.into(), source: e.into_error() })?;
     file.sync_all().map_err(io("fsync", path))?;
     Ok((bytes, crc.finalize()))
 }

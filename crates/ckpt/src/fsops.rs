@@ -33,7 +33,14 @@ pub(crate) fn rename_exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     // SAFETY: both pointers are NUL-terminated strings that live across the call; the syscall
     // reads them and touches no other memory of ours.
     let rc = unsafe {
-        libc::syscall(libc::SYS_renameat2, libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE)
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
     };
     if rc == 0 {
         Ok(())

@@ -280,7 +280,9 @@ impl CheckpointWriter {
             }
             None if self.jobs.is_none() => {
                 return Err(CkptError::Writer {
-                    message: format!("every host buffer holds an unreleased snapshot (release step {step}'s predecessors first)"),
+                    message: format!(
+                        "every host buffer holds an unreleased snapshot (release step {step}'s predecessors first)"
+                    ),
                 })
             }
             None => {
@@ -306,7 +308,10 @@ impl CheckpointWriter {
             Some(jobs) => jobs.send(snapshot).map_err(|_| self.gone()),
             None => {
                 let start = Instant::now();
-                match snapshot.sources().and_then(|sources| self.store.prepare(snapshot.step, &sources, snapshot.meta.clone())) {
+                match snapshot
+                    .sources()
+                    .and_then(|sources| self.store.prepare(snapshot.step, &sources, snapshot.meta.clone()))
+                {
                     Ok(prepared) => {
                         self.unpublished.push_back((snapshot, prepared, start.elapsed().as_secs_f64()));
                         Ok(())

@@ -452,7 +452,13 @@ pub(crate) mod tests {
                 n_params: 100_000,
                 flops_per_token: 6e5,
             },
-            train: TrainFacts { micro_batch: 8, grad_accum: 1, precision: Precision::Bf16, world_size: 1, ..TrainFacts::default() },
+            train: TrainFacts {
+                micro_batch: 8,
+                grad_accum: 1,
+                precision: Precision::Bf16,
+                world_size: 1,
+                ..TrainFacts::default()
+            },
             machine: MachineFacts {
                 peak_flops: 1e12,
                 peak_flops_fp32: Some(2.5e11),

@@ -257,7 +257,10 @@ impl TrainConfig {
             return bad("train.loss_scale_init", format!("must be a finite number > 0; got {}", self.loss_scale_init));
         }
         if !(self.loss_scale_growth.is_finite() && self.loss_scale_growth >= 1.0) {
-            return bad("train.loss_scale_growth", format!("must be a finite number >= 1; got {}", self.loss_scale_growth));
+            return bad(
+                "train.loss_scale_growth",
+                format!("must be a finite number >= 1; got {}", self.loss_scale_growth),
+            );
         }
         if !(self.loss_scale_backoff > 0.0 && self.loss_scale_backoff < 1.0) {
             return bad("train.loss_scale_backoff", format!("must be in (0, 1); got {}", self.loss_scale_backoff));
@@ -268,7 +271,10 @@ impl TrainConfig {
         if self.executor == ExecutorKind::SingleGraph && self.recompute != Recompute::None {
             return bad(
                 "train.recompute",
-                format!("is \"{}\", but train.executor = \"single-graph\" cannot recompute; use \"blocks\"", self.recompute),
+                format!(
+                    "is \"{}\", but train.executor = \"single-graph\" cannot recompute; use \"blocks\"",
+                    self.recompute
+                ),
             );
         }
         if self.log_every == 0 {

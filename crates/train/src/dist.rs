@@ -14,7 +14,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use stoke_comm::{CommError, Communicator, CommunicatorExt, Region, ReduceOp, Work};
+use stoke_comm::{CommError, Communicator, CommunicatorExt, ReduceOp, Region, Work};
 use tch::{Kind, Tensor};
 
 use crate::clock::StepClock;
@@ -62,7 +62,8 @@ impl DataParallel {
             .map_err(|reason| TrainError::InvalidConfig { key: "dist", message: reason })?;
         // SAFETY: the region is the whole flat parameter buffer, alive as long as `trainer`, which
         // is borrowed for this whole call; nothing else runs on it until `wait` returns.
-        let work = unsafe { self.comm.broadcast_async(region, 0) }.map_err(|e| self.error("broadcast parameters", e))?;
+        let work =
+            unsafe { self.comm.broadcast_async(region, 0) }.map_err(|e| self.error("broadcast parameters", e))?;
         work.wait().map_err(|e| self.error("broadcast parameters", e))
     }
 

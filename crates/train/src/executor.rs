@@ -211,7 +211,9 @@ impl Executor {
         if kind == ExecutorKind::SingleGraph && recompute != Recompute::None {
             return Err(TrainError::InvalidConfig {
                 key: "train.recompute",
-                message: format!("is {recompute}, but train.executor = \"single-graph\" cannot recompute; use \"blocks\""),
+                message: format!(
+                    "is {recompute}, but train.executor = \"single-graph\" cannot recompute; use \"blocks\""
+                ),
             });
         }
         Ok(Executor { kind, recompute })
@@ -283,7 +285,9 @@ impl Executor {
                 };
                 segments.push(segment);
             }
-            if let (Some(before), Some(after)) = (bytes_before, measure_memory.then(crate::peak::host_bytes_in_use).flatten()) {
+            if let (Some(before), Some(after)) =
+                (bytes_before, measure_memory.then(crate::peak::host_bytes_in_use).flatten())
+            {
                 activation_bytes.push(after.saturating_sub(before));
             }
         }
@@ -297,9 +301,8 @@ impl Executor {
         hooks.before_backward(head_unit, clock)?;
         (&loss * loss_multiplier).backward();
         // The head's backward (logit gradients) runs while every activation is still alive.
-        let peak_bytes_in_use = peak_bytes_in_use
-            .zip(measure_memory.then(crate::peak::host_bytes_in_use).flatten())
-            .map(|(a, b)| a.max(b));
+        let peak_bytes_in_use =
+            peak_bytes_in_use.zip(measure_memory.then(crate::peak::host_bytes_in_use).flatten()).map(|(a, b)| a.max(b));
         let mut grad_output = head_input.grad();
         drop(head_input);
         clock.lap(Phase::Backward);
@@ -334,7 +337,11 @@ impl Executor {
         backward_from(&embedded, &grad_output);
         clock.lap(Phase::Backward);
         grads_final(model, 0, last, clock, hooks)?;
-        Ok(MicroBatch { loss: loss.detach(), activation_bytes: measure_memory.then_some(activation_bytes), peak_bytes_in_use })
+        Ok(MicroBatch {
+            loss: loss.detach(),
+            activation_bytes: measure_memory.then_some(activation_bytes),
+            peak_bytes_in_use,
+        })
     }
 }
 

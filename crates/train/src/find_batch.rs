@@ -36,7 +36,8 @@ pub fn measure_step_memory(model: &ModelConfig, train: &TrainConfig, micro_batch
     let train = TrainConfig { micro_batch, steps: 1, grad_accum: 1, warmup_steps: 1, ..train.clone() };
     let ckpt = CkptConfig { every: 0, at_end: false, ..CkptConfig::default() };
     let mut trainer = Trainer::new(model, &train, &ckpt, Device::Cpu)?;
-    let tokens: Vec<u8> = (0..(micro_batch + 2) * (shape.seq_len + 1)).map(|i| (i * 7919 % shape.vocab_size.min(256)) as u8).collect();
+    let tokens: Vec<u8> =
+        (0..(micro_batch + 2) * (shape.seq_len + 1)).map(|i| (i * 7919 % shape.vocab_size.min(256)) as u8).collect();
     let mut source = stoke_data::RandomWindows::from_bytes(&tokens, shape.seq_len, micro_batch, train.seed)?;
     let summary = trainer.run(&mut source, &mut [], None, &AtomicBool::new(false))?;
     summary.memory.map(|m| m.peak_bytes_in_use).ok_or_else(|| TrainError::InvalidConfig {

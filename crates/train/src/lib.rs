@@ -15,9 +15,9 @@
 mod clock;
 mod config;
 mod dist;
-mod find_batch;
 mod error;
 mod executor;
+mod find_batch;
 mod host_memory;
 mod model;
 mod optim;
@@ -30,15 +30,15 @@ pub use clock::StepClock;
 pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
 pub use dist::DataParallel;
 pub use error::TrainError;
-pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};
+pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use host_memory::{retain_env, HostMemory};
 pub use model::Gpt;
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 pub use peak::{
-    host_bytes_in_use, matmul_peak_flops_cached, memory_available_bytes, measure_matmul_peak_flops, memory_capacity_bytes,
-    memory_in_use_bytes, peak_key, PEAK_CACHE_FILE,
+    host_bytes_in_use, matmul_peak_flops_cached, measure_matmul_peak_flops, memory_available_bytes,
+    memory_capacity_bytes, memory_in_use_bytes, peak_key, PEAK_CACHE_FILE,
 };
 pub use precision::{compute_kind, LossScaleConfig, LossScaler, ScaleOutcome, FP32_OPS};
 pub use trainer::{

@@ -234,11 +234,12 @@ impl Gpt {
                 Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false)
             }
             Attention::Math(kind) => {
-                let mask = self.causal_mask.as_ref().expect("math attention builds its mask").narrow(0, 0, seq).narrow(
-                    1,
-                    0,
-                    seq,
-                );
+                let mask = self
+                    .causal_mask
+                    .as_ref()
+                    .expect("math attention builds its mask")
+                    .narrow(0, 0, seq)
+                    .narrow(1, 0, seq);
                 let heads = |t: &Tensor| {
                     t.view([batch, seq, n_head, head_dim])
                         .transpose(1, 2)
@@ -315,7 +316,11 @@ mod tests {
         // The same weights whatever other tests do to libtorch's global generator meanwhile.
         tch::no_grad(|| math.params().flat().shallow_clone().copy_(reference.params().flat()));
         assert_eq!(math.attention, Attention::Math(Kind::BFloat16));
-        assert_eq!(model(AttentionPrecision::Auto).attention, Attention::Math(Kind::BFloat16), "auto on a CPU at context 32");
+        assert_eq!(
+            model(AttentionPrecision::Auto).attention,
+            Attention::Math(Kind::BFloat16),
+            "auto on a CPU at context 32"
+        );
         let (a, b) = (reference.forward(&inputs).to_kind(Kind::Float), math.forward(&inputs).to_kind(Kind::Float));
         // The difference is bf16 rounding of scores and probabilities.
         let worst = (&a - &b).abs().max().double_value(&[]);

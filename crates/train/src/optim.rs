@@ -219,7 +219,14 @@ impl AdamW {
         }
     }
 
-    fn update_range_tensor_ops(&mut self, params: &FlatParams, range: Range<i64>, hp: AdamWStep, grad_multiplier: f64, t: i32) {
+    fn update_range_tensor_ops(
+        &mut self,
+        params: &FlatParams,
+        range: Range<i64>,
+        hp: AdamWStep,
+        grad_multiplier: f64,
+        t: i32,
+    ) {
         let bias_correction1 = 1.0 - hp.beta1.powi(t);
         let bias_correction2 = 1.0 - hp.beta2.powi(t);
         let len = range.end - range.start;
@@ -427,7 +434,10 @@ mod tests {
         tch::manual_seed(0);
         // Large enough that the fused path splits the work across threads.
         FlatParams::new(
-            vec![UnitSpec { name: "u".into(), params: vec![spec("b", vec![200], false), spec("w", vec![400, 200], true)] }],
+            vec![UnitSpec {
+                name: "u".into(),
+                params: vec![spec("b", vec![200], false), spec("w", vec![400, 200], true)],
+            }],
             Device::Cpu,
         )
     }

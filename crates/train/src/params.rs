@@ -111,7 +111,11 @@ impl FlatParams {
                 });
                 offset += numel;
             }
-            unit_ranges.push(UnitRange { name: unit.name, range: first_offset..offset, entries: first_entry..entries.len() });
+            unit_ranges.push(UnitRange {
+                name: unit.name,
+                range: first_offset..offset,
+                entries: first_entry..entries.len(),
+            });
         }
         let params = FlatParams { flat, flat_grad, entries, units: unit_ranges };
         params.bind_grads();

@@ -373,7 +373,8 @@ impl Trainer {
             let timed = !self.device.is_cuda() || (self.sync_every > 0 && step_number % self.sync_every == 0);
             let mut clock = StepClock::start(self.device, timed).slow_forward(self.train.test_slow_forward);
             let measure_memory = step_number == first_step;
-            let (loss_sum, step_memory) = self.forward_backward(source, step_number, measure_memory, &mut clock, hooks)?;
+            let (loss_sum, step_memory) =
+                self.forward_backward(source, step_number, measure_memory, &mut clock, hooks)?;
             if memory.is_none() {
                 memory = step_memory;
             }

@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use stoke_train::{
-    AttentionPrecision, Executor, ExecutorKind, GptShape, Gpt, Precision, Recompute, StepClock, StepHooks, TrainError,
+    AttentionPrecision, Executor, ExecutorKind, Gpt, GptShape, Precision, Recompute, StepClock, StepHooks, TrainError,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -27,7 +27,16 @@ fn gradients(model: &Gpt, executor: &Executor, micro_batches: &[(Tensor, Tensor)
     let k = micro_batches.len();
     for (idx, (inputs, targets)) in micro_batches.iter().enumerate() {
         executor
-            .run_micro_batch(model, inputs, targets, 1.0 / k as f64, idx + 1 == k, false, &mut clock, &mut stoke_train::NoHooks)
+            .run_micro_batch(
+                model,
+                inputs,
+                targets,
+                1.0 / k as f64,
+                idx + 1 == k,
+                false,
+                &mut clock,
+                &mut stoke_train::NoHooks,
+            )
             .unwrap();
     }
     assert!(model.params().grads_are_bound(), "a gradient left the flat buffer");
@@ -46,8 +55,10 @@ fn relative_difference(a: &[f32], b: &[f32]) -> f64 {
 fn executor_gradients_equal_the_single_graph_gradients() {
     let _rng = super::rng_lock();
     let data = [batch(4, 1)];
-    let reference = gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::SingleGraph, Recompute::None).unwrap(), &data);
-    let blocks = gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
+    let reference =
+        gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::SingleGraph, Recompute::None).unwrap(), &data);
+    let blocks =
+        gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
     assert!(reference.iter().any(|&g| g != 0.0));
     let diff = relative_difference(&blocks, &reference);
     assert!(diff <= 1e-6, "block executor vs single graph: relative difference {diff:e}");
@@ -57,9 +68,11 @@ fn executor_gradients_equal_the_single_graph_gradients() {
 fn recomputation_is_bit_identical_in_fp32() {
     let _rng = super::rng_lock();
     let data = [batch(4, 2)];
-    let none = gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
+    let none =
+        gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
     for policy in [Recompute::Mlp, Recompute::Attention, Recompute::Block, Recompute::Every(2)] {
-        let recomputed = gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, policy).unwrap(), &data);
+        let recomputed =
+            gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, policy).unwrap(), &data);
         let differing = none.iter().zip(&recomputed).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
         assert_eq!(differing, 0, "recompute {policy}: {differing} gradient elements differ from \"none\"");
     }
@@ -71,7 +84,8 @@ fn accumulated_micro_batches_equal_one_large_batch() {
     let k = 4;
     let (inputs, targets) = batch(2 * k, 3);
     let whole = [(inputs.shallow_clone(), targets.shallow_clone())];
-    let parts: Vec<(Tensor, Tensor)> = (0..k).map(|i| (inputs.narrow(0, 2 * i, 2), targets.narrow(0, 2 * i, 2))).collect();
+    let parts: Vec<(Tensor, Tensor)> =
+        (0..k).map(|i| (inputs.narrow(0, 2 * i, 2), targets.narrow(0, 2 * i, 2))).collect();
     let executor = Executor::new(ExecutorKind::Blocks, Recompute::Mlp).unwrap();
     let one = gradients(&model(Precision::Fp32), &executor, &whole);
     let accumulated = gradients(&model(Precision::Fp32), &executor, &parts);
