@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import train_gpt
 from train_gpt import PRESETS, step_figures
 
 PRESETS = dict(PRESETS)
@@ -41,16 +42,11 @@ def bytes_in_use():
     return info.uordblks + info.hblkhd
 
 
-class Block(nn.Module):
+class Block(train_gpt.Block):
+    """train_gpt's block (the same layers), split into the two halves checkpointing wraps."""
+
     def __init__(self, d, n_head, seq_len, math_attention):
-        super().__init__()
-        self.n_head = n_head
-        self.ln_1 = nn.LayerNorm(d)
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-        self.ln_2 = nn.LayerNorm(d)
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.mlp_proj = nn.Linear(4 * d, d)
+        super().__init__(d, n_head)
         self.math_attention = math_attention
         if math_attention:
             self.register_buffer("mask", torch.full((seq_len, seq_len), float("-inf")).triu(1).to(torch.bfloat16),

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 use crate::config::Precision;
 use crate::TrainError;
@@ -35,17 +35,9 @@ fn device_name(device: Device) -> String {
     }
 }
 
-fn precision_name(precision: Precision) -> &'static str {
-    match precision {
-        Precision::Fp32 => "fp32",
-        Precision::Bf16 => "bf16",
-        Precision::Fp16 => "fp16",
-    }
-}
-
 /// The cache key: precision, device and intra-op threads.
 pub fn peak_key(precision: Precision, device: Device) -> String {
-    format!("{}-{}-t{}", precision_name(precision), device_name(device), tch::get_num_threads())
+    format!("{}-{}-t{}", precision.name(), device_name(device), tch::get_num_threads())
 }
 
 fn sync(device: Device) {
@@ -58,11 +50,7 @@ fn sync(device: Device) {
 /// `precision` on `device`, after one warm-up.
 pub fn measure_matmul_peak_flops(precision: Precision, device: Device, repeats: usize) -> f64 {
     let n = matmul_size(device);
-    let kind = match precision {
-        Precision::Fp32 => Kind::Float,
-        Precision::Bf16 => Kind::BFloat16,
-        Precision::Fp16 => Kind::Half,
-    };
+    let kind = crate::precision::compute_kind(precision);
     let _guard = tch::no_grad_guard();
     let a = Tensor::randn([n, n], (kind, device));
     let b = Tensor::randn([n, n], (kind, device));
