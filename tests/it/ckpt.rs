@@ -175,10 +175,19 @@ fn sigterm_and_sigusr1_preempt_with_a_checkpoint_and_exit_75() {
 fn a_second_signal_exits_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = format!("run.dir={}", dir.path().display());
-    // A larger model, so the step after the first signal is still running when the second comes.
+    // A larger model (steps of about a second here), so the step after the first signal is still
+    // running when the second comes.
     let mut child = stoke(
         &["train", "--quiet"],
-        &with(&[&run_dir, "run.name=a", "train.steps=100000", "model.d_model=256", "model.n_head=4", "ckpt.every=0"]),
+        &with(&[
+            &run_dir,
+            "run.name=a",
+            "train.steps=100000",
+            "model.n_layer=12",
+            "model.d_model=512",
+            "model.n_head=8",
+            "ckpt.every=0",
+        ]),
     )
     .stdout(Stdio::null())
     .stderr(Stdio::null())
@@ -186,6 +195,9 @@ fn a_second_signal_exits_at_once() {
     .unwrap();
     wait_for_lines(&dir.path().join("a/metrics.jsonl"), 2, &mut child);
     signal(&child, libc::SIGTERM);
+    // Two signals pending together are delivered lowest number first (SIGINT before SIGTERM), so
+    // the second is sent only once the first has had time to be handled.
+    std::thread::sleep(std::time::Duration::from_millis(100));
     signal(&child, libc::SIGINT);
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(128 + libc::SIGINT), "{status:?}");
