@@ -117,9 +117,13 @@ pub struct Recorded {
 /// `benches/baseline.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Baseline {
-    /// The gate's settings and build profile when recorded; a baseline of others is refused.
+    /// The gate's settings, build profile and machine when recorded; a baseline of others is
+    /// refused: the ratios are the code's on one kind of machine (the optimizer, bound by memory,
+    /// over the matrix multiplies, bound by arithmetic, differs by several percent between
+    /// processors).
     pub overrides: Vec<String>,
     pub profile: String,
+    pub machine: String,
     pub repeats: usize,
     pub figures: BTreeMap<String, Recorded>,
 }
@@ -318,6 +322,34 @@ fn settings(args: &GateArgs) -> Vec<String> {
     GATE_OVERRIDES.iter().map(|s| s.to_string()).chain(args.overrides.iter().cloned()).collect()
 }
 
+/// The processor and the cores this process may use, as the ratios depend on them: vendor,
+/// family, model, stepping, name and cache from `/proc/cpuinfo` (the name alone is often generic
+/// in a virtual machine), then the logical cores.
+pub fn machine_fingerprint() -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let first = info.split("\n\n").next().unwrap_or("");
+    let field = |name: &str| {
+        first
+            .lines()
+            .find_map(|line| {
+                let (key, value) = line.split_once(':')?;
+                (key.trim() == name).then(|| value.trim().to_string())
+            })
+            .unwrap_or_else(|| "?".into())
+    };
+    format!(
+        "{} family {} model {} stepping {}, {}, cache {}, {} cpus",
+        field("vendor_id"),
+        field("cpu family"),
+        field("model"),
+        field("stepping"),
+        field("model name"),
+        field("cache size"),
+        cpus
+    )
+}
+
 /// The build profile, which the ratios depend on (the gate runs a dev build in `cargo xtask test`).
 fn build_profile() -> &'static str {
     if cfg!(debug_assertions) {
@@ -330,6 +362,11 @@ fn build_profile() -> &'static str {
 pub fn gate(args: GateArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     std::fs::create_dir_all(&args.dir).with_context(|| format!("cannot create {}", args.dir.display()))?;
+    if !args.update {
+        // Refused before the runs, not after them.
+        comparable(&load(&args.baseline)?, &settings(&args), &machine_fingerprint())
+            .with_context(|| format!("baseline {}", args.baseline.display()))?;
+    }
     let repeats = if args.update { args.repeats.max(UPDATE_REPEATS) } else { args.repeats.max(1) };
     let mut runs = Vec::with_capacity(repeats);
     for rep in 0..repeats {
@@ -374,6 +411,7 @@ fn record(args: &GateArgs, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> an
     let baseline = Baseline {
         overrides: settings(args),
         profile: build_profile().into(),
+        machine: machine_fingerprint(),
         repeats: measured.values().next().map_or(0, |(_, v)| v.len()),
         figures,
     };
@@ -383,13 +421,16 @@ fn record(args: &GateArgs, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> an
     Ok(ExitCode::SUCCESS)
 }
 
+fn load(path: &Path) -> anyhow::Result<Baseline> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read the baseline {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a gate baseline; record one with --update", path.display()))
+}
+
 fn check(args: &GateArgs, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> anyhow::Result<ExitCode> {
     let path = &args.baseline;
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read the baseline {}", path.display()))?;
-    let baseline: Baseline = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not a gate baseline; record one with --update", path.display()))?;
-    let regressions =
-        compare(&baseline, &settings(args), measured).with_context(|| format!("baseline {}", path.display()))?;
+    let regressions = compare(&load(path)?, &settings(args), &machine_fingerprint(), measured)
+        .with_context(|| format!("baseline {}", path.display()))?;
     if regressions.is_empty() {
         println!("gate: no regression");
         Ok(ExitCode::SUCCESS)
@@ -399,13 +440,9 @@ fn check(args: &GateArgs, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> any
     }
 }
 
-/// Prints the table and returns the figures that regressed; an error when the baseline is of other
-/// settings or a figure is missing or not finite on either side.
-fn compare(
-    baseline: &Baseline,
-    settings: &[String],
-    measured: &BTreeMap<String, (Check, Vec<f64>)>,
-) -> anyhow::Result<Vec<String>> {
+/// An error when the baseline was recorded with other settings, another build profile or on
+/// another machine.
+fn comparable(baseline: &Baseline, settings: &[String], machine: &str) -> anyhow::Result<()> {
     if baseline.overrides != settings || baseline.profile != build_profile() {
         bail!(
             "recorded with other gate settings ({:?}, a {} build; this is {:?}, a {} build): record it again \
@@ -416,6 +453,25 @@ fn compare(
             build_profile()
         );
     }
+    if baseline.machine != machine {
+        bail!(
+            "recorded on another machine ({}; this is {machine}): its ratios are not this machine's; record \
+             a baseline here with `stoke bench gate --update --baseline <file>` on the code to compare with",
+            baseline.machine
+        );
+    }
+    Ok(())
+}
+
+/// Prints the table and returns the figures that regressed; an error when the baseline is of other
+/// settings or a figure is missing or not finite on either side.
+fn compare(
+    baseline: &Baseline,
+    settings: &[String],
+    machine: &str,
+    measured: &BTreeMap<String, (Check, Vec<f64>)>,
+) -> anyhow::Result<Vec<String>> {
+    comparable(baseline, settings, machine)?;
     let mut missing = Vec::new();
     for key in baseline.figures.keys().filter(|k| !measured.contains_key(*k)) {
         missing.push(format!("{key} (in the baseline, not measured)"));
@@ -468,6 +524,7 @@ mod tests {
         Baseline {
             overrides: vec!["model.n_layer=2".into()],
             profile: build_profile().into(),
+            machine: "test machine".into(),
             repeats: 1,
             figures: figures.into_iter().collect(),
         }
@@ -481,7 +538,7 @@ mod tests {
         if let Some(key) = extra {
             measured.insert(key.to_string(), (Check::Relative, vec![1.0]));
         }
-        compare(&baseline(), &["model.n_layer=2".into()], &measured).map_err(|e| format!("{e:#}"))
+        compare(&baseline(), &["model.n_layer=2".into()], "test machine", &measured).map_err(|e| format!("{e:#}"))
     }
 
     #[test]
@@ -504,9 +561,14 @@ mod tests {
         assert!(err.contains("new_ratio (measured, not in the baseline)"), "{err}");
         let mut measured = BTreeMap::new();
         measured.insert("forward_over_gemm".to_string(), (Check::Relative, vec![2.0]));
-        let err = compare(&baseline(), &["model.n_layer=2".into()], &measured).unwrap_err().to_string();
+        let compare_with = |settings: &str, machine| {
+            compare(&baseline(), &[settings.into()], machine, &measured).unwrap_err().to_string()
+        };
+        let err = compare_with("model.n_layer=2", "test machine");
         assert!(err.contains("data_wait_share (in the baseline, not measured)"), "{err}");
-        let err = compare(&baseline(), &["model.n_layer=3".into()], &measured).unwrap_err().to_string();
+        let err = compare_with("model.n_layer=3", "test machine");
         assert!(err.contains("other gate settings"), "{err}");
+        let err = compare_with("model.n_layer=2", "another machine");
+        assert!(err.contains("recorded on another machine (test machine; this is another machine)"), "{err}");
     }
 }
