@@ -98,6 +98,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         };
         (config, run_dir, None)
     };
+    if writer {
+        super::launch::Heartbeat::name_run(&run_dir)?;
+    }
     let progress = !args.quiet && writer;
     let (summary, _report, _) = train_probed(&config, &run_dir, resume, progress, stop, None, dist.as_mut())?;
     if !writer {
@@ -460,12 +463,32 @@ fn train_inner(
 ) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>, Option<Overhead>)> {
     let mut extra = MaybeObserver(extra);
     let device = stoke_train::parse_device(&config.run.device)?;
-    let mut trainer = Trainer::new(&config.model, &config.train, &config.ckpt, device)?;
-    trainer.set_sync_every(config.prof.sync_every);
     let (rank, world_size) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world_size()));
+    let mut trainer = Trainer::new(&config.model, &config.train.for_world(world_size)?, &config.ckpt, device)?;
+    trainer.set_sync_every(config.prof.sync_every);
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
     let mut source = batch_source_for(config, rank, world_size)?;
     let resumed_step = resume.as_ref().map(|r| r.loaded.manifest.step);
+    if let Some(saved) = resume.as_ref().and_then(|r| r.loaded.manifest.meta.get("world_size")).and_then(|v| v.as_u64())
+    {
+        if saved as usize != world_size {
+            let train = config.train.for_world(world_size)?;
+            if config.train.global_batch == 0 {
+                eprintln!(
+                    "stoke: warning: the checkpoint was written by {saved} rank(s), this run has {world_size}: the global \
+                     batch changes from {} to {} sequences (set train.global_batch to keep it)",
+                    saved as usize * train.micro_batch * train.grad_accum,
+                    world_size * train.micro_batch * train.grad_accum
+                );
+            } else {
+                println!(
+                    "resuming on {world_size} rank(s) (checkpoint: {saved}): {} accumulated micro-batches keep the global \
+                     batch of {} sequences",
+                    train.grad_accum, config.train.global_batch
+                );
+            }
+        }
+    }
     let mut resume_stats = serde_json::Value::Null;
     if let Some(Resume { loaded, load_s }) = resume {
         let start = std::time::Instant::now();
@@ -487,7 +510,8 @@ fn train_inner(
             dist.broadcast_parameters(&trainer)?;
             if rank != 0 {
                 // Ranks other than 0 write nothing: no checkpoints, metrics, reports or /metrics.
-                let summary = trainer.run_with_hooks(source.as_mut(), &mut [], None, stop, dist)?;
+                let mut heartbeat = super::launch::Heartbeat::from_env(rank);
+                let summary = trainer.run_with_hooks(source.as_mut(), &mut [&mut heartbeat], None, stop, dist)?;
                 return Ok((summary, None, None));
             }
             dist
@@ -496,23 +520,26 @@ fn train_inner(
     };
     // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
     let peaks = Peaks::measure(device, Path::new(&config.run.dir))?;
-    let meta = serde_json::json!({ "config_toml": config.to_toml() });
+    let meta = serde_json::json!({ "config_toml": config.to_toml(), "world_size": world_size });
     let writer_config =
         WriterConfig { background: config.ckpt.background, buffers: config.ckpt.host_buffers, keep: config.ckpt.keep };
     let mut target = CheckpointTarget { writer: CheckpointWriter::new(store, writer_config)?, meta };
     let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resumed_step)?;
     let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks)?;
     let mut bar = Progress::new(progress);
+    let mut heartbeat = super::launch::Heartbeat::from_env(rank);
     let (summary, overhead) = match overhead_block {
         Some(block) => {
             let mut probe = OverheadProbe::new(&mut profiler, block);
-            let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut probe, &mut bar, &mut extra];
+            let mut observers: Vec<&mut dyn Observer> =
+                vec![&mut metrics, &mut probe, &mut bar, &mut extra, &mut heartbeat];
             let summary = trainer.run_with_hooks(source.as_mut(), &mut observers, Some(&mut target), stop, hooks)?;
             drop(observers);
             (summary, probe.result())
         }
         None => {
-            let mut observers: Vec<&mut dyn Observer> = vec![&mut metrics, &mut profiler, &mut bar, &mut extra];
+            let mut observers: Vec<&mut dyn Observer> =
+                vec![&mut metrics, &mut profiler, &mut bar, &mut extra, &mut heartbeat];
             (trainer.run_with_hooks(source.as_mut(), &mut observers, Some(&mut target), stop, hooks)?, None)
         }
     };

@@ -62,3 +62,15 @@ fn stoke_subcommands_run_as_workers() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.lines().any(|l| l.starts_with("[rank 0] ")) && stdout.lines().any(|l| l.starts_with("[rank 1] ")));
 }
+
+#[test]
+fn a_worker_without_heartbeats_counts_as_hung_and_the_job_stops() {
+    let start = Instant::now();
+    // `sleep` never finishes a step, so it never touches its heartbeat file.
+    let out = launch(&["--nproc", "2", "--hang-timeout-s", "2", "--program", "sh", "--", "-c", "exec sleep 600"]);
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("sent no heartbeat for 2 s (hung)"), "{stderr}");
+    // Only proof that the sleepers were stopped instead of running out their ten minutes.
+    assert!(start.elapsed().as_secs() < 300, "the hung workers were not stopped");
+}

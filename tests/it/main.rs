@@ -6,6 +6,7 @@ mod ckpt_crash;
 mod config_errors;
 mod dist;
 mod doctor;
+mod elastic;
 mod launch;
 mod prep;
 mod train;

@@ -109,6 +109,11 @@ pub struct TrainConfig {
     pub micro_batch: usize,
     /// Micro-batches accumulated into one optimizer step. Default 1.
     pub grad_accum: usize,
+    /// Sequences per optimizer step over all ranks; 0 = `micro_batch` x ranks x `grad_accum`.
+    /// When set, the accumulation is derived from it for the world size the run starts with (it
+    /// must divide by `micro_batch` x ranks), so a run resumed or restarted on fewer or more
+    /// processes keeps its global batch and its trajectory. Default 0.
+    pub global_batch: usize,
     /// Seed of the initialization and the data order. Default 1337.
     pub seed: u64,
     /// Peak learning rate. Default 0.002.
@@ -195,6 +200,7 @@ impl Default for TrainConfig {
             lr_horizon: 0,
             micro_batch: 16,
             grad_accum: 1,
+            global_batch: 0,
             seed: 1337,
             lr: 2e-3,
             min_lr: 2e-4,
@@ -222,6 +228,26 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// This config for a run on `world_size` ranks: with `global_batch` set, `grad_accum` is the
+    /// accumulation that makes `micro_batch` x `world_size` x `grad_accum` equal it.
+    pub fn for_world(&self, world_size: usize) -> Result<TrainConfig, TrainError> {
+        if self.global_batch == 0 {
+            return Ok(self.clone());
+        }
+        let per_step = self.micro_batch * world_size.max(1);
+        if per_step == 0 || self.global_batch % per_step != 0 {
+            return Err(TrainError::InvalidConfig {
+                key: "train.global_batch",
+                message: format!(
+                    "{} sequences do not divide into micro-batches of {} on {} rank(s) ({} per accumulation step)",
+                    self.global_batch, self.micro_batch, world_size, per_step
+                ),
+            });
+        }
+        // Resolved: the accumulation now says it all (and `validate` accepts the pair).
+        Ok(TrainConfig { grad_accum: self.global_batch / per_step, global_batch: 0, ..self.clone() })
+    }
+
     pub fn validate(&self) -> Result<(), TrainError> {
         let bad = |key: &'static str, message: String| Err(TrainError::InvalidConfig { key, message });
         if self.steps == 0 {
@@ -232,6 +258,15 @@ impl TrainConfig {
         }
         if self.grad_accum == 0 {
             return bad("train.grad_accum", "must be at least 1; got 0".into());
+        }
+        if self.global_batch != 0 && self.grad_accum != 1 {
+            return bad(
+                "train.global_batch",
+                format!(
+                    "sets the accumulation itself; train.grad_accum must stay 1, got {} (set one of the two)",
+                    self.grad_accum
+                ),
+            );
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad("train.lr", format!("must be a finite number > 0; got {}", self.lr));
@@ -343,6 +378,20 @@ impl Default for CkptConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_global_batch_sets_the_accumulation_for_the_world_size() {
+        let train = TrainConfig { micro_batch: 4, global_batch: 16, ..TrainConfig::default() };
+        assert_eq!(train.for_world(1).unwrap().grad_accum, 4);
+        assert_eq!(train.for_world(2).unwrap().grad_accum, 2);
+        assert_eq!(train.for_world(4).unwrap().grad_accum, 1);
+        train.for_world(2).unwrap().validate().unwrap();
+        let err = train.for_world(3).unwrap_err().to_string();
+        assert!(err.contains("train.global_batch") && err.contains("3 rank(s)"), "{err}");
+        let both = TrainConfig { grad_accum: 2, ..train };
+        assert!(both.validate().unwrap_err().to_string().contains("train.grad_accum must stay 1"));
+        assert_eq!(TrainConfig::default().for_world(3).unwrap(), TrainConfig::default());
+    }
 
     #[test]
     fn lr_schedule_warms_up_then_decays() {

@@ -130,6 +130,17 @@ impl StepHooks for DataParallel {
     fn take_comm_ms(&mut self) -> f64 {
         std::mem::take(&mut self.comm_ms)
     }
+
+    /// A stop signal on any rank stops every rank after the same step (one 4-byte all-reduce per
+    /// step), so a preempted job checkpoints once, at one step, and every rank exits as preempted.
+    fn agree_stop(&mut self, local: bool) -> Result<bool, TrainError> {
+        if self.comm.world_size() == 1 {
+            return Ok(local);
+        }
+        let mut flag = [if local { 1.0f32 } else { 0.0 }];
+        self.comm.all_reduce(&mut flag, ReduceOp::Sum).map_err(|e| self.error("all_reduce stop flag", e))?;
+        Ok(flag[0] > 0.0)
+    }
 }
 
 /// The region of elements `range` of a contiguous fp32 tensor (host memory, or device memory for

@@ -164,6 +164,13 @@ pub trait StepHooks {
     fn take_comm_ms(&mut self) -> f64 {
         0.0
     }
+
+    /// Whether the run stops after this step, from this process's view (`local`: a stop signal
+    /// arrived). Called after every step on every rank alike; data-parallel ranks must agree, or
+    /// the rank that stopped would leave the others waiting in their next reduction.
+    fn agree_stop(&mut self, local: bool) -> Result<bool, TrainError> {
+        Ok(local)
+    }
 }
 
 /// Hooks that do nothing: a single-process step.

@@ -395,7 +395,7 @@ impl Trainer {
                 final_loss = loss;
                 best_loss = best_loss.min(loss);
             }
-            interrupted = stop.load(Ordering::Relaxed);
+            interrupted = hooks.agree_stop(stop.load(Ordering::Relaxed))?;
             let due = self.ckpt.every > 0 && step_number % self.ckpt.every == 0;
             let at_end = step_number == self.train.steps && self.ckpt.at_end;
             if let Some(target) = checkpoints.as_deref_mut().filter(|_| due || at_end || interrupted) {
