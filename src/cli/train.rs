@@ -207,7 +207,7 @@ fn locate_run(config: &mut StokeConfig, resume: bool) -> anyhow::Result<PathBuf>
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
     let latest = store.latest()?;
     match (resume, latest) {
-        (true, None) => {
+        (true, None) if config.ckpt.mirror.is_empty() => {
             return Err(UsageError(format!("--resume: run {} has no checkpoint to resume from", run_dir.display())).into())
         }
         (false, Some(step)) => {
@@ -256,9 +256,11 @@ fn prepare_resume(
     let mut located = args.load(extra)?;
     let run_dir = locate_run(&mut located, true)?;
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
+    let (tier, fetch_s) = fetch_from_mirror(&store, &located.ckpt.mirror)?;
     let start = std::time::Instant::now();
     let loaded = pick_checkpoint(&store, fallback)?;
     let load_s = start.elapsed().as_secs_f64();
+    println!("resuming from step {} of the {tier}", loaded.manifest.step);
     let step = loaded.manifest.step;
     let manifest_path = loaded.path.join(stoke_ckpt::MANIFEST);
     let saved_toml = loaded.manifest.meta.get("config_toml").and_then(serde_json::Value::as_str).ok_or_else(|| {
@@ -297,13 +299,45 @@ fn prepare_resume(
     if writer {
         write_config(&config, &run_dir)?;
     }
-    Ok((config, run_dir, Resume { loaded, load_s }))
+    Ok((config, run_dir, Resume { loaded, load_s, tier, fetch_s }))
+}
+
+/// With a mirror (`ckpt.mirror`): when it holds a newer complete checkpoint than the local folder
+/// (or the local folder has none), downloads it into the local folder (committed with the local
+/// protocol). Returns the tier the resume reads and the seconds the download took.
+fn fetch_from_mirror(store: &CheckpointStore, url: &str) -> anyhow::Result<(String, f64)> {
+    let local = store.latest()?;
+    if url.is_empty() {
+        return Ok(("local tier".into(), 0.0));
+    }
+    let mirror = stoke_ckpt::MirrorStore::open(url)?;
+    let remote = mirror.latest()?;
+    match (local, remote) {
+        (None, None) => {
+            Err(UsageError(format!("--resume: no checkpoint in {} nor on the mirror {url}", store.dir().display()))
+                .into())
+        }
+        (Some(local), remote) if remote.is_none_or(|r| r <= local) => Ok(("local tier".into(), 0.0)),
+        (local, Some(remote)) => {
+            let start = std::time::Instant::now();
+            mirror.download(remote, store)?;
+            let fetch_s = start.elapsed().as_secs_f64();
+            let had = local.map_or("none".to_string(), |s| format!("step {s}"));
+            println!("fetched step {remote} from the mirror {url} in {fetch_s:.2} s (the local tier had {had})");
+            Ok((format!("mirror {url}"), fetch_s))
+        }
+        (Some(_), None) => unreachable!("covered by the local arm"),
+    }
 }
 
 /// A checkpoint to resume from, loaded and verified, and how long that took.
 pub struct Resume {
     pub loaded: Loaded,
     pub load_s: f64,
+    /// The tier the checkpoint came from ("local tier" or "mirror URL").
+    pub tier: String,
+    /// Seconds spent downloading it from the mirror first (0 from the local tier).
+    pub fetch_s: f64,
 }
 
 /// The newest checkpoint that loads and verifies; with `fallback`, older ones when it does not.
@@ -490,7 +524,7 @@ fn train_inner(
         }
     }
     let mut resume_stats = serde_json::Value::Null;
-    if let Some(Resume { loaded, load_s }) = resume {
+    if let Some(Resume { loaded, load_s, tier, fetch_s }) = resume {
         let start = std::time::Instant::now();
         let position = trainer.restore_loaded(&loaded)?;
         source.seek(position);
@@ -501,7 +535,14 @@ fn train_inner(
             loaded.manifest.step,
             bytes as f64 / 1e6
         );
-        resume_stats = serde_json::json!({ "step": loaded.manifest.step, "bytes": bytes, "load_s": load_s, "restore_s": restore_s });
+        resume_stats = serde_json::json!({
+            "step": loaded.manifest.step,
+            "bytes": bytes,
+            "tier": tier,
+            "fetch_s": fetch_s,
+            "load_s": load_s,
+            "restore_s": restore_s,
+        });
     }
     let mut no_hooks = NoHooks;
     let hooks: &mut dyn stoke_train::StepHooks = match dist {
@@ -523,7 +564,16 @@ fn train_inner(
     let meta = serde_json::json!({ "config_toml": config.to_toml(), "world_size": world_size });
     let writer_config =
         WriterConfig { background: config.ckpt.background, buffers: config.ckpt.host_buffers, keep: config.ckpt.keep };
-    let mut target = CheckpointTarget { writer: CheckpointWriter::new(store, writer_config)?, meta };
+    let mirror = match config.ckpt.mirror.as_str() {
+        "" => None,
+        url => {
+            let mirror =
+                stoke_ckpt::Mirror::start(stoke_ckpt::MirrorStore::open(url)?, &store, config.ckpt.mirror_keep)?;
+            Some(std::sync::Arc::new(mirror))
+        }
+    };
+    let writer = CheckpointWriter::with_mirror(store, writer_config, mirror.clone())?;
+    let mut target = CheckpointTarget { writer, meta };
     let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resumed_step)?;
     let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks)?;
     let mut bar = Progress::new(progress);
@@ -545,6 +595,20 @@ fn train_inner(
     };
     bar.finish();
     print_checkpoint_stats(&target.writer);
+    if let Some(mirror) = &mirror {
+        let stats = mirror.finish();
+        println!(
+            "mirror: {} checkpoints, {:.1} MB uploaded in {:.2} s in the background to {}; {} deleted by ckpt.mirror_keep",
+            stats.uploaded,
+            stats.bytes as f64 / 1e6,
+            stats.upload_s,
+            mirror.url(),
+            stats.deleted
+        );
+        if let Some(error) = &stats.error {
+            eprintln!("stoke: warning: the mirror stopped after an error (local checkpoints are intact): {error}");
+        }
+    }
     write_checkpoint_stats(&target.writer, resume_stats, &run_dir.join("checkpoint-stats.json"))?;
     let report = profiler.finish()?;
     Ok((summary, report, overhead))

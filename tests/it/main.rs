@@ -8,6 +8,7 @@ mod dist;
 mod doctor;
 mod elastic;
 mod launch;
+mod mirror;
 mod prep;
 mod train;
 

@@ -22,6 +22,8 @@ pub enum CkptError {
     NoAtomicReplace { path: PathBuf, source: std::io::Error },
     #[error("the checkpoint writer thread stopped after an earlier error (reported before)")]
     WriterFailed,
+    #[error("checkpoint mirror {url}: cannot {op}: {message}")]
+    Mirror { url: String, op: &'static str, message: String },
     #[error("checkpoint writer: {message}")]
     Writer { message: String },
 }

@@ -7,7 +7,9 @@
 //! `CheckpointWriter` persists `Snapshot`s (host buffers, two by default) on a long-lived thread,
 //! with back-pressure when every buffer is busy; a snapshot is published once the caller
 //! `release`s its step (after recording it), so no checkpoint is ever ahead of the run's
-//! records. The files load in PyTorch with
+//! records. `Mirror` copies committed checkpoints to a second tier (S3 or a folder, through
+//! `object_store`) in the background, and `MirrorStore` lists, downloads and deletes them there.
+//! The files load in PyTorch with
 //! `safetensors.torch.load_file`.
 //!
 //! ```
@@ -29,11 +31,13 @@
 mod error;
 mod format;
 mod fsops;
+mod mirror;
 mod store;
 mod writer;
 
 pub use error::CkptError;
 pub use format::{DType, TensorRecord};
+pub use mirror::{Mirror, MirrorStats, MirrorStore};
 pub use store::{
     load_dir, steps_to_delete, verify_dir, CheckpointStore, FileEntry, Loaded, Manifest, VerifyReport, MANIFEST,
 };

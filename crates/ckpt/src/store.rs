@@ -305,7 +305,7 @@ impl CheckpointStore {
     }
 }
 
-fn parse_step_name(name: &str) -> Option<u64> {
+pub(crate) fn parse_step_name(name: &str) -> Option<u64> {
     let digits = name.strip_prefix(STEP_PREFIX)?;
     // Only the canonical spelling, so one step has one folder name.
     let step = digits.parse::<u64>().ok()?;
@@ -314,7 +314,7 @@ fn parse_step_name(name: &str) -> Option<u64> {
 
 /// Reads a checkpoint folder's manifest and checks that every listed file has its size; with
 /// `step`, also that the manifest names that step.
-fn inspect(path: &Path, step: Option<u64>) -> Result<Manifest, CkptError> {
+pub(crate) fn inspect(path: &Path, step: Option<u64>) -> Result<Manifest, CkptError> {
     let manifest_path = path.join(MANIFEST);
     let text = std::fs::read(&manifest_path).map_err(io("read", &manifest_path))?;
     let manifest: Manifest = serde_json::from_slice(&text)

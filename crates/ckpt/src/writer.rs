@@ -10,12 +10,13 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::{mpsc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::format::{check_size, FileSource, TensorRef};
 use crate::store::Prepared;
-use crate::{steps_to_delete, CheckpointStore, CkptError, DType};
+use crate::{steps_to_delete, CheckpointStore, CkptError, DType, Mirror};
 
 /// How a `CheckpointWriter` persists.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -210,11 +211,22 @@ pub struct CheckpointWriter {
     done: VecDeque<Committed>,
     failed: bool,
     stats: WriterStats,
+    mirror: Option<Arc<Mirror>>,
 }
 
 impl CheckpointWriter {
     /// A writer into `store`; removes what a killed predecessor with the same writer id left.
     pub fn new(store: CheckpointStore, config: WriterConfig) -> Result<CheckpointWriter, CkptError> {
+        CheckpointWriter::with_mirror(store, config, None)
+    }
+
+    /// A writer that also hands every checkpoint it commits to `mirror` (the second tier), right
+    /// after publishing it and before retention may delete it.
+    pub fn with_mirror(
+        store: CheckpointStore,
+        config: WriterConfig,
+        mirror: Option<Arc<Mirror>>,
+    ) -> Result<CheckpointWriter, CkptError> {
         if config.buffers == 0 {
             return Err(CkptError::Writer { message: "needs at least one host buffer".into() });
         }
@@ -224,11 +236,12 @@ impl CheckpointWriter {
         let (jobs, thread) = if config.background {
             let (jobs_tx, jobs_rx) = mpsc::channel::<Snapshot>();
             let (store, keep, tx, gate) = (store.clone(), config.keep, returns_tx.clone(), gate.clone());
+            let mirror = mirror.clone();
             let thread = std::thread::Builder::new()
                 .name("ckpt-writer".into())
                 .spawn(move || {
                     for snapshot in jobs_rx {
-                        let result = persist_when_released(&store, &snapshot, keep, &gate);
+                        let result = persist_when_released(&store, &snapshot, keep, &gate, mirror.as_deref());
                         if tx.send((snapshot, result)).is_err() {
                             break;
                         }
@@ -254,6 +267,7 @@ impl CheckpointWriter {
             done: VecDeque::new(),
             failed: false,
             stats: WriterStats::default(),
+            mirror,
         })
     }
 
@@ -336,7 +350,7 @@ impl CheckpointWriter {
         }
         while self.unpublished.front().is_some_and(|(snapshot, _, _)| snapshot.step <= step) {
             let (snapshot, prepared, prepare_s) = self.unpublished.pop_front().expect("checked");
-            let result = publish(&self.store, &snapshot, prepared, prepare_s, self.config.keep);
+            let result = publish(&self.store, &snapshot, prepared, prepare_s, self.config.keep, self.mirror.as_deref());
             self.returns_tx.send((snapshot, result)).expect("the receiver is ours");
         }
         self.collect(false)
@@ -450,6 +464,7 @@ fn persist_when_released(
     snapshot: &Snapshot,
     keep: usize,
     gate: &SharedGate,
+    mirror: Option<&Mirror>,
 ) -> Result<Committed, CkptError> {
     let start = Instant::now();
     let sources = snapshot.sources()?;
@@ -459,7 +474,7 @@ fn persist_when_released(
         store.abandon(prepared)?;
         return Err(CkptError::Writer { message: format!("step {} was never released; not published", snapshot.step) });
     }
-    publish(store, snapshot, prepared, prepare_s, keep)
+    publish(store, snapshot, prepared, prepare_s, keep, mirror)
 }
 
 /// Publishes a prepared snapshot, then applies retention.
@@ -469,10 +484,17 @@ fn publish(
     prepared: Prepared,
     prepare_s: f64,
     keep: usize,
+    mirror: Option<&Mirror>,
 ) -> Result<Committed, CkptError> {
     let start = Instant::now();
     let bytes = prepared.bytes;
     let path = store.publish(prepared)?;
+    if let Some(mirror) = mirror {
+        // The second tier never fails the first: the checkpoint is committed locally either way.
+        if let Err(e) = mirror.submit(snapshot.step, &path) {
+            eprintln!("stoke: step {} is not mirrored to {}: {e}", snapshot.step, mirror.url());
+        }
+    }
     let write_s = prepare_s + start.elapsed().as_secs_f64();
     let deleted = steps_to_delete(&store.list()?, keep);
     for &old in &deleted {

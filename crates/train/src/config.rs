@@ -367,11 +367,26 @@ pub struct CkptConfig {
     /// copies of the state. With 2, a snapshot can be taken while the previous one is written;
     /// when all are being written the step waits (counted in `ckpt_stall`). Default 2.
     pub host_buffers: usize,
+    /// Second tier: every committed checkpoint is also copied, in the background, to
+    /// "s3://BUCKET/PREFIX" (endpoint and credentials from the `AWS_*` variables) or
+    /// "file:///PATH"; a resume takes the latest complete checkpoint from the faster tier that
+    /// holds it. "" = none. Default "".
+    pub mirror: String,
+    /// Keep this many newest checkpoints on the mirror; 0 keeps all. Default 0.
+    pub mirror_keep: usize,
 }
 
 impl Default for CkptConfig {
     fn default() -> Self {
-        CkptConfig { every: 200, at_end: true, keep: 3, background: true, host_buffers: 2 }
+        CkptConfig {
+            every: 200,
+            at_end: true,
+            keep: 3,
+            background: true,
+            host_buffers: 2,
+            mirror: String::new(),
+            mirror_keep: 0,
+        }
     }
 }
 
