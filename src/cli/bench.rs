@@ -26,8 +26,8 @@ pub enum BenchCommand {
     /// This machine's matmul peak (fp32, bf16), memcpy bandwidth and disk bandwidth.
     Limits(LimitsArgs),
     /// A small fixed run whose step, forward, backward and optimizer times over the same model's
-    /// matrix multiplies (timed between its steps) and phase shares are compared with a committed
-    /// baseline (exit 4 on a regression).
+    /// matrix multiplies (timed between its steps) and phase shares are compared with a baseline
+    /// recorded on the same kind of machine (exit 4 on a regression).
     Gate(super::gate::GateArgs),
     /// Checkpoints: the step's stall in the background vs a synchronous save, save throughput vs
     /// the disk, resume time, torch.save and DCP async_save as peers.

@@ -38,7 +38,7 @@ use crate::config::StokeConfig;
 
 #[derive(Debug, clap::Args)]
 pub struct GateArgs {
-    /// The committed baseline of ratios and tolerances.
+    /// The baseline of ratios and tolerances (the committed one is the development machine's).
     #[arg(long, default_value = "benches/baseline.json")]
     pub baseline: PathBuf,
     /// Working folder.
