@@ -15,6 +15,7 @@ mod gate;
 mod launch;
 mod plan;
 mod prep;
+mod sched;
 mod trace;
 pub mod train;
 
@@ -53,6 +54,8 @@ pub enum Command {
     Prep(prep::PrepArgs),
     /// Checkpoints: `verify` checks every file's size and checksum (exit 1 on damage).
     Ckpt(ckpt::CkptArgs),
+    /// Scheduling of elastic jobs: `simulate` compares policies on a job list or generated workloads.
+    Sched(sched::SchedArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -67,5 +70,6 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Prep(args) => prep::run(args),
         Command::Launch(args) => launch::run(args),
         Command::Ckpt(args) => ckpt::run(args),
+        Command::Sched(args) => sched::run(args),
     }
 }

@@ -1,0 +1,210 @@
+//! The job model: throughput as a function of workers, statistical efficiency, goodput.
+
+use crate::SchedError;
+
+/// Samples per second on `w` workers.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Scaling {
+    /// Measured points (workers, samples/s), sorted by workers: linear between them, flat past
+    /// the last one (more workers than ever measured buy nothing the model can promise), and
+    /// proportional below the first.
+    Points(Vec<(usize, f64)>),
+    /// Amdahl's law from one worker's throughput and the parallel fraction `p`:
+    /// `t1 / ((1 - p) + p / w)`.
+    Amdahl { t1: f64, p: f64 },
+}
+
+impl Scaling {
+    /// Parses `amdahl:T1:P`, `linear:T1` (Amdahl with p = 1) or `points:W=T;W=T;...`.
+    pub fn parse(text: &str) -> Result<Scaling, SchedError> {
+        let bad = |why: &str| SchedError::BadScaling { text: text.into(), why: why.into() };
+        let number = |s: &str| s.trim().parse::<f64>().map_err(|_| bad("not a number"));
+        let mut parts = text.split(':');
+        let scaling = match parts.next().unwrap_or("") {
+            "amdahl" => {
+                let t1 = number(parts.next().ok_or_else(|| bad("amdahl:T1:P"))?)?;
+                let p = number(parts.next().ok_or_else(|| bad("amdahl:T1:P"))?)?;
+                Scaling::Amdahl { t1, p }
+            }
+            "linear" => Scaling::Amdahl { t1: number(parts.next().ok_or_else(|| bad("linear:T1"))?)?, p: 1.0 },
+            "points" => {
+                let mut points = Vec::new();
+                for point in parts.next().ok_or_else(|| bad("points:W=T;W=T"))?.split(';') {
+                    let (w, t) = point.split_once('=').ok_or_else(|| bad("points:W=T;W=T"))?;
+                    let w = w.trim().parse::<usize>().map_err(|_| bad("workers must be whole numbers"))?;
+                    points.push((w, number(t)?));
+                }
+                points.sort_by_key(|&(w, _)| w);
+                Scaling::Points(points)
+            }
+            _ => return Err(bad("expected amdahl:T1:P, linear:T1 or points:W=T;W=T")),
+        };
+        scaling.check().map_err(|why| bad(&why))?;
+        Ok(scaling)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        match self {
+            Scaling::Amdahl { t1, p } if !(*t1 > 0.0 && t1.is_finite()) || !(0.0..=1.0).contains(p) => {
+                Err("needs T1 > 0 and 0 <= P <= 1".into())
+            }
+            Scaling::Points(points) if points.is_empty() || points.iter().any(|&(w, t)| w == 0 || !(t > 0.0)) => {
+                Err("needs at least one point, each with workers >= 1 and throughput > 0".into())
+            }
+            Scaling::Points(points) if points.windows(2).any(|p| p[0].0 == p[1].0) => {
+                Err("one point per worker count".into())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Samples per second on `workers` (0 for none).
+    pub fn throughput(&self, workers: usize) -> f64 {
+        if workers == 0 {
+            return 0.0;
+        }
+        let w = workers as f64;
+        match self {
+            Scaling::Amdahl { t1, p } => t1 / ((1.0 - p) + p / w),
+            Scaling::Points(points) => {
+                let (w0, t0) = points[0];
+                if workers <= w0 {
+                    return t0 * w / w0 as f64;
+                }
+                for pair in points.windows(2) {
+                    let ((wa, ta), (wb, tb)) = (pair[0], pair[1]);
+                    if workers <= wb {
+                        return ta + (tb - ta) * (w - wa as f64) / (wb - wa) as f64;
+                    }
+                }
+                points[points.len() - 1].1
+            }
+        }
+    }
+
+    /// Fits Amdahl's law to measured points (least squares on the step time per sample, which is
+    /// linear in 1/w: `1/T(w) = a + b/w`). One point gives p = 1 at that throughput.
+    pub fn fit(points: &[(usize, f64)]) -> Result<Scaling, SchedError> {
+        let valid: Vec<(f64, f64)> =
+            points.iter().filter(|&&(w, t)| w > 0 && t > 0.0).map(|&(w, t)| (1.0 / w as f64, 1.0 / t)).collect();
+        let bad = |why: &str| SchedError::BadScaling { text: format!("{points:?}"), why: why.into() };
+        match valid.len() {
+            0 => Err(bad("no point with workers >= 1 and throughput > 0")),
+            1 => {
+                let (x, y) = valid[0];
+                Ok(Scaling::Amdahl { t1: 1.0 / (y / x), p: 1.0 })
+            }
+            n => {
+                let (mx, my) = (
+                    valid.iter().map(|v| v.0).sum::<f64>() / n as f64,
+                    valid.iter().map(|v| v.1).sum::<f64>() / n as f64,
+                );
+                let sxx: f64 = valid.iter().map(|v| (v.0 - mx).powi(2)).sum();
+                if sxx == 0.0 {
+                    return Scaling::fit(&points[..1]);
+                }
+                let b = (valid.iter().map(|v| (v.0 - mx) * (v.1 - my)).sum::<f64>() / sxx).max(0.0);
+                let a = (my - b * mx).max(0.0);
+                // 1/T(w) = (1/t1)((1-p) + p/w): a = (1-p)/t1, b = p/t1.
+                let t1 = 1.0 / (a + b);
+                Ok(Scaling::Amdahl { t1, p: b * t1 })
+            }
+        }
+    }
+}
+
+/// Statistical efficiency of a global batch (McCandlish et al. 2018, as Pollux uses it): with
+/// gradient noise scale `noise`, training on batch `b` makes `(noise + b0) / (noise + b)` of the
+/// progress per sample that batch `b0` makes. A job that keeps its global batch (stoke's
+/// `train.global_batch`) has efficiency 1 on every size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Efficiency {
+    /// Global batch on one worker, and how it grows: `b0 * w` when `batch_grows`, else `b0`.
+    pub b0: f64,
+    pub batch_grows: bool,
+    pub noise: f64,
+}
+
+impl Efficiency {
+    pub const FIXED_BATCH: Efficiency = Efficiency { b0: 1.0, batch_grows: false, noise: 0.0 };
+
+    pub fn at(&self, workers: usize) -> f64 {
+        if !self.batch_grows || workers <= 1 {
+            return 1.0;
+        }
+        let b = self.b0 * workers as f64;
+        (self.noise + self.b0) / (self.noise + b)
+    }
+}
+
+/// A job: its work, its limits, its scaling and efficiency, its priority and what a resize costs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobSpec {
+    pub name: String,
+    /// Seconds after the start of the trace.
+    pub submit_s: f64,
+    /// Samples (at the efficiency of one worker's batch) to train.
+    pub work: f64,
+    pub min_workers: usize,
+    pub max_workers: usize,
+    pub scaling: Scaling,
+    pub efficiency: Efficiency,
+    /// Seconds without progress per resize (checkpoint, stop, restart, reload).
+    pub resize_s: f64,
+    /// Weight in the goodput policy's sum (1 = normal).
+    pub priority: f64,
+}
+
+impl JobSpec {
+    /// Useful samples per second on `workers`: throughput x statistical efficiency.
+    pub fn goodput(&self, workers: usize) -> f64 {
+        self.scaling.throughput(workers) * self.efficiency.at(workers)
+    }
+
+    /// Goodput on `workers` over goodput on `min_workers` (what the goodput policy sums).
+    pub fn speedup(&self, workers: usize) -> f64 {
+        let base = self.goodput(self.min_workers.max(1));
+        if base > 0.0 {
+            self.goodput(workers) / base
+        } else {
+            0.0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scaling_models_parse_and_evaluate() {
+        let amdahl = Scaling::parse("amdahl:100:0.9").unwrap();
+        assert!((amdahl.throughput(1) - 100.0).abs() < 1e-9);
+        assert!((amdahl.throughput(10) - 100.0 / (0.1 + 0.09)).abs() < 1e-9);
+        assert_eq!(Scaling::parse("linear:10").unwrap().throughput(4), 40.0);
+        let points = Scaling::parse("points:1=10;4=30;2=18").unwrap();
+        assert_eq!(points.throughput(2), 18.0);
+        assert_eq!(points.throughput(3), 24.0);
+        assert_eq!(points.throughput(8), 30.0);
+        assert_eq!(points.throughput(0), 0.0);
+        for bad in ["amdahl:1", "amdahl:0:0.5", "amdahl:1:2", "points:", "points:0=1", "points:1=1;1=2", "cubic:1"] {
+            assert!(Scaling::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn amdahl_fit_recovers_its_parameters() {
+        let truth = Scaling::Amdahl { t1: 50.0, p: 0.8 };
+        let points: Vec<(usize, f64)> = [1, 2, 4].iter().map(|&w| (w, truth.throughput(w))).collect();
+        let Scaling::Amdahl { t1, p } = Scaling::fit(&points).unwrap() else { panic!() };
+        assert!((t1 - 50.0).abs() < 1e-6 && (p - 0.8).abs() < 1e-9, "{t1} {p}");
+    }
+
+    #[test]
+    fn a_growing_batch_loses_statistical_efficiency() {
+        let e = Efficiency { b0: 32.0, batch_grows: true, noise: 96.0 };
+        assert_eq!(e.at(1), 1.0);
+        assert!((e.at(4) - 128.0 / 224.0).abs() < 1e-12);
+        assert_eq!(Efficiency::FIXED_BATCH.at(8), 1.0);
+    }
+}

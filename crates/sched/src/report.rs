@@ -1,0 +1,73 @@
+//! A simulation's figures, and its timeline as one self-contained HTML file (inline SVG).
+
+use crate::sim::SimResult;
+
+/// The figures of one simulation, for tables and JSON.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Figures {
+    pub jobs: usize,
+    pub mean_completion_s: f64,
+    pub p99_completion_s: f64,
+    pub makespan_s: f64,
+    pub utilization: f64,
+    pub resizes: usize,
+}
+
+pub fn figures(result: &SimResult) -> Figures {
+    Figures {
+        jobs: result.jobs.len(),
+        mean_completion_s: result.mean_completion_s(),
+        p99_completion_s: result.completion_percentile_s(0.99),
+        makespan_s: result.makespan_s(),
+        utilization: result.utilization(),
+        resizes: result.resizes(),
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+/// One row per slot, time to the right; each job's slots in its own colour, with the job's name
+/// on hover. Allocations are stacked in job order within each interval.
+pub fn timeline_html(title: &str, result: &SimResult) -> String {
+    let (width, row) = (1200.0, 14.0);
+    let end = result.timeline.iter().map(|s| s.end_s).fold(1e-9, f64::max);
+    let x = |t: f64| 60.0 + (width - 80.0) * t / end;
+    let mut svg = String::new();
+    for segment in &result.timeline {
+        let mut slot = 0;
+        for &(job, workers) in &segment.held {
+            let hue = (job * 137) % 360;
+            let name = escape(&result.jobs[job].name);
+            svg.push_str(&format!(
+                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.2}\" height=\"{:.1}\" fill=\"hsl({hue},60%,55%)\"><title>{name}: {workers} slot(s), {:.0}-{:.0} s</title></rect>\n",
+                x(segment.start_s),
+                20.0 + slot as f64 * row,
+                (x(segment.end_s) - x(segment.start_s)).max(0.5),
+                workers as f64 * row - 1.0,
+                segment.start_s,
+                segment.end_s
+            ));
+            slot += workers;
+        }
+    }
+    for s in 0..result.slots {
+        svg.push_str(&format!(
+            "<text x=\"4\" y=\"{:.1}\" font-size=\"10\">slot {s}</text>\n",
+            20.0 + s as f64 * row + row * 0.75
+        ));
+    }
+    let height = 40.0 + result.slots as f64 * row;
+    let f = figures(result);
+    format!(
+        "<!doctype html><meta charset=\"utf-8\"><title>{t}</title><h2>{t}</h2>\n<p>{} jobs; mean completion {:.0} s, p99 {:.0} s; makespan {:.0} s; utilization {:.1}%; {} resizes. Time axis 0-{end:.0} s.</p>\n<svg width=\"{width}\" height=\"{height}\" xmlns=\"http://www.w3.org/2000/svg\">\n{svg}</svg>\n",
+        f.jobs,
+        f.mean_completion_s,
+        f.p99_completion_s,
+        f.makespan_s,
+        100.0 * f.utilization,
+        f.resizes,
+        t = escape(title)
+    )
+}

@@ -1,0 +1,430 @@
+//! The simulator: jobs arrive, policies allocate slots, progress accrues at each job's goodput,
+//! and every resize costs the job its `resize_s` without progress.
+//!
+//! Event-driven: time jumps to the next arrival, completion, end of a resize, or policy tick
+//! (`SimConfig::tick_s`, for the goodput policy's periodic reallocation). Allocations change only
+//! at those events; a running job never drops below its minimum, and only a job's first start is
+//! free.
+
+use crate::model::JobSpec;
+use crate::SchedError;
+
+/// How slots are shared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// First come, first served, static: a job gets its `max_workers` or waits (the head of the
+    /// queue blocks the rest); never resized.
+    Fifo,
+    /// Every active job gets an equal share (within its min/max), recomputed at arrivals and
+    /// completions.
+    Fair,
+    /// Goodput-maximizing: jobs are admitted at their minimum (shrinking others to their minimum
+    /// if needed), and the remaining slots go one by one to the largest weighted gain in speedup;
+    /// a running job is resized at most once per `min_resize_interval_s`, and grown only when the
+    /// gain over that interval pays for the resize.
+    Goodput,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = SchedError;
+    fn from_str(s: &str) -> Result<Policy, SchedError> {
+        match s {
+            "fifo" => Ok(Policy::Fifo),
+            "fair" => Ok(Policy::Fair),
+            "goodput" => Ok(Policy::Goodput),
+            other => Err(SchedError::BadPolicy { name: other.into() }),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimConfig {
+    pub slots: usize,
+    pub policy: Policy,
+    /// Seconds between the goodput policy's reallocations (it also reallocates at arrivals and
+    /// completions).
+    pub tick_s: f64,
+    pub min_resize_interval_s: f64,
+}
+
+impl SimConfig {
+    pub fn new(slots: usize, policy: Policy) -> SimConfig {
+        SimConfig { slots, policy, tick_s: 60.0, min_resize_interval_s: 300.0 }
+    }
+}
+
+/// One job's course.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobResult {
+    pub name: String,
+    pub submit_s: f64,
+    pub start_s: f64,
+    pub finish_s: f64,
+    pub resizes: usize,
+}
+
+impl JobResult {
+    pub fn completion_s(&self) -> f64 {
+        self.finish_s - self.submit_s
+    }
+}
+
+/// An interval with constant allocations: (job index, workers) for each job holding slots.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Segment {
+    pub start_s: f64,
+    pub end_s: f64,
+    pub held: Vec<(usize, usize)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimResult {
+    pub jobs: Vec<JobResult>,
+    pub timeline: Vec<Segment>,
+    pub slots: usize,
+}
+
+impl SimResult {
+    pub fn mean_completion_s(&self) -> f64 {
+        self.jobs.iter().map(JobResult::completion_s).sum::<f64>() / self.jobs.len().max(1) as f64
+    }
+
+    /// Nearest-rank percentile of completion times.
+    pub fn completion_percentile_s(&self, q: f64) -> f64 {
+        let mut times: Vec<f64> = self.jobs.iter().map(JobResult::completion_s).collect();
+        times.sort_by(f64::total_cmp);
+        if times.is_empty() {
+            return 0.0;
+        }
+        let rank = ((q * times.len() as f64).ceil() as usize).clamp(1, times.len());
+        times[rank - 1]
+    }
+
+    pub fn makespan_s(&self) -> f64 {
+        let first = self.jobs.iter().map(|j| j.submit_s).fold(f64::INFINITY, f64::min);
+        let last = self.jobs.iter().map(|j| j.finish_s).fold(0.0, f64::max);
+        (last - first).max(0.0)
+    }
+
+    /// Slot-seconds held over slot-seconds available during the makespan.
+    pub fn utilization(&self) -> f64 {
+        let held: f64 = self
+            .timeline
+            .iter()
+            .map(|s| (s.end_s - s.start_s) * s.held.iter().map(|h| h.1).sum::<usize>() as f64)
+            .sum();
+        held / (self.slots as f64 * self.makespan_s()).max(1e-12)
+    }
+
+    pub fn resizes(&self) -> usize {
+        self.jobs.iter().map(|j| j.resizes).sum()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct State {
+    progress: f64,
+    workers: usize,
+    /// No progress before this time (a resize in progress).
+    paused_until: f64,
+    last_resize: f64,
+    start: Option<f64>,
+    finish: Option<f64>,
+    resizes: usize,
+}
+
+/// Runs `jobs` (any order) under `config` to completion.
+pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, SchedError> {
+    for job in jobs {
+        let valid = job.min_workers >= 1
+            && job.min_workers <= job.max_workers
+            && job.min_workers <= config.slots
+            && job.work > 0.0
+            && job.submit_s >= 0.0
+            && job.goodput(job.min_workers) > 0.0;
+        if !valid {
+            return Err(SchedError::BadJob {
+                name: job.name.clone(),
+                why: format!(
+                    "needs 1 <= min_workers <= max_workers, min_workers <= {} slots, work > 0, submit_s >= 0 \
+                     and throughput > 0",
+                    config.slots
+                ),
+            });
+        }
+    }
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by(|&a, &b| jobs[a].submit_s.total_cmp(&jobs[b].submit_s).then(a.cmp(&b)));
+    let mut state: Vec<State> = jobs
+        .iter()
+        .map(|_| State {
+            progress: 0.0,
+            workers: 0,
+            paused_until: 0.0,
+            last_resize: f64::NEG_INFINITY,
+            start: None,
+            finish: None,
+            resizes: 0,
+        })
+        .collect();
+    let mut timeline: Vec<Segment> = Vec::new();
+    let mut t = 0.0f64;
+    let mut next_tick = config.tick_s;
+    loop {
+        let active: Vec<usize> =
+            order.iter().copied().filter(|&j| jobs[j].submit_s <= t && state[j].finish.is_none()).collect();
+        if active.is_empty() && order.iter().all(|&j| state[j].finish.is_some()) {
+            break;
+        }
+        // Allocate.
+        let targets = plan(jobs, &state, &active, config, t);
+        for (&j, &target) in active.iter().zip(&targets) {
+            let s = &mut state[j];
+            if target == s.workers {
+                continue;
+            }
+            if s.workers > 0 && target > 0 {
+                s.resizes += 1;
+                s.paused_until = t + jobs[j].resize_s;
+                s.last_resize = t;
+            } else if s.workers == 0 && target > 0 {
+                s.start.get_or_insert(t);
+                s.last_resize = t;
+            }
+            s.workers = target;
+        }
+        // The next event.
+        let mut next = order.iter().map(|&j| jobs[j].submit_s).filter(|&s| s > t).fold(f64::INFINITY, f64::min);
+        if config.policy == Policy::Goodput {
+            next = next.min(next_tick);
+        }
+        for &j in &active {
+            let s = &state[j];
+            if s.workers == 0 {
+                continue;
+            }
+            let resume = s.paused_until.max(t);
+            if resume > t {
+                next = next.min(resume);
+            }
+            let rate = jobs[j].goodput(s.workers);
+            next = next.min(resume + (jobs[j].work - s.progress).max(0.0) / rate);
+        }
+        if !next.is_finite() {
+            // Nothing runs and nothing arrives: a job that can never start.
+            let stuck = active.iter().map(|&j| jobs[j].name.clone()).collect::<Vec<_>>().join(", ");
+            return Err(SchedError::BadJob { name: stuck, why: "can never be allocated its minimum".into() });
+        }
+        let held: Vec<(usize, usize)> =
+            active.iter().filter(|&&j| state[j].workers > 0).map(|&j| (j, state[j].workers)).collect();
+        if next > t && !held.is_empty() {
+            timeline.push(Segment { start_s: t, end_s: next, held });
+        }
+        // Progress to `next`.
+        for &j in &active {
+            let s = &mut state[j];
+            if s.workers == 0 {
+                continue;
+            }
+            let run = (next - s.paused_until.max(t)).max(0.0);
+            s.progress += jobs[j].goodput(s.workers) * run;
+            if s.progress >= jobs[j].work * (1.0 - 1e-12) {
+                s.finish = Some(next);
+                s.workers = 0;
+            }
+        }
+        if next >= next_tick {
+            next_tick = next + config.tick_s;
+        }
+        t = next;
+    }
+    let results = jobs
+        .iter()
+        .zip(&state)
+        .map(|(job, s)| JobResult {
+            name: job.name.clone(),
+            submit_s: job.submit_s,
+            start_s: s.start.unwrap_or(job.submit_s),
+            finish_s: s.finish.unwrap_or(f64::NAN),
+            resizes: s.resizes,
+        })
+        .collect();
+    Ok(SimResult { jobs: results, timeline, slots: config.slots })
+}
+
+/// The policy's allocation for `active` (submission order), given the current state.
+fn plan(jobs: &[JobSpec], state: &[State], active: &[usize], config: &SimConfig, t: f64) -> Vec<usize> {
+    let current: Vec<usize> = active.iter().map(|&j| state[j].workers).collect();
+    match config.policy {
+        Policy::Fifo => {
+            let mut out = current.clone();
+            let mut free = config.slots - current.iter().sum::<usize>();
+            for (i, &j) in active.iter().enumerate() {
+                if out[i] > 0 {
+                    continue;
+                }
+                let want = jobs[j].max_workers.min(config.slots);
+                if want > free {
+                    break; // the head of the queue blocks the rest
+                }
+                out[i] = want;
+                free -= want;
+            }
+            out
+        }
+        Policy::Fair => {
+            // Minimums in order (running jobs first keep theirs), then round-robin to max.
+            let mut out = vec![0; active.len()];
+            let mut free = config.slots;
+            let running_first =
+                (0..active.len()).filter(|&i| current[i] > 0).chain((0..active.len()).filter(|&i| current[i] == 0));
+            for i in running_first {
+                let min = jobs[active[i]].min_workers;
+                if min <= free {
+                    out[i] = min;
+                    free -= min;
+                }
+            }
+            loop {
+                let mut gave = false;
+                for i in 0..active.len() {
+                    if free > 0 && out[i] > 0 && out[i] < jobs[active[i]].max_workers {
+                        out[i] += 1;
+                        free -= 1;
+                        gave = true;
+                    }
+                }
+                if !gave {
+                    break;
+                }
+            }
+            out
+        }
+        Policy::Goodput => plan_goodput(jobs, state, active, &current, config, t),
+    }
+}
+
+fn plan_goodput(
+    jobs: &[JobSpec],
+    state: &[State],
+    active: &[usize],
+    current: &[usize],
+    config: &SimConfig,
+    t: f64,
+) -> Vec<usize> {
+    let n = active.len();
+    // Running jobs resized less than min_resize_interval_s ago keep their allocation, unless it
+    // must shrink to admit a waiting job (to the job's minimum, no lower).
+    let pinned: Vec<bool> =
+        (0..n).map(|i| current[i] > 0 && t - state[active[i]].last_resize < config.min_resize_interval_s).collect();
+    let mut out: Vec<usize> = (0..n).map(|i| if current[i] > 0 { jobs[active[i]].min_workers } else { 0 }).collect();
+    let mut free = config.slots - out.iter().sum::<usize>();
+    for i in 0..n {
+        if current[i] == 0 && jobs[active[i]].min_workers <= free {
+            out[i] = jobs[active[i]].min_workers;
+            free -= out[i];
+        }
+    }
+    // Pinned jobs get back what they hold, as far as the admissions leave room.
+    for i in 0..n {
+        if pinned[i] {
+            let extra = (current[i] - out[i]).min(free);
+            out[i] += extra;
+            free -= extra;
+        }
+    }
+    let gain = |i: usize, w: usize| {
+        let job = &jobs[active[i]];
+        job.priority * (job.speedup(w + 1) - job.speedup(w))
+    };
+    let mut grown = vec![false; n];
+    while free > 0 {
+        let best = (0..n)
+            .filter(|&i| out[i] > 0 && !pinned[i] && out[i] < jobs[active[i]].max_workers.min(config.slots))
+            .map(|i| (i, gain(i, out[i])))
+            .filter(|&(_, g)| g > 1e-12)
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let Some((i, _)) = best else { break };
+        out[i] += 1;
+        free -= 1;
+        grown[i] = true;
+    }
+    // A running job grows only when the gain over the interval pays for the resize; it keeps
+    // what it has when the plan would shrink it for nothing (slots left free).
+    for i in 0..n {
+        let job = &jobs[active[i]];
+        if current[i] > 0 && out[i] != current[i] && !pinned[i] {
+            let horizon = config.min_resize_interval_s.max(job.resize_s);
+            let pays = job.goodput(out[i]) * (horizon - job.resize_s) > job.goodput(current[i]) * horizon;
+            if out[i] > current[i] && !pays {
+                free += out[i] - current[i];
+                out[i] = current[i];
+            } else if out[i] < current[i] && free >= current[i] - out[i] {
+                free -= current[i] - out[i];
+                out[i] = current[i];
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Efficiency, Scaling};
+
+    fn job(name: &str, submit_s: f64, work: f64, max: usize, p: f64) -> JobSpec {
+        JobSpec {
+            name: name.into(),
+            submit_s,
+            work,
+            min_workers: 1,
+            max_workers: max,
+            scaling: Scaling::Amdahl { t1: 1.0, p },
+            efficiency: Efficiency::FIXED_BATCH,
+            resize_s: 10.0,
+            priority: 1.0,
+        }
+    }
+
+    #[test]
+    fn one_linear_job_takes_work_over_its_throughput() {
+        let jobs = [job("a", 5.0, 400.0, 4, 1.0)];
+        for policy in [Policy::Fifo, Policy::Fair, Policy::Goodput] {
+            let r = simulate(&jobs, &SimConfig::new(4, policy)).unwrap();
+            assert!((r.jobs[0].finish_s - 105.0).abs() < 1e-9, "{policy:?}: {:?}", r.jobs[0]);
+            assert!((r.utilization() - 1.0).abs() < 1e-9);
+        }
+    }
+
+    #[test]
+    fn fifo_blocks_behind_the_head_and_goodput_shares() {
+        // A big job holds all 4 slots; a small one arriving later waits under FIFO, while the
+        // goodput policy shrinks the big one (which scales poorly) to admit it.
+        let jobs = [job("big", 0.0, 2000.0, 4, 0.5), job("small", 10.0, 100.0, 1, 1.0)];
+        let fifo = simulate(&jobs, &SimConfig::new(4, Policy::Fifo)).unwrap();
+        let good = simulate(&jobs, &SimConfig::new(4, Policy::Goodput)).unwrap();
+        assert!(fifo.jobs[1].start_s > 1000.0, "{:?}", fifo.jobs);
+        assert_eq!(good.jobs[1].start_s, 10.0, "{:?}", good.jobs);
+        assert!(good.mean_completion_s() < fifo.mean_completion_s());
+        assert!(good.jobs[0].resizes >= 1);
+    }
+
+    #[test]
+    fn percentiles_and_makespan() {
+        let jobs: Vec<JobSpec> = (0..4).map(|i| job(&format!("j{i}"), 0.0, 10.0 * (i + 1) as f64, 1, 1.0)).collect();
+        let r = simulate(&jobs, &SimConfig::new(4, Policy::Fifo)).unwrap();
+        assert_eq!(r.makespan_s(), 40.0);
+        assert_eq!(r.completion_percentile_s(0.99), 40.0);
+        assert_eq!(r.completion_percentile_s(0.5), 20.0);
+        assert_eq!(r.mean_completion_s(), 25.0);
+    }
+
+    #[test]
+    fn a_job_larger_than_the_cluster_is_refused() {
+        let mut big = job("big", 0.0, 1.0, 8, 1.0);
+        big.min_workers = 8;
+        let err = simulate(&[big], &SimConfig::new(4, Policy::Fifo)).unwrap_err().to_string();
+        assert!(err.contains("big"), "{err}");
+    }
+}

@@ -1,0 +1,209 @@
+//! Job lists: the CSV format, and a generator of synthetic workloads.
+//!
+//! CSV, one job per line after a header (`#` starts a comment line):
+//!
+//! ```text
+//! submit_s,name,work,min_workers,max_workers,scaling[,resize_s[,priority[,noise_scale,batch_per_worker]]]
+//! 0,bert,360000,1,8,amdahl:100:0.95,30
+//! 120,resnet,50000,1,4,points:1=80;2=150;4=260
+//! ```
+//!
+//! `work` is samples; `scaling` is `amdahl:T1:P`, `linear:T1` or `points:W=T;...` (samples/s);
+//! `resize_s` the seconds a resize costs (default 30); `priority` the job's weight (default 1);
+//! with `noise_scale` > 0 the global batch grows with the workers (`batch_per_worker` each) and
+//! statistical efficiency falls as McCandlish et al. (2018) model it; without it the global batch
+//! is fixed (stoke's `train.global_batch`) and efficiency is 1.
+
+use crate::model::{Efficiency, JobSpec, Scaling};
+use crate::SchedError;
+
+pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
+    let mut jobs = Vec::new();
+    let mut header_seen = false;
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if !header_seen {
+            header_seen = true;
+            if line.starts_with("submit_s") {
+                continue;
+            }
+        }
+        let bad = |why: String| SchedError::BadCsv { line: n + 1, why };
+        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+        if !(6..=10).contains(&fields.len()) || fields.len() == 9 {
+            return Err(bad(format!(
+                "{} fields; expected submit_s,name,work,min_workers,max_workers,scaling[,resize_s[,priority[,noise_scale,batch_per_worker]]]",
+                fields.len()
+            )));
+        }
+        let float = |i: usize, what: &str| {
+            fields[i]
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite())
+                .ok_or_else(|| bad(format!("{what} `{}` is not a number", fields[i])))
+        };
+        let int = |i: usize, what: &str| {
+            fields[i].parse::<usize>().map_err(|_| bad(format!("{what} `{}` is not a whole number", fields[i])))
+        };
+        let noise = if fields.len() == 10 { float(8, "noise_scale")? } else { 0.0 };
+        let efficiency = if noise > 0.0 {
+            Efficiency { b0: float(9, "batch_per_worker")?, batch_grows: true, noise }
+        } else {
+            Efficiency::FIXED_BATCH
+        };
+        jobs.push(JobSpec {
+            submit_s: float(0, "submit_s")?,
+            name: fields[1].to_string(),
+            work: float(2, "work")?,
+            min_workers: int(3, "min_workers")?,
+            max_workers: int(4, "max_workers")?,
+            scaling: Scaling::parse(fields[5]).map_err(|e| bad(e.to_string()))?,
+            resize_s: if fields.len() > 6 { float(6, "resize_s")? } else { 30.0 },
+            priority: if fields.len() > 7 { float(7, "priority")? } else { 1.0 },
+            efficiency,
+        });
+    }
+    Ok(jobs)
+}
+
+pub fn to_csv(jobs: &[JobSpec]) -> String {
+    let mut out = String::from("submit_s,name,work,min_workers,max_workers,scaling,resize_s,priority\n");
+    for j in jobs {
+        let scaling = match &j.scaling {
+            Scaling::Amdahl { t1, p } => format!("amdahl:{t1}:{p}"),
+            Scaling::Points(points) => {
+                format!("points:{}", points.iter().map(|(w, t)| format!("{w}={t}")).collect::<Vec<_>>().join(";"))
+            }
+        };
+        out.push_str(&format!(
+            "{:.1},{},{:.0},{},{},{},{},{}\n",
+            j.submit_s, j.name, j.work, j.min_workers, j.max_workers, scaling, j.resize_s, j.priority
+        ));
+    }
+    out
+}
+
+/// A synthetic workload's knobs. Its shape follows what Jeon et al. (USENIX ATC 2019, "Analysis
+/// of Large-Scale Multi-Tenant GPU Clusters for DNN Training Workloads") report for Microsoft's
+/// Philly cluster: most jobs ask for one device and few for many, and run times are heavy-tailed
+/// (minutes to days). The numbers here are this generator's own choices, not fitted to that trace:
+/// Poisson arrivals, log-normal single-device run times, requested sizes from `SIZES`, Amdahl
+/// scaling with a parallel fraction drawn uniformly from `parallel`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkloadSpec {
+    pub jobs: usize,
+    pub mean_interarrival_s: f64,
+    /// Median run time on one device, and the log-normal's sigma.
+    pub median_run_s: f64,
+    pub sigma: f64,
+    pub parallel: (f64, f64),
+    pub resize_s: f64,
+    pub max_slots: usize,
+}
+
+/// Requested devices and their probabilities.
+pub const SIZES: &[(usize, f64)] = &[(1, 0.5), (2, 0.2), (4, 0.15), (8, 0.1), (16, 0.05)];
+
+impl Default for WorkloadSpec {
+    fn default() -> Self {
+        WorkloadSpec {
+            jobs: 160,
+            mean_interarrival_s: 240.0,
+            median_run_s: 3600.0,
+            sigma: 1.2,
+            parallel: (0.85, 0.99),
+            resize_s: 60.0,
+            max_slots: 16,
+        }
+    }
+}
+
+/// SplitMix64: small, seedable, good enough for workloads.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1).
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    fn normal(&mut self) -> f64 {
+        (-2.0 * self.uniform().ln()).sqrt() * (2.0 * std::f64::consts::PI * self.uniform()).cos()
+    }
+}
+
+pub fn generate(spec: &WorkloadSpec, seed: u64) -> Vec<JobSpec> {
+    let mut rng = Rng(seed ^ 0x5EED);
+    let mut t = 0.0;
+    (0..spec.jobs)
+        .map(|i| {
+            t += -spec.mean_interarrival_s * rng.uniform().ln();
+            let run_s = spec.median_run_s * (spec.sigma * rng.normal()).exp();
+            let mut pick = rng.uniform();
+            let asked = SIZES
+                .iter()
+                .find(|&&(_, p)| {
+                    pick -= p;
+                    pick <= 0.0
+                })
+                .map_or(1, |&(size, _)| size)
+                .min(spec.max_slots);
+            let p = spec.parallel.0 + (spec.parallel.1 - spec.parallel.0) * rng.uniform();
+            let t1 = 100.0;
+            JobSpec {
+                name: format!("job{i:03}"),
+                submit_s: t,
+                // Work sized so that the job runs `run_s` on the devices it asked for.
+                work: run_s * Scaling::Amdahl { t1, p }.throughput(asked),
+                min_workers: 1,
+                max_workers: asked,
+                scaling: Scaling::Amdahl { t1, p },
+                efficiency: Efficiency::FIXED_BATCH,
+                resize_s: spec.resize_s,
+                priority: 1.0,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_round_trips_and_names_bad_lines() {
+        let text = "submit_s,name,work,min_workers,max_workers,scaling,resize_s\n# a comment\n0,a,100,1,4,amdahl:10:0.9,20\n5,b,50,2,2,points:1=5;2=9\n";
+        let jobs = parse_csv(text).unwrap();
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[0].resize_s, 20.0);
+        assert_eq!(jobs[1].resize_s, 30.0);
+        assert_eq!(parse_csv(&to_csv(&jobs)).unwrap(), jobs);
+        let err = parse_csv("submit_s,name\n0,a,x,1,4,linear:1\n").unwrap_err().to_string();
+        assert!(err.contains("line 2") && err.contains("work `x`"), "{err}");
+        let err = parse_csv("0,a,1,1,4,cubic:1\n").unwrap_err().to_string();
+        assert!(err.contains("line 1"), "{err}");
+    }
+
+    #[test]
+    fn the_generator_is_seeded_and_mostly_small() {
+        let spec = WorkloadSpec::default();
+        let (a, b) = (generate(&spec, 1), generate(&spec, 1));
+        assert_eq!(a, b);
+        assert_ne!(a, generate(&spec, 2));
+        let single = a.iter().filter(|j| j.max_workers == 1).count();
+        assert!(single > a.len() / 3 && single < a.len() * 2 / 3, "{single} of {}", a.len());
+        assert!(a.windows(2).all(|w| w[0].submit_s <= w[1].submit_s));
+    }
+}
