@@ -10,6 +10,7 @@ mod elastic;
 mod launch;
 mod mirror;
 mod prep;
+mod sched;
 mod train;
 
 use std::path::Path;
