@@ -247,6 +247,39 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, P
         }
         let _ = writeln!(w, "</table>");
     }
+    if let Some(ranks) = &report.ranks {
+        let _ = writeln!(
+            w,
+            "<h2>Ranks</h2>\n<p>{} of {} ranks reported; slowest rank <b>{}</b>: {} more busy time (step minus \
+             comm_exposed) than the median rank, rank {}.</p>",
+            ranks.ranks.len(),
+            ranks.world_size,
+            ranks.slowest_rank,
+            crate::findings::pct(ranks.slowest_excess),
+            ranks.median_rank
+        );
+        let _ = writeln!(
+            w,
+            "<table><tr><th>rank</th><th>step ms (median)</th><th>mean</th><th>p90</th><th>busy ms</th>\
+             <th>comm_exposed ms</th><th>comm_total ms</th><th>data_wait ms</th></tr>"
+        );
+        for r in &ranks.ranks {
+            let _ = writeln!(
+                w,
+                "<tr><td class=\"l\">rank {}</td><td>{:.2}</td><td>{:.2}</td><td>{:.2}</td><td>{:.2}</td><td>{:.2}</td>\
+                 <td>{:.2}</td><td>{:.2}</td></tr>",
+                r.rank,
+                r.step_ms,
+                r.step_ms_mean,
+                r.step_ms_p90,
+                r.busy_ms,
+                r.comm_exposed_ms,
+                r.comm_total_ms,
+                r.data_wait_ms
+            );
+        }
+        let _ = writeln!(w, "</table>");
+    }
     let _ = writeln!(w, "<h2>Plots</h2><div class=\"plots\">");
     html.push_str(&line_chart("loss", "loss", &loss, RGBColor(31, 119, 180))?);
     html.push_str(&line_chart("tokens/s", "tokens/s", &speed, RGBColor(44, 160, 44))?);
