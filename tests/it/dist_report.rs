@@ -11,16 +11,24 @@ use crate::stoke;
 
 const STEPS: u64 = 60;
 
-/// Two consecutive ports that are free now (the ranks' /metrics: base and base + 1).
+/// Two consecutive ports that are free now (the ranks' /metrics: base and base + 1), below the
+/// kernel's ephemeral range, so that no port another test gets by binding port 0 (a master port)
+/// can be one of them.
 fn free_port_pair() -> u16 {
-    for _ in 0..100 {
-        let first = TcpListener::bind("127.0.0.1:0").unwrap();
-        let base = first.local_addr().unwrap().port();
-        if base < u16::MAX && TcpListener::bind(("127.0.0.1", base + 1)).is_ok() {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let ephemeral_start: u16 = range.split_whitespace().next().and_then(|p| p.parse().ok()).unwrap_or(32768);
+    assert!(ephemeral_start > 10_100, "the ephemeral port range starts at {ephemeral_start}");
+    // Start somewhere different in every process, and walk up in steps of two.
+    let span = (ephemeral_start - 10_002) / 2;
+    let first = 10_000 + 2 * (std::process::id() as u16 % span);
+    for i in 0..span {
+        let base = 10_000 + (first - 10_000 + 2 * i) % (2 * span);
+        let Ok(_a) = TcpListener::bind(("127.0.0.1", base)) else { continue };
+        if TcpListener::bind(("127.0.0.1", base + 1)).is_ok() {
             return base;
         }
     }
-    panic!("no two consecutive free ports on 127.0.0.1");
+    panic!("no two consecutive free ports on 127.0.0.1 below {ephemeral_start}");
 }
 
 /// Rank `rank` of 2, started alone (not by `stoke launch`) so that it alone gets `slow_forward`.
