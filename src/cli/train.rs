@@ -790,3 +790,20 @@ fn write_checkpoint_stats(writer: &CheckpointWriter, resume: serde_json::Value, 
     std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::metrics_port;
+
+    #[test]
+    fn each_local_rank_serves_metrics_on_the_next_port() {
+        for (base, local_rank, expected) in
+            [(9477, 0, Some(9477)), (9477, 3, Some(9480)), (0, 2, Some(0)), (65535, 0, Some(65535)), (65535, 1, None)]
+        {
+            let got = metrics_port(base, local_rank);
+            assert_eq!(got.as_ref().ok().copied(), expected, "{base} + {local_rank}: {got:?}");
+        }
+        let err = metrics_port(65000, 600).unwrap_err().to_string();
+        assert!(err.contains("prof.prometheus_port 65000") && err.contains("local rank 600"), "{err}");
+    }
+}

@@ -316,5 +316,24 @@ mod tests {
         for text in ["phase shares of the step over time", "final breakdown", "data_wait", "tokens/s"] {
             assert!(html.contains(text), "{text}");
         }
+        assert!(!html.contains("<h2>Ranks</h2>"), "one process has no ranks section");
+    }
+
+    #[test]
+    fn a_data_parallel_report_shows_its_ranks_and_the_straggler() {
+        let steps: Vec<StepSample> =
+            (1..=20).map(|i| step(i, &[(Phase::Forward, 6.0), (Phase::CommExposed, 4.0)])).collect();
+        let mut report = build_report(&facts(), &steps, 1 << 20, 0.0, &ProfConfig::default());
+        let fast = crate::RankSummary::of(0, &report);
+        let mut slow = crate::RankSummary::of(1, &report);
+        slow.busy_ms = 9.5;
+        slow.comm_exposed_ms = 0.5;
+        crate::merge_ranks(&mut report, 2, vec![fast, slow], Vec::new(), &ProfConfig::default());
+        let html = render_html(&report, &steps).unwrap();
+        for text in
+            ["<h2>Ranks</h2>", "slowest rank <b>1</b>", "<td class=\"l\">rank 1</td><td>10.00</td>", ">straggler<"]
+        {
+            assert!(html.contains(text), "{text}");
+        }
     }
 }
