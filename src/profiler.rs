@@ -2,6 +2,11 @@
 //! `trace.json`, updates the Prometheus registry behind `/metrics`, tracks peak memory, and at the
 //! end writes `report.json` and `report.html` and prints the step report. The analysis itself lives
 //! in `stoke-prof`; this is the glue between the trainer's events and it.
+//!
+//! In a data-parallel run every rank has one: rank 0's writes the files as above; the others
+//! (`Profiler::for_rank`) write nothing, serve their own `/metrics`, and at the end hand their
+//! summary and steps (`rank_report`) to rank 0, whose `finish` adds them to the trace (a
+//! process per rank) and to report.json (the `ranks` section and the straggler finding).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -9,8 +14,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use stoke_prof::{
-    build_report, render_html, ChromeTraceWriter, LiveMetrics, MachineFacts, MetricsServer, ModelFacts, ProfConfig,
-    RunFacts, RunReport, StepSample, TrainFacts,
+    build_report, merge_ranks, render_html, ChromeTraceWriter, ClockOffset, LiveMetrics, MachineFacts, MetricsServer,
+    ModelFacts, ProfConfig, RankStepReport, RankSummary, RunFacts, RunReport, StepSample, TimedStep, TrainFacts,
 };
 use stoke_train::{Observer, ObserverError, Precision, RunInfo, TrainEvent};
 
@@ -27,6 +32,11 @@ impl Peaks {
         let fp32 = stoke_train::matmul_peak_flops_cached(Precision::Fp32, device, runs_dir)?;
         let bf16 = stoke_train::matmul_peak_flops_cached(Precision::Bf16, device, runs_dir)?;
         Ok(Peaks { fp32, bf16 })
+    }
+
+    /// No measurement (0): a data-parallel rank other than 0 reports no MFU, only its times.
+    pub fn unmeasured() -> Peaks {
+        Peaks { fp32: 0.0, bf16: 0.0 }
     }
 }
 
@@ -46,16 +56,26 @@ fn sample_of(record: &stoke_train::StepRecord) -> StepSample {
 
 pub struct Profiler {
     config: ProfConfig,
-    run_dir: PathBuf,
+    /// Where the files go; None on a data-parallel rank other than 0, which writes nothing.
+    run_dir: Option<PathBuf>,
+    rank: usize,
+    world_size: usize,
     name: String,
     peaks: Peaks,
     facts: Option<RunFacts>,
     device: Option<tch::Device>,
     steps: Vec<StepSample>,
+    /// When each of `steps` started, microseconds after `run_start`.
+    starts_us: Vec<f64>,
     trace: Option<ChromeTraceWriter>,
     metrics: Arc<LiveMetrics>,
     server: Option<MetricsServer>,
+    /// Time zero of the trace: the run's start, or the common start of a data-parallel run's ranks.
     run_start: Option<Instant>,
+    /// CLOCK_MONOTONIC at `run_start` when set by `set_clock_zero`, ns.
+    clock_zero_host_ns: Option<u64>,
+    /// Rank 0 of a data-parallel run: the other ranks' clocks against this one's.
+    clock_offsets: Vec<ClockOffset>,
     peak_memory_bytes: u64,
     /// Time spent inside this observer per step event, the profiler's own cost.
     spent_ms: Vec<f64>,
@@ -63,16 +83,43 @@ pub struct Profiler {
 
 impl Profiler {
     /// Opens the outputs in `run_dir` and starts `/metrics` when enabled. A port that is taken is a
-    /// warning, not a failure: the run matters more than its live metrics.
-    pub fn new(config: &ProfConfig, run_dir: &Path, name: &str, peaks: Peaks) -> anyhow::Result<Profiler> {
-        let metrics = Arc::new(LiveMetrics::new());
+    /// warning, not a failure: the run matters more than its live metrics. `rank` and `world_size`
+    /// label the metrics (0 and 1 on one process); the writer of a data-parallel run is rank 0.
+    pub fn new(
+        config: &ProfConfig,
+        run_dir: &Path,
+        name: &str,
+        peaks: Peaks,
+        rank: usize,
+        world_size: usize,
+    ) -> anyhow::Result<Profiler> {
+        Profiler::open(config, Some(run_dir), name, peaks, rank, world_size)
+    }
+
+    /// The profiler of data-parallel rank `rank` (not 0): it writes no file, serves `/metrics` on
+    /// `config.prometheus_port` (the caller adds the local rank) and keeps what `rank_report` sends.
+    pub fn for_rank(config: &ProfConfig, name: &str, rank: usize, world_size: usize) -> anyhow::Result<Profiler> {
+        Profiler::open(config, None, name, Peaks::unmeasured(), rank, world_size)
+    }
+
+    fn open(
+        config: &ProfConfig,
+        run_dir: Option<&Path>,
+        name: &str,
+        peaks: Peaks,
+        rank: usize,
+        world_size: usize,
+    ) -> anyhow::Result<Profiler> {
+        let metrics = Arc::new(LiveMetrics::for_rank(rank, world_size));
         let mut server = None;
         if config.enabled && config.prometheus {
             match MetricsServer::start(&config.prometheus_host, config.prometheus_port, Arc::clone(&metrics)) {
                 Ok(started) => {
                     let addr = started.addr();
-                    std::fs::write(run_dir.join("metrics.addr"), format!("{addr}\n"))
-                        .with_context(|| format!("cannot write {}", run_dir.join("metrics.addr").display()))?;
+                    if let Some(run_dir) = run_dir {
+                        std::fs::write(run_dir.join("metrics.addr"), format!("{addr}\n"))
+                            .with_context(|| format!("cannot write {}", run_dir.join("metrics.addr").display()))?;
+                    }
                     eprintln!("metrics: http://{addr}/metrics");
                     server = Some(started);
                 }
@@ -82,27 +129,49 @@ impl Profiler {
                 ),
             }
         }
-        let trace = if config.enabled && config.trace {
-            let path = run_dir.join("trace.json");
-            Some(ChromeTraceWriter::create(&path, 0).with_context(|| format!("cannot write {}", path.display()))?)
-        } else {
-            None
+        let trace = match run_dir {
+            Some(run_dir) if config.enabled && config.trace => {
+                let path = run_dir.join("trace.json");
+                Some(
+                    ChromeTraceWriter::create(&path, rank as u32)
+                        .with_context(|| format!("cannot write {}", path.display()))?,
+                )
+            }
+            _ => None,
         };
         Ok(Profiler {
             config: config.clone(),
-            run_dir: run_dir.to_path_buf(),
+            run_dir: run_dir.map(Path::to_path_buf),
+            rank,
+            world_size,
             name: name.to_string(),
             peaks,
             facts: None,
             device: None,
             steps: Vec::new(),
+            starts_us: Vec::new(),
             trace,
             metrics,
             server,
             run_start: None,
+            clock_zero_host_ns: None,
+            clock_offsets: Vec::new(),
             peak_memory_bytes: 0,
             spent_ms: Vec::new(),
         })
+    }
+
+    /// Measures the trace from `zero` instead of the run's start: every rank of a data-parallel run
+    /// passes the moment it left the barrier before the first step.
+    /// `host_ns` is the host's CLOCK_MONOTONIC at that moment, when known.
+    pub fn set_clock_zero(&mut self, zero: Instant, host_ns: Option<u64>) {
+        self.run_start = Some(zero);
+        self.clock_zero_host_ns = host_ns;
+    }
+
+    /// Rank 0: how the other ranks' clocks differ from this one's (`finish` moves their steps by it).
+    pub fn set_clock_offsets(&mut self, offsets: Vec<ClockOffset>) {
+        self.clock_offsets = offsets;
     }
 
     fn started(&mut self, info: &RunInfo) {
@@ -130,7 +199,7 @@ impl Profiler {
                 micro_batch: info.micro_batch,
                 grad_accum: info.grad_accum,
                 precision: info.precision,
-                world_size: 1,
+                world_size: self.world_size,
                 recompute: info.recompute.to_string(),
                 activation_bytes_per_block: Vec::new(),
                 activation_bytes: None,
@@ -140,14 +209,14 @@ impl Profiler {
             },
             machine: MachineFacts {
                 peak_flops: peak,
-                peak_flops_fp32: Some(self.peaks.fp32),
-                peak_flops_bf16: Some(self.peaks.bf16),
+                peak_flops_fp32: Some(self.peaks.fp32).filter(|&p| p > 0.0),
+                peak_flops_bf16: Some(self.peaks.bf16).filter(|&p| p > 0.0),
                 device: device.into(),
                 memory_capacity_bytes: stoke_train::memory_capacity_bytes(info.device),
             },
         });
         self.device = Some(info.device);
-        self.run_start = Some(Instant::now());
+        self.run_start.get_or_insert_with(Instant::now);
     }
 
     fn step(&mut self, record: &stoke_train::StepRecord) -> std::io::Result<()> {
@@ -160,11 +229,12 @@ impl Profiler {
         if let Some(facts) = &self.facts {
             self.metrics.observe(&sample, record.lr, facts.model.flops_per_token, facts.machine.peak_flops);
         }
-        if let (Some(trace), Some(start)) = (&mut self.trace, self.run_start) {
-            // The record arrives as its step ends: the step began wall_ms earlier.
-            let start_us = start.elapsed().as_secs_f64() * 1e6 - record.wall_ms * 1e3;
+        // The record arrives as its step ends: the step began wall_ms earlier.
+        let start_us = self.run_start.map_or(0.0, |start| start.elapsed().as_secs_f64() * 1e6 - record.wall_ms * 1e3);
+        if let Some(trace) = &mut self.trace {
             trace.step(start_us.max(0.0), &sample)?;
         }
+        self.starts_us.push(start_us.max(0.0));
         self.steps.push(sample);
         Ok(())
     }
@@ -184,19 +254,65 @@ impl Profiler {
         Some(build_report(facts, &self.steps, self.peak_memory_bytes, total_ms, &self.config))
     }
 
-    /// Closes the trace, stops `/metrics`, writes report.json and report.html; returns the report.
-    pub fn finish(&mut self) -> anyhow::Result<Option<RunReport>> {
-        self.server = None;
-        if let Some(trace) = self.trace.take() {
-            trace.finish().with_context(|| format!("cannot write {}", self.run_dir.join("trace.json").display()))?;
+    /// What this rank sends rank 0 at the end of a data-parallel run: its own report's summary, and
+    /// its steps when the trace is on.
+    pub fn rank_report(&self) -> RankStepReport {
+        let steps = if self.config.trace {
+            self.starts_us
+                .iter()
+                .zip(&self.steps)
+                .map(|(&start_us, sample)| TimedStep { start_us, sample: sample.clone() })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        RankStepReport {
+            rank: self.rank,
+            summary: self.report().map(|r| RankSummary::of(self.rank, &r)),
+            steps,
+            clock_zero_host_ns: self.clock_zero_host_ns,
         }
-        let Some(report) = self.report() else { return Ok(None) };
+    }
+
+    /// Closes the trace, stops `/metrics`, writes report.json and report.html; returns the report.
+    /// On rank 0 of a data-parallel run `others` are the other ranks' reports (empty otherwise):
+    /// their steps go to the trace, a process per rank, and their summaries with this rank's to
+    /// report.json's `ranks` section and the straggler finding.
+    pub fn finish(&mut self, others: Vec<RankStepReport>) -> anyhow::Result<Option<RunReport>> {
+        self.server = None;
+        let Some(run_dir) = self.run_dir.clone() else { return Ok(self.report()) };
+        for offset in &mut self.clock_offsets {
+            let theirs = others.iter().find(|o| o.rank == offset.rank).and_then(|o| o.clock_zero_host_ns);
+            if let (Some(ours), Some(theirs)) = (self.clock_zero_host_ns, theirs) {
+                offset.host_clock_offset_us = Some((ours as f64 - theirs as f64) / 1e3);
+            }
+        }
+        let trace_path = run_dir.join("trace.json");
+        if let Some(mut trace) = self.trace.take() {
+            for other in &others {
+                trace.add_rank(other.rank as u32).with_context(|| format!("cannot write {}", trace_path.display()))?;
+                let offset_us = self.clock_offsets.iter().find(|c| c.rank == other.rank).map_or(0.0, |c| c.offset_us);
+                for step in &other.steps {
+                    trace
+                        .rank_step(other.rank as u32, (step.start_us - offset_us).max(0.0), &step.sample)
+                        .with_context(|| format!("cannot write {}", trace_path.display()))?;
+                }
+            }
+            trace.finish().with_context(|| format!("cannot write {}", trace_path.display()))?;
+        }
+        let Some(mut report) = self.report() else { return Ok(None) };
+        if self.world_size > 1 {
+            let summaries = std::iter::once(RankSummary::of(self.rank, &report))
+                .chain(others.into_iter().filter_map(|other| other.summary))
+                .collect();
+            merge_ranks(&mut report, self.world_size, summaries, self.clock_offsets.clone(), &self.config);
+        }
         if self.config.enabled {
-            let path = self.run_dir.join("report.json");
+            let path = run_dir.join("report.json");
             let text = serde_json::to_string_pretty(&report).expect("the report serializes");
             std::fs::write(&path, text + "\n").with_context(|| format!("cannot write {}", path.display()))?;
             if self.config.html {
-                let path = self.run_dir.join("report.html");
+                let path = run_dir.join("report.html");
                 let html = render_html(&report, &self.steps)?;
                 std::fs::write(&path, html).with_context(|| format!("cannot write {}", path.display()))?;
             }

@@ -86,7 +86,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         None
     };
     let writer = dist.as_ref().is_none_or(|d| d.rank() == 0);
-    let (config, run_dir, resume) = if args.resume {
+    let (mut config, run_dir, resume) = if args.resume {
         let (config, run_dir, loaded) = prepare_resume(&args.config, &extra, args.fallback, writer)?;
         (config, run_dir, Some(loaded))
     } else {
@@ -101,6 +101,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     if writer {
         super::launch::Heartbeat::name_run(&run_dir)?;
     }
+    config.prof.prometheus_port = metrics_port(config.prof.prometheus_port, env.local_rank)?;
     let progress = !args.quiet && writer;
     let (summary, _report, _) = train_probed(&config, &run_dir, resume, progress, stop, None, dist.as_mut())?;
     if !writer {
@@ -146,6 +147,19 @@ fn connect(config: &crate::config::StokeConfig, env: &DistEnv) -> anyhow::Result
     let comm = stoke_comm::connect(&comm_config, env)
         .with_context(|| format!("rank {} of {} cannot join the {} job", env.rank, env.world_size, dist.backend))?;
     Ok(DataParallel::new(comm))
+}
+
+/// The port of this process's `/metrics`: `prof.prometheus_port` + its local rank, so that the
+/// ranks on one machine serve side by side (0 stays 0: each picks a free port).
+fn metrics_port(base: u16, local_rank: usize) -> anyhow::Result<u16> {
+    if base == 0 {
+        return Ok(0);
+    }
+    u16::try_from(base as usize + local_rank).map_err(|_| {
+        anyhow::Error::new(UsageError(format!(
+            "prof.prometheus_port {base} + local rank {local_rank} is past the last port (65535); choose a lower prof.prometheus_port"
+        )))
+    })
 }
 
 /// The run name all ranks use: rank 0's (made up there when run.name is empty), broadcast.
@@ -493,7 +507,7 @@ fn train_inner(
     stop: &AtomicBool,
     overhead_block: Option<u64>,
     extra: Option<&mut dyn Observer>,
-    dist: Option<&mut DataParallel>,
+    mut dist: Option<&mut DataParallel>,
 ) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>, Option<Overhead>)> {
     let mut extra = MaybeObserver(extra);
     let device = stoke_train::parse_device(&config.run.device)?;
@@ -544,21 +558,13 @@ fn train_inner(
             "restore_s": restore_s,
         });
     }
-    let mut no_hooks = NoHooks;
-    let hooks: &mut dyn stoke_train::StepHooks = match dist {
-        Some(dist) => {
-            // All ranks start from rank 0's parameters (fresh or restored).
-            dist.broadcast_parameters(&trainer)?;
-            if rank != 0 {
-                // Ranks other than 0 write nothing: no checkpoints, metrics, reports or /metrics.
-                let mut heartbeat = super::launch::Heartbeat::from_env(rank);
-                let summary = trainer.run_with_hooks(source.as_mut(), &mut [&mut heartbeat], None, stop, dist)?;
-                return Ok((summary, None, None));
-            }
-            dist
+    if let Some(dist) = dist.as_deref_mut() {
+        // All ranks start from rank 0's parameters (fresh or restored).
+        dist.broadcast_parameters(&trainer)?;
+        if rank != 0 {
+            return train_other_rank(config, &mut trainer, source.as_mut(), stop, dist);
         }
-        None => &mut no_hooks,
-    };
+    }
     // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
     let peaks = Peaks::measure(device, Path::new(&config.run.dir))?;
     let meta = serde_json::json!({ "config_toml": config.to_toml(), "world_size": world_size });
@@ -575,9 +581,19 @@ fn train_inner(
     let writer = CheckpointWriter::with_mirror(store, writer_config, mirror.clone())?;
     let mut target = CheckpointTarget { writer, meta };
     let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resumed_step)?;
-    let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks)?;
+    let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks, rank, world_size)?;
     let mut bar = Progress::new(progress);
     let mut heartbeat = super::launch::Heartbeat::from_env(rank);
+    let mut no_hooks = NoHooks;
+    let hooks: &mut dyn stoke_train::StepHooks = match dist.as_deref_mut() {
+        Some(dist) => {
+            let (zero, host_ns, offsets) = start_together(dist)?;
+            profiler.set_clock_zero(zero, host_ns);
+            profiler.set_clock_offsets(offsets);
+            dist
+        }
+        None => &mut no_hooks,
+    };
     let (summary, overhead) = match overhead_block {
         Some(block) => {
             let mut probe = OverheadProbe::new(&mut profiler, block);
@@ -610,8 +626,133 @@ fn train_inner(
         }
     }
     write_checkpoint_stats(&target.writer, resume_stats, &run_dir.join("checkpoint-stats.json"))?;
-    let report = profiler.finish()?;
+    let others = match dist.as_deref() {
+        Some(dist) => gather_rank_reports(dist)?,
+        None => Vec::new(),
+    };
+    let report = profiler.finish(others)?;
     Ok((summary, report, overhead))
+}
+
+/// A data-parallel rank other than 0: it trains with its own profiler (its `/metrics`, its step
+/// report) and the launcher's heartbeat, writes nothing in the run folder, and at the end sends its
+/// report to rank 0.
+fn train_other_rank(
+    config: &StokeConfig,
+    trainer: &mut Trainer,
+    source: &mut dyn BatchSource,
+    stop: &AtomicBool,
+    dist: &mut DataParallel,
+) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>, Option<Overhead>)> {
+    let (rank, world_size) = (dist.rank(), dist.world_size());
+    let mut profiler = Profiler::for_rank(&config.prof, &config.run.name, rank, world_size)?;
+    let (zero, host_ns, _) = start_together(dist)?;
+    profiler.set_clock_zero(zero, host_ns);
+    let mut heartbeat = super::launch::Heartbeat::from_env(rank);
+    let summary = trainer.run_with_hooks(source, &mut [&mut profiler, &mut heartbeat], None, stop, dist)?;
+    let bytes = profiler.rank_report().to_bytes();
+    let comm = dist.communicator();
+    comm.send(&(bytes.len() as u64).to_le_bytes(), 0)
+        .and_then(|()| comm.send(&bytes, 0))
+        .with_context(|| format!("rank {rank}: sending its step report ({} bytes) to rank 0", bytes.len()))?;
+    // /metrics stays up until the report is delivered: the end of the run on every rank.
+    drop(profiler);
+    Ok((summary, None, None))
+}
+
+/// Ping-pongs per rank in `start_together`: the one with the shortest round trip gives the offset.
+const CLOCK_ROUNDS: usize = 16;
+
+/// The common time line of a data-parallel run's traces. Every rank leaves a barrier just before its
+/// first step and takes that instant as the zero of its own monotonic clock. The barrier releases
+/// the ranks up to a scheduler wake-up apart (milliseconds on a busy machine), so rank 0 then
+/// measures each rank's zero against its own: `CLOCK_ROUNDS` ping-pongs, each giving the rank's
+/// reading minus the midpoint of rank 0's send and receive; the round with the shortest round trip
+/// is kept (off by at most half of it). Returns the zero, the host's CLOCK_MONOTONIC then (ns; a
+/// check of the offsets when the ranks share a host) and, on rank 0, the offsets.
+fn start_together(
+    dist: &DataParallel,
+) -> anyhow::Result<(std::time::Instant, Option<u64>, Vec<stoke_prof::ClockOffset>)> {
+    let (rank, comm) = (dist.rank(), dist.communicator());
+    comm.barrier().with_context(|| format!("rank {rank}: barrier before the first step"))?;
+    let (zero, host_ns) = zero_with_host_clock();
+    let now_us = || zero.elapsed().as_secs_f64() * 1e6;
+    let context = |peer: usize| format!("rank {rank}: clock alignment with rank {peer}");
+    let mut offsets = Vec::new();
+    if rank == 0 {
+        for peer in 1..dist.world_size() {
+            let mut best = stoke_prof::ClockOffset {
+                rank: peer,
+                offset_us: 0.0,
+                round_trip_us: f64::INFINITY,
+                host_clock_offset_us: None,
+            };
+            for _ in 0..CLOCK_ROUNDS {
+                let sent = now_us();
+                comm.send(&sent.to_le_bytes(), peer).with_context(|| context(peer))?;
+                let mut reply = [0u8; 8];
+                comm.recv(&mut reply, peer).with_context(|| context(peer))?;
+                let back = now_us();
+                if back - sent < best.round_trip_us {
+                    let theirs = f64::from_le_bytes(reply);
+                    best.offset_us = theirs - (sent + back) / 2.0;
+                    best.round_trip_us = back - sent;
+                }
+            }
+            offsets.push(best);
+        }
+    } else {
+        for _ in 0..CLOCK_ROUNDS {
+            let mut ping = [0u8; 8];
+            comm.recv(&mut ping, 0).with_context(|| context(0))?;
+            comm.send(&now_us().to_le_bytes(), 0).with_context(|| context(0))?;
+        }
+    }
+    Ok((zero, host_ns, offsets))
+}
+
+/// Now, and the host's CLOCK_MONOTONIC now (ns): the midpoint of readings just before and after,
+/// retried when the process was descheduled in between (more than 10 us apart), so the two name
+/// the same moment within 5 us.
+fn zero_with_host_clock() -> (std::time::Instant, Option<u64>) {
+    let mut zero = std::time::Instant::now();
+    for _ in 0..10 {
+        let (Some(before), now, Some(after)) = (host_monotonic_ns(), std::time::Instant::now(), host_monotonic_ns())
+        else {
+            return (zero, None);
+        };
+        zero = now;
+        if after - before <= 10_000 {
+            return (zero, Some(before + (after - before) / 2));
+        }
+    }
+    (zero, None)
+}
+
+/// The host's CLOCK_MONOTONIC, ns (None if the call fails).
+fn host_monotonic_ns() -> Option<u64> {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (rc == 0).then(|| ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
+}
+
+/// Rank 0: every other rank's step report (a length, then the bytes), in rank order.
+fn gather_rank_reports(dist: &DataParallel) -> anyhow::Result<Vec<stoke_prof::RankStepReport>> {
+    let comm = dist.communicator();
+    let mut reports = Vec::with_capacity(dist.world_size().saturating_sub(1));
+    for from in 1..dist.world_size() {
+        let context = || format!("rank 0: receiving rank {from}'s step report");
+        let mut len = [0u8; 8];
+        comm.recv(&mut len, from).with_context(context)?;
+        let len = u64::from_le_bytes(len);
+        // A report is JSON of the run's steps: far below this; more is a corrupt length.
+        anyhow::ensure!(len <= 1 << 34, "rank 0: rank {from} announced a step report of {len} bytes");
+        let mut bytes = vec![0u8; len as usize];
+        comm.recv(&mut bytes, from).with_context(context)?;
+        reports.push(stoke_prof::RankStepReport::from_bytes(from, &bytes)?);
+    }
+    Ok(reports)
 }
 
 fn print_checkpoint_stats(writer: &CheckpointWriter) {
@@ -648,4 +789,21 @@ fn write_checkpoint_stats(writer: &CheckpointWriter, resume: serde_json::Value, 
     });
     std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::metrics_port;
+
+    #[test]
+    fn each_local_rank_serves_metrics_on_the_next_port() {
+        for (base, local_rank, expected) in
+            [(9477, 0, Some(9477)), (9477, 3, Some(9480)), (0, 2, Some(0)), (65535, 0, Some(65535)), (65535, 1, None)]
+        {
+            let got = metrics_port(base, local_rank);
+            assert_eq!(got.as_ref().ok().copied(), expected, "{base} + {local_rank}: {got:?}");
+        }
+        let err = metrics_port(65000, 600).unwrap_err().to_string();
+        assert!(err.contains("prof.prometheus_port 65000") && err.contains("local rank 600"), "{err}");
+    }
 }

@@ -160,7 +160,7 @@ fn metrics_scraped_over_loopback_are_valid_exposition_format() {
         std::thread::sleep(Duration::from_millis(50));
         let Ok(addr) = std::fs::read_to_string(run.join("metrics.addr")) else { continue };
         let body = stoke_prof::scrape(addr.trim().parse().unwrap()).expect("GET /metrics answers");
-        if !body.contains("stoke_steps_total 0") {
+        if !body.contains("stoke_steps_total{rank=\"0\",world=\"1\"} 0") {
             break body;
         }
     };
@@ -169,7 +169,12 @@ fn metrics_scraped_over_loopback_are_valid_exposition_format() {
     assert_eq!(child.wait().unwrap().code(), Some(75), "preempted, resumable");
     let samples = stoke_prof::validate_exposition(&body).unwrap_or_else(|e| panic!("{e}\n{body}"));
     assert!(samples >= 15, "{body}");
-    for name in ["stoke_tokens_total", "stoke_phase_seconds_total{phase=\"forward\"}", "stoke_loss", "stoke_mfu"] {
+    for name in [
+        "stoke_tokens_total{rank=\"0\",world=\"1\"}",
+        "stoke_phase_seconds_total{rank=\"0\",world=\"1\",phase=\"forward\"}",
+        "stoke_loss{rank=\"0\",world=\"1\"}",
+        "stoke_mfu",
+    ] {
         assert!(body.contains(name), "{name} missing:\n{body}");
     }
 }

@@ -5,6 +5,7 @@ mod ckpt;
 mod ckpt_crash;
 mod config_errors;
 mod dist;
+mod dist_report;
 mod doctor;
 mod elastic;
 mod launch;

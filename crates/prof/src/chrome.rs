@@ -1,5 +1,6 @@
 //! `trace.json`: a Chrome trace (the Trace Event Format that Perfetto and chrome://tracing open)
-//! with one span per step and one per phase per step, per rank.
+//! with one span per step and one per phase per step, per rank: each rank is a process (`pid` = rank,
+//! named "rank N") with a steps, a phases and a comm_total thread.
 //!
 //! The trainer reports a step's phases as sums (a step with several micro-batches alternates
 //! data_wait, h2d, forward and backward), so phase spans are laid end to end in loop order inside
@@ -21,6 +22,8 @@ const TID_COMM: u32 = 2;
 pub struct ChromeTraceWriter {
     out: BufWriter<File>,
     rank: u32,
+    /// No event written yet (the next one needs no comma).
+    first: bool,
 }
 
 fn json_str(s: &str) -> String {
@@ -31,43 +34,65 @@ impl ChromeTraceWriter {
     /// Creates `path` and writes the header and the names of rank `rank`'s tracks.
     pub fn create(path: &Path, rank: u32) -> std::io::Result<ChromeTraceWriter> {
         // A large buffer: one write system call per few thousand steps, not per step.
-        let mut out = BufWriter::with_capacity(1 << 20, File::create(path)?);
-        write!(out, "{{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")?;
-        let meta = |name: &str, tid: u32, value: &str| {
-            format!(
-                "{{\"name\":{},\"ph\":\"M\",\"pid\":{rank},\"tid\":{tid},\"args\":{{\"name\":{}}}}}",
-                json_str(name),
-                json_str(value)
-            )
+        let out = BufWriter::with_capacity(1 << 20, File::create(path)?);
+        let mut writer = ChromeTraceWriter { out, rank, first: true };
+        write!(writer.out, "{{\"displayTimeUnit\":\"ms\",\"traceEvents\":[")?;
+        writer.add_rank(rank)?;
+        Ok(writer)
+    }
+
+    /// Names the tracks of rank `rank` (its process, "rank N", with the steps, phases and
+    /// comm_total threads), so that events written with `rank_step` show on their own rows.
+    pub fn add_rank(&mut self, rank: u32) -> std::io::Result<()> {
+        let meta = |name: &str, tid: u32, args: String| {
+            format!("{{\"name\":{},\"ph\":\"M\",\"pid\":{rank},\"tid\":{tid},\"args\":{args}}}", json_str(name))
         };
-        write!(out, "\n{}", meta("process_name", 0, &format!("rank {rank}")))?;
-        write!(out, ",\n{}", meta("thread_name", TID_STEPS, "steps"))?;
-        write!(out, ",\n{}", meta("thread_name", TID_PHASES, "phases"))?;
-        write!(out, ",\n{}", meta("thread_name", TID_COMM, "comm_total"))?;
-        Ok(ChromeTraceWriter { out, rank })
+        let named = |value: &str| format!("{{\"name\":{}}}", json_str(value));
+        for event in [
+            meta("process_name", 0, named(&format!("rank {rank}"))),
+            // Perfetto orders processes by this index: rank order.
+            meta("process_sort_index", 0, format!("{{\"sort_index\":{rank}}}")),
+            meta("thread_name", TID_STEPS, named("steps")),
+            meta("thread_name", TID_PHASES, named("phases")),
+            meta("thread_name", TID_COMM, named("comm_total")),
+        ] {
+            self.event(&event)?;
+        }
+        Ok(())
     }
 
-    fn span(&mut self, name: &str, tid: u32, ts_us: f64, dur_us: f64, step: u64) -> std::io::Result<()> {
-        write!(
-            self.out,
-            ",\n{{\"name\":{},\"cat\":\"stoke\",\"ph\":\"X\",\"ts\":{ts_us:.3},\"dur\":{dur_us:.3},\"pid\":{},\"tid\":{tid},\"args\":{{\"step\":{step}}}}}",
-            json_str(name),
-            self.rank
-        )
+    fn event(&mut self, event: &str) -> std::io::Result<()> {
+        let sep = if std::mem::take(&mut self.first) { "" } else { "," };
+        write!(self.out, "{sep}\n{event}")
     }
 
-    /// Writes a step that started `start_us` microseconds after the run began.
+    fn span(&mut self, pid: u32, name: &str, tid: u32, ts_us: f64, dur_us: f64, step: u64) -> std::io::Result<()> {
+        let event = format!(
+            "{{\"name\":{},\"cat\":\"stoke\",\"ph\":\"X\",\"ts\":{ts_us:.3},\"dur\":{dur_us:.3},\"pid\":{pid},\"tid\":{tid},\"args\":{{\"step\":{step}}}}}",
+            json_str(name)
+        );
+        self.event(&event)
+    }
+
+    /// Writes a step of this writer's rank that started `start_us` microseconds after the run began.
     pub fn step(&mut self, start_us: f64, sample: &StepSample) -> std::io::Result<()> {
-        self.span(&format!("step {}", sample.step), TID_STEPS, start_us, sample.wall_ms * 1e3, sample.step)?;
+        self.rank_step(self.rank, start_us, sample)
+    }
+
+    /// Writes a step of rank `rank` (named first with `add_rank`) that started `start_us`
+    /// microseconds after the run's common start: every rank measures from the moment it left the
+    /// barrier before the first step, on its own monotonic clock.
+    pub fn rank_step(&mut self, rank: u32, start_us: f64, sample: &StepSample) -> std::io::Result<()> {
+        self.span(rank, &format!("step {}", sample.step), TID_STEPS, start_us, sample.wall_ms * 1e3, sample.step)?;
         let mut ts = start_us;
         for (phase, ms) in sample.phases.iter() {
             if ms > 0.0 {
-                self.span(phase.name(), TID_PHASES, ts, ms * 1e3, sample.step)?;
+                self.span(rank, phase.name(), TID_PHASES, ts, ms * 1e3, sample.step)?;
                 ts += ms * 1e3;
             }
         }
         if sample.comm_total_ms > 0.0 {
-            self.span("comm_total", TID_COMM, start_us, sample.comm_total_ms * 1e3, sample.step)?;
+            self.span(rank, "comm_total", TID_COMM, start_us, sample.comm_total_ms * 1e3, sample.step)?;
         }
         Ok(())
     }
@@ -144,6 +169,38 @@ mod tests {
         assert_eq!(validate_chrome_trace(&text).unwrap(), 18);
         let loaded = crate::load_trace(&path).expect("the Kineto ingester parses it");
         assert_eq!(loaded.events.len(), 18);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn each_rank_gets_its_own_named_process() {
+        let dir = std::env::temp_dir().join(format!("stoke-chrome-ranks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("trace.json");
+        let mut writer = ChromeTraceWriter::create(&path, 0).unwrap();
+        let s = step(1, &[(Phase::Forward, 2.0), (Phase::CommExposed, 1.0)]);
+        writer.step(0.0, &s).unwrap();
+        for rank in [1, 2] {
+            writer.add_rank(rank).unwrap();
+            writer.rank_step(rank, 10.0 * rank as f64, &s).unwrap();
+        }
+        writer.finish().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        // Per rank: the step span and two phases.
+        assert_eq!(validate_chrome_trace(&text).unwrap(), 9);
+        let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let events = value["traceEvents"].as_array().unwrap();
+        for rank in 0..3u64 {
+            let name = events
+                .iter()
+                .find(|e| e["name"] == "process_name" && e["pid"] == rank)
+                .map(|e| e["args"]["name"].as_str().unwrap().to_string());
+            assert_eq!(name.as_deref(), Some(format!("rank {rank}").as_str()));
+            let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X" && e["pid"] == rank).collect();
+            let names: Vec<&str> = spans.iter().map(|e| e["name"].as_str().unwrap()).collect();
+            assert_eq!(names, ["step 1", "forward", "comm_exposed"], "rank {rank}");
+            assert_eq!(spans[0]["ts"].as_f64().unwrap(), 10.0 * rank as f64);
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

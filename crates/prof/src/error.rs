@@ -15,4 +15,7 @@ pub enum ProfError {
     /// `validate_exposition` rejected a Prometheus text exposition.
     #[error("not valid Prometheus exposition format: {reason}")]
     InvalidExposition { reason: String },
+    /// What a rank sent rank 0 at the end of a data-parallel run is not a rank report.
+    #[error("the step report rank {rank} sent cannot be read: {reason}")]
+    RankReport { rank: usize, reason: String },
 }

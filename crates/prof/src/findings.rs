@@ -1,7 +1,8 @@
 //! One finding type and one table of rules for both analyses: the step report (`stoke doctor`,
 //! every `stoke train`) and the trace analyzer (`stoke trace`). A rule's id, scope, cause and fix
 //! live here; the code that measures each rule's evidence lives with the numbers it reads
-//! (`rules.rs` for a run's step report, `trace/diagnose.rs` and `trace/ranks.rs` for traces).
+//! (`rules.rs` for a run's step report, `ranks.rs` for a data-parallel run's ranks,
+//! `trace/diagnose.rs` and `trace/ranks.rs` for traces).
 //!
 //! Ids shared by both analyses mean the same thing (`data_wait`, `comm_exposed`, `ckpt_stall`,
 //! `low_compute_ratio`, `memory_pressure`, `step_outliers`, `small_batch`); their cause and fix are
@@ -49,7 +50,7 @@ pub enum Scope {
     StepReport,
     /// One rank's PyTorch profiler trace.
     Trace,
-    /// The traces of several ranks together.
+    /// Several ranks together: their traces, or the step reports of a data-parallel run's ranks.
     CrossRank,
 }
 
@@ -88,6 +89,7 @@ pub enum RuleId {
     TraceSmallBatch,
     StragglerSlowSteps,
     StragglerLastArrival,
+    StepStraggler,
 }
 
 impl RuleId {
@@ -104,7 +106,7 @@ use RuleId as R;
 use Scope::{CrossRank, StepReport, Trace};
 
 /// The table, in `RuleId` order.
-pub const RULES: [Rule; 22] = [
+pub const RULES: [Rule; 23] = [
     row(
         R::StepDataWait,
         "data_wait",
@@ -265,6 +267,16 @@ pub const RULES: [Rule; 22] = [
         CrossRank,
         "this rank reaches collectives last; the others wait for it",
         "look at what this rank does before its collectives (data loading, extra work, a slow host)",
+    ),
+    row(
+        R::StepStraggler,
+        "straggler",
+        CrossRank,
+        "one rank works longer per step than the others, and every gradient all-reduce waits for it: the \
+         others spend the difference in comm_exposed",
+        "compare the ranks' phases in report.json's ranks section (a larger data_wait: that rank's loader or \
+         storage; larger forward/backward: a slower or busier core, fewer threads); keep other work off that \
+         rank's cores, or give every rank the same train.threads",
     ),
 ];
 

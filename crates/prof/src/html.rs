@@ -247,6 +247,39 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, P
         }
         let _ = writeln!(w, "</table>");
     }
+    if let Some(ranks) = &report.ranks {
+        let _ = writeln!(
+            w,
+            "<h2>Ranks</h2>\n<p>{} of {} ranks reported; slowest rank <b>{}</b>: {} more busy time (step minus \
+             comm_exposed) than the median rank, rank {}.</p>",
+            ranks.ranks.len(),
+            ranks.world_size,
+            ranks.slowest_rank,
+            crate::findings::pct(ranks.slowest_excess),
+            ranks.median_rank
+        );
+        let _ = writeln!(
+            w,
+            "<table><tr><th>rank</th><th>step ms (median)</th><th>mean</th><th>p90</th><th>busy ms</th>\
+             <th>comm_exposed ms</th><th>comm_total ms</th><th>data_wait ms</th></tr>"
+        );
+        for r in &ranks.ranks {
+            let _ = writeln!(
+                w,
+                "<tr><td class=\"l\">rank {}</td><td>{:.2}</td><td>{:.2}</td><td>{:.2}</td><td>{:.2}</td><td>{:.2}</td>\
+                 <td>{:.2}</td><td>{:.2}</td></tr>",
+                r.rank,
+                r.step_ms,
+                r.step_ms_mean,
+                r.step_ms_p90,
+                r.busy_ms,
+                r.comm_exposed_ms,
+                r.comm_total_ms,
+                r.data_wait_ms
+            );
+        }
+        let _ = writeln!(w, "</table>");
+    }
     let _ = writeln!(w, "<h2>Plots</h2><div class=\"plots\">");
     html.push_str(&line_chart("loss", "loss", &loss, RGBColor(31, 119, 180))?);
     html.push_str(&line_chart("tokens/s", "tokens/s", &speed, RGBColor(44, 160, 44))?);
@@ -281,6 +314,25 @@ mod tests {
         let html = render_html(&report, &steps).unwrap();
         assert_eq!(html.matches("<svg").count(), 4);
         for text in ["phase shares of the step over time", "final breakdown", "data_wait", "tokens/s"] {
+            assert!(html.contains(text), "{text}");
+        }
+        assert!(!html.contains("<h2>Ranks</h2>"), "one process has no ranks section");
+    }
+
+    #[test]
+    fn a_data_parallel_report_shows_its_ranks_and_the_straggler() {
+        let steps: Vec<StepSample> =
+            (1..=20).map(|i| step(i, &[(Phase::Forward, 6.0), (Phase::CommExposed, 4.0)])).collect();
+        let mut report = build_report(&facts(), &steps, 1 << 20, 0.0, &ProfConfig::default());
+        let fast = crate::RankSummary::of(0, &report);
+        let mut slow = crate::RankSummary::of(1, &report);
+        slow.busy_ms = 9.5;
+        slow.comm_exposed_ms = 0.5;
+        crate::merge_ranks(&mut report, 2, vec![fast, slow], Vec::new(), &ProfConfig::default());
+        let html = render_html(&report, &steps).unwrap();
+        for text in
+            ["<h2>Ranks</h2>", "slowest rank <b>1</b>", "<td class=\"l\">rank 1</td><td>10.00</td>", ">straggler<"]
+        {
             assert!(html.contains(text), "{text}");
         }
     }

@@ -5,6 +5,9 @@
 //! `stoke_steps_total`, `stoke_tokens_total`, `stoke_phase_seconds_total{phase}` (additive phases),
 //! `stoke_comm_seconds_total`, `stoke_step_seconds`, `stoke_loss`, `stoke_learning_rate`,
 //! `stoke_tokens_per_second`, `stoke_effective_compute_ratio`, `stoke_mfu`, `stoke_memory_peak_bytes`.
+//! Every series carries the labels `rank` and `world` (`rank="0",world="1"` on one process): in a
+//! data-parallel run each rank serves its own endpoint, and a scraper that reads them all keeps the
+//! ranks apart by these labels.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -49,8 +52,15 @@ impl Default for LiveMetrics {
 }
 
 impl LiveMetrics {
+    /// The metrics of a single-process run (rank 0 of 1).
     pub fn new() -> LiveMetrics {
-        let mut registry = Registry::default();
+        LiveMetrics::for_rank(0, 1)
+    }
+
+    /// The metrics of rank `rank` of a `world_size`-process run.
+    pub fn for_rank(rank: usize, world_size: usize) -> LiveMetrics {
+        let labels = [("rank", rank.to_string()), ("world", world_size.to_string())];
+        let mut registry = Registry::with_labels(labels.into_iter().map(|(k, v)| (k.into(), v.into())));
         let m = LiveMetrics {
             steps: Counter::default(),
             tokens: Counter::default(),
@@ -308,9 +318,19 @@ mod tests {
         let body = scrape(server.addr()).unwrap();
         let samples = validate_exposition(&body).unwrap_or_else(|e| panic!("{e}\n{body}"));
         assert!(samples >= 9 + 10, "{body}");
-        assert!(body.contains("stoke_steps_total 3"), "{body}");
-        assert!(body.contains("stoke_phase_seconds_total{phase=\"backward\"} 0.009"), "{body}");
+        assert!(body.contains("stoke_steps_total{rank=\"0\",world=\"1\"} 3"), "{body}");
+        assert!(body.contains("stoke_phase_seconds_total{rank=\"0\",world=\"1\",phase=\"backward\"} 0.009"), "{body}");
         drop(server);
+        // A rank of a data-parallel run labels every series with its rank and the world size.
+        let metrics = LiveMetrics::for_rank(2, 3);
+        metrics.observe(&step(1, &[(Phase::Forward, 2.0)]), 1e-3, 6e5, 1e12);
+        let body = metrics.encode();
+        validate_exposition(&body).unwrap_or_else(|e| panic!("{e}\n{body}"));
+        let samples: Vec<&str> = body.lines().filter(|l| !l.starts_with('#') && !l.is_empty()).collect();
+        assert!(samples.len() >= 9 + 10, "{body}");
+        for sample in samples {
+            assert!(sample.contains("rank=\"2\",world=\"3\""), "{sample}");
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ProfError;
 use crate::findings::{amdahl, Finding};
+use crate::ranks::RanksReport;
 use crate::stats::{median, tokens_per_s as tokens_per_s_fn, Spread};
 use crate::vocab::{Phase, PhaseTimes, Precision};
 
@@ -148,6 +149,9 @@ pub struct ProfConfig {
     pub batch_mfu_min: f64,
     /// ...and a micro-batch holds fewer tokens than this (micro_batch x seq_len). Default 8192.
     pub batch_tokens_small: u64,
+    /// Rule straggler (data-parallel runs): fires when the slowest rank's busy time per step (step
+    /// minus comm_exposed) exceeds the median rank's by more than this share. Default 0.2.
+    pub straggler_min: f64,
 }
 
 impl Default for ProfConfig {
@@ -172,6 +176,7 @@ impl Default for ProfConfig {
             outlier_fraction_max: 0.01,
             batch_mfu_min: 0.3,
             batch_tokens_small: 8192,
+            straggler_min: 0.20,
         }
     }
 }
@@ -194,7 +199,11 @@ impl ProfConfig {
                 return invalid(key, format!("must be a share between 0 and 1; got {value}"));
             }
         }
-        for (key, value) in [("bf16_speedup_min", self.bf16_speedup_min), ("outlier_sigma", self.outlier_sigma)] {
+        for (key, value) in [
+            ("bf16_speedup_min", self.bf16_speedup_min),
+            ("outlier_sigma", self.outlier_sigma),
+            ("straggler_min", self.straggler_min),
+        ] {
             if !(value.is_finite() && value > 0.0) {
                 return invalid(key, format!("must be a finite number > 0; got {value}"));
             }
@@ -247,6 +256,9 @@ pub struct RunReport {
     pub profiler_overhead_ms: f64,
     /// Findings, largest bound first.
     pub findings: Vec<Finding>,
+    /// A data-parallel run's ranks (rank 0's merged report only; absent on one process).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<RanksReport>,
     pub model: ModelFacts,
     pub train: TrainFacts,
     pub machine: MachineFacts,
@@ -339,6 +351,7 @@ pub(crate) fn measure_report(
         amdahl,
         profiler_overhead_ms: profiler_ms / steps.len().max(1) as f64,
         findings: Vec::new(),
+        ranks: None,
         model: facts.model.clone(),
         train: facts.train.clone(),
         machine: facts.machine.clone(),
@@ -421,6 +434,9 @@ impl RunReport {
             self.profiler_overhead_ms,
             if self.step_ms > 0.0 { 100.0 * self.profiler_overhead_ms / self.step_ms } else { 0.0 }
         );
+        if let Some(ranks) = &self.ranks {
+            out.push_str(&ranks.render_text());
+        }
         if self.findings.is_empty() {
             let _ = writeln!(out, "findings: none");
         } else {
