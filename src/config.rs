@@ -36,12 +36,57 @@ pub struct DistConfig {
     pub timeout_s: f64,
     /// Folder for the shm backend's shared-memory segments (a tmpfs). Default "/dev/shm".
     pub shm_dir: String,
+    /// Size of a gradient bucket in MiB: consecutive units, in backward order, reduced as one
+    /// message as soon as all their gradients are final. Default 25.
+    pub bucket_mb: f64,
+    /// Size of the first bucket in MiB (the last units: smaller, so the reduction starts early).
+    /// Default 1.
+    pub first_bucket_mb: f64,
+    /// Reduce each bucket while backward goes on (true), or only after backward has finished
+    /// (false: the reference the overlap is measured against). Default true.
+    pub overlap: bool,
 }
 
 impl Default for DistConfig {
     fn default() -> Self {
-        DistConfig { backend: "shm".into(), timeout_s: 300.0, shm_dir: "/dev/shm".into() }
+        DistConfig {
+            backend: "shm".into(),
+            timeout_s: 300.0,
+            shm_dir: "/dev/shm".into(),
+            bucket_mb: 25.0,
+            first_bucket_mb: 1.0,
+            overlap: true,
+        }
     }
+}
+
+impl DistConfig {
+    /// The trainer's data-parallel settings.
+    pub fn data_parallel(&self) -> stoke_train::DataParallelConfig {
+        let bytes = |mib: f64| (mib * 1024.0 * 1024.0).round() as u64;
+        stoke_train::DataParallelConfig {
+            buckets: stoke_train::BucketSizes { first_bytes: bytes(self.first_bucket_mb), bytes: bytes(self.bucket_mb) },
+            overlap: self.overlap,
+        }
+    }
+}
+
+/// Keys that may differ between the ranks of one job: per-process or per-node resources (threads,
+/// loader threads, the cache, the shm folder), what only rank 0 does (profiling), and the run
+/// name, which rank 0 decides for all.
+fn per_rank_key(key: &str) -> bool {
+    key.starts_with("prof.")
+        || matches!(
+            key,
+            "run.name"
+                | "train.threads"
+                | "train.host_memory"
+                | "data.workers"
+                | "data.prefetch"
+                | "data.cache_dir"
+                | "data.cache_budget_bytes"
+                | "dist.shm_dir"
+        )
 }
 
 /// `[run]`: naming and placement.
@@ -369,6 +414,14 @@ impl StokeConfig {
         if self.data.prefetch == 0 {
             return Err(ConfigError::Invalid { key: "data.prefetch".into(), message: "must be at least 1".into() });
         }
+        for (key, mib) in [("dist.bucket_mb", self.dist.bucket_mb), ("dist.first_bucket_mb", self.dist.first_bucket_mb)] {
+            if !(mib.is_finite() && mib > 0.0 && mib <= 1024.0 * 1024.0) {
+                return Err(ConfigError::Invalid {
+                    key: key.into(),
+                    message: format!("must be a positive number of MiB; got {mib}"),
+                });
+            }
+        }
         if self.ckpt.host_buffers == 0 {
             return Err(ConfigError::Invalid { key: "ckpt.host_buffers".into(), message: "must be at least 1".into() });
         }
@@ -392,6 +445,20 @@ impl StokeConfig {
         let mut keys: Vec<String> = a.into_iter().filter(|(k, v)| b.get(k) != Some(v)).map(|(k, _)| k).collect();
         keys.sort();
         keys
+    }
+
+    /// What every rank of a data-parallel job must agree on, as `key = value` entries: every key
+    /// but the per-rank ones, the model's resolved shape and its parameter count.
+    pub fn agreement_entries(&self) -> Vec<(String, String)> {
+        let mut leaves = Vec::new();
+        flatten(&toml::Table::try_from(self).expect("a config serializes"), "", &mut leaves);
+        let mut entries: Vec<(String, String)> =
+            leaves.into_iter().filter(|(k, _)| !per_rank_key(k)).map(|(k, v)| (k, v.to_string())).collect();
+        if let Ok(shape) = self.model.shape() {
+            entries.push(("model.shape".into(), format!("{shape:?}")));
+            entries.push(("model.n_params".into(), shape.n_params().to_string()));
+        }
+        entries
     }
 
     pub fn to_toml(&self) -> String {

@@ -77,7 +77,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let vars: std::collections::HashMap<String, String> = std::env::vars().collect();
     let env = DistEnv::from_vars(&vars).context("reading the launcher's rank and world variables")?;
     let mut dist = if env.world_size > 1 {
-        let mut dist = connect(&args.config.load(&extra)?, &env)?;
+        let config = args.config.load(&extra)?;
+        let mut dist = connect(&config, &env)?;
+        check_agreement(&dist, &config)?;
         // Every rank must train in the same run folder: rank 0 names it.
         let name = agree_run_name(&mut dist, &args.config, &extra, args.resume)?;
         extra.push(format!("run.name={}", toml::Value::String(name)));
@@ -146,7 +148,16 @@ fn connect(config: &crate::config::StokeConfig, env: &DistEnv) -> anyhow::Result
     }
     let comm = stoke_comm::connect(&comm_config, env)
         .with_context(|| format!("rank {} of {} cannot join the {} job", env.rank, env.world_size, dist.backend))?;
-    Ok(DataParallel::new(comm))
+    Ok(DataParallel::new(comm, dist.data_parallel()))
+}
+
+/// The start-up check: every rank must run the same model and configuration (but for per-rank
+/// keys); a mismatch fails every rank with exit code 2, naming the ranks and keys that differ.
+fn check_agreement(dist: &DataParallel, config: &StokeConfig) -> anyhow::Result<()> {
+    match dist.check_agreement(&config.agreement_entries()) {
+        Err(e @ stoke_train::TrainError::RanksDisagree { .. }) => Err(UsageError(e.to_string()).into()),
+        other => Ok(other?),
+    }
 }
 
 /// The port of this process's `/metrics`: `prof.prometheus_port` + its local rank, so that the
@@ -561,6 +572,16 @@ fn train_inner(
     if let Some(dist) = dist.as_deref_mut() {
         // All ranks start from rank 0's parameters (fresh or restored).
         dist.broadcast_parameters(&trainer)?;
+        let how = format!(
+            "{} ranks over {}, overlap {}",
+            dist.world_size(),
+            dist.communicator().backend(),
+            if dist.config().overlap { "on" } else { "off" }
+        );
+        let plan = dist.plan(trainer.model().params());
+        if rank == 0 {
+            println!("data parallel: {how}; gradients in {plan}");
+        }
         if rank != 0 {
             return train_other_rank(config, &mut trainer, source.as_mut(), stop, dist);
         }

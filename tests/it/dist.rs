@@ -1,9 +1,11 @@
 //! Data-parallel training with real processes over loopback: 1, 2 and 3 ranks on the same global
-//! batch give the same fp32 losses, and a killed rank stops the others with an error naming it.
+//! batch give the same fp32 losses (started by `stoke launch`, `mpirun` and `srun`), gradient
+//! buckets with and without overlap give identical losses, ranks with differing configurations are
+//! refused at start, and a killed rank stops the others with an error naming it.
 
 use std::net::TcpListener;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::{losses, run_ok, stoke};
@@ -35,30 +37,213 @@ fn refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
 
+/// Buckets small enough that the model above has several (its gradients are about 0.5 MiB).
+const SMALL_BUCKETS: &[&str] = &["dist.first_bucket_mb=0.03", "dist.bucket_mb=0.1"];
+
+/// One process on the global batch of 6 rows for 20 steps: the trajectory every data-parallel
+/// run of these tests must follow.
+fn reference_losses(dir: &Path) -> Vec<(u64, f64)> {
+    let one = overrides(dir, "one", &["train.steps=20", "train.micro_batch=6"]);
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
+    let reference = losses(&dir.join("one"));
+    assert_eq!(reference.len(), 20, "{reference:?}");
+    reference
+}
+
+/// Asserts `run`'s losses equal `reference` within 1e-5 relative at every step, and that rank 0
+/// alone wrote its metrics (with the step's communication time).
+fn assert_same_trajectory(reference: &[(u64, f64)], run: &Path, what: &str, output: &Output) {
+    let got = losses(run);
+    assert_eq!(
+        got.len(),
+        reference.len(),
+        "{what}: {got:?}\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut worst = 0.0f64;
+    for (&(step_a, a), &(step_b, b)) in reference.iter().zip(&got) {
+        assert_eq!(step_a, step_b);
+        let rel = (a - b).abs() / a.abs();
+        worst = worst.max(rel);
+        assert!(rel <= 1e-5, "{what}, step {step_a}: loss {b} vs one process {a} (relative {rel:e})");
+    }
+    println!("{what}: largest relative loss difference over {} steps {worst:e}", got.len());
+    // Only rank 0 writes the run's files; the other ranks' metrics would be a second writer.
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert!(metrics.lines().all(|l| l.contains("\"comm_total_ms\"")), "{metrics}");
+}
+
+/// The number of buckets the run's log line reports (`... gradients in N buckets ...`).
+fn buckets_reported(stdout: &[u8]) -> usize {
+    let text = String::from_utf8_lossy(stdout);
+    let line = text.lines().find(|l| l.contains("data parallel: ")).unwrap_or_else(|| panic!("no layout line: {text}"));
+    let after = line.split("gradients in ").nth(1).unwrap_or_else(|| panic!("{line}"));
+    after.split(' ').next().unwrap().parse().unwrap_or_else(|_| panic!("{line}"))
+}
+
 #[test]
 fn one_two_and_three_ranks_give_the_same_losses() {
     let dir = tempfile::tempdir().unwrap();
-    let steps = "train.steps=20";
-    let one = overrides(dir.path(), "one", &[steps, "train.micro_batch=6"]);
-    run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
-    let reference = losses(&dir.path().join("one"));
-    assert_eq!(reference.len(), 20, "{reference:?}");
-    for (nproc, micro_batch, name) in [("2", "train.micro_batch=3", "two"), ("3", "train.micro_batch=2", "three")] {
-        let args = overrides(dir.path(), name, &[steps, micro_batch]);
+    let reference = reference_losses(dir.path());
+    // Two ranks with the default buckets (one bucket for this model), three with several.
+    for (nproc, micro_batch, name, buckets) in
+        [("2", "train.micro_batch=3", "two", &[][..]), ("3", "train.micro_batch=2", "three", SMALL_BUCKETS)]
+    {
+        let mut extra = vec!["train.steps=20", micro_batch];
+        extra.extend_from_slice(buckets);
+        let args = overrides(dir.path(), name, &extra);
         let out = run_ok(&mut stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)));
-        let got = losses(&dir.path().join(name));
-        assert_eq!(got.len(), 20, "{name}: {got:?}\n{}", String::from_utf8_lossy(&out.stdout));
-        let mut worst = 0.0f64;
-        for (&(step_a, a), &(step_b, b)) in reference.iter().zip(&got) {
-            assert_eq!(step_a, step_b);
-            let rel = (a - b).abs() / a.abs();
-            worst = worst.max(rel);
-            assert!(rel <= 1e-5, "{nproc} ranks, step {step_a}: loss {b} vs one process {a} (relative {rel:e})");
+        assert_same_trajectory(&reference, &dir.path().join(name), &format!("{nproc} ranks"), &out);
+        let n_buckets = buckets_reported(&out.stdout);
+        assert_eq!(n_buckets > 1, !buckets.is_empty(), "{nproc} ranks: {n_buckets} buckets");
+    }
+}
+
+#[test]
+fn buckets_with_overlap_off_give_identical_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut runs = Vec::new();
+    for (overlap, name) in [("dist.overlap=true", "on"), ("dist.overlap=false", "off")] {
+        let mut extra = vec!["train.steps=10", "train.micro_batch=3", overlap];
+        extra.extend_from_slice(SMALL_BUCKETS);
+        let args = overrides(dir.path(), name, &extra);
+        let out = run_ok(&mut stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &refs(&args)));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains(&format!("overlap {name}")), "{text}");
+        assert!(buckets_reported(&out.stdout) > 1, "{text}");
+        runs.push(losses(&dir.path().join(name)));
+    }
+    assert_eq!(runs[0].len(), 10);
+    // The same buckets reduced in the same order: the same bits, whenever they are sent.
+    assert_eq!(runs[0], runs[1], "overlap on vs off");
+}
+
+/// Starts two ranks whose command lines differ by `rank1_extra` on rank 1, and checks both fail
+/// with exit code 2 naming rank 1, the section and the key.
+fn check_refused(rank1_extra: &str, section: &str, key: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let base = overrides(dir.path(), "refused", &["train.steps=5", "train.micro_batch=3", "dist.timeout_s=60"]);
+    let mut rank1 = base.clone();
+    rank1.push(rank1_extra.to_string());
+    let mut workers = [worker(0, 2, port, &base), worker(1, 2, port, &rank1)];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (rank, w) in workers.iter_mut().enumerate() {
+        let status = wait_until(w, deadline, rank);
+        let mut err = String::new();
+        std::io::Read::read_to_string(w.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert_eq!(status.code(), Some(2), "rank {rank} with rank 1 given {rank1_extra}: {err}");
+        for needle in ["rank 1 differs from rank 0", &format!("[{section}]"), key] {
+            assert!(err.contains(needle), "rank {rank}'s error lacks `{needle}`: {err}");
         }
-        println!("{nproc} ranks: largest relative loss difference over 20 steps {worst:e}");
-        // Only rank 0 writes the run's files; the other ranks' metrics would be a second writer.
-        let metrics = std::fs::read_to_string(dir.path().join(name).join("metrics.jsonl")).unwrap();
-        assert!(metrics.lines().all(|l| l.contains("\"comm_total_ms\"")), "{metrics}");
+    }
+    assert!(!dir.path().join("refused").join("metrics.jsonl").exists(), "a refused job trained");
+}
+
+#[test]
+fn ranks_with_another_model_or_config_are_refused_at_start() {
+    check_refused("model.d_model=128", "model", "model.d_model = 128 (rank 0: 64)");
+    check_refused("train.lr=0.003", "train", "train.lr = 0.003 (rank 0: 0.002)");
+}
+
+fn wait_until(w: &mut Child, deadline: Instant, rank: usize) -> std::process::ExitStatus {
+    loop {
+        if let Some(status) = w.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = w.kill();
+            panic!("rank {rank} hangs");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Adds `mpirun`'s flags for this machine: more ranks than cores, and root in CI containers.
+fn mpirun(np: &str) -> Command {
+    let mut cmd = Command::new("timeout");
+    cmd.args(["300", "mpirun", "-np", np, "--oversubscribe"]);
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        cmd.arg("--allow-run-as-root");
+    }
+    cmd
+}
+
+#[test]
+fn mpirun_two_ranks_follow_one_process() {
+    if !stoke_comm::Backend::Mpi.is_built() {
+        // `cargo xtask test` builds with it (and installs Open MPI); a plain `cargo test` does not.
+        eprintln!("SKIPPED: this build lacks stoke-comm/mpi (cargo xtask test builds it)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let reference = reference_losses(dir.path());
+    let args = overrides(dir.path(), "mpi", &["train.steps=20", "train.micro_batch=3", "dist.backend=\"mpi\""]);
+    let mut cmd = mpirun("2");
+    cmd.arg(env!("CARGO_BIN_EXE_stoke")).args(["train", "--quiet"]);
+    for o in &args {
+        cmd.arg("--set").arg(o);
+    }
+    let out = run_ok(&mut cmd);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("2 ranks over mpi"), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_same_trajectory(&reference, &dir.path().join("mpi"), "mpirun -np 2 (mpi)", &out);
+}
+
+/// A single-node Slurm cluster from `scripts/slurm-local.sh`, stopped however the test ends.
+struct SlurmCluster {
+    state: PathBuf,
+}
+
+impl SlurmCluster {
+    fn script() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/slurm-local.sh")
+    }
+
+    fn start(state: PathBuf) -> SlurmCluster {
+        let cluster = SlurmCluster { state };
+        // Its own ports, apart from stoke-comm's Slurm test (16817).
+        let out = Command::new(Self::script())
+            .arg("start")
+            .env("STOKE_SLURM_STATE", &cluster.state)
+            .env("STOKE_SLURM_PORT", "16837")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "slurm-local.sh start failed: {}", String::from_utf8_lossy(&out.stderr));
+        cluster
+    }
+}
+
+impl Drop for SlurmCluster {
+    fn drop(&mut self) {
+        let _ = Command::new(Self::script()).arg("stop").env("STOKE_SLURM_STATE", &self.state).status();
+    }
+}
+
+#[test]
+fn srun_two_ranks_follow_one_process() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 && Command::new("slurmctld").arg("-V").output().is_err() {
+        eprintln!("SKIPPED: Slurm is not installed and installing it needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let reference = reference_losses(dir.path());
+    let state = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("slurm-dist-{}", std::process::id()));
+    let cluster = SlurmCluster::start(state.clone());
+    let args = overrides(dir.path(), "srun", &["train.steps=20", "train.micro_batch=3", "dist.timeout_s=120"]);
+    let mut cmd = Command::new("timeout");
+    cmd.args(["300", "srun", "-n", "2", env!("CARGO_BIN_EXE_stoke"), "train", "--quiet"]);
+    for o in &args {
+        cmd.arg("--set").arg(o);
+    }
+    let out = run_ok(cmd.env("SLURM_CONF", state.join("slurm.conf")));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("2 ranks over shm"), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_same_trajectory(&reference, &dir.path().join("srun"), "srun -n 2 (shm)", &out);
+    drop(cluster);
+    for name in ["slurmctld", "slurmd", "munged"] {
+        assert!(!state.join(format!("{name}.started-pid")).exists(), "{name} was not stopped");
     }
 }
 

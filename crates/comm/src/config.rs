@@ -26,6 +26,15 @@ impl Backend {
             other => Err(CommError::Environment(format!("unknown backend `{other}` (shm, mpi, nccl)"))),
         }
     }
+
+    /// Whether this build carries the backend (`mpi` and `nccl` are features; `shm` always is).
+    pub fn is_built(self) -> bool {
+        match self {
+            Backend::Shm => true,
+            Backend::Mpi => crate::mpi::BUILT,
+            Backend::Nccl => crate::nccl::BUILT,
+        }
+    }
 }
 
 /// How a communicator is built. Plain data; every field documents its default.

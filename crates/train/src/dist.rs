@@ -1,15 +1,26 @@
 //! Data parallelism: [`DataParallel`], the step hooks that make every rank's step the step of the
 //! global batch.
 //!
-//! Each rank runs forward and backward on its own rows of the global batch. When a unit's
-//! gradients are final (`grads_final`, on the step's last micro-batch, in reverse unit order) its
-//! range of the flat gradient buffer is all-reduced (average) in place, asynchronously, on the
-//! communicator's thread, while backward goes on with the earlier units. Before the optimizer the
-//! step waits for the reductions still in flight; that wait is the `comm_exposed` phase, and the
-//! time from the first submission to the last completion is the step's `comm_total_ms`. After the
-//! averaging every rank holds the same gradients, so every rank's optimizer makes the same update
-//! and the parameters stay identical (they start identical: [`DataParallel::broadcast_parameters`]).
-//! The logged loss is averaged too, so every rank logs the global batch's mean loss.
+//! Each rank runs forward and backward on its own rows of the global batch. The flat gradient
+//! buffer is cut into buckets of consecutive units ([`BucketPlan`], `dist.bucket_mb`, the first
+//! bucket smaller). When the gradients of all a bucket's units are final (`grads_final`, on the
+//! step's last micro-batch, in reverse unit order) the bucket is all-reduced (average) in place,
+//! asynchronously, on the communicator's thread, while backward goes on with the earlier units.
+//! With overlap switched off (`dist.overlap = false`, the reference the overlap is measured
+//! against) nothing is sent until backward has finished; then every bucket, in the same order.
+//! Before the optimizer the step waits for the reductions still in flight; that wait is the
+//! `comm_exposed` phase, and the time from the first submission to the last completion is the
+//! step's `comm_total_ms`. After the averaging every rank holds the same gradients, so every rank's
+//! optimizer makes the same update and the parameters stay identical (they start identical:
+//! [`DataParallel::broadcast_parameters`]). The logged loss is averaged too, so every rank logs the
+//! global batch's mean loss. [`DataParallel::check_agreement`] refuses, at start, ranks whose model
+//! or configuration differ.
+
+mod agree;
+mod buckets;
+
+pub use agree::{Disagreement, KeyDifference, RankDifference};
+pub use buckets::{Bucket, BucketPlan, BucketSizes};
 
 use std::ops::Range;
 use std::time::Instant;
@@ -19,23 +30,53 @@ use tch::{Kind, Tensor};
 
 use crate::clock::StepClock;
 use crate::executor::StepHooks;
+use crate::params::FlatParams;
 use crate::trainer::{Phase, Trainer};
 use crate::TrainError;
+
+/// How a data-parallel step communicates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataParallelConfig {
+    /// Bucket sizes. Default: the first 1 MiB, then 25 MiB (PyTorch DDP's).
+    pub buckets: BucketSizes,
+    /// Reduce each bucket as soon as its gradients are final (true), or only after backward has
+    /// finished (false: the reference without overlap). Default true.
+    pub overlap: bool,
+}
+
+impl Default for DataParallelConfig {
+    fn default() -> Self {
+        DataParallelConfig { buckets: BucketSizes { first_bytes: 1 << 20, bytes: 25 << 20 }, overlap: true }
+    }
+}
 
 /// Step hooks that average gradients and the logged loss over the ranks of `comm`.
 pub struct DataParallel {
     comm: Box<dyn Communicator>,
+    config: DataParallelConfig,
+    /// The model's buckets ([`DataParallel::plan`]).
+    plan: Option<BucketPlan>,
+    /// Buckets whose gradients are final but that are not sent yet (overlap off), in order.
+    ready: Vec<Region>,
     /// Reductions submitted this step, in submission order.
     in_flight: Vec<Work>,
     /// When this step's first reduction was submitted.
     first_submit: Option<Instant>,
-    /// When the last reduction was seen complete (at a hook call, or at the wait).
+    /// Milliseconds from the first submission to the end of the wait, in the last step.
     comm_ms: f64,
 }
 
 impl DataParallel {
-    pub fn new(comm: Box<dyn Communicator>) -> DataParallel {
-        DataParallel { comm, in_flight: Vec::new(), first_submit: None, comm_ms: 0.0 }
+    pub fn new(comm: Box<dyn Communicator>, config: DataParallelConfig) -> DataParallel {
+        DataParallel {
+            comm,
+            config,
+            plan: None,
+            ready: Vec::new(),
+            in_flight: Vec::new(),
+            first_submit: None,
+            comm_ms: 0.0,
+        }
     }
 
     pub fn rank(&self) -> usize {
@@ -46,12 +87,35 @@ impl DataParallel {
         self.comm.world_size()
     }
 
+    pub fn config(&self) -> &DataParallelConfig {
+        &self.config
+    }
+
     pub fn communicator(&self) -> &dyn Communicator {
         self.comm.as_ref()
     }
 
     fn error(&self, op: &'static str, source: CommError) -> TrainError {
         TrainError::Comm { rank: self.comm.rank(), world_size: self.comm.world_size(), op, source }
+    }
+
+    /// Refuses to train unless every rank passed the same `entries` (sorted `key = value` pairs
+    /// describing what must be equal on all ranks: model, configuration without per-rank keys,
+    /// backend). On a mismatch every rank returns [`TrainError::RanksDisagree`], naming each rank
+    /// that differs from rank 0 and its differing keys. Collective.
+    pub fn check_agreement(&self, entries: &[(String, String)]) -> Result<(), TrainError> {
+        agree::check(self.comm.as_ref(), entries).map_err(|e| match e {
+            agree::AgreeError::Comm(source) => self.error("start-up check", source),
+            agree::AgreeError::Disagree(differences) => {
+                TrainError::RanksDisagree { rank: self.comm.rank(), world_size: self.comm.world_size(), differences }
+            }
+        })
+    }
+
+    /// Groups `params`' units into this job's buckets; call once before training (the layout is
+    /// worth a log line).
+    pub fn plan(&mut self, params: &FlatParams) -> &BucketPlan {
+        self.plan.insert(BucketPlan::new(params.units(), self.config.buckets))
     }
 
     /// Copies rank 0's parameters to every rank (call after initialization or restore, before
@@ -67,12 +131,22 @@ impl DataParallel {
         work.wait().map_err(|e| self.error("broadcast parameters", e))
     }
 
-    /// Waits for every reduction still in flight (the `comm_exposed` phase).
-    fn wait_all(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
-        if self.in_flight.is_empty() {
-            return Ok(());
-        }
-        clock.lap(Phase::Backward);
+    /// Starts the in-place average of one bucket.
+    ///
+    /// # Safety
+    /// `region` is a final range of the flat gradient buffer: nothing writes or reads it until
+    /// `before_optimizer` has waited for the returned work (or `self` is dropped, which waits).
+    unsafe fn submit(&mut self, region: Region) -> Result<(), TrainError> {
+        // SAFETY: the caller's contract, passed on.
+        let work = unsafe { self.comm.all_reduce_async(region, ReduceOp::Avg) }
+            .map_err(|e| self.error("all_reduce gradients", e))?;
+        self.first_submit.get_or_insert_with(Instant::now);
+        self.in_flight.push(work);
+        Ok(())
+    }
+
+    /// Waits for every reduction in flight (the `comm_exposed` phase; the clock is at its start).
+    fn wait_in_flight(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
         let mut first_error = None;
         for work in self.in_flight.drain(..) {
             if let Err(e) = work.wait() {
@@ -93,29 +167,52 @@ impl DataParallel {
 impl StepHooks for DataParallel {
     fn grads_final(
         &mut self,
-        _unit: usize,
+        unit: usize,
         range: Range<i64>,
         flat_grad: &Tensor,
         _clock: &mut StepClock,
     ) -> Result<(), TrainError> {
-        if self.comm.world_size() == 1 || range.is_empty() {
+        if self.comm.world_size() == 1 {
             return Ok(());
         }
-        let region = f32_region(flat_grad, range)
+        let plan = self.plan.as_ref().ok_or_else(|| TrainError::InvalidConfig {
+            key: "dist",
+            message: "DataParallel::plan must be called before training".into(),
+        })?;
+        debug_assert!(unit < plan.n_units());
+        if !plan.completes_bucket(unit) {
+            return Ok(());
+        }
+        let bucket = &plan.buckets()[plan.bucket_of(unit)];
+        debug_assert_eq!(bucket.range.start, range.start);
+        let region = f32_region(flat_grad, bucket.range.clone())
             .map_err(|reason| TrainError::InvalidConfig { key: "dist", message: reason })?;
-        // SAFETY: `flat_grad[range]` is final for this step: backward does not write it again, and
-        // nothing reads it until `before_optimizer` has waited on this Work (the trainer calls it
-        // before the optimizer, and `Drop` of `self.in_flight` waits too). The buffer is the
-        // model's flat gradient, which outlives the step.
-        let work = unsafe { self.comm.all_reduce_async(region, ReduceOp::Avg) }
-            .map_err(|e| self.error("all_reduce gradients", e))?;
-        self.first_submit.get_or_insert_with(Instant::now);
-        self.in_flight.push(work);
-        Ok(())
+        if region.count() == 0 {
+            return Ok(());
+        }
+        if !self.config.overlap {
+            self.ready.push(region);
+            return Ok(());
+        }
+        // SAFETY: all the bucket's units are final for this step (grads_final fires in reverse
+        // unit order and this is the bucket's first unit): backward does not write the range
+        // again, and nothing reads it until `before_optimizer` has waited on this Work (the
+        // trainer calls it before the optimizer, and `Drop` of `self.in_flight` waits too). The
+        // buffer is the model's flat gradient, which outlives the step.
+        unsafe { self.submit(region) }
     }
 
     fn before_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
-        self.wait_all(clock)
+        if self.in_flight.is_empty() && self.ready.is_empty() {
+            return Ok(());
+        }
+        clock.lap(Phase::Backward);
+        for region in std::mem::take(&mut self.ready) {
+            // SAFETY: as in `grads_final`: the bucket is final, backward is over, and the
+            // optimizer runs only after the wait below.
+            unsafe { self.submit(region) }?;
+        }
+        self.wait_in_flight(clock)
     }
 
     fn reduce_loss(&mut self, loss: f64) -> Result<f64, TrainError> {

@@ -31,6 +31,8 @@ pub enum TrainError {
         #[source]
         source: stoke_comm::CommError,
     },
+    #[error("rank {rank} of {world_size}: the ranks must train the same model with the same configuration, but {differences}")]
+    RanksDisagree { rank: usize, world_size: usize, differences: crate::dist::Disagreement },
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 }

@@ -28,7 +28,9 @@ mod trainer;
 
 pub use clock::StepClock;
 pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
-pub use dist::DataParallel;
+pub use dist::{
+    Bucket, BucketPlan, BucketSizes, DataParallel, DataParallelConfig, Disagreement, KeyDifference, RankDifference,
+};
 pub use error::TrainError;
 pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};
 pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};

@@ -362,3 +362,6 @@ pub(crate) fn connect(_config: &CommConfig, env: &DistEnv) -> Result<Box<dyn Com
     }
     Ok(crate::process_group(worker, rank, size, "mpi"))
 }
+
+/// Whether this build carries the backend.
+pub(crate) const BUILT: bool = true;

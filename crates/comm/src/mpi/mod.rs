@@ -4,9 +4,9 @@
 #[cfg(feature = "mpi")]
 mod enabled;
 #[cfg(feature = "mpi")]
-pub(crate) use enabled::connect;
+pub(crate) use enabled::{connect, BUILT};
 
 #[cfg(not(feature = "mpi"))]
 mod disabled;
 #[cfg(not(feature = "mpi"))]
-pub(crate) use disabled::connect;
+pub(crate) use disabled::{connect, BUILT};

@@ -4,9 +4,9 @@
 #[cfg(feature = "nccl")]
 mod enabled;
 #[cfg(feature = "nccl")]
-pub(crate) use enabled::connect;
+pub(crate) use enabled::{connect, BUILT};
 
 #[cfg(not(feature = "nccl"))]
 mod disabled;
 #[cfg(not(feature = "nccl"))]
-pub(crate) use disabled::connect;
+pub(crate) use disabled::{connect, BUILT};
