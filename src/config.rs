@@ -65,7 +65,10 @@ impl DistConfig {
     pub fn data_parallel(&self) -> stoke_train::DataParallelConfig {
         let bytes = |mib: f64| (mib * 1024.0 * 1024.0).round() as u64;
         stoke_train::DataParallelConfig {
-            buckets: stoke_train::BucketSizes { first_bytes: bytes(self.first_bucket_mb), bytes: bytes(self.bucket_mb) },
+            buckets: stoke_train::BucketSizes {
+                first_bytes: bytes(self.first_bucket_mb),
+                bytes: bytes(self.bucket_mb),
+            },
             overlap: self.overlap,
         }
     }
@@ -414,7 +417,8 @@ impl StokeConfig {
         if self.data.prefetch == 0 {
             return Err(ConfigError::Invalid { key: "data.prefetch".into(), message: "must be at least 1".into() });
         }
-        for (key, mib) in [("dist.bucket_mb", self.dist.bucket_mb), ("dist.first_bucket_mb", self.dist.first_bucket_mb)] {
+        for (key, mib) in [("dist.bucket_mb", self.dist.bucket_mb), ("dist.first_bucket_mb", self.dist.first_bucket_mb)]
+        {
             if !(mib.is_finite() && mib > 0.0 && mib <= 1024.0 * 1024.0) {
                 return Err(ConfigError::Invalid {
                     key: key.into(),

@@ -187,7 +187,11 @@ fn mpirun_two_ranks_follow_one_process() {
         cmd.arg("--set").arg(o);
     }
     let out = run_ok(&mut cmd);
-    assert!(String::from_utf8_lossy(&out.stdout).contains("2 ranks over mpi"), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("2 ranks over mpi"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     assert_same_trajectory(&reference, &dir.path().join("mpi"), "mpirun -np 2 (mpi)", &out);
 }
 
@@ -239,7 +243,11 @@ fn srun_two_ranks_follow_one_process() {
         cmd.arg("--set").arg(o);
     }
     let out = run_ok(cmd.env("SLURM_CONF", state.join("slurm.conf")));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("2 ranks over shm"), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("2 ranks over shm"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     assert_same_trajectory(&reference, &dir.path().join("srun"), "srun -n 2 (shm)", &out);
     drop(cluster);
     for name in ["slurmctld", "slurmd", "munged"] {

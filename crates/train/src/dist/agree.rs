@@ -121,7 +121,8 @@ pub fn check(comm: &dyn Communicator, entries: &[(String, String)]) -> Result<()
     records[rank * RECORD..rank * RECORD + 8].copy_from_slice(&fnv1a64(text.as_bytes()).to_le_bytes());
     records[rank * RECORD + 8..(rank + 1) * RECORD].copy_from_slice(&(text.len() as u64).to_le_bytes());
     comm.all_gather(&mut records).map_err(AgreeError::Comm)?;
-    let field = |r: usize, at: usize| u64::from_le_bytes(records[r * RECORD + at..r * RECORD + at + 8].try_into().unwrap());
+    let field =
+        |r: usize, at: usize| u64::from_le_bytes(records[r * RECORD + at..r * RECORD + at + 8].try_into().unwrap());
     if (1..world_size).all(|r| field(r, 0) == field(0, 0)) {
         return Ok(());
     }
@@ -150,7 +151,8 @@ mod tests {
 
     #[test]
     fn the_text_is_sorted_and_differences_name_keys_and_sections() {
-        let a = canonical_text(&entries(&[("train.lr", "0.001"), ("model.d_model", "64"), ("dist.backend", "\"shm\"")]));
+        let a =
+            canonical_text(&entries(&[("train.lr", "0.001"), ("model.d_model", "64"), ("dist.backend", "\"shm\"")]));
         assert_eq!(a, "dist.backend = \"shm\"\nmodel.d_model = 64\ntrain.lr = 0.001\n");
         let b = canonical_text(&entries(&[("model.d_model", "128"), ("train.lr", "0.001"), ("model.extra", "1")]));
         let diff = RankDifference { rank: 1, keys: differences(&a, &b) };

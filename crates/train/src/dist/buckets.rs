@@ -70,7 +70,10 @@ impl BucketPlan {
             bytes += (units[unit_idx].range.end - units[unit_idx].range.start) as u64 * GRAD_ELEMENT_BYTES;
             let size = if buckets.is_empty() { sizes.first_bytes } else { sizes.bytes };
             if bytes >= size {
-                buckets.push(Bucket { units: unit_idx..upper, range: units[unit_idx].range.start..units[upper - 1].range.end });
+                buckets.push(Bucket {
+                    units: unit_idx..upper,
+                    range: units[unit_idx].range.start..units[upper - 1].range.end,
+                });
                 upper = unit_idx;
                 bytes = 0;
             }
@@ -193,7 +196,8 @@ mod tests {
 
     #[test]
     fn the_layout_prints_on_one_line() {
-        let plan = BucketPlan::new(&units(&[262_144, 262_144, 262_144]), BucketSizes { first_bytes: 1 << 20, bytes: 2 << 20 });
+        let plan =
+            BucketPlan::new(&units(&[262_144, 262_144, 262_144]), BucketSizes { first_bytes: 1 << 20, bytes: 2 << 20 });
         assert_eq!(
             plan.to_string(),
             "2 buckets (first 1.00 MiB, then 2.00 MiB), in reduction order: #0 u2 1.00 MiB; #1 u1..u0 2.00 MiB"
