@@ -17,14 +17,15 @@
 #   benches/dp_scaling.sh [steps] [pairs]      # defaults: 40 steps, 3 pairs
 # Needs a release build (cargo build --release --bin stoke) and `cargo xtask peers` (torch 2.11.0).
 set -euo pipefail
-# As quiet as a shared machine allows: the run in its own session, whose scheduling group (Linux
-# autogroup) gets nice -20 when allowed, so its processes take the cores before other sessions' while the
-# kernel still time-slices among them (a communication thread gets a core at once when it wakes; real-time
-# FIFO priority would leave it waiting behind its own rank's compute thread until backward ends).
-if [ -z "${DP_SCALING_SESSION:-}" ] && command -v setsid >/dev/null; then
-  DP_SCALING_SESSION=1 exec setsid -w "$0" "$@"
+# As quiet as a shared machine allows: the run restarts itself under setsid, so it has its own scheduling
+# group (Linux autogroup), which gets nice -20 when allowed: its processes take the cores before other
+# groups' while the kernel still time-slices among them (a communication thread gets a core at once when
+# it wakes; real-time FIFO priority would leave it waiting behind its own rank's compute thread until
+# backward ends).
+if [ -z "${DP_SCALING_SETSID:-}" ] && command -v setsid >/dev/null; then
+  DP_SCALING_SETSID=1 exec setsid -w "$0" "$@"
 fi
-echo -20 >"/proc/$$/autogroup" 2>/dev/null || echo "dp_scaling: cannot raise this session's priority; figures share the cores" >&2
+echo -20 >"/proc/$$/autogroup" 2>/dev/null || echo "dp_scaling: cannot raise this group's priority; figures share the cores" >&2
 cd "$(dirname "$0")/.."
 steps=${1:-40}
 pairs=${2:-3}
