@@ -160,9 +160,12 @@ fn wait_until(w: &mut Child, deadline: Instant, rank: usize) -> std::process::Ex
     }
 }
 
-/// Adds `mpirun`'s flags for this machine: more ranks than cores, and root in CI containers.
-fn mpirun(np: &str) -> Command {
+/// Adds `mpirun`'s flags for this machine: more ranks than cores, root in CI containers, and a
+/// session directory of its own under `session` (Open MPI's default, /tmp/ompi.<host>.<uid>, is
+/// created racily when two MPI jobs start at once: "mkdir ... File exists").
+fn mpirun(np: &str, session: &Path) -> Command {
     let mut cmd = Command::new("timeout");
+    cmd.env("OMPI_MCA_orte_tmpdir_base", session);
     cmd.args(["300", "mpirun", "-np", np, "--oversubscribe"]);
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
@@ -181,7 +184,8 @@ fn mpirun_two_ranks_follow_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let reference = reference_losses(dir.path());
     let args = overrides(dir.path(), "mpi", &["train.steps=20", "train.micro_batch=3", "dist.backend=\"mpi\""]);
-    let mut cmd = mpirun("2");
+    let session = tempfile::tempdir().unwrap();
+    let mut cmd = mpirun("2", session.path());
     cmd.arg(env!("CARGO_BIN_EXE_stoke")).args(["train", "--quiet"]);
     for o in &args {
         cmd.arg("--set").arg(o);

@@ -6,7 +6,11 @@ use crate::harness::WORKER;
 
 #[test]
 fn every_op_under_mpirun() {
+    // A session directory of its own: Open MPI's default one is created racily when two MPI
+    // jobs start at once ("mkdir /tmp/ompi.<host>.<uid>: File exists").
+    let session = tempfile::tempdir().unwrap();
     let mut cmd = Command::new("timeout");
+    cmd.env("OMPI_MCA_orte_tmpdir_base", session.path());
     cmd.args(["300", "mpirun", "-np", "2", "--oversubscribe"]);
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
@@ -23,8 +27,10 @@ fn every_op_under_mpirun() {
 #[test]
 fn mpi_backend_outside_mpirun_is_a_clear_error() {
     // `stoke launch`-style variables without mpirun: MPI starts as a singleton of size 1.
+    let session = tempfile::tempdir().unwrap();
     let out = Command::new(WORKER)
         .args(["check", "--backend", "mpi"])
+        .env("OMPI_MCA_orte_tmpdir_base", session.path())
         .env("RANK", "0")
         .env("WORLD_SIZE", "2")
         .env("MASTER_ADDR", "127.0.0.1")
