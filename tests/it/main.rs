@@ -6,6 +6,7 @@ mod ckpt_crash;
 mod config_errors;
 mod dist;
 mod doctor;
+mod dynamics;
 mod elastic;
 mod launch;
 mod mirror;

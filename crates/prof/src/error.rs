@@ -15,4 +15,7 @@ pub enum ProfError {
     /// `validate_exposition` rejected a Prometheus text exposition.
     #[error("not valid Prometheus exposition format: {reason}")]
     InvalidExposition { reason: String },
+    /// A run's metrics.jsonl could not be read as curves (`line` is 1-based; 0 for the whole file).
+    #[error("metrics of {name}, line {line}: {message}")]
+    Metrics { name: String, line: usize, message: String },
 }

@@ -88,6 +88,9 @@ pub enum RuleId {
     TraceSmallBatch,
     StragglerSlowSteps,
     StragglerLastArrival,
+    DynLossSpike,
+    DynUpdateRatio,
+    DynEarlyStopped,
 }
 
 impl RuleId {
@@ -104,7 +107,7 @@ use RuleId as R;
 use Scope::{CrossRank, StepReport, Trace};
 
 /// The table, in `RuleId` order.
-pub const RULES: [Rule; 22] = [
+pub const RULES: [Rule; 25] = [
     row(
         R::StepDataWait,
         "data_wait",
@@ -265,6 +268,31 @@ pub const RULES: [Rule; 22] = [
         CrossRank,
         "this rank reaches collectives last; the others wait for it",
         "look at what this rank does before its collectives (data loading, extra work, a slow host)",
+    ),
+    row(
+        R::DynLossSpike,
+        "loss_spike",
+        StepReport,
+        "the training loss jumped far above its recent mean: a bad batch, a learning rate too high for the \
+         batch, or the start of a divergence",
+        "look at the spike's step in metrics.jsonl (block_grad_norm, update_ratio); lower train.lr or \
+         raise train.warmup_steps, keep train.grad_clip on, or use train.optimizer = \"lamb\" at large batches",
+    ),
+    row(
+        R::DynUpdateRatio,
+        "update_ratio",
+        StepReport,
+        "a block's update is a large fraction of its weights in one step, which often precedes instability",
+        "lower train.lr (or the batch-size rule's factor, train.lr_scaling), lengthen the warmup, or use \
+         train.optimizer = \"lamb\", whose trust ratio bounds each tensor's step",
+    ),
+    row(
+        R::DynEarlyStopped,
+        "early_stopped",
+        StepReport,
+        "the evaluation loss stopped improving (eval.patience evaluations without a gain of eval.min_delta), \
+         so the run ended early",
+        "the best checkpoint is kept; train longer only with more data, regularization or a lower learning rate",
     ),
 ];
 

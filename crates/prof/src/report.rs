@@ -148,6 +148,12 @@ pub struct ProfConfig {
     pub batch_mfu_min: f64,
     /// ...and a micro-batch holds fewer tokens than this (micro_batch x seq_len). Default 8192.
     pub batch_tokens_small: u64,
+    /// Rule loss_spike: fires when a logged loss lies more than this many standard deviations above
+    /// the mean of the previous train.spike_window logged losses. Default 4.0.
+    pub loss_spike_z: f64,
+    /// Rule update_ratio: fires when a block's ||update|| / ||weights|| in one step exceeds this.
+    /// Default 0.01.
+    pub update_ratio_max: f64,
 }
 
 impl Default for ProfConfig {
@@ -172,6 +178,8 @@ impl Default for ProfConfig {
             outlier_fraction_max: 0.01,
             batch_mfu_min: 0.3,
             batch_tokens_small: 8192,
+            loss_spike_z: 4.0,
+            update_ratio_max: 0.01,
         }
     }
 }
@@ -194,7 +202,12 @@ impl ProfConfig {
                 return invalid(key, format!("must be a share between 0 and 1; got {value}"));
             }
         }
-        for (key, value) in [("bf16_speedup_min", self.bf16_speedup_min), ("outlier_sigma", self.outlier_sigma)] {
+        for (key, value) in [
+            ("bf16_speedup_min", self.bf16_speedup_min),
+            ("outlier_sigma", self.outlier_sigma),
+            ("loss_spike_z", self.loss_spike_z),
+            ("update_ratio_max", self.update_ratio_max),
+        ] {
             if !(value.is_finite() && value > 0.0) {
                 return invalid(key, format!("must be a finite number > 0; got {value}"));
             }
@@ -247,6 +260,9 @@ pub struct RunReport {
     pub profiler_overhead_ms: f64,
     /// Findings, largest bound first.
     pub findings: Vec<Finding>,
+    /// Training dynamics (evaluation, spikes, per-block monitors), when the run recorded any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamics: Option<crate::dynamics::Dynamics>,
     pub model: ModelFacts,
     pub train: TrainFacts,
     pub machine: MachineFacts,
@@ -339,6 +355,7 @@ pub(crate) fn measure_report(
         amdahl,
         profiler_overhead_ms: profiler_ms / steps.len().max(1) as f64,
         findings: Vec::new(),
+        dynamics: None,
         model: facts.model.clone(),
         train: facts.train.clone(),
         machine: facts.machine.clone(),

@@ -48,7 +48,9 @@ impl Scaling {
             Scaling::Amdahl { t1, p } if !(*t1 > 0.0 && t1.is_finite() && (0.0..=1.0).contains(p)) => {
                 Err("needs T1 > 0 and 0 <= P <= 1".into())
             }
-            Scaling::Points(points) if points.is_empty() || points.iter().any(|&(w, t)| w == 0 || t.is_nan() || t <= 0.0) => {
+            Scaling::Points(points)
+                if points.is_empty() || points.iter().any(|&(w, t)| w == 0 || t.is_nan() || t <= 0.0) =>
+            {
                 Err("needs at least one point, each with workers >= 1 and throughput > 0".into())
             }
             Scaling::Points(points) if points.windows(2).any(|p| p[0].0 == p[1].0) => {
