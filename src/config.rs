@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use stoke_train::{CkptConfig, ModelConfig, TrainConfig};
+use stoke_train::{AdaptiveConfig, CkptConfig, EvalConfig, ModelConfig, TrainConfig};
 
 pub const DEFAULTS_TOML: &str = include_str!("defaults.toml");
 
@@ -19,6 +19,8 @@ pub struct StokeConfig {
     pub train: TrainConfig,
     pub data: DataConfig,
     pub ckpt: CkptConfig,
+    pub eval: EvalConfig,
+    pub adaptive: AdaptiveConfig,
     pub prof: stoke_prof::ProfConfig,
     pub dist: DistConfig,
 }

@@ -11,8 +11,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-/// Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 3 trace diff regression
-/// (`stoke trace diff`), 4 bench gate regression (`stoke bench gate`), 75 preempted by a signal
+/// Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 3 regression found by
+/// `stoke trace diff` or `stoke compare`, 4 bench gate regression (`stoke bench gate`), 75 preempted by a signal
 /// with a checkpoint written, resumable (`signals::EXIT_PREEMPTED`).
 const EXIT_RUNTIME: u8 = 1;
 const EXIT_USAGE: u8 = 2;

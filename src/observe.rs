@@ -12,6 +12,8 @@ use stoke_train::{Observer, ObserverError, TrainEvent};
 /// run keeps every line it reported.
 pub struct MetricsWriter {
     out: BufWriter<File>,
+    /// The units' names (from `Started`), the keys of the per-block monitors.
+    units: Vec<String>,
 }
 
 impl MetricsWriter {
@@ -28,7 +30,7 @@ impl MetricsWriter {
             .truncate(resumed_step.is_none())
             .open(path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(MetricsWriter { out: BufWriter::new(file) })
+        Ok(MetricsWriter { out: BufWriter::new(file), units: Vec::new() })
     }
 }
 
@@ -59,6 +61,9 @@ fn truncate_to_step(path: &Path, step: u64) -> anyhow::Result<()> {
 
 impl Observer for MetricsWriter {
     fn on_event(&mut self, event: &TrainEvent<'_>) -> Result<(), ObserverError> {
+        if let TrainEvent::Started(info) = event {
+            self.units = info.units.clone();
+        }
         if let TrainEvent::Step(record) = event {
             if !record.logged {
                 return Ok(());
@@ -83,6 +88,37 @@ impl Observer for MetricsWriter {
             if let (Some(scale), Some(object)) = (record.loss_scale, line.as_object_mut()) {
                 object.insert("loss_scale".into(), serde_json::json!(scale));
                 object.insert("skipped".into(), serde_json::json!(record.skipped));
+            }
+            if let Some(object) = line.as_object_mut() {
+                // Monitors: per-block figures on monitored steps, the loss spike z-score, and
+                // the held-out evaluation.
+                if let Some(monitors) = &record.monitors {
+                    let per_unit = |values: &[f64]| -> serde_json::Map<String, serde_json::Value> {
+                        self.units.iter().zip(values).map(|(u, v)| (u.clone(), serde_json::json!(v))).collect()
+                    };
+                    object.insert("block_grad_norm".into(), per_unit(&monitors.grad_norm).into());
+                    object.insert("update_ratio".into(), per_unit(&monitors.update_ratio).into());
+                }
+                if let Some(z) = record.loss_z {
+                    object.insert("loss_z".into(), serde_json::json!(z));
+                }
+                if let Some(noise_scale) = record.noise_scale {
+                    object.insert("noise_scale".into(), serde_json::json!(noise_scale));
+                }
+                if let Some(change) = &record.batch_change {
+                    object.insert("event".into(), serde_json::json!("batch_grow"));
+                    object.insert("batch_from".into(), serde_json::json!(change.from));
+                    object.insert("batch_to".into(), serde_json::json!(change.to));
+                }
+                if let Some(eval) = &record.eval {
+                    object.insert("eval_loss".into(), serde_json::json!(eval.loss));
+                    object.insert("eval_ppl".into(), serde_json::json!(eval.perplexity));
+                    object.insert("eval_tokens".into(), serde_json::json!(eval.tokens));
+                    object.insert("eval_best".into(), serde_json::json!(eval.best));
+                    if eval.stop {
+                        object.insert("event".into(), serde_json::json!("early_stop"));
+                    }
+                }
             }
             writeln!(self.out, "{line}")?;
             self.out.flush()?;

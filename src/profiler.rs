@@ -79,6 +79,10 @@ pub struct Profiler {
     peak_memory_bytes: u64,
     /// Time spent inside this observer per step event, the profiler's own cost.
     spent_ms: Vec<f64>,
+    /// Evaluation, spikes and per-block monitors, for the report's dynamics section.
+    dynamics: stoke_prof::Dynamics,
+    /// Tokens seen before the run's first step (a resumed run's steps so far).
+    tokens_before: u64,
 }
 
 impl Profiler {
@@ -158,6 +162,12 @@ impl Profiler {
             clock_offsets: Vec::new(),
             peak_memory_bytes: 0,
             spent_ms: Vec::new(),
+            dynamics: stoke_prof::Dynamics {
+                spike_z: config.loss_spike_z,
+                update_ratio_max: config.update_ratio_max,
+                ..stoke_prof::Dynamics::default()
+            },
+            tokens_before: 0,
         })
     }
 
@@ -217,6 +227,8 @@ impl Profiler {
         });
         self.device = Some(info.device);
         self.run_start.get_or_insert_with(Instant::now);
+        self.dynamics.units = info.units.clone();
+        self.tokens_before = info.start_step * info.tokens_per_step;
     }
 
     fn step(&mut self, record: &stoke_train::StepRecord) -> std::io::Result<()> {
@@ -236,7 +248,43 @@ impl Profiler {
         }
         self.starts_us.push(start_us.max(0.0));
         self.steps.push(sample);
+        self.record_dynamics(record);
         Ok(())
+    }
+
+    fn record_dynamics(&mut self, record: &stoke_train::StepRecord) {
+        let d = &mut self.dynamics;
+        if let Some(z) = record.loss_z.filter(|&z| z > d.spike_z) {
+            d.spikes.push(stoke_prof::Spike { step: record.step, loss: record.loss, z });
+        }
+        if let Some(m) = &record.monitors {
+            d.monitors.push(stoke_prof::MonitorPoint {
+                step: record.step,
+                grad_norm: record.grad_norm,
+                block_grad_norm: m.grad_norm.clone(),
+                update_ratio: m.update_ratio.clone(),
+            });
+        }
+        if let Some(change) = &record.batch_change {
+            d.batch_changes.push(stoke_prof::BatchEvent {
+                step: record.step,
+                from: change.from,
+                to: change.to,
+                noise_scale: change.noise_scale,
+            });
+        }
+        if let Some(eval) = &record.eval {
+            let tokens_seen = self.tokens_before + self.steps.iter().map(|s| s.tokens).sum::<u64>();
+            d.eval.push(stoke_prof::EvalPoint {
+                step: record.step,
+                tokens_seen,
+                loss: eval.loss,
+                perplexity: eval.perplexity,
+            });
+            if eval.stop {
+                d.early_stopped_at = Some(record.step);
+            }
+        }
     }
 
     /// The report of the run so far (None before the first step).
@@ -251,7 +299,13 @@ impl Profiler {
         spent.sort_by(f64::total_cmp);
         let median_ms = spent.get(spent.len() / 2).copied().unwrap_or(0.0);
         let total_ms = median_ms * self.steps.len() as f64;
-        Some(build_report(facts, &self.steps, self.peak_memory_bytes, total_ms, &self.config))
+        let mut report = build_report(facts, &self.steps, self.peak_memory_bytes, total_ms, &self.config);
+        let d = &self.dynamics;
+        if !(d.eval.is_empty() && d.spikes.is_empty() && d.monitors.is_empty() && d.batch_changes.is_empty()) {
+            report.findings.extend(d.findings());
+            report.dynamics = Some(d.clone());
+        }
+        Some(report)
     }
 
     /// What this rank sends rank 0 at the end of a data-parallel run: its own report's summary, and

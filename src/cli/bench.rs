@@ -328,12 +328,23 @@ fn fullchain(args: FullchainArgs) -> anyhow::Result<ExitCode> {
         }
     }
     let loss_gap = rows[1].final_loss - rows[0].final_loss;
-    let loss_ok = loss_gap <= LOSS_TOLERANCE * rows[0].final_loss;
+    // `stoke compare`: the curves lined up by tokens seen, the verdict on the final loss.
+    let (comparison, page) = super::compare::compare_runs(
+        &args.dir.join(NAIVE.name).display().to_string(),
+        &args.dir.join(OPTIMIZED.name).display().to_string(),
+        LOSS_TOLERANCE,
+        None,
+        &args.dir,
+    )?;
+    let loss_ok = !comparison.regressed;
+    print!("{}", comparison.render_text());
     println!(
-        "final loss, optimized - naive: {loss_gap:+.4} ({:+.1}%; tolerance +{:.0}%: {})",
+        "final loss (mean of the last 10), optimized - naive: {loss_gap:+.4} ({:+.1}%); compare's verdict \
+         (tolerance +{:.0}%): {}; curves: {}",
         100.0 * loss_gap / rows[0].final_loss,
         100.0 * LOSS_TOLERANCE,
-        if loss_ok { "within" } else { "OUTSIDE" }
+        if loss_ok { "within" } else { "OUTSIDE" },
+        page.display()
     );
     let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
     println!("\ntargets:");
@@ -355,6 +366,7 @@ fn fullchain(args: FullchainArgs) -> anyhow::Result<ExitCode> {
             "ratios": ratios,
             "final_loss_gap": loss_gap,
             "final_loss_within_tolerance": loss_ok,
+            "compare": comparison,
             "loss_tolerance": LOSS_TOLERANCE,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod bench_ckpt;
 mod ckpt;
+mod compare;
 mod config;
 mod corpus;
 mod doctor;
@@ -56,6 +57,9 @@ pub enum Command {
     Ckpt(ckpt::CkptArgs),
     /// Scheduling of elastic jobs: `simulate` compares policies on a job list or generated workloads.
     Sched(sched::SchedArgs),
+    /// Compare two runs' loss curves by tokens seen; exit 3 when B's final loss is worse than A's
+    /// beyond --tolerance (default 2%).
+    Compare(compare::CompareArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -71,5 +75,6 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Launch(args) => launch::run(args),
         Command::Ckpt(args) => ckpt::run(args),
         Command::Sched(args) => sched::run(args),
+        Command::Compare(args) => compare::run(args),
     }
 }

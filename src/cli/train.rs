@@ -120,6 +120,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         summary.best_loss,
         run_dir.display()
     );
+    if summary.early_stopped {
+        let best = summary
+            .best_eval
+            .map_or(String::new(), |(step, loss)| format!("; best evaluation loss {loss:.4} at step {step}"));
+        println!("early stopping: the evaluation loss stopped improving (eval.patience){best}");
+    }
     if summary.interrupted {
         let signal = crate::signals::received().map(|s| format!(" by signal {s}")).unwrap_or_default();
         eprintln!(
@@ -248,7 +254,8 @@ fn locate_run(config: &mut StokeConfig, resume: bool) -> anyhow::Result<PathBuf>
 }
 
 /// Keys a resume may change: they leave the sequence of losses as it was. `train.steps` extends
-/// or shortens the run (the schedule's horizon is kept unless `train.lr_horizon` is set too);
+/// or shortens the run (the schedule's horizon is kept unless `train.lr_horizon` is set too), as
+/// early stopping's settings may; `train.debug_poison_step` may be cleared to continue past it;
 /// run placement, logging, profiling, checkpointing, loader threads and the cache are not part
 /// of the trajectory (the batches are a function of the data position alone).
 fn resume_may_change(key: &str) -> bool {
@@ -262,6 +269,13 @@ fn resume_may_change(key: &str) -> bool {
                 | "train.lr_horizon"
                 | "train.log_every"
                 | "train.host_memory"
+                | "train.debug_poison_step"
+                | "train.monitor_every"
+                | "train.spike_window"
+                | "eval.batches"
+                | "eval.patience"
+                | "eval.min_delta"
+                | "eval.keep_best"
                 | "data.workers"
                 | "data.prefetch"
                 | "data.cache_dir"
@@ -419,6 +433,29 @@ pub(super) fn timestamp() -> String {
 /// raw token files, remote shards through the cache) goes through the same loader.
 /// For rank `rank` of `world_size`: its rows of each global batch (`0, 1` for one process).
 pub fn batch_source_for(config: &StokeConfig, rank: usize, world_size: usize) -> anyhow::Result<Box<dyn BatchSource>> {
+    Ok(sources_for(config, rank, world_size, false)?.expect("the training part always exists"))
+}
+
+/// The held-out split's source when `eval.every` > 0 (one batch at a time, no loader threads).
+pub fn eval_source_for(
+    config: &StokeConfig,
+    rank: usize,
+    world_size: usize,
+) -> anyhow::Result<Option<Box<dyn BatchSource>>> {
+    if config.eval.every == 0 {
+        return Ok(None);
+    }
+    sources_for(config, rank, world_size, true)
+}
+
+/// The training part (`held_out` false) or the held-out part of the data; with `eval.every` = 0
+/// nothing is held out and the training part is all of it.
+fn sources_for(
+    config: &StokeConfig,
+    rank: usize,
+    world_size: usize,
+    held_out: bool,
+) -> anyhow::Result<Option<Box<dyn BatchSource>>> {
     let shape = config.model.shape()?;
     let data = &config.data;
     let mut datasets = Vec::with_capacity(1 + data.blend.len());
@@ -430,6 +467,19 @@ pub fn batch_source_for(config: &StokeConfig, rank: usize, world_size: usize) ->
                 shape.vocab_size
             ))));
         }
+        let store = if config.eval.every > 0 {
+            let min_tokens = ((shape.seq_len + 1) * config.train.micro_batch * world_size) as u64;
+            let (train, tail) = store.split_tail(config.eval.holdout, min_tokens).with_context(|| {
+                format!("data {spec}: holding out eval.holdout = {} for evaluation", config.eval.holdout)
+            })?;
+            if held_out {
+                tail
+            } else {
+                train
+            }
+        } else {
+            store
+        };
         let weight = data.weights.get(dataset_idx).copied().unwrap_or(1.0);
         datasets.push(stoke_data::WeightedStore { store, weight });
     }
@@ -439,11 +489,11 @@ pub fn batch_source_for(config: &StokeConfig, rank: usize, world_size: usize) ->
         seed: config.train.seed,
         rank,
         world_size,
-        n_workers: data.workers,
+        n_workers: if held_out { 0 } else { data.workers },
         prefetch_depth: data.prefetch,
         drop_last: data.drop_last,
     };
-    Ok(Box::new(stoke_data::Loader::blend(datasets, loader)?))
+    Ok(Some(Box::new(stoke_data::Loader::blend(datasets, loader)?)))
 }
 
 /// One dataset as a token store: "" is the built-in corpus.
@@ -523,8 +573,14 @@ fn train_inner(
     let mut extra = MaybeObserver(extra);
     let device = stoke_train::parse_device(&config.run.device)?;
     let (rank, world_size) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world_size()));
-    let mut trainer = Trainer::new(&config.model, &config.train.for_world(world_size)?, &config.ckpt, device)?;
+    // The batch-size rule of the learning rate counts every process's rows.
+    let train_config = stoke_train::TrainConfig { world_size, ..config.train.for_world(world_size)? };
+    let mut trainer = Trainer::new(&config.model, &train_config, &config.ckpt, device)?;
     trainer.set_sync_every(config.prof.sync_every);
+    trainer.set_adaptive(&config.adaptive)?;
+    if let Some(eval_source) = eval_source_for(config, rank, world_size)? {
+        trainer.set_eval(&config.eval, eval_source)?;
+    }
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
     let mut source = batch_source_for(config, rank, world_size)?;
     let resumed_step = resume.as_ref().map(|r| r.loaded.manifest.step);
@@ -620,14 +676,16 @@ fn train_inner(
             let mut probe = OverheadProbe::new(&mut profiler, block);
             let mut observers: Vec<&mut dyn Observer> =
                 vec![&mut metrics, &mut probe, &mut bar, &mut extra, &mut heartbeat];
-            let summary = trainer.run_with_hooks(source.as_mut(), &mut observers, Some(&mut target), stop, hooks)?;
+            let result = trainer.run_with_hooks(source.as_mut(), &mut observers, Some(&mut target), stop, hooks);
+            let summary = with_nan_dump(result, run_dir)?;
             drop(observers);
             (summary, probe.result())
         }
         None => {
             let mut observers: Vec<&mut dyn Observer> =
                 vec![&mut metrics, &mut profiler, &mut bar, &mut extra, &mut heartbeat];
-            (trainer.run_with_hooks(source.as_mut(), &mut observers, Some(&mut target), stop, hooks)?, None)
+            let result = trainer.run_with_hooks(source.as_mut(), &mut observers, Some(&mut target), stop, hooks);
+            (with_nan_dump(result, run_dir)?, None)
         }
     };
     bar.finish();
@@ -774,6 +832,24 @@ fn gather_rank_reports(dist: &DataParallel) -> anyhow::Result<Vec<stoke_prof::Ra
         reports.push(stoke_prof::RankStepReport::from_bytes(from, &bytes)?);
     }
     Ok(reports)
+}
+
+/// Writes `nan-dump.json` into the run folder when the run stopped on a non-finite loss or
+/// gradient (the error then names the file).
+fn with_nan_dump(
+    result: Result<stoke_train::Summary, stoke_train::TrainError>,
+    run_dir: &Path,
+) -> anyhow::Result<stoke_train::Summary> {
+    match result {
+        Err(stoke_train::TrainError::NonFinite(dump)) => {
+            let path = run_dir.join("nan-dump.json");
+            let json = serde_json::to_string_pretty(&*dump)? + "\n";
+            std::fs::write(&path, json).with_context(|| format!("cannot write {}", path.display()))?;
+            let err = stoke_train::TrainError::NonFinite(dump);
+            Err(anyhow::anyhow!("{err}; the step, its samples and the offending tensors are in {}", path.display()))
+        }
+        other => Ok(other?),
+    }
 }
 
 fn print_checkpoint_stats(writer: &CheckpointWriter) {

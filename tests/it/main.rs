@@ -7,6 +7,7 @@ mod config_errors;
 mod dist;
 mod dist_report;
 mod doctor;
+mod dynamics;
 mod elastic;
 mod launch;
 mod mirror;

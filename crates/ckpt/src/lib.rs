@@ -39,6 +39,7 @@ pub use error::CkptError;
 pub use format::{DType, TensorRecord};
 pub use mirror::{Mirror, MirrorStats, MirrorStore};
 pub use store::{
-    load_dir, steps_to_delete, verify_dir, CheckpointStore, FileEntry, Loaded, Manifest, VerifyReport, MANIFEST,
+    load_dir, steps_to_delete, steps_to_delete_protecting, verify_dir, CheckpointStore, FileEntry, Loaded, Manifest,
+    VerifyReport, MANIFEST,
 };
 pub use writer::{CheckpointWriter, Committed, Snapshot, WriterConfig, WriterStats};

@@ -443,10 +443,24 @@ pub fn steps_to_delete(steps: &[u64], keep: usize) -> Vec<u64> {
     sorted[..sorted.len() - keep].to_vec()
 }
 
+/// `steps_to_delete`, never deleting `protected` (which then does not count toward `keep`).
+pub fn steps_to_delete_protecting(steps: &[u64], keep: usize, protected: Option<u64>) -> Vec<u64> {
+    let others: Vec<u64> = steps.iter().copied().filter(|&s| Some(s) != protected).collect();
+    steps_to_delete(&others, keep)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::DType;
+
+    #[test]
+    fn retention_keeps_the_protected_step() {
+        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40], 2, Some(10)), vec![20]);
+        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40], 2, Some(40)), vec![10]);
+        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40], 2, None), vec![10, 20]);
+        assert!(steps_to_delete_protecting(&[10, 20], 0, Some(10)).is_empty());
+    }
 
     fn record(name: &str, values: &[f32]) -> TensorRecord {
         let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -10,13 +10,13 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::{mpsc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::format::{check_size, FileSource, TensorRef};
 use crate::store::Prepared;
-use crate::{steps_to_delete, CheckpointStore, CkptError, DType, Mirror};
+use crate::{steps_to_delete_protecting, CheckpointStore, CkptError, DType, Mirror};
 
 /// How a `CheckpointWriter` persists.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -212,6 +212,23 @@ pub struct CheckpointWriter {
     failed: bool,
     stats: WriterStats,
     mirror: Option<Arc<Mirror>>,
+    /// A step retention never deletes (0: none), shared with the writer thread.
+    protected: Arc<AtomicU64>,
+}
+
+/// The retention policy the writer applies after each commit: the newest `keep`, plus the
+/// protected step.
+#[derive(Clone)]
+struct Retention {
+    keep: usize,
+    protected: Arc<AtomicU64>,
+}
+
+impl Retention {
+    fn to_delete(&self, steps: &[u64]) -> Vec<u64> {
+        let protected = self.protected.load(Ordering::SeqCst);
+        steps_to_delete_protecting(steps, self.keep, (protected > 0).then_some(protected))
+    }
 }
 
 impl CheckpointWriter {
@@ -233,15 +250,17 @@ impl CheckpointWriter {
         store.remove_own_leftovers()?;
         let gate: SharedGate = std::sync::Arc::new((Mutex::new(Gate::default()), Condvar::new()));
         let (returns_tx, returns) = mpsc::channel::<Returned>();
+        let protected = Arc::new(AtomicU64::new(0));
         let (jobs, thread) = if config.background {
             let (jobs_tx, jobs_rx) = mpsc::channel::<Snapshot>();
-            let (store, keep, tx, gate) = (store.clone(), config.keep, returns_tx.clone(), gate.clone());
+            let keep = Retention { keep: config.keep, protected: protected.clone() };
+            let (store, tx, gate) = (store.clone(), returns_tx.clone(), gate.clone());
             let mirror = mirror.clone();
             let thread = std::thread::Builder::new()
                 .name("ckpt-writer".into())
                 .spawn(move || {
                     for snapshot in jobs_rx {
-                        let result = persist_when_released(&store, &snapshot, keep, &gate, mirror.as_deref());
+                        let result = persist_when_released(&store, &snapshot, &keep, &gate, mirror.as_deref());
                         if tx.send((snapshot, result)).is_err() {
                             break;
                         }
@@ -268,7 +287,14 @@ impl CheckpointWriter {
             failed: false,
             stats: WriterStats::default(),
             mirror,
+            protected,
         })
+    }
+
+    /// Keeps `step`'s checkpoint through retention (for example the best by evaluation loss)
+    /// until another step is protected; None protects nothing.
+    pub fn protect(&mut self, step: Option<u64>) {
+        self.protected.store(step.unwrap_or(0), Ordering::SeqCst);
     }
 
     pub fn store(&self) -> &CheckpointStore {
@@ -350,7 +376,8 @@ impl CheckpointWriter {
         }
         while self.unpublished.front().is_some_and(|(snapshot, _, _)| snapshot.step <= step) {
             let (snapshot, prepared, prepare_s) = self.unpublished.pop_front().expect("checked");
-            let result = publish(&self.store, &snapshot, prepared, prepare_s, self.config.keep, self.mirror.as_deref());
+            let retention = Retention { keep: self.config.keep, protected: self.protected.clone() };
+            let result = publish(&self.store, &snapshot, prepared, prepare_s, &retention, self.mirror.as_deref());
             self.returns_tx.send((snapshot, result)).expect("the receiver is ours");
         }
         self.collect(false)
@@ -462,7 +489,7 @@ impl Drop for CheckpointWriter {
 fn persist_when_released(
     store: &CheckpointStore,
     snapshot: &Snapshot,
-    keep: usize,
+    keep: &Retention,
     gate: &SharedGate,
     mirror: Option<&Mirror>,
 ) -> Result<Committed, CkptError> {
@@ -483,7 +510,7 @@ fn publish(
     snapshot: &Snapshot,
     prepared: Prepared,
     prepare_s: f64,
-    keep: usize,
+    keep: &Retention,
     mirror: Option<&Mirror>,
 ) -> Result<Committed, CkptError> {
     let start = Instant::now();
@@ -496,7 +523,7 @@ fn publish(
         }
     }
     let write_s = prepare_s + start.elapsed().as_secs_f64();
-    let deleted = steps_to_delete(&store.list()?, keep);
+    let deleted = keep.to_delete(&store.list()?);
     for &old in &deleted {
         store.delete(old)?;
     }

@@ -63,6 +63,10 @@ pub struct TokenStore {
     n_documents: u64,
     vocab_size: Option<u64>,
     label: String,
+    /// The visible window of the segments' stream: `[base, base + len)` (all of it unless split
+    /// by `split_tail`); offsets given to `read`, `prefetch` and `path_of` are relative to it.
+    base: u64,
+    len: u64,
 }
 
 impl std::fmt::Debug for TokenStore {
@@ -110,7 +114,15 @@ impl TokenStore {
             total += segment.n_tokens;
         }
         starts.push(total);
-        TokenStore { segments: Arc::new(segments), starts: Arc::new(starts), n_documents, vocab_size, label }
+        TokenStore {
+            segments: Arc::new(segments),
+            starts: Arc::new(starts),
+            n_documents,
+            vocab_size,
+            label,
+            base: 0,
+            len: total,
+        }
     }
 
     /// Tokens held in memory, one byte each (the built-in corpus, byte-level text).
@@ -268,7 +280,32 @@ impl TokenStore {
     }
 
     pub fn n_tokens(&self) -> u64 {
-        *self.starts.last().expect("starts has a final entry")
+        self.len
+    }
+
+    /// Splits off a held-out tail of about `fraction` of the tokens: whole files (shards, which
+    /// never split a document) when there are several, else the stream's last tokens. Returns
+    /// (the rest, the tail); both share the mapped data. Errors when a part would hold fewer than
+    /// `min_tokens`.
+    pub fn split_tail(&self, fraction: f64, min_tokens: u64) -> Result<(TokenStore, TokenStore), DataError> {
+        let total = self.len;
+        let target = self.base + (total as f64 * (1.0 - fraction)).round() as u64;
+        let inner: Vec<u64> = self.starts.iter().copied().filter(|&s| s > self.base && s < self.base + total).collect();
+        let cut = match inner.iter().min_by_key(|&&s| s.abs_diff(target)) {
+            Some(&boundary) => boundary,
+            None => target,
+        };
+        let head_len = cut - self.base;
+        let tail_len = total - head_len;
+        if head_len < min_tokens || tail_len < min_tokens {
+            return Err(DataError::TooShortInMemory {
+                n_tokens: head_len.min(tail_len) as usize,
+                needed: min_tokens as usize,
+            });
+        }
+        let head = TokenStore { len: head_len, label: format!("{} (training part)", self.label), ..self.clone() };
+        let tail = TokenStore { base: cut, len: tail_len, label: format!("{} (held out)", self.label), ..self.clone() };
+        Ok((head, tail))
     }
 
     pub fn n_documents(&self) -> u64 {
@@ -289,6 +326,7 @@ impl TokenStore {
     pub fn read(&self, start: u64, out: &mut [i64]) {
         let end = start + out.len() as u64;
         assert!(end <= self.n_tokens(), "token range {start}..{end} beyond {}", self.n_tokens());
+        let start = start + self.base;
         // The segment holding `start`: the last one whose start is <= start.
         let mut segment_idx = self.starts.partition_point(|&s| s <= start) - 1;
         let mut position = start;
@@ -311,6 +349,7 @@ impl TokenStore {
     /// Hints the CPU to start loading tokens `[start, start + len)` into cache, so that the next
     /// `read` of them overlaps its memory latency with the current work. Never faults.
     pub fn prefetch(&self, start: u64, len: usize) {
+        let start = start + self.base;
         let segment_idx = self.starts.partition_point(|&s| s <= start).saturating_sub(1);
         let Some(segment) = self.segments.get(segment_idx) else { return };
         let local = start.saturating_sub(self.starts[segment_idx]);
@@ -333,6 +372,7 @@ impl TokenStore {
 
     /// The file behind stream offset `token` (for error messages).
     pub fn path_of(&self, token: u64) -> &Path {
+        let token = token + self.base;
         let segment_idx = self.starts.partition_point(|&s| s <= token).saturating_sub(1);
         &self.segments[segment_idx.min(self.segments.len() - 1)].path
     }
@@ -372,4 +412,40 @@ pub(crate) fn check_crc(path: &Path, bytes: &[u8], expected: u32) -> Result<(), 
         return Err(DataError::ChecksumMismatch { path: path.to_path_buf(), expected, actual });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::*;
+
+    #[test]
+    fn one_segment_splits_at_the_tail() {
+        let store = TokenStore::from_u32(&(0..1000).collect::<Vec<_>>(), "counting");
+        let (head, tail) = store.split_tail(0.1, 10).unwrap();
+        assert_eq!((head.n_tokens(), tail.n_tokens()), (900, 100));
+        let mut out = [0i64; 3];
+        tail.read(0, &mut out);
+        assert_eq!(out, [900, 901, 902], "the tail starts where the head ends");
+        head.read(897, &mut out);
+        assert_eq!(out, [897, 898, 899]);
+        assert!(store.split_tail(0.5, 600).is_err(), "a part shorter than asked is refused");
+    }
+
+    #[test]
+    fn several_segments_split_at_a_file_boundary() {
+        let seg = |first: u32| Segment {
+            bytes: Bytes::Memory((first..first + 100).flat_map(|t| t.to_le_bytes()).collect()),
+            data_offset: 0,
+            dtype: Dtype::U32,
+            n_tokens: 100,
+            path: PathBuf::from(format!("shard-{first}")),
+        };
+        let store = TokenStore::from_segments(vec![seg(0), seg(1000), seg(2000), seg(3000)], 4, None, "s".into());
+        let (head, tail) = store.split_tail(0.2, 1).unwrap();
+        assert_eq!((head.n_tokens(), tail.n_tokens()), (300, 100), "the nearest file boundary to 80%");
+        let mut out = [0i64; 2];
+        tail.read(0, &mut out);
+        assert_eq!(out, [3000, 3001]);
+        assert_eq!(tail.path_of(5), Path::new("shard-3000"));
+    }
 }

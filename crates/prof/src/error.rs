@@ -18,4 +18,7 @@ pub enum ProfError {
     /// What a rank sent rank 0 at the end of a data-parallel run is not a rank report.
     #[error("the step report rank {rank} sent cannot be read: {reason}")]
     RankReport { rank: usize, reason: String },
+    /// A run's metrics.jsonl could not be read as curves (`line` is 1-based; 0 for the whole file).
+    #[error("metrics of {name}, line {line}: {message}")]
+    Metrics { name: String, line: usize, message: String },
 }

@@ -90,6 +90,9 @@ pub enum RuleId {
     StragglerSlowSteps,
     StragglerLastArrival,
     StepStraggler,
+    DynLossSpike,
+    DynUpdateRatio,
+    DynEarlyStopped,
 }
 
 impl RuleId {
@@ -106,7 +109,7 @@ use RuleId as R;
 use Scope::{CrossRank, StepReport, Trace};
 
 /// The table, in `RuleId` order.
-pub const RULES: [Rule; 23] = [
+pub const RULES: [Rule; 26] = [
     row(
         R::StepDataWait,
         "data_wait",
@@ -277,6 +280,31 @@ pub const RULES: [Rule; 23] = [
         "compare the ranks' phases in report.json's ranks section (a larger data_wait: that rank's loader or \
          storage; larger forward/backward: a slower or busier core, fewer threads); keep other work off that \
          rank's cores, or give every rank the same train.threads",
+    ),
+    row(
+        R::DynLossSpike,
+        "loss_spike",
+        StepReport,
+        "the training loss jumped far above its recent mean: a bad batch, a learning rate too high for the \
+         batch, or the start of a divergence",
+        "look at the spike's step in metrics.jsonl (block_grad_norm, update_ratio); lower train.lr or \
+         raise train.warmup_steps, keep train.grad_clip on, or use train.optimizer = \"lamb\" at large batches",
+    ),
+    row(
+        R::DynUpdateRatio,
+        "update_ratio",
+        StepReport,
+        "a block's update is a large fraction of its weights in one step, which often precedes instability",
+        "lower train.lr (or the batch-size rule's factor, train.lr_scaling), lengthen the warmup, or use \
+         train.optimizer = \"lamb\", whose trust ratio bounds each tensor's step",
+    ),
+    row(
+        R::DynEarlyStopped,
+        "early_stopped",
+        StepReport,
+        "the evaluation loss stopped improving (eval.patience evaluations without a gain of eval.min_delta), \
+         so the run ended early",
+        "the best checkpoint is kept; train longer only with more data, regularization or a lower learning rate",
     ),
 ];
 

@@ -287,8 +287,68 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, P
     html.push_str(&phase_area_chart(&buckets)?);
     html.push_str("<br>\n");
     html.push_str(&breakdown_chart(report)?);
-    html.push_str("\n</div></body></html>\n");
+    html.push_str("\n</div>");
+    if let Some(d) = &report.dynamics {
+        dynamics_section(&mut html, d)?;
+    }
+    html.push_str("</body></html>\n");
     Ok(html)
+}
+
+/// The training-dynamics section: evaluation loss and perplexity, the latest per-block monitors,
+/// loss spikes.
+fn dynamics_section(html: &mut String, d: &crate::dynamics::Dynamics) -> Result<(), ProfError> {
+    let _ = writeln!(html, "<h2>Training dynamics</h2>");
+    if !d.eval.is_empty() {
+        let eval: Vec<(f64, f64)> = d.eval.iter().map(|p| (p.step as f64, p.loss)).collect();
+        html.push_str(&line_chart("evaluation loss", "eval loss", &eval, RGBColor(214, 39, 40))?);
+        let _ =
+            writeln!(html, "<table><tr><th>step</th><th>tokens seen</th><th>eval loss</th><th>perplexity</th></tr>");
+        for p in &d.eval {
+            let _ = writeln!(
+                html,
+                "<tr><td>{}</td><td>{}</td><td>{:.4}</td><td>{:.3}</td></tr>",
+                p.step, p.tokens_seen, p.loss, p.perplexity
+            );
+        }
+        let _ = writeln!(html, "</table>");
+        if let Some((step, loss)) = d.best_eval() {
+            let _ = writeln!(html, "<p>best evaluation loss {loss:.4} at step {step}</p>");
+        }
+    }
+    for change in &d.batch_changes {
+        let _ = writeln!(
+            html,
+            "<p>adaptive batch: {} -&gt; {} sequences after step {} (noise scale {:.0})</p>",
+            change.from, change.to, change.step, change.noise_scale
+        );
+    }
+    if let Some(step) = d.early_stopped_at {
+        let _ = writeln!(html, "<p><b>early stopping</b> ended the run at step {step}</p>");
+    }
+    if let Some(m) = d.monitors.last() {
+        let _ = writeln!(
+            html,
+            "<p>per-block monitors at step {} (global gradient norm {:.4}):</p>\n<table><tr><th>unit</th>\
+             <th>gradient norm</th><th>update / weights</th></tr>",
+            m.step, m.grad_norm
+        );
+        for (i, name) in d.units.iter().enumerate() {
+            let _ = writeln!(
+                html,
+                "<tr><td class=\"l\">{}</td><td>{:.4e}</td><td>{:.3e}</td></tr>",
+                escape(name),
+                m.block_grad_norm.get(i).copied().unwrap_or(f64::NAN),
+                m.update_ratio.get(i).copied().unwrap_or(f64::NAN)
+            );
+        }
+        let _ = writeln!(html, "</table>");
+    }
+    let _ = writeln!(html, "<p>loss spikes (z &gt; {}): {}</p>", d.spike_z, d.spikes.len());
+    for spike in d.spikes.iter().take(20) {
+        let _ = writeln!(html, "<p>step {}: loss {:.4}, z = {:.1}</p>", spike.step, spike.loss, spike.z);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -52,6 +52,8 @@
 //! ```
 
 mod chrome;
+mod compare;
+mod dynamics;
 mod error;
 mod findings;
 mod html;
@@ -65,6 +67,8 @@ mod trace;
 mod vocab;
 
 pub use chrome::{validate_chrome_trace, ChromeTraceWriter};
+pub use compare::{compare, render_compare_html, Comparison, Gap, RunCurves, SMOOTH};
+pub use dynamics::{BatchEvent, Dynamics, EvalPoint, MonitorPoint, Spike};
 pub use error::ProfError;
 pub use findings::{amdahl, amdahl_bound, Finding, Rule, RuleId, Scope, RULES};
 pub use html::render_html;

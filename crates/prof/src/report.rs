@@ -152,6 +152,12 @@ pub struct ProfConfig {
     /// Rule straggler (data-parallel runs): fires when the slowest rank's busy time per step (step
     /// minus comm_exposed) exceeds the median rank's by more than this share. Default 0.2.
     pub straggler_min: f64,
+    /// Rule loss_spike: fires when a logged loss lies more than this many standard deviations above
+    /// the mean of the previous train.spike_window logged losses. Default 4.0.
+    pub loss_spike_z: f64,
+    /// Rule update_ratio: fires when a block's ||update|| / ||weights|| in one step exceeds this.
+    /// Default 0.01.
+    pub update_ratio_max: f64,
 }
 
 impl Default for ProfConfig {
@@ -177,6 +183,8 @@ impl Default for ProfConfig {
             batch_mfu_min: 0.3,
             batch_tokens_small: 8192,
             straggler_min: 0.20,
+            loss_spike_z: 4.0,
+            update_ratio_max: 0.01,
         }
     }
 }
@@ -203,6 +211,8 @@ impl ProfConfig {
             ("bf16_speedup_min", self.bf16_speedup_min),
             ("outlier_sigma", self.outlier_sigma),
             ("straggler_min", self.straggler_min),
+            ("loss_spike_z", self.loss_spike_z),
+            ("update_ratio_max", self.update_ratio_max),
         ] {
             if !(value.is_finite() && value > 0.0) {
                 return invalid(key, format!("must be a finite number > 0; got {value}"));
@@ -259,6 +269,9 @@ pub struct RunReport {
     /// A data-parallel run's ranks (rank 0's merged report only; absent on one process).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<RanksReport>,
+    /// Training dynamics (evaluation, spikes, per-block monitors), when the run recorded any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamics: Option<crate::dynamics::Dynamics>,
     pub model: ModelFacts,
     pub train: TrainFacts,
     pub machine: MachineFacts,
@@ -352,6 +365,7 @@ pub(crate) fn measure_report(
         profiler_overhead_ms: profiler_ms / steps.len().max(1) as f64,
         findings: Vec::new(),
         ranks: None,
+        dynamics: None,
         model: facts.model.clone(),
         train: facts.train.clone(),
         machine: facts.machine.clone(),

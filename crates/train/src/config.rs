@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::optimizers::OptimizerKind;
+
 use crate::executor::{ExecutorKind, Recompute};
 use crate::host_memory::HostMemory;
 use crate::precision::LossScaleConfig;
@@ -175,11 +177,65 @@ pub struct TrainConfig {
     /// chain of libtorch tensor ops over the flat buffers (PyTorch's default AdamW does one such
     /// chain per parameter). Default true.
     pub fused_optimizer: bool,
+    /// "adamw", "lamb" (AdamW's moments with a per-tensor trust ratio ||w|| / ||u||, for large
+    /// batches) or "sgd" (momentum, optionally Nesterov; L2 weight decay as PyTorch's SGD).
+    /// Default "adamw".
+    pub optimizer: OptimizerKind,
+    /// SGD only: momentum; 0 is plain SGD. Default 0.9.
+    pub momentum: f64,
+    /// SGD only: Nesterov momentum. Default false.
+    pub nesterov: bool,
+    /// Shape of the learning rate after warmup: "cosine" (to `min_lr` at the horizon), "linear"
+    /// (straight down to `min_lr` at the horizon), "constant" (`lr` throughout), or "wsd"
+    /// (warmup-stable-decay: `lr` until the last `lr_decay_fraction` of the steps before the
+    /// horizon, then linearly down to `min_lr`). Default "cosine".
+    pub lr_shape: LrShape,
+    /// "wsd" only: the fraction of the post-warmup steps spent decaying. Default 0.2.
+    pub lr_decay_fraction: f64,
+    /// Batch-size rule for the learning rate: "none" (`lr` as given), "linear" (`lr` and `min_lr`
+    /// times k = B / `lr_reference_batch`, B the global batch in sequences: micro_batch x
+    /// grad_accum x processes) or "sqrt" (times sqrt(k)); the warmup's tokens grow by the same
+    /// factor (see `lr_at_batch`). Default "none".
+    pub lr_scaling: LrScaling,
+    /// The global batch (sequences per optimizer step) that `lr` was tuned for. Default 16.
+    pub lr_reference_batch: usize,
+    /// Debugging: make step N (1-based) non-finite on purpose (a NaN written into a parameter
+    /// before its forward), to check the NaN guard: the run stops with nan-dump.json and exit 1.
+    /// 0 is off. Default 0.
+    pub debug_poison_step: u64,
+    /// Monitors: measure the per-block gradient norms and update/parameter ratios every this
+    /// many steps (on logged steps; 0 turns them off). Default 10.
+    pub monitor_every: u64,
+    /// Monitors: logged losses the spike z-score is computed over. Default 50.
+    pub spike_window: usize,
+    /// Processes the global batch is split over (set by the launcher's environment, not a
+    /// config key). Default 1.
+    #[serde(skip)]
+    pub world_size: usize,
     /// Test-only, not a config key: busy-wait after each forward for this fraction of its measured
     /// time (`stoke bench gate`'s sensitivity check; the binary sets it from
     /// STOKE_TEST_SLOW_FORWARD). Default 0.
     #[serde(skip)]
     pub test_slow_forward: f64,
+}
+
+/// See `TrainConfig::lr_shape`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrShape {
+    Cosine,
+    Linear,
+    Constant,
+    Wsd,
+}
+
+/// See `TrainConfig::lr_scaling`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScaling {
+    None,
+    Linear,
+    Sqrt,
 }
 
 /// See `TrainConfig::attention`.
@@ -222,6 +278,17 @@ impl Default for TrainConfig {
             attention: AttentionPrecision::Auto,
             host_memory: HostMemory::Retain,
             fused_optimizer: true,
+            optimizer: OptimizerKind::AdamW,
+            momentum: 0.9,
+            nesterov: false,
+            lr_shape: LrShape::Cosine,
+            lr_decay_fraction: 0.2,
+            lr_scaling: LrScaling::None,
+            lr_reference_batch: 16,
+            debug_poison_step: 0,
+            monitor_every: 10,
+            spike_window: 50,
+            world_size: 1,
             test_slow_forward: 0.0,
         }
     }
@@ -315,6 +382,18 @@ impl TrainConfig {
         if self.log_every == 0 {
             return bad("train.log_every", "must be at least 1; got 0".into());
         }
+        if !(self.momentum.is_finite() && (0.0..1.0).contains(&self.momentum)) {
+            return bad("train.momentum", format!("must be in [0, 1); got {}", self.momentum));
+        }
+        if !(self.lr_decay_fraction > 0.0 && self.lr_decay_fraction <= 1.0) {
+            return bad("train.lr_decay_fraction", format!("must be in (0, 1]; got {}", self.lr_decay_fraction));
+        }
+        if self.lr_reference_batch == 0 {
+            return bad("train.lr_reference_batch", "must be at least 1; got 0".into());
+        }
+        if self.spike_window < 2 {
+            return bad("train.spike_window", format!("must be at least 2; got {}", self.spike_window));
+        }
         Ok(())
     }
 
@@ -337,17 +416,108 @@ impl TrainConfig {
         }
     }
 
-    /// Learning rate at `step` (0-based): linear warmup, then cosine decay to `min_lr` at the
-    /// horizon (`lr_horizon`, else the last step), `min_lr` after it. A pure function of the step,
-    /// so a resumed run follows the same schedule.
-    pub fn lr_at(&self, step: u64) -> f64 {
-        if step < self.warmup_steps {
-            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+    /// Sequences per optimizer step over all processes.
+    pub fn batch_sequences(&self) -> usize {
+        self.micro_batch * self.grad_accum * self.world_size.max(1)
+    }
+
+    /// The batch-size rule's factor for a global batch of `batch` sequences: 1 without scaling,
+    /// B / B_ref (linear) or sqrt(B / B_ref).
+    pub fn lr_factor(&self, batch: usize) -> f64 {
+        let ratio = batch as f64 / self.lr_reference_batch.max(1) as f64;
+        match self.lr_scaling {
+            LrScaling::None => 1.0,
+            LrScaling::Linear => ratio,
+            LrScaling::Sqrt => ratio.sqrt(),
         }
-        let decay_steps = self.horizon().saturating_sub(self.warmup_steps).max(1);
-        let progress = ((step - self.warmup_steps) as f64 / decay_steps as f64).min(1.0);
-        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
-        self.min_lr + cosine * (self.lr - self.min_lr)
+    }
+
+    /// Learning rate at `step` (0-based) for the configured global batch.
+    pub fn lr_at(&self, step: u64) -> f64 {
+        self.lr_at_batch(step, self.batch_sequences())
+    }
+
+    /// Learning rate at `step` (0-based) for a global batch of `batch` sequences: linear warmup,
+    /// then the shape (`lr_shape`) down to `min_lr` at the horizon (`lr_horizon`, else the last
+    /// step), `min_lr` after it. Under a batch-size rule with factor f for batch B, `lr` and
+    /// `min_lr` are multiplied by f and the warmup lasts `warmup_steps` x f x B_ref / B steps: its
+    /// tokens grow with the rule's factor (the same steps under "linear", more tokens per step).
+    /// A pure function of the step and the batch, so a resumed run follows the same schedule.
+    pub fn lr_at_batch(&self, step: u64, batch: usize) -> f64 {
+        let (lr, min_lr, warmup) = match self.lr_scaling {
+            LrScaling::None => (self.lr, self.min_lr, self.warmup_steps),
+            _ => {
+                let factor = self.lr_factor(batch);
+                let steps = self.warmup_steps as f64 * factor * self.lr_reference_batch as f64 / batch.max(1) as f64;
+                (self.lr * factor, self.min_lr * factor, steps.round() as u64)
+            }
+        };
+        if step < warmup {
+            return lr * (step + 1) as f64 / warmup as f64;
+        }
+        let decay_steps = self.horizon().saturating_sub(warmup).max(1);
+        let progress = ((step - warmup) as f64 / decay_steps as f64).min(1.0);
+        match self.lr_shape {
+            LrShape::Cosine => {
+                let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                min_lr + cosine * (lr - min_lr)
+            }
+            LrShape::Linear => min_lr + (1.0 - progress) * (lr - min_lr),
+            LrShape::Constant => lr,
+            LrShape::Wsd => {
+                let stable = 1.0 - self.lr_decay_fraction;
+                if progress <= stable {
+                    lr
+                } else {
+                    let decay = ((progress - stable) / self.lr_decay_fraction).min(1.0);
+                    min_lr + (1.0 - decay) * (lr - min_lr)
+                }
+            }
+        }
+    }
+}
+
+/// `[eval]`: held-out evaluation and early stopping.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalConfig {
+    /// Evaluate on the held-out split every this many steps (and after the last); 0 turns
+    /// evaluation off and trains on all the data. Default 0.
+    pub every: u64,
+    /// Micro-batches per evaluation (the same ones every time). Default 8.
+    pub batches: usize,
+    /// The share of the data held out: the built-in corpus's tail, or whole documents of prepared
+    /// shards. Used only when `every` > 0. Default 0.05.
+    pub holdout: f64,
+    /// Early stopping: end the run after this many evaluations in a row without an improvement
+    /// of more than `min_delta` (a checkpoint is written); 0 never stops early. Default 0.
+    pub patience: u64,
+    /// The improvement of the evaluation loss that counts as one. Default 0.001.
+    pub min_delta: f64,
+    /// Retention also keeps the checkpoint of the best evaluation loss (one is written at each
+    /// new best). Default true.
+    pub keep_best: bool,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        EvalConfig { every: 0, batches: 8, holdout: 0.05, patience: 0, min_delta: 0.001, keep_best: true }
+    }
+}
+
+impl EvalConfig {
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |key: &'static str, message: String| Err(TrainError::InvalidConfig { key, message });
+        if self.batches == 0 {
+            return bad("eval.batches", "must be at least 1; got 0".into());
+        }
+        if !(self.holdout > 0.0 && self.holdout < 1.0) {
+            return bad("eval.holdout", format!("must be in (0, 1); got {}", self.holdout));
+        }
+        if !(self.min_delta.is_finite() && self.min_delta >= 0.0) {
+            return bad("eval.min_delta", format!("must be a finite number >= 0; got {}", self.min_delta));
+        }
+        Ok(())
     }
 }
 
@@ -429,6 +599,55 @@ mod tests {
         assert_eq!(extended.lr_at(120), 0.1, "past the horizon the rate stays at min_lr");
         let stretched = TrainConfig { steps: 150, ..base.clone() };
         assert!(stretched.lr_at(60) > base.lr_at(60));
+    }
+
+    #[test]
+    fn lr_shapes_follow_their_definitions() {
+        let base = TrainConfig { steps: 110, warmup_steps: 10, lr: 1.0, min_lr: 0.1, ..TrainConfig::default() };
+        let linear = TrainConfig { lr_shape: LrShape::Linear, ..base.clone() };
+        assert!((linear.lr_at(60) - 0.55).abs() < 1e-12);
+        assert!((linear.lr_at(110) - 0.1).abs() < 1e-12);
+        let constant = TrainConfig { lr_shape: LrShape::Constant, ..base.clone() };
+        assert_eq!(constant.lr_at(5), 0.6);
+        assert_eq!(constant.lr_at(100), 1.0);
+        let wsd = TrainConfig { lr_shape: LrShape::Wsd, lr_decay_fraction: 0.2, ..base.clone() };
+        assert_eq!(wsd.lr_at(80), 1.0, "stable until 80% of the decay span");
+        assert_eq!(wsd.lr_at(90), 1.0);
+        assert!((wsd.lr_at(100) - 0.55).abs() < 1e-12, "half way down the last 20%");
+        assert!((wsd.lr_at(110) - 0.1).abs() < 1e-12);
+        for shape in [LrShape::Cosine, LrShape::Linear, LrShape::Wsd] {
+            let cfg = TrainConfig { lr_shape: shape, ..base.clone() };
+            for step in 10..110 {
+                assert!(cfg.lr_at(step + 1) <= cfg.lr_at(step), "{shape:?} never rises after warmup");
+            }
+        }
+    }
+
+    #[test]
+    fn batch_scaling_rules_scale_rate_and_warmup() {
+        let base = TrainConfig {
+            steps: 200,
+            warmup_steps: 10,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            micro_batch: 16,
+            lr_reference_batch: 16,
+            ..TrainConfig::default()
+        };
+        let none = TrainConfig { grad_accum: 4, ..base.clone() };
+        assert_eq!(none.lr_at(50).to_bits(), base.lr_at(50).to_bits(), "none ignores the batch");
+        let linear = TrainConfig { grad_accum: 4, lr_scaling: LrScaling::Linear, ..base.clone() };
+        assert_eq!(linear.batch_sequences(), 64);
+        assert!((linear.lr_at(9) - 4e-3).abs() < 1e-15, "peak x4 after the same 10 warmup steps (4x the tokens)");
+        assert!((linear.lr_at(0) - 4e-4).abs() < 1e-15);
+        assert!((linear.lr_at(200) - 4e-4).abs() < 1e-15);
+        let sqrt = TrainConfig { lr_scaling: LrScaling::Sqrt, world_size: 4, ..base.clone() };
+        assert!((sqrt.lr_at(4) - 2e-3).abs() < 1e-15, "sqrt(4) = 2; warmup 10 x 2 / 4 = 5 steps, 2x the tokens");
+        assert!(sqrt.lr_at(3) < 2e-3);
+        let at_reference = TrainConfig { lr_scaling: LrScaling::Linear, ..base.clone() };
+        for step in 0..200 {
+            assert_eq!(at_reference.lr_at(step).to_bits(), base.lr_at(step).to_bits(), "factor 1 at the reference");
+        }
     }
 
     #[test]

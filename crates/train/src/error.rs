@@ -11,6 +11,13 @@ pub enum TrainError {
     Checkpoint(#[from] stoke_ckpt::CkptError),
     #[error("loss is {value} at step {step}: training diverged (lower train.lr, raise train.warmup_steps, or check the data)")]
     NonFiniteLoss { step: u64, value: f64 },
+    #[error(
+        "{} at step {}: training diverged (lower train.lr, raise train.warmup_steps, or check the data); the run stopped before the update, the latest checkpoint ({}) is intact",
+        if .0.detected_at == "loss" { "the loss is not finite" } else { "the gradients are not finite" },
+        .0.step,
+        .0.latest_checkpoint.map_or("none".to_string(), |s| format!("step {s}"))
+    )]
+    NonFinite(Box<crate::trainer::NanDump>),
     #[error("batch at step {step} holds token {token}, outside the model's vocabulary of {vocab_size} (set model.vocab_size)")]
     TokenOutOfVocab { step: u64, token: i64, vocab_size: usize },
     #[error("checkpoint {path} does not match this model: {message}")]

@@ -12,6 +12,7 @@
 //! println!("final loss {}", summary.final_loss);
 //! ```
 
+mod adaptive;
 mod clock;
 mod config;
 mod dist;
@@ -21,13 +22,17 @@ mod find_batch;
 mod host_memory;
 mod model;
 mod optim;
+mod optimizers;
 mod params;
 mod peak;
 mod precision;
 mod trainer;
 
+pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};
 pub use clock::StepClock;
-pub use config::{AttentionPrecision, CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
+pub use config::{
+    AttentionPrecision, CkptConfig, EvalConfig, GptShape, LrScaling, LrShape, ModelConfig, Precision, TrainConfig,
+};
 pub use dist::{
     Bucket, BucketPlan, BucketSizes, DataParallel, DataParallelConfig, Disagreement, KeyDifference, RankDifference,
 };
@@ -37,6 +42,7 @@ pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use host_memory::{retain_env, HostMemory};
 pub use model::Gpt;
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
+pub use optimizers::{Hyper, Lamb, Optimizer, OptimizerKind, Sgd, TensorNorms};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 pub use peak::{
     host_bytes_in_use, matmul_peak_flops_cached, measure_matmul_peak_flops, memory_available_bytes,
@@ -44,8 +50,8 @@ pub use peak::{
 };
 pub use precision::{compute_kind, LossScaleConfig, LossScaler, ScaleOutcome, FP32_OPS};
 pub use trainer::{
-    parse_device, CheckpointTarget, MemoryReport, Observer, ObserverError, Phase, PhaseTimes, RunInfo, StepRecord,
-    Summary, TrainEvent, Trainer,
+    parse_device, BatchChange, BlockMonitors, CheckpointTarget, EvalRecord, MemoryReport, NanDump, Observer,
+    ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary, TrainEvent, Trainer,
 };
 
 /// Held by unit tests that seed libtorch's global generator and then draw from it, so tests

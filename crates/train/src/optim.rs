@@ -67,7 +67,7 @@ pub struct StateTensor {
 }
 
 /// Suffixes of the per-parameter state tensors.
-const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+pub(crate) const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
 impl AdamW {
     pub fn new(params: &FlatParams) -> AdamW {
@@ -260,52 +260,68 @@ impl AdamW {
     /// The fused kernel's slices of `range` (each parameter's part of it), or None when the fused
     /// kernel does not apply (not asked for, or the buffers are not contiguous CPU fp32).
     fn fused_slices(&self, params: &FlatParams, range: &Range<i64>, kernel: UpdateKernel) -> Option<Vec<Slices>> {
-        let cpu_f32 = |t: &Tensor| t.device() == tch::Device::Cpu && t.kind() == Kind::Float && t.is_contiguous();
-        let fusable = kernel == UpdateKernel::Fused
-            && [params.flat(), params.flat_grad(), &self.exp_avg, &self.exp_avg_sq].into_iter().all(cpu_f32);
-        if !fusable {
-            return None;
-        }
-        let (g, p, m, v) = (
-            params.flat_grad().data_ptr() as *mut f32,
-            params.flat().data_ptr() as *mut f32,
-            self.exp_avg.data_ptr() as *mut f32,
-            self.exp_avg_sq.data_ptr() as *mut f32,
-        );
-        let slices = params
-            .entries()
-            .iter()
-            .filter_map(|e| {
-                let (lo, hi) = (e.offset.max(range.start), (e.offset + e.numel).min(range.end));
-                (lo < hi).then(|| {
-                    let offset = lo as usize;
-                    // SAFETY: `lo..hi` lies inside the flat buffers, which all hold
-                    // `n_elements()` f32 (checked by construction in `FlatParams::new`).
-                    unsafe {
-                        Slices {
-                            grad: g.add(offset),
-                            param: p.add(offset),
-                            exp_avg: m.add(offset),
-                            exp_avg_sq: v.add(offset),
-                            numel: (hi - lo) as usize,
-                            decay: e.decay,
-                        }
-                    }
-                })
-            })
-            .collect();
-        Some(slices)
+        fused_slices(params, range, kernel, &self.exp_avg, Some(&self.exp_avg_sq))
     }
 }
 
+/// The fused kernel's slices of `range` over the parameters, their gradients and one or two state
+/// buffers laid out like them, or None when the fused kernel does not apply (not asked for, or a
+/// buffer is not contiguous CPU fp32).
+pub(crate) fn fused_slices(
+    params: &FlatParams,
+    range: &Range<i64>,
+    kernel: UpdateKernel,
+    first: &Tensor,
+    second: Option<&Tensor>,
+) -> Option<Vec<Slices>> {
+    let cpu_f32 = |t: &Tensor| t.device() == tch::Device::Cpu && t.kind() == Kind::Float && t.is_contiguous();
+    let fusable = kernel == UpdateKernel::Fused
+        && [params.flat(), params.flat_grad(), first].into_iter().chain(second).all(cpu_f32);
+    if !fusable {
+        return None;
+    }
+    let (g, p, m) =
+        (params.flat_grad().data_ptr() as *mut f32, params.flat().data_ptr() as *mut f32, first.data_ptr() as *mut f32);
+    let v = second.map_or(std::ptr::null_mut(), |t| t.data_ptr() as *mut f32);
+    let slices = params
+        .entries()
+        .iter()
+        .enumerate()
+        .filter_map(|(entry, e)| {
+            let (lo, hi) = (e.offset.max(range.start), (e.offset + e.numel).min(range.end));
+            (lo < hi).then(|| {
+                let offset = lo as usize;
+                // SAFETY: `lo..hi` lies inside the flat buffers, which all hold `n_elements()`
+                // f32 (checked by construction in `FlatParams::new`; the state buffers are made
+                // like `flat`); a null second buffer stays null.
+                unsafe {
+                    Slices {
+                        grad: g.add(offset),
+                        param: p.add(offset),
+                        exp_avg: m.add(offset),
+                        exp_avg_sq: if v.is_null() { v } else { v.add(offset) },
+                        numel: (hi - lo) as usize,
+                        decay: e.decay,
+                        entry,
+                    }
+                }
+            })
+        })
+        .collect();
+    Some(slices)
+}
+
 /// The parts of one parameter the fused CPU update touches.
-struct Slices {
-    grad: *mut f32,
-    param: *mut f32,
-    exp_avg: *mut f32,
-    exp_avg_sq: *mut f32,
-    numel: usize,
-    decay: bool,
+pub(crate) struct Slices {
+    pub(crate) grad: *mut f32,
+    pub(crate) param: *mut f32,
+    pub(crate) exp_avg: *mut f32,
+    /// Null for an optimizer with one state buffer (SGD).
+    pub(crate) exp_avg_sq: *mut f32,
+    pub(crate) numel: usize,
+    pub(crate) decay: bool,
+    /// The parameter's index in `FlatParams::entries`.
+    pub(crate) entry: usize,
 }
 
 // SAFETY: each `Slices` points into buffers that no other thread reads or writes while the update
@@ -317,7 +333,7 @@ unsafe impl Sync for Slices {}
 /// Sum of squares in f64 over eight independent lanes, so the adds pipeline and vectorize (one
 /// running sum waits four cycles per element); the lanes are added in a fixed order, so the
 /// result does not depend on the machine.
-fn sum_of_squares(g: &[f32]) -> f64 {
+pub(crate) fn sum_of_squares(g: &[f32]) -> f64 {
     let mut lanes = [0f64; 8];
     let chunks = g.chunks_exact(8);
     let tail = chunks.remainder();
@@ -378,7 +394,7 @@ fn update_portable(g: &mut [f32], p: &mut [f32], m: &mut [f32], v: &mut [f32], k
 
 /// Runs `work` on every slice, the slices dealt to `n_threads` threads in contiguous runs of about
 /// equal size; returns the results in slice order.
-fn run_split<R: Send + Default + Clone>(
+pub(crate) fn run_split<R: Send + Default + Clone>(
     slices: &[Slices],
     n_threads: usize,
     work: impl Fn(&Slices) -> R + Sync,

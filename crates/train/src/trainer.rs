@@ -12,11 +12,13 @@ use stoke_ckpt::{CheckpointStore, CheckpointWriter, DType, Loaded, Snapshot, Ten
 use stoke_data::BatchSource;
 use tch::{Device, Kind, Tensor};
 
+use crate::adaptive::{AdaptiveConfig, NoiseScale};
 use crate::clock::StepClock;
-use crate::config::{CkptConfig, GptShape, ModelConfig, Precision, TrainConfig};
+use crate::config::{CkptConfig, EvalConfig, GptShape, ModelConfig, Precision, TrainConfig};
 use crate::executor::{Executor, NoHooks, Recompute, StepHooks};
 use crate::model::Gpt;
-use crate::optim::{AdamW, AdamWStep, UpdateKernel};
+use crate::optim::UpdateKernel;
+use crate::optimizers::{Hyper, Optimizer};
 use crate::precision::LossScaler;
 use crate::TrainError;
 
@@ -45,6 +47,41 @@ pub struct StepRecord {
     pub loss_scale: Option<f64>,
     /// fp16: true when this step's gradients overflowed and its update was skipped.
     pub skipped: bool,
+    /// Per-block gradient norms and update/parameter ratios, on monitored steps
+    /// (`train.monitor_every`).
+    pub monitors: Option<BlockMonitors>,
+    /// How many standard deviations this logged loss lies above the mean of the previous
+    /// `train.spike_window` logged losses; None until the window holds enough losses.
+    pub loss_z: Option<f64>,
+    /// The held-out evaluation made after this step, on evaluation steps (`eval.every`).
+    pub eval: Option<EvalRecord>,
+    /// Adaptive batch size: the gradient noise scale estimate (sequences).
+    pub noise_scale: Option<f64>,
+    /// Adaptive batch size: the batch grew after this step.
+    pub batch_change: Option<BatchChange>,
+}
+
+/// Per-unit (embedding, each block, head) figures of one step, in unit order (`RunInfo::units`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct BlockMonitors {
+    /// Gradient norm of each unit (loss scale divided out, before clipping).
+    pub grad_norm: Vec<f64>,
+    /// ||w_after - w_before|| / ||w_before|| of each unit.
+    pub update_ratio: Vec<f64>,
+}
+
+/// One evaluation on held-out data.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EvalRecord {
+    pub loss: f64,
+    pub perplexity: f64,
+    /// Tokens the evaluation read.
+    pub tokens: u64,
+    /// True when this is the lowest evaluation loss so far (its checkpoint is kept with
+    /// `eval.keep_best`); early stopping counts only improvements of more than `eval.min_delta`.
+    pub best: bool,
+    /// True when early stopping ends the run after this step.
+    pub stop: bool,
 }
 
 /// The end of a run.
@@ -66,6 +103,10 @@ pub struct Summary {
     pub loss_scale: Option<f64>,
     /// Activation memory, measured on the run's first step (CPU only).
     pub memory: Option<MemoryReport>,
+    /// True when early stopping (`eval.patience`) ended the run.
+    pub early_stopped: bool,
+    /// The best evaluation so far: (step, loss).
+    pub best_eval: Option<(u64, f64)>,
 }
 
 /// Activation memory of one micro-batch, measured through the C allocator on a CPU.
@@ -96,6 +137,10 @@ pub struct RunInfo {
     pub total_steps: u64,
     pub resumed_from: Option<PathBuf>,
     pub recompute: Recompute,
+    /// The units' names (embedding, blocks, head), the order of `BlockMonitors`.
+    pub units: Vec<String>,
+    /// Sequences per optimizer step over all processes.
+    pub global_batch: usize,
 }
 
 /// Everything the loop tells its observers.
@@ -129,7 +174,7 @@ pub struct Trainer {
     train: TrainConfig,
     ckpt: CkptConfig,
     model: Gpt,
-    optimizer: AdamW,
+    optimizer: Optimizer,
     executor: Executor,
     /// fp16 only.
     scaler: Option<LossScaler>,
@@ -143,6 +188,45 @@ pub struct Trainer {
     sync_every: u64,
     /// Threads of the fused CPU optimizer: libtorch's intra-op thread count.
     n_threads: usize,
+    /// Held-out evaluation, when set.
+    eval: Option<EvalState>,
+    /// Micro-batches per step now (`train.grad_accum`, grown by the adaptive batch size).
+    grad_accum: usize,
+    /// Adaptive batch size, when enabled.
+    adaptive: Option<AdaptiveState>,
+}
+
+/// The adaptive batch size's settings and state (the estimates are saved in checkpoints).
+struct AdaptiveState {
+    config: AdaptiveConfig,
+    /// The budget in sequences.
+    max_batch: usize,
+    noise: NoiseScale,
+    /// The flat gradient after the previous micro-batch, to take each micro-batch's own gradient.
+    previous_grad: Tensor,
+    /// A logged loss since the last decision had a z-score above `stable_z`.
+    unstable: bool,
+}
+
+/// The adaptive batch size grew the batch after this step.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct BatchChange {
+    /// Global batch in sequences, before and after.
+    pub from: usize,
+    pub to: usize,
+    /// The gradient noise scale (sequences) that justified it.
+    pub noise_scale: f64,
+}
+
+/// The held-out data and the early-stopping state (saved in checkpoints).
+struct EvalState {
+    config: EvalConfig,
+    source: Box<dyn BatchSource>,
+    /// Best evaluation loss so far (inf before the first).
+    best: f64,
+    best_step: Option<u64>,
+    /// Evaluations in a row without an improvement of more than `min_delta`.
+    stale: u64,
 }
 
 /// Picks the device: "cpu", "cuda" (the first GPU) or "auto" (a GPU when libtorch sees one).
@@ -178,7 +262,7 @@ impl Trainer {
         crate::host_memory::apply(train.host_memory);
         tch::manual_seed(train.seed as i64);
         let model = Gpt::new(shape, train.precision, train.attention, device);
-        let optimizer = AdamW::new(model.params());
+        let optimizer = Optimizer::new(train.optimizer, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;
         let scaler = (train.precision == Precision::Fp16).then(|| LossScaler::new(train.loss_scale()));
         Ok(Trainer {
@@ -194,7 +278,121 @@ impl Trainer {
             resumed_from: None,
             sync_every: 1,
             n_threads: tch::get_num_threads().max(1) as usize,
+            eval: None,
+            grad_accum: train.grad_accum,
+            adaptive: None,
         })
+    }
+
+    /// Turns on the adaptive batch size (one process only: a data-parallel step reduces the
+    /// gradients while the last micro-batch's backward runs, so its own gradient is not readable).
+    pub fn set_adaptive(&mut self, config: &AdaptiveConfig) -> Result<(), TrainError> {
+        config.validate(self.train.grad_accum)?;
+        if !config.enabled {
+            self.adaptive = None;
+            return Ok(());
+        }
+        if self.train.world_size > 1 {
+            return Err(TrainError::InvalidConfig {
+                key: "adaptive.enabled",
+                message: "is not available on data-parallel runs yet (one process only)".into(),
+            });
+        }
+        let start = self.train.batch_sequences();
+        let max_batch = if config.max_batch == 0 { 8 * start } else { config.max_batch };
+        if max_batch < start {
+            return Err(TrainError::InvalidConfig {
+                key: "adaptive.max_batch",
+                message: format!("is {max_batch}, below the starting global batch of {start} sequences"),
+            });
+        }
+        let previous_grad = self.model.params().flat_grad().zeros_like();
+        self.adaptive = Some(AdaptiveState {
+            config: config.clone(),
+            max_batch,
+            noise: NoiseScale::default(),
+            previous_grad,
+            unstable: false,
+        });
+        Ok(())
+    }
+
+    /// Sequences per optimizer step now, over all processes.
+    fn global_batch(&self) -> usize {
+        self.train.micro_batch * self.grad_accum * self.train.world_size.max(1)
+    }
+
+    /// Evaluates on `source` (the held-out split) every `config.every` steps and after the last,
+    /// with early stopping. Each evaluation reads the same `config.batches` micro-batches from
+    /// the source's start.
+    pub fn set_eval(&mut self, config: &EvalConfig, source: Box<dyn BatchSource>) -> Result<(), TrainError> {
+        config.validate()?;
+        let (best, best_step, stale) =
+            self.eval.as_ref().map_or((f64::INFINITY, None, 0), |e| (e.best, e.best_step, e.stale));
+        self.eval = Some(EvalState { config: config.clone(), source, best, best_step, stale });
+        Ok(())
+    }
+
+    /// The best evaluation's step, for retention to keep (None before any, or without
+    /// `eval.keep_best`).
+    pub fn best_eval_step(&self) -> Option<u64> {
+        self.eval.as_ref().filter(|e| e.config.keep_best).and_then(|e| e.best_step)
+    }
+
+    fn eval_keeps_best(&self) -> bool {
+        self.eval.as_ref().is_some_and(|e| e.config.keep_best)
+    }
+
+    /// The mean loss over the evaluation batches (averaged over the ranks), no gradients.
+    fn evaluate(&mut self, hooks: &mut dyn StepHooks) -> Result<(f64, u64), TrainError> {
+        let Some(eval) = self.eval.as_mut() else { return Ok((f64::NAN, 0)) };
+        let shape = self.model.shape();
+        let seq_len = shape.seq_len as i64;
+        eval.source.seek(0);
+        let (mut sum, mut tokens) = (0.0, 0u64);
+        for _ in 0..eval.config.batches {
+            let batch = eval.source.next_batch()?;
+            let rows_n = batch.micro_batch as i64;
+            let rows = Tensor::from_slice(&batch.tokens).view([rows_n, seq_len + 1]).to_device(self.device);
+            eval.source.recycle(batch);
+            let inputs = rows.narrow(1, 0, seq_len).contiguous();
+            let targets = rows.narrow(1, 1, seq_len).contiguous();
+            let loss = tch::no_grad(|| self.model.loss(&inputs, &targets)).double_value(&[]);
+            sum += loss;
+            tokens += (rows_n * seq_len) as u64;
+        }
+        let loss = hooks.reduce_loss(sum / eval.config.batches as f64)?;
+        Ok((loss, tokens))
+    }
+
+    /// Whether step `step` (1-based) ends with an evaluation.
+    fn eval_due(&self, step: u64) -> bool {
+        match &self.eval {
+            Some(e) => e.config.every > 0 && (step % e.config.every == 0 || step == self.train.steps),
+            None => false,
+        }
+    }
+
+    /// Evaluates when `step` is due; updates the best loss and early stopping.
+    fn maybe_evaluate(&mut self, step: u64, hooks: &mut dyn StepHooks) -> Result<Option<EvalRecord>, TrainError> {
+        if !self.eval_due(step) {
+            return Ok(None);
+        }
+        let (loss, tokens) = self.evaluate(hooks)?;
+        let eval = self.eval.as_mut().expect("due implies set");
+        let improved = loss < eval.best - eval.config.min_delta;
+        if improved {
+            eval.stale = 0;
+        } else {
+            eval.stale += 1;
+        }
+        if loss < eval.best {
+            eval.best = loss;
+            eval.best_step = Some(step);
+        }
+        let stop = eval.config.patience > 0 && eval.stale >= eval.config.patience && step < self.train.steps;
+        let best = eval.best_step == Some(step);
+        Ok(Some(EvalRecord { loss, perplexity: loss.exp(), tokens, best, stop }))
     }
 
     pub fn model(&self) -> &Gpt {
@@ -284,6 +482,18 @@ impl Trainer {
                 _ => return Err(mismatch("an fp16 run needs the loss scaler's state in the manifest".into())),
             }
         }
+        if let Some(accum) = meta.get("grad_accum").and_then(serde_json::Value::as_u64) {
+            self.grad_accum = accum as usize;
+        }
+        if let Some(adaptive) = &mut self.adaptive {
+            adaptive.noise.g2 = meta.get("gns_g2").and_then(serde_json::Value::as_f64);
+            adaptive.noise.trace = meta.get("gns_trace").and_then(serde_json::Value::as_f64);
+        }
+        if let Some(eval) = &mut self.eval {
+            eval.best = meta.get("eval_best_loss").and_then(serde_json::Value::as_f64).unwrap_or(f64::INFINITY);
+            eval.best_step = meta.get("eval_best_step").and_then(serde_json::Value::as_u64);
+            eval.stale = meta.get("eval_stale").and_then(serde_json::Value::as_u64).unwrap_or(0);
+        }
         self.step = loaded.manifest.step;
         self.resumed_from = Some(loaded.path.clone());
         Ok(data_position)
@@ -311,6 +521,19 @@ impl Trainer {
             object.insert("loss_scale".into(), serde_json::json!(scale));
             object.insert("loss_scale_clean_steps".into(), serde_json::json!(clean));
             object.insert("skipped_steps".into(), serde_json::json!(skipped));
+        }
+        if let (Some(eval), Some(object)) = (&self.eval, meta.as_object_mut()) {
+            if let Some(best_step) = eval.best_step {
+                object.insert("eval_best_loss".into(), serde_json::json!(eval.best));
+                object.insert("eval_best_step".into(), serde_json::json!(best_step));
+            }
+            object.insert("eval_stale".into(), serde_json::json!(eval.stale));
+        }
+        object_optimizer(&mut meta, self.train.optimizer.name());
+        if let (Some(adaptive), Some(object)) = (&self.adaptive, meta.as_object_mut()) {
+            object.insert("grad_accum".into(), serde_json::json!(self.grad_accum));
+            object.insert("gns_g2".into(), serde_json::json!(adaptive.noise.g2));
+            object.insert("gns_trace".into(), serde_json::json!(adaptive.noise.trace));
         }
         if let (Some(meta), Some(extra)) = (meta.as_object_mut(), extra.as_object()) {
             meta.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
@@ -347,63 +570,132 @@ impl Trainer {
         hooks: &mut dyn StepHooks,
     ) -> Result<Summary, TrainError> {
         let shape = self.model.shape();
-        let tokens_per_step = (self.train.micro_batch * shape.seq_len * self.train.grad_accum) as u64;
+        let tokens_per_step = (self.train.micro_batch * shape.seq_len * self.grad_accum) as u64;
         let info = RunInfo {
             shape,
             n_params: shape.n_params(),
             precision: self.train.precision,
             device: self.device,
             micro_batch: self.train.micro_batch,
-            grad_accum: self.train.grad_accum,
+            grad_accum: self.grad_accum,
             tokens_per_step,
             start_step: self.step,
             total_steps: self.train.steps,
             resumed_from: self.resumed_from.clone(),
             recompute: self.executor.recompute(),
+            units: self.model.params().units().iter().map(|u| u.name.clone()).collect(),
+            global_batch: self.global_batch(),
         };
+        let mut tokens = 0u64;
         notify(observers, &TrainEvent::Started(&info))?;
+        if let (Some(target), Some(best)) = (checkpoints.as_deref_mut(), self.best_eval_step()) {
+            target.writer.protect(Some(best));
+        }
         let first_step = self.step + 1;
         let run_start = Instant::now();
         let (mut first_loss, mut final_loss, mut best_loss) = (f64::NAN, f64::NAN, f64::INFINITY);
         let mut interrupted = false;
         let mut memory = None;
+        let mut losses = std::collections::VecDeque::with_capacity(self.train.spike_window);
+        let mut last_finite_loss = f64::NAN;
+        let mut early_stopped = false;
         while self.step < self.train.steps {
             let step_number = self.step + 1;
-            let logged = step_number % self.train.log_every == 0 || step_number == self.train.steps;
+            let logged = step_number % self.train.log_every == 0
+                || step_number == self.train.steps
+                || self.eval_due(step_number);
             let timed = !self.device.is_cuda() || (self.sync_every > 0 && step_number % self.sync_every == 0);
             let mut clock = StepClock::start(self.device, timed).slow_forward(self.train.test_slow_forward);
             let measure_memory = step_number == first_step;
-            let (loss_sum, step_memory) =
+            let position_before = source.position();
+            if self.train.debug_poison_step == step_number {
+                self.poison();
+            }
+            let (loss_sum, step_memory, micro_sq) =
                 self.forward_backward(source, step_number, measure_memory, &mut clock, hooks)?;
             if memory.is_none() {
                 memory = step_memory;
             }
             hooks.before_optimizer(&mut clock)?;
-            let lr = self.train.lr_at(self.step);
+            // The global batch of this step (the adaptive batch size may have grown it).
+            let lr = self.train.lr_at_batch(self.step, self.global_batch());
+            let step_tokens = (self.train.micro_batch * shape.seq_len * self.grad_accum) as u64;
             let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
-            let outcome = self.optimizer_step(lr);
+            // The NaN guard: a non-finite loss (read every step: the gradient norm below
+            // synchronizes anyway) or gradient norm stops the run before the update.
+            let local_loss = loss_sum.double_value(&[]);
+            let monitored = logged && self.train.monitor_every > 0 && step_number % self.train.monitor_every == 0;
+            let before_update = monitored.then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0)));
+            let outcome = if local_loss.is_finite() { self.optimizer_step(lr) } else { Err(f64::NAN) };
+            let outcome = match outcome {
+                Ok(outcome) => outcome,
+                Err(grad_norm) => {
+                    let what = if local_loss.is_finite() { "gradients" } else { "loss" };
+                    let dump = self.nan_dump(
+                        step_number,
+                        what,
+                        local_loss,
+                        grad_norm,
+                        last_finite_loss,
+                        position_before,
+                        source.position(),
+                    );
+                    // Checkpoints of earlier steps are committed before the run stops; this step
+                    // writes none.
+                    let mut latest = None;
+                    if let Some(target) = checkpoints.as_deref_mut() {
+                        for saved in target.writer.finish()? {
+                            notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
+                        }
+                        latest = target.writer.store().latest()?;
+                    }
+                    return Err(TrainError::NonFinite(Box::new(NanDump { latest_checkpoint: latest, ..dump })));
+                }
+            };
+            let monitors = before_update.map(|(grad_norm, params_before)| BlockMonitors {
+                grad_norm,
+                update_ratio: self.update_ratios(&params_before),
+            });
             clock.lap(Phase::Optimizer);
             self.step = step_number;
-            let loss = if logged { hooks.reduce_loss(loss_sum.double_value(&[]))? } else { f64::NAN };
+            let loss = if logged { hooks.reduce_loss(local_loss)? } else { f64::NAN };
             if logged && !loss.is_finite() {
                 return Err(TrainError::NonFiniteLoss { step: step_number, value: loss });
             }
+            last_finite_loss = local_loss;
+            let mut loss_z = None;
             if logged {
                 if first_loss.is_nan() {
                     first_loss = loss;
                 }
                 final_loss = loss;
                 best_loss = best_loss.min(loss);
+                loss_z = spike_z(&losses, loss);
+                if losses.len() == self.train.spike_window {
+                    losses.pop_front();
+                }
+                losses.push_back(loss);
+            }
+            let batch_change = self.adapt_batch(step_number, &outcome, micro_sq, loss_z);
+            tokens += step_tokens;
+            let eval = self.maybe_evaluate(step_number, hooks)?;
+            if let Some(eval) = &eval {
+                clock.lap(Phase::Other);
+                early_stopped = eval.stop;
             }
             interrupted = hooks.agree_stop(stop.load(Ordering::Relaxed))?;
             let due = self.ckpt.every > 0 && step_number % self.ckpt.every == 0;
-            let at_end = step_number == self.train.steps && self.ckpt.at_end;
-            if let Some(target) = checkpoints.as_deref_mut().filter(|_| due || at_end || interrupted) {
+            let at_end = (step_number == self.train.steps || early_stopped) && self.ckpt.at_end;
+            let best_eval = eval.as_ref().is_some_and(|e| e.best) && self.eval_keeps_best();
+            if let Some(target) = checkpoints.as_deref_mut().filter(|_| due || at_end || interrupted || best_eval) {
                 clock.lap(Phase::Other);
                 // Blocks only while every host buffer is still being written (back-pressure).
                 let mut snapshot = target.writer.begin(self.step)?;
                 self.snapshot_into(&mut snapshot, &target.meta, source.position());
                 target.writer.submit(snapshot)?;
+                if best_eval {
+                    target.writer.protect(Some(self.step));
+                }
                 clock.lap(Phase::CkptStall);
             }
             let (phases, wall_ms) = clock.finish();
@@ -412,7 +704,7 @@ impl Trainer {
                 loss,
                 lr,
                 grad_norm: outcome.grad_norm,
-                tokens: tokens_per_step,
+                tokens: step_tokens,
                 wall_ms,
                 phases,
                 logged,
@@ -420,6 +712,11 @@ impl Trainer {
                 comm_total_ms: hooks.take_comm_ms(),
                 loss_scale,
                 skipped: outcome.skipped,
+                monitors,
+                loss_z,
+                eval,
+                noise_scale: self.adaptive.as_ref().and_then(|a| a.noise.estimate()),
+                batch_change,
             };
             notify(observers, &TrainEvent::Step(&record))?;
             if let Some(target) = checkpoints.as_deref_mut() {
@@ -429,7 +726,7 @@ impl Trainer {
                     notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
                 }
             }
-            if interrupted {
+            if interrupted || early_stopped {
                 break;
             }
         }
@@ -440,7 +737,7 @@ impl Trainer {
         }
         let wall_s = run_start.elapsed().as_secs_f64();
         let steps_run = self.step + 1 - first_step;
-        let tokens = steps_run * tokens_per_step;
+        let _ = tokens_per_step;
         let summary = Summary {
             first_step,
             last_step: self.step,
@@ -455,6 +752,8 @@ impl Trainer {
             skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped_steps),
             loss_scale: self.scaler.as_ref().map(LossScaler::scale),
             memory,
+            early_stopped,
+            best_eval: self.eval.as_ref().and_then(|e| e.best_step.map(|step| (step, e.best))),
         };
         notify(observers, &TrainEvent::Finished(&summary))?;
         Ok(summary)
@@ -469,10 +768,12 @@ impl Trainer {
         measure_memory: bool,
         clock: &mut StepClock,
         hooks: &mut dyn StepHooks,
-    ) -> Result<(Tensor, Option<MemoryReport>), TrainError> {
+    ) -> Result<(Tensor, Option<MemoryReport>, Option<f64>), TrainError> {
         let shape = self.model.shape();
         let (micro_batch, seq_len) = (self.train.micro_batch, shape.seq_len);
-        let n_micro = self.train.grad_accum;
+        let n_micro = self.grad_accum;
+        // Adaptive batch size: the mean squared norm of the micro-batches' own gradients.
+        let mut micro_sq_sum = 0.0;
         let loss_multiplier = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / n_micro as f64;
         let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
         let mut memory = None;
@@ -521,27 +822,271 @@ impl Trainer {
                 });
             }
             loss_sum += result.loss / n_micro as f64;
+            if let Some(adaptive) = &self.adaptive {
+                // flat_grad holds the sum of g_i / n_micro (times the fp16 scale) so far.
+                let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+                let flat_grad = self.model.params().flat_grad();
+                let own = tch::no_grad(|| (flat_grad - &adaptive.previous_grad) * (n_micro as f64 / scale));
+                micro_sq_sum += own.square().sum(Kind::Double).double_value(&[]);
+                tch::no_grad(|| adaptive.previous_grad.shallow_clone().copy_(flat_grad));
+            }
         }
+        if let Some(adaptive) = &self.adaptive {
+            // The next step starts from cleared gradients.
+            tch::no_grad(|| {
+                let _ = adaptive.previous_grad.shallow_clone().zero_();
+            });
+        }
+        let micro_sq = self.adaptive.is_some().then(|| micro_sq_sum / n_micro as f64);
         if self.inject_overflow_at == Some(step_number) {
             tch::no_grad(|| {
                 let _ = self.model.params().flat_grad().narrow(0, 0, 1).fill_(f64::INFINITY);
             });
         }
-        Ok((loss_sum, memory))
+        Ok((loss_sum, memory, micro_sq))
     }
 
-    /// The optimizer's step at learning rate `lr` (clipping, fp16 unscaling and skipping inside).
-    fn optimizer_step(&mut self, lr: f64) -> crate::optim::StepOutcome {
-        let hp = AdamWStep {
+    /// Adaptive batch size after a step: feeds the noise-scale estimate and, every
+    /// `adaptive.every` steps, grows the accumulation when the phase is stable and the noise
+    /// scale exceeds the batch.
+    fn adapt_batch(
+        &mut self,
+        step: u64,
+        outcome: &crate::optim::StepOutcome,
+        micro_sq: Option<f64>,
+        loss_z: Option<f64>,
+    ) -> Option<BatchChange> {
+        let rows = self.train.micro_batch * self.train.world_size.max(1);
+        let accum = self.grad_accum;
+        let adaptive = self.adaptive.as_mut()?;
+        if let (Some(small_sq), false) = (micro_sq, outcome.skipped) {
+            let (b_small, b_big) = (self.train.micro_batch as f64, (self.train.micro_batch * accum) as f64);
+            let big_sq = outcome.grad_norm * outcome.grad_norm;
+            adaptive.noise.observe(adaptive.config.ema, b_small, small_sq, b_big, big_sq);
+        }
+        if loss_z.is_some_and(|z| z > adaptive.config.stable_z) {
+            adaptive.unstable = true;
+        }
+        if step % adaptive.config.every != 0 {
+            return None;
+        }
+        let stable = !std::mem::replace(&mut adaptive.unstable, false);
+        let noise_scale = adaptive.noise.estimate();
+        let next = crate::adaptive::grown_accum(accum, rows, adaptive.max_batch, noise_scale, stable)?;
+        self.grad_accum = next;
+        Some(BatchChange { from: rows * accum, to: rows * next, noise_scale: noise_scale.unwrap_or(f64::NAN) })
+    }
+
+    /// The optimizer's step at learning rate `lr` (clipping, fp16 unscaling and skipping inside);
+    /// Err(gradient norm) when the gradients are not finite (nothing updated).
+    fn optimizer_step(&mut self, lr: f64) -> Result<crate::optim::StepOutcome, f64> {
+        let hp = Hyper {
             lr,
             beta1: self.train.beta1,
             beta2: self.train.beta2,
             eps: self.train.eps,
             weight_decay: self.train.weight_decay,
+            momentum: self.train.momentum,
+            nesterov: self.train.nesterov,
         };
-        let kernel = if self.train.fused_optimizer { UpdateKernel::Fused } else { UpdateKernel::TensorOps };
-        self.optimizer.step(self.model.params(), hp, self.train.grad_clip, self.scaler.as_mut(), kernel, self.n_threads)
+        let kernel = self.kernel();
+        self.optimizer.step(
+            self.model.params(),
+            &hp,
+            self.train.grad_clip,
+            self.scaler.as_mut(),
+            kernel,
+            self.n_threads,
+        )
     }
+
+    fn kernel(&self) -> UpdateKernel {
+        if self.train.fused_optimizer {
+            UpdateKernel::Fused
+        } else {
+            UpdateKernel::TensorOps
+        }
+    }
+
+    /// `train.debug_poison_step`: a NaN written into the first block's first parameter, so this
+    /// step's loss and gradients are not finite, as a diverged run's would be.
+    fn poison(&self) {
+        let params = self.model.params();
+        let units = params.units();
+        let unit = units.get(1).unwrap_or(&units[0]);
+        tch::no_grad(|| {
+            let _ = params.flat().narrow(0, unit.range.start, 1).fill_(f64::NAN);
+        });
+    }
+
+    /// Each unit's gradient norm (divided by the loss scale), and a copy of the parameters before
+    /// the update, for `update_ratios`.
+    fn block_grad_norms(&self, scale: f64) -> (Vec<f64>, Tensor) {
+        let params = self.model.params();
+        let kernel = self.kernel();
+        let norms = params
+            .units()
+            .iter()
+            .map(|u| self.optimizer.grad_sq_sum(params, u.range.clone(), kernel, self.n_threads).sqrt() / scale)
+            .collect();
+        (norms, params.flat().detach().copy())
+    }
+
+    /// ||w_after - w_before|| / ||w_before|| per unit.
+    fn update_ratios(&self, before: &Tensor) -> Vec<f64> {
+        let params = self.model.params();
+        tch::no_grad(|| {
+            let delta = params.flat() - before;
+            params
+                .units()
+                .iter()
+                .map(|u| {
+                    let len = u.range.end - u.range.start;
+                    let d = delta.narrow(0, u.range.start, len).square().sum(Kind::Double).double_value(&[]);
+                    let w = before.narrow(0, u.range.start, len).square().sum(Kind::Double).double_value(&[]);
+                    if w > 0.0 {
+                        (d / w).sqrt()
+                    } else {
+                        0.0
+                    }
+                })
+                .collect()
+        })
+    }
+
+    /// What `nan-dump.json` holds: the step, its samples, every parameter or gradient tensor that
+    /// holds a NaN or an inf with its statistics, and the last finite loss.
+    #[allow(clippy::too_many_arguments)]
+    fn nan_dump(
+        &self,
+        step: u64,
+        what: &str,
+        loss: f64,
+        grad_norm: f64,
+        last_finite_loss: f64,
+        position_before: u64,
+        position_after: u64,
+    ) -> NanDump {
+        let params = self.model.params();
+        let mut offending = Vec::new();
+        for entry in params.entries() {
+            let grad = params.flat_grad().narrow(0, entry.offset, entry.numel);
+            let value = params.flat().narrow(0, entry.offset, entry.numel);
+            for (kind, t) in [("parameter", &value), ("gradient", &grad)] {
+                let stats = TensorStats::of(t);
+                if stats.nan > 0 || stats.inf > 0 {
+                    offending.push(OffendingTensor { name: entry.name.clone(), kind: kind.into(), stats });
+                }
+            }
+        }
+        NanDump {
+            step,
+            detected_at: what.into(),
+            loss: finite_or_null(loss),
+            grad_norm: finite_or_null(grad_norm),
+            last_finite_loss: finite_or_null(last_finite_loss),
+            data_position_before: position_before,
+            data_position_after: position_after,
+            micro_batch: self.train.micro_batch,
+            grad_accum: self.train.grad_accum,
+            seq_len: self.model.shape().seq_len,
+            offending,
+            latest_checkpoint: None,
+            poisoned_on_purpose: self.train.debug_poison_step == step,
+        }
+    }
+}
+
+/// Names the optimizer in a checkpoint's meta.
+fn object_optimizer(meta: &mut serde_json::Value, name: &str) {
+    if let Some(object) = meta.as_object_mut() {
+        object.insert("optimizer".into(), serde_json::json!(name));
+    }
+}
+
+/// JSON has no NaN: a non-finite number is written as null.
+fn finite_or_null(x: f64) -> Option<f64> {
+    x.is_finite().then_some(x)
+}
+
+/// `nan-dump.json`: why and where a run stopped on a non-finite value.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct NanDump {
+    /// The step (1-based) whose loss or gradients were not finite; it was not applied.
+    pub step: u64,
+    /// "loss" or "gradients": which check fired.
+    pub detected_at: String,
+    /// The step's loss (null when not finite).
+    pub loss: Option<f64>,
+    pub grad_norm: Option<f64>,
+    /// The loss of the last step whose loss was finite (null when there was none).
+    pub last_finite_loss: Option<f64>,
+    /// The data source's position before and after the step's batches: the step read the
+    /// samples in between (the loader's global sample positions; for the in-memory windows, the
+    /// batch numbers).
+    pub data_position_before: u64,
+    pub data_position_after: u64,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub seq_len: usize,
+    /// Every parameter or gradient tensor holding a NaN or an inf.
+    pub offending: Vec<OffendingTensor>,
+    /// The newest committed checkpoint (left as it was), if any.
+    pub latest_checkpoint: Option<u64>,
+    /// True when `train.debug_poison_step` caused it.
+    pub poisoned_on_purpose: bool,
+}
+
+/// A tensor of `NanDump::offending`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct OffendingTensor {
+    pub name: String,
+    /// "parameter" or "gradient".
+    pub kind: String,
+    pub stats: TensorStats,
+}
+
+/// Statistics of a tensor's values.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TensorStats {
+    pub numel: i64,
+    pub nan: i64,
+    pub inf: i64,
+    /// Over the finite values (null when there are none).
+    pub finite_min: Option<f64>,
+    pub finite_max: Option<f64>,
+    pub finite_abs_mean: Option<f64>,
+}
+
+impl TensorStats {
+    fn of(t: &Tensor) -> TensorStats {
+        let t = t.detach().to_kind(Kind::Double);
+        let nan = t.isnan().sum(Kind::Int64).int64_value(&[]);
+        let inf = t.isinf().sum(Kind::Int64).int64_value(&[]);
+        let finite = t.masked_select(&t.isfinite());
+        let n_finite = finite.numel();
+        let stat = |x: Tensor| (n_finite > 0).then(|| x.double_value(&[]));
+        TensorStats {
+            numel: t.numel() as i64,
+            nan,
+            inf,
+            finite_min: stat(if n_finite > 0 { finite.min() } else { Tensor::from(0.0) }),
+            finite_max: stat(if n_finite > 0 { finite.max() } else { Tensor::from(0.0) }),
+            finite_abs_mean: stat(finite.abs().mean(Kind::Double)),
+        }
+    }
+}
+
+/// How many standard deviations `loss` lies above the mean of `window` (None until it holds 10
+/// losses, or when they do not vary).
+fn spike_z(window: &std::collections::VecDeque<f64>, loss: f64) -> Option<f64> {
+    if window.len() < 10 {
+        return None;
+    }
+    let n = window.len() as f64;
+    let mean = window.iter().sum::<f64>() / n;
+    let var = window.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (var > 0.0).then(|| (loss - mean) / var.sqrt())
 }
 
 fn notify(observers: &mut [&mut dyn Observer], event: &TrainEvent<'_>) -> Result<(), TrainError> {

@@ -1,0 +1,752 @@
+//! LAMB and SGD over the flat parameter buffers, and `Optimizer`, the one the trainer runs.
+//!
+//! Both follow AdamW's shape (`optim.rs`): the state is flat like the parameters and saved by
+//! parameter name, and the step is made of range primitives, so a sharded step (each rank owning a
+//! range of the flat buffers) can run them:
+//!
+//! - SGD: `grad_sq_sum(range)` for the global norm, then `update_range(range, multiplier)`.
+//! - LAMB: `grad_sq_sum(range)`, then `prepare_range(range, multiplier, &mut norms)`, which in one
+//!   pass updates both moments, writes the Adam direction plus decoupled weight decay into the
+//!   gradient buffer (it is not needed any more) and adds each tensor's part of ||w||² and ||u||²
+//!   into `norms` (a shard sums its partial `TensorNorms` with the other shards'); then
+//!   `apply_range(range, lr, &norms)` moves each tensor by its trust ratio ||w|| / ||u|| and clears
+//!   the gradient.
+//!
+//! On a CPU each pass is fused Rust over each parameter's slice, split across threads like
+//! AdamW's; on a GPU (or with `UpdateKernel::TensorOps`) the same arithmetic runs as libtorch ops
+//! per parameter slice.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use crate::optim::{fused_slices, run_split, sum_of_squares, AdamW, AdamWStep, Slices, StateTensor, StepOutcome};
+use crate::optim::{UpdateKernel, MOMENTS};
+use crate::params::FlatParams;
+use crate::precision::{LossScaler, ScaleOutcome};
+
+/// `train.optimizer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    AdamW,
+    Lamb,
+    Sgd,
+}
+
+impl OptimizerKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Lamb => "lamb",
+            OptimizerKind::Sgd => "sgd",
+        }
+    }
+}
+
+/// Hyper-parameters of one step of any of the optimizers (each reads the ones it uses).
+#[derive(Debug, Clone, Copy)]
+pub struct Hyper {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// SGD: momentum (0: plain SGD).
+    pub momentum: f64,
+    /// SGD: Nesterov momentum.
+    pub nesterov: bool,
+}
+
+impl Hyper {
+    fn adam(&self) -> AdamWStep {
+        AdamWStep { lr: self.lr, beta1: self.beta1, beta2: self.beta2, eps: self.eps, weight_decay: self.weight_decay }
+    }
+}
+
+/// Per-tensor sums of squares over a range, indexed like `FlatParams::entries`: the parameters'
+/// and LAMB's update direction's. Partial sums of disjoint ranges add up to the whole's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorNorms {
+    pub param_sq: Vec<f64>,
+    pub update_sq: Vec<f64>,
+}
+
+impl TensorNorms {
+    pub fn zeros(n_entries: usize) -> TensorNorms {
+        TensorNorms { param_sq: vec![0.0; n_entries], update_sq: vec![0.0; n_entries] }
+    }
+
+    /// LAMB's trust ratio of tensor `entry`: ||w|| / ||u||, 1 when either is 0.
+    pub fn trust_ratio(&self, entry: usize) -> f64 {
+        let (w, u) = (self.param_sq[entry].sqrt(), self.update_sq[entry].sqrt());
+        if w > 0.0 && u > 0.0 {
+            w / u
+        } else {
+            1.0
+        }
+    }
+}
+
+/// Sum of squares of `flat_grad[range]`: the fused slices' sums in slice order, or one libtorch
+/// reduction.
+fn grad_sq_sum_over(params: &FlatParams, range: Range<i64>, slices: Option<Vec<Slices>>, n_threads: usize) -> f64 {
+    match slices {
+        Some(slices) => run_split(&slices, n_threads, |s| {
+            // SAFETY: see `Slices`; this pass only reads.
+            let g = unsafe { std::slice::from_raw_parts(s.grad, s.numel) };
+            sum_of_squares(g)
+        })
+        .iter()
+        .sum(),
+        None => {
+            let grad = params.flat_grad().narrow(0, range.start, range.end - range.start);
+            grad.square().sum(Kind::Double).double_value(&[])
+        }
+    }
+}
+
+/// Each parameter's part of `range`: (entry index, start, end).
+fn overlaps(params: &FlatParams, range: &Range<i64>) -> Vec<(usize, i64, i64)> {
+    params
+        .entries()
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| {
+            let (lo, hi) = (e.offset.max(range.start), (e.offset + e.numel).min(range.end));
+            (lo < hi).then_some((i, lo, hi))
+        })
+        .collect()
+}
+
+/// The state as named tensors: for every parameter, one view per (suffix, buffer).
+fn state_views(params: &FlatParams, buffers: &[(&str, &Tensor)]) -> Vec<StateTensor> {
+    let mut out = Vec::with_capacity(buffers.len() * params.entries().len());
+    for entry in params.entries() {
+        for (suffix, buffer) in buffers {
+            out.push(StateTensor {
+                name: format!("{}.{suffix}", entry.name),
+                shape: entry.shape.clone(),
+                tensor: buffer.narrow(0, entry.offset, entry.numel).view(entry.shape.as_slice()),
+            });
+        }
+    }
+    out
+}
+
+/// Loads `<param>.<suffix>` into each buffer; checks every name and shape before copying.
+fn load_views(
+    params: &FlatParams,
+    buffers: &[(&str, &Tensor)],
+    mut lookup: impl FnMut(&str) -> Option<(Vec<i64>, Tensor)>,
+) -> Result<(), String> {
+    let mut loaded = Vec::with_capacity(buffers.len() * params.entries().len());
+    for entry in params.entries() {
+        for (idx, (suffix, _)) in buffers.iter().enumerate() {
+            let name = format!("{}.{suffix}", entry.name);
+            let (shape, values) = lookup(&name).ok_or_else(|| format!("optimizer state has no tensor {name:?}"))?;
+            if shape != entry.shape {
+                return Err(format!(
+                    "optimizer tensor {name:?} has shape {shape:?}, the parameter {:?} has {:?}",
+                    entry.name, entry.shape
+                ));
+            }
+            loaded.push((entry.offset, entry.numel, idx, values));
+        }
+    }
+    tch::no_grad(|| {
+        for (offset, numel, idx, values) in loaded {
+            let buffer = buffers[idx].1;
+            buffer.narrow(0, offset, numel).copy_(&values.reshape([-1]).to_device(buffer.device()));
+        }
+    });
+    Ok(())
+}
+
+/// LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"): Adam's bias-corrected
+/// direction plus decoupled weight decay, scaled per tensor by the trust ratio ||w|| / ||u||.
+pub struct Lamb {
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    n_steps: u64,
+}
+
+impl Lamb {
+    pub fn new(params: &FlatParams) -> Lamb {
+        let flat = params.flat();
+        Lamb { exp_avg: flat.zeros_like(), exp_avg_sq: flat.zeros_like(), n_steps: 0 }
+    }
+
+    pub fn n_steps(&self) -> u64 {
+        self.n_steps
+    }
+
+    /// Counts a step (once per step, before `prepare_range` on any range).
+    pub fn begin_step(&mut self) {
+        self.n_steps += 1;
+    }
+
+    pub fn state_tensors(&self, params: &FlatParams) -> Vec<StateTensor> {
+        state_views(params, &[(MOMENTS[0], &self.exp_avg), (MOMENTS[1], &self.exp_avg_sq)])
+    }
+
+    pub fn load_state(
+        &mut self,
+        params: &FlatParams,
+        n_steps: u64,
+        lookup: impl FnMut(&str) -> Option<(Vec<i64>, Tensor)>,
+    ) -> Result<(), String> {
+        load_views(params, &[(MOMENTS[0], &self.exp_avg), (MOMENTS[1], &self.exp_avg_sq)], lookup)?;
+        self.n_steps = n_steps;
+        Ok(())
+    }
+
+    fn slices(&self, params: &FlatParams, range: &Range<i64>, kernel: UpdateKernel) -> Option<Vec<Slices>> {
+        fused_slices(params, range, kernel, &self.exp_avg, Some(&self.exp_avg_sq))
+    }
+
+    pub fn grad_sq_sum(&self, params: &FlatParams, range: Range<i64>, kernel: UpdateKernel, n_threads: usize) -> f64 {
+        let slices = self.slices(params, &range, kernel);
+        grad_sq_sum_over(params, range, slices, n_threads)
+    }
+
+    /// First pass over `range`: both moments from the gradients times `grad_multiplier`, the
+    /// update direction u = m̂ / (sqrt(v̂) + eps) + weight_decay * w (decay on decayed tensors only)
+    /// written into the gradient buffer, and each tensor's part of ||w||² and ||u||² added into
+    /// `norms`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_range(
+        &mut self,
+        params: &FlatParams,
+        range: Range<i64>,
+        hp: &Hyper,
+        grad_multiplier: f64,
+        kernel: UpdateKernel,
+        n_threads: usize,
+        norms: &mut TensorNorms,
+    ) {
+        let t = self.n_steps.max(1) as i32;
+        let inv_bc1 = 1.0 / (1.0 - hp.beta1.powi(t));
+        let inv_sqrt_bc2 = 1.0 / (1.0 - hp.beta2.powi(t)).sqrt();
+        match self.slices(params, &range, kernel) {
+            Some(slices) => {
+                let k = (
+                    grad_multiplier as f32,
+                    (1.0 - hp.beta1) as f32,
+                    (1.0 - hp.beta2) as f32,
+                    inv_bc1 as f32,
+                    inv_sqrt_bc2 as f32,
+                    hp.eps as f32,
+                    hp.weight_decay as f32,
+                );
+                let sums = run_split(&slices, n_threads, |s| {
+                    // SAFETY: see `Slices`: this thread is the only one touching these four ranges.
+                    let (g, p, m, v) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(s.grad, s.numel),
+                            std::slice::from_raw_parts(s.param, s.numel),
+                            std::slice::from_raw_parts_mut(s.exp_avg, s.numel),
+                            std::slice::from_raw_parts_mut(s.exp_avg_sq, s.numel),
+                        )
+                    };
+                    let (clip, w1, w2, inv_bc1, inv_sqrt_bc2, eps, wd) = k;
+                    let wd = if s.decay { wd } else { 0.0 };
+                    let (mut w_sq, mut u_sq) = (0f64, 0f64);
+                    for (((g, &p), m), v) in g.iter_mut().zip(p).zip(m.iter_mut()).zip(v.iter_mut()) {
+                        let grad = *g * clip;
+                        *m += w1 * (grad - *m);
+                        *v += w2 * (grad * grad - *v);
+                        let u = (*m * inv_bc1) / (v.sqrt() * inv_sqrt_bc2 + eps) + wd * p;
+                        *g = u;
+                        w_sq += f64::from(p) * f64::from(p);
+                        u_sq += f64::from(u) * f64::from(u);
+                    }
+                    (w_sq, u_sq)
+                });
+                for (s, (w_sq, u_sq)) in slices.iter().zip(sums) {
+                    norms.param_sq[s.entry] += w_sq;
+                    norms.update_sq[s.entry] += u_sq;
+                }
+            }
+            None => tch::no_grad(|| {
+                for (entry, lo, hi) in overlaps(params, &range) {
+                    let narrow = |t: &Tensor| t.narrow(0, lo, hi - lo);
+                    let (p, mut g) = (narrow(params.flat()), narrow(params.flat_grad()));
+                    let (mut m, mut v) = (narrow(&self.exp_avg), narrow(&self.exp_avg_sq));
+                    let grad = &g * grad_multiplier;
+                    let _ = m.lerp_(&grad, 1.0 - hp.beta1);
+                    let _ = v.lerp_(&grad.square(), 1.0 - hp.beta2);
+                    let mut u = (&m * inv_bc1) / (v.sqrt() * inv_sqrt_bc2 + hp.eps);
+                    if params.entries()[entry].decay && hp.weight_decay > 0.0 {
+                        u += &p * hp.weight_decay;
+                    }
+                    g.copy_(&u);
+                    norms.param_sq[entry] += p.square().sum(Kind::Double).double_value(&[]);
+                    norms.update_sq[entry] += u.square().sum(Kind::Double).double_value(&[]);
+                }
+            }),
+        }
+    }
+
+    /// Second pass over `range`: w -= lr * trust_ratio(tensor) * u, and the gradient buffer
+    /// (holding u) cleared. `norms` must hold the whole tensors' sums (all shards added).
+    pub fn apply_range(
+        &mut self,
+        params: &FlatParams,
+        range: Range<i64>,
+        lr: f64,
+        norms: &TensorNorms,
+        kernel: UpdateKernel,
+        n_threads: usize,
+    ) {
+        match self.slices(params, &range, kernel) {
+            Some(slices) => {
+                run_split(&slices, n_threads, |s| {
+                    // SAFETY: see `Slices`: this thread is the only one touching these ranges.
+                    let (g, p) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(s.grad, s.numel),
+                            std::slice::from_raw_parts_mut(s.param, s.numel),
+                        )
+                    };
+                    let step = (lr * norms.trust_ratio(s.entry)) as f32;
+                    for (g, p) in g.iter_mut().zip(p.iter_mut()) {
+                        *p -= step * *g;
+                        *g = 0.0;
+                    }
+                });
+            }
+            None => tch::no_grad(|| {
+                for (entry, lo, hi) in overlaps(params, &range) {
+                    let (mut p, mut g) =
+                        (params.flat().narrow(0, lo, hi - lo), params.flat_grad().narrow(0, lo, hi - lo));
+                    let _ = p.g_sub_(&(&g * (lr * norms.trust_ratio(entry))));
+                    let _ = g.zero_();
+                }
+            }),
+        }
+    }
+}
+
+/// SGD with momentum (PyTorch's `torch.optim.SGD` arithmetic, dampening 0): the gradient plus
+/// L2 weight decay g + wd * w, the buffer b = momentum * b + g, the step along b, or along
+/// g + momentum * b with Nesterov.
+pub struct Sgd {
+    momentum_buffer: Tensor,
+    n_steps: u64,
+}
+
+/// The suffix of SGD's state tensors.
+const MOMENTUM: &str = "momentum_buffer";
+
+impl Sgd {
+    pub fn new(params: &FlatParams) -> Sgd {
+        Sgd { momentum_buffer: params.flat().zeros_like(), n_steps: 0 }
+    }
+
+    pub fn n_steps(&self) -> u64 {
+        self.n_steps
+    }
+
+    pub fn begin_step(&mut self) {
+        self.n_steps += 1;
+    }
+
+    pub fn state_tensors(&self, params: &FlatParams) -> Vec<StateTensor> {
+        state_views(params, &[(MOMENTUM, &self.momentum_buffer)])
+    }
+
+    pub fn load_state(
+        &mut self,
+        params: &FlatParams,
+        n_steps: u64,
+        lookup: impl FnMut(&str) -> Option<(Vec<i64>, Tensor)>,
+    ) -> Result<(), String> {
+        load_views(params, &[(MOMENTUM, &self.momentum_buffer)], lookup)?;
+        self.n_steps = n_steps;
+        Ok(())
+    }
+
+    fn slices(&self, params: &FlatParams, range: &Range<i64>, kernel: UpdateKernel) -> Option<Vec<Slices>> {
+        fused_slices(params, range, kernel, &self.momentum_buffer, None)
+    }
+
+    pub fn grad_sq_sum(&self, params: &FlatParams, range: Range<i64>, kernel: UpdateKernel, n_threads: usize) -> f64 {
+        let slices = self.slices(params, &range, kernel);
+        grad_sq_sum_over(params, range, slices, n_threads)
+    }
+
+    /// SGD on `range` from the gradients times `grad_multiplier`; clears those gradients.
+    pub fn update_range(
+        &mut self,
+        params: &FlatParams,
+        range: Range<i64>,
+        hp: &Hyper,
+        grad_multiplier: f64,
+        kernel: UpdateKernel,
+        n_threads: usize,
+    ) {
+        match self.slices(params, &range, kernel) {
+            Some(slices) => {
+                let (clip, lr, mu, wd) =
+                    (grad_multiplier as f32, hp.lr as f32, hp.momentum as f32, hp.weight_decay as f32);
+                let nesterov = hp.nesterov;
+                run_split(&slices, n_threads, |s| {
+                    // SAFETY: see `Slices`: this thread is the only one touching these ranges.
+                    let (g, p, b) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(s.grad, s.numel),
+                            std::slice::from_raw_parts_mut(s.param, s.numel),
+                            std::slice::from_raw_parts_mut(s.exp_avg, s.numel),
+                        )
+                    };
+                    let wd = if s.decay { wd } else { 0.0 };
+                    for ((g, p), b) in g.iter_mut().zip(p.iter_mut()).zip(b.iter_mut()) {
+                        let grad = *g * clip + wd * *p;
+                        *b = mu * *b + grad;
+                        let d = if nesterov { grad + mu * *b } else { *b };
+                        *p -= lr * d;
+                        *g = 0.0;
+                    }
+                });
+            }
+            None => tch::no_grad(|| {
+                for (entry, lo, hi) in overlaps(params, &range) {
+                    let narrow = |t: &Tensor| t.narrow(0, lo, hi - lo);
+                    let (mut p, mut g, mut b) =
+                        (narrow(params.flat()), narrow(params.flat_grad()), narrow(&self.momentum_buffer));
+                    let mut grad = &g * grad_multiplier;
+                    if params.entries()[entry].decay && hp.weight_decay > 0.0 {
+                        grad += &p * hp.weight_decay;
+                    }
+                    let _ = b.g_mul_scalar_(hp.momentum).g_add_(&grad);
+                    let d = if hp.nesterov { &grad + &b * hp.momentum } else { b.shallow_clone() };
+                    let _ = p.g_sub_(&(d * hp.lr));
+                    let _ = g.zero_();
+                }
+            }),
+        }
+    }
+}
+
+/// The scaler's verdict and the clip: Ok((grad norm, gradient multiplier)), or Err(grad norm)
+/// when the fp16 scaler skips the step (its gradients are cleared).
+fn clip_and_scale(
+    params: &FlatParams,
+    sq_sum: f64,
+    max_norm: f64,
+    scaler: Option<&mut LossScaler>,
+) -> Result<(f64, f64), f64> {
+    let scaled_norm = sq_sum.sqrt();
+    let scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+    let grad_norm = scaled_norm / scale;
+    if let Some(scaler) = scaler {
+        if scaler.update(scaled_norm) == ScaleOutcome::Skipped {
+            params.zero_grad();
+            return Err(grad_norm);
+        }
+    }
+    let clip = if max_norm > 0.0 && grad_norm > max_norm { max_norm / (grad_norm + 1e-6) } else { 1.0 };
+    Ok((grad_norm, clip / scale))
+}
+
+/// The optimizer a run uses (`train.optimizer`).
+pub enum Optimizer {
+    AdamW(AdamW),
+    Lamb(Lamb),
+    Sgd(Sgd),
+}
+
+impl Optimizer {
+    pub fn new(kind: OptimizerKind, params: &FlatParams) -> Optimizer {
+        match kind {
+            OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(params)),
+            OptimizerKind::Lamb => Optimizer::Lamb(Lamb::new(params)),
+            OptimizerKind::Sgd => Optimizer::Sgd(Sgd::new(params)),
+        }
+    }
+
+    pub fn n_steps(&self) -> u64 {
+        match self {
+            Optimizer::AdamW(o) => o.n_steps(),
+            Optimizer::Lamb(o) => o.n_steps(),
+            Optimizer::Sgd(o) => o.n_steps(),
+        }
+    }
+
+    pub fn state_tensors(&self, params: &FlatParams) -> Vec<StateTensor> {
+        match self {
+            Optimizer::AdamW(o) => o.state_tensors(params),
+            Optimizer::Lamb(o) => o.state_tensors(params),
+            Optimizer::Sgd(o) => o.state_tensors(params),
+        }
+    }
+
+    pub fn load_state(
+        &mut self,
+        params: &FlatParams,
+        n_steps: u64,
+        lookup: impl FnMut(&str) -> Option<(Vec<i64>, Tensor)>,
+    ) -> Result<(), String> {
+        match self {
+            Optimizer::AdamW(o) => o.load_state(params, n_steps, lookup),
+            Optimizer::Lamb(o) => o.load_state(params, n_steps, lookup),
+            Optimizer::Sgd(o) => o.load_state(params, n_steps, lookup),
+        }
+    }
+
+    /// Sum of squares of `flat_grad[range]` (per-block gradient norms).
+    pub fn grad_sq_sum(&self, params: &FlatParams, range: Range<i64>, kernel: UpdateKernel, n_threads: usize) -> f64 {
+        match self {
+            Optimizer::AdamW(o) => o.grad_sq_sum(params, range, kernel, n_threads),
+            Optimizer::Lamb(o) => o.grad_sq_sum(params, range, kernel, n_threads),
+            Optimizer::Sgd(o) => o.grad_sq_sum(params, range, kernel, n_threads),
+        }
+    }
+
+    /// One step on one process: the global norm, the fp16 scaler's verdict, clipping to
+    /// `max_norm` (0: none), the update, the gradients cleared. Without a scaler, a non-finite
+    /// norm is `Err(norm)` before anything is updated: parameters, state and gradients are left
+    /// as they are, for the caller to inspect. For AdamW this is exactly `AdamW::step`'s sequence.
+    pub fn step(
+        &mut self,
+        params: &FlatParams,
+        hp: &Hyper,
+        max_norm: f64,
+        scaler: Option<&mut LossScaler>,
+        kernel: UpdateKernel,
+        n_threads: usize,
+    ) -> Result<StepOutcome, f64> {
+        let all = 0..params.n_elements();
+        let sq_sum = self.grad_sq_sum(params, all.clone(), kernel, n_threads);
+        if scaler.is_none() && !sq_sum.is_finite() {
+            return Err(sq_sum.sqrt());
+        }
+        let (grad_norm, multiplier) = match clip_and_scale(params, sq_sum, max_norm, scaler) {
+            Ok(found) => found,
+            Err(grad_norm) => return Ok(StepOutcome { grad_norm, skipped: true }),
+        };
+        match self {
+            Optimizer::AdamW(o) => {
+                o.begin_step();
+                o.update_range(params, all, hp.adam(), multiplier, kernel, n_threads);
+            }
+            Optimizer::Lamb(o) => {
+                o.begin_step();
+                let mut norms = TensorNorms::zeros(params.entries().len());
+                o.prepare_range(params, all.clone(), hp, multiplier, kernel, n_threads, &mut norms);
+                o.apply_range(params, all, hp.lr, &norms, kernel, n_threads);
+            }
+            Optimizer::Sgd(o) => {
+                o.begin_step();
+                o.update_range(params, all, hp, multiplier, kernel, n_threads);
+            }
+        }
+        Ok(StepOutcome { grad_norm, skipped: false })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::{Device, Kind, Tensor};
+
+    use super::*;
+    use crate::params::{Init, ParamSpec, UnitSpec};
+
+    /// Small tensors of three shapes, one without decay, over two units.
+    fn params() -> FlatParams {
+        let spec = |name: &str, shape: Vec<i64>, decay: bool| ParamSpec {
+            name: name.into(),
+            shape,
+            init: Init::Normal { std: 0.5 },
+            decay,
+        };
+        tch::manual_seed(3);
+        FlatParams::new(
+            vec![
+                UnitSpec { name: "a".into(), params: vec![spec("a.w", vec![7, 5], true), spec("a.b", vec![5], false)] },
+                UnitSpec { name: "b".into(), params: vec![spec("b.w", vec![300, 301], true)] },
+            ],
+            Device::Cpu,
+        )
+    }
+
+    fn hyper() -> Hyper {
+        Hyper { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-6, weight_decay: 0.1, momentum: 0.9, nesterov: false }
+    }
+
+    /// A fixed loss whose gradient differs step by step.
+    fn backward(params: &FlatParams, step: usize) {
+        let mut loss = Tensor::zeros([], (Kind::Float, Device::Cpu));
+        for (i, e) in params.entries().iter().enumerate() {
+            loss += (e.tensor.square().sum(Kind::Float) * (0.3 + i as f64) + e.tensor.sum(Kind::Float)) * step as f64;
+        }
+        loss.backward();
+    }
+
+    /// LAMB written per tensor from the paper with plain libtorch ops, for comparison.
+    fn reference_lamb(init: &[Tensor], decay: &[bool], grads: &[Vec<Tensor>], hp: &Hyper) -> Vec<Tensor> {
+        let mut w: Vec<Tensor> = init.iter().map(|t| t.to_kind(Kind::Double)).collect();
+        let mut m: Vec<Tensor> = w.iter().map(Tensor::zeros_like).collect();
+        let mut v: Vec<Tensor> = w.iter().map(Tensor::zeros_like).collect();
+        for (t, step_grads) in grads.iter().enumerate() {
+            let t = (t + 1) as i32;
+            for i in 0..w.len() {
+                let g = step_grads[i].to_kind(Kind::Double);
+                m[i] = &m[i] * hp.beta1 + &g * (1.0 - hp.beta1);
+                v[i] = &v[i] * hp.beta2 + g.square() * (1.0 - hp.beta2);
+                let m_hat = &m[i] / (1.0 - hp.beta1.powi(t));
+                let v_hat = &v[i] / (1.0 - hp.beta2.powi(t));
+                let mut u = m_hat / (v_hat.sqrt() + hp.eps);
+                if decay[i] {
+                    u = u + &w[i] * hp.weight_decay;
+                }
+                let (wn, un) = (w[i].norm().double_value(&[]), u.norm().double_value(&[]));
+                let trust = if wn > 0.0 && un > 0.0 { wn / un } else { 1.0 };
+                w[i] = &w[i] - u * (hp.lr * trust);
+            }
+        }
+        w
+    }
+
+    /// Runs `steps` steps of `kind`, returning the initial tensors, each step's gradients and the
+    /// final tensors.
+    fn run(kind: OptimizerKind, kernel: UpdateKernel, hp: &Hyper) -> (Vec<Tensor>, Vec<Vec<Tensor>>, Vec<Tensor>) {
+        let params = params();
+        let init: Vec<Tensor> = params.entries().iter().map(|e| e.tensor.detach().copy()).collect();
+        let mut optimizer = Optimizer::new(kind, &params);
+        let mut grads = Vec::new();
+        for step in 1..=3 {
+            backward(&params, step);
+            grads.push(params.entries().iter().map(|e| e.tensor.grad().copy()).collect());
+            optimizer.step(&params, hp, 0.0, None, kernel, 2).unwrap();
+        }
+        let last = params.entries().iter().map(|e| e.tensor.detach().copy()).collect();
+        (init, grads, last)
+    }
+
+    fn worst(a: &[Tensor], b: &[Tensor]) -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(a, b)| (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[]))
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn lamb_matches_a_per_tensor_implementation() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let decay: Vec<bool> = params().entries().iter().map(|e| e.decay).collect();
+        for kernel in [UpdateKernel::Fused, UpdateKernel::TensorOps] {
+            let (init, grads, got) = run(OptimizerKind::Lamb, kernel, &hyper());
+            let want = reference_lamb(&init, &decay, &grads, &hyper());
+            let err = worst(&got, &want);
+            assert!(err < 1e-6, "{kernel:?}: LAMB differs from the per-tensor reference by {err}");
+            // The trust ratio matters: plain Adam steps would be far off.
+            assert!(worst(&got, &init) > 1e-3, "the parameters moved");
+        }
+    }
+
+    #[test]
+    fn lamb_shards_add_up_to_the_whole() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let hp = hyper();
+        let whole_params = params();
+        let split_params = params();
+        for p in [&whole_params, &split_params] {
+            backward(p, 1);
+        }
+        let (mut whole, mut split) = (Lamb::new(&whole_params), Lamb::new(&split_params));
+        let n = whole_params.n_elements();
+        let mut norms = TensorNorms::zeros(3);
+        whole.begin_step();
+        whole.prepare_range(&whole_params, 0..n, &hp, 1.0, UpdateKernel::Fused, 1, &mut norms);
+        whole.apply_range(&whole_params, 0..n, hp.lr, &norms, UpdateKernel::Fused, 1);
+        // Two "shards" cutting through the middle of a tensor, each with its own partial norms.
+        let (mut first, mut second) = (TensorNorms::zeros(3), TensorNorms::zeros(3));
+        split.begin_step();
+        split.prepare_range(&split_params, 0..20, &hp, 1.0, UpdateKernel::Fused, 1, &mut first);
+        split.prepare_range(&split_params, 20..n, &hp, 1.0, UpdateKernel::TensorOps, 1, &mut second);
+        let mut summed = TensorNorms::zeros(3);
+        for part in [&first, &second] {
+            for i in 0..3 {
+                summed.param_sq[i] += part.param_sq[i];
+                summed.update_sq[i] += part.update_sq[i];
+            }
+        }
+        split.apply_range(&split_params, 0..20, hp.lr, &summed, UpdateKernel::TensorOps, 1);
+        split.apply_range(&split_params, 20..n, hp.lr, &summed, UpdateKernel::Fused, 1);
+        let diff = (whole_params.flat() - split_params.flat()).abs().max().double_value(&[]);
+        assert!(diff < 1e-6, "sharded LAMB differs by {diff}");
+        assert_eq!(split_params.flat_grad().abs().sum(Kind::Double).double_value(&[]), 0.0, "gradients cleared");
+    }
+
+    #[test]
+    fn sgd_matches_pytorch_arithmetic() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for nesterov in [false, true] {
+            let hp = Hyper { nesterov, ..hyper() };
+            let decay: Vec<bool> = params().entries().iter().map(|e| e.decay).collect();
+            for kernel in [UpdateKernel::Fused, UpdateKernel::TensorOps] {
+                let (init, grads, got) = run(OptimizerKind::Sgd, kernel, &hp);
+                let mut w: Vec<Tensor> = init.iter().map(|t| t.to_kind(Kind::Double)).collect();
+                let mut b: Vec<Tensor> = w.iter().map(Tensor::zeros_like).collect();
+                for step_grads in &grads {
+                    for i in 0..w.len() {
+                        let mut g = step_grads[i].to_kind(Kind::Double);
+                        if decay[i] {
+                            g = g + &w[i] * hp.weight_decay;
+                        }
+                        b[i] = &b[i] * hp.momentum + &g;
+                        let d = if nesterov { g + &b[i] * hp.momentum } else { b[i].shallow_clone() };
+                        w[i] = &w[i] - d * hp.lr;
+                    }
+                }
+                let err = worst(&got, &w);
+                assert!(err < 1e-5, "nesterov {nesterov} {kernel:?}: SGD differs by {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn state_round_trips_by_name() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for kind in [OptimizerKind::Lamb, OptimizerKind::Sgd] {
+            let params = params();
+            let mut optimizer = Optimizer::new(kind, &params);
+            backward(&params, 1);
+            optimizer.step(&params, &hyper(), 0.0, None, UpdateKernel::Fused, 1).unwrap();
+            let saved: Vec<(String, Vec<i64>, Tensor)> =
+                optimizer.state_tensors(&params).into_iter().map(|s| (s.name, s.shape, s.tensor.copy())).collect();
+            let expected = if kind == OptimizerKind::Sgd { 3 } else { 6 };
+            assert_eq!(saved.len(), expected);
+            let mut restored = Optimizer::new(kind, &params);
+            restored
+                .load_state(&params, 1, |name| {
+                    saved.iter().find(|s| s.0 == name).map(|s| (s.1.clone(), s.2.shallow_clone()))
+                })
+                .unwrap();
+            for (a, b) in restored.state_tensors(&params).iter().zip(&saved) {
+                assert!(a.tensor.equal(&b.2), "{kind:?} {}", b.0);
+            }
+            let err = Optimizer::new(kind, &params).load_state(&params, 1, |_| None).unwrap_err();
+            assert!(err.contains("a.w."), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_non_finite_gradient_stops_before_the_update() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for kind in [OptimizerKind::AdamW, OptimizerKind::Lamb, OptimizerKind::Sgd] {
+            let params = params();
+            let before = params.flat().copy();
+            backward(&params, 1);
+            let _ = params.flat_grad().narrow(0, 3, 1).fill_(f64::NAN);
+            let mut optimizer = Optimizer::new(kind, &params);
+            let norm = optimizer.step(&params, &hyper(), 1.0, None, UpdateKernel::Fused, 1).unwrap_err();
+            assert!(norm.is_nan());
+            assert!(params.flat().equal(&before), "{kind:?} changed the parameters");
+            assert_eq!(optimizer.n_steps(), 0);
+        }
+    }
+}
