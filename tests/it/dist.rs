@@ -161,7 +161,7 @@ fn wait_until(w: &mut Child, deadline: Instant, rank: usize) -> std::process::Ex
 }
 
 /// Adds `mpirun`'s flags for this machine: more ranks than cores, root in CI containers, and a
-/// session directory of its own under `session` (Open MPI's default, /tmp/ompi.<host>.<uid>, is
+/// temporary directory of its own under `session` (Open MPI's default, ompi.<host>.<uid> in the temp folder, is
 /// created racily when two MPI jobs start at once: "mkdir ... File exists").
 fn mpirun(np: &str, session: &Path) -> Command {
     let mut cmd = Command::new("timeout");

@@ -6,7 +6,7 @@ use crate::harness::WORKER;
 
 #[test]
 fn every_op_under_mpirun() {
-    // A session directory of its own: Open MPI's default one is created racily when two MPI
+    // A temporary directory of its own: Open MPI's default one is created racily when two MPI
     // jobs start at once ("mkdir /tmp/ompi.<host>.<uid>: File exists").
     let session = tempfile::tempdir().unwrap();
     let mut cmd = Command::new("timeout");
