@@ -13,6 +13,7 @@
 #   3. The block executor against the single-graph step on the GPU (interleaved pairs).
 #   4. Recomputation on the GPU: device memory at the step's peak and step time per policy.
 #   5. fp16 with dynamic loss scaling against bf16 and fp32 on the built-in data.
+#   6. AdamW, LAMB and SGD on the GPU with held-out evaluation (the optimizers' tensor-op path).
 #
 # SECTIONS="2 3" runs only those checks (default: all).
 set -uo pipefail
@@ -92,5 +93,14 @@ for precision in fp32 bf16 fp16; do
   train "precision-$precision" model.preset=small train.precision=$precision train.micro_batch=32 train.steps=300
 done
 grep -h '"skipped_steps"\|"loss_scale"' "$RUNS/precision-fp16/report.json" || true
+fi
+
+if want 6; then echo "== 6. optimizers and guardrails on the GPU (small, bf16, 200 steps, evaluation every 50)"
+for optimizer in adamw lamb sgd; do
+  lr=0.002; [ $optimizer = lamb ] && lr=0.005; [ $optimizer = sgd ] && lr=0.05
+  train "optim-$optimizer" model.preset=small train.optimizer=$optimizer train.lr=$lr train.micro_batch=32 \
+    train.steps=200 eval.every=50
+  grep -h '"eval_loss"' "$RUNS/optim-$optimizer/metrics.jsonl" | tail -1 | cut -c1-200 || true
+done
 fi
 rm -rf "$RUNS"
