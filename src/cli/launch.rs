@@ -10,7 +10,8 @@
 //! as many slots as `--slot-check` finds available (at least MIN, at most MAX). While it runs short
 //! of MAX it keeps checking the missing slots; when one is back it stops the workers through the
 //! preemption path (every rank stops after the same step with a checkpoint and exits 75) and
-//! starts them again on the larger world. `train.global_batch` keeps the global batch, and so the
+//! starts them again on the larger world; when slots are taken away (a scheduler giving them to
+//! another job), it shrinks the same way, down to MIN. `train.global_batch` keeps the global batch, and so the
 //! trajectory, on every world size. Each start, restart and end is a line of the run's
 //! `events.jsonl` with its cause. Only failures count against `--max-restarts`.
 
@@ -94,8 +95,9 @@ enum Outcome {
     Finished,
     /// Every worker stopped as preempted (exit 75) after a stop signal to the launcher.
     Preempted,
-    /// The launcher stopped the workers (exit 75) to start again on `to` workers.
-    Grow { to: usize },
+    /// The launcher stopped the workers (exit 75) to start again on `to` workers: more when slots
+    /// came back, fewer when slots were taken away.
+    Resize { to: usize },
     /// A worker failed, was killed or hung: the exit code to report and why.
     Failed { code: u8, cause: String },
 }
@@ -124,7 +126,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             if let Some(run_dir) = &run_dir {
                 event(run_dir, "start", &cause, world, restarts);
             }
-            let outcome = run_workers(&args, &program, &command, &slots, port, &launch_dir, max, stop)?;
+            let outcome = run_workers(&args, &program, &command, &slots, port, &launch_dir, (min, max), stop)?;
             // Rank 0 names the run folder once it has one; a restart resumes that run.
             let run_dir = read_run_dir(&launch_dir);
             let log = |kind: &str, cause: &str| {
@@ -141,8 +143,12 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
                     log("preempted", "the launcher was asked to stop; the run stopped with a checkpoint");
                     return Ok(EXIT_PREEMPTED);
                 }
-                Outcome::Grow { to } => {
-                    let cause = format!("slots are back: growing from {world} to {to} workers");
+                Outcome::Resize { to } => {
+                    let cause = if to > world {
+                        format!("slots are back: growing from {world} to {to} workers")
+                    } else {
+                        format!("slots were taken: shrinking from {world} to {to} workers")
+                    };
                     eprintln!("[launch] {cause}");
                     cause
                 }
@@ -240,7 +246,7 @@ fn run_workers(
     slots: &[usize],
     port: u16,
     launch_dir: &Path,
-    max: usize,
+    (min, max): (usize, usize),
     stop: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<Outcome> {
     let world = slots.len();
@@ -282,7 +288,7 @@ fn run_workers(
         slot_poll: Duration::from_secs_f64(args.slot_poll_s.max(0.1)),
         launch_dir,
         stop,
-        grow: (world < max && args.slot_check.is_some()).then_some((args, max)),
+        resize: args.slot_check.is_some().then_some((args, min, max)),
     };
     let outcome = supervise(&mut children, &watch);
     for pump in pumps {
@@ -298,8 +304,8 @@ struct Watch<'a> {
     slot_poll: Duration,
     launch_dir: &'a Path,
     stop: &'a std::sync::atomic::AtomicBool,
-    /// For a job short of its MAX workers: the settings to check the slots with, and MAX.
-    grow: Option<(&'a LaunchArgs, usize)>,
+    /// With `--slot-check`: the settings to check the slots with, MIN and MAX.
+    resize: Option<(&'a LaunchArgs, usize, usize)>,
 }
 
 /// Waits for all workers. The first failure (a non-zero exit that the launcher did not ask for,
@@ -362,11 +368,13 @@ fn supervise(children: &mut [Option<Child>], watch: &Watch<'_>) -> Outcome {
         if asked.is_none() {
             if watch.stop.load(std::sync::atomic::Ordering::Relaxed) {
                 asked = Some(Outcome::Preempted);
-            } else if let Some((args, max)) = watch.grow.filter(|_| Instant::now() >= next_slot_check) {
+            } else if let Some((args, min, max)) = watch.resize.filter(|_| Instant::now() >= next_slot_check) {
                 next_slot_check = Instant::now() + watch.slot_poll;
+                // More slots: grow. Fewer, but still MIN: shrink before the workers on the taken
+                // slots are lost. Fewer than MIN: keep going; a failure restarts as usual.
                 let available = available_slots(args, max).len();
-                if available > children.len() {
-                    asked = Some(Outcome::Grow { to: available });
+                if available != children.len() && available >= min {
+                    asked = Some(Outcome::Resize { to: available });
                 }
             }
             if asked.is_some() {
