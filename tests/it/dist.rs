@@ -3,12 +3,11 @@
 //! buckets with and without overlap give identical losses, ranks with differing configurations are
 //! refused at start, and a killed rank stops the others with an error naming it.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::{losses, run_ok, stoke};
+use crate::{free_port, losses, run_ok, stoke};
 
 /// A small fp32 model; the global batch is 6 rows (micro_batch x world size).
 const MODEL: &[&str] = &[
@@ -257,10 +256,6 @@ fn srun_two_ranks_follow_one_process() {
     for name in ["slurmctld", "slurmd", "munged"] {
         assert!(!state.join(format!("{name}.started-pid")).exists(), "{name} was not stopped");
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn worker(rank: usize, world: usize, port: u16, args: &[String]) -> Child {

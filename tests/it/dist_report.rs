@@ -93,7 +93,7 @@ fn a_slow_rank_is_the_straggler_in_the_merged_report_trace_and_metrics() {
         "run.name=straggler".to_string(),
     ])
     .collect();
-    let master_port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let master_port = crate::free_port();
     // Rank 1's forward takes three times as long (a busy-wait of twice its time).
     let mut workers = [worker(0, master_port, &args, None), worker(1, master_port, &args, Some("2.0"))];
 

@@ -31,6 +31,11 @@ pub const SMALL: &[&str] = &[
     "data.builtin_bytes=200000",
 ];
 
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
 pub fn stoke(args: &[&str], overrides: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_stoke"));
     cmd.args(args);

@@ -4,12 +4,12 @@
 //! gone resumes from the mirror with the losses of a resume from the local tier.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::{losses, run_ok, stoke, SMALL};
+use crate::{free_port, losses, run_ok, stoke, SMALL};
 
 /// moto's S3 server on a free loopback port, with one bucket; killed on drop.
 struct S3Server {
@@ -61,7 +61,7 @@ fn http(port: u16, method: &str, path: &str) -> u16 {
 
 fn start_s3(bucket: &str) -> S3Server {
     let python = python();
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = free_port();
     let child = Command::new(python)
         .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
         .stdin(Stdio::null())
@@ -79,10 +79,10 @@ fn start_s3(bucket: &str) -> S3Server {
     server
 }
 
-/// `stoke` with the server's endpoint and test credentials in the `AWS_*` variables.
-fn stoke_s3(server: &S3Server, args: &[&str], overrides: &[&str]) -> Command {
+/// `stoke` with an S3 endpoint on loopback `port` and test credentials in the `AWS_*` variables.
+fn stoke_s3(port: u16, args: &[&str], overrides: &[&str]) -> Command {
     let mut cmd = stoke(args, overrides);
-    cmd.env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{}", server.port))
+    cmd.env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
         .env("AWS_ALLOW_HTTP", "true")
         .env("AWS_ACCESS_KEY_ID", "test")
         .env("AWS_SECRET_ACCESS_KEY", "test")
@@ -114,7 +114,7 @@ fn checkpoints_mirror_to_s3_and_a_run_without_local_checkpoints_resumes_from_the
 
     // A run mirrored to S3, and the same run without a mirror.
     let args = overrides(dir.path(), "mirrored", &[&base[..], &mirror[..]].concat());
-    let out = run_ok(&mut stoke_s3(&server, &["train", "--quiet"], &refs(&args)));
+    let out = run_ok(&mut stoke_s3(server.port, &["train", "--quiet"], &refs(&args)));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("mirror: 4 checkpoints"), "{stdout}");
     let local_only = overrides(dir.path(), "local", &base);
@@ -143,7 +143,7 @@ fn checkpoints_mirror_to_s3_and_a_run_without_local_checkpoints_resumes_from_the
     std::fs::remove_dir_all(run.join("checkpoints")).unwrap();
     let extend = ["train.steps=30".to_string(), format!("ckpt.mirror=\"{url}\"")];
     let resume = overrides(dir.path(), "mirrored", &extend);
-    let out = run_ok(&mut stoke_s3(&server, &["train", "--quiet", "--resume"], &refs(&resume)));
+    let out = run_ok(&mut stoke_s3(server.port, &["train", "--quiet", "--resume"], &refs(&resume)));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains(&format!("fetched step 20 from the mirror {url}")), "{stdout}");
     assert!(stdout.contains(&format!("resuming from step 20 of the mirror {url}")), "{stdout}");
@@ -163,22 +163,15 @@ fn checkpoints_mirror_to_s3_and_a_run_without_local_checkpoints_resumes_from_the
 #[test]
 fn a_mirror_that_does_not_answer_is_an_error_naming_it() {
     // A closed port: nothing listens there.
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = free_port();
     let dir = tempfile::tempdir().unwrap();
     let args = overrides(
         dir.path(),
         "nowhere",
         &["train.steps=2".to_string(), "ckpt.mirror=\"s3://missing/prefix\"".to_string()],
     );
-    let mut cmd = stoke(&["train", "--quiet", "--resume"], &refs(&args));
-    cmd.env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
-        .env("AWS_ALLOW_HTTP", "true")
-        .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
-        .env("AWS_REGION", "us-east-1")
-        .env("AWS_MAX_RETRIES", "1")
-        .stdin(Stdio::null());
-    let out = cmd.output().unwrap();
+    let out =
+        stoke_s3(port, &["train", "--quiet", "--resume"], &refs(&args)).env("AWS_MAX_RETRIES", "1").output().unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("checkpoint mirror s3://missing/prefix: cannot list"), "{stderr}");

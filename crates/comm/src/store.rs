@@ -37,6 +37,21 @@ pub(crate) fn serve(addr: SocketAddr) -> std::io::Result<SocketAddr> {
     Ok(local)
 }
 
+/// The rendezvous on MASTER_ADDR:MASTER_PORT: rank 0 serves the store there, then every rank
+/// (rank 0 too) connects to it, retrying until `deadline`.
+pub(crate) fn rendezvous(addr: &str, port: u16, rank: usize, deadline: Instant) -> crate::Result<StoreClient> {
+    let failed = |rank, reason| crate::CommError::Rendezvous { rank, place: format!("{addr}:{port}"), reason };
+    if rank == 0 {
+        let bind = (addr, port)
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| crate::CommError::Environment(format!("MASTER_ADDR={addr} does not resolve")))?;
+        serve(bind).map_err(|e| failed(0, format!("cannot serve the store: {e}")))?;
+    }
+    StoreClient::connect(addr, port, deadline).map_err(|reason| failed(rank, reason))
+}
+
 fn serve_connection(mut stream: TcpStream, table: &Table) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     loop {

@@ -431,24 +431,7 @@ pub(crate) fn connect(config: &CommConfig, env: &DistEnv) -> Result<Box<dyn Comm
         let (Some(addr), Some(port)) = (env.master_addr.clone(), env.master_port) else {
             return Err(CommError::Environment("the nccl backend needs MASTER_ADDR and MASTER_PORT".into()));
         };
-        if env.rank == 0 {
-            use std::net::ToSocketAddrs;
-            let bind = (addr.as_str(), port)
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| CommError::Environment(format!("MASTER_ADDR={addr} does not resolve")))?;
-            crate::store::serve(bind).map_err(|e| CommError::Rendezvous {
-                rank: 0,
-                place: format!("{addr}:{port}"),
-                reason: format!("cannot serve the store: {e}"),
-            })?;
-        }
-        Some(StoreClient::connect(&addr, port, deadline).map_err(|reason| CommError::Rendezvous {
-            rank: env.rank,
-            place: format!("{addr}:{port}"),
-            reason,
-        })?)
+        Some(crate::store::rendezvous(&addr, port, env.rank, deadline)?)
     } else {
         None
     };

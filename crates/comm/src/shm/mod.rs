@@ -344,11 +344,7 @@ impl Group {
         let position = (self.rank + n - root) % n;
         let (prev, next) = ((self.rank + n - 1) % n, (self.rank + 1) % n);
         let size = region.dtype().size();
-        let chunk = self.chunk_elems(region.dtype());
-        let n_chunks = region.count().div_ceil(chunk).max(1);
-        for c in 0..n_chunks {
-            let start = (c * chunk).min(region.count());
-            let len = (region.count() - start).min(chunk);
+        for (start, len) in chunk_spans(region.count(), self.chunk_elems(region.dtype())) {
             // SAFETY: start <= count.
             let ptr = unsafe { region.ptr().add(start * size) };
             if position > 0 {
@@ -366,11 +362,7 @@ impl Group {
 
     fn send(&mut self, op: &'static str, region: &Region, peer: usize) -> Result<()> {
         let size = region.dtype().size();
-        let chunk = self.chunk_elems(region.dtype());
-        let n_chunks = region.count().div_ceil(chunk).max(1);
-        for c in 0..n_chunks {
-            let start = (c * chunk).min(region.count());
-            let len = (region.count() - start).min(chunk);
+        for (start, len) in chunk_spans(region.count(), self.chunk_elems(region.dtype())) {
             // SAFETY: start <= count; the region is valid for reads.
             let ptr = unsafe { region.ptr().add(start * size) };
             self.send_chunk(op, peer, Kind::Send, ptr, len * size)?;
@@ -380,11 +372,7 @@ impl Group {
 
     fn recv(&mut self, op: &'static str, region: &Region, peer: usize) -> Result<()> {
         let size = region.dtype().size();
-        let chunk = self.chunk_elems(region.dtype());
-        let n_chunks = region.count().div_ceil(chunk).max(1);
-        for c in 0..n_chunks {
-            let start = (c * chunk).min(region.count());
-            let len = (region.count() - start).min(chunk);
+        for (start, len) in chunk_spans(region.count(), self.chunk_elems(region.dtype())) {
             let data = self.recv_begin(op, peer, Kind::Send, len * size)?;
             // SAFETY: the slot holds len elements (checked); the region has room for them.
             unsafe { std::ptr::copy_nonoverlapping(data, region.ptr().add(start * size), len * size) };
@@ -408,6 +396,15 @@ impl Group {
     }
 }
 
+/// `(start, len)` of the chunks that cover `count` elements, `chunk` at a time; one empty chunk
+/// for an empty buffer (the peers still exchange a message).
+fn chunk_spans(count: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..count.div_ceil(chunk).max(1)).map(move |c| {
+        let start = (c * chunk).min(count);
+        (start, (count - start).min(chunk))
+    })
+}
+
 /// Connects the shm backend: rank 0 serves the TCP store when the rendezvous is MASTER_ADDR/PORT.
 pub(crate) fn rendezvous_for(
     config: &CommConfig,
@@ -415,24 +412,7 @@ pub(crate) fn rendezvous_for(
     deadline: Instant,
 ) -> Result<Rendezvous> {
     if let (Some(addr), Some(port)) = (&env.master_addr, env.master_port) {
-        if env.rank == 0 {
-            use std::net::ToSocketAddrs;
-            let bind = (addr.as_str(), port)
-                .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| CommError::Environment(format!("MASTER_ADDR={addr} does not resolve")))?;
-            crate::store::serve(bind).map_err(|e| CommError::Rendezvous {
-                rank: 0,
-                place: format!("{addr}:{port}"),
-                reason: format!("cannot serve the store: {e}"),
-            })?;
-        }
-        let store = StoreClient::connect(addr, port, deadline).map_err(|reason| CommError::Rendezvous {
-            rank: env.rank,
-            place: format!("{addr}:{port}"),
-            reason,
-        })?;
+        let store = crate::store::rendezvous(addr, port, env.rank, deadline)?;
         return Ok(Rendezvous::Store(store));
     }
     if let Some(job) = &env.job_key {
