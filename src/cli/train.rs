@@ -350,23 +350,22 @@ fn fetch_from_mirror(store: &CheckpointStore, url: &str) -> anyhow::Result<(Stri
         return Ok(("local tier".into(), 0.0));
     }
     let mirror = stoke_ckpt::MirrorStore::open(url)?;
-    let remote = mirror.latest()?;
-    match (local, remote) {
-        (None, None) => {
-            Err(UsageError(format!("--resume: no checkpoint in {} nor on the mirror {url}", store.dir().display()))
-                .into())
-        }
-        (Some(local), remote) if remote.is_none_or(|r| r <= local) => Ok(("local tier".into(), 0.0)),
-        (local, Some(remote)) => {
-            let start = std::time::Instant::now();
-            mirror.download(remote, store)?;
-            let fetch_s = start.elapsed().as_secs_f64();
-            let had = local.map_or("none".to_string(), |s| format!("step {s}"));
-            println!("fetched step {remote} from the mirror {url} in {fetch_s:.2} s (the local tier had {had})");
-            Ok((format!("mirror {url}"), fetch_s))
-        }
-        (Some(_), None) => unreachable!("covered by the local arm"),
-    }
+    // The mirror's latest, when it is newer than the local folder's.
+    let Some(remote) = mirror.latest()?.filter(|&r| local.is_none_or(|l| r > l)) else {
+        return match local {
+            Some(_) => Ok(("local tier".into(), 0.0)),
+            None => {
+                Err(UsageError(format!("--resume: no checkpoint in {} nor on the mirror {url}", store.dir().display()))
+                    .into())
+            }
+        };
+    };
+    let start = std::time::Instant::now();
+    mirror.download(remote, store)?;
+    let fetch_s = start.elapsed().as_secs_f64();
+    let had = local.map_or("none".to_string(), |s| format!("step {s}"));
+    println!("fetched step {remote} from the mirror {url} in {fetch_s:.2} s (the local tier had {had})");
+    Ok((format!("mirror {url}"), fetch_s))
 }
 
 /// A checkpoint to resume from, loaded and verified, and how long that took.
