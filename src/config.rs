@@ -47,6 +47,12 @@ pub struct DistConfig {
     /// Reduce each bucket while backward goes on (true), or only after backward has finished
     /// (false: the reference the overlap is measured against). Default true.
     pub overlap: bool,
+    /// ZeRO stage: 0 (every rank holds the whole model state), 1 (optimizer state sharded), 2
+    /// (and gradients: reduce-scattered, only this rank's slice kept), 3 (and parameters: each
+    /// unit gathered around its forward and backward). Default 0.
+    pub zero: u8,
+    /// Stage 3: units whose parameter gathers start ahead of the unit that runs. Default 1.
+    pub prefetch_blocks: usize,
 }
 
 impl Default for DistConfig {
@@ -58,6 +64,8 @@ impl Default for DistConfig {
             bucket_mb: 25.0,
             first_bucket_mb: 1.0,
             overlap: true,
+            zero: 0,
+            prefetch_blocks: 1,
         }
     }
 }
@@ -72,6 +80,7 @@ impl DistConfig {
                 bytes: bytes(self.bucket_mb),
             },
             overlap: self.overlap,
+            zero: stoke_train::ZeroConfig { stage: self.zero, prefetch_units: self.prefetch_blocks },
         }
     }
 }
@@ -427,6 +436,12 @@ impl StokeConfig {
                     message: format!("must be a positive number of MiB; got {mib}"),
                 });
             }
+        }
+        if self.dist.zero > 3 {
+            return Err(ConfigError::Invalid {
+                key: "dist.zero".into(),
+                message: format!("must be 0, 1, 2 or 3; got {}", self.dist.zero),
+            });
         }
         if self.ckpt.host_buffers == 0 {
             return Err(ConfigError::Invalid { key: "ckpt.host_buffers".into(), message: "must be at least 1".into() });

@@ -637,6 +637,18 @@ fn train_inner(
         if rank == 0 {
             println!("data parallel: {how}; gradients in {plan}");
         }
+        dist.shard(&mut trainer)?;
+        if rank == 0 && config.dist.zero > 0 {
+            println!(
+                "ZeRO stage {}: {}",
+                config.dist.zero,
+                match config.dist.zero {
+                    1 => "optimizer state sharded",
+                    2 => "optimizer state and gradients sharded",
+                    _ => "optimizer state, gradients and parameters sharded",
+                }
+            );
+        }
         if rank != 0 {
             return train_other_rank(config, &mut trainer, source.as_mut(), stop, dist);
         }

@@ -18,9 +18,11 @@
 
 mod agree;
 mod buckets;
+mod zero;
 
 pub use agree::{Disagreement, KeyDifference, RankDifference};
 pub use buckets::{Bucket, BucketPlan, BucketSizes};
+pub use zero::ZeroConfig;
 
 use std::ops::Range;
 use std::time::Instant;
@@ -29,6 +31,7 @@ use stoke_comm::{CommError, Communicator, CommunicatorExt, ReduceOp, Region, Wor
 use tch::{Kind, Tensor};
 
 use crate::clock::StepClock;
+use crate::dist::zero::{Zero, ZeroError};
 use crate::executor::StepHooks;
 use crate::params::FlatParams;
 use crate::trainer::{Phase, Trainer};
@@ -42,11 +45,17 @@ pub struct DataParallelConfig {
     /// Reduce each bucket as soon as its gradients are final (true), or only after backward has
     /// finished (false: the reference without overlap). Default true.
     pub overlap: bool,
+    /// ZeRO sharding (stage 0: none, the default).
+    pub zero: ZeroConfig,
 }
 
 impl Default for DataParallelConfig {
     fn default() -> Self {
-        DataParallelConfig { buckets: BucketSizes { first_bytes: 1 << 20, bytes: 25 << 20 }, overlap: true }
+        DataParallelConfig {
+            buckets: BucketSizes { first_bytes: 1 << 20, bytes: 25 << 20 },
+            overlap: true,
+            zero: ZeroConfig::default(),
+        }
     }
 }
 
@@ -64,6 +73,8 @@ pub struct DataParallel {
     first_submit: Option<Instant>,
     /// Milliseconds from the first submission to the end of the wait, in the last step.
     comm_ms: f64,
+    /// The ZeRO state, once [`DataParallel::shard`] ran (stage 1 to 3).
+    zero: Option<Zero>,
 }
 
 impl DataParallel {
@@ -76,6 +87,7 @@ impl DataParallel {
             in_flight: Vec::new(),
             first_submit: None,
             comm_ms: 0.0,
+            zero: None,
         }
     }
 
@@ -131,6 +143,34 @@ impl DataParallel {
         work.wait().map_err(|e| self.error("broadcast parameters", e))
     }
 
+    /// Shards the model states for the configured ZeRO stage (nothing at stage 0). Call after
+    /// `broadcast_parameters` (every rank holds the same values) and after any restore: the
+    /// trainer's optimizer is replaced by one over this rank's shard, its state carried over.
+    pub fn shard(&mut self, trainer: &mut Trainer) -> Result<(), TrainError> {
+        let config = self.config.zero;
+        if config.stage == 0 || self.comm.world_size() == 1 {
+            return Ok(());
+        }
+        let invalid = |message: String| TrainError::InvalidConfig { key: "dist.zero", message };
+        if config.stage > 3 {
+            return Err(invalid(format!("must be 0, 1, 2 or 3; got {}", config.stage)));
+        }
+        trainer.check_shardable(config.stage).map_err(invalid)?;
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let zero = Zero::new(config, trainer.params_mut(), rank, world)
+            .map_err(|e| invalid(format!("cannot map memory for the sharded buffers: {e}")))?;
+        let starts: std::collections::HashMap<String, i64> = trainer
+            .model()
+            .params()
+            .entries()
+            .iter()
+            .filter_map(|e| zero.piece_start(e).map(|start| (e.name.clone(), start)))
+            .collect();
+        trainer.shard_optimizer(&zero.shard, &starts).map_err(invalid)?;
+        self.zero = Some(zero);
+        Ok(())
+    }
+
     /// Starts the in-place average of one bucket.
     ///
     /// # Safety
@@ -164,7 +204,69 @@ impl DataParallel {
     }
 }
 
+impl DataParallel {
+    fn zero_error(&self, e: ZeroError) -> TrainError {
+        self.error(e.op, e.source)
+    }
+
+    /// Stage 3: `unit`'s parameters in place before it runs; the wait, if any, is `comm_exposed`
+    /// (the time before it is charged to `before`).
+    fn ensure_gathered(&mut self, unit: usize, before: Phase, clock: &mut StepClock) -> Result<(), TrainError> {
+        let Some(zero) = self.zero.as_mut() else { return Ok(()) };
+        if zero.is_ready(unit) {
+            return Ok(());
+        }
+        clock.lap(before);
+        let result = zero.ensure(self.comm.as_ref(), unit);
+        clock.lap(Phase::CommExposed);
+        result.map(|_| ()).map_err(|e| self.zero_error(e))
+    }
+
+    fn prefetch(&mut self, units: impl Iterator<Item = usize>) -> Result<(), TrainError> {
+        let Some(zero) = self.zero.as_mut() else { return Ok(()) };
+        for unit in units {
+            if let Err(e) = zero.prefetch(self.comm.as_ref(), unit) {
+                return Err(self.zero_error(e));
+            }
+        }
+        Ok(())
+    }
+
+    fn stage(&self) -> u8 {
+        self.zero.as_ref().map_or(0, Zero::stage)
+    }
+}
+
 impl StepHooks for DataParallel {
+    fn before_forward(&mut self, unit: usize, clock: &mut StepClock) -> Result<(), TrainError> {
+        if self.stage() < 3 {
+            return Ok(());
+        }
+        self.ensure_gathered(unit, Phase::Forward, clock)?;
+        let zero = self.zero.as_mut().expect("stage 3");
+        // The previous unit's forward is over; the embedding's parameters (the head's tied
+        // weights) stay until the embedding's backward.
+        if unit >= 2 {
+            zero.release_params(unit - 1);
+        }
+        let ahead = zero.prefetch_units();
+        self.prefetch(unit + 1..=unit + ahead)
+    }
+
+    fn before_backward(&mut self, unit: usize, clock: &mut StepClock) -> Result<(), TrainError> {
+        if self.stage() < 3 {
+            return Ok(());
+        }
+        self.ensure_gathered(unit, Phase::Backward, clock)?;
+        let zero = self.zero.as_mut().expect("stage 3");
+        // The next unit's backward is over.
+        if unit + 1 < zero.n_units() {
+            zero.release_params(unit + 1);
+        }
+        let ahead = zero.prefetch_units();
+        self.prefetch((unit.saturating_sub(ahead)..unit).rev())
+    }
+
     fn grads_final(
         &mut self,
         unit: usize,
@@ -174,6 +276,12 @@ impl StepHooks for DataParallel {
     ) -> Result<(), TrainError> {
         if self.comm.world_size() == 1 {
             return Ok(());
+        }
+        if self.stage() >= 2 {
+            self.first_submit.get_or_insert_with(Instant::now);
+            let overlap = self.config.overlap;
+            let zero = self.zero.as_mut().expect("stage 2 or 3");
+            return zero.grads_final(self.comm.as_ref(), unit, overlap).map_err(|e| self.zero_error(e));
         }
         let plan = self.plan.as_ref().ok_or_else(|| TrainError::InvalidConfig {
             key: "dist",
@@ -203,16 +311,85 @@ impl StepHooks for DataParallel {
     }
 
     fn before_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
-        if self.in_flight.is_empty() && self.ready.is_empty() {
-            return Ok(());
+        match self.stage() {
+            0 | 1 => {
+                if !self.in_flight.is_empty() || !self.ready.is_empty() {
+                    clock.lap(Phase::Backward);
+                    for region in std::mem::take(&mut self.ready) {
+                        // SAFETY: as in `grads_final`: the bucket is final, backward is over, and
+                        // the optimizer runs only after the wait below.
+                        unsafe { self.submit(region) }?;
+                    }
+                    self.wait_in_flight(clock)?;
+                }
+                if let Some(zero) = &self.zero {
+                    zero.take_reduced_grads();
+                }
+                Ok(())
+            }
+            _ => {
+                let zero = self.zero.as_mut().expect("stage 2 or 3");
+                if zero.stage() >= 3 {
+                    // Every unit's backward is over: only the shard keeps the parameters.
+                    for unit in 0..zero.n_units() {
+                        zero.release_params(unit);
+                    }
+                }
+                if !zero.grads_in_flight() {
+                    return Ok(());
+                }
+                clock.lap(Phase::Backward);
+                let result = zero.finish_grads(self.comm.as_ref());
+                clock.lap(Phase::CommExposed);
+                if let Some(start) = self.first_submit.take() {
+                    self.comm_ms = start.elapsed().as_secs_f64() * 1e3;
+                }
+                result.map_err(|e| self.zero_error(e))
+            }
         }
-        clock.lap(Phase::Backward);
-        for region in std::mem::take(&mut self.ready) {
-            // SAFETY: as in `grads_final`: the bucket is final, backward is over, and the
-            // optimizer runs only after the wait below.
-            unsafe { self.submit(region) }?;
+    }
+
+    fn optimizer_params(&self) -> Option<&FlatParams> {
+        self.zero.as_ref().map(|z| &z.shard)
+    }
+
+    fn global_sq_sum(&mut self, local: f64) -> Result<f64, TrainError> {
+        match &self.zero {
+            Some(zero) => zero.global_sq_sum(self.comm.as_ref(), local).map_err(|e| self.zero_error(e)),
+            None => Ok(local),
         }
-        self.wait_in_flight(clock)
+    }
+
+    fn after_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
+        let Some(zero) = self.zero.as_mut().filter(|z| z.stage() <= 2) else { return Ok(()) };
+        clock.lap(Phase::Optimizer);
+        let result = zero.all_gather_params(self.comm.as_ref());
+        clock.lap(Phase::CommExposed);
+        result.map_err(|e| self.zero_error(e))
+    }
+
+    fn full_optimizer_state(
+        &mut self,
+        buffers: &[(&'static str, Tensor)],
+    ) -> Result<Option<Vec<(&'static str, Tensor)>>, TrainError> {
+        match &self.zero {
+            Some(zero) => zero.gather_state(self.comm.as_ref(), buffers).map(Some).map_err(|e| self.zero_error(e)),
+            None => Ok(None),
+        }
+    }
+
+    fn full_parameters(&mut self, needed: bool) -> Result<(), TrainError> {
+        let Some(zero) = self.zero.as_mut().filter(|z| z.stage() >= 3) else { return Ok(()) };
+        for unit in 0..zero.n_units() {
+            if needed {
+                if let Err(e) = zero.ensure(self.comm.as_ref(), unit) {
+                    return Err(self.zero_error(e));
+                }
+            } else {
+                zero.release_params(unit);
+            }
+        }
+        Ok(())
     }
 
     fn reduce_loss(&mut self, loss: f64) -> Result<f64, TrainError> {

@@ -29,6 +29,7 @@ use tch::{Device, Tensor};
 
 use crate::clock::StepClock;
 use crate::model::Gpt;
+use crate::params::FlatParams;
 use crate::{Phase, TrainError};
 
 /// Which parts of each block keep only their input in the forward pass and run their forward
@@ -165,6 +166,39 @@ pub trait StepHooks {
         0.0
     }
 
+    /// The buffers the optimizer updates: this rank's shard under ZeRO (None: the model's own).
+    fn optimizer_params(&self) -> Option<&FlatParams> {
+        None
+    }
+
+    /// The sum of squared gradients of the whole model, from this process's part of it (`local`:
+    /// of the buffers `optimizer_params` names). ZeRO adds the ranks' shard sums; NaN anywhere
+    /// gives NaN everywhere, so every rank takes the same decision.
+    fn global_sq_sum(&mut self, local: f64) -> Result<f64, TrainError> {
+        Ok(local)
+    }
+
+    /// The optimizer has updated its buffers (ZeRO 1 and 2 all-gather the updated parameters).
+    fn after_optimizer(&mut self, _clock: &mut StepClock) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    /// Outside a step, the whole model's parameters are needed (`true`: an evaluation, a
+    /// checkpoint) or no longer (`false`). ZeRO 3 gathers and releases them. Collective.
+    fn full_parameters(&mut self, _needed: bool) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    /// For a checkpoint of a sharded optimizer: its state `buffers` (shard-sized) made whole,
+    /// laid out like the model's parameters (None: the optimizer is not sharded). Collective.
+    #[allow(clippy::type_complexity)]
+    fn full_optimizer_state(
+        &mut self,
+        _buffers: &[(&'static str, Tensor)],
+    ) -> Result<Option<Vec<(&'static str, Tensor)>>, TrainError> {
+        Ok(None)
+    }
+
     /// Whether the run stops after this step, from this process's view (`local`: a stop signal
     /// arrived). Called after every step on every rank alike; data-parallel ranks must agree, or
     /// the rank that stopped would leave the others waiting in their next reduction.
@@ -228,6 +262,10 @@ impl Executor {
 
     pub fn recompute(&self) -> Recompute {
         self.recompute
+    }
+
+    pub fn kind(&self) -> ExecutorKind {
+        self.kind
     }
 
     /// Forward and backward of one micro-batch. The backward starts from the loss times

@@ -35,6 +35,7 @@ pub use config::{
 };
 pub use dist::{
     Bucket, BucketPlan, BucketSizes, DataParallel, DataParallelConfig, Disagreement, KeyDifference, RankDifference,
+    ZeroConfig,
 };
 pub use error::TrainError;
 pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};

@@ -189,6 +189,12 @@ impl Gpt {
         &self.params
     }
 
+    /// For moving the buffers (ZeRO's releasable memory); the handles the model resolved share
+    /// each parameter's tensor, so they follow.
+    pub fn params_mut(&mut self) -> &mut FlatParams {
+        &mut self.params
+    }
+
     /// The number of units the executor runs: the embedding, each block, the head.
     pub fn n_units(&self) -> usize {
         self.shape.n_layer + 2

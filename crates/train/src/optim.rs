@@ -80,6 +80,10 @@ impl AdamW {
         self.n_steps
     }
 
+    pub(crate) fn buffers(&self) -> Vec<(&'static str, Tensor)> {
+        vec![(MOMENTS[0], self.exp_avg.shallow_clone()), (MOMENTS[1], self.exp_avg_sq.shallow_clone())]
+    }
+
     /// The state as named tensors: both moments of every parameter, in the parameters' order.
     pub fn state_tensors(&self, params: &FlatParams) -> Vec<StateTensor> {
         let mut out = Vec::with_capacity(2 * params.entries().len());

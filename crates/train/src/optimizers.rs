@@ -173,6 +173,10 @@ pub struct Lamb {
 }
 
 impl Lamb {
+    fn buffers(&self) -> Vec<(&'static str, Tensor)> {
+        vec![(MOMENTS[0], self.exp_avg.shallow_clone()), (MOMENTS[1], self.exp_avg_sq.shallow_clone())]
+    }
+
     pub fn new(params: &FlatParams) -> Lamb {
         let flat = params.flat();
         Lamb { exp_avg: flat.zeros_like(), exp_avg_sq: flat.zeros_like(), n_steps: 0 }
@@ -496,6 +500,16 @@ impl Optimizer {
         }
     }
 
+    /// The state buffers, laid out like the parameters they were made for, with the suffix of
+    /// their tensors' names (`<param>.<suffix>`).
+    pub fn buffers(&self) -> Vec<(&'static str, Tensor)> {
+        match self {
+            Optimizer::AdamW(o) => o.buffers(),
+            Optimizer::Lamb(o) => o.buffers(),
+            Optimizer::Sgd(o) => vec![(MOMENTUM, o.momentum_buffer.shallow_clone())],
+        }
+    }
+
     /// Sum of squares of `flat_grad[range]` (per-block gradient norms).
     pub fn grad_sq_sum(&self, params: &FlatParams, range: Range<i64>, kernel: UpdateKernel, n_threads: usize) -> f64 {
         match self {
@@ -518,8 +532,24 @@ impl Optimizer {
         kernel: UpdateKernel,
         n_threads: usize,
     ) -> Result<StepOutcome, f64> {
+        let sq_sum = self.grad_sq_sum(params, 0..params.n_elements(), kernel, n_threads);
+        self.step_with_sq_sum(params, sq_sum, hp, max_norm, scaler, kernel, n_threads)
+    }
+
+    /// `step`, given the sum of squared gradients of the whole model (under ZeRO, the ranks' shard
+    /// sums added), over all of `params` (under ZeRO, the shard).
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_with_sq_sum(
+        &mut self,
+        params: &FlatParams,
+        sq_sum: f64,
+        hp: &Hyper,
+        max_norm: f64,
+        scaler: Option<&mut LossScaler>,
+        kernel: UpdateKernel,
+        n_threads: usize,
+    ) -> Result<StepOutcome, f64> {
         let all = 0..params.n_elements();
-        let sq_sum = self.grad_sq_sum(params, all.clone(), kernel, n_threads);
         if scaler.is_none() && !sq_sum.is_finite() {
             return Err(sq_sum.sqrt());
         }

@@ -8,6 +8,7 @@
 //! decay is a property of each parameter's range, not of its place in the buffer.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 
@@ -70,6 +71,119 @@ pub struct FlatParams {
     flat_grad: Tensor,
     entries: Vec<ParamEntry>,
     units: Vec<UnitRange>,
+    /// Pages behind `flat` / `flat_grad` that `release` can hand back to the kernel (ZeRO 2 and 3
+    /// on a CPU); None: ordinary libtorch storage.
+    released_params: Option<Arc<Pages>>,
+    released_grads: Option<Arc<Pages>>,
+}
+
+/// Releases ranges of one flat buffer (`FlatParams::releaser`): zeroes them, and gives their whole
+/// pages back to the kernel when the buffer is releasable.
+#[derive(Debug)]
+pub struct Releaser {
+    pages: Option<Arc<Pages>>,
+    tensor: Tensor,
+}
+
+impl Releaser {
+    /// Sets `range` to zero and releases its whole pages. The caller guarantees nothing is reading
+    /// or writing the range.
+    pub fn release(&self, range: Range<i64>) {
+        match &self.pages {
+            Some(pages) => pages.release(range.start as usize * 4, range.end as usize * 4),
+            None => tch::no_grad(|| {
+                let _ = self.tensor.narrow(0, range.start, range.end - range.start).zero_();
+            }),
+        }
+    }
+
+    /// The buffer's whole pages are given back by `release` (false: it only zeroes).
+    pub fn releases_pages(&self) -> bool {
+        self.pages.is_some()
+    }
+}
+
+/// Which flat buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Buffer {
+    Params,
+    Grads,
+}
+
+/// An anonymous private mapping that backs a flat buffer whose parts are released and filled
+/// again every step: `MADV_DONTNEED` gives a released range's whole pages back to the kernel (the
+/// resident set shrinks) while every address stays valid, and the next write faults in zeroed
+/// pages. libtorch tensors (views, autograd's saved tensors) keep pointing at the same memory, the
+/// way PyTorch FSDP frees a gathered parameter's storage and gathers into it again before
+/// backward. The mapping is never unmapped: a tensor that outlives the model would otherwise
+/// point at nothing. Only its address space outlives it; the pages are released on drop.
+#[derive(Debug)]
+struct Pages {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: `Pages` is an address range; all access goes through tensors or `release`, which the
+// owner (FlatParams, itself used from one thread at a time) sequences.
+unsafe impl Send for Pages {}
+
+impl Pages {
+    fn map(bytes: usize) -> std::io::Result<Pages> {
+        let len = bytes.max(1);
+        // SAFETY: a fresh anonymous private mapping; no existing memory is touched.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Pages { ptr: ptr as *mut u8, bytes: len })
+    }
+
+    /// Zeroes bytes `start..end` and gives the whole pages among them back to the kernel.
+    fn release(&self, start: usize, end: usize) {
+        debug_assert!(start <= end && end <= self.bytes);
+        let page = page_size();
+        let first = start.div_ceil(page) * page;
+        let last = (end / page) * page;
+        // SAFETY: both ranges lie inside the mapping (checked above); the caller guarantees that
+        // no libtorch kernel reads or writes them now.
+        unsafe {
+            if first < last {
+                std::ptr::write_bytes(self.ptr.add(start), 0, first - start);
+                std::ptr::write_bytes(self.ptr.add(last), 0, end - last);
+                libc::madvise(self.ptr.add(first) as *mut libc::c_void, last - first, libc::MADV_DONTNEED);
+            } else {
+                std::ptr::write_bytes(self.ptr.add(start), 0, end - start);
+            }
+        }
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: the whole mapping is ours; tensors that may still point into it read zeros.
+        unsafe {
+            libc::madvise(self.ptr as *mut libc::c_void, self.bytes, libc::MADV_DONTNEED);
+        }
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 {
+        size as usize
+    } else {
+        4096
+    }
 }
 
 impl FlatParams {
@@ -117,9 +231,114 @@ impl FlatParams {
                 entries: first_entry..entries.len(),
             });
         }
-        let params = FlatParams { flat, flat_grad, entries, units: unit_ranges };
+        let params =
+            FlatParams { flat, flat_grad, entries, units: unit_ranges, released_params: None, released_grads: None };
         params.bind_grads();
         params
+    }
+
+    /// Moves `buffer` into memory whose ranges `release` can give back to the kernel (a CPU only;
+    /// elsewhere nothing changes and `release` only zeroes). Every parameter, or its gradient, is
+    /// rebound to the same offset of the new buffer; the values are kept.
+    pub fn make_releasable(&mut self, buffer: Buffer) -> std::io::Result<()> {
+        if self.flat.device() != Device::Cpu {
+            return Ok(());
+        }
+        let already = match buffer {
+            Buffer::Params => self.released_params.is_some(),
+            Buffer::Grads => self.released_grads.is_some(),
+        };
+        if already {
+            return Ok(());
+        }
+        let n = self.n_elements();
+        let pages = Pages::map(n as usize * 4)?;
+        // SAFETY: the mapping holds n f32 and is never unmapped (see `Pages`), so the tensor's
+        // memory stays valid for as long as any tensor may point into it.
+        let fresh = unsafe { Tensor::from_blob(pages.ptr, &[n], &[1], Kind::Float, Device::Cpu) };
+        tch::no_grad(|| {
+            let old = match buffer {
+                Buffer::Params => &self.flat,
+                Buffer::Grads => &self.flat_grad,
+            };
+            fresh.shallow_clone().copy_(old);
+        });
+        for entry in &mut self.entries {
+            let view = fresh.narrow(0, entry.offset, entry.numel).view(entry.shape.as_slice());
+            match buffer {
+                Buffer::Params => entry.tensor.set_data(&view),
+                Buffer::Grads => {
+                    let mut grad = entry.tensor.grad();
+                    grad.set_data(&view);
+                }
+            }
+        }
+        match buffer {
+            Buffer::Params => {
+                self.flat = fresh;
+                self.released_params = Some(Arc::new(pages));
+            }
+            Buffer::Grads => {
+                self.flat_grad = fresh;
+                self.released_grads = Some(Arc::new(pages));
+                debug_assert!(self.grads_are_bound());
+            }
+        }
+        Ok(())
+    }
+
+    /// What releases ranges of `buffer` (see `make_releasable`).
+    pub fn releaser(&self, buffer: Buffer) -> Releaser {
+        match buffer {
+            Buffer::Params => Releaser { pages: self.released_params.clone(), tensor: self.flat.shallow_clone() },
+            Buffer::Grads => Releaser { pages: self.released_grads.clone(), tensor: self.flat_grad.shallow_clone() },
+        }
+    }
+
+    /// A shard of these parameters: new contiguous buffers (values copied; gradients zero) that
+    /// hold `segments` (ranges of this buffer, in order) one after the other, with one entry per
+    /// part of a parameter inside a segment (named like the parameter, 1-D, not a leaf) and one
+    /// unit per segment (named like the unit the segment lies in). The optimizer of a ZeRO rank
+    /// runs on it.
+    pub fn shard(&self, segments: &[Range<i64>]) -> FlatParams {
+        let total: i64 = segments.iter().map(|s| s.end - s.start).sum();
+        let device = self.flat.device();
+        let flat = Tensor::zeros([total], (Kind::Float, device));
+        let flat_grad = Tensor::zeros([total], (Kind::Float, device));
+        let mut entries = Vec::new();
+        let mut units = Vec::with_capacity(segments.len());
+        let mut local = 0i64;
+        for segment in segments {
+            let first_entry = entries.len();
+            let unit = self.units.iter().position(|u| u.range.start <= segment.start && segment.end <= u.range.end);
+            for entry in &self.entries {
+                let (lo, hi) = (entry.offset.max(segment.start), (entry.offset + entry.numel).min(segment.end));
+                if lo >= hi {
+                    continue;
+                }
+                let offset = local + (lo - segment.start);
+                entries.push(ParamEntry {
+                    name: entry.name.clone(),
+                    shape: vec![hi - lo],
+                    offset,
+                    numel: hi - lo,
+                    decay: entry.decay,
+                    unit: units.len(),
+                    tensor: flat.narrow(0, offset, hi - lo),
+                });
+            }
+            let len = segment.end - segment.start;
+            tch::no_grad(|| {
+                flat.narrow(0, local, len).copy_(&self.flat.narrow(0, segment.start, len));
+            });
+            units.push(UnitRange {
+                name: unit.map_or_else(|| "segment".to_string(), |u| self.units[u].name.clone()),
+                range: local..local + len,
+                entries: first_entry..entries.len(),
+            });
+            local += len;
+        }
+        FlatParams { flat, flat_grad, entries, units, released_params: None, released_grads: None }
     }
 
     /// Makes every parameter's `.grad` a view of `flat_grad`. Autograd then accumulates into it

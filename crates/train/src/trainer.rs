@@ -17,6 +17,7 @@ use crate::clock::StepClock;
 use crate::config::{CkptConfig, EvalConfig, GptShape, ModelConfig, Precision, TrainConfig};
 use crate::executor::{Executor, NoHooks, Recompute, StepHooks};
 use crate::model::Gpt;
+use crate::params::FlatParams;
 use crate::optim::UpdateKernel;
 use crate::optimizers::{Hyper, Optimizer};
 use crate::precision::LossScaler;
@@ -194,6 +195,9 @@ pub struct Trainer {
     grad_accum: usize,
     /// Adaptive batch size, when enabled.
     adaptive: Option<AdaptiveState>,
+    /// The optimizer runs on a ZeRO shard (`shard_optimizer`): its state is not laid out like
+    /// the model, and per-unit monitors are not computed.
+    sharded: bool,
 }
 
 /// The adaptive batch size's settings and state (the estimates are saved in checkpoints).
@@ -281,6 +285,7 @@ impl Trainer {
             eval: None,
             grad_accum: train.grad_accum,
             adaptive: None,
+            sharded: false,
         })
     }
 
@@ -345,6 +350,10 @@ impl Trainer {
 
     /// The mean loss over the evaluation batches (averaged over the ranks), no gradients.
     fn evaluate(&mut self, hooks: &mut dyn StepHooks) -> Result<(f64, u64), TrainError> {
+        if self.eval.is_none() {
+            return Ok((f64::NAN, 0));
+        }
+        hooks.full_parameters(true)?;
         let Some(eval) = self.eval.as_mut() else { return Ok((f64::NAN, 0)) };
         let shape = self.model.shape();
         let seq_len = shape.seq_len as i64;
@@ -361,6 +370,7 @@ impl Trainer {
             sum += loss;
             tokens += (rows_n * seq_len) as u64;
         }
+        hooks.full_parameters(false)?;
         let loss = hooks.reduce_loss(sum / eval.config.batches as f64)?;
         Ok((loss, tokens))
     }
@@ -393,6 +403,48 @@ impl Trainer {
         let stop = eval.config.patience > 0 && eval.stale >= eval.config.patience && step < self.train.steps;
         let best = eval.best_step == Some(step);
         Ok(Some(EvalRecord { loss, perplexity: loss.exp(), tokens, best, stop }))
+    }
+
+    /// The model's parameters, for moving their buffers (ZeRO).
+    pub fn params_mut(&mut self) -> &mut FlatParams {
+        self.model.params_mut()
+    }
+
+    /// Whether this run's settings allow ZeRO `stage`; the reason when not.
+    pub fn check_shardable(&self, stage: u8) -> Result<(), String> {
+        if self.train.optimizer == crate::OptimizerKind::Lamb {
+            return Err("does not support train.optimizer = \"lamb\" yet (its per-tensor trust ratios would need \
+                        every shard's norms); use adamw or sgd"
+                .into());
+        }
+        if stage >= 3 && self.executor.kind() == crate::ExecutorKind::SingleGraph {
+            return Err("3 gathers each unit's parameters around the unit; train.executor = \"single-graph\" runs \
+                        the model as one graph: use the block executor"
+                .into());
+        }
+        Ok(())
+    }
+
+    /// Replaces the optimizer with one over `shard` (a ZeRO rank's slices of the parameters),
+    /// carrying over the state: `starts[name]` is where the shard's piece of parameter `name`
+    /// begins inside that parameter.
+    pub fn shard_optimizer(
+        &mut self,
+        shard: &FlatParams,
+        starts: &std::collections::HashMap<String, i64>,
+    ) -> Result<(), String> {
+        let full = self.optimizer.state_tensors(self.model.params());
+        let mut sharded = Optimizer::new(self.train.optimizer, shard);
+        sharded.load_state(shard, self.optimizer.n_steps(), |name| {
+            let (param, _) = name.rsplit_once('.')?;
+            let piece = shard.entries().iter().find(|e| e.name == param)?;
+            let whole = full.iter().find(|s| s.name == name)?;
+            let values = whole.tensor.reshape([-1]).narrow(0, *starts.get(param)?, piece.numel);
+            Some((piece.shape.clone(), values))
+        })?;
+        self.optimizer = sharded;
+        self.sharded = true;
+        Ok(())
     }
 
     pub fn model(&self) -> &Gpt {
@@ -500,15 +552,37 @@ impl Trainer {
     }
 
     /// Copies the state into a host buffer: the part of a checkpoint the step must wait for.
-    fn snapshot_into(&self, snapshot: &mut Snapshot, extra: &serde_json::Value, data_position: u64) {
+    /// `whole_state`: a sharded optimizer's state made whole (`StepHooks::full_optimizer_state`),
+    /// written under the same names as an unsharded optimizer's.
+    fn snapshot_into(
+        &self,
+        snapshot: &mut Snapshot,
+        extra: &serde_json::Value,
+        data_position: u64,
+        whole_state: Option<&[(&'static str, Tensor)]>,
+    ) {
         let params = self.model.params();
         for entry in params.entries() {
             let shape: Vec<usize> = entry.shape.iter().map(|&s| s as usize).collect();
             copy_into(&entry.tensor.detach(), snapshot.tensor("model", &entry.name, DType::F32, &shape));
         }
-        for state in self.optimizer.state_tensors(params) {
-            let shape: Vec<usize> = state.shape.iter().map(|&s| s as usize).collect();
-            copy_into(&state.tensor, snapshot.tensor("optim", &state.name, DType::F32, &shape));
+        match whole_state {
+            Some(buffers) => {
+                for entry in params.entries() {
+                    let shape: Vec<usize> = entry.shape.iter().map(|&s| s as usize).collect();
+                    for (suffix, buffer) in buffers {
+                        let name = format!("{}.{suffix}", entry.name);
+                        let values = buffer.narrow(0, entry.offset, entry.numel);
+                        copy_into(&values, snapshot.tensor("optim", &name, DType::F32, &shape));
+                    }
+                }
+            }
+            None => {
+                for state in self.optimizer.state_tensors(params) {
+                    let shape: Vec<usize> = state.shape.iter().map(|&s| s as usize).collect();
+                    copy_into(&state.tensor, snapshot.tensor("optim", &state.name, DType::F32, &shape));
+                }
+            }
         }
         let mut meta = serde_json::json!({
             "step": self.step,
@@ -625,8 +699,9 @@ impl Trainer {
             // synchronizes anyway) or gradient norm stops the run before the update.
             let local_loss = loss_sum.double_value(&[]);
             let monitored = logged && self.train.monitor_every > 0 && step_number % self.train.monitor_every == 0;
-            let before_update = monitored.then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0)));
-            let outcome = if local_loss.is_finite() { self.optimizer_step(lr) } else { Err(f64::NAN) };
+            let before_update =
+                (monitored && !self.sharded).then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0)));
+            let outcome = self.optimizer_step(lr, local_loss.is_finite(), hooks, &mut clock)?;
             let outcome = match outcome {
                 Ok(outcome) => outcome,
                 Err(grad_norm) => {
@@ -687,16 +762,31 @@ impl Trainer {
             let due = self.ckpt.every > 0 && step_number % self.ckpt.every == 0;
             let at_end = (step_number == self.train.steps || early_stopped) && self.ckpt.at_end;
             let best_eval = eval.as_ref().is_some_and(|e| e.best) && self.eval_keeps_best();
-            if let Some(target) = checkpoints.as_deref_mut().filter(|_| due || at_end || interrupted || best_eval) {
+            let checkpoint_now = due || at_end || interrupted || best_eval;
+            // A sharded run gathers its whole state on every rank (collective), for the rank
+            // that writes; the checkpoint is the same as an unsharded run's.
+            let whole_state = if checkpoint_now && self.sharded {
+                clock.lap(Phase::Other);
+                hooks.full_parameters(true)?;
+                let state = hooks.full_optimizer_state(&self.optimizer.buffers())?;
+                clock.lap(Phase::CkptStall);
+                state
+            } else {
+                None
+            };
+            if let Some(target) = checkpoints.as_deref_mut().filter(|_| checkpoint_now) {
                 clock.lap(Phase::Other);
                 // Blocks only while every host buffer is still being written (back-pressure).
                 let mut snapshot = target.writer.begin(self.step)?;
-                self.snapshot_into(&mut snapshot, &target.meta, source.position());
+                self.snapshot_into(&mut snapshot, &target.meta, source.position(), whole_state.as_deref());
                 target.writer.submit(snapshot)?;
                 if best_eval {
                     target.writer.protect(Some(self.step));
                 }
                 clock.lap(Phase::CkptStall);
+            }
+            if whole_state.is_some() {
+                hooks.full_parameters(false)?;
             }
             let (phases, wall_ms) = clock.finish();
             let record = StepRecord {
@@ -878,8 +968,16 @@ impl Trainer {
     }
 
     /// The optimizer's step at learning rate `lr` (clipping, fp16 unscaling and skipping inside);
-    /// Err(gradient norm) when the gradients are not finite (nothing updated).
-    fn optimizer_step(&mut self, lr: f64) -> Result<crate::optim::StepOutcome, f64> {
+    /// Ok(Err(gradient norm)) when the loss or the gradients are not finite (nothing updated).
+    /// Under ZeRO the norm is the whole model's (the hooks add the shards') and the update runs
+    /// on this rank's shard; the hooks then gather the updated parameters.
+    fn optimizer_step(
+        &mut self,
+        lr: f64,
+        loss_finite: bool,
+        hooks: &mut dyn StepHooks,
+        clock: &mut StepClock,
+    ) -> Result<Result<crate::optim::StepOutcome, f64>, TrainError> {
         let hp = Hyper {
             lr,
             beta1: self.train.beta1,
@@ -890,14 +988,29 @@ impl Trainer {
             nesterov: self.train.nesterov,
         };
         let kernel = self.kernel();
-        self.optimizer.step(
-            self.model.params(),
+        let local = {
+            let params = hooks.optimizer_params().unwrap_or(self.model.params());
+            self.optimizer.grad_sq_sum(params, 0..params.n_elements(), kernel, self.n_threads)
+        };
+        // A rank whose loss is not finite makes every rank's norm NaN, so all stop together.
+        let sq_sum = hooks.global_sq_sum(if loss_finite { local } else { f64::NAN })?;
+        if !loss_finite {
+            return Ok(Err(f64::NAN));
+        }
+        let params = hooks.optimizer_params().unwrap_or(self.model.params());
+        let outcome = self.optimizer.step_with_sq_sum(
+            params,
+            sq_sum,
             &hp,
             self.train.grad_clip,
             self.scaler.as_mut(),
             kernel,
             self.n_threads,
-        )
+        );
+        if outcome.is_ok() {
+            hooks.after_optimizer(clock)?;
+        }
+        Ok(outcome)
     }
 
     fn kernel(&self) -> UpdateKernel {

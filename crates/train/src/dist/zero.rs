@@ -1,0 +1,403 @@
+//! ZeRO: the model states of a data-parallel job sharded over its ranks (Rajbhandari et al. 2020).
+//!
+//! Every unit u of the flat buffers (embedding, blocks, head) is cut by
+//! `stoke_comm::shard_range(len_u, world, rank)`, the cut every reduce-scatter and all-gather of
+//! the communicator uses, so rank r owns the same slice of every unit. Its slices, one after the
+//! other, are its shard ([`FlatParams::shard`]): parameters (the fp32 values the optimizer
+//! updates), gradients and the optimizer state (sized to the shard: that is the saving).
+//!
+//! - Stage 1: gradients are all-reduced in buckets as in plain data parallelism; each rank copies
+//!   its slices into the shard, updates them, copies them back and all-gathers every unit.
+//! - Stage 2: the model's gradient buffer is releasable memory; each unit's gradient is
+//!   reduce-scattered (average) as soon as it is final, the rank copies its slice into the shard
+//!   and gives the unit's pages back, so a full gradient exists only for the units whose
+//!   reduction is in flight. Parameters are all-gathered after the update as in stage 1.
+//! - Stage 3: the model's parameter buffer is releasable too and holds only what a step needs:
+//!   before a unit's forward (and again before its backward) its parameters are all-gathered into
+//!   their place, `prefetch` units ahead, and given back after it. The embedding's parameters hold
+//!   the tied output weights the head uses, so they stay from the embedding's forward to its
+//!   backward. Autograd's saved tensors point into the same memory, which is filled again before
+//!   the backward that reads them (what PyTorch FSDP does with a gathered parameter's storage).
+//!
+//! The global gradient norm (clipping, the fp16 overflow check, the NaN guard) is the sum of the
+//! ranks' shard sums of squares, gathered as f64 and added in rank order, so every rank decides
+//! alike.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use stoke_comm::{shard_range, CommError, Communicator, CommunicatorExt, ReduceOp, Work};
+use tch::Tensor;
+
+use super::f32_region;
+use crate::params::{Buffer, FlatParams, ParamEntry, Releaser};
+
+/// Which ZeRO stage, and how far stage 3 gathers ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ZeroConfig {
+    /// 0 (plain data parallelism), 1 (optimizer state), 2 (and gradients), 3 (and parameters).
+    pub stage: u8,
+    /// Stage 3: units whose gathers are started ahead of the one running. Default 1.
+    pub prefetch_units: usize,
+}
+
+impl Default for ZeroConfig {
+    fn default() -> Self {
+        ZeroConfig { stage: 0, prefetch_units: 1 }
+    }
+}
+
+/// Where a stage-3 unit's parameters are.
+enum Gathered {
+    /// Only the shard holds them (the unit's pages are released).
+    Released,
+    /// An all-gather into their place is in flight.
+    InFlight(Work),
+    /// In place and complete.
+    Ready,
+}
+
+/// One rank's ZeRO state.
+pub(crate) struct Zero {
+    stage: u8,
+    rank: usize,
+    prefetch: usize,
+    /// Each unit's range of the model's flat buffers.
+    units: Vec<Range<i64>>,
+    /// This rank's slice of each unit, in the model's buffers.
+    own: Vec<Range<i64>>,
+    /// The same slices in the shard's buffers.
+    local: Vec<Range<i64>>,
+    /// This rank's shard: what the optimizer updates.
+    pub(crate) shard: FlatParams,
+    model_flat: Tensor,
+    model_grad: Tensor,
+    params: Releaser,
+    grads: Releaser,
+    /// Stage 2 and 3: gradient reduce-scatters in flight, in submission order.
+    grad_works: VecDeque<(usize, Work)>,
+    /// Stage 2 and 3 without overlap: units whose gradients are final, not sent yet.
+    grad_ready: Vec<usize>,
+    /// Stage 3: each unit's parameters.
+    gathered: Vec<Gathered>,
+}
+
+/// A failed collective of the ZeRO step: what it was, and the communicator's error.
+pub(crate) struct ZeroError {
+    pub(crate) op: &'static str,
+    pub(crate) source: CommError,
+}
+
+type Result<T> = std::result::Result<T, ZeroError>;
+
+fn fail(op: &'static str) -> impl FnOnce(CommError) -> ZeroError {
+    move |source| ZeroError { op, source }
+}
+
+impl Zero {
+    /// Shards `params` (whose values every rank already holds alike) for `rank` of `world`; at
+    /// stage 2 and 3 the model's gradients, at stage 3 its parameters, move to releasable memory
+    /// and are released.
+    pub(crate) fn new(config: ZeroConfig, params: &mut FlatParams, rank: usize, world: usize) -> std::io::Result<Zero> {
+        let units: Vec<Range<i64>> = params.units().iter().map(|u| u.range.clone()).collect();
+        let own: Vec<Range<i64>> = units
+            .iter()
+            .map(|u| {
+                let cut = shard_range((u.end - u.start) as usize, world, rank);
+                u.start + cut.start as i64..u.start + cut.end as i64
+            })
+            .collect();
+        let mut local = Vec::with_capacity(own.len());
+        let mut at = 0i64;
+        for slice in &own {
+            local.push(at..at + (slice.end - slice.start));
+            at += slice.end - slice.start;
+        }
+        let shard = params.shard(&own);
+        if config.stage >= 2 {
+            params.make_releasable(Buffer::Grads)?;
+        }
+        if config.stage >= 3 {
+            params.make_releasable(Buffer::Params)?;
+        }
+        let zero = Zero {
+            stage: config.stage,
+            rank,
+            prefetch: config.prefetch_units,
+            gathered: units.iter().map(|_| Gathered::Ready).collect(),
+            units,
+            own,
+            local,
+            shard,
+            model_flat: params.flat().shallow_clone(),
+            model_grad: params.flat_grad().shallow_clone(),
+            params: params.releaser(Buffer::Params),
+            grads: params.releaser(Buffer::Grads),
+            grad_works: VecDeque::new(),
+            grad_ready: Vec::new(),
+        };
+        if zero.stage >= 3 {
+            let mut zero = zero;
+            for unit in 0..zero.units.len() {
+                zero.release_params(unit);
+            }
+            return Ok(zero);
+        }
+        // Gradients start cleared; at stage 2 that gives their pages back.
+        zero.grads.release(0..params.n_elements());
+        Ok(zero)
+    }
+
+    fn invalid(&self, op: &'static str, reason: String) -> ZeroError {
+        ZeroError { op, source: CommError::InvalidArgument { rank: self.rank, op, reason } }
+    }
+
+    pub(crate) fn stage(&self) -> u8 {
+        self.stage
+    }
+
+    /// Where each piece of the shard starts inside its parameter (by parameter name), for moving
+    /// optimizer state between the whole model and the shard.
+    pub(crate) fn piece_start(&self, entry: &ParamEntry) -> Option<i64> {
+        let slice = &self.own[entry.unit];
+        let lo = entry.offset.max(slice.start);
+        (lo < (entry.offset + entry.numel).min(slice.end)).then_some(lo - entry.offset)
+    }
+
+    /// The global sum of squared gradients from this rank's part: every rank's value, gathered as
+    /// f64, summed in rank order (NaN anywhere gives NaN everywhere). Collective.
+    pub(crate) fn global_sq_sum(&self, comm: &dyn Communicator, local: f64) -> Result<f64> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let mut bytes = vec![0u8; 8 * world];
+        bytes[8 * rank..8 * rank + 8].copy_from_slice(&local.to_le_bytes());
+        comm.all_gather(&mut bytes).map_err(fail("all_gather gradient norm"))?;
+        Ok(bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).sum())
+    }
+
+    // ---- gradients ----
+
+    /// Stage 1: the gradients are averaged in the model's buffer; take this rank's slices and
+    /// clear the buffer for the next step.
+    pub(crate) fn take_reduced_grads(&self) {
+        tch::no_grad(|| {
+            for (own, local) in self.own.iter().zip(&self.local) {
+                self.shard
+                    .flat_grad()
+                    .narrow(0, local.start, local.end - local.start)
+                    .copy_(&self.model_grad.narrow(0, own.start, own.end - own.start));
+            }
+        });
+        if let (Some(first), Some(last)) = (self.units.first(), self.units.last()) {
+            self.grads.release(first.start..last.end);
+        }
+    }
+
+    /// Stage 2 and 3: unit `unit`'s gradient is final. Starts its reduce-scatter (or, without
+    /// overlap, notes it) and completes the reductions that have finished since.
+    pub(crate) fn grads_final(&mut self, comm: &dyn Communicator, unit: usize, overlap: bool) -> Result<()> {
+        if !overlap {
+            self.grad_ready.push(unit);
+            return Ok(());
+        }
+        self.submit_grad(comm, unit)?;
+        while self.grad_works.front().is_some_and(|(_, work)| work.is_done()) {
+            let (unit, work) = self.grad_works.pop_front().expect("front exists");
+            self.finish_grad(unit, work)?;
+        }
+        Ok(())
+    }
+
+    fn submit_grad(&mut self, comm: &dyn Communicator, unit: usize) -> Result<()> {
+        let range = self.units[unit].clone();
+        if range.is_empty() {
+            return Ok(());
+        }
+        let region = f32_region(&self.model_grad, range)
+            .map_err(|reason| self.invalid("reduce_scatter gradients", reason))?;
+        // SAFETY: the unit's gradient is final for this step (grads_final fires after its last
+        // backward), nothing writes or reads it until `finish_grad` has waited on this Work, and
+        // the model's gradient buffer outlives `self` (its memory is never unmapped).
+        let work = unsafe { comm.reduce_scatter_async(region, ReduceOp::Avg) }
+            .map_err(fail("reduce_scatter gradients"))?;
+        self.grad_works.push_back((unit, work));
+        Ok(())
+    }
+
+    /// Waits for one unit's reduce-scatter, keeps this rank's slice, releases the rest.
+    fn finish_grad(&mut self, unit: usize, work: Work) -> Result<()> {
+        work.wait().map_err(fail("reduce_scatter gradients"))?;
+        let (own, local) = (&self.own[unit], &self.local[unit]);
+        tch::no_grad(|| {
+            self.shard
+                .flat_grad()
+                .narrow(0, local.start, local.end - local.start)
+                .copy_(&self.model_grad.narrow(0, own.start, own.end - own.start));
+        });
+        self.grads.release(self.units[unit].clone());
+        Ok(())
+    }
+
+    /// Stage 2 and 3, before the optimizer: sends what waited (overlap off), then completes every
+    /// reduction.
+    pub(crate) fn finish_grads(&mut self, comm: &dyn Communicator) -> Result<()> {
+        let mut first_error = None;
+        for unit in std::mem::take(&mut self.grad_ready) {
+            if let Err(e) = self.submit_grad(comm, unit) {
+                first_error.get_or_insert(e);
+                break;
+            }
+        }
+        while let Some((unit, work)) = self.grad_works.pop_front() {
+            if let Err(e) = self.finish_grad(unit, work) {
+                first_error.get_or_insert(e);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn grads_in_flight(&self) -> bool {
+        !self.grad_works.is_empty() || !self.grad_ready.is_empty()
+    }
+
+    // ---- parameters ----
+
+    /// Stage 1 and 2, after the update: every rank's updated slices into the model's buffer.
+    pub(crate) fn all_gather_params(&mut self, comm: &dyn Communicator) -> Result<()> {
+        let mut works = Vec::with_capacity(self.units.len());
+        for unit in 0..self.units.len() {
+            self.place_shard(unit);
+            if let Some(work) = self.submit_gather(comm, unit)? {
+                works.push(work);
+            }
+        }
+        let mut first_error = None;
+        for work in works {
+            if let Err(e) = work.wait() {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), |e| Err(fail("all_gather parameters")(e)))
+    }
+
+    /// Copies this rank's slice of `unit` from the shard into the model's buffer.
+    fn place_shard(&self, unit: usize) {
+        let (own, local) = (&self.own[unit], &self.local[unit]);
+        tch::no_grad(|| {
+            self.model_flat
+                .narrow(0, own.start, own.end - own.start)
+                .copy_(&self.shard.flat().narrow(0, local.start, local.end - local.start));
+        });
+    }
+
+    fn submit_gather(&self, comm: &dyn Communicator, unit: usize) -> Result<Option<Work>> {
+        let range = self.units[unit].clone();
+        if range.is_empty() {
+            return Ok(None);
+        }
+        let region = f32_region(&self.model_flat, range)
+            .map_err(|reason| self.invalid("all_gather parameters", reason))?;
+        // SAFETY: nothing reads or writes the unit's parameters until the Work is waited on: at
+        // stage 1 and 2 the caller waits before returning; at stage 3 a unit is used only once
+        // `ensure` has waited (its state is InFlight until then), and the model's buffer is never
+        // unmapped.
+        let work = unsafe { comm.all_gather_async(region) }.map_err(fail("all_gather parameters"))?;
+        Ok(Some(work))
+    }
+
+    /// Stage 3: starts gathering `unit` unless it is in place or on its way.
+    pub(crate) fn prefetch(&mut self, comm: &dyn Communicator, unit: usize) -> Result<()> {
+        if unit >= self.units.len() || !matches!(self.gathered[unit], Gathered::Released) {
+            return Ok(());
+        }
+        self.place_shard(unit);
+        self.gathered[unit] = match self.submit_gather(comm, unit)? {
+            Some(work) => Gathered::InFlight(work),
+            None => Gathered::Ready,
+        };
+        Ok(())
+    }
+
+    /// Stage 3: `unit`'s parameters in place (gathered now if nobody started it). Returns whether
+    /// it had to wait.
+    pub(crate) fn ensure(&mut self, comm: &dyn Communicator, unit: usize) -> Result<bool> {
+        self.prefetch(comm, unit)?;
+        match std::mem::replace(&mut self.gathered[unit], Gathered::Ready) {
+            Gathered::InFlight(work) => {
+                work.wait().map_err(fail("all_gather parameters"))?;
+                Ok(true)
+            }
+            Gathered::Ready => Ok(false),
+            Gathered::Released => unreachable!("prefetch started it"),
+        }
+    }
+
+    /// Stage 3: gives `unit`'s gathered parameters back (the shard keeps this rank's slice).
+    pub(crate) fn release_params(&mut self, unit: usize) {
+        if unit >= self.units.len() {
+            return;
+        }
+        if let Gathered::InFlight(work) = std::mem::replace(&mut self.gathered[unit], Gathered::Released) {
+            // A gather nobody used: finish it before its memory goes (an error shows on the next
+            // collective, which the poisoned communicator refuses).
+            let _ = work.wait();
+        }
+        self.params.release(self.units[unit].clone());
+    }
+
+    /// The optimizer's state buffers (shard-sized, `buffers`) made whole on every rank: each
+    /// rank's slices all-gathered into buffers laid out like the model's parameters. Collective.
+    pub(crate) fn gather_state(
+        &self,
+        comm: &dyn Communicator,
+        buffers: &[(&'static str, Tensor)],
+    ) -> Result<Vec<(&'static str, Tensor)>> {
+        let n = self.units.last().map_or(0, |u| u.end);
+        let mut out = Vec::with_capacity(buffers.len());
+        for (suffix, shard) in buffers {
+            let full = Tensor::zeros([n], (tch::Kind::Float, shard.device()));
+            let mut works = Vec::with_capacity(self.units.len());
+            for unit in 0..self.units.len() {
+                let (own, local) = (&self.own[unit], &self.local[unit]);
+                tch::no_grad(|| {
+                    full.narrow(0, own.start, own.end - own.start)
+                        .copy_(&shard.narrow(0, local.start, local.end - local.start));
+                });
+                if self.units[unit].is_empty() {
+                    continue;
+                }
+                let region = f32_region(&full, self.units[unit].clone())
+                    .map_err(|reason| self.invalid("all_gather optimizer state", reason))?;
+                // SAFETY: `full` lives until the end of this function, after every wait below,
+                // and nothing else touches it meanwhile.
+                let work = unsafe { comm.all_gather_async(region) }.map_err(fail("all_gather optimizer state"))?;
+                works.push(work);
+            }
+            let mut first_error = None;
+            for work in works {
+                if let Err(e) = work.wait() {
+                    first_error.get_or_insert(e);
+                }
+            }
+            if let Some(e) = first_error {
+                return Err(fail("all_gather optimizer state")(e));
+            }
+            out.push((*suffix, full));
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn n_units(&self) -> usize {
+        self.units.len()
+    }
+
+    pub(crate) fn prefetch_units(&self) -> usize {
+        self.prefetch
+    }
+
+    pub(crate) fn is_ready(&self, unit: usize) -> bool {
+        matches!(self.gathered.get(unit), Some(Gathered::Ready))
+    }
+}
