@@ -74,6 +74,8 @@ pub struct Profiler {
     run_start: Option<Instant>,
     /// CLOCK_MONOTONIC at `run_start` when set by `set_clock_zero`, ns.
     clock_zero_host_ns: Option<u64>,
+    /// This rank's memory (`set_memory`).
+    memory: Option<stoke_prof::RankMemory>,
     /// Rank 0 of a data-parallel run: the other ranks' clocks against this one's.
     clock_offsets: Vec<ClockOffset>,
     peak_memory_bytes: u64,
@@ -159,6 +161,7 @@ impl Profiler {
             server,
             run_start: None,
             clock_zero_host_ns: None,
+            memory: None,
             clock_offsets: Vec::new(),
             peak_memory_bytes: 0,
             spent_ms: Vec::new(),
@@ -325,7 +328,13 @@ impl Profiler {
             summary: self.report().map(|r| RankSummary::of(self.rank, &r)),
             steps,
             clock_zero_host_ns: self.clock_zero_host_ns,
+            memory: self.memory.clone(),
         }
+    }
+
+    /// This rank's memory, for report.json's `ranks.memory` (rank 0) or rank 0 (the others).
+    pub fn set_memory(&mut self, memory: stoke_prof::RankMemory) {
+        self.memory = Some(memory);
     }
 
     /// Closes the trace, stops `/metrics`, writes report.json and report.html; returns the report.
@@ -356,10 +365,15 @@ impl Profiler {
         }
         let Some(mut report) = self.report() else { return Ok(None) };
         if self.world_size > 1 {
+            let memory: Vec<stoke_prof::RankMemory> =
+                self.memory.iter().cloned().chain(others.iter().filter_map(|o| o.memory.clone())).collect();
             let summaries = std::iter::once(RankSummary::of(self.rank, &report))
                 .chain(others.into_iter().filter_map(|other| other.summary))
                 .collect();
             merge_ranks(&mut report, self.world_size, summaries, self.clock_offsets.clone(), &self.config);
+            if let Some(ranks) = report.ranks.as_mut() {
+                ranks.memory = memory;
+            }
         }
         if self.config.enabled {
             let path = run_dir.join("report.json");

@@ -682,6 +682,7 @@ fn train_inner(
         }
         None => &mut no_hooks,
     };
+    let rss_start = stoke_train::reset_peak_rss();
     let (summary, overhead) = match overhead_block {
         Some(block) => {
             let mut probe = OverheadProbe::new(&mut profiler, block);
@@ -700,6 +701,9 @@ fn train_inner(
         }
     };
     bar.finish();
+    if let Some(dist) = dist.as_deref() {
+        profiler.set_memory(rank_memory(dist, &trainer, rss_start));
+    }
     print_checkpoint_stats(&target.writer);
     if let Some(mirror) = &mirror {
         let stats = mirror.finish();
@@ -739,7 +743,9 @@ fn train_other_rank(
     let (zero, host_ns, _) = start_together(dist)?;
     profiler.set_clock_zero(zero, host_ns);
     let mut heartbeat = super::launch::Heartbeat::from_env(rank);
+    let rss_start = stoke_train::reset_peak_rss();
     let summary = trainer.run_with_hooks(source, &mut [&mut profiler, &mut heartbeat], None, stop, dist)?;
+    profiler.set_memory(rank_memory(dist, trainer, rss_start));
     let bytes = profiler.rank_report().to_bytes();
     let comm = dist.communicator();
     comm.send(&(bytes.len() as u64).to_le_bytes(), 0)
@@ -748,6 +754,33 @@ fn train_other_rank(
     // /metrics stays up until the report is delivered: the end of the run on every rank.
     drop(profiler);
     Ok((summary, None, None))
+}
+
+/// This rank's memory: the model states its ZeRO stage holds, and the peak resident set measured
+/// from `rss_start` (`reset_peak_rss`, just before the first step) to now.
+fn rank_memory(dist: &DataParallel, trainer: &Trainer, rss_start: Option<u64>) -> stoke_prof::RankMemory {
+    let n = trainer.model().params().n_elements() as u64;
+    let shard = dist.shard_elements().unwrap_or(n);
+    let buffers = trainer.optimizer_buffers() as u64;
+    let stage = dist.zero_stage();
+    // Bytes of fp32 elements.
+    let (parameters, gradients, optimizer) = match stage {
+        0 => (n, n, buffers * n),
+        // The optimizer's fp32 slices of the parameters and gradients, then its state.
+        1 => (n, n, (buffers + 2) * shard),
+        2 => (n, shard, (buffers + 1) * shard),
+        _ => (shard, shard, buffers * shard),
+    };
+    stoke_prof::RankMemory {
+        rank: dist.rank(),
+        zero: stage,
+        parameters: 4 * parameters,
+        gradients: 4 * gradients,
+        optimizer: 4 * optimizer,
+        comm_buffers: 0,
+        rss_start_bytes: rss_start,
+        peak_rss_bytes: rss_start.and(stoke_train::peak_rss_bytes()),
+    }
 }
 
 /// Ping-pongs per rank in `start_together`: the one with the shortest round trip gives the offset.

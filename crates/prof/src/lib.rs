@@ -73,7 +73,7 @@ pub use error::ProfError;
 pub use findings::{amdahl, amdahl_bound, Finding, Rule, RuleId, Scope, RULES};
 pub use html::render_html;
 pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};
-pub use ranks::{merge_ranks, ClockOffset, RankStepReport, RankSummary, RanksReport, TimedStep};
+pub use ranks::{merge_ranks, ClockOffset, RankMemory, RankStepReport, RankSummary, RanksReport, TimedStep};
 pub use report::{format_bound, MachineFacts, ModelFacts, ProfConfig, RunFacts, RunReport, StepSample, TrainFacts};
 pub use rules::diagnose;
 pub use stats::{median, percentile, tokens_per_s, Spread};

@@ -57,6 +57,24 @@ impl RankSummary {
     }
 }
 
+/// One rank's memory: the model states it holds by the formula of its ZeRO stage (bytes of
+/// parameters, gradients, optimizer state and communication buffers), and its measured peak
+/// resident set during training.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankMemory {
+    pub rank: usize,
+    /// ZeRO stage (0: none).
+    pub zero: u8,
+    pub parameters: u64,
+    pub gradients: u64,
+    pub optimizer: u64,
+    pub comm_buffers: u64,
+    /// Resident bytes when the measurement started (after set-up, before the first step).
+    pub rss_start_bytes: Option<u64>,
+    /// Peak resident bytes from then to the end of training (`VmHWM`).
+    pub peak_rss_bytes: Option<u64>,
+}
+
 /// A step and when it started, in microseconds after the run's common start (see
 /// `ChromeTraceWriter::rank_step`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -75,6 +93,9 @@ pub struct RankStepReport {
     /// CLOCK_MONOTONIC at the rank's time zero, ns (see `ClockOffset::host_clock_offset_us`).
     #[serde(default)]
     pub clock_zero_host_ns: Option<u64>,
+    /// The rank's memory, when measured.
+    #[serde(default)]
+    pub memory: Option<RankMemory>,
 }
 
 impl RankStepReport {
@@ -127,6 +148,9 @@ pub struct RanksReport {
     /// How each other rank's trace was moved onto rank 0's time line.
     #[serde(default)]
     pub clock_offsets: Vec<ClockOffset>,
+    /// Every rank's memory that was measured, in rank order.
+    #[serde(default)]
+    pub memory: Vec<RankMemory>,
 }
 
 impl RanksReport {
@@ -217,6 +241,7 @@ pub fn merge_ranks(
         slowest_excess: excess,
         ranks,
         clock_offsets,
+        memory: Vec::new(),
     });
 }
 
@@ -290,6 +315,16 @@ mod tests {
             summary: Some(summary(3, 5.0, 8.0)),
             steps: vec![TimedStep { start_us: 12.5, sample: step(1, &[(Phase::Forward, 1.0)]) }],
             clock_zero_host_ns: Some(7),
+            memory: Some(RankMemory {
+                rank: 3,
+                zero: 2,
+                parameters: 40,
+                gradients: 10,
+                optimizer: 30,
+                comm_buffers: 0,
+                rss_start_bytes: Some(1000),
+                peak_rss_bytes: Some(2000),
+            }),
         };
         let bytes = report.to_bytes();
         assert_eq!(RankStepReport::from_bytes(3, &bytes).unwrap(), report);

@@ -171,6 +171,16 @@ impl DataParallel {
         Ok(())
     }
 
+    /// The ZeRO stage in effect (0 before `shard`, or on one process).
+    pub fn zero_stage(&self) -> u8 {
+        self.stage()
+    }
+
+    /// Elements of this rank's shard (None without ZeRO).
+    pub fn shard_elements(&self) -> Option<u64> {
+        self.zero.as_ref().map(|z| z.shard.n_elements() as u64)
+    }
+
     /// Starts the in-place average of one bucket.
     ///
     /// # Safety

@@ -47,7 +47,7 @@ pub use optimizers::{Hyper, Lamb, Optimizer, OptimizerKind, Sgd, TensorNorms};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 pub use peak::{
     host_bytes_in_use, matmul_peak_flops_cached, measure_matmul_peak_flops, memory_available_bytes,
-    memory_capacity_bytes, memory_in_use_bytes, peak_key, PEAK_CACHE_FILE,
+    memory_capacity_bytes, memory_in_use_bytes, peak_key, peak_rss_bytes, reset_peak_rss, PEAK_CACHE_FILE,
 };
 pub use precision::{compute_kind, LossScaleConfig, LossScaler, ScaleOutcome, FP32_OPS};
 pub use trainer::{

@@ -126,6 +126,9 @@ struct Pages {
 // SAFETY: `Pages` is an address range; all access goes through tensors or `release`, which the
 // owner (FlatParams, itself used from one thread at a time) sequences.
 unsafe impl Send for Pages {}
+// SAFETY: as above: `release` is the only method, and its callers guarantee nothing else touches
+// the range it is given.
+unsafe impl Sync for Pages {}
 
 impl Pages {
     fn map(bytes: usize) -> std::io::Result<Pages> {

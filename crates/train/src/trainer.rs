@@ -405,6 +405,12 @@ impl Trainer {
         Ok(Some(EvalRecord { loss, perplexity: loss.exp(), tokens, best, stop }))
     }
 
+    /// Buffers of optimizer state, each as large as the parameters it covers (AdamW and LAMB 2,
+    /// SGD 1).
+    pub fn optimizer_buffers(&self) -> usize {
+        self.optimizer.buffers().len()
+    }
+
     /// The model's parameters, for moving their buffers (ZeRO).
     pub fn params_mut(&mut self) -> &mut FlatParams {
         self.model.params_mut()
