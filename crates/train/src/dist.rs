@@ -157,7 +157,8 @@ impl DataParallel {
         }
         trainer.check_shardable(config.stage).map_err(invalid)?;
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
-        let zero = Zero::new(config, trainer.params_mut(), rank, world)
+        let fused = trainer.fused_cpu_optimizer();
+        let zero = Zero::new(config, trainer.params_mut(), rank, world, fused)
             .map_err(|e| invalid(format!("cannot map memory for the sharded buffers: {e}")))?;
         let starts: std::collections::HashMap<String, i64> = trainer
             .model()

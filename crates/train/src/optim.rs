@@ -71,8 +71,7 @@ pub(crate) const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
 impl AdamW {
     pub fn new(params: &FlatParams) -> AdamW {
-        let flat = params.flat();
-        AdamW { exp_avg: flat.zeros_like(), exp_avg_sq: flat.zeros_like(), n_steps: 0 }
+        AdamW { exp_avg: state_buffer(params), exp_avg_sq: state_buffer(params), n_steps: 0 }
     }
 
     /// Optimizer steps taken (the bias corrections' t).
@@ -268,6 +267,11 @@ impl AdamW {
     }
 }
 
+/// A zeroed fp32 state buffer laid out like `params` (a shard's own layout when it is one).
+pub(crate) fn state_buffer(params: &FlatParams) -> Tensor {
+    Tensor::zeros([params.n_elements()], (Kind::Float, params.device()))
+}
+
 /// The fused kernel's slices of `range` over the parameters, their gradients and one or two state
 /// buffers laid out like them, or None when the fused kernel does not apply (not asked for, or a
 /// buffer is not contiguous CPU fp32).
@@ -279,13 +283,15 @@ pub(crate) fn fused_slices(
     second: Option<&Tensor>,
 ) -> Option<Vec<Slices>> {
     let cpu_f32 = |t: &Tensor| t.device() == tch::Device::Cpu && t.kind() == Kind::Float && t.is_contiguous();
-    let fusable = kernel == UpdateKernel::Fused
-        && [params.flat(), params.flat_grad(), first].into_iter().chain(second).all(cpu_f32);
+    let ((param_memory, params_mapped), (grad_memory, grads_mapped)) = (params.param_memory(), params.grad_memory());
+    let fusable =
+        kernel == UpdateKernel::Fused && [param_memory, grad_memory, first].into_iter().chain(second).all(cpu_f32);
     if !fusable {
+        assert!(!params_mapped && !grads_mapped, "only the fused CPU kernel updates a shard that maps the model's buffers");
         return None;
     }
     let (g, p, m) =
-        (params.flat_grad().data_ptr() as *mut f32, params.flat().data_ptr() as *mut f32, first.data_ptr() as *mut f32);
+        (grad_memory.data_ptr() as *mut f32, param_memory.data_ptr() as *mut f32, first.data_ptr() as *mut f32);
     let v = second.map_or(std::ptr::null_mut(), |t| t.data_ptr() as *mut f32);
     let slices = params
         .entries()
@@ -295,13 +301,18 @@ pub(crate) fn fused_slices(
             let (lo, hi) = (e.offset.max(range.start), (e.offset + e.numel).min(range.end));
             (lo < hi).then(|| {
                 let offset = lo as usize;
+                // A mapped buffer holds the entry at its place in the model.
+                let mapped = (e.source + (lo - e.offset)) as usize;
+                let (param_at, grad_at) =
+                    (if params_mapped { mapped } else { offset }, if grads_mapped { mapped } else { offset });
                 // SAFETY: `lo..hi` lies inside the flat buffers, which all hold `n_elements()`
                 // f32 (checked by construction in `FlatParams::new`; the state buffers are made
-                // like `flat`); a null second buffer stays null.
+                // like the parameters); a mapped shard's pieces lie inside the model's buffers at
+                // `source` (`FlatParams::shard`); a null second buffer stays null.
                 unsafe {
                     Slices {
-                        grad: g.add(offset),
-                        param: p.add(offset),
+                        grad: g.add(grad_at),
+                        param: p.add(param_at),
                         exp_avg: m.add(offset),
                         exp_avg_sq: if v.is_null() { v } else { v.add(offset) },
                         numel: (hi - lo) as usize,

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::optim::{fused_slices, run_split, sum_of_squares, AdamW, AdamWStep, Slices, StateTensor, StepOutcome};
-use crate::optim::{UpdateKernel, MOMENTS};
+use crate::optim::{state_buffer, UpdateKernel, MOMENTS};
 use crate::params::FlatParams;
 use crate::precision::{LossScaler, ScaleOutcome};
 
@@ -178,8 +178,7 @@ impl Lamb {
     }
 
     pub fn new(params: &FlatParams) -> Lamb {
-        let flat = params.flat();
-        Lamb { exp_avg: flat.zeros_like(), exp_avg_sq: flat.zeros_like(), n_steps: 0 }
+        Lamb { exp_avg: state_buffer(params), exp_avg_sq: state_buffer(params), n_steps: 0 }
     }
 
     pub fn n_steps(&self) -> u64 {
@@ -346,7 +345,7 @@ const MOMENTUM: &str = "momentum_buffer";
 
 impl Sgd {
     pub fn new(params: &FlatParams) -> Sgd {
-        Sgd { momentum_buffer: params.flat().zeros_like(), n_steps: 0 }
+        Sgd { momentum_buffer: state_buffer(params), n_steps: 0 }
     }
 
     pub fn n_steps(&self) -> u64 {

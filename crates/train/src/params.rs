@@ -46,8 +46,12 @@ pub struct ParamEntry {
     pub decay: bool,
     /// The unit this parameter belongs to (index into `FlatParams::units`).
     pub unit: usize,
-    /// A leaf view of `flat` that requires grad; its `.grad` is a view of `flat_grad`.
+    /// A leaf view of `flat` that requires grad; its `.grad` is a view of `flat_grad`. In a
+    /// shard, the piece's values (a view of the model's buffer when the shard maps it).
     pub tensor: Tensor,
+    /// Where the entry's elements are in the model's flat buffers: `offset` for the model's own
+    /// entries; in a shard, the piece's place in the model.
+    pub source: i64,
 }
 
 impl ParamEntry {
@@ -75,6 +79,19 @@ pub struct FlatParams {
     /// on a CPU); None: ordinary libtorch storage.
     released_params: Option<Arc<Pages>>,
     released_grads: Option<Arc<Pages>>,
+    /// Elements (of a mapped shard too, whose own buffers are empty).
+    len: i64,
+    /// A shard that maps its parameters (gradients) to the model's buffer instead of holding
+    /// them: entries' elements are at `source` there (`FlatParams::shard`).
+    mapped_params: Option<Tensor>,
+    mapped_grads: Option<Tensor>,
+}
+
+/// Which of a shard's buffers are the model's own memory (`FlatParams::shard`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShardMap {
+    pub params: bool,
+    pub grads: bool,
 }
 
 /// Releases ranges of one flat buffer (`FlatParams::releaser`): zeroes them, and gives their whole
@@ -216,7 +233,11 @@ impl FlatParams {
                         let _ = view.fill_(1.0);
                     }
                 });
-                let tensor = view.set_requires_grad(true);
+                // A leaf of its own whose data is the view, rather than the view itself: a view's
+                // autograd record keeps its base (the whole buffer) alive, which would keep a
+                // buffer `make_releasable` replaced.
+                let mut tensor = Tensor::empty([0], (Kind::Float, device)).set_requires_grad(true);
+                tensor.set_data(&view.detach());
                 entries.push(ParamEntry {
                     name: spec.name,
                     shape: spec.shape,
@@ -225,6 +246,7 @@ impl FlatParams {
                     decay: spec.decay,
                     unit: unit_idx,
                     tensor,
+                    source: offset,
                 });
                 offset += numel;
             }
@@ -234,8 +256,17 @@ impl FlatParams {
                 entries: first_entry..entries.len(),
             });
         }
-        let params =
-            FlatParams { flat, flat_grad, entries, units: unit_ranges, released_params: None, released_grads: None };
+        let params = FlatParams {
+            flat,
+            flat_grad,
+            entries,
+            units: unit_ranges,
+            released_params: None,
+            released_grads: None,
+            len: total,
+            mapped_params: None,
+            mapped_grads: None,
+        };
         params.bind_grads();
         params
     }
@@ -298,16 +329,17 @@ impl FlatParams {
         }
     }
 
-    /// A shard of these parameters: new contiguous buffers (values copied; gradients zero) that
-    /// hold `segments` (ranges of this buffer, in order) one after the other, with one entry per
-    /// part of a parameter inside a segment (named like the parameter, 1-D, not a leaf) and one
-    /// unit per segment (named like the unit the segment lies in). The optimizer of a ZeRO rank
-    /// runs on it.
-    pub fn shard(&self, segments: &[Range<i64>]) -> FlatParams {
+    /// A shard of these parameters: `segments` (ranges of this buffer, in order) one after the
+    /// other, with one entry per part of a parameter inside a segment (named like the parameter,
+    /// 1-D, not a leaf) and one unit per segment (named like the unit the segment lies in). The
+    /// optimizer of a ZeRO rank runs on it. Its parameters (gradients) are new buffers, values
+    /// copied (gradients zero), or with `map.params` (`map.grads`) this model's own memory at
+    /// each entry's `source`; only the fused CPU kernel updates a mapped shard.
+    pub fn shard(&self, segments: &[Range<i64>], map: ShardMap) -> FlatParams {
         let total: i64 = segments.iter().map(|s| s.end - s.start).sum();
         let device = self.flat.device();
-        let flat = Tensor::zeros([total], (Kind::Float, device));
-        let flat_grad = Tensor::zeros([total], (Kind::Float, device));
+        let own = |mapped: bool| Tensor::zeros([if mapped { 0 } else { total }], (Kind::Float, device));
+        let (flat, flat_grad) = (own(map.params), own(map.grads));
         let mut entries = Vec::new();
         let mut units = Vec::with_capacity(segments.len());
         let mut local = 0i64;
@@ -320,6 +352,7 @@ impl FlatParams {
                     continue;
                 }
                 let offset = local + (lo - segment.start);
+                let tensor = if map.params { self.flat.narrow(0, lo, hi - lo) } else { flat.narrow(0, offset, hi - lo) };
                 entries.push(ParamEntry {
                     name: entry.name.clone(),
                     shape: vec![hi - lo],
@@ -327,13 +360,16 @@ impl FlatParams {
                     numel: hi - lo,
                     decay: entry.decay,
                     unit: units.len(),
-                    tensor: flat.narrow(0, offset, hi - lo),
+                    tensor,
+                    source: lo,
                 });
             }
             let len = segment.end - segment.start;
-            tch::no_grad(|| {
-                flat.narrow(0, local, len).copy_(&self.flat.narrow(0, segment.start, len));
-            });
+            if !map.params {
+                tch::no_grad(|| {
+                    flat.narrow(0, local, len).copy_(&self.flat.narrow(0, segment.start, len));
+                });
+            }
             units.push(UnitRange {
                 name: unit.map_or_else(|| "segment".to_string(), |u| self.units[u].name.clone()),
                 range: local..local + len,
@@ -341,7 +377,39 @@ impl FlatParams {
             });
             local += len;
         }
-        FlatParams { flat, flat_grad, entries, units, released_params: None, released_grads: None }
+        FlatParams {
+            flat,
+            flat_grad,
+            entries,
+            units,
+            released_params: None,
+            released_grads: None,
+            len: total,
+            mapped_params: map.params.then(|| self.flat.shallow_clone()),
+            mapped_grads: map.grads.then(|| self.flat_grad.shallow_clone()),
+        }
+    }
+
+    /// The buffer the parameters' elements live in, and whether it is a model's (a mapped shard:
+    /// elements at each entry's `source`) rather than `flat` (at `offset`).
+    pub fn param_memory(&self) -> (&Tensor, bool) {
+        match &self.mapped_params {
+            Some(t) => (t, true),
+            None => (&self.flat, false),
+        }
+    }
+
+    /// As `param_memory`, for the gradients.
+    pub fn grad_memory(&self) -> (&Tensor, bool) {
+        match &self.mapped_grads {
+            Some(t) => (t, true),
+            None => (&self.flat_grad, false),
+        }
+    }
+
+    /// The device the buffers are on.
+    pub fn device(&self) -> Device {
+        self.param_memory().0.device()
     }
 
     /// Makes every parameter's `.grad` a view of `flat_grad`. Autograd then accumulates into it
@@ -391,7 +459,7 @@ impl FlatParams {
     }
 
     pub fn n_elements(&self) -> i64 {
-        self.flat.size()[0]
+        self.len
     }
 
     /// The parameter called `name`: resolved once when a model is built, not on every use.
@@ -402,10 +470,18 @@ impl FlatParams {
         }
     }
 
-    /// Sets every gradient to zero (in place, so they stay bound to `flat_grad`).
+    /// Sets every gradient to zero (in place, so they stay bound to `flat_grad`; a shard that
+    /// maps its gradients zeroes its pieces of the model's).
     pub fn zero_grad(&self) {
-        tch::no_grad(|| {
-            let _ = self.flat_grad.shallow_clone().zero_();
+        tch::no_grad(|| match &self.mapped_grads {
+            Some(model) => {
+                for e in &self.entries {
+                    let _ = model.narrow(0, e.source, e.numel).zero_();
+                }
+            }
+            None => {
+                let _ = self.flat_grad.shallow_clone().zero_();
+            }
         });
     }
 }

@@ -411,6 +411,11 @@ impl Trainer {
         self.optimizer.buffers().len()
     }
 
+    /// The optimizer runs the fused CPU kernel (`train.fused_optimizer` on a CPU).
+    pub fn fused_cpu_optimizer(&self) -> bool {
+        self.kernel() == UpdateKernel::Fused && self.device == Device::Cpu
+    }
+
     /// The model's parameters, for moving their buffers (ZeRO).
     pub fn params_mut(&mut self) -> &mut FlatParams {
         self.model.params_mut()

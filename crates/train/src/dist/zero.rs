@@ -30,7 +30,7 @@ use stoke_comm::{shard_range, CommError, Communicator, CommunicatorExt, ReduceOp
 use tch::Tensor;
 
 use super::f32_region;
-use crate::params::{Buffer, FlatParams, ParamEntry, Releaser};
+use crate::params::{Buffer, FlatParams, ParamEntry, Releaser, ShardMap};
 
 /// Which ZeRO stage, and how far stage 3 gathers ahead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +61,8 @@ enum Gathered {
 pub(crate) struct Zero {
     stage: u8,
     rank: usize,
+    /// What the shard maps from the model instead of holding (`FlatParams::shard`).
+    map: ShardMap,
     prefetch: usize,
     /// Each unit's range of the model's flat buffers.
     units: Vec<Range<i64>>,
@@ -98,7 +100,17 @@ impl Zero {
     /// Shards `params` (whose values every rank already holds alike) for `rank` of `world`; at
     /// stage 2 and 3 the model's gradients, at stage 3 its parameters, move to releasable memory
     /// and are released.
-    pub(crate) fn new(config: ZeroConfig, params: &mut FlatParams, rank: usize, world: usize) -> std::io::Result<Zero> {
+    ///
+    /// With `fused` (the optimizer runs the fused CPU kernel) the shard maps what the model
+    /// already holds instead of copying it: at stage 1 its parameters and gradients, at stage 2
+    /// its parameters; the optimizer then updates the model's own slices in place.
+    pub(crate) fn new(
+        config: ZeroConfig,
+        params: &mut FlatParams,
+        rank: usize,
+        world: usize,
+        fused: bool,
+    ) -> std::io::Result<Zero> {
         let units: Vec<Range<i64>> = params.units().iter().map(|u| u.range.clone()).collect();
         let own: Vec<Range<i64>> = units
             .iter()
@@ -113,7 +125,8 @@ impl Zero {
             local.push(at..at + (slice.end - slice.start));
             at += slice.end - slice.start;
         }
-        let shard = params.shard(&own);
+        let map = ShardMap { params: fused && config.stage <= 2, grads: fused && config.stage == 1 };
+        let shard = params.shard(&own, map);
         if config.stage >= 2 {
             params.make_releasable(Buffer::Grads)?;
         }
@@ -123,6 +136,7 @@ impl Zero {
         let zero = Zero {
             stage: config.stage,
             rank,
+            map,
             prefetch: config.prefetch_units,
             gathered: units.iter().map(|_| Gathered::Ready).collect(),
             units,
@@ -136,15 +150,15 @@ impl Zero {
             grad_works: VecDeque::new(),
             grad_ready: Vec::new(),
         };
+        // Gradients start cleared (at stage 2 and 3 that gives their pages back); at stage 3 the
+        // shard is the only copy of the parameters.
+        zero.grads.release(0..params.n_elements());
+        let mut zero = zero;
         if zero.stage >= 3 {
-            let mut zero = zero;
             for unit in 0..zero.units.len() {
                 zero.release_params(unit);
             }
-            return Ok(zero);
         }
-        // Gradients start cleared; at stage 2 that gives their pages back.
-        zero.grads.release(0..params.n_elements());
         Ok(zero)
     }
 
@@ -177,8 +191,12 @@ impl Zero {
     // ---- gradients ----
 
     /// Stage 1: the gradients are averaged in the model's buffer; take this rank's slices and
-    /// clear the buffer for the next step.
+    /// clear the buffer for the next step (a shard that maps them reads them in place; the
+    /// buffer is cleared after the update, `all_gather_params`).
     pub(crate) fn take_reduced_grads(&self) {
+        if self.map.grads {
+            return;
+        }
         tch::no_grad(|| {
             for (own, local) in self.own.iter().zip(&self.local) {
                 self.shard
@@ -266,9 +284,17 @@ impl Zero {
 
     /// Stage 1 and 2, after the update: every rank's updated slices into the model's buffer.
     pub(crate) fn all_gather_params(&mut self, comm: &dyn Communicator) -> Result<()> {
+        if self.map.grads {
+            // The update cleared this rank's slices of the mapped gradients; the others too.
+            if let (Some(first), Some(last)) = (self.units.first(), self.units.last()) {
+                self.grads.release(first.start..last.end);
+            }
+        }
         let mut works = Vec::with_capacity(self.units.len());
         for unit in 0..self.units.len() {
-            self.place_shard(unit);
+            if !self.map.params {
+                self.place_shard(unit);
+            }
             if let Some(work) = self.submit_gather(comm, unit)? {
                 works.push(work);
             }
