@@ -43,6 +43,8 @@ use stoke_comm::{bf16, shard_range, CommError, Communicator, CommunicatorExt, Re
 
 use crate::TrainError;
 
+/// 1.5 x 2^23: adding and subtracting it rounds an f32 of magnitude below 2^22 to an integer.
+const ROUNDER: f32 = 12_582_912.0;
 /// Name prefix of the first phase's residuals (over the whole buffer) in checkpoints.
 const RESIDUAL: &str = "compress.residual.";
 /// Name prefix of the all-reduce's second-phase residuals (over this rank's shard).
@@ -160,8 +162,10 @@ fn encode_int8(block: usize, values: &[f32], payload: &mut [u8], mut error: Opti
         let inverse = if finite && max > 0.0 { 127.0 / max } else { 0.0 };
         let out = &mut quantized[b * block..b * block + chunk.len()];
         for (q, v) in out.iter_mut().zip(chunk) {
-            // |v * inverse| <= 127 (up to rounding), so the cast never saturates for a finite block.
-            *q = (v * inverse).round() as i8 as u8;
+            // Round to nearest (ties to even) by adding and removing 1.5 x 2^23, which leaves no
+            // fraction bits for |x| < 2^22 and vectorizes (f32::round is a library call on
+            // baseline x86-64). |v * inverse| <= 127 for a finite block, so the cast is exact.
+            *q = ((v * inverse + ROUNDER) - ROUNDER) as i32 as i8 as u8;
         }
         if let Some(error) = error.as_deref_mut() {
             let error = &mut error[b * block..b * block + chunk.len()];
@@ -264,6 +268,8 @@ pub struct Compressor {
     wire_bytes: u64,
     /// The values being encoded (input plus residual).
     scratch: Vec<f32>,
+    /// Byte buffers of finished exchanges, reused so that a step does not fault in fresh pages.
+    spare: Vec<Vec<u8>>,
 }
 
 impl Compressor {
@@ -275,7 +281,7 @@ impl Compressor {
                 message: "an int8 block holds at least one value".into(),
             });
         }
-        Ok(Compressor { config, residuals: BTreeMap::new(), wire_bytes: 0, scratch: Vec::new() })
+        Ok(Compressor { config, residuals: BTreeMap::new(), wire_bytes: 0, scratch: Vec::new(), spare: Vec::new() })
     }
 
     pub fn config(&self) -> CompressConfig {
@@ -286,6 +292,24 @@ impl Compressor {
     /// all-gather phases).
     pub fn wire_bytes(&self) -> u64 {
         self.wire_bytes
+    }
+
+    /// Bytes of host memory the residuals hold.
+    pub fn residual_bytes(&self) -> usize {
+        self.residuals.values().map(|r| 4 * r.len()).sum()
+    }
+
+    /// Bytes of host memory held for payloads between steps (the largest set of exchanges in
+    /// flight at once so far: two buffers of `world_size` x one shard's payload each).
+    pub fn buffer_bytes(&self) -> usize {
+        self.spare.iter().map(Vec::capacity).sum::<usize>() + self.scratch.capacity() * 4
+    }
+
+    /// A byte buffer of `bytes` bytes (contents unspecified) from the spares, or a new one.
+    fn buffer(&mut self, bytes: usize) -> Vec<u8> {
+        let mut buffer = self.spare.pop().unwrap_or_default();
+        buffer.resize(bytes, 0);
+        buffer
     }
 
     /// Encodes `values` (plus the buffer `id`'s first-phase residual) for every rank and submits
@@ -354,7 +378,10 @@ impl Compressor {
             // The send buffer is free again and has the size the all-gather needs.
             let mut gathered = std::mem::take(&mut pending.send);
             self.gather_shards(comm, pending.id, values, mine, &mut gathered, pending.segment)?;
+            pending.send = gathered;
         }
+        self.spare.push(std::mem::take(&mut pending.send));
+        self.spare.push(std::mem::take(&mut pending.recv));
         Ok(())
     }
 
@@ -409,8 +436,8 @@ impl Compressor {
         let (n, rank, len) = (comm.world_size(), comm.rank(), values.len());
         let codec = self.config.compression;
         let segment = (0..n).map(|r| codec.payload_bytes(shard_range(len, n, r).len())).max().unwrap_or(0);
-        let mut send = vec![0u8; n * segment];
-        let mut recv = vec![0u8; n * segment];
+        let mut send = self.buffer(n * segment);
+        let mut recv = self.buffer(n * segment);
         let mut scratch = std::mem::take(&mut self.scratch);
         let residual = self.residual(format!("{RESIDUAL}{id}"), len)?;
         scratch.clear();
