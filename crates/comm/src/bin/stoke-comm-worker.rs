@@ -8,8 +8,9 @@
 //! - `victim --victim R [--op all_to_all] [--backend B] [--timeout S]`: all ranks join and print
 //!   `ready`; rank R then sleeps (for a test to kill or stop it) while the others all-reduce (or
 //!   all-to-all) and report what happened.
-//! - `bench --sizes BYTES,.. [--iters K] [--backend B]`: times f32 all-reduces; rank 0 prints one
-//!   JSON line per size with the median and minimum seconds of K iterations.
+//! - `bench --sizes BYTES,.. [--iters K] [--op all_to_all] [--backend B]`: times f32 all-reduces (or
+//!   all-to-alls); rank 0 prints one JSON line per size with the median and minimum seconds of K
+//!   iterations.
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -262,20 +263,28 @@ fn iterations(bytes: usize) -> usize {
     ((256usize << 20) / bytes.max(1)).clamp(5, 200)
 }
 
-fn bench(comm: &dyn Communicator, sizes: &[usize], iters: Option<usize>) -> stoke_comm::Result<()> {
+fn bench(comm: &dyn Communicator, sizes: &[usize], iters: Option<usize>, all_to_all: bool) -> stoke_comm::Result<()> {
     for &bytes in sizes {
         let iters = iters.unwrap_or_else(|| iterations(bytes));
-        let count = bytes / 4;
+        let count = bytes / 4 / comm.world_size() * comm.world_size();
         let mut buf = vec![1.0f32; count];
+        let send = vec![1.0f32; if all_to_all { count } else { 0 }];
+        let run = |buf: &mut [f32]| {
+            if all_to_all {
+                comm.all_to_all(&send, buf)
+            } else {
+                comm.all_reduce(buf, ReduceOp::Sum)
+            }
+        };
         // Warm-up: page faults and caches.
         for _ in 0..3 {
-            comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+            run(&mut buf)?;
         }
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters {
             comm.barrier()?;
             let start = Instant::now();
-            comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+            run(&mut buf)?;
             times.push(start.elapsed().as_secs_f64());
         }
         times.sort_by(f64::total_cmp);
@@ -359,7 +368,8 @@ fn main() -> ExitCode {
                 .map(|s| s.parse().expect("sizes are byte counts"))
                 .collect();
             let iters = arg(&args, "--iters").and_then(|v| v.parse().ok());
-            bench(comm.as_ref(), &sizes, iters).map(|_| 0)
+            let all_to_all = arg(&args, "--op").as_deref() == Some("all_to_all");
+            bench(comm.as_ref(), &sizes, iters, all_to_all).map(|_| 0)
         }
         _ => {
             eprintln!("usage: stoke-comm-worker check|victim|bench [--backend B] [--timeout S]");

@@ -71,37 +71,44 @@ impl Compression {
         }
     }
 
-    /// Encodes `values` into `payload` (exactly [`Compression::payload_bytes`] long). With
-    /// `error`, writes there what decoding will lose: value minus decoded value (0 where the
-    /// value is not finite).
+    /// Encodes `values` plus `residual` (when given) into `payload` (exactly
+    /// [`Compression::payload_bytes`] long), then sets `residual` to what decoding will lose:
+    /// value plus old residual minus decoded value (0 where that is not finite). This is error
+    /// feedback's whole step, in one pass.
     ///
     /// # Panics
-    /// When `payload` or `error` has the wrong length.
-    pub fn encode(self, values: &[f32], payload: &mut [u8], error: Option<&mut [f32]>) {
+    /// When `payload` or `residual` has the wrong length.
+    pub fn encode(self, values: &[f32], payload: &mut [u8], residual: Option<&mut [f32]>) {
         assert_eq!(payload.len(), self.payload_bytes(values.len()), "payload length for {} values", values.len());
-        if let Some(error) = &error {
-            assert_eq!(error.len(), values.len(), "error length");
+        if let Some(residual) = &residual {
+            assert_eq!(residual.len(), values.len(), "residual length");
         }
-        match self {
-            Compression::None => {
+        match (self, residual) {
+            (Compression::None, None) => {
                 for (out, v) in payload.chunks_exact_mut(4).zip(values) {
                     out.copy_from_slice(&v.to_le_bytes());
                 }
-                if let Some(error) = error {
-                    error.fill(0.0);
+            }
+            (Compression::None, Some(residual)) => {
+                for ((out, v), r) in payload.chunks_exact_mut(4).zip(values).zip(residual.iter_mut()) {
+                    out.copy_from_slice(&(v + *r).to_le_bytes());
+                    *r = 0.0;
                 }
             }
-            Compression::Bf16 => {
+            (Compression::Bf16, None) => {
                 for (out, v) in payload.chunks_exact_mut(2).zip(values) {
                     out.copy_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes());
                 }
-                if let Some(error) = error {
-                    for (e, v) in error.iter_mut().zip(values) {
-                        *e = finite_or_zero(v - bf16::from_f32(*v).to_f32());
-                    }
+            }
+            (Compression::Bf16, Some(residual)) => {
+                for ((out, v), r) in payload.chunks_exact_mut(2).zip(values).zip(residual.iter_mut()) {
+                    let x = v + *r;
+                    let encoded = bf16::from_f32(x);
+                    out.copy_from_slice(&encoded.to_bits().to_le_bytes());
+                    *r = finite_or_zero(x - encoded.to_f32());
                 }
             }
-            Compression::Int8 { block } => encode_int8(block, values, payload, error),
+            (Compression::Int8 { block }, residual) => encode_int8(block, values, payload, residual),
         }
     }
 
@@ -150,30 +157,62 @@ fn finite_or_zero(x: f32) -> f32 {
 }
 
 /// Int8 payload: the blocks' scales (f32, little-endian), then one i8 per value.
-fn encode_int8(block: usize, values: &[f32], payload: &mut [u8], mut error: Option<&mut [f32]>) {
+fn encode_int8(block: usize, values: &[f32], payload: &mut [u8], mut residual: Option<&mut [f32]>) {
     let n_blocks = values.len().div_ceil(block);
     let (scales, quantized) = payload.split_at_mut(4 * n_blocks);
     for (b, chunk) in values.chunks(block).enumerate() {
-        let max = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        // f32::max ignores NaN, so a NaN in the block is looked for separately.
-        let finite = max.is_finite() && chunk.iter().all(|v| !v.is_nan());
+        let span = b * block..b * block + chunk.len();
+        let mut carried = residual.as_deref_mut().map(|r| &mut r[span.clone()]);
+        let (max, finite) = match carried.as_deref() {
+            Some(r) => max_abs(chunk.len(), |i| chunk[i] + r[i]),
+            None => max_abs(chunk.len(), |i| chunk[i]),
+        };
         let scale = if finite { max / 127.0 } else { f32::NAN };
         scales[4 * b..4 * b + 4].copy_from_slice(&scale.to_le_bytes());
         let inverse = if finite && max > 0.0 { 127.0 / max } else { 0.0 };
-        let out = &mut quantized[b * block..b * block + chunk.len()];
-        for (q, v) in out.iter_mut().zip(chunk) {
-            // Round to nearest (ties to even) by adding and removing 1.5 x 2^23, which leaves no
-            // fraction bits for |x| < 2^22 and vectorizes (f32::round is a library call on
-            // baseline x86-64). |v * inverse| <= 127 for a finite block, so the cast is exact.
-            *q = ((v * inverse + ROUNDER) - ROUNDER) as i32 as i8 as u8;
-        }
-        if let Some(error) = error.as_deref_mut() {
-            let error = &mut error[b * block..b * block + chunk.len()];
-            for ((e, v), q) in error.iter_mut().zip(chunk).zip(out.iter()) {
-                *e = if finite { v - f32::from(*q as i8) * scale } else { 0.0 };
+        let out = &mut quantized[span];
+        // Round to nearest (ties to even) by adding and removing 1.5 x 2^23, which leaves no
+        // fraction bits for |x| < 2^22 and vectorizes (f32::round is a library call on baseline
+        // x86-64). |x * inverse| <= 127 for a finite block, so the casts are exact.
+        let quantize = |x: f32| ((x * inverse + ROUNDER) - ROUNDER) as i32 as i8;
+        match carried.as_deref_mut() {
+            None => {
+                for (q, v) in out.iter_mut().zip(chunk) {
+                    *q = quantize(*v) as u8;
+                }
+            }
+            Some(r) => {
+                for ((q, v), r) in out.iter_mut().zip(chunk).zip(r.iter_mut()) {
+                    let x = v + *r;
+                    let level = quantize(x);
+                    *q = level as u8;
+                    *r = if finite { x - f32::from(level) * scale } else { 0.0 };
+                }
             }
         }
     }
+}
+
+/// The largest |x(i)| over `0..len` and whether every x(i) is finite, in 8 lanes (so it
+/// vectorizes without reassociating anything).
+fn max_abs(len: usize, x: impl Fn(usize) -> f32) -> (f32, bool) {
+    let mut lanes = [0f32; 8];
+    let mut bad = [0u32; 8];
+    let mut visit = |lane: usize, v: f32| {
+        // f32::max ignores NaN; a NaN or inf is caught by the exponent test instead.
+        lanes[lane] = lanes[lane].max(v.abs());
+        bad[lane] |= u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000);
+    };
+    let full = len / 8 * 8;
+    for base in (0..full).step_by(8) {
+        for lane in 0..8 {
+            visit(lane, x(base + lane));
+        }
+    }
+    for i in full..len {
+        visit(i - full, x(i));
+    }
+    (lanes.iter().fold(0f32, |m, l| m.max(*l)), bad.iter().all(|b| *b == 0))
 }
 
 fn decode_int8(block: usize, payload: &[u8], out: &mut [f32], add: bool) {
@@ -266,8 +305,6 @@ pub struct Compressor {
     /// Residuals by checkpoint name.
     residuals: BTreeMap<String, Vec<f32>>,
     wire_bytes: u64,
-    /// The values being encoded (input plus residual).
-    scratch: Vec<f32>,
     /// Byte buffers of finished exchanges, reused so that a step does not fault in fresh pages.
     spare: Vec<Vec<u8>>,
 }
@@ -281,7 +318,7 @@ impl Compressor {
                 message: "an int8 block holds at least one value".into(),
             });
         }
-        Ok(Compressor { config, residuals: BTreeMap::new(), wire_bytes: 0, scratch: Vec::new(), spare: Vec::new() })
+        Ok(Compressor { config, residuals: BTreeMap::new(), wire_bytes: 0, spare: Vec::new() })
     }
 
     pub fn config(&self) -> CompressConfig {
@@ -302,7 +339,7 @@ impl Compressor {
     /// Bytes of host memory held for payloads between steps (the largest set of exchanges in
     /// flight at once so far: two buffers of `world_size` x one shard's payload each).
     pub fn buffer_bytes(&self) -> usize {
-        self.spare.iter().map(Vec::capacity).sum::<usize>() + self.scratch.capacity() * 4
+        self.spare.iter().map(Vec::capacity).sum::<usize>()
     }
 
     /// A byte buffer of `bytes` bytes (contents unspecified) from the spares, or a new one.
@@ -438,23 +475,13 @@ impl Compressor {
         let segment = (0..n).map(|r| codec.payload_bytes(shard_range(len, n, r).len())).max().unwrap_or(0);
         let mut send = self.buffer(n * segment);
         let mut recv = self.buffer(n * segment);
-        let mut scratch = std::mem::take(&mut self.scratch);
-        let residual = self.residual(format!("{RESIDUAL}{id}"), len)?;
-        scratch.clear();
-        scratch.extend_from_slice(values);
-        if let Some(residual) = residual.as_deref() {
-            for (x, r) in scratch.iter_mut().zip(residual) {
-                *x += r;
-            }
-        }
-        let mut residual = residual;
+        let mut residual = self.residual(format!("{RESIDUAL}{id}"), len)?;
         for to in 0..n {
             let range = shard_range(len, n, to);
             let payload = &mut send[to * segment..to * segment + codec.payload_bytes(range.len())];
-            let error = residual.as_deref_mut().map(|r| &mut r[range.clone()]);
-            codec.encode(&scratch[range], payload, error);
+            let carried = residual.as_deref_mut().map(|r| &mut r[range.clone()]);
+            codec.encode(&values[range], payload, carried);
         }
-        self.scratch = scratch;
         self.wire_bytes += ((n - 1) * segment) as u64;
         let (send_region, recv_region) = (Region::of(&mut send), Region::of(&mut recv));
         // SAFETY: both regions are the heap buffers of `send` and `recv`, which move into the
@@ -479,23 +506,14 @@ impl Compressor {
     ) -> Result<(), TrainError> {
         let (n, rank, len) = (comm.world_size(), comm.rank(), values.len());
         let codec = self.config.compression;
-        let mut scratch = std::mem::take(&mut self.scratch);
         let mut residual = self.residual(format!("{SHARD_RESIDUAL}{id}"), mine.len())?;
-        scratch.clear();
-        scratch.extend_from_slice(&values[mine.clone()]);
-        if let Some(residual) = residual.as_deref() {
-            for (x, r) in scratch.iter_mut().zip(residual) {
-                *x += r;
-            }
-        }
         debug_assert_eq!(gathered.len(), n * segment);
         let payload = codec.payload_bytes(mine.len());
         codec.encode(
-            &scratch,
+            &values[mine],
             &mut gathered[rank * segment..rank * segment + payload],
             residual.as_mut().map(|r| r.as_mut_slice()),
         );
-        self.scratch = scratch;
         self.wire_bytes += ((n - 1) * segment) as u64;
         // All-gather cuts n * segment bytes into n shards of exactly `segment` bytes.
         comm.all_gather(gathered).map_err(|e| comm_error(comm, "compressed all_gather", e))?;
@@ -566,7 +584,7 @@ mod tests {
                 let codec = Compression::Int8 { block };
                 let mut payload = vec![0u8; codec.payload_bytes(len)];
                 assert_eq!(payload.len(), 4 * len.div_ceil(block) + len);
-                let mut error = vec![f32::NAN; len];
+                let mut error = vec![0f32; len];
                 codec.encode(&values, &mut payload, Some(&mut error));
                 let mut decoded = vec![0f32; len];
                 codec.decode(&payload, &mut decoded);
@@ -593,7 +611,7 @@ mod tests {
         let values =
             [0.0, 0.0, 0.0, 0.0, 1.0, f32::INFINITY, 2.0, 3.0, 1.0, f32::NAN, 0.5, 0.25, -127.0, 64.0, 1.0, 0.0];
         let mut payload = vec![0u8; codec.payload_bytes(values.len())];
-        let mut error = vec![1f32; values.len()];
+        let mut error = vec![0f32; values.len()];
         codec.encode(&values, &mut payload, Some(&mut error));
         let mut decoded = vec![0f32; values.len()];
         codec.decode(&payload, &mut decoded);
@@ -601,6 +619,12 @@ mod tests {
         assert!(decoded[4..12].iter().all(|v| v.is_nan()), "a block with inf or NaN decodes to NaN: {decoded:?}");
         assert_eq!(&decoded[12..], &[-127.0, 64.0, 1.0, 0.0], "multiples of the step are exact");
         assert!(error.iter().all(|e| *e == 0.0), "no residual from exact or non-finite blocks: {error:?}");
+        // A carried residual is encoded with the values and, when that is exact, cleared.
+        let mut carried = vec![0.5f32; values.len()];
+        codec.encode(&[0.0; 16], &mut payload, Some(&mut carried));
+        codec.decode(&payload, &mut decoded);
+        assert_eq!(decoded, vec![0.5; 16]);
+        assert_eq!(carried, vec![0.0; 16]);
     }
 
     #[test]
