@@ -171,22 +171,23 @@ fn encode_int8(block: usize, values: &[f32], payload: &mut [u8], mut residual: O
         scales[4 * b..4 * b + 4].copy_from_slice(&scale.to_le_bytes());
         let inverse = if finite && max > 0.0 { 127.0 / max } else { 0.0 };
         let out = &mut quantized[span];
-        // Round to nearest (ties to even) by adding and removing 1.5 x 2^23, which leaves no
-        // fraction bits for |x| < 2^22 and vectorizes (f32::round is a library call on baseline
-        // x86-64). |x * inverse| <= 127 for a finite block, so the casts are exact.
-        let quantize = |x: f32| ((x * inverse + ROUNDER) - ROUNDER) as i32 as i8;
+        // Round to nearest (ties to even) by adding 1.5 x 2^23: for |y| <= 127 the sum's bits
+        // are 0x4B40_0000 + round(y), so its low byte is round(y) as an i8, and no float-to-int
+        // conversion is needed (this vectorizes; f32::round is a library call on baseline x86-64).
+        // A non-finite block's bytes are arbitrary: its NaN scale decodes them all to NaN.
+        let level = |x: f32| (x * inverse + ROUNDER).to_bits() as u8;
         match carried.as_deref_mut() {
             None => {
                 for (q, v) in out.iter_mut().zip(chunk) {
-                    *q = quantize(*v) as u8;
+                    *q = level(*v);
                 }
             }
             Some(r) => {
                 for ((q, v), r) in out.iter_mut().zip(chunk).zip(r.iter_mut()) {
                     let x = v + *r;
-                    let level = quantize(x);
-                    *q = level as u8;
-                    *r = if finite { x - f32::from(level) * scale } else { 0.0 };
+                    *q = level(x);
+                    let kept = f32::from(*q as i8) * scale;
+                    *r = if finite { x - kept } else { 0.0 };
                 }
             }
         }
