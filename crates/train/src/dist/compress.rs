@@ -286,6 +286,11 @@ impl Pending {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Whether the exchange has finished (well or not), so that [`Compressor::finish`] will not
+    /// wait for it; it never runs the exchange itself.
+    pub fn is_done(&self) -> bool {
+        self.work.as_ref().is_none_or(Work::is_done)
+    }
 }
 
 impl std::fmt::Debug for Pending {
@@ -837,6 +842,7 @@ mod tests {
                 let pending_a = compressor.start_all_reduce(comm, 1, &a).unwrap();
                 let pending_b = compressor.start_all_reduce(comm, 2, &b).unwrap();
                 compressor.finish(comm, pending_b, &mut b).unwrap();
+                assert!(pending_a.is_done(), "{name}: exchanges run in order, so the earlier one is done");
                 compressor.finish(comm, pending_a, &mut a).unwrap();
                 for shard in 0..n {
                     let range = shard_range(LEN, n, shard);
