@@ -95,7 +95,18 @@ fn a_killed_worker_is_named_in_an_all_to_all() {
 
 #[test]
 fn a_stopped_worker_times_out_with_its_rank_named() {
-    let mut workers = spawn_torchrun(2, &["victim", "--victim", "1", "--timeout", "2"]);
+    stopped_worker_times_out(&[]);
+}
+
+#[test]
+fn a_stopped_worker_times_out_in_an_all_to_all() {
+    stopped_worker_times_out(&["--op", "all_to_all"]);
+}
+
+fn stopped_worker_times_out(op: &[&str]) {
+    let mut args = vec!["victim", "--victim", "1", "--timeout", "2"];
+    args.extend_from_slice(op);
+    let mut workers = spawn_torchrun(2, &args);
     let deadline = Instant::now() + HANG_LIMIT;
     for w in &mut workers {
         let line = format!("ready {}", w.rank);
@@ -116,6 +127,8 @@ fn a_stopped_worker_times_out_with_its_rank_named() {
         "rank 0 should name rank 1 and the timeout, said: {}",
         rank0.stderr
     );
+    let op_name = if op.is_empty() { "all_reduce" } else { "all_to_all" };
+    assert!(rank0.stderr.contains(op_name), "rank 0 should name `{op_name}`, said: {}", rank0.stderr);
 }
 
 #[test]
