@@ -53,6 +53,16 @@ pub trait Communicator: Send + Sync {
     /// See the trait's contract.
     unsafe fn broadcast_async(&self, region: Region, root: usize) -> Result<Work>;
 
+    /// All-to-all: `send` and `recv` each hold `world_size` equal chunks of `count / world_size`
+    /// elements; chunk `j` of this rank's `send` goes to rank `j`, and chunk `i` of `recv` comes
+    /// from rank `i` (chunk `rank` is copied locally). Both regions have the same element type
+    /// (any, u8 included) and count, the count is divisible by the group size, and the regions do
+    /// not overlap. `send` is only read.
+    ///
+    /// # Safety
+    /// See the trait's contract; it applies to both regions.
+    unsafe fn all_to_all_async(&self, send: Region, recv: Region) -> Result<Work>;
+
     /// Sends the region to `peer` (which receives with a region of the same size).
     ///
     /// # Safety
@@ -105,6 +115,14 @@ pub trait CommunicatorExt: Communicator {
     fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         // SAFETY: as above.
         unsafe { self.broadcast_async(Region::of(buf), root)? }.wait()
+    }
+    /// All-to-all from `send` into `recv` (see [`Communicator::all_to_all_async`]): chunk `j` of
+    /// `send` goes to rank `j`, chunk `i` of `recv` comes from rank `i`.
+    fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let send = Region::new(send.as_ptr() as *mut u8, send.len(), T::DTYPE);
+        // SAFETY: both slices are borrowed until `wait` returns (`send` shared, and only read;
+        // `recv` exclusively, so the two cannot overlap).
+        unsafe { self.all_to_all_async(send, Region::of(recv))? }.wait()
     }
     /// Send `buf` to `peer`.
     fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
@@ -184,6 +202,32 @@ impl Communicator for ProcessGroup {
             return Err(self.invalid("broadcast", format!("root {root} is not a rank in 0..{}", self.size)));
         }
         self.worker.submit(self.group, Op::Broadcast { region, root })
+    }
+
+    unsafe fn all_to_all_async(&self, send: Region, recv: Region) -> Result<Work> {
+        let name = "all_to_all";
+        if send.dtype() != recv.dtype() || send.count() != recv.count() {
+            return Err(self.invalid(
+                name,
+                format!(
+                    "send holds {} {} elements but recv holds {} {} elements; they must be alike",
+                    send.count(),
+                    send.dtype().name(),
+                    recv.count(),
+                    recv.dtype().name()
+                ),
+            ));
+        }
+        if send.count() % self.size != 0 {
+            return Err(
+                self.invalid(name, format!("{} elements do not cut into {} equal chunks", send.count(), self.size))
+            );
+        }
+        let (s, r) = (send.ptr() as usize, recv.ptr() as usize);
+        if send.bytes() > 0 && s < r + recv.bytes() && r < s + send.bytes() {
+            return Err(self.invalid(name, "the send and recv regions overlap".into()));
+        }
+        self.worker.submit(self.group, Op::AllToAll { send, recv })
     }
 
     unsafe fn send_async(&self, region: Region, peer: usize) -> Result<Work> {

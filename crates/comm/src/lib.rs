@@ -1,8 +1,8 @@
 //! stoke-comm: collective communication between the processes of a data-parallel job.
 //!
-//! A [`Communicator`] all-reduces (sum, avg), reduce-scatters, all-gathers and broadcasts plain
-//! buffers of f32, bf16, f16 or u8, sends and receives between two ranks, waits at barriers, and
-//! splits into sub-groups. Operations run on one communication thread per process in submission
+//! A [`Communicator`] all-reduces (sum, avg), reduce-scatters, all-gathers, broadcasts and
+//! exchanges all-to-all plain buffers of f32, bf16, f16 or u8, sends and receives between two
+//! ranks, waits at barriers, and splits into sub-groups. Operations run on one communication thread per process in submission
 //! order; the `*_async` forms work in place on caller-owned memory and return a [`Work`] at once,
 //! so a trainer can reduce one bucket of its flat gradient buffer while backward fills the next.
 //! Every wait for a peer is bounded by `timeout_s`, and a peer whose process died is named in the

@@ -18,6 +18,7 @@
 
 mod agree;
 mod buckets;
+pub(crate) mod compress;
 mod zero;
 
 pub use agree::{Disagreement, KeyDifference, RankDifference};

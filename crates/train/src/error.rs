@@ -40,6 +40,8 @@ pub enum TrainError {
     },
     #[error("rank {rank} of {world_size}: the ranks must train the same model with the same configuration, but {differences}")]
     RanksDisagree { rank: usize, world_size: usize, differences: crate::dist::Disagreement },
+    #[error("compression residual `{name}`: {message}")]
+    CompressState { name: String, message: String },
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 }

@@ -33,6 +33,7 @@ pub use clock::StepClock;
 pub use config::{
     AttentionPrecision, CkptConfig, EvalConfig, GptShape, LrScaling, LrShape, ModelConfig, Precision, TrainConfig,
 };
+pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{
     Bucket, BucketPlan, BucketSizes, DataParallel, DataParallelConfig, Disagreement, KeyDifference, RankDifference,
     ZeroConfig,

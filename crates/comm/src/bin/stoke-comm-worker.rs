@@ -5,10 +5,12 @@
 //! - `check [--backend B] [--timeout S]`: every operation, every element type, odd sizes,
 //!   sub-groups and overlapping async operations, each result compared with its exact value.
 //!   Exit 0 when all agree, 1 on a wrong value, 3 on a communication error.
-//! - `victim --victim R [--backend B] [--timeout S]`: all ranks join and print `ready`; rank R then
-//!   sleeps (for a test to kill or stop it) while the others all-reduce and report what happened.
-//! - `bench --sizes BYTES,.. [--iters K] [--backend B]`: times f32 all-reduces; rank 0 prints one
-//!   JSON line per size with the median and minimum seconds of K iterations.
+//! - `victim --victim R [--op all_to_all] [--backend B] [--timeout S]`: all ranks join and print
+//!   `ready`; rank R then sleeps (for a test to kill or stop it) while the others all-reduce (or
+//!   all-to-all) and report what happened.
+//! - `bench --sizes BYTES,.. [--iters K] [--op all_to_all] [--backend B]`: times f32 all-reduces (or
+//!   all-to-alls); rank 0 prints one JSON line per size with the median and minimum seconds of K
+//!   iterations.
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -125,6 +127,8 @@ impl Checker<'_> {
         self.comm.broadcast(&mut buf, root)?;
         self.expect("broadcast", &buf, 0..len, |i| value(root, i));
 
+        self.all_to_all::<T>(len)?;
+
         // Pairs (0,1), (2,3): the even rank sends first, the odd one receives first.
         if n >= 2 && rank < n / 2 * 2 {
             let peer = rank ^ 1;
@@ -141,6 +145,21 @@ impl Checker<'_> {
         }
         Ok(())
     }
+
+    /// All-to-all with `per_rank` elements per chunk: chunk `j` of rank `r`'s send buffer holds
+    /// `value(r, j * per_rank + k)`, so chunk `i` of the receive buffer must hold rank `i`'s chunk
+    /// for this rank.
+    fn all_to_all<T: TestElem>(&mut self, per_rank: usize) -> stoke_comm::Result<()> {
+        let (rank, n) = (self.comm.rank(), self.comm.world_size());
+        let send: Vec<T> = (0..per_rank * n).map(|i| T::from_f32(value(rank, i))).collect();
+        let mut recv: Vec<T> = vec![T::from_f32(99.0); per_rank * n];
+        self.comm.all_to_all(&send, &mut recv)?;
+        self.expect("all_to_all", &recv, 0..per_rank * n, |i| {
+            let (from, k) = (i / per_rank.max(1), i % per_rank.max(1));
+            value(from, rank * per_rank + k)
+        });
+        Ok(())
+    }
 }
 
 fn check(comm: &dyn Communicator) -> stoke_comm::Result<usize> {
@@ -154,6 +173,35 @@ fn check(comm: &dyn Communicator) -> stoke_comm::Result<usize> {
         checker.all_ops::<bf16>(len)?;
         checker.all_ops::<f16>(len)?;
         checker.all_ops::<u8>(len)?;
+    }
+    // Large all-to-alls: 4 MiB of f32 and 3 MiB + 1 byte of u8 per chunk (many slots per pair).
+    checker.all_to_all::<f32>(1 << 20)?;
+    checker.all_to_all::<u8>((3 << 20) + 1)?;
+    // Refused before queueing: a count that does not cut into equal chunks, overlapping regions.
+    if n > 1 {
+        let send = vec![0f32; n + 1];
+        let mut recv = vec![0f32; n + 1];
+        match comm.all_to_all(&send, &mut recv) {
+            Err(stoke_comm::CommError::InvalidArgument { .. }) => {}
+            other => {
+                eprintln!(
+                    "rank {rank}: all_to_all of {} elements on {n} ranks gave {other:?}",
+                    n + 1,
+                    rank = comm.rank()
+                );
+                checker.failures += 1;
+            }
+        }
+    }
+    let mut both = vec![0f32; 4 * n];
+    let whole = Region::of(&mut both);
+    // SAFETY: refused before anything is queued (the regions overlap), so nothing touches `both`.
+    match unsafe { comm.all_to_all_async(whole.slice(0, 2 * n), whole.slice(n, 3 * n)) } {
+        Err(stoke_comm::CommError::InvalidArgument { .. }) => {}
+        other => {
+            eprintln!("rank {}: overlapping all_to_all regions gave {other:?}", comm.rank());
+            checker.failures += 1;
+        }
     }
     comm.barrier()?;
 
@@ -215,20 +263,28 @@ fn iterations(bytes: usize) -> usize {
     ((256usize << 20) / bytes.max(1)).clamp(5, 200)
 }
 
-fn bench(comm: &dyn Communicator, sizes: &[usize], iters: Option<usize>) -> stoke_comm::Result<()> {
+fn bench(comm: &dyn Communicator, sizes: &[usize], iters: Option<usize>, all_to_all: bool) -> stoke_comm::Result<()> {
     for &bytes in sizes {
         let iters = iters.unwrap_or_else(|| iterations(bytes));
-        let count = bytes / 4;
+        let count = bytes / 4 / comm.world_size() * comm.world_size();
         let mut buf = vec![1.0f32; count];
+        let send = vec![1.0f32; if all_to_all { count } else { 0 }];
+        let run = |buf: &mut [f32]| {
+            if all_to_all {
+                comm.all_to_all(&send, buf)
+            } else {
+                comm.all_reduce(buf, ReduceOp::Sum)
+            }
+        };
         // Warm-up: page faults and caches.
         for _ in 0..3 {
-            comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+            run(&mut buf)?;
         }
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters {
             comm.barrier()?;
             let start = Instant::now();
-            comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+            run(&mut buf)?;
             times.push(start.elapsed().as_secs_f64());
         }
         times.sort_by(f64::total_cmp);
@@ -287,7 +343,16 @@ fn main() -> ExitCode {
                     std::thread::sleep(Duration::from_secs(3600));
                 }
                 let mut buf = vec![1.0f32; 1 << 20];
-                match comm.all_reduce(&mut buf, ReduceOp::Sum) {
+                let result = match arg(&args, "--op").as_deref() {
+                    Some("all_to_all") => {
+                        let count = (1 << 20) * comm.world_size();
+                        let send = vec![1.0f32; count];
+                        buf.resize(count, 0.0);
+                        comm.all_to_all(&send, &mut buf)
+                    }
+                    _ => comm.all_reduce(&mut buf, ReduceOp::Sum),
+                };
+                match result {
                     Ok(()) => 0,
                     Err(err) => {
                         eprintln!("rank {}: {err}", comm.rank());
@@ -303,7 +368,8 @@ fn main() -> ExitCode {
                 .map(|s| s.parse().expect("sizes are byte counts"))
                 .collect();
             let iters = arg(&args, "--iters").and_then(|v| v.parse().ok());
-            bench(comm.as_ref(), &sizes, iters).map(|_| 0)
+            let all_to_all = arg(&args, "--op").as_deref() == Some("all_to_all");
+            bench(comm.as_ref(), &sizes, iters, all_to_all).map(|_| 0)
         }
         _ => {
             eprintln!("usage: stoke-comm-worker check|victim|bench [--backend B] [--timeout S]");

@@ -15,7 +15,7 @@ use crate::api::shard_range;
 use crate::config::{CommConfig, DistEnv};
 use crate::dtype::{self, DType, ReduceOp};
 use crate::error::{CommError, Result};
-use crate::work::{Engine, GroupInfo, Op, Worker};
+use crate::work::{Engine, GroupInfo, Op, Region, Worker};
 use crate::Communicator;
 
 /// The largest element count one MPI call takes (its counts are C ints).
@@ -249,6 +249,33 @@ impl MpiEngine {
         check(code, "all_gather", self.world_rank)
     }
 
+    fn all_to_all(&mut self, g: usize, send: &Region, recv: &Region) -> Result<()> {
+        let group = &self.groups[g];
+        let per_rank = send.count() / group.size;
+        if per_rank > MAX_CALL_ELEMS {
+            return Err(CommError::InvalidArgument {
+                rank: self.world_rank,
+                op: "all_to_all",
+                reason: format!("the mpi backend takes at most {MAX_CALL_ELEMS} elements per rank in an all_to_all"),
+            });
+        }
+        let (datatype, _) = self.types(send.dtype());
+        // SAFETY: send and recv hold size * per_rank elements each and do not overlap (checked
+        // before queueing); MPI only reads `send`.
+        let code = unsafe {
+            ffi::MPI_Alltoall(
+                send.ptr() as *const c_void,
+                per_rank as c_int,
+                datatype,
+                recv.ptr() as *mut c_void,
+                per_rank as c_int,
+                datatype,
+                group.comm,
+            )
+        };
+        check(code, "all_to_all", self.world_rank)
+    }
+
     /// Runs `call(piece_ptr, piece_count)` over pieces of at most MAX_CALL_ELEMS elements.
     fn pieces(
         &self,
@@ -288,6 +315,7 @@ impl Engine for MpiEngine {
                     ffi::MPI_Bcast(p, n, datatype, *root as c_int, comm)
                 })?
             }
+            Op::AllToAll { send, recv } => self.all_to_all(g, send, recv)?,
             Op::Send { region, peer } => {
                 let (datatype, _) = self.types(region.dtype());
                 // SAFETY (closure): each piece lies in the region, which MPI only reads.

@@ -201,17 +201,7 @@ impl NcclEngine {
         if is_device_memory(region.ptr()) {
             return Ok((*region, None));
         }
-        let bytes = region.bytes().max(1);
-        if bytes > self.staging_bytes {
-            if self.staging != 0 {
-                // SAFETY: our allocation; the stream is idle between operations.
-                unsafe { driver::cuMemFree_v2(self.staging) };
-                self.staging = 0;
-                self.staging_bytes = 0;
-            }
-            self.staging = device_alloc(bytes).map_err(|e| failed("stage", self.world_rank, e))?;
-            self.staging_bytes = bytes;
-        }
+        self.ensure_staging(region.bytes())?;
         // SAFETY: the host region holds region.bytes() (the async contract), staging at least as many.
         let status = unsafe {
             driver::cuMemcpyHtoDAsync_v2(
@@ -223,6 +213,99 @@ impl NcclEngine {
         };
         check_cu(status, "stage", self.world_rank)?;
         Ok((Region::new(self.staging as *mut u8, region.count(), region.dtype()), Some(region.ptr())))
+    }
+
+    /// Grows the staging buffer to at least `bytes` (one byte at least).
+    fn ensure_staging(&mut self, bytes: usize) -> Result<()> {
+        let bytes = bytes.max(1);
+        if bytes > self.staging_bytes {
+            if self.staging != 0 {
+                // SAFETY: our allocation; the stream is idle between operations.
+                unsafe { driver::cuMemFree_v2(self.staging) };
+                self.staging = 0;
+                self.staging_bytes = 0;
+            }
+            self.staging = device_alloc(bytes).map_err(|e| failed("stage", self.world_rank, e))?;
+            self.staging_bytes = bytes;
+        }
+        Ok(())
+    }
+
+    /// All-to-all as one NCCL group of sends and receives (one pair per peer); the own chunk is a
+    /// device copy. Host regions are staged: `send` in the first half of the staging buffer,
+    /// `recv` in the second, copied back after the exchange.
+    fn all_to_all(&mut self, g: usize, send: &Region, recv: &Region) -> Result<()> {
+        let name = "all_to_all";
+        let rank = self.world_rank;
+        let (comm, group_rank, n) = (self.groups[g].comm, self.groups[g].rank, self.groups[g].size);
+        let bytes = send.bytes();
+        let (send_host, recv_host) = (!is_device_memory(send.ptr()), !is_device_memory(recv.ptr()));
+        if send_host || recv_host {
+            self.ensure_staging(2 * bytes)?;
+        }
+        let cu_stream = self.stream.cu_stream();
+        let send_dev: CuPtr = if send_host {
+            // SAFETY: the host region holds `bytes`, the staging buffer at least 2 * bytes.
+            check_cu(
+                unsafe { driver::cuMemcpyHtoDAsync_v2(self.staging, send.ptr() as *const c_void, bytes, cu_stream) },
+                name,
+                rank,
+            )?;
+            self.staging
+        } else {
+            send.ptr() as CuPtr
+        };
+        let recv_dev: CuPtr = if recv_host { self.staging + bytes as CuPtr } else { recv.ptr() as CuPtr };
+        let per_rank = send.count() / n;
+        let chunk_bytes = per_rank * send.dtype().size();
+        let (datatype, _) = Self::types(send.dtype(), ReduceOp::Sum);
+        let stream = self.cu_stream();
+        if chunk_bytes > 0 {
+            let own = group_rank as CuPtr * chunk_bytes as CuPtr;
+            // SAFETY: chunk `group_rank` lies in both device buffers.
+            check_cu(
+                unsafe { driver::cuMemcpyDtoDAsync_v2(recv_dev + own, send_dev + own, chunk_bytes, cu_stream) },
+                name,
+                rank,
+            )?;
+            cudarc::nccl::result::group_start().map_err(|e| nccl_failed(name, rank, e))?;
+            for peer in (0..n).filter(|&p| p != group_rank) {
+                let offset = peer as CuPtr * chunk_bytes as CuPtr;
+                // SAFETY: chunk `peer` of each buffer lies within it (n * chunk_bytes = bytes);
+                // comm and stream are live; the group is ended below and the stream waited on.
+                unsafe {
+                    cudarc::nccl::result::send(
+                        (send_dev + offset) as *const c_void,
+                        per_rank,
+                        datatype,
+                        peer as i32,
+                        comm,
+                        stream,
+                    )
+                    .map_err(|e| nccl_failed(name, rank, e))?;
+                    cudarc::nccl::result::recv(
+                        (recv_dev + offset) as *mut c_void,
+                        per_rank,
+                        datatype,
+                        peer as i32,
+                        comm,
+                        stream,
+                    )
+                    .map_err(|e| nccl_failed(name, rank, e))?;
+                }
+            }
+            cudarc::nccl::result::group_end().map_err(|e| nccl_failed(name, rank, e))?;
+        }
+        if recv_host {
+            // SAFETY: copies the received bytes into the caller's host region, after the exchange
+            // on the same stream.
+            check_cu(
+                unsafe { driver::cuMemcpyDtoHAsync_v2(recv.ptr() as *mut c_void, recv_dev, bytes, cu_stream) },
+                name,
+                rank,
+            )?;
+        }
+        self.finish(g, name)
     }
 
     fn cu_stream(&self) -> nccl::cudaStream_t {
@@ -295,6 +378,10 @@ impl Engine for NcclEngine {
         let stream = self.cu_stream();
         let rank = self.world_rank;
         let group_rank = self.groups[g].rank;
+        if let Op::AllToAll { send, recv } = op {
+            self.all_to_all(g, send, recv)?;
+            return Ok(None);
+        }
         let staged = match op {
             Op::AllReduce { region, .. }
             | Op::ReduceScatter { region, .. }
@@ -302,7 +389,7 @@ impl Engine for NcclEngine {
             | Op::Broadcast { region, .. }
             | Op::Send { region, .. }
             | Op::Recv { region, .. } => Some((self.stage_in(region)?, region.bytes())),
-            Op::Barrier | Op::NewGroup { .. } => None,
+            Op::Barrier | Op::NewGroup { .. } | Op::AllToAll { .. } => None,
         };
         let op = &match (op, staged.as_ref()) {
             (Op::AllReduce { op, .. }, Some(((dev, _), _))) => Op::AllReduce { region: *dev, op: *op },
@@ -367,6 +454,7 @@ impl Engine for NcclEngine {
                     )
                 }
             }
+            Op::AllToAll { .. } => unreachable!("handled above"),
             Op::Barrier => {
                 let p = self.barrier_buf as *mut c_void;
                 unsafe {

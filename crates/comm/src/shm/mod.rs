@@ -8,6 +8,9 @@
 //!   the `n` shards travels `n - 1` hops being reduced, then `n - 1` hops being copied; a sender
 //!   runs up to `slots` chunks ahead of its receiver.
 //! - broadcast: a chain from the root, chunk by chunk. Send/recv: the pair's channel.
+//! - all-to-all: `n - 1` pairwise exchanges per chunk; at step `s` every rank sends to
+//!   `rank + s` and receives from `rank - s`, chunk by chunk, so no rank ever waits on a channel
+//!   whose receiver is not also making progress (any message size, any slot count).
 //!
 //! Receivers reduce straight out of the sender's slot, so each byte is copied into shared memory
 //! once per hop and read from there once.
@@ -44,6 +47,7 @@ enum Kind {
     Broadcast = 4,
     Send = 5,
     Barrier = 6,
+    AllToAll = 7,
 }
 
 struct Group {
@@ -155,7 +159,13 @@ impl Engine for ShmEngine {
         let direct_max = self.config.direct_max_bytes.min(self.config.slot_bytes);
         let g = &mut self.groups[group];
         if g.size == 1 {
-            return Ok(None); // every operation on a group of one is the identity (avg divides by 1)
+            if let Op::AllToAll { send, recv } = op {
+                // SAFETY: both regions hold count elements and do not overlap (checked before
+                // queueing).
+                unsafe { std::ptr::copy_nonoverlapping(send.ptr() as *const u8, recv.ptr(), send.bytes()) };
+            }
+            // Every other operation on a group of one is the identity (avg divides by 1).
+            return Ok(None);
         }
         let name = op.name();
         match op {
@@ -164,6 +174,7 @@ impl Engine for ShmEngine {
             Op::ReduceScatter { region, op } => g.ring(name, region, Some(*op), false),
             Op::AllGather { region } => g.ring(name, region, None, true),
             Op::Broadcast { region, root } => g.broadcast(name, region, *root),
+            Op::AllToAll { send, recv } => g.all_to_all(name, send, recv),
             Op::Send { region, peer } => g.send(name, region, *peer),
             Op::Recv { region, peer } => g.recv(name, region, *peer),
             Op::Barrier => g.barrier(name),
@@ -355,6 +366,42 @@ impl Group {
             }
             if position < n - 1 {
                 self.send_chunk(op, next, Kind::Broadcast, ptr, len * size)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Pairwise exchanges: for each slot-sized piece of a chunk, step `s` sends this rank's piece
+    /// for `rank + s` and then receives the piece from `rank - s`. Every rank walks the same
+    /// (piece, step) sequence and each send is matched by a receive at the same position, so a
+    /// rank waiting on a full channel waits on a peer that is behind it and can always move.
+    fn all_to_all(&mut self, op: &'static str, send: &Region, recv: &Region) -> Result<()> {
+        let (n, rank) = (self.size, self.rank);
+        let size = send.dtype().size();
+        let per_rank = send.count() / n;
+        debug_assert_eq!(per_rank * n, send.count(), "checked before queueing");
+        // SAFETY: chunk `rank` lies in both regions (per_rank elements each), which do not overlap
+        // (checked before queueing).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                send.ptr().add(rank * per_rank * size),
+                recv.ptr().add(rank * per_rank * size),
+                per_rank * size,
+            )
+        };
+        for (start, len) in chunk_spans(per_rank, self.chunk_elems(send.dtype())) {
+            for step in 1..n {
+                let (dst, src) = ((rank + step) % n, (rank + n - step) % n);
+                // SAFETY: dst * per_rank + start + len <= count: the piece lies in `send`.
+                let out = unsafe { send.ptr().add((dst * per_rank + start) * size) };
+                self.send_chunk(op, dst, Kind::AllToAll, out, len * size)?;
+                let data = self.recv_begin(op, src, Kind::AllToAll, len * size)?;
+                // SAFETY: the slot holds len elements (checked); the piece of chunk `src` lies in
+                // `recv`, which is not slot memory.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data, recv.ptr().add((src * per_rank + start) * size), len * size)
+                };
+                self.recv_end(src);
             }
         }
         Ok(())

@@ -72,8 +72,41 @@ fn a_killed_worker_is_named_by_the_others() {
 }
 
 #[test]
+fn a_killed_worker_is_named_in_an_all_to_all() {
+    let victim = 2;
+    let mut workers = spawn_torchrun(3, &["victim", "--victim", "2", "--op", "all_to_all", "--timeout", "120"]);
+    let deadline = Instant::now() + HANG_LIMIT;
+    for w in &mut workers {
+        let line = format!("ready {}", w.rank);
+        w.wait_line(&line, deadline);
+    }
+    // SAFETY: kill with the pid of a child we started and have not reaped.
+    unsafe { libc::kill(workers[victim].child.id() as i32, libc::SIGKILL) };
+    let outcomes = finish_all(workers);
+    for (rank, outcome) in outcomes.iter().enumerate().filter(|(rank, _)| *rank != victim) {
+        assert_eq!(outcome.code, Some(3), "rank {rank} should fail with a comm error: {}", outcome.stderr);
+        assert!(
+            outcome.stderr.contains("rank 2 was lost") && outcome.stderr.contains("all_to_all"),
+            "rank {rank} should name the lost rank 2 and the operation, said: {}",
+            outcome.stderr
+        );
+    }
+}
+
+#[test]
 fn a_stopped_worker_times_out_with_its_rank_named() {
-    let mut workers = spawn_torchrun(2, &["victim", "--victim", "1", "--timeout", "2"]);
+    stopped_worker_times_out(&[]);
+}
+
+#[test]
+fn a_stopped_worker_times_out_in_an_all_to_all() {
+    stopped_worker_times_out(&["--op", "all_to_all"]);
+}
+
+fn stopped_worker_times_out(op: &[&str]) {
+    let mut args = vec!["victim", "--victim", "1", "--timeout", "2"];
+    args.extend_from_slice(op);
+    let mut workers = spawn_torchrun(2, &args);
     let deadline = Instant::now() + HANG_LIMIT;
     for w in &mut workers {
         let line = format!("ready {}", w.rank);
@@ -94,6 +127,8 @@ fn a_stopped_worker_times_out_with_its_rank_named() {
         "rank 0 should name rank 1 and the timeout, said: {}",
         rank0.stderr
     );
+    let op_name = if op.is_empty() { "all_reduce" } else { "all_to_all" };
+    assert!(rank0.stderr.contains(op_name), "rank 0 should name `{op_name}`, said: {}", rank0.stderr);
 }
 
 #[test]
@@ -113,6 +148,12 @@ fn bad_arguments_are_refused_before_anything_is_queued() {
     comm.all_reduce(&mut floats, ReduceOp::Avg).unwrap();
     assert_eq!(floats, [1.5, -2.0]);
     comm.barrier().unwrap();
+    // All-to-all on one rank is a copy; unlike lengths are refused.
+    let mut out = [0u8; 3];
+    comm.all_to_all(&bytes, &mut out).unwrap();
+    assert_eq!(out, bytes);
+    let err = comm.all_to_all(&bytes, &mut out[..2]).unwrap_err();
+    assert!(matches!(err, CommError::InvalidArgument { op: "all_to_all", .. }), "{err}");
     let config = CommConfig { timeout_s: 0.0, ..CommConfig::default() };
     assert!(connect(&config, &DistEnv::single()).is_err(), "timeout_s 0 is refused");
 }
