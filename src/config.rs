@@ -53,6 +53,16 @@ pub struct DistConfig {
     pub zero: u8,
     /// Stage 3: units whose parameter gathers start ahead of the unit that runs. Default 1.
     pub prefetch_blocks: usize,
+    /// Gradient reductions: "none" (fp32, the communicator's collectives), "bf16" or "int8"
+    /// (block-wise: a scale per `compress_block` values), each an all-to-all of the encoded
+    /// shards, then (all-reduce) an all-gather of the encoded averages. Host memory only.
+    /// Default "none".
+    pub compress: String,
+    /// Values per int8 block (one f32 scale each). Default 256.
+    pub compress_block: usize,
+    /// Add each encoding's error to the next step's gradient before encoding it (error
+    /// feedback; the residuals are per rank). Default true.
+    pub error_feedback: bool,
 }
 
 impl Default for DistConfig {
@@ -66,6 +76,9 @@ impl Default for DistConfig {
             overlap: true,
             zero: 0,
             prefetch_blocks: 1,
+            compress: "none".into(),
+            compress_block: 256,
+            error_feedback: true,
         }
     }
 }
@@ -81,6 +94,14 @@ impl DistConfig {
             },
             overlap: self.overlap,
             zero: stoke_train::ZeroConfig { stage: self.zero, prefetch_units: self.prefetch_blocks },
+            compress: stoke_train::CompressConfig {
+                compression: match self.compress.as_str() {
+                    "bf16" => stoke_train::Compression::Bf16,
+                    "int8" => stoke_train::Compression::Int8 { block: self.compress_block },
+                    _ => stoke_train::Compression::None,
+                },
+                error_feedback: self.error_feedback,
+            },
         }
     }
 }
@@ -436,6 +457,18 @@ impl StokeConfig {
                     message: format!("must be a positive number of MiB; got {mib}"),
                 });
             }
+        }
+        if !matches!(self.dist.compress.as_str(), "none" | "bf16" | "int8") {
+            return Err(ConfigError::Invalid {
+                key: "dist.compress".into(),
+                message: format!("must be one of none, bf16, int8; got {:?}", self.dist.compress),
+            });
+        }
+        if self.dist.compress_block == 0 {
+            return Err(ConfigError::Invalid {
+                key: "dist.compress_block".into(),
+                message: "must be at least 1".into(),
+            });
         }
         if self.dist.zero > 3 {
             return Err(ConfigError::Invalid {

@@ -633,7 +633,7 @@ fn train_inner(
             dist.communicator().backend(),
             if dist.config().overlap { "on" } else { "off" }
         );
-        let plan = dist.plan(trainer.model().params());
+        let plan = dist.plan(trainer.model().params())?;
         if rank == 0 {
             println!("data parallel: {how}; gradients in {plan}");
         }

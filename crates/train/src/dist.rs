@@ -32,6 +32,7 @@ use stoke_comm::{CommError, Communicator, CommunicatorExt, ReduceOp, Region, Wor
 use tch::{Kind, Tensor};
 
 use crate::clock::StepClock;
+use crate::dist::compress::{CompressConfig, Compression, Compressor, Pending};
 use crate::dist::zero::{Zero, ZeroError};
 use crate::executor::StepHooks;
 use crate::params::FlatParams;
@@ -48,6 +49,8 @@ pub struct DataParallelConfig {
     pub overlap: bool,
     /// ZeRO sharding (stage 0: none, the default).
     pub zero: ZeroConfig,
+    /// Compressed gradient reductions (default: none, the communicator's fp32 collectives).
+    pub compress: CompressConfig,
 }
 
 impl Default for DataParallelConfig {
@@ -56,6 +59,7 @@ impl Default for DataParallelConfig {
             buckets: BucketSizes { first_bytes: 1 << 20, bytes: 25 << 20 },
             overlap: true,
             zero: ZeroConfig::default(),
+            compress: CompressConfig::default(),
         }
     }
 }
@@ -76,6 +80,16 @@ pub struct DataParallel {
     comm_ms: f64,
     /// The ZeRO state, once [`DataParallel::shard`] ran (stage 1 to 3).
     zero: Option<Zero>,
+    /// Compressed reductions (`dist.compress` other than "none", more than one rank).
+    compressor: Option<Compressor>,
+    /// Stage 0 and 1, compressed: buckets whose all-reduce is in flight (their gradient range).
+    compressed: Vec<(Range<i64>, Pending)>,
+    /// Stage 0 and 1, compressed, overlap off: buckets final but not sent (index, range).
+    compress_ready: Vec<(usize, Range<i64>)>,
+    /// Whether the model's buffers are host memory (compression needs it).
+    host_buffers: bool,
+    /// The model's gradient buffer (`plan`), for finishing compressed reductions.
+    grad_buffer: Option<Tensor>,
 }
 
 impl DataParallel {
@@ -89,6 +103,11 @@ impl DataParallel {
             first_submit: None,
             comm_ms: 0.0,
             zero: None,
+            compressor: None,
+            compressed: Vec::new(),
+            compress_ready: Vec::new(),
+            host_buffers: true,
+            grad_buffer: None,
         }
     }
 
@@ -127,8 +146,39 @@ impl DataParallel {
 
     /// Groups `params`' units into this job's buckets; call once before training (the layout is
     /// worth a log line).
-    pub fn plan(&mut self, params: &FlatParams) -> &BucketPlan {
-        self.plan.insert(BucketPlan::new(params.units(), self.config.buckets))
+    pub fn plan(&mut self, params: &FlatParams) -> Result<&BucketPlan, TrainError> {
+        self.host_buffers = params.device() == tch::Device::Cpu;
+        self.grad_buffer = Some(params.flat_grad().shallow_clone());
+        if self.config.compress.compression != Compression::None && self.comm.world_size() > 1 {
+            if !self.host_buffers {
+                return Err(TrainError::InvalidConfig {
+                    key: "dist.compress",
+                    message: "compresses gradients in host memory; on a GPU keep \"none\"".into(),
+                });
+            }
+            self.compressor = Some(Compressor::new(self.config.compress)?);
+        }
+        Ok(self.plan.insert(BucketPlan::new(params.units(), self.config.buckets)))
+    }
+
+    /// Bytes this rank sent in compressed reductions so far (None without compression).
+    pub fn compressed_wire_bytes(&self) -> Option<u64> {
+        self.compressor.as_ref().map(Compressor::wire_bytes)
+    }
+
+    /// The compression residuals (error feedback) of this rank, by name.
+    pub fn residual_state(&self) -> Vec<(String, Vec<f32>)> {
+        self.compressor.as_ref().map_or_else(Vec::new, |c| {
+            c.residual_state().into_iter().map(|(name, values)| (name.to_string(), values.to_vec())).collect()
+        })
+    }
+
+    /// Restores residuals saved by `residual_state` (a resumed run continues the same sums).
+    pub fn load_residual_state(&mut self, state: Vec<(String, Vec<f32>)>) -> Result<(), TrainError> {
+        match self.compressor.as_mut() {
+            Some(c) => c.load_residual_state(state),
+            None => Ok(()),
+        }
     }
 
     /// Copies rank 0's parameters to every rank (call after initialization or restore, before
@@ -169,6 +219,8 @@ impl DataParallel {
             .filter_map(|e| zero.piece_start(e).map(|start| (e.name.clone(), start)))
             .collect();
         trainer.shard_optimizer(&zero.shard, &starts).map_err(invalid)?;
+        // The model's gradient buffer may have moved (stage 2 and 3).
+        self.grad_buffer = Some(trainer.model().params().flat_grad().shallow_clone());
         self.zero = Some(zero);
         Ok(())
     }
@@ -217,6 +269,45 @@ impl DataParallel {
 }
 
 impl DataParallel {
+    /// Starts the compressed all-reduce of a final bucket (stage 0 and 1; host memory).
+    fn start_compressed(&mut self, flat_grad: &Tensor, id: usize, range: Range<i64>) -> Result<(), TrainError> {
+        let compressor = self.compressor.as_mut().expect("compression is on");
+        // SAFETY: the bucket's range of the model's contiguous CPU fp32 gradient buffer (checked
+        // in `plan`), final for this step; the compressor reads it only during this call.
+        let values = unsafe {
+            std::slice::from_raw_parts(
+                (flat_grad.data_ptr() as *const f32).add(range.start as usize),
+                (range.end - range.start) as usize,
+            )
+        };
+        let pending = compressor.start_all_reduce(self.comm.as_ref(), id, values)?;
+        self.compressed.push((range, pending));
+        Ok(())
+    }
+
+    /// Sends what waited (overlap off) and finishes every compressed all-reduce into its bucket.
+    fn finish_compressed(&mut self) -> Result<(), TrainError> {
+        let Some(flat_grad) = self.grad_buffer.as_ref().map(Tensor::shallow_clone) else {
+            return Err(TrainError::InvalidConfig { key: "dist", message: "plan was not called".into() });
+        };
+        for (id, range) in std::mem::take(&mut self.compress_ready) {
+            self.first_submit.get_or_insert_with(Instant::now);
+            self.start_compressed(&flat_grad, id, range)?;
+        }
+        let compressor = self.compressor.as_mut().expect("compression is on");
+        for (range, pending) in self.compressed.drain(..) {
+            // SAFETY: as in `start_compressed`; backward is over and the optimizer waits for this.
+            let values = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (flat_grad.data_ptr() as *mut f32).add(range.start as usize),
+                    (range.end - range.start) as usize,
+                )
+            };
+            compressor.finish(self.comm.as_ref(), pending, values)?;
+        }
+        Ok(())
+    }
+
     fn zero_error(&self, e: ZeroError) -> TrainError {
         self.error(e.op, e.source)
     }
@@ -293,7 +384,9 @@ impl StepHooks for DataParallel {
             self.first_submit.get_or_insert_with(Instant::now);
             let overlap = self.config.overlap;
             let zero = self.zero.as_mut().expect("stage 2 or 3");
-            return zero.grads_final(self.comm.as_ref(), unit, overlap).map_err(|e| self.zero_error(e));
+            return zero
+                .grads_final(self.comm.as_ref(), unit, overlap, self.compressor.as_mut())
+                .map_err(|e| self.zero_error(e));
         }
         let plan = self.plan.as_ref().ok_or_else(|| TrainError::InvalidConfig {
             key: "dist",
@@ -303,8 +396,18 @@ impl StepHooks for DataParallel {
         if !plan.completes_bucket(unit) {
             return Ok(());
         }
-        let bucket = &plan.buckets()[plan.bucket_of(unit)];
+        let bucket_idx = plan.bucket_of(unit);
+        let bucket = &plan.buckets()[bucket_idx];
         debug_assert_eq!(bucket.range.start, range.start);
+        if self.compressor.is_some() {
+            let bucket_range = bucket.range.clone();
+            if !self.config.overlap {
+                self.compress_ready.push((bucket_idx, bucket_range));
+                return Ok(());
+            }
+            self.first_submit.get_or_insert_with(Instant::now);
+            return self.start_compressed(flat_grad, bucket_idx, bucket_range);
+        }
         let region = f32_region(flat_grad, bucket.range.clone())
             .map_err(|reason| TrainError::InvalidConfig { key: "dist", message: reason })?;
         if region.count() == 0 {
@@ -325,6 +428,15 @@ impl StepHooks for DataParallel {
     fn before_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
         match self.stage() {
             0 | 1 => {
+                if !self.compressed.is_empty() || !self.compress_ready.is_empty() {
+                    clock.lap(Phase::Backward);
+                    let result = self.finish_compressed();
+                    clock.lap(Phase::CommExposed);
+                    if let Some(start) = self.first_submit.take() {
+                        self.comm_ms = start.elapsed().as_secs_f64() * 1e3;
+                    }
+                    result?;
+                }
                 if !self.in_flight.is_empty() || !self.ready.is_empty() {
                     clock.lap(Phase::Backward);
                     for region in std::mem::take(&mut self.ready) {
@@ -351,7 +463,7 @@ impl StepHooks for DataParallel {
                     return Ok(());
                 }
                 clock.lap(Phase::Backward);
-                let result = zero.finish_grads(self.comm.as_ref());
+                let result = zero.finish_grads(self.comm.as_ref(), self.compressor.as_mut());
                 clock.lap(Phase::CommExposed);
                 if let Some(start) = self.first_submit.take() {
                     self.comm_ms = start.elapsed().as_secs_f64() * 1e3;

@@ -29,6 +29,7 @@ use std::ops::Range;
 use stoke_comm::{shard_range, CommError, Communicator, CommunicatorExt, ReduceOp, Work};
 use tch::Tensor;
 
+use super::compress::{Compressor, Pending};
 use super::f32_region;
 use crate::params::{Buffer, FlatParams, ParamEntry, Releaser, ShardMap};
 
@@ -57,6 +58,21 @@ enum Gathered {
     Ready,
 }
 
+/// A gradient reduction in flight: the communicator's, or a compressed one.
+enum InFlight {
+    Plain(Work),
+    Compressed(Pending),
+}
+
+impl InFlight {
+    fn is_done(&self) -> bool {
+        match self {
+            InFlight::Plain(work) => work.is_done(),
+            InFlight::Compressed(pending) => pending.is_done(),
+        }
+    }
+}
+
 /// One rank's ZeRO state.
 pub(crate) struct Zero {
     stage: u8,
@@ -77,7 +93,7 @@ pub(crate) struct Zero {
     params: Releaser,
     grads: Releaser,
     /// Stage 2 and 3: gradient reduce-scatters in flight, in submission order.
-    grad_works: VecDeque<(usize, Work)>,
+    grad_works: VecDeque<(usize, InFlight)>,
     /// Stage 2 and 3 without overlap: units whose gradients are final, not sent yet.
     grad_ready: Vec<usize>,
     /// Stage 3: each unit's parameters.
@@ -91,6 +107,16 @@ pub(crate) struct ZeroError {
 }
 
 type Result<T> = std::result::Result<T, ZeroError>;
+
+/// `len` f32 of a contiguous CPU fp32 tensor from element `start`.
+///
+/// # Safety
+/// `start..start + len` lies inside the tensor, and nothing else reads or writes it while the
+/// slice lives.
+unsafe fn f32_slice<'a>(t: &Tensor, start: i64, len: i64) -> &'a mut [f32] {
+    // SAFETY: the caller's contract.
+    unsafe { std::slice::from_raw_parts_mut((t.data_ptr() as *mut f32).add(start as usize), len as usize) }
+}
 
 fn fail(op: &'static str) -> impl FnOnce(CommError) -> ZeroError {
     move |source| ZeroError { op, source }
@@ -212,22 +238,38 @@ impl Zero {
 
     /// Stage 2 and 3: unit `unit`'s gradient is final. Starts its reduce-scatter (or, without
     /// overlap, notes it) and completes the reductions that have finished since.
-    pub(crate) fn grads_final(&mut self, comm: &dyn Communicator, unit: usize, overlap: bool) -> Result<()> {
+    pub(crate) fn grads_final(
+        &mut self,
+        comm: &dyn Communicator,
+        unit: usize,
+        overlap: bool,
+        mut compressor: Option<&mut Compressor>,
+    ) -> Result<()> {
         if !overlap {
             self.grad_ready.push(unit);
             return Ok(());
         }
-        self.submit_grad(comm, unit)?;
+        self.submit_grad(comm, unit, compressor.as_deref_mut())?;
         while self.grad_works.front().is_some_and(|(_, work)| work.is_done()) {
             let (unit, work) = self.grad_works.pop_front().expect("front exists");
-            self.finish_grad(unit, work)?;
+            self.finish_grad(comm, unit, work, compressor.as_deref_mut())?;
         }
         Ok(())
     }
 
-    fn submit_grad(&mut self, comm: &dyn Communicator, unit: usize) -> Result<()> {
+    fn submit_grad(&mut self, comm: &dyn Communicator, unit: usize, compressor: Option<&mut Compressor>) -> Result<()> {
         let range = self.units[unit].clone();
         if range.is_empty() {
+            return Ok(());
+        }
+        if let Some(compressor) = compressor {
+            // SAFETY: the unit's range of the model's CPU gradient buffer, final for this step;
+            // the compressor reads it only during this call.
+            let values = unsafe { f32_slice(&self.model_grad, range.start, range.end - range.start) };
+            let pending = compressor
+                .start_reduce_scatter(comm, unit, values)
+                .map_err(|e| self.compress_error("compressed reduce_scatter gradients", e))?;
+            self.grad_works.push_back((unit, InFlight::Compressed(pending)));
             return Ok(());
         }
         let region = f32_region(&self.model_grad, range)
@@ -237,13 +279,38 @@ impl Zero {
         // the model's gradient buffer outlives `self` (its memory is never unmapped).
         let work = unsafe { comm.reduce_scatter_async(region, ReduceOp::Avg) }
             .map_err(fail("reduce_scatter gradients"))?;
-        self.grad_works.push_back((unit, work));
+        self.grad_works.push_back((unit, InFlight::Plain(work)));
         Ok(())
     }
 
+    fn compress_error(&self, op: &'static str, e: crate::TrainError) -> ZeroError {
+        match e {
+            crate::TrainError::Comm { source, .. } => ZeroError { op, source },
+            other => self.invalid(op, other.to_string()),
+        }
+    }
+
     /// Waits for one unit's reduce-scatter, keeps this rank's slice, releases the rest.
-    fn finish_grad(&mut self, unit: usize, work: Work) -> Result<()> {
-        work.wait().map_err(fail("reduce_scatter gradients"))?;
+    fn finish_grad(
+        &mut self,
+        comm: &dyn Communicator,
+        unit: usize,
+        work: InFlight,
+        compressor: Option<&mut Compressor>,
+    ) -> Result<()> {
+        match (work, compressor) {
+            (InFlight::Plain(work), _) => work.wait().map_err(fail("reduce_scatter gradients"))?,
+            (InFlight::Compressed(pending), Some(compressor)) => {
+                let range = &self.units[unit];
+                // SAFETY: as in `submit_grad`; nothing else touches the range until it is
+                // released below.
+                let values = unsafe { f32_slice(&self.model_grad, range.start, range.end - range.start) };
+                compressor
+                    .finish(comm, pending, values)
+                    .map_err(|e| self.compress_error("compressed reduce_scatter gradients", e))?;
+            }
+            (InFlight::Compressed(_), None) => unreachable!("a compressed reduction is finished with its compressor"),
+        }
         let (own, local) = (&self.own[unit], &self.local[unit]);
         tch::no_grad(|| {
             self.shard
@@ -257,16 +324,20 @@ impl Zero {
 
     /// Stage 2 and 3, before the optimizer: sends what waited (overlap off), then completes every
     /// reduction.
-    pub(crate) fn finish_grads(&mut self, comm: &dyn Communicator) -> Result<()> {
+    pub(crate) fn finish_grads(
+        &mut self,
+        comm: &dyn Communicator,
+        mut compressor: Option<&mut Compressor>,
+    ) -> Result<()> {
         let mut first_error = None;
         for unit in std::mem::take(&mut self.grad_ready) {
-            if let Err(e) = self.submit_grad(comm, unit) {
+            if let Err(e) = self.submit_grad(comm, unit, compressor.as_deref_mut()) {
                 first_error.get_or_insert(e);
                 break;
             }
         }
         while let Some((unit, work)) = self.grad_works.pop_front() {
-            if let Err(e) = self.finish_grad(unit, work) {
+            if let Err(e) = self.finish_grad(comm, unit, work, compressor.as_deref_mut()) {
                 first_error.get_or_insert(e);
             }
         }
