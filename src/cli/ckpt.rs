@@ -1,4 +1,5 @@
 //! `stoke ckpt verify DIR`: a full pass over a run's checkpoints (or one checkpoint folder).
+//! `stoke ckpt consolidate DIR --out FILE`: the model of a checkpoint as one safetensors file.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -15,12 +16,50 @@ pub enum CkptCommand {
     /// DIR is a run folder, its `checkpoints/` folder, or one `step-<n>/` folder. Exit 1 when
     /// any checkpoint is damaged (naming the file) or there is none.
     Verify { dir: PathBuf },
+    /// Write a checkpoint's model (every parameter, fp32, by nanoGPT's names, so PyTorch loads it
+    /// with `safetensors.torch.load_file` into nanoGPT's `GPT`) as one safetensors file. DIR is a
+    /// run folder or its `checkpoints/` folder (the latest checkpoint is taken) or one `step-<n>/`
+    /// folder. Every file is verified first. A sharded run's checkpoint is whole already: its
+    /// ranks gather their slices before rank 0 writes it.
+    Consolidate {
+        dir: PathBuf,
+        /// The file to write (replaced atomically).
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 pub fn run(args: CkptArgs) -> anyhow::Result<ExitCode> {
     match args.command {
         CkptCommand::Verify { dir } => verify(&dir),
+        CkptCommand::Consolidate { dir, out } => consolidate(&dir, &out),
     }
+}
+
+fn consolidate(dir: &Path, out: &Path) -> anyhow::Result<ExitCode> {
+    let run_checkpoints = dir.join("checkpoints");
+    let folder = if run_checkpoints.is_dir() { run_checkpoints } else { dir.to_path_buf() };
+    let loaded = if folder.join("manifest.json").is_file() {
+        stoke_ckpt::load_dir(&folder)?
+    } else {
+        let store = stoke_ckpt::CheckpointStore::new(&folder);
+        let step = store.latest()?.ok_or_else(|| anyhow::anyhow!("no checkpoint in {}", folder.display()))?;
+        store.load(step)?
+    };
+    let model = loaded
+        .files
+        .get("model")
+        .ok_or_else(|| anyhow::anyhow!("checkpoint {} has no model file", loaded.path.display()))?;
+    let bytes = stoke_ckpt::write_safetensors(out, model)?;
+    println!(
+        "{}: {} tensors of step {} ({:.1} MB) from {}",
+        out.display(),
+        model.len(),
+        loaded.manifest.step,
+        bytes as f64 / 1e6,
+        loaded.path.display()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 fn verify(dir: &Path) -> anyhow::Result<ExitCode> {

@@ -604,6 +604,22 @@ fn train_inner(
         }
     }
     let mut resume_stats = serde_json::Value::Null;
+    // This rank's compression residuals in the checkpoint (written by a run of the same size).
+    let residuals: Vec<(String, Vec<f32>)> = resume
+        .as_ref()
+        .and_then(|r| r.loaded.files.get("dist"))
+        .map(|tensors| {
+            let suffix = format!("@rank{rank}");
+            tensors
+                .iter()
+                .filter_map(|t| {
+                    let name = t.name.strip_suffix(&suffix)?;
+                    let values = t.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                    Some((name.to_string(), values))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     if let Some(Resume { loaded, load_s, tier, fetch_s }) = resume {
         let start = std::time::Instant::now();
         let position = trainer.restore_loaded(&loaded)?;
@@ -633,7 +649,8 @@ fn train_inner(
             dist.communicator().backend(),
             if dist.config().overlap { "on" } else { "off" }
         );
-        let plan = dist.plan(trainer.model().params())?;
+        let plan = dist.plan(trainer.model().params())?.to_string();
+        dist.load_residual_state(residuals)?;
         if rank == 0 {
             println!("data parallel: {how}; gradients in {plan}");
         }

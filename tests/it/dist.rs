@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::{free_port, losses, run_ok, stoke};
 
 /// A small fp32 model; the global batch is 6 rows (micro_batch x world size).
-const MODEL: &[&str] = &[
+pub(crate) const MODEL: &[&str] = &[
     "model.n_layer=2",
     "model.d_model=64",
     "model.n_head=4",
@@ -25,23 +25,23 @@ const MODEL: &[&str] = &[
     "prof.enabled=false",
 ];
 
-fn overrides(run_dir: &Path, name: &str, extra: &[&str]) -> Vec<String> {
+pub(crate) fn overrides(run_dir: &Path, name: &str, extra: &[&str]) -> Vec<String> {
     let mut v: Vec<String> = MODEL.iter().chain(extra).map(|s| s.to_string()).collect();
     v.push(format!("run.dir={}", run_dir.display()));
     v.push(format!("run.name={name}"));
     v
 }
 
-fn refs(v: &[String]) -> Vec<&str> {
+pub(crate) fn refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
 
 /// Buckets small enough that the model above has several (its gradients are about 0.5 MiB).
-const SMALL_BUCKETS: &[&str] = &["dist.first_bucket_mb=0.03", "dist.bucket_mb=0.1"];
+pub(crate) const SMALL_BUCKETS: &[&str] = &["dist.first_bucket_mb=0.03", "dist.bucket_mb=0.1"];
 
 /// One process on the global batch of 6 rows for 20 steps: the trajectory every data-parallel
 /// run of these tests must follow.
-fn reference_losses(dir: &Path) -> Vec<(u64, f64)> {
+pub(crate) fn reference_losses(dir: &Path) -> Vec<(u64, f64)> {
     let one = overrides(dir, "one", &["train.steps=20", "train.micro_batch=6"]);
     run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
     let reference = losses(&dir.join("one"));
@@ -51,7 +51,7 @@ fn reference_losses(dir: &Path) -> Vec<(u64, f64)> {
 
 /// Asserts `run`'s losses equal `reference` within 1e-5 relative at every step, and that rank 0
 /// alone wrote its metrics (with the step's communication time).
-fn assert_same_trajectory(reference: &[(u64, f64)], run: &Path, what: &str, output: &Output) {
+pub(crate) fn assert_same_trajectory(reference: &[(u64, f64)], run: &Path, what: &str, output: &Output) {
     let got = losses(run);
     assert_eq!(
         got.len(),

@@ -14,6 +14,7 @@ mod mirror;
 mod prep;
 mod sched;
 mod train;
+mod zero;
 
 use std::path::Path;
 use std::process::{Command, Output};

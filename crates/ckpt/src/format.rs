@@ -144,6 +144,32 @@ pub(crate) fn write_file(path: &Path, source: &FileSource<'_>) -> Result<(u64, u
     Ok((bytes, crc.finalize()))
 }
 
+/// Writes `tensors` as one safetensors file at `path`: into a temporary file beside it, fsynced,
+/// then renamed over `path` and the folder fsynced, so `path` is either absent, the old file or
+/// the whole new one. Returns its bytes.
+pub fn write_safetensors(path: &Path, tensors: &[TensorRecord]) -> Result<u64, CkptError> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let source = FileSource {
+        stem: "",
+        tensors: tensors
+            .iter()
+            .map(|t| TensorRef { name: &t.name, dtype: t.dtype, shape: &t.shape, data: &t.data })
+            .collect(),
+    };
+    let result = write_file(&tmp, &source).and_then(|(bytes, _)| {
+        std::fs::rename(&tmp, path).map_err(io("rename", path))?;
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(io("fsync", parent))?;
+        }
+        Ok(bytes)
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
 /// Parses a safetensors file's bytes into records, sorted by name.
 pub(crate) fn deserialize(bytes: &[u8]) -> Result<Vec<TensorRecord>, String> {
     let parsed = SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;

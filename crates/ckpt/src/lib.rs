@@ -36,7 +36,7 @@ mod store;
 mod writer;
 
 pub use error::CkptError;
-pub use format::{DType, TensorRecord};
+pub use format::{write_safetensors, DType, TensorRecord};
 pub use mirror::{Mirror, MirrorStats, MirrorStore};
 pub use store::{
     load_dir, steps_to_delete, steps_to_delete_protecting, verify_dir, CheckpointStore, FileEntry, Loaded, Manifest,

@@ -502,6 +502,36 @@ impl StepHooks for DataParallel {
         }
     }
 
+    fn checkpoint_extras(&mut self) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
+        if self.compressor.is_none() {
+            return Ok(Vec::new());
+        }
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let own = self.residual_state();
+        let encode = |state: &[(String, Vec<f32>)]| serde_json::to_vec(state).expect("residuals serialize");
+        if rank != 0 {
+            let bytes = encode(&own);
+            self.comm
+                .send(&(bytes.len() as u64).to_le_bytes(), 0)
+                .and_then(|()| self.comm.send(&bytes, 0))
+                .map_err(|e| self.error("send compression residuals", e))?;
+            return Ok(Vec::new());
+        }
+        let mut all: Vec<(String, Vec<f32>)> =
+            own.into_iter().map(|(name, values)| (format!("{name}@rank0"), values)).collect();
+        for from in 1..world {
+            let mut len = [0u8; 8];
+            self.comm.recv(&mut len, from).map_err(|e| self.error("receive compression residuals", e))?;
+            let mut bytes = vec![0u8; u64::from_le_bytes(len) as usize];
+            self.comm.recv(&mut bytes, from).map_err(|e| self.error("receive compression residuals", e))?;
+            let state: Vec<(String, Vec<f32>)> = serde_json::from_slice(&bytes).map_err(|e| {
+                TrainError::InvalidConfig { key: "dist.compress", message: format!("rank {from} sent residuals that do not parse: {e}") }
+            })?;
+            all.extend(state.into_iter().map(|(name, values)| (format!("{name}@rank{from}"), values)));
+        }
+        Ok(all)
+    }
+
     fn full_parameters(&mut self, needed: bool) -> Result<(), TrainError> {
         let Some(zero) = self.zero.as_mut().filter(|z| z.stage() >= 3) else { return Ok(()) };
         for unit in 0..zero.n_units() {

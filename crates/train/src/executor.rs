@@ -199,6 +199,13 @@ pub trait StepHooks {
         Ok(None)
     }
 
+    /// Per-rank state a checkpoint must hold besides the model's and the optimizer's (the
+    /// compression residuals), named `<name>@rank<r>`: every rank's on the rank that writes, none
+    /// on the others. Called on every rank at every checkpoint. Collective.
+    fn checkpoint_extras(&mut self) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
+        Ok(Vec::new())
+    }
+
     /// Whether the run stops after this step, from this process's view (`local`: a stop signal
     /// arrived). Called after every step on every rank alike; data-parallel ranks must agree, or
     /// the rank that stopped would leave the others waiting in their next reduction.

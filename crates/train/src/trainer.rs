@@ -774,6 +774,7 @@ impl Trainer {
             let at_end = (step_number == self.train.steps || early_stopped) && self.ckpt.at_end;
             let best_eval = eval.as_ref().is_some_and(|e| e.best) && self.eval_keeps_best();
             let checkpoint_now = due || at_end || interrupted || best_eval;
+            let extras = if checkpoint_now { hooks.checkpoint_extras()? } else { Vec::new() };
             // A sharded run gathers its whole state on every rank (collective), for the rank
             // that writes; the checkpoint is the same as an unsharded run's.
             let whole_state = if checkpoint_now && self.sharded {
@@ -790,6 +791,10 @@ impl Trainer {
                 // Blocks only while every host buffer is still being written (back-pressure).
                 let mut snapshot = target.writer.begin(self.step)?;
                 self.snapshot_into(&mut snapshot, &target.meta, source.position(), whole_state.as_deref());
+                for (name, values) in &extras {
+                    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    snapshot.tensor("dist", name, DType::F32, &[values.len()]).copy_from_slice(&bytes);
+                }
                 target.writer.submit(snapshot)?;
                 if best_eval {
                     target.writer.protect(Some(self.step));
