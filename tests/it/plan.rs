@@ -1,0 +1,54 @@
+//! `stoke plan --zero-table`: the model-state formula the trainer's report uses, for the units the
+//! trainer really lays out, printed per rank and stage; and Figure 1 of the ZeRO paper.
+
+use serde_json::Value;
+use stoke_plan::{model_units, zero_rank_bytes, ModelConfig, ZeroInFlight, ZeroStage};
+use stoke_train::{AttentionPrecision, Gpt, GptShape, Precision};
+use tch::Device;
+
+use crate::{run_ok, stoke};
+
+#[test]
+fn the_planners_units_are_the_trainers() {
+    for (n_layer, d_model, n_head, seq_len, vocab_size) in [(4, 256, 4, 128, 256), (2, 64, 2, 32, 300), (3, 48, 3, 17, 61)]
+    {
+        let shape = GptShape { n_layer, n_head, d_model, seq_len, vocab_size };
+        let model = Gpt::new(shape, Precision::Fp32, AttentionPrecision::Fp32, Device::Cpu);
+        let trainer: Vec<u64> = model.params().units().iter().map(|u| (u.range.end - u.range.start) as u64).collect();
+        let planner = model_units(&ModelConfig::gpt(n_layer, d_model, n_head, seq_len, vocab_size));
+        assert_eq!(trainer, planner, "{shape:?}");
+    }
+}
+
+#[test]
+fn zero_table_prints_the_formula_for_every_rank_and_stage() {
+    let args = ["plan", "--zero-table", "--json", "--devices", "3", "--layers", "2", "--hidden", "64", "--heads", "2"];
+    let out = run_ok(&mut stoke(&args, &[]));
+    let table: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
+    let units = model_units(&ModelConfig { n_layer: 2, d_model: 64, n_head: 2, ..ModelConfig::preset("tiny").unwrap() });
+    let in_flight = ZeroInFlight { gradient_units: 2, gathered_units: 2 };
+    let stages = table["stages"].as_array().expect("stages");
+    assert_eq!(stages.len(), 4);
+    for (stage, entry) in ZeroStage::ALL.into_iter().zip(stages) {
+        let ranks = entry["ranks"].as_array().expect("ranks");
+        assert_eq!(ranks.len(), 3);
+        for (rank, printed) in ranks.iter().enumerate() {
+            let expected = zero_rank_bytes(&units, 3, rank, stage, 2, in_flight).unwrap();
+            let between = zero_rank_bytes(&units, 3, rank, stage, 2, ZeroInFlight::NONE).unwrap();
+            assert_eq!(printed["total"].as_u64(), Some(expected.total()), "stage {stage:?} rank {rank}");
+            assert_eq!(printed["optimizer"].as_u64(), Some(expected.optimizer), "stage {stage:?} rank {rank}");
+            assert_eq!(printed["between_steps_total"].as_u64(), Some(between.total()), "stage {stage:?} rank {rank}");
+        }
+    }
+    let bars = table["zero_figure_1"].as_array().expect("zero_figure_1");
+    assert_eq!(bars.len(), 4);
+    assert!(bars.iter().all(|bar| bar["agrees"] == Value::Bool(true)), "{bars:?}");
+
+    let text = run_ok(&mut stoke(&["plan", "--zero-table", "--devices", "2"], &[]));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("Figure 1") && text.contains("31.4 GB") && !text.contains("disagrees"), "{text}");
+
+    let bad = stoke(&["plan", "--zero-table", "--optimizer", "adagrad"], &[]).output().expect("stoke runs");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--optimizer"), "{}", String::from_utf8_lossy(&bad.stderr));
+}
