@@ -85,7 +85,8 @@ def table(runs_path, formula_paths):
     out = []
     for world in worlds:
         base = by.get((world, "zero0"), {})
-        out.append(f"\n{world} processes (median [min, max] over {len(base) or '?'} interleaved pairs; MiB per rank, "
+        n_pairs = max(len(p) for (w, _), p in by.items() if w == world)
+        out.append(f"\n{world} processes (median [min, max] over {n_pairs} interleaved pairs; MiB per rank, "
                    f"the rank with the most):")
         out.append(f"  {'variant':<20} {'peak RSS':>26} {'formula peak':>13} {'report':>9} {'saved vs 0':>26} "
                    f"{'formula saved':>13} {'saved/formula':>13} {'step ms':>26} {'step / zero0':>22}")
