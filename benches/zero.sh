@@ -21,7 +21,8 @@
 # Environment: WORLDS (default "2 4"), STAGES (default "0 1 2 3"), PARTS (default "stoke peer": which
 # halves run), RECOMPUTE (train.recompute, default none), PREFETCH (dist.prefetch_blocks, default 1),
 # GRAD_UNITS (full gradient units in flight at stages 2 and 3 in the formula, default 2), STOKE (the
-# binary, default target/release/stoke).
+# binary, default target/release/stoke), FSDP_FORWARD_PREFETCH=1 (FSDP's forward_prefetch; its default,
+# off, keeps only its backward prefetch).
 # Needs a release build (cargo build --release --bin stoke) and `cargo xtask peers` (torch 2.11.0).
 set -euo pipefail
 # Its own scheduling group at nice -20 when allowed (see benches/dp_scaling.sh).
@@ -64,6 +65,9 @@ common=(--quiet --data "$dir/corpus.txt" --set run.dir="$dir" --set train.steps=
   --set train.micro_batch="$micro_batch" --set data.workers=0 --set ckpt.every=0 --set ckpt.at_end=false
   --set model.n_layer="$layers" --set model.d_model="$width" --set model.n_head="$heads"
   --set train.recompute="$recompute" --set dist.prefetch_blocks="$prefetch")
+# The same host-memory policy on both sides: what stoke's default `train.host_memory = "retain"` sets
+# (stoke_train::retain_env), given to the peer through glibc's environment.
+retain=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_TOP_PAD_=67108864)
 runs="$dir/runs.jsonl"
 : >"$runs"
 for pair in $(seq 1 "$pairs"); do
@@ -78,8 +82,9 @@ for pair in $(seq 1 "$pairs"); do
     fi
     if [[ " $parts " == *" peer "* ]]; then
       for sharding in full_shard shard_grad_op; do
-        (cd benches/peers && "../../$py" fsdp_gpt.py --data "../../$dir/corpus.txt" --nproc "$world" --steps "$steps" \
-          --micro-batch "$micro_batch" --n-layer "$layers" --d-model "$width" --n-head "$heads" --sharding "$sharding") |
+        (cd benches/peers && env "${retain[@]}" "../../$py" fsdp_gpt.py --data "../../$dir/corpus.txt" --nproc "$world" --steps "$steps" \
+          --micro-batch "$micro_batch" --n-layer "$layers" --d-model "$width" --n-head "$heads" --sharding "$sharding" \
+          ${FSDP_FORWARD_PREFETCH:+--forward-prefetch}) |
           python3 benches/zero_report.py peer "$world" "$sharding" "$pair" | tee -a "$runs" |
           python3 -c "import json,sys; d=json.loads(sys.stdin.read()); print(f'pair {d[\"pair\"]}: {d[\"variant\"]} x{d[\"world\"]}: {d[\"step_ms\"]:.1f} ms, peak RSS', [r['peak_rss_bytes'] >> 20 for r in d['ranks']], 'MiB')" >&2
       done

@@ -196,6 +196,7 @@ def main():
             "n_params": n_params,
             "fsdp_units": n_units,
             "forward_prefetch": args.forward_prefetch,
+            "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
             "steps": args.steps,
             **figures,
             "warmup_s": warmup_s,
