@@ -50,9 +50,9 @@ rm -rf "$dir" && mkdir -p "$dir"
 echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg); cores: $(nproc); $(grep MemTotal /proc/meminfo)"
 "$stoke" bench limits --dir "$dir/limits" | grep -E "matmul|memcpy"
 
-# The formula, per world: gathered units alive at once at stage 3 are 1 + prefetch when blocks are
-# recomputed, else every unit (the blocks, the embedding and the head).
-if [ "$recompute" = block ]; then gathered=$((1 + prefetch)); else gathered=$((layers + 2)); fi
+# The formula, per world: at stage 3 the embedding (the tied head's weights) and 1 + prefetch more units
+# are gathered at once.
+gathered=$((1 + prefetch))
 formulas=()
 for world in $worlds; do
   "$stoke" plan --zero-table --json --model tiny --layers "$layers" --hidden "$width" --heads "$heads" \

@@ -10,14 +10,15 @@ import json
 import statistics
 import sys
 
-# report.json: the per-rank list, and in each rank's entry its model-state bytes (the trainer's call of
-# stoke_plan::zero_rank_bytes: parameters, gradients, optimizer, comm_buffers), its measured peak resident
-# set and its median step time.
-RANKS = ("ranks", "ranks")
+# report.json: per rank, its model-state bytes (the trainer's formula: parameters, gradients, optimizer,
+# comm_buffers) and its measured peak resident set in one list; its step time in the ranks' summaries.
+MEMORY = ("ranks", "memory")
+SUMMARIES = ("ranks", "ranks")
 RANK_ID = "rank"
-MEMORY = "memory"
+STAGE = "zero"
 CATEGORIES = ("parameters", "gradients", "optimizer", "comm_buffers")
 PEAK_RSS = "peak_rss_bytes"
+RSS_START = "rss_start_bytes"
 STEP_MS = "step_ms"
 
 MIB = 1024 * 1024
@@ -34,19 +35,26 @@ def dig(obj, path, where):
 def stoke_line(path, world, stage, pair):
     with open(path) as f:
         report = json.load(f)
+    steps = {entry[RANK_ID]: entry[STEP_MS] for entry in dig(report, SUMMARIES, path)}
     ranks = []
-    for entry in dig(report, RANKS, path):
-        memory = dig(entry, (MEMORY,), f"{path} rank {entry.get(RANK_ID)}")
+    for entry in dig(report, MEMORY, path):
+        where = f"{path} {'.'.join(MEMORY)} rank {entry.get(RANK_ID)}"
+        if dig(entry, (STAGE,), where) != stage:
+            sys.exit(f"zero_report: {where} ran ZeRO stage {entry[STAGE]}, expected {stage}")
+        peak = dig(entry, (PEAK_RSS,), where)
+        if peak is None:
+            sys.exit(f"zero_report: {where} has no measured {PEAK_RSS} (/proc/self/clear_refs unavailable?)")
         ranks.append({
             "rank": entry[RANK_ID],
-            "peak_rss_bytes": dig(entry, (PEAK_RSS,), f"{path} rank {entry.get(RANK_ID)}"),
-            "memory": {c: dig(memory, (c,), f"{path} rank {entry[RANK_ID]} {MEMORY}") for c in CATEGORIES},
-            "step_ms": entry[STEP_MS],
+            "peak_rss_bytes": peak,
+            "rss_start_bytes": entry.get(RSS_START),
+            "memory": {c: dig(entry, (c,), where) for c in CATEGORIES},
+            "step_ms": steps.get(entry[RANK_ID]),
         })
     if len(ranks) != world:
-        sys.exit(f"zero_report: {path} reports {len(ranks)} ranks, expected {world}")
+        sys.exit(f"zero_report: {path} reports the memory of {len(ranks)} ranks, expected {world}")
     return {"kind": "stoke", "world": world, "variant": f"zero{stage}", "stage": stage, "pair": pair,
-            "step_ms": max(r["step_ms"] for r in ranks), "ranks": ranks}
+            "step_ms": max(steps.values()), "ranks": ranks}
 
 
 def peer_line(text, world, sharding, pair):

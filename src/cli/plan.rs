@@ -119,8 +119,8 @@ pub struct PlanArgs {
     /// and whose reduce-scatter has not finished).
     #[arg(long, default_value_t = 2)]
     pub zero_gradient_units: usize,
-    /// With --zero-table: gathered parameter units alive at once at stage 3 (1 + dist.prefetch_blocks
-    /// when blocks are recomputed, else every unit: the blocks plus 2).
+    /// With --zero-table: gathered parameter units alive at once at stage 3 besides the embedding (whose
+    /// weights the tied head reads): 1 + dist.prefetch_blocks.
     #[arg(long, default_value_t = 2)]
     pub zero_gathered_units: usize,
 }
@@ -449,7 +449,7 @@ fn run_zero_table(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     )?;
     writeln!(
         out,
-        "in flight at the peak: {} full gradient units (stages 2, 3), {} gathered units (stage 3)",
+        "in flight at the peak: {} full gradient units (stages 2, 3), the embedding and {} more gathered units (stage 3)",
         in_flight.gradient_units, in_flight.gathered_units
     )?;
     let header = ["stage", "rank", "parameters", "gradients", "optimizer", "comm", "peak", "between steps", "paper (fp32)"];

@@ -13,13 +13,17 @@
 //! | 0     | 4P                | 4P                | 4kP                                          |
 //! | 1     | 4P                | 4P                | 4k·S_r + 4S_r (parameter shard) + 4S_r (gradient shard) |
 //! | 2     | 4P                | 4S_r + 4G         | 4k·S_r + 4S_r (parameter shard)              |
-//! | 3     | 4S_r + 4A         | 4S_r + 4G         | 4k·S_r + 4S_r (parameter shard)              |
+//! | 3     | 4S_r + 4A         | 4S_r + 4G         | 4k·S_r                                       |
 //!
-//! G is the largest sum of `gradient_units` consecutive units (full gradients whose backward has
-//! run and whose reduce-scatter has not finished), A the largest sum of `gathered_units`
-//! consecutive units (all-gathered parameters alive at once: units run in order, forward then
-//! backward in reverse, so the units held together are always neighbours). Communication buffers
-//! beyond the in-place gradient buckets: none (0 bytes) at every stage.
+//! At stage 1 the optimizer updates fp32 slices copied out of the model's buffers (then copied back
+//! and all-gathered); at stage 2 the gradient slice is the reduce-scatter's result, the parameter
+//! slice still a copy; at stage 3 the shard is where the parameters live. G is the largest sum of
+//! `gradient_units` consecutive units (full gradients whose backward has run and whose
+//! reduce-scatter has not finished; their pages are given back after it). A is what stage 3 holds
+//! gathered at once: the embedding (unit 0, whose weights the tied head reads, kept from its
+//! forward to its backward) plus the largest sum of `gathered_units` consecutive other units (the
+//! one running and the ones prefetched, 1 + `dist.prefetch_blocks`). Communication buffers beyond
+//! the in-place gradient buckets: none (0 bytes) at every stage.
 //!
 //! With AdamW (k = 2) stage 1 holds 8P + 16·S_r, as much as stage 0 on 2 ranks; it saves from 3
 //! ranks on. Compare Rajbhandari et al. (2020)'s model states ([`crate::model_states`]): their stage 1 keeps
@@ -60,9 +64,9 @@ pub struct ZeroInFlight {
     /// Full gradients alive at once (stages 2 and 3): units whose backward has run and whose
     /// reduce-scatter has not completed.
     pub gradient_units: usize,
-    /// Gathered parameters alive at once (stage 3): 1 + `dist.prefetch_blocks` when blocks are
-    /// recomputed, else every unit (a unit's parameters stay alive from its forward to its
-    /// backward).
+    /// Gathered parameter units alive at once besides the embedding (stage 3): the one running
+    /// and the prefetched ones, 1 + `dist.prefetch_blocks`. Zero: nothing gathered, the embedding
+    /// included.
     pub gathered_units: usize,
 }
 
@@ -131,14 +135,19 @@ pub fn zero_rank_bytes(
     let full: u64 = units.iter().sum();
     let shard = shard_elements(units, world, rank);
     let gradients_in_flight = largest_window(units, in_flight.gradient_units);
-    let gathered = largest_window(units, in_flight.gathered_units);
+    let gathered = match units.split_first() {
+        Some((embedding, others)) if in_flight.gathered_units > 0 => {
+            embedding + largest_window(others, in_flight.gathered_units)
+        }
+        _ => 0,
+    };
     let moments = optimizer_buffers * shard;
     // Elements of each category; the one place the stages differ.
     let (parameters, gradients, optimizer) = match stage {
         ZeroStage::None => (full, full, optimizer_buffers * full),
         ZeroStage::Optimizer => (full, full, moments + shard + shard),
         ZeroStage::Gradients => (full, shard + gradients_in_flight, moments + shard),
-        ZeroStage::Parameters => (shard + gathered, shard + gradients_in_flight, moments + shard),
+        ZeroStage::Parameters => (shard + gathered, shard + gradients_in_flight, moments),
     };
     let comm_buffers = 0;
     Ok(RankBytes {
@@ -211,12 +220,14 @@ mod tests {
     fn each_stage_by_hand() {
         let in_flight = ZeroInFlight { gradient_units: 1, gathered_units: 2 };
         let bytes = |stage| zero_rank_bytes(&UNITS, 3, 2, stage, 2, in_flight).unwrap();
-        // P = 22, S_2 = 9, one gradient unit = 10, two gathered units = 17.
+        // P = 22, S_2 = 9, one gradient unit = 10; gathered: the embedding (10) and two more (7 + 5).
         let expect = |p: u64, g: u64, o: u64| RankBytes { parameters: 4 * p, gradients: 4 * g, optimizer: 4 * o, comm_buffers: 0 };
         assert_eq!(bytes(ZeroStage::None), expect(22, 22, 44));
         assert_eq!(bytes(ZeroStage::Optimizer), expect(22, 22, 18 + 9 + 9));
         assert_eq!(bytes(ZeroStage::Gradients), expect(22, 9 + 10, 18 + 9));
-        assert_eq!(bytes(ZeroStage::Parameters), expect(9 + 17, 9 + 10, 18 + 9));
+        assert_eq!(bytes(ZeroStage::Parameters), expect(9 + 22, 9 + 10, 18));
+        let one = zero_rank_bytes(&[1, 9, 1, 8, 8], 1, 0, ZeroStage::Parameters, 2, ZeroInFlight { gradient_units: 0, gathered_units: 1 });
+        assert_eq!(one.unwrap().parameters, 4 * (27 + 1 + 9), "the embedding and the largest other unit");
     }
 
     #[test]
@@ -241,7 +252,8 @@ mod tests {
                 let extra = match stage {
                     ZeroStage::None => 0,
                     ZeroStage::Optimizer => 8 * shard,
-                    ZeroStage::Gradients | ZeroStage::Parameters => 4 * shard,
+                    ZeroStage::Gradients => 4 * shard,
+                    ZeroStage::Parameters => 0,
                 };
                 assert_eq!(ours, paper + extra, "{stage:?} on {world}");
             }
