@@ -64,10 +64,18 @@ done
 common=(--quiet --data "$dir/corpus.txt" --set run.dir="$dir" --set train.steps="$steps" --set train.threads=1
   --set train.micro_batch="$micro_batch" --set data.workers=0 --set ckpt.every=0 --set ckpt.at_end=false
   --set model.n_layer="$layers" --set model.d_model="$width" --set model.n_head="$heads"
-  --set train.recompute="$recompute" --set dist.prefetch_blocks="$prefetch")
+  --set train.recompute="$recompute" --set dist.prefetch_blocks="$prefetch" --set prof.prometheus=false
+  --set train.monitor_every=0)
+# train.monitor_every=0: the per-block monitors copy the parameters (on unsharded runs only), which
+# would add to stage 0's peak and step alone.
 # The same host-memory policy on both sides: what stoke's default `train.host_memory = "retain"` sets
 # (stoke_train::retain_env), given to the peer through glibc's environment.
 retain=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_TOP_PAD_=67108864)
+fsdp() { # world sharding -> the peer's JSON line
+  (cd benches/peers && timeout 900 env "${retain[@]}" "../../$py" fsdp_gpt.py --data "../../$dir/corpus.txt" --nproc "$1" \
+    --steps "$steps" --micro-batch "$micro_batch" --n-layer "$layers" --d-model "$width" --n-head "$heads" \
+    --sharding "$2" ${FSDP_FORWARD_PREFETCH:+--forward-prefetch})
+}
 runs="$dir/runs.jsonl"
 : >"$runs"
 for pair in $(seq 1 "$pairs"); do
@@ -82,10 +90,11 @@ for pair in $(seq 1 "$pairs"); do
     fi
     if [[ " $parts " == *" peer "* ]]; then
       for sharding in full_shard shard_grad_op; do
-        (cd benches/peers && env "${retain[@]}" "../../$py" fsdp_gpt.py --data "../../$dir/corpus.txt" --nproc "$world" --steps "$steps" \
-          --micro-batch "$micro_batch" --n-layer "$layers" --d-model "$width" --n-head "$heads" --sharding "$sharding" \
-          ${FSDP_FORWARD_PREFETCH:+--forward-prefetch}) |
-          python3 benches/zero_report.py peer "$world" "$sharding" "$pair" | tee -a "$runs" |
+        line=$(fsdp "$world" "$sharding") || {
+          echo "zero: the FSDP peer ($sharding, $world processes) failed; running it once more" >&2
+          line=$(fsdp "$world" "$sharding")
+        }
+        python3 benches/zero_report.py peer "$world" "$sharding" "$pair" <<<"$line" | tee -a "$runs" |
           python3 -c "import json,sys; d=json.loads(sys.stdin.read()); print(f'pair {d[\"pair\"]}: {d[\"variant\"]} x{d[\"world\"]}: {d[\"step_ms\"]:.1f} ms, peak RSS', [r['peak_rss_bytes'] >> 20 for r in d['ranks']], 'MiB')" >&2
       done
     fi

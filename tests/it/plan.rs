@@ -52,3 +52,38 @@ fn zero_table_prints_the_formula_for_every_rank_and_stage() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--optimizer"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
+
+#[test]
+fn report_json_memory_is_the_formula_at_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    // SMALL's shape: 2 blocks of width 64, 32 tokens, the tiny preset's 256-token vocabulary.
+    let units = model_units(&ModelConfig::gpt(2, 64, 2, 32, 256));
+    for (nproc, stage) in [(2, ZeroStage::None), (2, ZeroStage::Optimizer), (3, ZeroStage::Gradients), (3, ZeroStage::Parameters)] {
+        let name = format!("zero{}-{nproc}", stage.number());
+        let mut overrides: Vec<String> = crate::SMALL.iter().map(|s| s.to_string()).collect();
+        overrides.extend([
+            format!("run.dir={}", dir.path().display()),
+            format!("run.name={name}"),
+            "train.steps=3".into(),
+            "prof.prometheus=false".into(),
+            "ckpt.at_end=false".into(),
+            format!("dist.zero={}", stage.number()),
+        ]);
+        let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+        run_ok(&mut stoke(&["launch", "--nproc", &nproc.to_string(), "--", "train", "--quiet"], &refs));
+        let text = std::fs::read_to_string(dir.path().join(&name).join("report.json")).expect("report.json");
+        let report: Value = serde_json::from_str(&text).expect("report.json is JSON");
+        let memory = report["ranks"]["memory"].as_array().unwrap_or_else(|| panic!("{name}: no ranks.memory"));
+        assert_eq!(memory.len(), nproc, "{name}: {memory:?}");
+        for entry in memory {
+            let rank = entry["rank"].as_u64().expect("rank") as usize;
+            let expected = zero_rank_bytes(&units, nproc, rank, stage, 2, ZeroInFlight::NONE).unwrap();
+            let got = [entry["parameters"].as_u64(), entry["gradients"].as_u64(), entry["optimizer"].as_u64(), entry["comm_buffers"].as_u64()];
+            let want = [expected.parameters, expected.gradients, expected.optimizer, expected.comm_buffers].map(Some);
+            assert_eq!(got, want, "{name} rank {rank}: report.json against zero_rank_bytes");
+            assert_eq!(entry["zero"].as_u64(), Some(stage.number() as u64), "{name} rank {rank}");
+            let (start, peak) = (entry["rss_start_bytes"].as_u64(), entry["peak_rss_bytes"].as_u64());
+            assert!(peak.is_some() && peak >= start, "{name} rank {rank}: measured peak {peak:?} from {start:?}");
+        }
+    }
+}
