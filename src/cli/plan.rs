@@ -395,13 +395,13 @@ fn run_zero_table(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         .ok_or_else(|| usage(format!("--optimizer must be adamw, lamb or sgd; got {:?}", args.optimizer)))?;
     let units = model_units(&model);
     let n_params: u64 = units.iter().sum();
-    let in_flight =
-        ZeroInFlight { gradient_units: args.zero_gradient_units, gathered_units: args.zero_gathered_units };
+    let in_flight = ZeroInFlight { gradient_units: args.zero_gradient_units, gathered_units: args.zero_gathered_units };
     let mut stages = Vec::new();
     for stage in ZeroStage::ALL {
         let mut ranks = Vec::new();
         for rank in 0..world {
-            let peak = zero_rank_bytes(&units, world, rank, stage, optimizer_buffers, in_flight).map_err(usage_if_config)?;
+            let peak =
+                zero_rank_bytes(&units, world, rank, stage, optimizer_buffers, in_flight).map_err(usage_if_config)?;
             let between_steps = zero_rank_bytes(&units, world, rank, stage, optimizer_buffers, ZeroInFlight::NONE)
                 .map_err(usage_if_config)?;
             ranks.push((rank, peak, between_steps));
@@ -452,7 +452,8 @@ fn run_zero_table(args: &PlanArgs) -> anyhow::Result<ExitCode> {
         "in flight at the peak: {} full gradient units (stages 2, 3), the embedding and {} more gathered units (stage 3)",
         in_flight.gradient_units, in_flight.gathered_units
     )?;
-    let header = ["stage", "rank", "parameters", "gradients", "optimizer", "comm", "peak", "between steps", "paper (fp32)"];
+    let header =
+        ["stage", "rank", "parameters", "gradients", "optimizer", "comm", "peak", "between steps", "paper (fp32)"];
     let mut rows = vec![header.map(String::from)];
     for (stage, ranks) in &stages {
         // The paper's fp32 model states with K = 4 bytes per state buffer (its Fp32 K counts AdamW's two).

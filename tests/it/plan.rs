@@ -10,7 +10,8 @@ use crate::{run_ok, stoke};
 
 #[test]
 fn the_planners_units_are_the_trainers() {
-    for (n_layer, d_model, n_head, seq_len, vocab_size) in [(4, 256, 4, 128, 256), (2, 64, 2, 32, 300), (3, 48, 3, 17, 61)]
+    for (n_layer, d_model, n_head, seq_len, vocab_size) in
+        [(4, 256, 4, 128, 256), (2, 64, 2, 32, 300), (3, 48, 3, 17, 61)]
     {
         let shape = GptShape { n_layer, n_head, d_model, seq_len, vocab_size };
         let model = Gpt::new(shape, Precision::Fp32, AttentionPrecision::Fp32, Device::Cpu);
@@ -25,7 +26,8 @@ fn zero_table_prints_the_formula_for_every_rank_and_stage() {
     let args = ["plan", "--zero-table", "--json", "--devices", "3", "--layers", "2", "--hidden", "64", "--heads", "2"];
     let out = run_ok(&mut stoke(&args, &[]));
     let table: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
-    let units = model_units(&ModelConfig { n_layer: 2, d_model: 64, n_head: 2, ..ModelConfig::preset("tiny").unwrap() });
+    let units =
+        model_units(&ModelConfig { n_layer: 2, d_model: 64, n_head: 2, ..ModelConfig::preset("tiny").unwrap() });
     let in_flight = ZeroInFlight { gradient_units: 2, gathered_units: 2 };
     let stages = table["stages"].as_array().expect("stages");
     assert_eq!(stages.len(), 4);
@@ -58,7 +60,9 @@ fn report_json_memory_is_the_formula_at_every_stage() {
     let dir = tempfile::tempdir().unwrap();
     // SMALL's shape: 2 blocks of width 64, 32 tokens, the tiny preset's 256-token vocabulary.
     let units = model_units(&ModelConfig::gpt(2, 64, 2, 32, 256));
-    for (nproc, stage) in [(2, ZeroStage::None), (2, ZeroStage::Optimizer), (3, ZeroStage::Gradients), (3, ZeroStage::Parameters)] {
+    for (nproc, stage) in
+        [(2, ZeroStage::None), (2, ZeroStage::Optimizer), (3, ZeroStage::Gradients), (3, ZeroStage::Parameters)]
+    {
         let name = format!("zero{}-{nproc}", stage.number());
         let mut overrides: Vec<String> = crate::SMALL.iter().map(|s| s.to_string()).collect();
         overrides.extend([
@@ -78,7 +82,12 @@ fn report_json_memory_is_the_formula_at_every_stage() {
         for entry in memory {
             let rank = entry["rank"].as_u64().expect("rank") as usize;
             let expected = zero_rank_bytes(&units, nproc, rank, stage, 2, ZeroInFlight::NONE).unwrap();
-            let got = [entry["parameters"].as_u64(), entry["gradients"].as_u64(), entry["optimizer"].as_u64(), entry["comm_buffers"].as_u64()];
+            let got = [
+                entry["parameters"].as_u64(),
+                entry["gradients"].as_u64(),
+                entry["optimizer"].as_u64(),
+                entry["comm_buffers"].as_u64(),
+            ];
             let want = [expected.parameters, expected.gradients, expected.optimizer, expected.comm_buffers].map(Some);
             assert_eq!(got, want, "{name} rank {rank}: report.json against zero_rank_bytes");
             assert_eq!(entry["zero"].as_u64(), Some(stage.number() as u64), "{name} rank {rank}");

@@ -221,12 +221,24 @@ mod tests {
         let in_flight = ZeroInFlight { gradient_units: 1, gathered_units: 2 };
         let bytes = |stage| zero_rank_bytes(&UNITS, 3, 2, stage, 2, in_flight).unwrap();
         // P = 22, S_2 = 9, one gradient unit = 10; gathered: the embedding (10) and two more (7 + 5).
-        let expect = |p: u64, g: u64, o: u64| RankBytes { parameters: 4 * p, gradients: 4 * g, optimizer: 4 * o, comm_buffers: 0 };
+        let expect = |p: u64, g: u64, o: u64| RankBytes {
+            parameters: 4 * p,
+            gradients: 4 * g,
+            optimizer: 4 * o,
+            comm_buffers: 0,
+        };
         assert_eq!(bytes(ZeroStage::None), expect(22, 22, 44));
         assert_eq!(bytes(ZeroStage::Optimizer), expect(22, 22, 18 + 9 + 9));
         assert_eq!(bytes(ZeroStage::Gradients), expect(22, 9 + 10, 18 + 9));
         assert_eq!(bytes(ZeroStage::Parameters), expect(9 + 22, 9 + 10, 18));
-        let one = zero_rank_bytes(&[1, 9, 1, 8, 8], 1, 0, ZeroStage::Parameters, 2, ZeroInFlight { gradient_units: 0, gathered_units: 1 });
+        let one = zero_rank_bytes(
+            &[1, 9, 1, 8, 8],
+            1,
+            0,
+            ZeroStage::Parameters,
+            2,
+            ZeroInFlight { gradient_units: 0, gathered_units: 1 },
+        );
         assert_eq!(one.unwrap().parameters, 4 * (27 + 1 + 9), "the embedding and the largest other unit");
     }
 
