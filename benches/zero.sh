@@ -24,6 +24,18 @@
 # binary, default target/release/stoke), FSDP_FORWARD_PREFETCH=1 (FSDP's forward_prefetch; its default,
 # off, keeps only its backward prefetch).
 # Needs a release build (cargo build --release --bin stoke) and `cargo xtask peers` (torch 2.11.0).
+#
+# Result on the development machine (2026-11-30, code of commit f16b093, a dev build: STOKE=target/debug/stoke,
+# 20 steps, 3 pairs, load average 5-17 from other jobs; median per-rank peak RSS, the rank with the most):
+#   2 processes: zero0 917 MiB, zero1 915, zero2 803, zero3 926; saved against zero0, measured / formula:
+#     zero1 0.3 / 0 MiB (stage 1 saves nothing on 2 ranks: 8P of moments become 16·S_r of slices),
+#     zero2 114 / 121 (0.94), zero3 -10 / 241; step time over zero0: 0.94, 1.30, 1.57.
+#     FSDP FULL_SHARD 1536 MiB, 636 ms (1.54x stoke's zero0); SHARD_GRAD_OP 1692 MiB, 542 ms (1.33x).
+#   4 processes: zero0 913 MiB, zero1 766, zero2 664, zero3 784; saved, measured / formula: zero1 147 / 145
+#     (1.01), zero2 247 / 266 (0.93), zero3 129 / 386 (0.33); step time over zero0: 0.87, 1.09, 1.53.
+#     FSDP FULL_SHARD 1463 MiB, 1524 ms (1.86x); SHARD_GRAD_OP 1587 MiB, 1149 ms (1.42x).
+#   Stage 3 keeps about 250 MiB the formula does not have (about two parameter-sized buffers: before its
+#   first step its resident set is stage 0's, 716 MiB against stage 2's 569).
 set -euo pipefail
 # Its own scheduling group at nice -20 when allowed (see benches/dp_scaling.sh).
 if [ -z "${ZERO_SETSID:-}" ] && command -v setsid >/dev/null; then
