@@ -21,7 +21,8 @@
 # Environment: WORLDS (default "2 4"), STAGES (default "0 1 2 3"), PARTS (default "stoke peer": which
 # halves run), RECOMPUTE (train.recompute, default none), PREFETCH (dist.prefetch_blocks, default 1),
 # GRAD_UNITS (full gradient units in flight at stages 2 and 3 in the formula, default 2), STOKE (the
-# binary, default target/release/stoke), FSDP_FORWARD_PREFETCH=1 (FSDP's forward_prefetch; its default,
+# binary, default target/release/stoke), SLICES (the formula's optimizer slices: mapped, what the fused CPU
+# optimizer does, the default; or copied), FSDP_FORWARD_PREFETCH=1 (FSDP's forward_prefetch; its default,
 # off, keeps only its backward prefetch).
 # Needs a release build (cargo build --release --bin stoke) and `cargo xtask peers` (torch 2.11.0).
 #
@@ -51,6 +52,7 @@ parts=${PARTS:-"stoke peer"}
 recompute=${RECOMPUTE:-none}
 prefetch=${PREFETCH:-1}
 grad_units=${GRAD_UNITS:-2}
+slices=${SLICES:-mapped}
 py=.stoke/venv/bin/python
 stoke=${STOKE:-target/release/stoke}
 layers=12 width=512 heads=8 micro_batch=2
@@ -68,7 +70,8 @@ gathered=$((1 + prefetch))
 formulas=()
 for world in $worlds; do
   "$stoke" plan --zero-table --json --model tiny --layers "$layers" --hidden "$width" --heads "$heads" \
-    --devices "$world" --optimizer adamw --zero-gradient-units "$grad_units" --zero-gathered-units "$gathered" \
+    --devices "$world" --optimizer adamw --zero-slices "$slices" --zero-gradient-units "$grad_units" \
+    --zero-gathered-units "$gathered" \
     >"$dir/formula-$world.json"
   formulas+=("$dir/formula-$world.json")
 done

@@ -11,7 +11,7 @@ use clap::Args;
 use stoke_plan::{
     calibrate, compare, merge_repeats, model_states, model_units, optimizer_state_buffers, render_table, search,
     zero_rank_bytes, ClusterConfig, Efficiency, MeasuredRun, ModelConfig, PlanConfig, PlanError, Precision, Recompute,
-    RunFit, SearchConfig, ZeroInFlight, ZeroStage, ZERO_FIGURE_1, ZERO_FIGURE_1_DEVICES, ZERO_FIGURE_1_PARAMS,
+    RunFit, SearchConfig, Slices, ZeroInFlight, ZeroStage, ZERO_FIGURE_1, ZERO_FIGURE_1_DEVICES, ZERO_FIGURE_1_PARAMS,
 };
 
 use super::UsageError;
@@ -115,6 +115,10 @@ pub struct PlanArgs {
     /// With --zero-table: the optimizer (adamw, lamb, sgd).
     #[arg(long, default_value = "adamw")]
     pub optimizer: String,
+    /// With --zero-table: where the optimizer's slices live: mapped (views of the model's buffers, what
+    /// the fused CPU optimizer does) or copied.
+    #[arg(long, default_value = "mapped")]
+    pub zero_slices: String,
     /// With --zero-table: full gradients alive at once at stages 2 and 3 (units whose backward has run
     /// and whose reduce-scatter has not finished).
     #[arg(long, default_value_t = 2)]
@@ -393,6 +397,8 @@ fn run_zero_table(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     let world = args.devices;
     let optimizer_buffers = optimizer_state_buffers(&args.optimizer)
         .ok_or_else(|| usage(format!("--optimizer must be adamw, lamb or sgd; got {:?}", args.optimizer)))?;
+    let slices = Slices::parse(&args.zero_slices)
+        .ok_or_else(|| usage(format!("--zero-slices must be mapped or copied; got {:?}", args.zero_slices)))?;
     let units = model_units(&model);
     let n_params: u64 = units.iter().sum();
     let in_flight = ZeroInFlight { gradient_units: args.zero_gradient_units, gathered_units: args.zero_gathered_units };
@@ -400,10 +406,11 @@ fn run_zero_table(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     for stage in ZeroStage::ALL {
         let mut ranks = Vec::new();
         for rank in 0..world {
-            let peak =
-                zero_rank_bytes(&units, world, rank, stage, optimizer_buffers, in_flight).map_err(usage_if_config)?;
-            let between_steps = zero_rank_bytes(&units, world, rank, stage, optimizer_buffers, ZeroInFlight::NONE)
+            let peak = zero_rank_bytes(&units, world, rank, stage, optimizer_buffers, slices, in_flight)
                 .map_err(usage_if_config)?;
+            let between_steps =
+                zero_rank_bytes(&units, world, rank, stage, optimizer_buffers, slices, ZeroInFlight::NONE)
+                    .map_err(usage_if_config)?;
             ranks.push((rank, peak, between_steps));
         }
         stages.push((stage, ranks));
@@ -415,6 +422,7 @@ fn run_zero_table(args: &PlanArgs) -> anyhow::Result<ExitCode> {
             "world": world,
             "optimizer": args.optimizer,
             "optimizer_buffers": optimizer_buffers,
+            "slices": slices,
             "in_flight": in_flight,
             "units": units,
             "n_params": n_params,
@@ -449,8 +457,8 @@ fn run_zero_table(args: &PlanArgs) -> anyhow::Result<ExitCode> {
     )?;
     writeln!(
         out,
-        "in flight at the peak: {} full gradient units (stages 2, 3), the embedding and {} more gathered units (stage 3)",
-        in_flight.gradient_units, in_flight.gathered_units
+        "optimizer slices {}; in flight at the peak: {} full gradient units (stages 2, 3), the embedding and {} more gathered units (stage 3)",
+        args.zero_slices, in_flight.gradient_units, in_flight.gathered_units
     )?;
     let header =
         ["stage", "rank", "parameters", "gradients", "optimizer", "comm", "peak", "between steps", "paper (fp32)"];

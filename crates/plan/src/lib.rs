@@ -54,5 +54,5 @@ pub use search::{candidate_layouts, evaluate, search, Estimate, PlanConfig, Sear
 pub use time::{hardware_flops_per_step, stage_flops_per_micro_batch, step_time, Link, StepTime};
 pub use zero::{
     largest_window, model_units, optimizer_state_buffers, shard_elements, zero_rank_bytes, PublishedStates, RankBytes,
-    ZeroInFlight, ZERO_FIGURE_1, ZERO_FIGURE_1_DEVICES, ZERO_FIGURE_1_PARAMS,
+    Slices, ZeroInFlight, ZERO_FIGURE_1, ZERO_FIGURE_1_DEVICES, ZERO_FIGURE_1_PARAMS,
 };

@@ -11,24 +11,25 @@
 //! | stage | parameters        | gradients         | optimizer                                    |
 //! |-------|-------------------|-------------------|----------------------------------------------|
 //! | 0     | 4P                | 4P                | 4kP                                          |
-//! | 1     | 4P                | 4P                | 4k·S_r + 4S_r (parameter shard) + 4S_r (gradient shard) |
-//! | 2     | 4P                | 4S_r + 4G         | 4k·S_r + 4S_r (parameter shard)              |
+//! | 1     | 4P                | 4P                | 4k·S_r (+ 8S_r: parameter and gradient slices, copied) |
+//! | 2     | 4P                | 4S_r + 4G         | 4k·S_r (+ 4S_r: parameter slice, copied)     |
 //! | 3     | 4S_r + 4A         | 4S_r + 4G         | 4k·S_r                                       |
 //!
-//! At stage 1 the optimizer updates fp32 slices copied out of the model's buffers (then copied back
-//! and all-gathered); at stage 2 the gradient slice is the reduce-scatter's result, the parameter
-//! slice still a copy; at stage 3 the shard is where the parameters live. G is the largest sum of
-//! `gradient_units` consecutive units (full gradients whose backward has run and whose
-//! reduce-scatter has not finished; their pages are given back after it). A is what stage 3 holds
-//! gathered at once: the embedding (unit 0, whose weights the tied head reads, kept from its
-//! forward to its backward) plus the largest sum of `gathered_units` consecutive other units (the
-//! one running and the ones prefetched, 1 + `dist.prefetch_blocks`). Communication buffers beyond
-//! the in-place gradient buckets: none (0 bytes) at every stage.
+//! The optimizer updates this rank's slices of the model's parameters (and at stage 1 reads its
+//! slices of the gradients): in place when they are views of the model's buffers
+//! ([`Slices::Mapped`], what the fused CPU optimizer does), else fp32 copies updated and copied
+//! back ([`Slices::Copied`]). At stage 2 the gradient shard is the reduce-scatter's result; at
+//! stage 3 the shard is where the parameters live. G is the largest sum of `gradient_units`
+//! consecutive units (full gradients whose backward has run and whose reduce-scatter has not
+//! finished; their pages are given back after it). A is what stage 3 holds gathered at once: the
+//! embedding (unit 0, whose weights the tied head reads, kept from its forward to its backward)
+//! plus the largest sum of `gathered_units` consecutive other units (the one running and the ones
+//! prefetched, 1 + `dist.prefetch_blocks`). Communication buffers beyond the in-place gradient
+//! buckets: none (0 bytes) at every stage.
 //!
-//! With AdamW (k = 2) stage 1 holds 8P + 16·S_r, as much as stage 0 on 2 ranks; it saves from 3
-//! ranks on. Compare Rajbhandari et al. (2020)'s model states ([`crate::model_states`]): their stage 1 keeps
-//! only the optimizer's K·Ψ/N_d, where stoke's stage 1 also keeps an fp32 parameter shard (the
-//! copy the optimizer updates before the all-gather) and the gradient shard it reads.
+//! With mapped slices and nothing in flight this is Rajbhandari et al. (2020)'s fp32 model states
+//! ([`crate::model_states`]) exactly. With copied slices and AdamW (k = 2), stage 1 holds
+//! 8P + 16·S_r, as much as stage 0 on 2 ranks.
 
 use serde::{Deserialize, Serialize};
 
@@ -75,6 +76,27 @@ impl ZeroInFlight {
     pub const NONE: ZeroInFlight = ZeroInFlight { gradient_units: 0, gathered_units: 0 };
 }
 
+/// Where the optimizer's slices of the parameters (and at stage 1 of the gradients) live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Slices {
+    /// Views of the model's buffers, updated in place (no extra bytes).
+    Mapped,
+    /// fp32 copies, updated and copied back.
+    Copied,
+}
+
+impl Slices {
+    /// Parses "mapped" or "copied".
+    pub fn parse(text: &str) -> Option<Slices> {
+        match text {
+            "mapped" => Some(Slices::Mapped),
+            "copied" => Some(Slices::Copied),
+            _ => None,
+        }
+    }
+}
+
 /// State buffers per parameter element of stoke's optimizers ("adamw" and "lamb": two moments;
 /// "sgd": the momentum buffer); `None` for a name stoke does not know.
 pub fn optimizer_state_buffers(optimizer: &str) -> Option<u64> {
@@ -116,14 +138,15 @@ pub fn largest_window(units: &[u64], count: usize) -> u64 {
 
 /// Model-state bytes of rank `rank` of `world` at ZeRO stage `stage`, for a model of `units`
 /// (elements per unit, in layout order) trained by an optimizer with `optimizer_buffers` state
-/// buffers per element (see [`optimizer_state_buffers`]), with `in_flight` whole units on top of
-/// the shards (see the module's table). Errors name the argument out of range.
+/// buffers per element (see [`optimizer_state_buffers`]) over `slices`, with `in_flight` whole
+/// units on top of the shards (see the module's table). Errors name the argument out of range.
 pub fn zero_rank_bytes(
     units: &[u64],
     world: usize,
     rank: usize,
     stage: ZeroStage,
     optimizer_buffers: u64,
+    slices: Slices,
     in_flight: ZeroInFlight,
 ) -> Result<RankBytes, PlanError> {
     if world == 0 {
@@ -142,11 +165,12 @@ pub fn zero_rank_bytes(
         _ => 0,
     };
     let moments = optimizer_buffers * shard;
+    let copied = if slices == Slices::Copied { shard } else { 0 };
     // Elements of each category; the one place the stages differ.
     let (parameters, gradients, optimizer) = match stage {
         ZeroStage::None => (full, full, optimizer_buffers * full),
-        ZeroStage::Optimizer => (full, full, moments + shard + shard),
-        ZeroStage::Gradients => (full, shard + gradients_in_flight, moments + shard),
+        ZeroStage::Optimizer => (full, full, moments + 2 * copied),
+        ZeroStage::Gradients => (full, shard + gradients_in_flight, moments + copied),
         ZeroStage::Parameters => (shard + gathered, shard + gradients_in_flight, moments),
     };
     let comm_buffers = 0;
@@ -219,7 +243,7 @@ mod tests {
     #[test]
     fn each_stage_by_hand() {
         let in_flight = ZeroInFlight { gradient_units: 1, gathered_units: 2 };
-        let bytes = |stage| zero_rank_bytes(&UNITS, 3, 2, stage, 2, in_flight).unwrap();
+        let bytes = |stage, slices| zero_rank_bytes(&UNITS, 3, 2, stage, 2, slices, in_flight).unwrap();
         // P = 22, S_2 = 9, one gradient unit = 10; gathered: the embedding (10) and two more (7 + 5).
         let expect = |p: u64, g: u64, o: u64| RankBytes {
             parameters: 4 * p,
@@ -227,16 +251,19 @@ mod tests {
             optimizer: 4 * o,
             comm_buffers: 0,
         };
-        assert_eq!(bytes(ZeroStage::None), expect(22, 22, 44));
-        assert_eq!(bytes(ZeroStage::Optimizer), expect(22, 22, 18 + 9 + 9));
-        assert_eq!(bytes(ZeroStage::Gradients), expect(22, 9 + 10, 18 + 9));
-        assert_eq!(bytes(ZeroStage::Parameters), expect(9 + 22, 9 + 10, 18));
+        for (slices, copies) in [(Slices::Mapped, 0), (Slices::Copied, 9)] {
+            assert_eq!(bytes(ZeroStage::None, slices), expect(22, 22, 44));
+            assert_eq!(bytes(ZeroStage::Optimizer, slices), expect(22, 22, 18 + 2 * copies));
+            assert_eq!(bytes(ZeroStage::Gradients, slices), expect(22, 9 + 10, 18 + copies));
+            assert_eq!(bytes(ZeroStage::Parameters, slices), expect(9 + 22, 9 + 10, 18));
+        }
         let one = zero_rank_bytes(
             &[1, 9, 1, 8, 8],
             1,
             0,
             ZeroStage::Parameters,
             2,
+            Slices::Mapped,
             ZeroInFlight { gradient_units: 0, gathered_units: 1 },
         );
         assert_eq!(one.unwrap().parameters, 4 * (27 + 1 + 9), "the embedding and the largest other unit");
@@ -244,30 +271,32 @@ mod tests {
 
     #[test]
     fn out_of_range_ranks_are_named() {
-        let err = zero_rank_bytes(&UNITS, 2, 2, ZeroStage::None, 2, ZeroInFlight::NONE).unwrap_err();
+        let err = zero_rank_bytes(&UNITS, 2, 2, ZeroStage::None, 2, Slices::Mapped, ZeroInFlight::NONE).unwrap_err();
         assert!(err.to_string().contains("rank"), "{err}");
-        let err = zero_rank_bytes(&UNITS, 0, 0, ZeroStage::None, 2, ZeroInFlight::NONE).unwrap_err();
+        let err = zero_rank_bytes(&UNITS, 0, 0, ZeroStage::None, 2, Slices::Mapped, ZeroInFlight::NONE).unwrap_err();
         assert!(err.to_string().contains("world"), "{err}");
     }
 
     #[test]
-    fn the_paper_formula_plus_the_documented_copies() {
+    fn the_paper_formula_plus_the_copied_slices() {
         // With every unit divisible by the world, S_r = P / W and the paper's fp32 model states
-        // (4 + 4 + 8)·Ψ differ from stoke's by exactly the extra shards the module lists.
+        // (4 + 4 + 8)·Ψ are stoke's with mapped slices, and differ by the copies with copied ones.
         let units = [64u64, 128, 128, 32];
         let p: u64 = units.iter().sum();
         for world in [1, 2, 4] {
             let shard = p / world as u64;
             for stage in ZeroStage::ALL {
-                let ours = zero_rank_bytes(&units, world, world - 1, stage, 2, ZeroInFlight::NONE).unwrap().total();
+                let total = |slices| {
+                    zero_rank_bytes(&units, world, world - 1, stage, 2, slices, ZeroInFlight::NONE).unwrap().total()
+                };
                 let paper = model_states(p as f64, world, stage, Precision::Fp32).total() as u64;
-                let extra = match stage {
-                    ZeroStage::None => 0,
+                let copies = match stage {
                     ZeroStage::Optimizer => 8 * shard,
                     ZeroStage::Gradients => 4 * shard,
-                    ZeroStage::Parameters => 0,
+                    ZeroStage::None | ZeroStage::Parameters => 0,
                 };
-                assert_eq!(ours, paper + extra, "{stage:?} on {world}");
+                assert_eq!(total(Slices::Mapped), paper, "{stage:?} on {world}");
+                assert_eq!(total(Slices::Copied), paper + copies, "{stage:?} on {world}");
             }
         }
     }
@@ -276,11 +305,17 @@ mod tests {
     fn sharding_saves_more_at_each_stage_between_steps() {
         let units = model_units(&ModelConfig::preset("gpt2-124m").unwrap());
         for world in [2, 3, 4, 8] {
-            let totals = ZeroStage::ALL
-                .map(|stage| zero_rank_bytes(&units, world, 0, stage, 2, ZeroInFlight::NONE).unwrap().total());
-            assert!(totals[1..].windows(2).all(|w| w[1] < w[0]), "world {world}: {totals:?}");
-            // Stage 1 trades 8P of moments for 16·S_r of shards: a saving from 3 ranks on.
-            assert_eq!(totals[1] < totals[0], world > 2, "world {world}: {totals:?}");
+            let totals = |slices| {
+                ZeroStage::ALL.map(|stage| {
+                    zero_rank_bytes(&units, world, 0, stage, 2, slices, ZeroInFlight::NONE).unwrap().total()
+                })
+            };
+            let mapped = totals(Slices::Mapped);
+            assert!(mapped.windows(2).all(|w| w[1] < w[0]), "world {world}: {mapped:?}");
+            let copied = totals(Slices::Copied);
+            assert!(copied[1..].windows(2).all(|w| w[1] < w[0]), "world {world}: {copied:?}");
+            // Copied, stage 1 trades 8P of moments for 16·S_r of slices: a saving from 3 ranks on.
+            assert_eq!(copied[1] < copied[0], world > 2, "world {world}: {copied:?}");
         }
     }
 
