@@ -46,7 +46,7 @@ pub enum Command {
     /// Write the built-in corpus to a file (for peers and other tools).
     Corpus(corpus::CorpusArgs),
     /// Rank parallel layouts by predicted memory and step time, or calibrate on measured runs.
-    Plan(plan::PlanArgs),
+    Plan(Box<plan::PlanArgs>),
     /// Analyze PyTorch profiler (Kineto) traces, or diff two runs (exit 3 on a regression).
     Trace(trace::TraceArgs),
     /// Start N workers on this machine with torchrun's variables (`stoke launch --nproc 2 -- train`).
@@ -69,7 +69,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Config(args) => config::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Corpus(args) => corpus::run(args),
-        Command::Plan(args) => plan::run(args),
+        Command::Plan(args) => plan::run(*args),
         Command::Trace(args) => trace::run(args),
         Command::Prep(args) => prep::run(args),
         Command::Launch(args) => launch::run(args),

@@ -11,6 +11,7 @@ mod dynamics;
 mod elastic;
 mod launch;
 mod mirror;
+mod plan;
 mod prep;
 mod sched;
 mod train;

@@ -35,6 +35,7 @@ mod model;
 mod render;
 mod search;
 mod time;
+mod zero;
 
 pub use calibrate::{
     calibrate, compare, merge_repeats, Calibration, MeasuredRun, ReportMachine, ReportModel, ReportTrain, RunFit,
@@ -51,3 +52,7 @@ pub use model::{LayerActivations, ModelConfig, MODEL_PRESETS};
 pub use render::{format_seconds, render_table};
 pub use search::{candidate_layouts, evaluate, search, Estimate, PlanConfig, SearchConfig, SearchOutcome};
 pub use time::{hardware_flops_per_step, stage_flops_per_micro_batch, step_time, Link, StepTime};
+pub use zero::{
+    largest_window, model_units, optimizer_state_buffers, shard_elements, zero_rank_bytes, PublishedStates, RankBytes,
+    Slices, ZeroInFlight, ZERO_FIGURE_1, ZERO_FIGURE_1_DEVICES, ZERO_FIGURE_1_PARAMS,
+};

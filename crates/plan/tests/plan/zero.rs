@@ -26,3 +26,19 @@ fn one_data_parallel_rank_partitions_nothing() {
         check(7.5e9, 1, zero, 120.0, 0);
     }
 }
+
+#[test]
+fn the_table_stoke_plan_prints_is_figure_1() {
+    let published: Vec<_> = stoke_plan::ZERO_FIGURE_1.iter().map(|bar| (bar.stage, bar.published_gb)).collect();
+    assert_eq!(
+        published,
+        [
+            (ZeroStage::None, 120.0),
+            (ZeroStage::Optimizer, 31.4),
+            (ZeroStage::Gradients, 16.6),
+            (ZeroStage::Parameters, 1.9)
+        ]
+    );
+    assert_eq!((stoke_plan::ZERO_FIGURE_1_PARAMS, stoke_plan::ZERO_FIGURE_1_DEVICES), (7.5e9, 64));
+    assert!(stoke_plan::ZERO_FIGURE_1.iter().all(|bar| bar.agrees()));
+}

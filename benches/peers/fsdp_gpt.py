@@ -1,0 +1,210 @@
+"""PyTorch FSDP peer of `stoke launch --nproc N -- train --set dist.zero=S`: ddp_gpt.py's GPT (train_gpt's
+model with the attention that is fastest here), each of N processes on its own rows of the global batch
+(gloo on loopback, one thread each), under FullyShardedDataParallel with each transformer block its own
+FSDP unit (auto-wrap on the block class; the embedding, final norm and tied head are the root unit).
+
+    --sharding full_shard      parameters, gradients and optimizer state sharded; a block's parameters are
+                               gathered for its forward, freed, and gathered again for its backward (ZeRO 3)
+    --sharding shard_grad_op   gradients and optimizer state sharded; parameters stay gathered from the
+                               forward to the backward (ZeRO 2)
+
+The same tricks as the DDP peer: fused AdamW (decay on matrices, none on vectors, so
+use_orig_params=True), global-norm clipping (FSDP's clip_grad_norm_, an all-reduce of the shards'
+norms), bf16 autocast with fp32 parameters. Memory per rank: the peak resident set (VmHWM from
+/proc/self/status, what getrusage's ru_maxrss reports and what stoke's report calls peak memory),
+glibc's bytes in use (mallinfo2) at its highest after a step, and the model states FSDP holds, counted
+from its tensors between two steps (local parameter shards, their gradients, the optimizer's state).
+torch has no allocator counters on a CPU (torch.cuda.max_memory_allocated is CUDA's only).
+
+Without RANK in the environment the script starts its own N workers (torchrun's variables on a free
+loopback port) and prints rank 0's JSON line, which carries every rank's memory:
+
+    python fsdp_gpt.py --data corpus.txt --nproc 2 --sharding full_shard --steps 40
+"""
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from ddp_gpt import build_model, free_port
+from train_gpt import PRESETS, step_figures
+
+STRATEGIES = {"full_shard": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP}
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+_libc = ctypes.CDLL("libc.so.6")
+_libc.mallinfo2.restype = _MallInfo2
+
+
+def malloc_in_use():
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def status_bytes(field):
+    """A `kB` field of /proc/self/status (VmHWM, VmRSS) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def tensor_bytes(tensors):
+    """Bytes of distinct storages among `tensors` (views of one flat buffer counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t) or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(fsdp, opt):
+    """What FSDP keeps between two steps: each unit's flat parameter (its local shard after the
+    step), the flat gradients, and the optimizer's state tensors (not its scalar step counters)."""
+    flat = [h.flat_param for h in FSDP.fsdp_modules(fsdp) for h in [h._handle] if h is not None]
+    optimizer = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {
+        "parameters": tensor_bytes(flat),
+        "gradients": tensor_bytes([p.grad for p in flat]),
+        "optimizer": tensor_bytes(optimizer),
+    }
+
+
+def launch(args):
+    """Starts args.nproc workers of this script with torchrun's variables; returns rank 0's line."""
+    port = str(free_port())
+    procs = []
+    for rank in range(args.nproc):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
+        procs.append(subprocess.Popen([sys.executable] + sys.argv, env=env, stdout=out))
+    line = procs[0].communicate()[0].decode()
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        sys.exit(f"fsdp_gpt.py: worker exit codes {codes}")
+    sys.stdout.write(line)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--n-layer", type=int, help="override the preset's blocks")
+    ap.add_argument("--d-model", type=int, help="override the preset's width")
+    ap.add_argument("--n-head", type=int, help="override the preset's heads")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--sharding", choices=sorted(STRATEGIES), default="full_shard")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--micro-batch", type=int, default=16, help="rows per process")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--attention", choices=["auto", "math", "sdpa"], default="auto")
+    ap.add_argument("--forward-prefetch", action="store_true", help="FSDP's forward_prefetch")
+    ap.add_argument("--threads", type=int, default=1, help="threads per process")
+    ap.add_argument("--skip", type=int, default=5, help="first steps left out of the step figures")
+    ap.add_argument("--seed", type=int, default=1337)
+    args = ap.parse_args()
+    if "RANK" not in os.environ:
+        return launch(args)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)  # the same initial model on every rank (FSDP also broadcasts it)
+    cfg = dict(PRESETS[args.preset])
+    for key, value in (("n_layer", args.n_layer), ("d_model", args.d_model), ("n_head", args.n_head)):
+        if value is not None:
+            cfg[key] = value
+    bf16 = args.precision == "bf16"
+    attention = args.attention
+    if attention == "auto":
+        attention = "math" if bf16 and cfg["seq_len"] <= 256 else "sdpa"
+    model = build_model(cfg, attention)
+    n_params = sum(p.numel() for p in model.parameters())
+    block_class = type(model.h[0])
+    fsdp = FSDP(model, sharding_strategy=STRATEGIES[args.sharding], auto_wrap_policy=ModuleWrapPolicy({block_class}),
+                device_id=torch.device("cpu"), use_orig_params=True, forward_prefetch=args.forward_prefetch, sync_module_states=False)
+    n_units = len(FSDP.fsdp_modules(fsdp))
+    decay = [p for n, p in fsdp.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in fsdp.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=2e-3, betas=(0.9, 0.99), eps=1e-8, fused=True)
+    t = cfg["seq_len"]
+    data = torch.from_numpy(np.fromfile(args.data, dtype=np.uint8).astype(np.int64))
+    rng = np.random.default_rng(args.seed + rank)  # each rank its own rows
+    step_ms, losses, in_use_peak = [], [], 0
+    for step in range(args.steps):
+        start = time.perf_counter()
+        offsets = rng.integers(0, len(data) - t - 1, size=args.micro_batch)
+        rows = torch.stack([data[o: o + t + 1] for o in offsets])
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = fsdp(x, y)
+        loss.backward()
+        fsdp.clip_grad_norm_(1.0)
+        opt.step()
+        losses.append(loss.item())
+        step_ms.append((time.perf_counter() - start) * 1e3)
+        in_use_peak = max(in_use_peak, malloc_in_use())
+        if step + 1 == args.steps:
+            states = model_state_bytes(fsdp, opt)  # gradients still held: the state at the step's end
+        opt.zero_grad(set_to_none=True)
+    figures = step_figures(step_ms[args.skip:], world * args.micro_batch * t)
+    warmup_s = (sum(step_ms[:args.skip]) - args.skip * figures["step_ms"]) / 1e3
+    mine = {
+        "rank": rank,
+        "peak_rss_bytes": status_bytes("VmHWM"),
+        "malloc_in_use_peak_bytes": in_use_peak,
+        "model_states": states,
+        "model_states_total": sum(states.values()),
+        "step_ms": figures["step_ms"],
+    }
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        print(json.dumps({
+            "peer": "pytorch-fsdp-" + args.sharding.replace("_", "-"),
+            "torch": torch.__version__,
+            "backend": "gloo",
+            "sharding": args.sharding,
+            "world_size": world,
+            "threads": torch.get_num_threads(),
+            "attention": attention,
+            "precision": args.precision,
+            "model": cfg,
+            "n_params": n_params,
+            "fsdp_units": n_units,
+            "forward_prefetch": args.forward_prefetch,
+            "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+            "steps": args.steps,
+            **figures,
+            "warmup_s": warmup_s,
+            "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+            "ranks": ranks,
+        }), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+//! `stoke plan --zero-table`: the model-state formula the trainer's report uses, for the units the
+//! trainer really lays out, printed per rank and stage; and Figure 1 of the ZeRO paper.
+
+use serde_json::Value;
+use stoke_plan::{model_units, zero_rank_bytes, ModelConfig, Slices, ZeroInFlight, ZeroStage};
+use stoke_train::{AttentionPrecision, Gpt, GptShape, Precision};
+use tch::Device;
+
+use crate::{run_ok, stoke};
+
+#[test]
+fn the_planners_units_are_the_trainers() {
+    for (n_layer, d_model, n_head, seq_len, vocab_size) in
+        [(4, 256, 4, 128, 256), (2, 64, 2, 32, 300), (3, 48, 3, 17, 61)]
+    {
+        let shape = GptShape { n_layer, n_head, d_model, seq_len, vocab_size };
+        let model = Gpt::new(shape, Precision::Fp32, AttentionPrecision::Fp32, Device::Cpu);
+        let trainer: Vec<u64> = model.params().units().iter().map(|u| (u.range.end - u.range.start) as u64).collect();
+        let planner = model_units(&ModelConfig::gpt(n_layer, d_model, n_head, seq_len, vocab_size));
+        assert_eq!(trainer, planner, "{shape:?}");
+    }
+}
+
+#[test]
+fn zero_table_prints_the_formula_for_every_rank_and_stage() {
+    let args = ["plan", "--zero-table", "--json", "--devices", "3", "--layers", "2", "--hidden", "64", "--heads", "2"];
+    let out = run_ok(&mut stoke(&args, &[]));
+    let table: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
+    let units =
+        model_units(&ModelConfig { n_layer: 2, d_model: 64, n_head: 2, ..ModelConfig::preset("tiny").unwrap() });
+    let in_flight = ZeroInFlight { gradient_units: 2, gathered_units: 2 };
+    let stages = table["stages"].as_array().expect("stages");
+    assert_eq!(stages.len(), 4);
+    for (stage, entry) in ZeroStage::ALL.into_iter().zip(stages) {
+        let ranks = entry["ranks"].as_array().expect("ranks");
+        assert_eq!(ranks.len(), 3);
+        for (rank, printed) in ranks.iter().enumerate() {
+            let expected = zero_rank_bytes(&units, 3, rank, stage, 2, Slices::Mapped, in_flight).unwrap();
+            let between = zero_rank_bytes(&units, 3, rank, stage, 2, Slices::Mapped, ZeroInFlight::NONE).unwrap();
+            assert_eq!(printed["total"].as_u64(), Some(expected.total()), "stage {stage:?} rank {rank}");
+            assert_eq!(printed["optimizer"].as_u64(), Some(expected.optimizer), "stage {stage:?} rank {rank}");
+            assert_eq!(printed["between_steps_total"].as_u64(), Some(between.total()), "stage {stage:?} rank {rank}");
+        }
+    }
+    let bars = table["zero_figure_1"].as_array().expect("zero_figure_1");
+    assert_eq!(bars.len(), 4);
+    assert!(bars.iter().all(|bar| bar["agrees"] == Value::Bool(true)), "{bars:?}");
+
+    let text = run_ok(&mut stoke(&["plan", "--zero-table", "--devices", "2"], &[]));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("Figure 1") && text.contains("31.4 GB") && !text.contains("disagrees"), "{text}");
+
+    let bad = stoke(&["plan", "--zero-table", "--optimizer", "adagrad"], &[]).output().expect("stoke runs");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--optimizer"), "{}", String::from_utf8_lossy(&bad.stderr));
+}
+
+#[test]
+fn report_json_memory_is_the_formula_at_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    // SMALL's shape: 2 blocks of width 64, 32 tokens, the tiny preset's 256-token vocabulary.
+    let units = model_units(&ModelConfig::gpt(2, 64, 2, 32, 256));
+    for (nproc, stage) in
+        [(2, ZeroStage::None), (2, ZeroStage::Optimizer), (3, ZeroStage::Gradients), (3, ZeroStage::Parameters)]
+    {
+        let name = format!("zero{}-{nproc}", stage.number());
+        let mut overrides: Vec<String> = crate::SMALL.iter().map(|s| s.to_string()).collect();
+        overrides.extend([
+            format!("run.dir={}", dir.path().display()),
+            format!("run.name={name}"),
+            "train.steps=3".into(),
+            "prof.prometheus=false".into(),
+            "ckpt.at_end=false".into(),
+            format!("dist.zero={}", stage.number()),
+        ]);
+        let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+        run_ok(&mut stoke(&["launch", "--nproc", &nproc.to_string(), "--", "train", "--quiet"], &refs));
+        let text = std::fs::read_to_string(dir.path().join(&name).join("report.json")).expect("report.json");
+        let report: Value = serde_json::from_str(&text).expect("report.json is JSON");
+        let memory = report["ranks"]["memory"].as_array().unwrap_or_else(|| panic!("{name}: no ranks.memory"));
+        assert_eq!(memory.len(), nproc, "{name}: {memory:?}");
+        for entry in memory {
+            let rank = entry["rank"].as_u64().expect("rank") as usize;
+            let got = [
+                entry["parameters"].as_u64(),
+                entry["gradients"].as_u64(),
+                entry["optimizer"].as_u64(),
+                entry["comm_buffers"].as_u64(),
+            ];
+            // The trainer maps the optimizer's slices when its fused CPU kernel runs, else copies them;
+            // the report must be the formula for one of the two.
+            let formula = |slices| {
+                let b = zero_rank_bytes(&units, nproc, rank, stage, 2, slices, ZeroInFlight::NONE).unwrap();
+                [b.parameters, b.gradients, b.optimizer, b.comm_buffers].map(Some)
+            };
+            assert!(
+                got == formula(Slices::Mapped) || got == formula(Slices::Copied),
+                "{name} rank {rank}: report.json {got:?} is not zero_rank_bytes, mapped {:?} or copied {:?}",
+                formula(Slices::Mapped),
+                formula(Slices::Copied)
+            );
+            assert_eq!(entry["zero"].as_u64(), Some(stage.number() as u64), "{name} rank {rank}");
+            let (start, peak) = (entry["rss_start_bytes"].as_u64(), entry["peak_rss_bytes"].as_u64());
+            assert!(peak.is_some() && peak >= start, "{name} rank {rank}: measured peak {peak:?} from {start:?}");
+        }
+    }
+}
