@@ -776,25 +776,33 @@ fn train_other_rank(
 /// This rank's memory: the model states its ZeRO stage holds, and the peak resident set measured
 /// from `rss_start` (`reset_peak_rss`, just before the first step) to now.
 fn rank_memory(dist: &DataParallel, trainer: &Trainer, rss_start: Option<u64>) -> stoke_prof::RankMemory {
-    let n = trainer.model().params().n_elements() as u64;
-    let shard = dist.shard_elements().unwrap_or(n);
-    let buffers = trainer.optimizer_buffers() as u64;
+    let units: Vec<u64> =
+        trainer.model().params().units().iter().map(|u| (u.range.end - u.range.start) as u64).collect();
     let stage = dist.zero_stage();
-    // Bytes of fp32 elements.
-    let (parameters, gradients, optimizer) = match stage {
-        0 => (n, n, buffers * n),
-        // The optimizer's fp32 slices of the parameters and gradients, then its state.
-        1 => (n, n, (buffers + 2) * shard),
-        2 => (n, shard, (buffers + 1) * shard),
-        _ => (shard, shard, buffers * shard),
-    };
+    // The shard maps the model's buffers when the fused CPU optimizer runs (see DataParallel::shard).
+    let slices =
+        if trainer.fused_cpu_optimizer() { stoke_plan::Slices::Mapped } else { stoke_plan::Slices::Copied };
+    let bytes = stoke_plan::ZeroStage::try_from(stage)
+        .map_err(|e| stoke_plan::PlanError::InvalidConfig { key: "dist.zero", message: e })
+        .and_then(|zero| {
+            stoke_plan::zero_rank_bytes(
+                &units,
+                dist.world_size(),
+                dist.rank(),
+                zero,
+                trainer.optimizer_buffers() as u64,
+                slices,
+                stoke_plan::ZeroInFlight::NONE,
+            )
+        })
+        .unwrap_or_else(|e| panic!("the ZeRO formula refused a running configuration: {e}"));
     stoke_prof::RankMemory {
         rank: dist.rank(),
         zero: stage,
-        parameters: 4 * parameters,
-        gradients: 4 * gradients,
-        optimizer: 4 * optimizer,
-        comm_buffers: 0,
+        parameters: bytes.parameters,
+        gradients: bytes.gradients,
+        optimizer: bytes.optimizer,
+        comm_buffers: bytes.comm_buffers,
         rss_start_bytes: rss_start,
         peak_rss_bytes: rss_start.and(stoke_train::peak_rss_bytes()),
     }
