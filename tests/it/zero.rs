@@ -79,8 +79,7 @@ fn stage_three_releases_gathered_parameters() {
         assert_eq!(memory.len(), 2, "{memory:?}");
         peaks.push(memory);
     }
-    for rank in 0..2 {
-        let ((states2, peak2), (states3, peak3)) = (peaks[0][rank], peaks[1][rank]);
+    for (rank, (&(states2, peak2), &(states3, peak3))) in peaks[0].iter().zip(&peaks[1]).enumerate() {
         println!("rank {rank}: model states {states2} -> {states3} bytes, peak resident {peak2} -> {peak3} bytes");
         // Stage 3 keeps half the parameters (75 MB) instead of all (151 MB): the formula says
         // so, and the measured peak, gathers included, stays below stage 2's.

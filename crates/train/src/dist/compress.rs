@@ -176,7 +176,7 @@ fn encode_int8(block: usize, values: &[f32], payload: &mut [u8], mut residual: O
         // conversion is needed (this vectorizes; f32::round is a library call on baseline x86-64).
         // A non-finite block's bytes are arbitrary: its NaN scale decodes them all to NaN.
         let level = |x: f32| (x * inverse + ROUNDER).to_bits() as u8;
-        match carried.as_deref_mut() {
+        match carried {
             None => {
                 for (q, v) in out.iter_mut().zip(chunk) {
                     *q = level(*v);
