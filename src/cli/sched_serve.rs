@@ -66,7 +66,7 @@ pub struct ServeArgs {
     /// Launchers lost (killed, or gone without saying how they ended) before a job counts failed.
     #[arg(long, default_value_t = 3)]
     pub max_lost: u64,
-    /// Exit once no job is queued or running (scripts and tests); without it the server runs until
+    /// Exit once jobs were submitted and none is queued or running (scripts and tests); without it the server runs until
     /// killed. Killing it leaves the jobs running; the next `serve` on the folder re-adopts them.
     #[arg(long)]
     pub exit_when_idle: bool,
@@ -271,7 +271,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         }
         server.launch_ready()?;
         *metrics.lock().expect("metrics lock") = server.prometheus()?;
-        if args.exit_when_idle && active.is_empty() {
+        if args.exit_when_idle && active.is_empty() && !jobs.is_empty() {
             eprintln!("[sched] no job queued or running; exiting");
             return Ok(ExitCode::SUCCESS);
         }
