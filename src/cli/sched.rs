@@ -392,7 +392,8 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let t0 = jobs.iter().map(|j| j.submit_s).fold(f64::INFINITY, f64::min);
     let mut specs = Vec::new();
     for job in &jobs {
-        specs.push(super::sched_serve::job_spec(job, &store.throughput(job.id)?, resize_s, t0));
+        let start_s = super::sched_serve::startup_cost(&history, job.id);
+        specs.push(super::sched_serve::job_spec(job, &store.throughput(job.id)?, resize_s, start_s, t0));
     }
     let config = SimConfig {
         tick_s: meta("tick_s", 10.0)?,
@@ -409,6 +410,7 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "submit_s": job.submit_s - t0,
             "steps": job.job.steps,
             "scaling": format!("{:?}", spec.scaling),
+            "start_s": spec.start_s,
             "measured_s": measured,
             "predicted_s": predicted_s,
             "error": (predicted_s - measured) / measured,
@@ -427,13 +429,17 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{:<16} {:>9} {:>6} {:>12} {:>13} {:>8} {:>9}", "job", "submit s", "steps", "measured s", "predicted s", "error", "resizes");
+    println!(
+        "{:<16} {:>9} {:>6} {:>8} {:>12} {:>13} {:>8} {:>9}",
+        "job", "submit s", "steps", "start s", "measured s", "predicted s", "error", "resizes"
+    );
     for r in &rows {
         println!(
-            "{:<16} {:>9.1} {:>6} {:>12.1} {:>13.1} {:>+7.1}% {:>4}/{:<4}",
+            "{:<16} {:>9.1} {:>6} {:>8.1} {:>12.1} {:>13.1} {:>+7.1}% {:>4}/{:<4}",
             r["job"].as_str().unwrap_or(""),
             r["submit_s"].as_f64().unwrap_or(0.0),
             r["steps"],
+            r["start_s"].as_f64().unwrap_or(0.0),
             r["measured_s"].as_f64().unwrap_or(f64::NAN),
             r["predicted_s"].as_f64().unwrap_or(f64::NAN),
             100.0 * r["error"].as_f64().unwrap_or(f64::NAN),
@@ -443,7 +449,7 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     }
     println!(
         "mean completion time: measured {measured_mean:.1} s, predicted {predicted_mean:.1} s ({:+.1}%); mean absolute error per job {:.1}%; \
-         policy {}, {slots} slots, resize cost {resize_s:.1} s (measured median)",
+         policy {}, {slots} slots, resize cost {resize_s:.1} s (measured median); resizes measured/predicted",
         100.0 * (predicted_mean - measured_mean) / measured_mean,
         100.0 * mean_abs_error,
         policy.name()

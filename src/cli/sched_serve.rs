@@ -134,10 +134,22 @@ pub fn resize_cost(history: &[HistoryEntry]) -> f64 {
     costs.get(costs.len() / 2).copied().unwrap_or(DEFAULT_RESIZE_S)
 }
 
+/// Seconds from a job's first launch to its first step (`first_step` in the history); another
+/// job's median before its own is measured; 0 before any.
+pub fn startup_cost(history: &[HistoryEntry], job: i64) -> f64 {
+    let measured = |h: &&HistoryEntry| h.event == "first_step";
+    if let Some(own) = history.iter().filter(measured).find(|h| h.job == job).and_then(|h| h.detail.parse().ok()) {
+        return own;
+    }
+    let mut all: Vec<f64> = history.iter().filter(measured).filter_map(|h| h.detail.parse().ok()).collect();
+    all.sort_by(f64::total_cmp);
+    all.get(all.len() / 2).copied().unwrap_or(0.0)
+}
+
 /// The model of a job the policies and the simulator use: work in steps, throughput in steps/s
 /// (fitted from its own reports; before any, 1 step/s on one worker with the prior parallel
-/// fraction), a fixed global batch (efficiency 1).
-pub fn job_spec(job: &JobRow, points: &[(usize, f64, usize)], resize_s: f64, t0: f64) -> JobSpec {
+/// fraction), a fixed global batch (efficiency 1), the measured resize and start-up costs.
+pub fn job_spec(job: &JobRow, points: &[(usize, f64, usize)], resize_s: f64, start_s: f64, t0: f64) -> JobSpec {
     let scaling = observe::fit_scaling(points)
         .unwrap_or(stoke_sched::Scaling::Amdahl { t1: 1.0, p: observe::PRIOR_PARALLEL_FRACTION });
     JobSpec {
@@ -149,6 +161,7 @@ pub fn job_spec(job: &JobRow, points: &[(usize, f64, usize)], resize_s: f64, t0:
         scaling,
         efficiency: stoke_sched::Efficiency::FIXED_BATCH,
         resize_s,
+        start_s,
         priority: job.job.priority,
     }
 }
@@ -167,6 +180,8 @@ struct Live {
     /// step).
     starts_seen: usize,
     resizing: Option<(f64, u64)>,
+    /// This server's launch waiting for its first step: (when, from step).
+    launched: Option<(f64, u64)>,
     /// The world size it runs on now.
     world: usize,
 }
@@ -438,6 +453,18 @@ impl Server<'_> {
             if step != live.last_step {
                 live.last_step = step;
                 live.last_step_s = now;
+                if let Some((since, from)) = live.launched.filter(|&(_, from)| step > from) {
+                    live.launched = None;
+                    let entry = HistoryEntry {
+                        time_s: now,
+                        job: job.id,
+                        event: "first_step".into(),
+                        workers: live.world,
+                        step: from,
+                        detail: format!("{:.2}", now - since),
+                    };
+                    self.store.history_entry(&entry)?;
+                }
                 if let Some((since, from)) = live.resizing {
                     if step > from {
                         live.resizing = None;
@@ -482,7 +509,7 @@ impl Server<'_> {
         let t0 = jobs.iter().map(|j| j.submit_s).fold(now, f64::min);
         let mut specs = Vec::new();
         for job in &jobs {
-            specs.push(job_spec(job, &self.store.throughput(job.id)?, resize_s, t0));
+            specs.push(job_spec(job, &self.store.throughput(job.id)?, resize_s, startup_cost(&history, job.id), t0));
         }
         // Jobs that can never fit wait forever: refuse them once.
         let mut views = Vec::new();
@@ -607,6 +634,7 @@ impl Server<'_> {
             last_step_s: unix_now(),
             starts_seen: launch_events(&run_dir).iter().filter(|e| e.event == "start").count(),
             world: job.alloc.min(job.job.max_workers),
+            launched: Some((entry.time_s, step)),
             ..Live::default()
         };
         self.live.insert(job.id, live);
@@ -655,7 +683,7 @@ impl Server<'_> {
         let mut throughput = Vec::new();
         let mut goodput = Vec::new();
         for job in &active {
-            let spec = job_spec(job, &self.store.throughput(job.id)?, DEFAULT_RESIZE_S, 0.0);
+            let spec = job_spec(job, &self.store.throughput(job.id)?, DEFAULT_RESIZE_S, 0.0, 0.0);
             let world = self.live.get(&job.id).map_or(0, |l| l.world);
             throughput.push((label(job), spec.scaling.throughput(world)));
             goodput.push((label(job), spec.goodput(world)));

@@ -260,6 +260,7 @@ mod tests {
             scaling: Scaling::Amdahl { t1: 1.0, p },
             efficiency: Efficiency::FIXED_BATCH,
             resize_s: 5.0,
+            start_s: 0.0,
             priority: 1.0,
         }
     }

@@ -1,5 +1,5 @@
 //! The simulator: jobs arrive, policies allocate slots, progress accrues at each job's goodput,
-//! and every resize costs the job its `resize_s` without progress.
+//! and every resize costs the job its `resize_s` without progress (its first start, its `start_s`).
 //!
 //! Event-driven: time jumps to the next arrival, completion, end of a resize, or policy tick
 //! (`SimConfig::tick_s`, for the goodput policy's periodic reallocation). Allocations change only
@@ -165,6 +165,9 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
                 s.paused_until = t + jobs[j].resize_s;
                 s.last_resize = t;
             } else if s.workers == 0 && target > 0 {
+                if s.start.is_none() {
+                    s.paused_until = t + jobs[j].start_s;
+                }
                 s.start.get_or_insert(t);
                 s.last_resize = t;
             }
@@ -254,6 +257,7 @@ mod tests {
             scaling: Scaling::Amdahl { t1: 1.0, p },
             efficiency: Efficiency::FIXED_BATCH,
             resize_s: 10.0,
+            start_s: 0.0,
             priority: 1.0,
         }
     }
