@@ -226,7 +226,12 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
 /// An existing state folder's database (status, cancel and report do not create one).
 fn open_store(dir: &Path) -> anyhow::Result<Store> {
     if !dir.join(stoke_sched::store::DB_FILE).is_file() {
-        return Err(UsageError(format!("{} holds no scheduler database (sched.db); start `stoke sched serve --dir {}`", dir.display(), dir.display())).into());
+        return Err(UsageError(format!(
+            "{} holds no scheduler database (sched.db); start `stoke sched serve --dir {}`",
+            dir.display(),
+            dir.display()
+        ))
+        .into());
     }
     Ok(Store::open(dir)?)
 }
@@ -237,8 +242,8 @@ fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         Some(path) => Some(std::fs::canonicalize(&path).map_err(|e| UsageError(format!("{}: {e}", path.display())))?),
         None => None,
     };
-    let resolved = crate::config::StokeConfig::load(config.as_deref(), &args.overrides)
-        .map_err(|e| UsageError(e.to_string()))?;
+    let resolved =
+        crate::config::StokeConfig::load(config.as_deref(), &args.overrides).map_err(|e| UsageError(e.to_string()))?;
     let max = args.max.unwrap_or(args.min);
     if args.min == 0 || args.min > max {
         return Err(UsageError(format!("--min {} --max {max}: needs 1 <= min <= max", args.min)).into());
@@ -253,7 +258,8 @@ fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     let name = match args.name {
         Some(name) => name,
         None => {
-            let stem = config.as_ref().and_then(|p| p.file_stem()).map_or("job".into(), |s| s.to_string_lossy().into_owned());
+            let stem =
+                config.as_ref().and_then(|p| p.file_stem()).map_or("job".into(), |s| s.to_string_lossy().into_owned());
             format!("{stem}-{}", store.jobs()?.len() + 1)
         }
     };
@@ -330,7 +336,8 @@ fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
     );
     for job in &jobs {
         let points = store.throughput(job.id)?;
-        let rate = points.iter().find(|p| p.0 == job.alloc).or(points.last()).map_or("-".into(), |p| format!("{:.2}", p.1));
+        let rate =
+            points.iter().find(|p| p.0 == job.alloc).or(points.last()).map_or("-".into(), |p| format!("{:.2}", p.1));
         println!(
             "{:>3} {:<16} {:<10} {:>7} {:>7} {:>11} {:>9} {:>7} {:>8}  {}",
             job.id,
@@ -350,7 +357,8 @@ fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
 
 fn cancel(args: CancelArgs) -> anyhow::Result<ExitCode> {
     let mut store = open_store(&args.dir)?;
-    let job = store.job(&args.job)?.ok_or_else(|| UsageError(format!("no job `{}` in {}", args.job, args.dir.display())))?;
+    let job =
+        store.job(&args.job)?.ok_or_else(|| UsageError(format!("no job `{}` in {}", args.job, args.dir.display())))?;
     if !job.state.is_active() {
         println!("job {}: already {}", job.job.name, job.state.name());
         return Ok(ExitCode::SUCCESS);
@@ -364,7 +372,8 @@ fn cancel(args: CancelArgs) -> anyhow::Result<ExitCode> {
 
 fn slots(args: SlotsArgs) -> anyhow::Result<ExitCode> {
     let store = open_store(&args.dir)?;
-    let job = store.job(&args.job)?.ok_or_else(|| UsageError(format!("no job `{}` in {}", args.job, args.dir.display())))?;
+    let job =
+        store.job(&args.job)?.ok_or_else(|| UsageError(format!("no job `{}` in {}", args.job, args.dir.display())))?;
     match args.slot {
         Some(slot) => Ok(if slot < job.alloc { ExitCode::SUCCESS } else { ExitCode::from(1) }),
         None => {
@@ -420,7 +429,8 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     }
     let mean = |key: &str| rows.iter().map(|r| r[key].as_f64().unwrap_or(f64::NAN)).sum::<f64>() / rows.len() as f64;
     let (measured_mean, predicted_mean) = (mean("measured_s"), mean("predicted_s"));
-    let mean_abs_error = rows.iter().map(|r| r["error"].as_f64().unwrap_or(f64::NAN).abs()).sum::<f64>() / rows.len() as f64;
+    let mean_abs_error =
+        rows.iter().map(|r| r["error"].as_f64().unwrap_or(f64::NAN).abs()).sum::<f64>() / rows.len() as f64;
     if args.json {
         let value = serde_json::json!({
             "policy": policy.name(), "slots": slots, "resize_s": resize_s, "jobs": rows,

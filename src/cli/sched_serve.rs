@@ -226,6 +226,34 @@ fn find_tagged(tag: &str) -> Option<(i32, u64)> {
     None
 }
 
+/// One server per folder: an exclusive `flock` on `D/serve.lock`, held while the process lives (the
+/// kernel drops it when the process dies, SIGKILL included). The file names the holder's pid.
+fn lock_folder(dir: &Path) -> anyhow::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join("serve.lock");
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    // SAFETY: flock(2) on a descriptor this function owns (the file lives as long as the lock).
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        return Err(UsageError(format!(
+            "another `stoke sched serve` runs on {} (pid {}); one server per folder",
+            dir.display(),
+            holder.trim()
+        ))
+        .into());
+    }
+    file.set_len(0)?;
+    file.write_all(std::process::id().to_string().as_bytes())?;
+    Ok(file)
+}
+
 fn write_alloc(layout: &Layout, id: i64, workers: usize) -> anyhow::Result<()> {
     let path = layout.alloc_file(id);
     let dir = path.parent().expect("alloc files sit in a folder");
@@ -249,6 +277,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     std::fs::create_dir_all(&args.dir).with_context(|| format!("cannot create {}", args.dir.display()))?;
     let dir = std::fs::canonicalize(&args.dir).with_context(|| format!("cannot resolve {}", args.dir.display()))?;
     let layout = Layout { dir };
+    let _lock = lock_folder(&layout.dir)?;
     let mut store = Store::open(&layout.dir)?;
     store.set_meta("slots", &args.slots.to_string())?;
     store.set_meta("policy", policy.name())?;
@@ -362,8 +391,12 @@ impl Server<'_> {
             (Some(c), _) if c == i32::from(EXIT_PREEMPTED) => {
                 (JobState::Queued, "stopped by a signal from outside; queued to resume".into())
             }
-            (None, Some("preempted")) => (JobState::Queued, "stopped by a signal from outside; queued to resume".into()),
-            (Some(c), _) => (JobState::Failed, format!("the launcher exited with {c}; see {}", self.layout.log(job).display())),
+            (None, Some("preempted")) => {
+                (JobState::Queued, "stopped by a signal from outside; queued to resume".into())
+            }
+            (Some(c), _) => {
+                (JobState::Failed, format!("the launcher exited with {c}; see {}", self.layout.log(job).display()))
+            }
             (None, Some("give_up")) => (
                 JobState::Failed,
                 format!("{}; see {}", last_event.map(|e| e.cause).unwrap_or_default(), self.layout.log(job).display()),
@@ -372,7 +405,10 @@ impl Server<'_> {
             _ if job.launches >= self.args.max_lost => {
                 (JobState::Failed, format!("its launcher was lost {} times", job.launches))
             }
-            _ => (JobState::Queued, format!("its launcher was lost at step {step}; queued to resume from the latest checkpoint")),
+            _ => (
+                JobState::Queued,
+                format!("its launcher was lost at step {step}; queued to resume from the latest checkpoint"),
+            ),
         };
         let (state, detail) = verdict;
         eprintln!("[sched] {}: {detail}", job.job.name);
@@ -516,13 +552,20 @@ impl Server<'_> {
         let mut placed = Vec::new();
         for (job, spec) in jobs.iter().zip(&specs) {
             if job.job.min_workers > self.config.slots {
-                let detail = format!("needs at least {} workers; the server has {} slots", job.job.min_workers, self.config.slots);
+                let detail = format!(
+                    "needs at least {} workers; the server has {} slots",
+                    job.job.min_workers, self.config.slots
+                );
                 let entry = self.entry(job, "failed", 0, 0, detail);
                 self.store.ended(job.id, JobState::Failed, None, &entry)?;
                 continue;
             }
             // A queued job with an allocation waits for its slots to be freed: it counts as placed.
-            views.push(JobView { spec, workers: job.alloc, last_resize_s: job.last_resize_s.map_or(f64::NEG_INFINITY, |t| t - t0) });
+            views.push(JobView {
+                spec,
+                workers: job.alloc,
+                last_resize_s: job.last_resize_s.map_or(f64::NEG_INFINITY, |t| t - t0),
+            });
             placed.push(job);
         }
         let plan = stoke_sched::allocate(&views, &self.config, now - t0);
@@ -604,7 +647,8 @@ impl Server<'_> {
         for o in &job.job.overrides {
             cmd.arg("--set").arg(o);
         }
-        for (key, value) in [("run.dir", self.layout.runs().display().to_string()), ("run.name", job.job.name.clone())] {
+        for (key, value) in [("run.dir", self.layout.runs().display().to_string()), ("run.name", job.job.name.clone())]
+        {
             cmd.arg("--set").arg(format!("{key}={}", toml::Value::String(value)));
         }
         let log_path = self.layout.log(job);
@@ -653,7 +697,12 @@ impl Server<'_> {
             }
         };
         let label = |job: &JobRow| format!("{{job=\"{}\"}}", job.job.name.replace('\\', "\\\\").replace('"', "\\\""));
-        family("stoke_sched_slots", "gauge", "Slots the scheduler shares.", vec![(String::new(), self.config.slots as f64)]);
+        family(
+            "stoke_sched_slots",
+            "gauge",
+            "Slots the scheduler shares.",
+            vec![(String::new(), self.config.slots as f64)],
+        );
         let mut by_state: BTreeMap<&str, usize> = BTreeMap::new();
         for state in ["queued", "starting", "running", "finished", "failed", "cancelled"] {
             by_state.insert(state, 0);
@@ -702,8 +751,8 @@ impl Server<'_> {
 
 /// Serves `GET /metrics` with the latest text on a background thread.
 fn serve_metrics(port: u16, text: Arc<Mutex<String>>) -> anyhow::Result<std::net::SocketAddr> {
-    let listener =
-        TcpListener::bind(("127.0.0.1", port)).with_context(|| format!("cannot listen on 127.0.0.1:{port} for /metrics"))?;
+    let listener = TcpListener::bind(("127.0.0.1", port))
+        .with_context(|| format!("cannot listen on 127.0.0.1:{port} for /metrics"))?;
     let addr = listener.local_addr()?;
     std::thread::Builder::new().name("sched-metrics".into()).spawn(move || {
         for mut stream in listener.incoming().flatten() {

@@ -62,8 +62,19 @@ fn serve(dir: &Path, log: &str) -> Server {
     let log = std::fs::File::create(dir.join(log)).unwrap();
     let child = stoke(
         &[
-            "sched", "serve", "--dir", dir.join("state").to_str().unwrap(), "--slots", "2", "--policy", "fair",
-            "--prometheus-port", "0", "--poll-s", "0.2", "--exit-when-idle",
+            "sched",
+            "serve",
+            "--dir",
+            dir.join("state").to_str().unwrap(),
+            "--slots",
+            "2",
+            "--policy",
+            "fair",
+            "--prometheus-port",
+            "0",
+            "--poll-s",
+            "0.2",
+            "--exit-when-idle",
         ],
         &[],
     )
@@ -81,7 +92,10 @@ fn status(state: &Path) -> serde_json::Value {
 }
 
 fn job<'a>(status: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
-    status["jobs"].as_array().and_then(|jobs| jobs.iter().find(|j| j["name"] == name)).unwrap_or(&serde_json::Value::Null)
+    status["jobs"]
+        .as_array()
+        .and_then(|jobs| jobs.iter().find(|j| j["name"] == name))
+        .unwrap_or(&serde_json::Value::Null)
 }
 
 fn submit(state: &Path, config: &Path, name: &str, max: &str, steps: u64) {
@@ -184,15 +198,26 @@ fn three_jobs_share_two_slots_survive_a_killed_scheduler_and_the_resized_one_kee
         assert!(server.child.try_wait().unwrap().is_none(), "the restarted scheduler exited");
         std::thread::sleep(Duration::from_millis(50));
     };
+    // A second server on the same folder is refused while this one runs (it holds the lock: it has
+    // written its history).
+    let second = stoke(&["sched", "serve", "--dir", state.to_str().unwrap(), "--slots", "2"], &[]).output().unwrap();
+    assert_eq!(second.status.code(), Some(2), "{}", String::from_utf8_lossy(&second.stderr));
+    assert!(String::from_utf8_lossy(&second.stderr).contains("another `stoke sched serve`"));
     std::thread::sleep(Duration::from_millis(500));
     let text = stoke_prof::scrape(addr).unwrap();
     stoke_prof::validate_exposition(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
-    for series in ["stoke_sched_job_workers{job=\"a\"}", "stoke_sched_job_throughput_steps_per_second{job=\"b\"}", "stoke_sched_job_goodput_steps_per_second{job=\"a\"}"] {
+    for series in [
+        "stoke_sched_job_workers{job=\"a\"}",
+        "stoke_sched_job_throughput_steps_per_second{job=\"b\"}",
+        "stoke_sched_job_goodput_steps_per_second{job=\"a\"}",
+    ] {
         assert!(text.contains(series), "{series} missing:\n{text}");
     }
     let deadline = Duration::from_secs(600);
     wait_until(&mut server, &mut watch, "the end of every job", deadline, || {
-        status(&state)["jobs"].as_array().is_some_and(|jobs| jobs.iter().all(|j| j["state"] != "queued" && j["state"] != "running" && j["state"] != "starting"))
+        status(&state)["jobs"].as_array().is_some_and(|jobs| {
+            jobs.iter().all(|j| j["state"] != "queued" && j["state"] != "running" && j["state"] != "starting")
+        })
     });
     let status_code = server.child.wait().unwrap();
     assert!(status_code.success(), "{status_code}");
@@ -205,7 +230,9 @@ fn three_jobs_share_two_slots_survive_a_killed_scheduler_and_the_resized_one_kee
     for (name, pid) in &pids {
         let id = job(&end, name)["id"].clone();
         assert!(
-            history.iter().any(|h| h["job"] == id && h["event"] == "adopted" && h["detail"] == format!("launcher pid {pid}")),
+            history
+                .iter()
+                .any(|h| h["job"] == id && h["event"] == "adopted" && h["detail"] == format!("launcher pid {pid}")),
             "{name} not re-adopted: {end}"
         );
         assert_eq!(job(&end, name)["launches"], 1, "{name}: {end}");
@@ -227,7 +254,11 @@ fn three_jobs_share_two_slots_survive_a_killed_scheduler_and_the_resized_one_kee
     // workers it replaced had logged, and every step is logged exactly once.
     for (k, start) in a_starts.iter().enumerate() {
         let resumed = start["latest_checkpoint"].as_u64().unwrap();
-        assert!(resumed >= watch.highest_before[k], "restart {k} resumed at {resumed}, after step {} was seen", watch.highest_before[k]);
+        assert!(
+            resumed >= watch.highest_before[k],
+            "restart {k} resumed at {resumed}, after step {} was seen",
+            watch.highest_before[k]
+        );
     }
     let a = losses(&run_a);
     assert_eq!(a.iter().map(|l| l.0).collect::<Vec<_>>(), (1..=600).collect::<Vec<_>>());

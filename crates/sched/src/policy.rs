@@ -175,7 +175,8 @@ fn goodput(jobs: &[JobView<'_>], config: &PolicyConfig, now: f64) -> Plan {
             admitted.push(jobs[i].spec.name.as_str());
             notes[i] = format!("goodput: admitted at its minimum {}", out[i]);
         } else if current[i] == 0 {
-            notes[i] = format!("goodput: waits, its minimum {} is more than the {free} slots left", jobs[i].spec.min_workers);
+            notes[i] =
+                format!("goodput: waits, its minimum {} is more than the {free} slots left", jobs[i].spec.min_workers);
         }
     }
     // Pinned jobs get back what they hold, as far as the admissions leave room.
@@ -229,7 +230,8 @@ fn goodput(jobs: &[JobView<'_>], config: &PolicyConfig, now: f64) -> Plan {
                     current[i], out[i], job.resize_s
                 );
             } else {
-                notes[i] = format!("goodput: shrunk from {} to {} to admit {}", current[i], out[i], admitted.join(", "));
+                notes[i] =
+                    format!("goodput: shrunk from {} to {} to admit {}", current[i], out[i], admitted.join(", "));
             }
         }
     }
@@ -266,8 +268,10 @@ mod tests {
     }
 
     fn check(policy: Policy, jobs: &[(JobSpec, usize, f64)], now: f64, expected: &[usize]) -> Vec<Allocation> {
-        let views: Vec<JobView<'_>> =
-            jobs.iter().map(|(spec, workers, last)| JobView { spec, workers: *workers, last_resize_s: *last }).collect();
+        let views: Vec<JobView<'_>> = jobs
+            .iter()
+            .map(|(spec, workers, last)| JobView { spec, workers: *workers, last_resize_s: *last })
+            .collect();
         let config = PolicyConfig { slots: 2, policy, min_resize_interval_s: 30.0 };
         let got = allocate(&views, &config, now);
         assert_eq!(got.iter().map(|a| a.workers).collect::<Vec<_>>(), expected, "{policy:?}: {got:?}");

@@ -243,7 +243,11 @@ impl Store {
     }
 
     /// Runs `f` in one transaction (committed when it returns Ok).
-    fn write<T>(&mut self, what: &'static str, f: impl FnOnce(&Transaction<'_>) -> rusqlite::Result<T>) -> Result<T, SchedError> {
+    fn write<T>(
+        &mut self,
+        what: &'static str,
+        f: impl FnOnce(&Transaction<'_>) -> rusqlite::Result<T>,
+    ) -> Result<T, SchedError> {
         let path = self.path.clone();
         let err = |source| SchedError::Store { path: path.clone(), what, source };
         let tx = self.conn.transaction().map_err(err)?;
@@ -261,8 +265,11 @@ impl Store {
 
     pub fn set_meta(&mut self, key: &str, value: &str) -> Result<(), SchedError> {
         self.write("write meta", |tx| {
-            tx.execute("INSERT INTO meta(key, value) VALUES(?1, ?2) ON CONFLICT(key) DO UPDATE SET value = ?2", [key, value])
-                .map(drop)
+            tx.execute(
+                "INSERT INTO meta(key, value) VALUES(?1, ?2) ON CONFLICT(key) DO UPDATE SET value = ?2",
+                [key, value],
+            )
+            .map(drop)
         })
     }
 
@@ -360,7 +367,13 @@ impl Store {
 
     /// The job ended (`Finished`, `Failed`, `Cancelled`) or goes back to the queue (`Queued`,
     /// after its launcher was lost: the next start resumes its latest checkpoint).
-    pub fn ended(&mut self, id: i64, state: JobState, exit_code: Option<i32>, entry: &HistoryEntry) -> Result<(), SchedError> {
+    pub fn ended(
+        &mut self,
+        id: i64,
+        state: JobState,
+        exit_code: Option<i32>,
+        entry: &HistoryEntry,
+    ) -> Result<(), SchedError> {
         let finish = (!state.is_active()).then_some(entry.time_s);
         self.write("record a job's end", |tx| {
             tx.execute(
@@ -500,7 +513,14 @@ mod tests {
         let change = Change { job: a, from_workers: 0, to_workers: 2, reason: "admitted".into(), resize: false };
         store.commit_allocation(102.0, "fair", &[change]).unwrap();
         store.starting(a, 102.0).unwrap();
-        let entry = HistoryEntry { time_s: 103.0, job: a, event: "launched".into(), workers: 2, step: 0, detail: String::new() };
+        let entry = HistoryEntry {
+            time_s: 103.0,
+            job: a,
+            event: "launched".into(),
+            workers: 2,
+            step: 0,
+            detail: String::new(),
+        };
         store.started(a, 4242, 777, &entry).unwrap();
         store.set_throughput(a, &[(1, 10.0, 5), (2, 18.0, 7)]).unwrap();
         drop(store);
@@ -516,7 +536,8 @@ mod tests {
         assert_eq!(store.request_cancel(b, 105.0).unwrap(), JobState::Cancelled);
         assert_eq!(store.request_cancel(a, 105.0).unwrap(), JobState::Running);
         assert!(store.job("a").unwrap().unwrap().cancel_requested);
-        let end = HistoryEntry { time_s: 106.0, job: a, event: "finished".into(), workers: 2, step: 10, detail: "ok".into() };
+        let end =
+            HistoryEntry { time_s: 106.0, job: a, event: "finished".into(), workers: 2, step: 10, detail: "ok".into() };
         store.ended(a, JobState::Finished, Some(0), &end).unwrap();
         let row = store.job("a").unwrap().unwrap();
         assert_eq!((row.state, row.alloc, row.pid, row.finish_s), (JobState::Finished, 0, None, Some(106.0)));
