@@ -4,7 +4,8 @@
 //! when they finish; the scheduler is SIGKILLed mid-run and started again on the same folder,
 //! re-adopts the running launchers, and every job completes. The shrunk-and-grown job trains
 //! every step exactly once, each restart resumes at least at the last step it had reached, and
-//! its losses match those of a job that ran on one worker throughout.
+//! its losses match those of a job that ran on one worker throughout. A cancelled job stops through
+//! the preemption path with a checkpoint; a cancelled queued one never starts.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -276,4 +277,54 @@ fn three_jobs_share_two_slots_survive_a_killed_scheduler_and_the_resized_one_kee
     for name in ["a", "b", "c"] {
         assert!(report.lines().any(|l| l.starts_with(name) && l.contains('%')), "{report}");
     }
+}
+
+#[test]
+fn a_cancelled_job_stops_with_a_checkpoint_and_a_queued_one_never_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("job.toml");
+    std::fs::write(&config, JOB).unwrap();
+    let run = state.join("runs").join("long");
+    let mut watch = Watch { run: run.clone(), highest_before: vec![0] };
+    let mut server = serve(dir.path(), "serve.log");
+    submit(&state, &config, "long", "2", 100_000);
+    // It needs both slots: fair share cannot admit it beside the long job's minimum.
+    run_ok(&mut stoke(
+        &[
+            "sched",
+            "submit",
+            "--dir",
+            state.to_str().unwrap(),
+            config.to_str().unwrap(),
+            "--name",
+            "waiting",
+            "--min",
+            "2",
+        ],
+        &["train.steps=100"],
+    ));
+    wait_until(&mut server, &mut watch, "5 steps of the long job", Duration::from_secs(300), || last_step(&run) >= 5);
+    // The long job holds a slot the other needs; the other waits, and is cancelled there.
+    let out = run_ok(&mut stoke(&["sched", "cancel", "--dir", state.to_str().unwrap(), "waiting"], &[]));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("cancelled"));
+    let out = run_ok(&mut stoke(&["sched", "cancel", "--dir", state.to_str().unwrap(), "long"], &[]));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("cancel requested"));
+    wait_until(&mut server, &mut watch, "the end of both jobs", Duration::from_secs(300), || {
+        status(&state)["jobs"].as_array().is_some_and(|jobs| jobs.iter().all(|j| j["state"] == "cancelled"))
+    });
+    assert!(server.child.wait().unwrap().success());
+    let end = status(&state);
+    let long = job(&end, "long");
+    assert_eq!(long["exit_code"], 75, "stopped through the preemption path: {end}");
+    assert!(job(&end, "waiting")["launches"] == 0 && !state.join("runs").join("waiting").exists(), "{end}");
+    let events = std::fs::read_to_string(run.join("events.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(events.lines().last().unwrap()).unwrap();
+    assert_eq!(last["event"], "preempted", "{events}");
+    // The checkpoint it stopped with is its last logged step: nothing trained is lost.
+    assert_eq!(last["latest_checkpoint"].as_u64(), Some(last_step(&run)), "{events}");
+    // The table names both.
+    let out = run_ok(&mut stoke(&["sched", "status", "--dir", state.to_str().unwrap()], &[]));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.lines().filter(|l| l.contains("cancelled")).count() == 2, "{table}");
 }
