@@ -217,8 +217,7 @@ fn find_tagged(tag: &str) -> Option<(i32, u64)> {
         }
         let Ok(env) = std::fs::read(entry.path().join("environ")) else { continue };
         if env.split(|&b| b == 0).any(|var| var == wanted.as_bytes()) {
-            if let Some((state, start)) = proc_stat(pid).filter(|(s, _)| *s != 'Z') {
-                let _ = state;
+            if let Some((_, start)) = proc_stat(pid).filter(|(s, _)| *s != 'Z') {
                 return Some((pid, start));
             }
         }
