@@ -17,6 +17,7 @@ mod launch;
 mod plan;
 mod prep;
 mod sched;
+mod sched_serve;
 mod trace;
 pub mod train;
 

@@ -14,6 +14,7 @@ mod mirror;
 mod plan;
 mod prep;
 mod sched;
+mod sched_serve;
 mod train;
 mod zero;
 

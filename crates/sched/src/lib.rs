@@ -6,16 +6,40 @@
 //! minimum interval and the resize cost charged), an event-driven simulator over job lists
 //! (`workload`: a documented CSV format and a seeded generator), and its report (`report`: the
 //! figures and an HTML timeline of which job held which slots). Behind `stoke sched simulate`.
-//! Not built yet: the real executor (`stoke sched serve`, running jobs through `stoke launch`
-//! with state in SQLite).
+//!
+//! For the real executor (`stoke sched serve`, which runs jobs through `stoke launch`): the
+//! policies' one allocation function (`policy::allocate`, called by the simulator and the server
+//! alike), the server's state in SQLite (`store`), and each job's throughput model fitted from its
+//! own `metrics.jsonl` and `events.jsonl` (`observe`).
+//!
+//! ```
+//! use stoke_sched::{allocate, Efficiency, JobSpec, JobView, Policy, PolicyConfig, Scaling};
+//! let job = |name: &str| JobSpec {
+//!     name: name.into(), submit_s: 0.0, work: 100.0, min_workers: 1, max_workers: 2,
+//!     scaling: Scaling::Amdahl { t1: 1.0, p: 0.9 }, efficiency: Efficiency::FIXED_BATCH,
+//!     resize_s: 5.0, start_s: 0.0, priority: 1.0,
+//! };
+//! let (a, b) = (job("a"), job("b"));
+//! let config = PolicyConfig { slots: 2, policy: Policy::Fair, min_resize_interval_s: 30.0 };
+//! // a holds both slots; b arrives: a shrinks to admit it.
+//! let views = [JobView { spec: &a, workers: 2, last_resize_s: 0.0 }, JobView { spec: &b, workers: 0, last_resize_s: f64::NEG_INFINITY }];
+//! let plan = allocate(&views, &config, 10.0);
+//! assert_eq!((plan[0].workers, plan[1].workers), (1, 1));
+//! assert!(plan[0].reason.contains("shrunk from 2 to 1"));
+//! ```
 
 pub mod model;
+pub mod observe;
+pub mod policy;
 pub mod report;
 pub mod sim;
+pub mod store;
 pub mod workload;
 
 pub use model::{Efficiency, JobSpec, Scaling};
-pub use sim::{simulate, JobResult, Policy, SimConfig, SimResult};
+pub use policy::{allocate, Allocation, JobView, Policy, PolicyConfig};
+pub use sim::{simulate, JobResult, SimConfig, SimResult};
+pub use store::{Change, Decision, HistoryEntry, JobRow, JobState, NewJob, Store};
 pub use workload::{generate, parse_csv, to_csv, WorkloadSpec};
 
 /// What can be wrong with a scheduler's input. Every variant names what and where.
@@ -29,4 +53,8 @@ pub enum SchedError {
     BadJob { name: String, why: String },
     #[error("unknown policy `{name}`; policies: fifo, fair, goodput")]
     BadPolicy { name: String },
+    #[error("scheduler database {path}: cannot {what}: {source}")]
+    Store { path: std::path::PathBuf, what: &'static str, source: rusqlite::Error },
+    #[error("{path}: {source}")]
+    Io { path: std::path::PathBuf, source: std::io::Error },
 }

@@ -153,6 +153,10 @@ pub struct JobSpec {
     pub efficiency: Efficiency,
     /// Seconds without progress per resize (checkpoint, stop, restart, reload).
     pub resize_s: f64,
+    /// Seconds from its first start to its first step (process start-up, building the model and
+    /// the data). 0 in the jobs CSV and the generator (a first start is free there); the server
+    /// measures it.
+    pub start_s: f64,
     /// Weight in the goodput policy's sum (1 = normal).
     pub priority: f64,
 }

@@ -1,5 +1,5 @@
 //! The simulator: jobs arrive, policies allocate slots, progress accrues at each job's goodput,
-//! and every resize costs the job its `resize_s` without progress.
+//! and every resize costs the job its `resize_s` without progress (its first start, its `start_s`).
 //!
 //! Event-driven: time jumps to the next arrival, completion, end of a resize, or policy tick
 //! (`SimConfig::tick_s`, for the goodput policy's periodic reallocation). Allocations change only
@@ -7,35 +7,8 @@
 //! free.
 
 use crate::model::JobSpec;
+use crate::policy::{allocate, JobView, Policy, PolicyConfig};
 use crate::SchedError;
-
-/// How slots are shared.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Policy {
-    /// First come, first served, static: a job gets its `max_workers` or waits (the head of the
-    /// queue blocks the rest); never resized.
-    Fifo,
-    /// Every active job gets an equal share (within its min/max), recomputed at arrivals and
-    /// completions.
-    Fair,
-    /// Goodput-maximizing: jobs are admitted at their minimum (shrinking others to their minimum
-    /// if needed), and the remaining slots go one by one to the largest weighted gain in speedup;
-    /// a running job is resized at most once per `min_resize_interval_s`, and grown only when the
-    /// gain over that interval pays for the resize.
-    Goodput,
-}
-
-impl std::str::FromStr for Policy {
-    type Err = SchedError;
-    fn from_str(s: &str) -> Result<Policy, SchedError> {
-        match s {
-            "fifo" => Ok(Policy::Fifo),
-            "fair" => Ok(Policy::Fair),
-            "goodput" => Ok(Policy::Goodput),
-            other => Err(SchedError::BadPolicy { name: other.into() }),
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SimConfig {
@@ -50,6 +23,10 @@ pub struct SimConfig {
 impl SimConfig {
     pub fn new(slots: usize, policy: Policy) -> SimConfig {
         SimConfig { slots, policy, tick_s: 60.0, min_resize_interval_s: 300.0 }
+    }
+
+    pub fn policy_config(&self) -> PolicyConfig {
+        PolicyConfig { slots: self.slots, policy: self.policy, min_resize_interval_s: self.min_resize_interval_s }
     }
 }
 
@@ -188,6 +165,9 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
                 s.paused_until = t + jobs[j].resize_s;
                 s.last_resize = t;
             } else if s.workers == 0 && target > 0 {
+                if s.start.is_none() {
+                    s.paused_until = t + jobs[j].start_s;
+                }
                 s.start.get_or_insert(t);
                 s.last_resize = t;
             }
@@ -252,120 +232,14 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
     Ok(SimResult { jobs: results, timeline, slots: config.slots })
 }
 
-/// The policy's allocation for `active` (submission order), given the current state.
+/// The policy's allocation for `active` (submission order), given the current state: the one
+/// allocation function the server calls too.
 fn plan(jobs: &[JobSpec], state: &[State], active: &[usize], config: &SimConfig, t: f64) -> Vec<usize> {
-    let current: Vec<usize> = active.iter().map(|&j| state[j].workers).collect();
-    match config.policy {
-        Policy::Fifo => {
-            let mut out = current.clone();
-            let mut free = config.slots - current.iter().sum::<usize>();
-            for (i, &j) in active.iter().enumerate() {
-                if out[i] > 0 {
-                    continue;
-                }
-                let want = jobs[j].max_workers.min(config.slots);
-                if want > free {
-                    break; // the head of the queue blocks the rest
-                }
-                out[i] = want;
-                free -= want;
-            }
-            out
-        }
-        Policy::Fair => {
-            // Minimums in order (running jobs first keep theirs), then round-robin to max.
-            let mut out = vec![0; active.len()];
-            let mut free = config.slots;
-            let running_first =
-                (0..active.len()).filter(|&i| current[i] > 0).chain((0..active.len()).filter(|&i| current[i] == 0));
-            for i in running_first {
-                let min = jobs[active[i]].min_workers;
-                if min <= free {
-                    out[i] = min;
-                    free -= min;
-                }
-            }
-            loop {
-                let mut gave = false;
-                for i in 0..active.len() {
-                    if free > 0 && out[i] > 0 && out[i] < jobs[active[i]].max_workers {
-                        out[i] += 1;
-                        free -= 1;
-                        gave = true;
-                    }
-                }
-                if !gave {
-                    break;
-                }
-            }
-            out
-        }
-        Policy::Goodput => plan_goodput(jobs, state, active, &current, config, t),
-    }
-}
-
-fn plan_goodput(
-    jobs: &[JobSpec],
-    state: &[State],
-    active: &[usize],
-    current: &[usize],
-    config: &SimConfig,
-    t: f64,
-) -> Vec<usize> {
-    let n = active.len();
-    // Running jobs resized less than min_resize_interval_s ago keep their allocation, unless it
-    // must shrink to admit a waiting job (to the job's minimum, no lower).
-    let pinned: Vec<bool> =
-        (0..n).map(|i| current[i] > 0 && t - state[active[i]].last_resize < config.min_resize_interval_s).collect();
-    let mut out: Vec<usize> = (0..n).map(|i| if current[i] > 0 { jobs[active[i]].min_workers } else { 0 }).collect();
-    let mut free = config.slots - out.iter().sum::<usize>();
-    for i in 0..n {
-        if current[i] == 0 && jobs[active[i]].min_workers <= free {
-            out[i] = jobs[active[i]].min_workers;
-            free -= out[i];
-        }
-    }
-    // Pinned jobs get back what they hold, as far as the admissions leave room.
-    for i in 0..n {
-        if pinned[i] {
-            let extra = (current[i] - out[i]).min(free);
-            out[i] += extra;
-            free -= extra;
-        }
-    }
-    let gain = |i: usize, w: usize| {
-        let job = &jobs[active[i]];
-        job.priority * (job.speedup(w + 1) - job.speedup(w))
-    };
-    let mut grown = vec![false; n];
-    while free > 0 {
-        let best = (0..n)
-            .filter(|&i| out[i] > 0 && !pinned[i] && out[i] < jobs[active[i]].max_workers.min(config.slots))
-            .map(|i| (i, gain(i, out[i])))
-            .filter(|&(_, g)| g > 1e-12)
-            .max_by(|a, b| a.1.total_cmp(&b.1));
-        let Some((i, _)) = best else { break };
-        out[i] += 1;
-        free -= 1;
-        grown[i] = true;
-    }
-    // A running job grows only when the gain over the interval pays for the resize; it keeps
-    // what it has when the plan would shrink it for nothing (slots left free).
-    for i in 0..n {
-        let job = &jobs[active[i]];
-        if current[i] > 0 && out[i] != current[i] && !pinned[i] {
-            let horizon = config.min_resize_interval_s.max(job.resize_s);
-            let pays = job.goodput(out[i]) * (horizon - job.resize_s) > job.goodput(current[i]) * horizon;
-            if out[i] > current[i] && !pays {
-                free += out[i] - current[i];
-                out[i] = current[i];
-            } else if out[i] < current[i] && free >= current[i] - out[i] {
-                free -= current[i] - out[i];
-                out[i] = current[i];
-            }
-        }
-    }
-    out
+    let views: Vec<JobView<'_>> = active
+        .iter()
+        .map(|&j| JobView { spec: &jobs[j], workers: state[j].workers, last_resize_s: state[j].last_resize })
+        .collect();
+    allocate(&views, &config.policy_config(), t).into_iter().map(|a| a.workers).collect()
 }
 
 #[cfg(test)]
@@ -383,6 +257,7 @@ mod tests {
             scaling: Scaling::Amdahl { t1: 1.0, p },
             efficiency: Efficiency::FIXED_BATCH,
             resize_s: 10.0,
+            start_s: 0.0,
             priority: 1.0,
         }
     }

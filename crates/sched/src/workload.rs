@@ -63,6 +63,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
             max_workers: int(4, "max_workers")?,
             scaling: Scaling::parse(fields[5]).map_err(|e| bad(e.to_string()))?,
             resize_s: if fields.len() > 6 { float(6, "resize_s")? } else { 30.0 },
+            start_s: 0.0,
             priority: if fields.len() > 7 { float(7, "priority")? } else { 1.0 },
             efficiency,
         });
@@ -172,6 +173,7 @@ pub fn generate(spec: &WorkloadSpec, seed: u64) -> Vec<JobSpec> {
                 scaling: Scaling::Amdahl { t1, p },
                 efficiency: Efficiency::FIXED_BATCH,
                 resize_s: spec.resize_s,
+                start_s: 0.0,
                 priority: 1.0,
             }
         })
