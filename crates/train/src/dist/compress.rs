@@ -162,7 +162,7 @@ fn encode_int8(block: usize, values: &[f32], payload: &mut [u8], mut residual: O
     let (scales, quantized) = payload.split_at_mut(4 * n_blocks);
     for (b, chunk) in values.chunks(block).enumerate() {
         let span = b * block..b * block + chunk.len();
-        let mut carried = residual.as_deref_mut().map(|r| &mut r[span.clone()]);
+        let carried = residual.as_deref_mut().map(|r| &mut r[span.clone()]);
         let (max, finite) = match carried.as_deref() {
             Some(r) => max_abs(chunk.len(), |i| chunk[i] + r[i]),
             None => max_abs(chunk.len(), |i| chunk[i]),
