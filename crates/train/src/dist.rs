@@ -459,12 +459,15 @@ impl StepHooks for DataParallel {
                         zero.release_params(unit);
                     }
                 }
-                if !zero.grads_in_flight() {
-                    return Ok(());
-                }
-                clock.lap(Phase::Backward);
-                let result = zero.finish_grads(self.comm.as_ref(), self.compressor.as_mut());
-                clock.lap(Phase::CommExposed);
+                let result = if zero.grads_in_flight() {
+                    clock.lap(Phase::Backward);
+                    let result = zero.finish_grads(self.comm.as_ref(), self.compressor.as_mut());
+                    clock.lap(Phase::CommExposed);
+                    result
+                } else {
+                    // Every reduction completed while backward ran: nothing is exposed.
+                    Ok(())
+                };
                 if let Some(start) = self.first_submit.take() {
                     self.comm_ms = start.elapsed().as_secs_f64() * 1e3;
                 }
