@@ -780,8 +780,7 @@ fn rank_memory(dist: &DataParallel, trainer: &Trainer, rss_start: Option<u64>) -
         trainer.model().params().units().iter().map(|u| (u.range.end - u.range.start) as u64).collect();
     let stage = dist.zero_stage();
     // The shard maps the model's buffers when the fused CPU optimizer runs (see DataParallel::shard).
-    let slices =
-        if trainer.fused_cpu_optimizer() { stoke_plan::Slices::Mapped } else { stoke_plan::Slices::Copied };
+    let slices = if trainer.fused_cpu_optimizer() { stoke_plan::Slices::Mapped } else { stoke_plan::Slices::Copied };
     let bytes = stoke_plan::ZeroStage::try_from(stage)
         .map_err(|e| stoke_plan::PlanError::InvalidConfig { key: "dist.zero", message: e })
         .and_then(|zero| {

@@ -124,7 +124,8 @@ fn int8_with_error_feedback_ends_where_fp32_does() {
 #[test]
 fn a_sharded_compressed_run_resumes_bit_identically_and_consolidates() {
     let dir = tempfile::tempdir().unwrap();
-    let common = ["train.micro_batch=3", "train.lr_horizon=16", "dist.zero=3", "dist.compress=\"int8\"", "ckpt.every=8"];
+    let common =
+        ["train.micro_batch=3", "train.lr_horizon=16", "dist.zero=3", "dist.compress=\"int8\"", "ckpt.every=8"];
     let launch = |name: &str, resume: bool, extra: &[&str]| {
         let mut more = common.to_vec();
         more.extend_from_slice(extra);
@@ -157,18 +158,20 @@ fn a_sharded_compressed_run_resumes_bit_identically_and_consolidates() {
     // The files are plain safetensors (PyTorch reads them with `safetensors.torch.load_file`), by
     // nanoGPT's names, and the sharded run's tensors are the unsharded run's.
     let (a, b) = (std::fs::read(&plain).unwrap(), std::fs::read(&sharded).unwrap());
-    let (a, b) = (
-        safetensors::SafeTensors::deserialize(&a).unwrap(),
-        safetensors::SafeTensors::deserialize(&b).unwrap(),
-    );
+    let (a, b) =
+        (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
     let mut names = a.names();
     names.sort();
     let mut other = b.names();
     other.sort();
     assert_eq!(names, other);
-    for name in ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.attn.c_attn.weight",
-        "transformer.h.1.mlp.c_proj.weight", "transformer.ln_f.weight"]
-    {
+    for name in [
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.1.mlp.c_proj.weight",
+        "transformer.ln_f.weight",
+    ] {
         assert!(names.contains(&name), "{name} missing from {names:?}");
     }
     let values = |t: safetensors::tensor::TensorView<'_>| -> Vec<f32> {

@@ -527,9 +527,11 @@ impl StepHooks for DataParallel {
             self.comm.recv(&mut len, from).map_err(|e| self.error("receive compression residuals", e))?;
             let mut bytes = vec![0u8; u64::from_le_bytes(len) as usize];
             self.comm.recv(&mut bytes, from).map_err(|e| self.error("receive compression residuals", e))?;
-            let state: Vec<(String, Vec<f32>)> = serde_json::from_slice(&bytes).map_err(|e| {
-                TrainError::InvalidConfig { key: "dist.compress", message: format!("rank {from} sent residuals that do not parse: {e}") }
-            })?;
+            let state: Vec<(String, Vec<f32>)> =
+                serde_json::from_slice(&bytes).map_err(|e| TrainError::InvalidConfig {
+                    key: "dist.compress",
+                    message: format!("rank {from} sent residuals that do not parse: {e}"),
+                })?;
             all.extend(state.into_iter().map(|(name, values)| (format!("{name}@rank{from}"), values)));
         }
         Ok(all)

@@ -287,7 +287,10 @@ pub(crate) fn fused_slices(
     let fusable =
         kernel == UpdateKernel::Fused && [param_memory, grad_memory, first].into_iter().chain(second).all(cpu_f32);
     if !fusable {
-        assert!(!params_mapped && !grads_mapped, "only the fused CPU kernel updates a shard that maps the model's buffers");
+        assert!(
+            !params_mapped && !grads_mapped,
+            "only the fused CPU kernel updates a shard that maps the model's buffers"
+        );
         return None;
     }
     let (g, p, m) =

@@ -352,7 +352,8 @@ impl FlatParams {
                     continue;
                 }
                 let offset = local + (lo - segment.start);
-                let tensor = if map.params { self.flat.narrow(0, lo, hi - lo) } else { flat.narrow(0, offset, hi - lo) };
+                let tensor =
+                    if map.params { self.flat.narrow(0, lo, hi - lo) } else { flat.narrow(0, offset, hi - lo) };
                 entries.push(ParamEntry {
                     name: entry.name.clone(),
                     shape: vec![hi - lo],

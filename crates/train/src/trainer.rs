@@ -17,9 +17,9 @@ use crate::clock::StepClock;
 use crate::config::{CkptConfig, EvalConfig, GptShape, ModelConfig, Precision, TrainConfig};
 use crate::executor::{Executor, NoHooks, Recompute, StepHooks};
 use crate::model::Gpt;
-use crate::params::FlatParams;
 use crate::optim::UpdateKernel;
 use crate::optimizers::{Hyper, Optimizer};
+use crate::params::FlatParams;
 use crate::precision::LossScaler;
 use crate::TrainError;
 
@@ -710,8 +710,7 @@ impl Trainer {
             // synchronizes anyway) or gradient norm stops the run before the update.
             let local_loss = loss_sum.double_value(&[]);
             let monitored = logged && self.train.monitor_every > 0 && step_number % self.train.monitor_every == 0;
-            let before_update =
-                (monitored && !self.sharded).then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0)));
+            let before_update = (monitored && !self.sharded).then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0)));
             let outcome = self.optimizer_step(lr, local_loss.is_finite(), hooks, &mut clock)?;
             let outcome = match outcome {
                 Ok(outcome) => outcome,

@@ -225,10 +225,11 @@ impl Zero {
         }
         tch::no_grad(|| {
             for (own, local) in self.own.iter().zip(&self.local) {
-                self.shard
-                    .flat_grad()
-                    .narrow(0, local.start, local.end - local.start)
-                    .copy_(&self.model_grad.narrow(0, own.start, own.end - own.start));
+                self.shard.flat_grad().narrow(0, local.start, local.end - local.start).copy_(&self.model_grad.narrow(
+                    0,
+                    own.start,
+                    own.end - own.start,
+                ));
             }
         });
         if let (Some(first), Some(last)) = (self.units.first(), self.units.last()) {
@@ -272,13 +273,13 @@ impl Zero {
             self.grad_works.push_back((unit, InFlight::Compressed(pending)));
             return Ok(());
         }
-        let region = f32_region(&self.model_grad, range)
-            .map_err(|reason| self.invalid("reduce_scatter gradients", reason))?;
+        let region =
+            f32_region(&self.model_grad, range).map_err(|reason| self.invalid("reduce_scatter gradients", reason))?;
         // SAFETY: the unit's gradient is final for this step (grads_final fires after its last
         // backward), nothing writes or reads it until `finish_grad` has waited on this Work, and
         // the model's gradient buffer outlives `self` (its memory is never unmapped).
-        let work = unsafe { comm.reduce_scatter_async(region, ReduceOp::Avg) }
-            .map_err(fail("reduce_scatter gradients"))?;
+        let work =
+            unsafe { comm.reduce_scatter_async(region, ReduceOp::Avg) }.map_err(fail("reduce_scatter gradients"))?;
         self.grad_works.push_back((unit, InFlight::Plain(work)));
         Ok(())
     }
@@ -313,10 +314,11 @@ impl Zero {
         }
         let (own, local) = (&self.own[unit], &self.local[unit]);
         tch::no_grad(|| {
-            self.shard
-                .flat_grad()
-                .narrow(0, local.start, local.end - local.start)
-                .copy_(&self.model_grad.narrow(0, own.start, own.end - own.start));
+            self.shard.flat_grad().narrow(0, local.start, local.end - local.start).copy_(&self.model_grad.narrow(
+                0,
+                own.start,
+                own.end - own.start,
+            ));
         });
         self.grads.release(self.units[unit].clone());
         Ok(())
@@ -383,9 +385,11 @@ impl Zero {
     fn place_shard(&self, unit: usize) {
         let (own, local) = (&self.own[unit], &self.local[unit]);
         tch::no_grad(|| {
-            self.model_flat
-                .narrow(0, own.start, own.end - own.start)
-                .copy_(&self.shard.flat().narrow(0, local.start, local.end - local.start));
+            self.model_flat.narrow(0, own.start, own.end - own.start).copy_(&self.shard.flat().narrow(
+                0,
+                local.start,
+                local.end - local.start,
+            ));
         });
     }
 
@@ -394,8 +398,8 @@ impl Zero {
         if range.is_empty() {
             return Ok(None);
         }
-        let region = f32_region(&self.model_flat, range)
-            .map_err(|reason| self.invalid("all_gather parameters", reason))?;
+        let region =
+            f32_region(&self.model_flat, range).map_err(|reason| self.invalid("all_gather parameters", reason))?;
         // SAFETY: nothing reads or writes the unit's parameters until the Work is waited on: at
         // stage 1 and 2 the caller waits before returning; at stage 3 a unit is used only once
         // `ensure` has waited (its state is InFlight until then), and the model's buffer is never
@@ -459,8 +463,11 @@ impl Zero {
             for unit in 0..self.units.len() {
                 let (own, local) = (&self.own[unit], &self.local[unit]);
                 tch::no_grad(|| {
-                    full.narrow(0, own.start, own.end - own.start)
-                        .copy_(&shard.narrow(0, local.start, local.end - local.start));
+                    full.narrow(0, own.start, own.end - own.start).copy_(&shard.narrow(
+                        0,
+                        local.start,
+                        local.end - local.start,
+                    ));
                 });
                 if self.units[unit].is_empty() {
                     continue;
