@@ -70,7 +70,7 @@ def launch(args):
     line = procs[0].communicate()[0].decode()
     codes = [p.wait() for p in procs]
     if any(codes):
-        sys.exit(f"ddp_gpt.py: worker exit codes {codes}")
+        sys.exit(f"{os.path.basename(sys.argv[0])}: worker exit codes {codes}")
     sys.stdout.write(line)
 
 

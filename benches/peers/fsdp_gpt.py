@@ -22,11 +22,8 @@ loopback port) and prints rank 0's JSON line, which carries every rank's memory:
     python fsdp_gpt.py --data corpus.txt --nproc 2 --sharding full_shard --steps 40
 """
 import argparse
-import ctypes
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -36,25 +33,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from ddp_gpt import build_model, free_port
+from ddp_gpt import build_model, launch
+from recompute_gpt import bytes_in_use as malloc_in_use
 from train_gpt import PRESETS, step_figures
 
 STRATEGIES = {"full_shard": ShardingStrategy.FULL_SHARD, "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP}
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-_libc = ctypes.CDLL("libc.so.6")
-_libc.mallinfo2.restype = _MallInfo2
-
-
-def malloc_in_use():
-    info = _libc.mallinfo2()
-    return info.uordblks + info.hblkhd
 
 
 def status_bytes(field):
@@ -90,22 +73,6 @@ def model_state_bytes(fsdp, opt):
         "gradients": tensor_bytes([p.grad for p in flat]),
         "optimizer": tensor_bytes(optimizer),
     }
-
-
-def launch(args):
-    """Starts args.nproc workers of this script with torchrun's variables; returns rank 0's line."""
-    port = str(free_port())
-    procs = []
-    for rank in range(args.nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
-        procs.append(subprocess.Popen([sys.executable] + sys.argv, env=env, stdout=out))
-    line = procs[0].communicate()[0].decode()
-    codes = [p.wait() for p in procs]
-    if any(codes):
-        sys.exit(f"fsdp_gpt.py: worker exit codes {codes}")
-    sys.stdout.write(line)
 
 
 def main():

@@ -764,9 +764,7 @@ fn train_other_rank(
     let summary = trainer.run_with_hooks(source, &mut [&mut profiler, &mut heartbeat], None, stop, dist)?;
     profiler.set_memory(rank_memory(dist, trainer, rss_start));
     let bytes = profiler.rank_report().to_bytes();
-    let comm = dist.communicator();
-    comm.send(&(bytes.len() as u64).to_le_bytes(), 0)
-        .and_then(|()| comm.send(&bytes, 0))
+    dist.gather_bytes_at_rank0(&bytes, "send the step report to rank 0")
         .with_context(|| format!("rank {rank}: sending its step report ({} bytes) to rank 0", bytes.len()))?;
     // /metrics stays up until the report is delivered: the end of the run on every rank.
     drop(profiler);
@@ -886,20 +884,9 @@ fn host_monotonic_ns() -> Option<u64> {
 
 /// Rank 0: every other rank's step report (a length, then the bytes), in rank order.
 fn gather_rank_reports(dist: &DataParallel) -> anyhow::Result<Vec<stoke_prof::RankStepReport>> {
-    let comm = dist.communicator();
-    let mut reports = Vec::with_capacity(dist.world_size().saturating_sub(1));
-    for from in 1..dist.world_size() {
-        let context = || format!("rank 0: receiving rank {from}'s step report");
-        let mut len = [0u8; 8];
-        comm.recv(&mut len, from).with_context(context)?;
-        let len = u64::from_le_bytes(len);
-        // A report is JSON of the run's steps: far below this; more is a corrupt length.
-        anyhow::ensure!(len <= 1 << 34, "rank 0: rank {from} announced a step report of {len} bytes");
-        let mut bytes = vec![0u8; len as usize];
-        comm.recv(&mut bytes, from).with_context(context)?;
-        reports.push(stoke_prof::RankStepReport::from_bytes(from, &bytes)?);
-    }
-    Ok(reports)
+    let received =
+        dist.gather_bytes_at_rank0(&[], "receive the step reports").context("rank 0: receiving the step reports")?;
+    (1..).zip(received).map(|(from, bytes)| Ok(stoke_prof::RankStepReport::from_bytes(from, &bytes)?)).collect()
 }
 
 /// Writes `nan-dump.json` into the run folder when the run stopped on a non-finite loss or

@@ -225,9 +225,38 @@ impl DataParallel {
         Ok(())
     }
 
+    /// Every other rank's `bytes` at rank 0, in rank order (1, 2, ...): each sends a length, then
+    /// the bytes; rank 0 passes nothing and gets them, the others get an empty list. Collective.
+    pub fn gather_bytes_at_rank0(&self, bytes: &[u8], op: &'static str) -> Result<Vec<Vec<u8>>, TrainError> {
+        if self.comm.rank() != 0 {
+            self.comm
+                .send(&(bytes.len() as u64).to_le_bytes(), 0)
+                .and_then(|()| self.comm.send(bytes, 0))
+                .map_err(|e| self.error(op, e))?;
+            return Ok(Vec::new());
+        }
+        let mut out = Vec::with_capacity(self.comm.world_size().saturating_sub(1));
+        for from in 1..self.comm.world_size() {
+            let mut len = [0u8; 8];
+            self.comm.recv(&mut len, from).map_err(|e| self.error(op, e))?;
+            let len = u64::from_le_bytes(len);
+            // Reports and residuals are far below this; more is a corrupt length.
+            if len > 1 << 34 {
+                return Err(TrainError::InvalidConfig {
+                    key: "dist",
+                    message: format!("rank 0: rank {from} announced {len} bytes in `{op}`"),
+                });
+            }
+            let mut received = vec![0u8; len as usize];
+            self.comm.recv(&mut received, from).map_err(|e| self.error(op, e))?;
+            out.push(received);
+        }
+        Ok(out)
+    }
+
     /// The ZeRO stage in effect (0 before `shard`, or on one process).
     pub fn zero_stage(&self) -> u8 {
-        self.stage()
+        self.zero.as_ref().map_or(0, Zero::stage)
     }
 
     /// Elements of this rank's shard (None without ZeRO).
@@ -274,12 +303,7 @@ impl DataParallel {
         let compressor = self.compressor.as_mut().expect("compression is on");
         // SAFETY: the bucket's range of the model's contiguous CPU fp32 gradient buffer (checked
         // in `plan`), final for this step; the compressor reads it only during this call.
-        let values = unsafe {
-            std::slice::from_raw_parts(
-                (flat_grad.data_ptr() as *const f32).add(range.start as usize),
-                (range.end - range.start) as usize,
-            )
-        };
+        let values = unsafe { f32_slice(flat_grad, range.clone()) };
         let pending = compressor.start_all_reduce(self.comm.as_ref(), id, values)?;
         self.compressed.push((range, pending));
         Ok(())
@@ -297,12 +321,7 @@ impl DataParallel {
         let compressor = self.compressor.as_mut().expect("compression is on");
         for (range, pending) in self.compressed.drain(..) {
             // SAFETY: as in `start_compressed`; backward is over and the optimizer waits for this.
-            let values = unsafe {
-                std::slice::from_raw_parts_mut(
-                    (flat_grad.data_ptr() as *mut f32).add(range.start as usize),
-                    (range.end - range.start) as usize,
-                )
-            };
+            let values = unsafe { f32_slice(&flat_grad, range) };
             compressor.finish(self.comm.as_ref(), pending, values)?;
         }
         Ok(())
@@ -322,7 +341,7 @@ impl DataParallel {
         clock.lap(before);
         let result = zero.ensure(self.comm.as_ref(), unit);
         clock.lap(Phase::CommExposed);
-        result.map(|_| ()).map_err(|e| self.zero_error(e))
+        result.map_err(|e| self.zero_error(e))
     }
 
     fn prefetch(&mut self, units: impl Iterator<Item = usize>) -> Result<(), TrainError> {
@@ -334,15 +353,11 @@ impl DataParallel {
         }
         Ok(())
     }
-
-    fn stage(&self) -> u8 {
-        self.zero.as_ref().map_or(0, Zero::stage)
-    }
 }
 
 impl StepHooks for DataParallel {
     fn before_forward(&mut self, unit: usize, clock: &mut StepClock) -> Result<(), TrainError> {
-        if self.stage() < 3 {
+        if self.zero_stage() < 3 {
             return Ok(());
         }
         self.ensure_gathered(unit, Phase::Forward, clock)?;
@@ -357,7 +372,7 @@ impl StepHooks for DataParallel {
     }
 
     fn before_backward(&mut self, unit: usize, clock: &mut StepClock) -> Result<(), TrainError> {
-        if self.stage() < 3 {
+        if self.zero_stage() < 3 {
             return Ok(());
         }
         self.ensure_gathered(unit, Phase::Backward, clock)?;
@@ -380,7 +395,7 @@ impl StepHooks for DataParallel {
         if self.comm.world_size() == 1 {
             return Ok(());
         }
-        if self.stage() >= 2 {
+        if self.zero_stage() >= 2 {
             self.first_submit.get_or_insert_with(Instant::now);
             let overlap = self.config.overlap;
             let zero = self.zero.as_mut().expect("stage 2 or 3");
@@ -426,7 +441,7 @@ impl StepHooks for DataParallel {
     }
 
     fn before_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
-        match self.stage() {
+        match self.zero_stage() {
             0 | 1 => {
                 if !self.compressed.is_empty() || !self.compress_ready.is_empty() {
                     clock.lap(Phase::Backward);
@@ -509,24 +524,17 @@ impl StepHooks for DataParallel {
         if self.compressor.is_none() {
             return Ok(Vec::new());
         }
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let own = self.residual_state();
-        let encode = |state: &[(String, Vec<f32>)]| serde_json::to_vec(state).expect("residuals serialize");
-        if rank != 0 {
-            let bytes = encode(&own);
-            self.comm
-                .send(&(bytes.len() as u64).to_le_bytes(), 0)
-                .and_then(|()| self.comm.send(&bytes, 0))
-                .map_err(|e| self.error("send compression residuals", e))?;
+        let gathered = self.gather_bytes_at_rank0(
+            &serde_json::to_vec(&own).expect("residuals serialize"),
+            "gather compression residuals",
+        )?;
+        if self.comm.rank() != 0 {
             return Ok(Vec::new());
         }
         let mut all: Vec<(String, Vec<f32>)> =
             own.into_iter().map(|(name, values)| (format!("{name}@rank0"), values)).collect();
-        for from in 1..world {
-            let mut len = [0u8; 8];
-            self.comm.recv(&mut len, from).map_err(|e| self.error("receive compression residuals", e))?;
-            let mut bytes = vec![0u8; u64::from_le_bytes(len) as usize];
-            self.comm.recv(&mut bytes, from).map_err(|e| self.error("receive compression residuals", e))?;
+        for (from, bytes) in (1..).zip(gathered) {
             let state: Vec<(String, Vec<f32>)> =
                 serde_json::from_slice(&bytes).map_err(|e| TrainError::InvalidConfig {
                     key: "dist.compress",
@@ -573,6 +581,20 @@ impl StepHooks for DataParallel {
         let mut flag = [if local { 1.0f32 } else { 0.0 }];
         self.comm.all_reduce(&mut flag, ReduceOp::Sum).map_err(|e| self.error("all_reduce stop flag", e))?;
         Ok(flag[0] > 0.0)
+    }
+}
+
+/// Elements `range` of a contiguous CPU fp32 tensor as a slice.
+///
+/// # Safety
+/// `range` lies inside the tensor, and nothing else reads or writes it while the slice lives.
+unsafe fn f32_slice<'a>(t: &Tensor, range: Range<i64>) -> &'a mut [f32] {
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            (t.data_ptr() as *mut f32).add(range.start as usize),
+            (range.end - range.start) as usize,
+        )
     }
 }
 

@@ -30,7 +30,7 @@ use stoke_comm::{shard_range, CommError, Communicator, CommunicatorExt, ReduceOp
 use tch::Tensor;
 
 use super::compress::{Compressor, Pending};
-use super::f32_region;
+use super::{f32_region, f32_slice};
 use crate::params::{Buffer, FlatParams, ParamEntry, Releaser, ShardMap};
 
 /// Which ZeRO stage, and how far stage 3 gathers ahead.
@@ -108,18 +108,19 @@ pub(crate) struct ZeroError {
 
 type Result<T> = std::result::Result<T, ZeroError>;
 
-/// `len` f32 of a contiguous CPU fp32 tensor from element `start`.
-///
-/// # Safety
-/// `start..start + len` lies inside the tensor, and nothing else reads or writes it while the
-/// slice lives.
-unsafe fn f32_slice<'a>(t: &Tensor, start: i64, len: i64) -> &'a mut [f32] {
-    // SAFETY: the caller's contract.
-    unsafe { std::slice::from_raw_parts_mut((t.data_ptr() as *mut f32).add(start as usize), len as usize) }
-}
-
 fn fail(op: &'static str) -> impl FnOnce(CommError) -> ZeroError {
     move |source| ZeroError { op, source }
+}
+
+/// Waits for every one of `works` (all of them, even after a failure); the first error.
+fn wait_all(works: Vec<Work>, op: &'static str) -> Result<()> {
+    let mut first_error = None;
+    for work in works {
+        if let Err(e) = work.wait() {
+            first_error.get_or_insert(e);
+        }
+    }
+    first_error.map_or(Ok(()), |e| Err(fail(op)(e)))
 }
 
 impl Zero {
@@ -159,7 +160,7 @@ impl Zero {
         if config.stage >= 3 {
             params.make_releasable(Buffer::Params)?;
         }
-        let zero = Zero {
+        let mut zero = Zero {
             stage: config.stage,
             rank,
             map,
@@ -178,8 +179,7 @@ impl Zero {
         };
         // Gradients start cleared (at stage 2 and 3 that gives their pages back); at stage 3 the
         // shard is the only copy of the parameters.
-        zero.grads.release(0..params.n_elements());
-        let mut zero = zero;
+        zero.grads.release(zero.whole());
         if zero.stage >= 3 {
             for unit in 0..zero.units.len() {
                 zero.release_params(unit);
@@ -194,6 +194,30 @@ impl Zero {
 
     pub(crate) fn stage(&self) -> u8 {
         self.stage
+    }
+
+    /// The whole range of the model's buffers.
+    fn whole(&self) -> Range<i64> {
+        self.units.first().map_or(0, |u| u.start)..self.units.last().map_or(0, |u| u.end)
+    }
+
+    /// `unit`'s slice that this rank owns, in a buffer laid out like the model's.
+    fn model_slice(&self, unit: usize, model: &Tensor) -> Tensor {
+        let own = &self.own[unit];
+        model.narrow(0, own.start, own.end - own.start)
+    }
+
+    /// The same slice in a buffer laid out like the shard.
+    fn shard_slice(&self, unit: usize, shard: &Tensor) -> Tensor {
+        let local = &self.local[unit];
+        shard.narrow(0, local.start, local.end - local.start)
+    }
+
+    /// Copies this rank's slice of `unit`'s averaged gradient into the shard.
+    fn take_grad_slice(&self, unit: usize) {
+        tch::no_grad(|| {
+            self.shard_slice(unit, self.shard.flat_grad()).copy_(&self.model_slice(unit, &self.model_grad))
+        });
     }
 
     /// Where each piece of the shard starts inside its parameter (by parameter name), for moving
@@ -223,18 +247,10 @@ impl Zero {
         if self.map.grads {
             return;
         }
-        tch::no_grad(|| {
-            for (own, local) in self.own.iter().zip(&self.local) {
-                self.shard.flat_grad().narrow(0, local.start, local.end - local.start).copy_(&self.model_grad.narrow(
-                    0,
-                    own.start,
-                    own.end - own.start,
-                ));
-            }
-        });
-        if let (Some(first), Some(last)) = (self.units.first(), self.units.last()) {
-            self.grads.release(first.start..last.end);
+        for unit in 0..self.units.len() {
+            self.take_grad_slice(unit);
         }
+        self.grads.release(self.whole());
     }
 
     /// Stage 2 and 3: unit `unit`'s gradient is final. Starts its reduce-scatter (or, without
@@ -266,7 +282,7 @@ impl Zero {
         if let Some(compressor) = compressor {
             // SAFETY: the unit's range of the model's CPU gradient buffer, final for this step;
             // the compressor reads it only during this call.
-            let values = unsafe { f32_slice(&self.model_grad, range.start, range.end - range.start) };
+            let values = unsafe { f32_slice(&self.model_grad, range.clone()) };
             let pending = compressor
                 .start_reduce_scatter(comm, unit, values)
                 .map_err(|e| self.compress_error("compressed reduce_scatter gradients", e))?;
@@ -305,21 +321,14 @@ impl Zero {
                 let range = &self.units[unit];
                 // SAFETY: as in `submit_grad`; nothing else touches the range until it is
                 // released below.
-                let values = unsafe { f32_slice(&self.model_grad, range.start, range.end - range.start) };
+                let values = unsafe { f32_slice(&self.model_grad, range.clone()) };
                 compressor
                     .finish(comm, pending, values)
                     .map_err(|e| self.compress_error("compressed reduce_scatter gradients", e))?;
             }
             (InFlight::Compressed(_), None) => unreachable!("a compressed reduction is finished with its compressor"),
         }
-        let (own, local) = (&self.own[unit], &self.local[unit]);
-        tch::no_grad(|| {
-            self.shard.flat_grad().narrow(0, local.start, local.end - local.start).copy_(&self.model_grad.narrow(
-                0,
-                own.start,
-                own.end - own.start,
-            ));
-        });
+        self.take_grad_slice(unit);
         self.grads.release(self.units[unit].clone());
         Ok(())
     }
@@ -359,52 +368,42 @@ impl Zero {
     pub(crate) fn all_gather_params(&mut self, comm: &dyn Communicator) -> Result<()> {
         if self.map.grads {
             // The update cleared this rank's slices of the mapped gradients; the others too.
-            if let (Some(first), Some(last)) = (self.units.first(), self.units.last()) {
-                self.grads.release(first.start..last.end);
-            }
+            self.grads.release(self.whole());
         }
         let mut works = Vec::with_capacity(self.units.len());
         for unit in 0..self.units.len() {
             if !self.map.params {
                 self.place_shard(unit);
             }
-            if let Some(work) = self.submit_gather(comm, unit)? {
-                works.push(work);
-            }
+            works.extend(self.submit_gather(comm, &self.model_flat, unit, "all_gather parameters")?);
         }
-        let mut first_error = None;
-        for work in works {
-            if let Err(e) = work.wait() {
-                first_error.get_or_insert(e);
-            }
-        }
-        first_error.map_or(Ok(()), |e| Err(fail("all_gather parameters")(e)))
+        wait_all(works, "all_gather parameters")
     }
 
     /// Copies this rank's slice of `unit` from the shard into the model's buffer.
     fn place_shard(&self, unit: usize) {
-        let (own, local) = (&self.own[unit], &self.local[unit]);
-        tch::no_grad(|| {
-            self.model_flat.narrow(0, own.start, own.end - own.start).copy_(&self.shard.flat().narrow(
-                0,
-                local.start,
-                local.end - local.start,
-            ));
-        });
+        tch::no_grad(|| self.model_slice(unit, &self.model_flat).copy_(&self.shard_slice(unit, self.shard.flat())));
     }
 
-    fn submit_gather(&self, comm: &dyn Communicator, unit: usize) -> Result<Option<Work>> {
+    /// Starts the in-place all-gather of `unit`'s range of `buffer` (laid out like the model's),
+    /// whose slice this rank already holds; None for an empty unit.
+    fn submit_gather(
+        &self,
+        comm: &dyn Communicator,
+        buffer: &Tensor,
+        unit: usize,
+        op: &'static str,
+    ) -> Result<Option<Work>> {
         let range = self.units[unit].clone();
         if range.is_empty() {
             return Ok(None);
         }
-        let region =
-            f32_region(&self.model_flat, range).map_err(|reason| self.invalid("all_gather parameters", reason))?;
-        // SAFETY: nothing reads or writes the unit's parameters until the Work is waited on: at
-        // stage 1 and 2 the caller waits before returning; at stage 3 a unit is used only once
-        // `ensure` has waited (its state is InFlight until then), and the model's buffer is never
-        // unmapped.
-        let work = unsafe { comm.all_gather_async(region) }.map_err(fail("all_gather parameters"))?;
+        let region = f32_region(buffer, range).map_err(|reason| self.invalid(op, reason))?;
+        // SAFETY: nothing reads or writes the range until the Work is waited on: the model's
+        // parameters at stage 1 and 2 and the optimizer state are waited on before the caller
+        // returns; at stage 3 a unit is used only once `ensure` has waited (its state is InFlight
+        // until then). The buffers outlive the wait (the model's is never unmapped).
+        let work = unsafe { comm.all_gather_async(region) }.map_err(fail(op))?;
         Ok(Some(work))
     }
 
@@ -414,23 +413,19 @@ impl Zero {
             return Ok(());
         }
         self.place_shard(unit);
-        self.gathered[unit] = match self.submit_gather(comm, unit)? {
+        self.gathered[unit] = match self.submit_gather(comm, &self.model_flat, unit, "all_gather parameters")? {
             Some(work) => Gathered::InFlight(work),
             None => Gathered::Ready,
         };
         Ok(())
     }
 
-    /// Stage 3: `unit`'s parameters in place (gathered now if nobody started it). Returns whether
-    /// it had to wait.
-    pub(crate) fn ensure(&mut self, comm: &dyn Communicator, unit: usize) -> Result<bool> {
+    /// Stage 3: `unit`'s parameters in place (gathered now if nobody started it).
+    pub(crate) fn ensure(&mut self, comm: &dyn Communicator, unit: usize) -> Result<()> {
         self.prefetch(comm, unit)?;
         match std::mem::replace(&mut self.gathered[unit], Gathered::Ready) {
-            Gathered::InFlight(work) => {
-                work.wait().map_err(fail("all_gather parameters"))?;
-                Ok(true)
-            }
-            Gathered::Ready => Ok(false),
+            Gathered::InFlight(work) => work.wait().map_err(fail("all_gather parameters")),
+            Gathered::Ready => Ok(()),
             Gathered::Released => unreachable!("prefetch started it"),
         }
     }
@@ -455,39 +450,16 @@ impl Zero {
         comm: &dyn Communicator,
         buffers: &[(&'static str, Tensor)],
     ) -> Result<Vec<(&'static str, Tensor)>> {
-        let n = self.units.last().map_or(0, |u| u.end);
+        let op = "all_gather optimizer state";
         let mut out = Vec::with_capacity(buffers.len());
         for (suffix, shard) in buffers {
-            let full = Tensor::zeros([n], (tch::Kind::Float, shard.device()));
+            let full = Tensor::zeros([self.whole().end], (tch::Kind::Float, shard.device()));
             let mut works = Vec::with_capacity(self.units.len());
             for unit in 0..self.units.len() {
-                let (own, local) = (&self.own[unit], &self.local[unit]);
-                tch::no_grad(|| {
-                    full.narrow(0, own.start, own.end - own.start).copy_(&shard.narrow(
-                        0,
-                        local.start,
-                        local.end - local.start,
-                    ));
-                });
-                if self.units[unit].is_empty() {
-                    continue;
-                }
-                let region = f32_region(&full, self.units[unit].clone())
-                    .map_err(|reason| self.invalid("all_gather optimizer state", reason))?;
-                // SAFETY: `full` lives until the end of this function, after every wait below,
-                // and nothing else touches it meanwhile.
-                let work = unsafe { comm.all_gather_async(region) }.map_err(fail("all_gather optimizer state"))?;
-                works.push(work);
+                tch::no_grad(|| self.model_slice(unit, &full).copy_(&self.shard_slice(unit, shard)));
+                works.extend(self.submit_gather(comm, &full, unit, op)?);
             }
-            let mut first_error = None;
-            for work in works {
-                if let Err(e) = work.wait() {
-                    first_error.get_or_insert(e);
-                }
-            }
-            if let Some(e) = first_error {
-                return Err(fail("all_gather optimizer state")(e));
-            }
+            wait_all(works, op)?;
             out.push((*suffix, full));
         }
         Ok(out)
