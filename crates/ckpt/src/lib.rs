@@ -32,12 +32,14 @@ mod error;
 mod format;
 mod fsops;
 mod mirror;
+mod shards;
 mod store;
 mod writer;
 
 pub use error::CkptError;
 pub use format::{write_safetensors, DType, TensorRecord};
 pub use mirror::{Mirror, MirrorStats, MirrorStore};
+pub use shards::{Piece, ShardRole, ShardTable, ShardedTensor};
 pub use store::{
     load_dir, steps_to_delete, steps_to_delete_protecting, verify_dir, CheckpointStore, FileEntry, Loaded, Manifest,
     VerifyReport, MANIFEST,

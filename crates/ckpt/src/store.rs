@@ -27,13 +27,17 @@ use serde::{Deserialize, Serialize};
 use crate::error::io;
 use crate::format::{deserialize, write_file, FileSource, TensorRef};
 use crate::fsops::{rename_exchange, sync_dir, write_synced};
+use crate::shards::{assemble, check_file, check_table, merge, rank_stem, PieceRecord, ShardRole, ShardTable};
 use crate::{CkptError, TensorRecord};
 
 pub const MANIFEST: &str = "manifest.json";
 const FORMAT_VERSION: u32 = 1;
 const TMP_PREFIX: &str = ".tmp-";
 const TRASH_PREFIX: &str = ".trash-";
+const PART_PREFIX: &str = ".part-";
 const STEP_PREFIX: &str = "step-";
+/// A rank's part of a sharded checkpoint: its files and pieces (see `shards`).
+const PART_FILE: &str = "part.json";
 
 /// Makes trash names unique within a process.
 static TRASH_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -53,6 +57,9 @@ pub struct Manifest {
     pub step: u64,
     pub files: Vec<FileEntry>,
     pub meta: serde_json::Value,
+    /// A checkpoint written by several ranks: where each logical tensor's pieces are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<ShardTable>,
 }
 
 impl Manifest {
@@ -68,6 +75,18 @@ pub(crate) struct Prepared {
     step: u64,
     tmp: PathBuf,
     pub(crate) bytes: u64,
+    /// A rank's part of a sharded checkpoint, handed to the coordinator: nothing to publish.
+    pub(crate) part: bool,
+}
+
+/// `part.json`: what rank `rank` wrote for the checkpoint of `step`.
+#[derive(Debug, Serialize, Deserialize)]
+struct Part {
+    step: u64,
+    rank: usize,
+    world_size: usize,
+    files: Vec<FileEntry>,
+    pieces: Vec<(String, PieceRecord)>,
 }
 
 /// A loaded checkpoint: its manifest and, per file stem, its tensors.
@@ -83,12 +102,31 @@ pub struct Loaded {
 pub struct CheckpointStore {
     dir: PathBuf,
     writer: String,
+    /// Set for the ranks of a sharded checkpoint (`with_shard`).
+    shard: Option<ShardRole>,
 }
 
 impl CheckpointStore {
     /// The store in `dir`, writing as writer `rank0`.
     pub fn new(dir: impl Into<PathBuf>) -> CheckpointStore {
-        CheckpointStore { dir: dir.into(), writer: "rank0".into() }
+        CheckpointStore { dir: dir.into(), writer: "rank0".into(), shard: None }
+    }
+
+    /// The same folder, as rank `role.rank` of `role.world` writing sharded checkpoints: every
+    /// rank writes its own files (`<stem>-rank<r>.safetensors`, with its pieces of the logical
+    /// tensors); rank 0 gathers the other ranks' parts into the checkpoint and writes the
+    /// manifest, waiting at most `role.wait` for them. The writer id becomes `rank<r>`.
+    pub fn with_shard(self, role: ShardRole) -> Result<CheckpointStore, CkptError> {
+        if role.world == 0 || role.rank >= role.world {
+            return Err(CkptError::Writer { message: format!("rank {} of a world of {}", role.rank, role.world) });
+        }
+        let mut store = self.with_writer(&format!("rank{}", role.rank))?;
+        store.shard = Some(role);
+        Ok(store)
+    }
+
+    pub fn shard_role(&self) -> Option<ShardRole> {
+        self.shard
     }
 
     /// The same folder, writing as `id` (for example `rank3`): temporaries and trash carry it, so
@@ -113,6 +151,10 @@ impl CheckpointStore {
 
     fn tmp_dir(&self, step: u64) -> PathBuf {
         self.dir.join(format!("{TMP_PREFIX}{}-step-{step}", self.writer))
+    }
+
+    fn part_dir(&self, rank: usize, step: u64) -> PathBuf {
+        self.dir.join(format!("{PART_PREFIX}rank{rank}-step-{step}"))
     }
 
     fn trash_dir(&self, what: &str) -> PathBuf {
@@ -151,38 +193,149 @@ impl CheckpointStore {
     ) -> Result<(PathBuf, u64), CkptError> {
         std::fs::create_dir_all(&self.dir).map_err(io("create", &self.dir))?;
         self.remove_own_leftovers()?;
-        let prepared = self.prepare(step, sources, meta)?;
+        let prepared = self.prepare(step, sources, &[], meta, &|| false)?;
         let bytes = prepared.bytes;
         Ok((self.publish(prepared)?, bytes))
     }
 
-    /// Steps 1 of the commit protocol: the checkpoint, complete and durable, under this writer's
-    /// temporary name (not a checkpoint yet).
+    /// Step 1 of the commit protocol: the checkpoint, complete and durable, under this writer's
+    /// temporary name (not a checkpoint yet). On a sharded store, rank r > 0 hands its files to
+    /// the coordinator as a part instead (`Prepared::part`), and rank 0 gathers every part
+    /// (`pieces`: this rank's pieces of the logical tensors) before writing the manifest; it stops
+    /// waiting when `give_up` says so.
     pub(crate) fn prepare(
         &self,
         step: u64,
         sources: &[FileSource<'_>],
+        pieces: &[PieceRecord],
         meta: serde_json::Value,
+        give_up: &dyn Fn() -> bool,
     ) -> Result<Prepared, CkptError> {
         std::fs::create_dir_all(&self.dir).map_err(io("create", &self.dir))?;
+        if !pieces.is_empty() && self.shard.is_none() {
+            return Err(CkptError::Writer { message: "tensor pieces need a sharded store (with_shard)".into() });
+        }
         let tmp = self.tmp_dir(step);
         if std::fs::symlink_metadata(&tmp).is_ok() {
             // Left by a killed predecessor of this writer.
             std::fs::remove_dir_all(&tmp).map_err(io("remove", &tmp))?;
         }
         std::fs::create_dir(&tmp).map_err(io("create", &tmp))?;
+        let file_name = |stem: &str| match self.shard {
+            Some(role) => format!("{}.safetensors", rank_stem(stem, role.rank)),
+            None => format!("{stem}.safetensors"),
+        };
         let mut entries = Vec::with_capacity(sources.len());
         for source in sources {
-            let name = format!("{}.safetensors", source.stem);
+            let name = file_name(source.stem);
             let (bytes, crc32) = write_file(&tmp.join(&name), source)?;
             entries.push(FileEntry { name, bytes, crc32 });
         }
-        let manifest = Manifest { format_version: FORMAT_VERSION, step, files: entries, meta };
+        let mut pieces: Vec<(String, PieceRecord)> = pieces.iter().map(|p| (file_name(&p.stem), p.clone())).collect();
+        let mut shards = None;
+        if let Some(role) = self.shard {
+            if role.rank > 0 {
+                return self.hand_over(step, role, tmp, entries, pieces);
+            }
+            for rank in 1..role.world {
+                let part = self.take_part(step, rank, role, &tmp, give_up)?;
+                entries.extend(part.files);
+                pieces.extend(part.pieces);
+            }
+            sync_dir(&tmp)?;
+            let table = merge(role.world, pieces);
+            let names: Vec<String> = entries.iter().map(|e| e.name.clone()).collect();
+            check_table(&table, &names, &tmp.join(MANIFEST))?;
+            shards = Some(table);
+        }
+        let manifest = Manifest { format_version: FORMAT_VERSION, step, files: entries, meta, shards };
         let bytes = manifest.total_bytes();
         let manifest_bytes = serde_json::to_vec_pretty(&manifest).expect("a manifest always serializes");
         write_synced(&tmp.join(MANIFEST), &manifest_bytes)?;
         sync_dir(&tmp)?;
-        Ok(Prepared { step, tmp, bytes })
+        Ok(Prepared { step, tmp, bytes, part: false })
+    }
+
+    /// Rank r > 0: its written files become its part of `step`, durably, under
+    /// `.part-rank<r>-step-<n>/` (one rename, so the coordinator sees all of it or nothing).
+    fn hand_over(
+        &self,
+        step: u64,
+        role: ShardRole,
+        tmp: PathBuf,
+        files: Vec<FileEntry>,
+        pieces: Vec<(String, PieceRecord)>,
+    ) -> Result<Prepared, CkptError> {
+        let bytes = files.iter().map(|f| f.bytes).sum();
+        let part = Part { step, rank: role.rank, world_size: role.world, files, pieces };
+        write_synced(&tmp.join(PART_FILE), &serde_json::to_vec(&part).expect("a part always serializes"))?;
+        sync_dir(&tmp)?;
+        let target = self.part_dir(role.rank, step);
+        if std::fs::symlink_metadata(&target).is_ok() {
+            std::fs::remove_dir_all(&target).map_err(io("remove", &target))?;
+        }
+        std::fs::rename(&tmp, &target).map_err(io("hand over", &target))?;
+        sync_dir(&self.dir)?;
+        Ok(Prepared { step, tmp: target, bytes, part: true })
+    }
+
+    /// Rank 0: waits for rank `rank`'s part of `step` (at most `role.wait`), checks it, and moves
+    /// its files into the checkpoint's temporary folder `tmp`.
+    fn take_part(
+        &self,
+        step: u64,
+        rank: usize,
+        role: ShardRole,
+        tmp: &Path,
+        give_up: &dyn Fn() -> bool,
+    ) -> Result<Part, CkptError> {
+        let dir = self.part_dir(rank, step);
+        let path = dir.join(PART_FILE);
+        let deadline = std::time::Instant::now() + role.wait;
+        while !path.is_file() {
+            if give_up() || std::time::Instant::now() >= deadline {
+                return Err(CkptError::Writer {
+                    message: format!(
+                        "rank {rank} did not hand over its part of the checkpoint of step {step} ({}) within {:.0} s",
+                        dir.display(),
+                        role.wait.as_secs_f64()
+                    ),
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let text = std::fs::read(&path).map_err(io("read", &path))?;
+        let part: Part = serde_json::from_slice(&text)
+            .map_err(|e| CkptError::BadManifest { path: path.clone(), message: e.to_string() })?;
+        if (part.step, part.rank, part.world_size) != (step, rank, role.world) {
+            return Err(CkptError::BadManifest {
+                path,
+                message: format!(
+                    "is rank {} of {} for step {}, expected rank {rank} of {} for step {step}",
+                    part.rank, part.world_size, part.step, role.world
+                ),
+            });
+        }
+        for file in &part.files {
+            let plain = !file.name.contains(['/', '\\']) && !file.name.starts_with('.') && file.name != MANIFEST;
+            if !plain || !file.name.ends_with(&format!("-rank{rank}.safetensors")) {
+                return Err(CkptError::BadManifest {
+                    path,
+                    message: format!("file name {:?} is not rank {rank}'s", file.name),
+                });
+            }
+            let from = dir.join(&file.name);
+            let len = std::fs::metadata(&from).map_err(io("stat", &from))?.len();
+            if len != file.bytes {
+                return Err(CkptError::Corrupt {
+                    path: from,
+                    message: format!("{len} bytes on disk, its part.json says {}", file.bytes),
+                });
+            }
+            std::fs::rename(&from, tmp.join(&file.name)).map_err(io("move", &from))?;
+        }
+        std::fs::remove_dir_all(&dir).map_err(io("remove", &dir))?;
+        Ok(part)
     }
 
     /// Step 2 of the commit protocol: the prepared folder becomes `step-<n>`, durably.
@@ -285,18 +438,28 @@ impl CheckpointStore {
         std::fs::remove_dir_all(&trash).map_err(io("remove", &trash))
     }
 
-    /// Removes this writer's temporaries and trash (what a killed predecessor left).
+    /// Removes this writer's temporaries, trash and parts (what a killed predecessor left).
     pub fn remove_own_leftovers(&self) -> Result<(), CkptError> {
+        let prefixes = [TMP_PREFIX, TRASH_PREFIX, PART_PREFIX].map(|p| format!("{p}{}-", self.writer));
+        self.remove_leftovers(&prefixes)
+    }
+
+    /// Removes every rank's parts. Rank 0 of a sharded run calls it when it starts, before any
+    /// rank can hand over a part of this run: what is there was left by an earlier run (of any
+    /// world size).
+    pub fn remove_all_parts(&self) -> Result<(), CkptError> {
+        self.remove_leftovers(&[PART_PREFIX.to_string()])
+    }
+
+    fn remove_leftovers(&self, prefixes: &[String]) -> Result<(), CkptError> {
         if !self.dir.is_dir() {
             return Ok(());
         }
-        let tmp_prefix = format!("{TMP_PREFIX}{}-", self.writer);
-        let trash_prefix = format!("{TRASH_PREFIX}{}-", self.writer);
         for entry in std::fs::read_dir(&self.dir).map_err(io("list", &self.dir))? {
             let entry = entry.map_err(io("list", &self.dir))?;
             let name = entry.file_name();
             let name = name.to_string_lossy();
-            if name.starts_with(&tmp_prefix) || name.starts_with(&trash_prefix) {
+            if prefixes.iter().any(|p| name.starts_with(p.as_str())) {
                 let path = entry.path();
                 std::fs::remove_dir_all(&path).map_err(io("remove", &path))?;
             }
@@ -347,20 +510,31 @@ pub(crate) fn inspect(path: &Path, step: Option<u64>) -> Result<Manifest, CkptEr
             });
         }
     }
+    if let Some(table) = &manifest.shards {
+        let names: Vec<String> = manifest.files.iter().map(|f| f.name.clone()).collect();
+        check_table(table, &names, &manifest_path)?;
+    }
     Ok(manifest)
 }
 
 /// Reads and verifies a checkpoint folder: sizes, then every file's CRC-32, then the format.
 pub fn load_dir(path: &Path) -> Result<Loaded, CkptError> {
     let manifest = inspect(path, None)?;
-    let mut files = BTreeMap::new();
+    let mut by_file = BTreeMap::new();
     for entry in &manifest.files {
         let file_path = path.join(&entry.name);
         let bytes = read_verified(&file_path, entry)?;
         let tensors = deserialize(&bytes).map_err(|message| CkptError::Corrupt { path: file_path.clone(), message })?;
-        let stem = entry.name.strip_suffix(".safetensors").unwrap_or(&entry.name).to_string();
-        files.insert(stem, tensors);
+        by_file.insert(entry.name.clone(), tensors);
     }
+    let files = match &manifest.shards {
+        // The ranks' pieces assembled: the same logical files a whole checkpoint holds.
+        Some(table) => assemble(table, by_file, path)?,
+        None => by_file
+            .into_iter()
+            .map(|(name, tensors)| (name.strip_suffix(".safetensors").unwrap_or(&name).to_string(), tensors))
+            .collect(),
+    };
     Ok(Loaded { path: path.to_path_buf(), manifest, files })
 }
 
@@ -405,7 +579,11 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport, CkptError> {
         for entry in &manifest.files {
             let file_path = path.join(&entry.name);
             let bytes = read_verified(&file_path, entry)?;
-            deserialize(&bytes).map_err(|message| CkptError::Corrupt { path: file_path, message })?;
+            let tensors =
+                deserialize(&bytes).map_err(|message| CkptError::Corrupt { path: file_path.clone(), message })?;
+            if let Some(table) = &manifest.shards {
+                check_file(table, &entry.name, &tensors, &file_path)?;
+            }
         }
         Ok(manifest)
     };
@@ -424,7 +602,7 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport, CkptError> {
         let entry = entry.map_err(io("list", dir))?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with(TMP_PREFIX) || name.starts_with(TRASH_PREFIX) {
+        if [TMP_PREFIX, TRASH_PREFIX, PART_PREFIX].iter().any(|p| name.starts_with(p)) {
             leftovers.push(entry.path());
         }
     }

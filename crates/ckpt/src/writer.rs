@@ -15,6 +15,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::format::{check_size, FileSource, TensorRef};
+use crate::shards::PieceRecord;
 use crate::store::Prepared;
 use crate::{steps_to_delete_protecting, CheckpointStore, CkptError, DType, Mirror};
 
@@ -59,17 +60,27 @@ pub struct Snapshot {
     step: u64,
     meta: serde_json::Value,
     files: Vec<HostFile>,
+    /// Pieces of logical tensors (a sharded checkpoint), in the order they were added.
+    pieces: Vec<PieceRecord>,
     waited: Duration,
 }
 
 impl Snapshot {
     fn empty(id: usize) -> Snapshot {
-        Snapshot { id, step: 0, meta: serde_json::Value::Null, files: Vec::new(), waited: Duration::ZERO }
+        Snapshot {
+            id,
+            step: 0,
+            meta: serde_json::Value::Null,
+            files: Vec::new(),
+            pieces: Vec::new(),
+            waited: Duration::ZERO,
+        }
     }
 
     fn reset(&mut self, step: u64) {
         self.step = step;
         self.meta = serde_json::Value::Null;
+        self.pieces.clear();
         for file in &mut self.files {
             file.slots.clear();
             file.used = 0;
@@ -109,6 +120,28 @@ impl Snapshot {
         file.used += len;
         file.slots.push(Slot { name: name.into(), dtype, shape: shape.to_vec(), start, len });
         &mut file.arena[start..start + len]
+    }
+
+    /// Room for this rank's piece of logical tensor `name` (of file `stem`, shape `shape`):
+    /// elements `range` of the flattened tensor, stored as a 1-D tensor under `name` in this
+    /// rank's `<stem>-rank<r>.safetensors`. Only a sharded writer takes pieces.
+    pub fn piece(
+        &mut self,
+        stem: &str,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        range: std::ops::Range<usize>,
+    ) -> &mut [u8] {
+        self.pieces.push(PieceRecord {
+            stem: stem.into(),
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            start: range.start as u64,
+            end: range.end as u64,
+        });
+        self.tensor(stem, name, dtype, &[range.end - range.start])
     }
 
     /// Bytes of tensor data in this snapshot.
@@ -168,7 +201,9 @@ pub struct WriterStats {
     pub write_s: f64,
 }
 
-type Returned = (Snapshot, Result<Committed, CkptError>);
+/// A snapshot's buffer back from the writer, with its checkpoint (None: a rank's part of a sharded
+/// one, which rank 0 commits).
+type Returned = (Snapshot, Result<Option<Committed>, CkptError>);
 
 /// Which prepared checkpoints may be published: those of steps up to `released`.
 #[derive(Default)]
@@ -248,6 +283,10 @@ impl CheckpointWriter {
             return Err(CkptError::Writer { message: "needs at least one host buffer".into() });
         }
         store.remove_own_leftovers()?;
+        if store.shard_role().is_some_and(|role| role.rank == 0) {
+            // Before any rank of this run can hand over a part (that needs a step, so rank 0).
+            store.remove_all_parts()?;
+        }
         let gate: SharedGate = std::sync::Arc::new((Mutex::new(Gate::default()), Condvar::new()));
         let (returns_tx, returns) = mpsc::channel::<Returned>();
         let protected = Arc::new(AtomicU64::new(0));
@@ -348,10 +387,13 @@ impl CheckpointWriter {
             Some(jobs) => jobs.send(snapshot).map_err(|_| self.gone()),
             None => {
                 let start = Instant::now();
-                match snapshot
-                    .sources()
-                    .and_then(|sources| self.store.prepare(snapshot.step, &sources, snapshot.meta.clone()))
-                {
+                match snapshot.sources().and_then(|sources| {
+                    self.store.prepare(snapshot.step, &sources, &snapshot.pieces, snapshot.meta.clone(), &|| false)
+                }) {
+                    Ok(prepared) if prepared.part => {
+                        self.returns_tx.send((snapshot, Ok(None))).expect("the receiver is ours");
+                        self.collect(false)
+                    }
                     Ok(prepared) => {
                         self.unpublished.push_back((snapshot, prepared, start.elapsed().as_secs_f64()));
                         Ok(())
@@ -377,7 +419,8 @@ impl CheckpointWriter {
         while self.unpublished.front().is_some_and(|(snapshot, _, _)| snapshot.step <= step) {
             let (snapshot, prepared, prepare_s) = self.unpublished.pop_front().expect("checked");
             let retention = Retention { keep: self.config.keep, protected: self.protected.clone() };
-            let result = publish(&self.store, &snapshot, prepared, prepare_s, &retention, self.mirror.as_deref());
+            let result =
+                publish(&self.store, &snapshot, prepared, prepare_s, &retention, self.mirror.as_deref()).map(Some);
             self.returns_tx.send((snapshot, result)).expect("the receiver is ours");
         }
         self.collect(false)
@@ -439,7 +482,8 @@ impl CheckpointWriter {
             self.in_flight -= 1;
             self.free.push(snapshot);
             match result {
-                Ok(committed) => {
+                Ok(None) => {}
+                Ok(Some(committed)) => {
                     self.stats.commits += 1;
                     self.stats.bytes_written += committed.bytes;
                     self.stats.write_s += committed.write_s;
@@ -492,16 +536,20 @@ fn persist_when_released(
     keep: &Retention,
     gate: &SharedGate,
     mirror: Option<&Mirror>,
-) -> Result<Committed, CkptError> {
+) -> Result<Option<Committed>, CkptError> {
     let start = Instant::now();
     let sources = snapshot.sources()?;
-    let prepared = store.prepare(snapshot.step, &sources, snapshot.meta.clone())?;
+    let closing = || gate.0.lock().map_or(true, |state| state.closing);
+    let prepared = store.prepare(snapshot.step, &sources, &snapshot.pieces, snapshot.meta.clone(), &closing)?;
+    if prepared.part {
+        return Ok(None);
+    }
     let prepare_s = start.elapsed().as_secs_f64();
     if !wait_released(gate, snapshot.step) {
         store.abandon(prepared)?;
         return Err(CkptError::Writer { message: format!("step {} was never released; not published", snapshot.step) });
     }
-    publish(store, snapshot, prepared, prepare_s, keep, mirror)
+    publish(store, snapshot, prepared, prepare_s, keep, mirror).map(Some)
 }
 
 /// Publishes a prepared snapshot, then applies retention.
@@ -635,5 +683,89 @@ mod tests {
         let stats = writer.stats();
         assert_eq!((stats.buffers, stats.snapshots, stats.commits), (2, 6, 6));
         assert!(stats.host_bytes < 3 * (4 << 16), "two buffers of one snapshot each: {stats:?}");
+    }
+
+    fn shard_writer(dir: &std::path::Path, rank: usize, world: usize, wait_ms: u64) -> CheckpointWriter {
+        let role = crate::ShardRole { rank, world, wait: Duration::from_millis(wait_ms) };
+        let store = CheckpointStore::new(dir).with_shard(role).unwrap();
+        CheckpointWriter::new(store, WriterConfig { background: true, buffers: 2, keep: 2 }).unwrap()
+    }
+
+    /// Rank `rank` of 2 holds elements [3 rank, 3 rank + 3) of a 6-element tensor `w` (2 x 3).
+    fn fill_piece(snapshot: &mut Snapshot, rank: usize, step: u64) {
+        let range = 3 * rank..3 * rank + 3;
+        let dst = snapshot.piece("model", "w", DType::F32, &[2, 3], range.clone());
+        for (chunk, i) in dst.chunks_exact_mut(4).zip(range) {
+            chunk.copy_from_slice(&(step as f32 * 10.0 + i as f32).to_le_bytes());
+        }
+        let own = snapshot.tensor("dist", &format!("r@rank{rank}"), DType::F32, &[1]);
+        own.copy_from_slice(&(rank as f32).to_le_bytes());
+        snapshot.set_meta(serde_json::json!({ "rank": rank }));
+    }
+
+    #[test]
+    fn ranks_write_their_pieces_and_rank_0_commits_the_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        // A part an earlier run left for a step this run writes again: removed when rank 0 starts.
+        std::fs::create_dir_all(dir.path().join(".part-rank1-step-2")).unwrap();
+        std::fs::write(dir.path().join(".part-rank1-step-2/part.json"), b"{}").unwrap();
+        let mut rank0 = shard_writer(dir.path(), 0, 2, 20_000);
+        let other = {
+            let path = dir.path().to_path_buf();
+            std::thread::spawn(move || {
+                let mut rank1 = shard_writer(&path, 1, 2, 20_000);
+                for step in 1..=3u64 {
+                    let mut snapshot = rank1.begin(step).unwrap();
+                    fill_piece(&mut snapshot, 1, step);
+                    rank1.submit(snapshot).unwrap();
+                    rank1.release(step).unwrap();
+                }
+                assert!(rank1.finish().unwrap().is_empty(), "a rank's part is not a checkpoint of its own");
+            })
+        };
+        for step in 1..=3u64 {
+            let mut snapshot = rank0.begin(step).unwrap();
+            fill_piece(&mut snapshot, 0, step);
+            rank0.submit(snapshot).unwrap();
+            rank0.release(step).unwrap();
+        }
+        let committed = rank0.finish().unwrap();
+        other.join().unwrap();
+        assert_eq!(committed.iter().map(|c| c.step).collect::<Vec<_>>(), [1, 2, 3]);
+        let store = CheckpointStore::new(dir.path());
+        assert_eq!(store.list().unwrap(), vec![2, 3]);
+        let loaded = store.load(3).unwrap();
+        let names: Vec<&str> = loaded.manifest.files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["model-rank0.safetensors", "dist-rank0.safetensors", "model-rank1.safetensors", "dist-rank1.safetensors"]
+        );
+        let w = &loaded.files["model"][0];
+        assert_eq!(w.shape, [2, 3]);
+        let values: Vec<f32> = w.data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(values, [30., 31., 32., 33., 34., 35.]);
+        let residuals: Vec<&str> = loaded.files["dist"].iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(residuals, ["r@rank0", "r@rank1"]);
+        assert_eq!(loaded.manifest.meta["rank"], 0, "the manifest holds rank 0's meta");
+        let report = verify_dir(dir.path()).unwrap();
+        assert_eq!(report.damaged(), 0);
+        assert!(report.leftovers.is_empty(), "{:?}", report.leftovers);
+    }
+
+    #[test]
+    fn a_rank_that_never_hands_over_fails_the_checkpoint_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rank0 = shard_writer(dir.path(), 0, 3, 200);
+        let mut rank2 = shard_writer(dir.path(), 2, 3, 200);
+        let mut snapshot = rank2.begin(1).unwrap();
+        fill_piece(&mut snapshot, 1, 1);
+        rank2.submit(snapshot).unwrap();
+        rank2.finish().unwrap();
+        let mut snapshot = rank0.begin(1).unwrap();
+        fill_piece(&mut snapshot, 0, 1);
+        rank0.submit(snapshot).unwrap();
+        let err = rank0.finish().unwrap_err().to_string();
+        assert!(err.contains("rank 1 did not hand over") && err.contains("step 1"), "{err}");
+        assert!(CheckpointStore::new(dir.path()).list().unwrap().is_empty(), "nothing was committed");
     }
 }
