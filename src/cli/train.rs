@@ -580,7 +580,6 @@ fn train_inner(
     if let Some(eval_source) = eval_source_for(config, rank, world_size)? {
         trainer.set_eval(&config.eval, eval_source)?;
     }
-    let store = CheckpointStore::new(run_dir.join("checkpoints"));
     let mut source = batch_source_for(config, rank, world_size)?;
     let resumed_step = resume.as_ref().map(|r| r.loaded.manifest.step);
     if let Some(saved) = resume.as_ref().and_then(|r| r.loaded.manifest.meta.get("world_size")).and_then(|v| v.as_u64())
@@ -667,14 +666,14 @@ fn train_inner(
             );
         }
         if rank != 0 {
-            return train_other_rank(config, &mut trainer, source.as_mut(), stop, dist);
+            let store = checkpoint_store(config, run_dir, rank, world_size)?;
+            return train_other_rank(config, &mut trainer, source.as_mut(), stop, dist, store);
         }
     }
     // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
     let peaks = Peaks::measure(device, Path::new(&config.run.dir))?;
     let meta = serde_json::json!({ "config_toml": config.to_toml(), "world_size": world_size });
-    let writer_config =
-        WriterConfig { background: config.ckpt.background, buffers: config.ckpt.host_buffers, keep: config.ckpt.keep };
+    let store = checkpoint_store(config, run_dir, rank, world_size)?;
     let mirror = match config.ckpt.mirror.as_str() {
         "" => None,
         url => {
@@ -683,7 +682,7 @@ fn train_inner(
             Some(std::sync::Arc::new(mirror))
         }
     };
-    let writer = CheckpointWriter::with_mirror(store, writer_config, mirror.clone())?;
+    let writer = CheckpointWriter::with_mirror(store, writer_config(config), mirror.clone())?;
     let mut target = CheckpointTarget { writer, meta };
     let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resumed_step)?;
     let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks, rank, world_size)?;
@@ -745,15 +744,36 @@ fn train_inner(
     Ok((summary, report, overhead))
 }
 
+fn writer_config(config: &StokeConfig) -> WriterConfig {
+    WriterConfig { background: config.ckpt.background, buffers: config.ckpt.host_buffers, keep: config.ckpt.keep }
+}
+
+/// The run's checkpoint folder as this rank writes it: rank 0 alone, or under ZeRO (`dist.zero`
+/// > 0) every rank its own pieces, rank 0 waiting at most `dist.timeout_s` for the others'.
+fn checkpoint_store(
+    config: &StokeConfig,
+    run_dir: &Path,
+    rank: usize,
+    world_size: usize,
+) -> anyhow::Result<CheckpointStore> {
+    let store = CheckpointStore::new(run_dir.join("checkpoints"));
+    if config.dist.zero == 0 {
+        return Ok(store);
+    }
+    let wait = std::time::Duration::from_secs_f64(config.dist.timeout_s.max(1.0));
+    Ok(store.with_shard(stoke_ckpt::ShardRole { rank, world: world_size, wait })?)
+}
+
 /// A data-parallel rank other than 0: it trains with its own profiler (its `/metrics`, its step
-/// report) and the launcher's heartbeat, writes nothing in the run folder, and at the end sends its
-/// report to rank 0.
+/// report) and the launcher's heartbeat, and at the end sends its report to rank 0. It writes in
+/// the run folder only its parts of sharded checkpoints (`store` with a shard role, under ZeRO).
 fn train_other_rank(
     config: &StokeConfig,
     trainer: &mut Trainer,
     source: &mut dyn BatchSource,
     stop: &AtomicBool,
     dist: &mut DataParallel,
+    store: CheckpointStore,
 ) -> anyhow::Result<(stoke_train::Summary, Option<stoke_prof::RunReport>, Option<Overhead>)> {
     let (rank, world_size) = (dist.rank(), dist.world_size());
     let mut profiler = Profiler::for_rank(&config.prof, &config.run.name, rank, world_size)?;
@@ -761,7 +781,16 @@ fn train_other_rank(
     profiler.set_clock_zero(zero, host_ns);
     let mut heartbeat = super::launch::Heartbeat::from_env(rank);
     let rss_start = stoke_train::reset_peak_rss();
-    let summary = trainer.run_with_hooks(source, &mut [&mut profiler, &mut heartbeat], None, stop, dist)?;
+    let mut target = match store.shard_role() {
+        Some(_) => Some(CheckpointTarget {
+            writer: CheckpointWriter::new(store, writer_config(config))?,
+            meta: serde_json::Value::Null,
+        }),
+        None => None,
+    };
+    // The target's writer is finished inside the run (its last part handed over) before the
+    // report below, which rank 0 collects only after committing its last checkpoint.
+    let summary = trainer.run_with_hooks(source, &mut [&mut profiler, &mut heartbeat], target.as_mut(), stop, dist)?;
     profiler.set_memory(rank_memory(dist, trainer, rss_start));
     let bytes = profiler.rank_report().to_bytes();
     dist.gather_bytes_at_rank0(&bytes, "send the step report to rank 0")

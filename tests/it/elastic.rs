@@ -1,6 +1,7 @@
 //! Elastic jobs with real processes: `stoke launch --max-restarts` brings a job whose worker was
-//! killed back from its latest checkpoint, and `--nproc 1:2` shrinks to one worker while a slot is
-//! taken and grows back to two when it returns, on the fault-free run's trajectory.
+//! killed back from its latest checkpoint (also a ZeRO job, whose ranks each write their pieces of
+//! every checkpoint), and `--nproc 1:2` shrinks to one worker while a slot is taken and grows back
+//! to two when it returns, on the fault-free run's trajectory.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -150,7 +151,7 @@ fn reference(dir: &Path) -> Vec<(u64, f64)> {
 fn assert_same_trajectory(reference: &[(u64, f64)], run: &Path, tolerance: f64) {
     let got = losses(run);
     let steps: Vec<u64> = got.iter().map(|&(s, _)| s).collect();
-    assert_eq!(steps, (1..=120).collect::<Vec<_>>(), "every step logged once, in order");
+    assert_eq!(steps, (1..=reference.len() as u64).collect::<Vec<_>>(), "every step logged once, in order");
     let mut worst = 0.0f64;
     for (&(step, a), &(_, b)) in reference.iter().zip(&got) {
         let rel = (a - b).abs() / a.abs();
@@ -227,4 +228,36 @@ fn a_taken_slot_shrinks_the_job_and_its_return_grows_it_back_on_the_same_traject
     // One worker accumulating two micro-batches sums the rows in another order than two workers
     // averaging theirs: equal within fp32 rounding.
     assert_same_trajectory(&reference, &run, 1e-5);
+}
+
+#[test]
+fn a_sharded_job_whose_worker_is_killed_while_writing_resumes_from_its_pieces() {
+    let dir = tempfile::tempdir().unwrap();
+    // ZeRO 2 with a checkpoint every other step: each rank writes its pieces most of the time, so
+    // the kill most likely lands in a write; every step's pieces are in no checkpoint until rank 0
+    // has them all.
+    let job = |name: &str| {
+        let mut args = job_args(dir.path(), name);
+        args.extend(["train.steps=40", "dist.zero=2", "ckpt.every=2"].map(String::from));
+        args
+    };
+    run_ok(stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &refs(&job("reference"))).stdin(Stdio::null()));
+    let reference = losses(&dir.path().join("reference"));
+    assert_eq!(reference.len(), 40);
+    let run: PathBuf = dir.path().join("killed");
+    let mut launcher = launch(&["--nproc", "2", "--max-restarts", "2"], &job("killed"));
+    wait_until(&mut launcher, "a checkpoint and 9 steps", Duration::from_secs(300), || last_step(&run) >= 9);
+    let pid = worker_pid(launcher.0.id(), 1).expect("worker 1 runs");
+    // SAFETY: kill(2) of the launcher's worker process found above.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+    let (status, err) = finish(launcher);
+    assert!(status.success(), "the job did not finish through a restart: {status}\n{err}");
+    assert!(err.contains("worker 1 failed"), "{err}");
+    let checkpoints = run.join("checkpoints");
+    let latest = stoke_ckpt::CheckpointStore::new(&checkpoints).latest().unwrap().expect("a checkpoint");
+    let manifest = stoke_ckpt::CheckpointStore::new(&checkpoints).manifest(latest).unwrap();
+    assert_eq!(manifest.shards.as_ref().map(|s| s.world_size), Some(2), "per-rank pieces");
+    let report = stoke_ckpt::verify_dir(&checkpoints).unwrap();
+    assert_eq!(report.damaged(), 0, "{:?}", report.checkpoints);
+    assert_same_trajectory(&reference, &run, 0.0);
 }

@@ -510,30 +510,24 @@ impl StepHooks for DataParallel {
         result.map_err(|e| self.zero_error(e))
     }
 
-    fn full_optimizer_state(
-        &mut self,
-        buffers: &[(&'static str, Tensor)],
-    ) -> Result<Option<Vec<(&'static str, Tensor)>>, TrainError> {
-        match &self.zero {
-            Some(zero) => zero.gather_state(self.comm.as_ref(), buffers).map(Some).map_err(|e| self.zero_error(e)),
-            None => Ok(None),
-        }
-    }
-
-    fn checkpoint_extras(&mut self) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
+    fn checkpoint_extras(&mut self, own: bool) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
         if self.compressor.is_none() {
             return Ok(Vec::new());
         }
-        let own = self.residual_state();
+        let mine = self.residual_state();
+        let rank = self.comm.rank();
+        if own {
+            return Ok(mine.into_iter().map(|(name, values)| (format!("{name}@rank{rank}"), values)).collect());
+        }
         let gathered = self.gather_bytes_at_rank0(
-            &serde_json::to_vec(&own).expect("residuals serialize"),
+            &serde_json::to_vec(&mine).expect("residuals serialize"),
             "gather compression residuals",
         )?;
-        if self.comm.rank() != 0 {
+        if rank != 0 {
             return Ok(Vec::new());
         }
         let mut all: Vec<(String, Vec<f32>)> =
-            own.into_iter().map(|(name, values)| (format!("{name}@rank0"), values)).collect();
+            mine.into_iter().map(|(name, values)| (format!("{name}@rank0"), values)).collect();
         for (from, bytes) in (1..).zip(gathered) {
             let state: Vec<(String, Vec<f32>)> =
                 serde_json::from_slice(&bytes).map_err(|e| TrainError::InvalidConfig {

@@ -189,20 +189,11 @@ pub trait StepHooks {
         Ok(())
     }
 
-    /// For a checkpoint of a sharded optimizer: its state `buffers` (shard-sized) made whole,
-    /// laid out like the model's parameters (None: the optimizer is not sharded). Collective.
-    #[allow(clippy::type_complexity)]
-    fn full_optimizer_state(
-        &mut self,
-        _buffers: &[(&'static str, Tensor)],
-    ) -> Result<Option<Vec<(&'static str, Tensor)>>, TrainError> {
-        Ok(None)
-    }
-
     /// Per-rank state a checkpoint must hold besides the model's and the optimizer's (the
-    /// compression residuals), named `<name>@rank<r>`: every rank's on the rank that writes, none
-    /// on the others. Called on every rank at every checkpoint. Collective.
-    fn checkpoint_extras(&mut self) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
+    /// compression residuals), named `<name>@rank<r>`. `own`: this rank's only (every rank writes
+    /// its part of a sharded checkpoint); otherwise every rank's on the rank that writes, none on
+    /// the others (collective). Called on every rank at every checkpoint.
+    fn checkpoint_extras(&mut self, _own: bool) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
         Ok(Vec::new())
     }
 

@@ -563,34 +563,48 @@ impl Trainer {
     }
 
     /// Copies the state into a host buffer: the part of a checkpoint the step must wait for.
-    /// `whole_state`: a sharded optimizer's state made whole (`StepHooks::full_optimizer_state`),
-    /// written under the same names as an unsharded optimizer's.
+    /// `shard`: the ZeRO shard this rank's optimizer runs on; then the snapshot holds this rank's
+    /// pieces of every parameter and optimizer tensor (`Snapshot::piece`, a sharded writer), which
+    /// rank 0's checkpoint lists beside the other ranks' (no gathering).
     fn snapshot_into(
         &self,
         snapshot: &mut Snapshot,
         extra: &serde_json::Value,
         data_position: u64,
-        whole_state: Option<&[(&'static str, Tensor)]>,
+        shard: Option<&FlatParams>,
     ) {
         let params = self.model.params();
-        for entry in params.entries() {
-            let shape: Vec<usize> = entry.shape.iter().map(|&s| s as usize).collect();
-            copy_into(&entry.tensor.detach(), snapshot.tensor("model", &entry.name, DType::F32, &shape));
-        }
-        match whole_state {
-            Some(buffers) => {
-                for entry in params.entries() {
-                    let shape: Vec<usize> = entry.shape.iter().map(|&s| s as usize).collect();
-                    for (suffix, buffer) in buffers {
-                        let name = format!("{}.{suffix}", entry.name);
-                        let values = buffer.narrow(0, entry.offset, entry.numel);
-                        copy_into(&values, snapshot.tensor("optim", &name, DType::F32, &shape));
-                    }
+        let shape_of = |shape: &[i64]| -> Vec<usize> { shape.iter().map(|&s| s as usize).collect() };
+        match shard {
+            Some(shard) => {
+                // Each shard entry is this rank's piece of the parameter of that name: elements
+                // from `source - offset` of it (a unit's slice is contiguous, so one per parameter).
+                let whole: std::collections::HashMap<&str, (i64, Vec<usize>)> =
+                    params.entries().iter().map(|e| (e.name.as_str(), (e.offset, shape_of(&e.shape)))).collect();
+                let mut pieces = std::collections::HashMap::new();
+                for entry in shard.entries() {
+                    let (offset, shape) = &whole[entry.name.as_str()];
+                    let start = (entry.source - offset) as usize;
+                    let range = start..start + entry.numel as usize;
+                    copy_into(
+                        &entry.tensor.detach(),
+                        snapshot.piece("model", &entry.name, DType::F32, shape, range.clone()),
+                    );
+                    pieces.insert(entry.name.as_str(), (range, shape));
+                }
+                for state in self.optimizer.state_tensors(shard) {
+                    let param = state.name.rsplit_once('.').map_or(state.name.as_str(), |(param, _)| param);
+                    let (range, shape) = &pieces[param];
+                    copy_into(&state.tensor, snapshot.piece("optim", &state.name, DType::F32, shape, range.clone()));
                 }
             }
             None => {
+                for entry in params.entries() {
+                    let shape = shape_of(&entry.shape);
+                    copy_into(&entry.tensor.detach(), snapshot.tensor("model", &entry.name, DType::F32, &shape));
+                }
                 for state in self.optimizer.state_tensors(params) {
-                    let shape: Vec<usize> = state.shape.iter().map(|&s| s as usize).collect();
+                    let shape = shape_of(&state.shape);
                     copy_into(&state.tensor, snapshot.tensor("optim", &state.name, DType::F32, &shape));
                 }
             }
@@ -773,23 +787,22 @@ impl Trainer {
             let at_end = (step_number == self.train.steps || early_stopped) && self.ckpt.at_end;
             let best_eval = eval.as_ref().is_some_and(|e| e.best) && self.eval_keeps_best();
             let checkpoint_now = due || at_end || interrupted || best_eval;
-            let extras = if checkpoint_now { hooks.checkpoint_extras()? } else { Vec::new() };
-            // A sharded run gathers its whole state on every rank (collective), for the rank
-            // that writes; the checkpoint is the same as an unsharded run's.
-            let whole_state = if checkpoint_now && self.sharded {
-                clock.lap(Phase::Other);
-                hooks.full_parameters(true)?;
-                let state = hooks.full_optimizer_state(&self.optimizer.buffers())?;
-                clock.lap(Phase::CkptStall);
-                state
-            } else {
-                None
-            };
+            // A sharded run: every rank writes its own pieces and residuals (a sharded writer).
+            let extras = if checkpoint_now { hooks.checkpoint_extras(self.sharded)? } else { Vec::new() };
             if let Some(target) = checkpoints.as_deref_mut().filter(|_| checkpoint_now) {
                 clock.lap(Phase::Other);
+                if self.sharded && target.writer.store().shard_role().is_none() {
+                    return Err(TrainError::InvalidConfig {
+                        key: "dist.zero",
+                        message:
+                            "a sharded optimizer's checkpoint needs a sharded writer (CheckpointStore::with_shard)"
+                                .into(),
+                    });
+                }
                 // Blocks only while every host buffer is still being written (back-pressure).
                 let mut snapshot = target.writer.begin(self.step)?;
-                self.snapshot_into(&mut snapshot, &target.meta, source.position(), whole_state.as_deref());
+                let shard = if self.sharded { hooks.optimizer_params() } else { None };
+                self.snapshot_into(&mut snapshot, &target.meta, source.position(), shard);
                 for (name, values) in &extras {
                     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
                     snapshot.tensor("dist", name, DType::F32, &[values.len()]).copy_from_slice(&bytes);
@@ -799,9 +812,6 @@ impl Trainer {
                     target.writer.protect(Some(self.step));
                 }
                 clock.lap(Phase::CkptStall);
-            }
-            if whole_state.is_some() {
-                hooks.full_parameters(false)?;
             }
             let (phases, wall_ms) = clock.finish();
             let record = StepRecord {

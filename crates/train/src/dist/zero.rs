@@ -443,28 +443,6 @@ impl Zero {
         self.params.release(self.units[unit].clone());
     }
 
-    /// The optimizer's state buffers (shard-sized, `buffers`) made whole on every rank: each
-    /// rank's slices all-gathered into buffers laid out like the model's parameters. Collective.
-    pub(crate) fn gather_state(
-        &self,
-        comm: &dyn Communicator,
-        buffers: &[(&'static str, Tensor)],
-    ) -> Result<Vec<(&'static str, Tensor)>> {
-        let op = "all_gather optimizer state";
-        let mut out = Vec::with_capacity(buffers.len());
-        for (suffix, shard) in buffers {
-            let full = Tensor::zeros([self.whole().end], (tch::Kind::Float, shard.device()));
-            let mut works = Vec::with_capacity(self.units.len());
-            for unit in 0..self.units.len() {
-                tch::no_grad(|| self.model_slice(unit, &full).copy_(&self.shard_slice(unit, shard)));
-                works.extend(self.submit_gather(comm, &full, unit, op)?);
-            }
-            wait_all(works, op)?;
-            out.push((*suffix, full));
-        }
-        Ok(out)
-    }
-
     pub(crate) fn n_units(&self) -> usize {
         self.units.len()
     }
