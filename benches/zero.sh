@@ -20,7 +20,8 @@
 #
 # Environment: WORLDS (default "2 4"), STAGES (default "0 1 2 3"), PARTS (default "stoke peer": which
 # halves run), RECOMPUTE (train.recompute, default none), PREFETCH (dist.prefetch_blocks, default 1),
-# GRAD_UNITS (full gradient units in flight at stages 2 and 3 in the formula, default 2), STOKE (the
+# GRAD_UNITS (dist.gradient_units: full gradients alive at once at stages 2 and 3, the run's bound and the
+# formula's, default 2), STOKE (the
 # binary, default target/release/stoke), SLICES (the formula's optimizer slices: mapped, what the fused CPU
 # optimizer does, the default; or copied), FSDP_FORWARD_PREFETCH=1 (FSDP's forward_prefetch; its default,
 # off, keeps only its backward prefetch).
@@ -80,7 +81,8 @@ done
 common=(--quiet --data "$dir/corpus.txt" --set run.dir="$dir" --set train.steps="$steps" --set train.threads=1
   --set train.micro_batch="$micro_batch" --set data.workers=0 --set ckpt.every=0 --set ckpt.at_end=false
   --set model.n_layer="$layers" --set model.d_model="$width" --set model.n_head="$heads"
-  --set train.recompute="$recompute" --set dist.prefetch_blocks="$prefetch" --set prof.prometheus=false
+  --set train.recompute="$recompute" --set dist.prefetch_blocks="$prefetch" --set dist.gradient_units="$grad_units"
+  --set prof.prometheus=false
   --set train.monitor_every=0)
 # train.monitor_every=0: the per-block monitors copy the parameters (on unsharded runs only), which
 # would add to stage 0's peak and step alone.

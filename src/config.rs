@@ -53,6 +53,10 @@ pub struct DistConfig {
     pub zero: u8,
     /// Stage 3: units whose parameter gathers start ahead of the unit that runs. Default 1.
     pub prefetch_blocks: usize,
+    /// Stages 2 and 3: full gradients alive at once (the one backward is filling, and the ones
+    /// whose reduce-scatter has not finished; the oldest is waited for beyond that). At least 1.
+    /// Default 2.
+    pub gradient_units: usize,
     /// Gradient reductions: "none" (fp32, the communicator's collectives), "bf16" or "int8"
     /// (block-wise: a scale per `compress_block` values), each an all-to-all of the encoded
     /// shards, then (all-reduce) an all-gather of the encoded averages. Host memory only.
@@ -76,6 +80,7 @@ impl Default for DistConfig {
             overlap: true,
             zero: 0,
             prefetch_blocks: 1,
+            gradient_units: 2,
             compress: "none".into(),
             compress_block: 256,
             error_feedback: true,
@@ -93,7 +98,11 @@ impl DistConfig {
                 bytes: bytes(self.bucket_mb),
             },
             overlap: self.overlap,
-            zero: stoke_train::ZeroConfig { stage: self.zero, prefetch_units: self.prefetch_blocks },
+            zero: stoke_train::ZeroConfig {
+                stage: self.zero,
+                prefetch_units: self.prefetch_blocks,
+                gradient_units: self.gradient_units,
+            },
             compress: stoke_train::CompressConfig {
                 compression: match self.compress.as_str() {
                     "bf16" => stoke_train::Compression::Bf16,
@@ -462,6 +471,12 @@ impl StokeConfig {
             return Err(ConfigError::Invalid {
                 key: "dist.compress".into(),
                 message: format!("must be one of none, bf16, int8; got {:?}", self.dist.compress),
+            });
+        }
+        if self.dist.gradient_units == 0 {
+            return Err(ConfigError::Invalid {
+                key: "dist.gradient_units".into(),
+                message: "must be at least 1 (the gradient backward is filling)".into(),
             });
         }
         if self.dist.compress_block == 0 {

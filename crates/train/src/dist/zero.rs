@@ -40,11 +40,16 @@ pub struct ZeroConfig {
     pub stage: u8,
     /// Stage 3: units whose gathers are started ahead of the one running. Default 1.
     pub prefetch_units: usize,
+    /// Stages 2 and 3: full gradients alive at once, the one backward is filling included: when a
+    /// unit's gradient is final and this many are, the oldest reduce-scatter is waited for. It
+    /// bounds the gradient memory (`stoke_plan::ZeroInFlight::gradient_units`). At least 1.
+    /// Default 2.
+    pub gradient_units: usize,
 }
 
 impl Default for ZeroConfig {
     fn default() -> Self {
-        ZeroConfig { stage: 0, prefetch_units: 1 }
+        ZeroConfig { stage: 0, prefetch_units: 1, gradient_units: 2 }
     }
 }
 
@@ -80,6 +85,8 @@ pub(crate) struct Zero {
     /// What the shard maps from the model instead of holding (`FlatParams::shard`).
     map: ShardMap,
     prefetch: usize,
+    /// `ZeroConfig::gradient_units`.
+    gradient_units: usize,
     /// Each unit's range of the model's flat buffers.
     units: Vec<Range<i64>>,
     /// This rank's slice of each unit, in the model's buffers.
@@ -165,6 +172,7 @@ impl Zero {
             rank,
             map,
             prefetch: config.prefetch_units,
+            gradient_units: config.gradient_units.max(1),
             gathered: units.iter().map(|_| Gathered::Ready).collect(),
             units,
             own,
@@ -267,7 +275,13 @@ impl Zero {
             return Ok(());
         }
         self.submit_grad(comm, unit, compressor.as_deref_mut())?;
-        while self.grad_works.front().is_some_and(|(_, work)| work.is_done()) {
+        // The finished ones, and the oldest while the next unit's gradient would make more than
+        // `gradient_units` full gradients at once.
+        while self
+            .grad_works
+            .front()
+            .is_some_and(|(_, work)| work.is_done() || self.grad_works.len() >= self.gradient_units)
+        {
             let (unit, work) = self.grad_works.pop_front().expect("front exists");
             self.finish_grad(comm, unit, work, compressor.as_deref_mut())?;
         }
