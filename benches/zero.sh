@@ -27,18 +27,10 @@
 # off, keeps only its backward prefetch).
 # Needs a release build (cargo build --release --bin stoke) and `cargo xtask peers` (torch 2.11.0).
 #
-# Result on the development machine (2026-11-30, code of commit 8b5b0a7 on main de8fe50, a dev build:
-# STOKE=target/debug/stoke, 20 steps, 3 pairs, load average 5-11 from other jobs; median per-rank peak RSS of
-# the rank with the most; the formula with mapped slices, 2 gradient units in flight, the embedding + 2 gathered):
-#   2 processes: zero0 911 MiB, zero1 764, zero2 730, zero3 683; saved against zero0, measured / formula:
-#     zero1 147 / 145 MiB (1.015), zero2 182 / 194 (0.94), zero3 235 / 241 (0.975); step time over zero0:
-#     0.91, 1.26, 1.57. FSDP FULL_SHARD 1551 MiB, 611 ms (1.54x stoke's zero0); SHARD_GRAD_OP 1679 MiB,
-#     534 ms (1.35x).
-#   4 processes: zero0 911 MiB, zero1 695, zero2 662, zero3 537; saved: zero1 217 / 218 (0.995), zero2
-#     249 / 302 (0.82: more full gradients wait for their reduce-scatter than the formula's 2), zero3 374 / 386
-#     (0.97); step time over zero0: 0.87, 1.14, 1.59. FSDP FULL_SHARD 1451 MiB, 1374 ms (1.76x);
-#     SHARD_GRAD_OP 1582 MiB, 1194 ms (1.53x).
-#   report.json's ranks.memory still counted copied slices at stages 1 and 2 ('!' in the table).
+# Results on the development machine: README.md, "Sharded training". Latest stoke-only run: 2026-12-01, commit
+# 9d5cd25, `PARTS=stoke STOKE=target/debug/stoke benches/zero.sh 10 3`, load 13-26: every stage's saving within 5%
+# of the formula (median) on 2 and 4 processes; step over stage 0, stages 1/2/3: 0.88/1.17/1.63 on 2 processes,
+# 0.85/1.09/1.53 on 4.
 set -euo pipefail
 # Its own scheduling group at nice -20 when allowed (see benches/dp_scaling.sh).
 if [ -z "${ZERO_SETSID:-}" ] && command -v setsid >/dev/null; then
