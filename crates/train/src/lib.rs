@@ -44,7 +44,7 @@ pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use host_memory::{retain_env, HostMemory};
 pub use model::Gpt;
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
-pub use optimizers::{Hyper, Lamb, Optimizer, OptimizerKind, Sgd, TensorNorms};
+pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, OptimizerKind, Sgd, TensorNorms};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 pub use peak::{
     host_bytes_in_use, matmul_peak_flops_cached, measure_matmul_peak_flops, memory_available_bytes,

@@ -9,8 +9,9 @@
 //!   pass updates both moments, writes the Adam direction plus decoupled weight decay into the
 //!   gradient buffer (it is not needed any more) and adds each tensor's part of ||w||² and ||u||²
 //!   into `norms` (a shard sums its partial `TensorNorms` with the other shards'); then
-//!   `apply_range(range, lr, &norms)` moves each tensor by its trust ratio ||w|| / ||u|| and clears
-//!   the gradient.
+//!   `apply_range(range, lr, &norms)` moves each tensor by lr x its trust ratio ||w|| / ||u|| and
+//!   clears the gradient. By default (`LambOptions`) only the tensors with weight decay take the
+//!   trust ratio; biases and norms take Adam's step, as apex's and TensorFlow Addons' LAMB do.
 //!
 //! On a CPU each pass is fused Rust over each parameter's slice, split across threads like
 //! AdamW's; on a GPU (or with `UpdateKernel::TensorOps`) the same arithmetic runs as libtorch ops
@@ -86,6 +87,28 @@ impl TensorNorms {
         } else {
             1.0
         }
+    }
+}
+
+/// Which tensors LAMB adapts, and how far.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LambOptions {
+    /// Apply the trust ratio to every tensor (NVIDIA's "NVLAMB"); false applies it only to the
+    /// tensors with weight decay (matrices and embeddings), and biases and norms take the plain
+    /// Adam step (trust ratio 1), as apex's FusedLAMB (`use_nvlamb = False`) and TensorFlow
+    /// Addons' LAMB (`exclude_from_layer_adaptation` defaulting to the weight-decay exclusions)
+    /// do. A zero-initialized bias under the trust ratio can only grow by a factor (1 + lr) per
+    /// step, and a LayerNorm gain (norm sqrt(d)) moves by lr x sqrt(d) per step. Default false.
+    pub adapt_all: bool,
+    /// The trust ratio is clamped into [min_trust, max_trust] (the paper's phi; DeepSpeed's
+    /// min_coeff and max_coeff are 0.01 and 10). Default 0 and infinity: no clamp, as apex.
+    pub min_trust: f64,
+    pub max_trust: f64,
+}
+
+impl Default for LambOptions {
+    fn default() -> Self {
+        LambOptions { adapt_all: false, min_trust: 0.0, max_trust: f64::INFINITY }
     }
 }
 
@@ -165,11 +188,15 @@ fn load_views(
 }
 
 /// LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"): Adam's bias-corrected
-/// direction plus decoupled weight decay, scaled per tensor by the trust ratio ||w|| / ||u||.
+/// direction plus decoupled weight decay, scaled per tensor by the trust ratio ||w|| / ||u||
+/// (on the tensors `LambOptions` names).
 pub struct Lamb {
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     n_steps: u64,
+    options: LambOptions,
+    /// Per entry of the parameters: whether its step takes the trust ratio.
+    adapt: Vec<bool>,
 }
 
 impl Lamb {
@@ -178,7 +205,21 @@ impl Lamb {
     }
 
     pub fn new(params: &FlatParams) -> Lamb {
-        Lamb { exp_avg: state_buffer(params), exp_avg_sq: state_buffer(params), n_steps: 0 }
+        Lamb::with_options(params, LambOptions::default())
+    }
+
+    pub fn with_options(params: &FlatParams, options: LambOptions) -> Lamb {
+        let adapt = params.entries().iter().map(|e| options.adapt_all || e.decay).collect();
+        Lamb { exp_avg: state_buffer(params), exp_avg_sq: state_buffer(params), n_steps: 0, options, adapt }
+    }
+
+    /// The factor on lr for tensor `entry`: its trust ratio, clamped, or 1 when it is not adapted.
+    pub fn step_ratio(&self, entry: usize, norms: &TensorNorms) -> f64 {
+        if self.adapt[entry] {
+            norms.trust_ratio(entry).clamp(self.options.min_trust, self.options.max_trust)
+        } else {
+            1.0
+        }
     }
 
     pub fn n_steps(&self) -> u64 {
@@ -292,8 +333,9 @@ impl Lamb {
         }
     }
 
-    /// Second pass over `range`: w -= lr * trust_ratio(tensor) * u, and the gradient buffer
-    /// (holding u) cleared. `norms` must hold the whole tensors' sums (all shards added).
+    /// Second pass over `range`: w -= lr * step_ratio(tensor) * u (the trust ratio, or 1 for a
+    /// tensor that is not adapted), and the gradient buffer (holding u) cleared. `norms` must hold
+    /// the whole tensors' sums (all shards added).
     pub fn apply_range(
         &mut self,
         params: &FlatParams,
@@ -303,6 +345,7 @@ impl Lamb {
         kernel: UpdateKernel,
         n_threads: usize,
     ) {
+        let ratios: Vec<f64> = (0..self.adapt.len()).map(|entry| self.step_ratio(entry, norms)).collect();
         match self.slices(params, &range, kernel) {
             Some(slices) => {
                 run_split(&slices, n_threads, |s| {
@@ -313,7 +356,7 @@ impl Lamb {
                             std::slice::from_raw_parts_mut(s.param, s.numel),
                         )
                     };
-                    let step = (lr * norms.trust_ratio(s.entry)) as f32;
+                    let step = (lr * ratios[s.entry]) as f32;
                     for (g, p) in g.iter_mut().zip(p.iter_mut()) {
                         *p -= step * *g;
                         *g = 0.0;
@@ -324,7 +367,7 @@ impl Lamb {
                 for (entry, lo, hi) in overlaps(params, &range) {
                     let (mut p, mut g) =
                         (params.flat().narrow(0, lo, hi - lo), params.flat_grad().narrow(0, lo, hi - lo));
-                    let _ = p.g_sub_(&(&g * (lr * norms.trust_ratio(entry))));
+                    let _ = p.g_sub_(&(&g * (lr * ratios[entry])));
                     let _ = g.zero_();
                 }
             }),
@@ -614,8 +657,16 @@ mod tests {
         loss.backward();
     }
 
-    /// LAMB written per tensor from the paper with plain libtorch ops, for comparison.
-    fn reference_lamb(init: &[Tensor], decay: &[bool], grads: &[Vec<Tensor>], hp: &Hyper) -> Vec<Tensor> {
+    /// LAMB written per tensor from the paper with plain libtorch ops, for comparison: the trust
+    /// ratio on the tensors in `adapt`, clamped into `clamp`.
+    fn reference_lamb(
+        init: &[Tensor],
+        decay: &[bool],
+        adapt: &[bool],
+        clamp: (f64, f64),
+        grads: &[Vec<Tensor>],
+        hp: &Hyper,
+    ) -> Vec<Tensor> {
         let mut w: Vec<Tensor> = init.iter().map(|t| t.to_kind(Kind::Double)).collect();
         let mut m: Vec<Tensor> = w.iter().map(Tensor::zeros_like).collect();
         let mut v: Vec<Tensor> = w.iter().map(Tensor::zeros_like).collect();
@@ -632,7 +683,11 @@ mod tests {
                     u = u + &w[i] * hp.weight_decay;
                 }
                 let (wn, un) = (w[i].norm().double_value(&[]), u.norm().double_value(&[]));
-                let trust = if wn > 0.0 && un > 0.0 { wn / un } else { 1.0 };
+                let trust = match (adapt[i], wn > 0.0 && un > 0.0) {
+                    (true, true) => (wn / un).clamp(clamp.0, clamp.1),
+                    (true, false) => 1.0f64.clamp(clamp.0, clamp.1),
+                    (false, _) => 1.0,
+                };
                 w[i] = &w[i] - u * (hp.lr * trust);
             }
         }
@@ -642,9 +697,17 @@ mod tests {
     /// Runs `steps` steps of `kind`, returning the initial tensors, each step's gradients and the
     /// final tensors.
     fn run(kind: OptimizerKind, kernel: UpdateKernel, hp: &Hyper) -> (Vec<Tensor>, Vec<Vec<Tensor>>, Vec<Tensor>) {
+        run_with(|params| Optimizer::new(kind, params), kernel, hp)
+    }
+
+    fn run_with(
+        make: impl FnOnce(&FlatParams) -> Optimizer,
+        kernel: UpdateKernel,
+        hp: &Hyper,
+    ) -> (Vec<Tensor>, Vec<Vec<Tensor>>, Vec<Tensor>) {
         let params = params();
         let init: Vec<Tensor> = params.entries().iter().map(|e| e.tensor.detach().copy()).collect();
-        let mut optimizer = Optimizer::new(kind, &params);
+        let mut optimizer = make(&params);
         let mut grads = Vec::new();
         for step in 1..=3 {
             backward(&params, step);
@@ -666,13 +729,36 @@ mod tests {
     fn lamb_matches_a_per_tensor_implementation() {
         let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let decay: Vec<bool> = params().entries().iter().map(|e| e.decay).collect();
+        let no_clamp = (0.0, f64::INFINITY);
         for kernel in [UpdateKernel::Fused, UpdateKernel::TensorOps] {
+            // The default: the trust ratio on the decayed tensors only (the bias "a.b" takes Adam's step).
             let (init, grads, got) = run(OptimizerKind::Lamb, kernel, &hyper());
-            let want = reference_lamb(&init, &decay, &grads, &hyper());
+            let want = reference_lamb(&init, &decay, &decay, no_clamp, &grads, &hyper());
             let err = worst(&got, &want);
             assert!(err < 1e-6, "{kernel:?}: LAMB differs from the per-tensor reference by {err}");
             // The trust ratio matters: plain Adam steps would be far off.
             assert!(worst(&got, &init) > 1e-3, "the parameters moved");
+            let all = vec![true; decay.len()];
+            let adapted_everywhere = reference_lamb(&init, &decay, &all, no_clamp, &grads, &hyper());
+            assert!(worst(&got[1..2], &adapted_everywhere[1..2]) > 1e-3, "the bias takes no trust ratio");
+            assert!(worst(&got[..1], &adapted_everywhere[..1]) < 1e-6, "each tensor's ratio is its own");
+            // NVLAMB (every tensor adapted), and a clamp that binds: at step 1 the ratios are
+            // ||w|| / ||u|| ~ 0.5 / 1 for these tensors, so [0.9, 10] lifts them.
+            for (options, clamp) in [
+                (LambOptions { adapt_all: true, ..LambOptions::default() }, no_clamp),
+                (LambOptions { adapt_all: false, min_trust: 0.9, max_trust: 10.0 }, (0.9, 10.0)),
+            ] {
+                let make = |p: &FlatParams| Optimizer::Lamb(Lamb::with_options(p, options));
+                let (init, grads, got) = run_with(make, kernel, &hyper());
+                let adapt: Vec<bool> = decay.iter().map(|&d| d || options.adapt_all).collect();
+                let want = reference_lamb(&init, &decay, &adapt, clamp, &grads, &hyper());
+                let err = worst(&got, &want);
+                assert!(err < 1e-6, "{kernel:?} {options:?}: LAMB differs from the per-tensor reference by {err}");
+                let unclamped = reference_lamb(&init, &decay, &adapt, no_clamp, &grads, &hyper());
+                if clamp != no_clamp {
+                    assert!(worst(&got, &unclamped) > 1e-3, "the clamp binds");
+                }
+            }
         }
     }
 
