@@ -10,16 +10,20 @@
 # times, so time spent evaluating is not counted, and the median step time x steps).
 #
 # LAMB moves each adapted tensor by lr x its norm per step, a different scale from AdamW's, so its
-# reference rate (at the base batch, before the rule's 4x) is its own: lamb_lr.
+# reference rate (at the base batch, before the rule's 4x) is its own: lamb_lr (0.0075 was the best
+# of 0.0025, 0.0035, 0.005, 0.0075 and 0.01 measured on 2026-12-01, tied with 0.01; see the README).
 #
 #   benches/lamb_batch.sh [base_steps] [binary] [lamb_lr] [runs] [cap]
-#       (defaults: 600 target/release/stoke 0.01 "adamw-1x lamb-4x adamw-4x" 2)
-# Extra `--set` overrides for the LAMB run go in LAMB_SET (e.g. LAMB_SET="train.eps=1e-6").
+#       (defaults: 600 target/release/stoke 0.0075 "adamw-1x lamb-4x adamw-4x" 2)
+# Extra `--set` overrides for the LAMB run go in LAMB_SET (e.g. LAMB_SET="train.eps=1e-6"), for
+# every run in STOKE_SET (e.g. STOKE_SET="train.threads=1" on a shared machine); LAMB_DIR sets
+# the runs' folder; LAMB_PARALLEL=1 runs the three at once (each then sees the same machine load,
+# which makes their step times comparable on a shared machine; use it with train.threads=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-600}
 stoke=${2:-target/release/stoke}
-lamb_lr=${3:-0.01}
+lamb_lr=${3:-0.0075}
 runs=${4:-adamw-1x lamb-4x adamw-4x}
 cap=${5:-2}
 dir=${LAMB_DIR:-runs/bench-lamb-batch}
@@ -30,12 +34,18 @@ common=(--set run.dir="$dir" --set train.micro_batch=16 --set train.lr_reference
   --set ckpt.at_end=false --set prof.prometheus=false)
 lamb_extra=()
 for kv in ${LAMB_SET:-}; do lamb_extra+=(--set "$kv"); done
+for kv in ${STOKE_SET:-}; do common+=(--set "$kv"); done
 run() { # name optimizer grad_accum steps eval_every lr min_lr [extra --set ...]
   [[ " $runs " == *" $1 "* ]] || return 0
   rm -rf "${dir:?}/$1"
-  "$stoke" train --quiet "${model[@]}" "${common[@]}" --set run.name="$1" --set train.optimizer="$2" \
-    --set train.grad_accum="$3" --set train.steps="$4" --set eval.every="$5" --set train.lr="$6" \
-    --set train.min_lr="$7" "${@:8}" | grep -E "^(done|interrupted)" || true
+  local cmd=("$stoke" train --quiet "${model[@]}" "${common[@]}" --set run.name="$1" --set train.optimizer="$2"
+    --set train.grad_accum="$3" --set train.steps="$4" --set eval.every="$5" --set train.lr="$6"
+    --set train.min_lr="$7" "${@:8}")
+  if [[ "${LAMB_PARALLEL:-0}" == 1 ]]; then
+    { "${cmd[@]}" | grep -E "^(done|interrupted)" || true; } &
+  else
+    "${cmd[@]}" | grep -E "^(done|interrupted)" || true
+  fi
 }
 eval_every=$(( steps / 10 ))
 big_steps=$(awk "BEGIN { print int($steps * $cap / 4) }")
@@ -43,6 +53,7 @@ run adamw-1x adamw 1 "$steps" "$eval_every" 0.002 0.0002
 run lamb-4x lamb 4 "$big_steps" $(( eval_every / 4 )) "$lamb_lr" "$(awk "BEGIN { print $lamb_lr / 10 }")" \
   "${lamb_extra[@]}"
 run adamw-4x adamw 4 "$big_steps" $(( eval_every / 4 )) 0.002 0.0002
+wait
 for b in lamb-4x adamw-4x; do
   echo "== adamw-1x vs $b"
   "$stoke" compare adamw-1x "$b" --runs "$dir" --tolerance 0.03 || true
