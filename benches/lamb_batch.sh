@@ -17,14 +17,16 @@
 #       (defaults: 600 target/release/stoke 0.0075 "adamw-1x lamb-4x adamw-4x" 2)
 # Extra `--set` overrides for the LAMB run go in LAMB_SET (e.g. LAMB_SET="train.eps=1e-6"), for
 # every run in STOKE_SET (e.g. STOKE_SET="train.threads=1" on a shared machine); LAMB_DIR sets
-# the runs' folder; LAMB_PARALLEL=1 runs the three at once (each then sees the same machine load,
+# the runs' folder; LAMB_MULT the batch multiple of the large-batch runs (default 4: "lamb-4x",
+# "adamw-4x"; their evaluations every base_steps / 10 / LAMB_MULT steps, rounded); LAMB_PARALLEL=1 runs the three at once (each then sees the same machine load,
 # which makes their step times comparable on a shared machine; use it with train.threads=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-600}
 stoke=${2:-target/release/stoke}
 lamb_lr=${3:-0.0075}
-runs=${4:-adamw-1x lamb-4x adamw-4x}
+mult=${LAMB_MULT:-4}
+runs=${4:-adamw-1x lamb-${mult}x adamw-${mult}x}
 cap=${5:-2}
 dir=${LAMB_DIR:-runs/bench-lamb-batch}
 mkdir -p "$dir"
@@ -48,13 +50,15 @@ run() { # name optimizer grad_accum steps eval_every lr min_lr [extra --set ...]
   fi
 }
 eval_every=$(( steps / 10 ))
-big_steps=$(awk "BEGIN { print int($steps * $cap / 4) }")
+big_steps=$(awk "BEGIN { print int($steps * $cap / $mult) }")
+big_eval=$(( (eval_every + mult / 2) / mult ))
+(( big_eval > 0 )) || big_eval=1
 run adamw-1x adamw 1 "$steps" "$eval_every" 0.002 0.0002
-run lamb-4x lamb 4 "$big_steps" $(( eval_every / 4 )) "$lamb_lr" "$(awk "BEGIN { print $lamb_lr / 10 }")" \
+run "lamb-${mult}x" lamb "$mult" "$big_steps" "$big_eval" "$lamb_lr" "$(awk "BEGIN { print $lamb_lr / 10 }")" \
   "${lamb_extra[@]}"
-run adamw-4x adamw 4 "$big_steps" $(( eval_every / 4 )) 0.002 0.0002
+run "adamw-${mult}x" adamw "$mult" "$big_steps" "$big_eval" 0.002 0.0002
 wait
-for b in lamb-4x adamw-4x; do
+for b in "lamb-${mult}x" "adamw-${mult}x"; do
   echo "== adamw-1x vs $b"
   "$stoke" compare adamw-1x "$b" --runs "$dir" --tolerance 0.03 || true
 done
