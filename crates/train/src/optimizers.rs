@@ -101,7 +101,8 @@ pub struct LambOptions {
     /// step, and a LayerNorm gain (norm sqrt(d)) moves by lr x sqrt(d) per step. Default false.
     pub adapt_all: bool,
     /// The trust ratio is clamped into [min_trust, max_trust] (the paper's phi; DeepSpeed's
-    /// min_coeff and max_coeff are 0.01 and 10). Default 0 and infinity: no clamp, as apex.
+    /// min_coeff and max_coeff are 0.01 and 10). Default 0 and infinity: no clamp, as apex and
+    /// TensorFlow Addons.
     pub min_trust: f64,
     pub max_trust: f64,
 }
@@ -208,7 +209,15 @@ impl Lamb {
         Lamb::with_options(params, LambOptions::default())
     }
 
+    /// Panics when `min_trust` > `max_trust` or either is NaN (a programming error: they are not
+    /// read from user input).
     pub fn with_options(params: &FlatParams, options: LambOptions) -> Lamb {
+        assert!(
+            options.min_trust <= options.max_trust,
+            "LambOptions: min_trust {} must be <= max_trust {}",
+            options.min_trust,
+            options.max_trust
+        );
         let adapt = params.entries().iter().map(|e| options.adapt_all || e.decay).collect();
         Lamb { exp_avg: state_buffer(params), exp_avg_sq: state_buffer(params), n_steps: 0, options, adapt }
     }
