@@ -185,6 +185,14 @@ pub struct TrainConfig {
     pub momentum: f64,
     /// SGD only: Nesterov momentum. Default false.
     pub nesterov: bool,
+    /// LAMB only: the trust ratio on every tensor (NVLAMB); false applies it only to tensors with
+    /// weight decay, biases and norms taking Adam's step (apex, TensorFlow Addons). Default false.
+    pub lamb_adapt_all: bool,
+    /// LAMB only: the trust ratio is clamped to at least this. Default 0 (no lower clamp).
+    pub lamb_min_trust: f64,
+    /// LAMB only: and at most this; 0 is no upper clamp (DeepSpeed clamps to [0.01, 10]).
+    /// Default 0.
+    pub lamb_max_trust: f64,
     /// Shape of the learning rate after warmup: "cosine" (to `min_lr` at the horizon), "linear"
     /// (straight down to `min_lr` at the horizon), "constant" (`lr` throughout), or "wsd"
     /// (warmup-stable-decay: `lr` until the last `lr_decay_fraction` of the steps before the
@@ -281,6 +289,9 @@ impl Default for TrainConfig {
             optimizer: OptimizerKind::AdamW,
             momentum: 0.9,
             nesterov: false,
+            lamb_adapt_all: false,
+            lamb_min_trust: 0.0,
+            lamb_max_trust: 0.0,
             lr_shape: LrShape::Cosine,
             lr_decay_fraction: 0.2,
             lr_scaling: LrScaling::None,
@@ -322,6 +333,21 @@ impl TrainConfig {
         }
         if self.micro_batch == 0 {
             return bad("train.micro_batch", "must be at least 1; got 0".into());
+        }
+        if !(self.lamb_min_trust.is_finite() && self.lamb_min_trust >= 0.0) {
+            return bad("train.lamb_min_trust", format!("must be a finite number >= 0; got {}", self.lamb_min_trust));
+        }
+        if !(self.lamb_max_trust.is_finite() && self.lamb_max_trust >= 0.0) {
+            return bad("train.lamb_max_trust", format!("must be a finite number >= 0; got {}", self.lamb_max_trust));
+        }
+        if self.lamb_max_trust > 0.0 && self.lamb_max_trust < self.lamb_min_trust {
+            return bad(
+                "train.lamb_max_trust",
+                format!(
+                    "must be 0 (no clamp) or at least train.lamb_min_trust {}; got {}",
+                    self.lamb_min_trust, self.lamb_max_trust
+                ),
+            );
         }
         if self.grad_accum == 0 {
             return bad("train.grad_accum", "must be at least 1; got 0".into());

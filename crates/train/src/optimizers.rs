@@ -514,6 +514,19 @@ pub enum Optimizer {
 }
 
 impl Optimizer {
+    /// The optimizer `train` names, with its options (LAMB's), over `params`.
+    pub fn for_config(train: &crate::TrainConfig, params: &FlatParams) -> Optimizer {
+        match train.optimizer {
+            OptimizerKind::Lamb => {
+                let max_trust = if train.lamb_max_trust > 0.0 { train.lamb_max_trust } else { f64::INFINITY };
+                let options =
+                    LambOptions { adapt_all: train.lamb_adapt_all, min_trust: train.lamb_min_trust, max_trust };
+                Optimizer::Lamb(Lamb::with_options(params, options))
+            }
+            kind => Optimizer::new(kind, params),
+        }
+    }
+
     pub fn new(kind: OptimizerKind, params: &FlatParams) -> Optimizer {
         match kind {
             OptimizerKind::AdamW => Optimizer::AdamW(AdamW::new(params)),

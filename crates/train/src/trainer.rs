@@ -266,7 +266,7 @@ impl Trainer {
         crate::host_memory::apply(train.host_memory);
         tch::manual_seed(train.seed as i64);
         let model = Gpt::new(shape, train.precision, train.attention, device);
-        let optimizer = Optimizer::new(train.optimizer, model.params());
+        let optimizer = Optimizer::for_config(train, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;
         let scaler = (train.precision == Precision::Fp16).then(|| LossScaler::new(train.loss_scale()));
         Ok(Trainer {
@@ -445,7 +445,7 @@ impl Trainer {
         starts: &std::collections::HashMap<String, i64>,
     ) -> Result<(), String> {
         let full = self.optimizer.state_tensors(self.model.params());
-        let mut sharded = Optimizer::new(self.train.optimizer, shard);
+        let mut sharded = Optimizer::for_config(&self.train, shard);
         sharded.load_state(shard, self.optimizer.n_steps(), |name| {
             let (param, _) = name.rsplit_once('.')?;
             let piece = shard.entries().iter().find(|e| e.name == param)?;
