@@ -13,7 +13,9 @@
 //! starts them again on the larger world; when slots are taken away (a scheduler giving them to
 //! another job), it shrinks the same way, down to MIN. `train.global_batch` keeps the global batch, and so the
 //! trajectory, on every world size. Each start, restart and end is a line of the run's
-//! `events.jsonl` with its cause. Only failures count against `--max-restarts`.
+//! `events.jsonl` with its cause. Only failures count against `--max-restarts`. With
+//! `--cpus-file`, each start pins worker RANK to the RANK-th CPU the file lists (how
+//! `stoke sched serve` keeps jobs on their own cores).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;

@@ -420,7 +420,7 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .filter(|h| h.job == job.id && h.event == "profiled")
             .filter_map(|h| serde_json::from_str::<serde_json::Value>(&h.detail).ok()?["cost_s"].as_f64())
-            .sum::<f64>();
+            .fold(0.0, |sum, cost| sum + cost);
         profile_costs.push(profile_s);
         let start_s = super::sched_serve::startup_cost(&history, job.id) + profile_s;
         let noise = super::sched_serve::noise_scale(&layout.run_dir(job));
