@@ -385,7 +385,9 @@ fn slot_cores(args: &ServeArgs) -> anyhow::Result<Vec<usize>> {
         None => allowed_cpus(),
     };
     if cpus.is_empty() {
-        return Err(UsageError("no CPU to pin the slots to (--cpus, or this process's affinity, is empty)".into()).into());
+        return Err(
+            UsageError("no CPU to pin the slots to (--cpus, or this process's affinity, is empty)".into()).into()
+        );
     }
     if cpus.len() < args.slots {
         eprintln!(
@@ -813,10 +815,13 @@ impl Server<'_> {
                 ("profile_cut", detail, Profile::Off)
             } else if let (Profile::One, Some((_, t1, m))) = (phase, at(1).filter(|p| p.2 >= n)) {
                 ("profile_2", format!("1 worker: {t1:.3} steps/s over {m} steps; now 2 workers"), Profile::Two)
-            } else if let (Profile::Two, Some((_, t2, m)), Some((_, t1, _))) = (phase, at(2).filter(|p| p.2 >= n), at(1)) {
+            } else if let (Profile::Two, Some((_, t2, m)), Some((_, t1, _))) =
+                (phase, at(2).filter(|p| p.2 >= n), at(1))
+            {
                 // The steps run on one worker: up to the start on two.
                 let steps_at_1 = segs.iter().find(|s| s.workers >= 2).map_or(0, |s| s.from_step);
-                let since = history.iter().rev().find(|h| h.job == id && h.event == "profile_2").map_or(0.0, |h| h.time_s);
+                let since =
+                    history.iter().rev().find(|h| h.job == id && h.event == "profile_2").map_or(0.0, |h| h.time_s);
                 let resize_s = history
                     .iter()
                     .find(|h| h.job == id && h.event == "resized" && h.time_s >= since)

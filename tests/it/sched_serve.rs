@@ -70,16 +70,26 @@ fn serve(dir: &Path, log: &str) -> Server {
 fn serve_with(dir: &Path, log: &str, extra: &[&str]) -> Server {
     let log = std::fs::File::create(dir.join(log)).unwrap();
     let state = dir.join("state");
-    let mut args =
-        vec!["sched", "serve", "--dir", state.to_str().unwrap(), "--slots", "2", "--prometheus-port", "0", "--poll-s", "0.2"];
+    let mut args = vec![
+        "sched",
+        "serve",
+        "--dir",
+        state.to_str().unwrap(),
+        "--slots",
+        "2",
+        "--prometheus-port",
+        "0",
+        "--poll-s",
+        "0.2",
+    ];
     args.extend_from_slice(extra);
     args.push("--exit-when-idle");
     let child = stoke(&args, &[])
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(log)
-    .spawn()
-    .expect("stoke sched serve starts");
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("stoke sched serve starts");
     Server { child, dir: dir.join("state") }
 }
 
@@ -401,10 +411,16 @@ fn goodput_profiles_a_new_job_on_one_then_two_workers_and_pins_every_worker_to_i
         s["history"].as_array().unwrap().iter().filter(|h| h["job"] == a["id"]).collect();
     let events: Vec<&str> = history.iter().map(|h| h["event"].as_str().unwrap()).collect();
     let pos = |e: &str| events.iter().position(|x| *x == e).unwrap_or_else(|| panic!("no {e}: {events:?}"));
-    assert!(pos("profile_1") < pos("launched") && pos("launched") < pos("profile_2") && pos("profile_2") < pos("profiled"));
+    assert!(
+        pos("profile_1") < pos("launched") && pos("launched") < pos("profile_2") && pos("profile_2") < pos("profiled")
+    );
     assert_eq!(history[pos("launched")]["workers"], 1, "the profile starts on one worker: {history:?}");
-    let profiled: serde_json::Value = serde_json::from_str(history[pos("profiled")]["detail"].as_str().unwrap()).unwrap();
-    assert!(profiled["cost_s"].as_f64().unwrap() >= 0.0 && profiled["steps_at_1"].as_u64().unwrap() >= 8 + 2, "{profiled}");
+    let profiled: serde_json::Value =
+        serde_json::from_str(history[pos("profiled")]["detail"].as_str().unwrap()).unwrap();
+    assert!(
+        profiled["cost_s"].as_f64().unwrap() >= 0.0 && profiled["steps_at_1"].as_u64().unwrap() >= 8 + 2,
+        "{profiled}"
+    );
     // Both sizes measured (at least the profile's steps each), and they are what the fit reads.
     let sizes: Vec<(u64, u64)> = a["throughput"]
         .as_array()
@@ -442,10 +458,19 @@ fn goodput_profiles_a_new_job_on_one_then_two_workers_and_pins_every_worker_to_i
     if pinning {
         for (name, workers) in [("a", &wa), ("b", &wb)] {
             let (_, lists) = &workers[0];
-            assert!(lists.iter().all(|l| l == &lists[0]) && cores.contains(&lists[0]), "{name}'s threads: {lists:?} (cores {cores:?})");
+            assert!(
+                lists.iter().all(|l| l == &lists[0]) && cores.contains(&lists[0]),
+                "{name}'s threads: {lists:?} (cores {cores:?})"
+            );
         }
         assert_ne!(wa[0].1[0], wb[0].1[0], "a and b share a core: {wa:?} {wb:?}");
-        println!("a's worker on core {}, b's on core {} ({} and {} threads)", wa[0].1[0], wb[0].1[0], wa[0].1.len(), wb[0].1.len());
+        println!(
+            "a's worker on core {}, b's on core {} ({} and {} threads)",
+            wa[0].1[0],
+            wb[0].1[0],
+            wa[0].1.len(),
+            wb[0].1.len()
+        );
     }
     wait_until(&mut server, &mut watch, "the end of every job", Duration::from_secs(600), || {
         status(&state)["jobs"].as_array().is_some_and(|jobs| {
