@@ -841,6 +841,10 @@ impl Server<'_> {
             } else {
                 continue;
             };
+            // The points the step rests on, recorded with it (the periodic fit may not have run yet).
+            if !points.is_empty() {
+                self.store.set_throughput(id, &points)?;
+            }
             let step = last_step(&run_dir);
             eprintln!("[sched] {}: {event}: {detail}", job.job.name);
             let entry = self.entry(&job, event, next.cap().min(job.alloc), step, detail);
