@@ -287,7 +287,8 @@ fn run_workers(
             Ok(child) => child,
             Err(err) => {
                 stop_all(&mut children, Duration::ZERO);
-                return Err(err).with_context(|| format!("cannot start worker {rank}: {}", program.display()));
+                let pinned = cpus.get(rank).map_or(String::new(), |cpu| format!(" pinned to CPU {cpu}"));
+                return Err(err).with_context(|| format!("cannot start worker {rank}{pinned}: {}", program.display()));
             }
         };
         let out = child.stdout.take().expect("stdout is piped");
