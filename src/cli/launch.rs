@@ -13,7 +13,9 @@
 //! starts them again on the larger world; when slots are taken away (a scheduler giving them to
 //! another job), it shrinks the same way, down to MIN. `train.global_batch` keeps the global batch, and so the
 //! trajectory, on every world size. Each start, restart and end is a line of the run's
-//! `events.jsonl` with its cause. Only failures count against `--max-restarts`.
+//! `events.jsonl` with its cause. Only failures count against `--max-restarts`. With
+//! `--cpus-file`, each start pins worker RANK to the RANK-th CPU the file lists (how
+//! `stoke sched serve` keeps jobs on their own cores).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
@@ -57,6 +59,11 @@ pub struct LaunchArgs {
     /// from its start) before the job counts it hung.
     #[arg(long, default_value_t = 300.0)]
     pub hang_timeout_s: f64,
+    /// A file listing CPUs (`2,3`), read at every (re)start: worker RANK runs pinned to the
+    /// RANK-th CPU of the list (`sched_setaffinity` before it starts; ranks past the list's end are
+    /// not pinned). `stoke sched serve` writes the cores of the job's slots there.
+    #[arg(long, value_name = "FILE")]
+    pub cpus_file: Option<PathBuf>,
     /// Port of the rendezvous store on 127.0.0.1 (default: a free port, a new one per start).
     #[arg(long)]
     pub master_port: Option<u16>,
@@ -255,8 +262,15 @@ fn run_workers(
     for rank in 0..world {
         let _ = std::fs::remove_file(heartbeat_path(launch_dir, rank));
     }
+    let cpus = match &args.cpus_file {
+        Some(path) => read_cpus(path)?,
+        None => Vec::new(),
+    };
     for (rank, slot) in slots.iter().enumerate() {
         let mut cmd = Command::new(program);
+        if let Some(&cpu) = cpus.get(rank) {
+            pin_to(&mut cmd, cpu);
+        }
         cmd.args(command)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
@@ -273,7 +287,8 @@ fn run_workers(
             Ok(child) => child,
             Err(err) => {
                 stop_all(&mut children, Duration::ZERO);
-                return Err(err).with_context(|| format!("cannot start worker {rank}: {}", program.display()));
+                let pinned = cpus.get(rank).map_or(String::new(), |cpu| format!(" pinned to CPU {cpu}"));
+                return Err(err).with_context(|| format!("cannot start worker {rank}{pinned}: {}", program.display()));
             }
         };
         let out = child.stdout.take().expect("stdout is piped");
@@ -295,6 +310,38 @@ fn run_workers(
         let _ = pump.join();
     }
     Ok(outcome)
+}
+
+/// The CPUs listed in `path` (numbers separated by commas, spaces or lines).
+fn read_cpus(path: &Path) -> anyhow::Result<Vec<usize>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --cpus-file {}", path.display()))?;
+    text.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<usize>()
+                .ok()
+                .filter(|&cpu| cpu < libc::CPU_SETSIZE as usize)
+                .with_context(|| format!("--cpus-file {}: `{s}` is not a CPU number", path.display()))
+        })
+        .collect()
+}
+
+/// Makes the worker `cmd` starts run on `cpu` only, from before its first instruction (so every
+/// thread it creates inherits the mask).
+fn pin_to(cmd: &mut Command, cpu: usize) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec and only calls sched_setaffinity(2),
+    // which is async-signal-safe, on a mask built on its own stack; no allocation, no lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// What `supervise` watches besides exit codes.

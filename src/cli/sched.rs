@@ -251,6 +251,12 @@ fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     if !(args.priority > 0.0 && args.priority.is_finite()) {
         return Err(UsageError(format!("--priority {}: needs a positive number", args.priority)).into());
     }
+    if resolved.adaptive.enabled && max > 1 {
+        return Err(UsageError(format!(
+            "adaptive.enabled runs on one process only (the trainer refuses it on more): submit it with --max 1, not {max}"
+        ))
+        .into());
+    }
     if resolved.ckpt.every == 0 {
         eprintln!("warning: ckpt.every = 0: a job whose launcher is lost starts again from its last resize's checkpoint or from scratch");
     }
@@ -275,6 +281,8 @@ fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         priority: args.priority,
         steps: resolved.train.steps,
         ckpt_every: resolved.ckpt.every,
+        batch_per_worker: resolved.train.micro_batch * resolved.train.grad_accum.max(1),
+        batch_grows: resolved.train.global_batch == 0,
     };
     let id = store.submit(&job, super::sched_serve::unix_now()).map_err(|e| match e {
         stoke_sched::SchedError::BadJob { .. } => anyhow::Error::new(UsageError(e.to_string())),
@@ -306,6 +314,8 @@ fn job_json(layout: &Layout, job: &JobRow, throughput: &[(usize, f64, usize)]) -
         "cancel_requested": job.cancel_requested,
         "detail": job.detail,
         "run_dir": layout.run_dir(job),
+        "slots": job.slots,
+        "noise_scale": super::sched_serve::noise_scale(&layout.run_dir(job)),
         "throughput": throughput.iter().map(|&(w, t, n)| serde_json::json!({"workers": w, "steps_per_s": t, "steps": n})).collect::<Vec<_>>(),
     })
 }
@@ -321,6 +331,7 @@ fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         }
         let value = serde_json::json!({
             "slots": store.meta("slots")?.and_then(|s| s.parse::<usize>().ok()),
+            "cores": store.meta("cores")?,
             "policy": store.meta("policy")?,
             "prometheus_addr": store.meta("prometheus_addr")?,
             "jobs": out,
@@ -399,10 +410,21 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let history = store.history()?;
     let resize_s = super::sched_serve::resize_cost(&history);
     let t0 = jobs.iter().map(|j| j.submit_s).fold(f64::INFINITY, f64::min);
+    let layout = Layout { dir: std::fs::canonicalize(&args.dir)? };
     let mut specs = Vec::new();
+    let mut profile_costs = Vec::new();
     for job in &jobs {
-        let start_s = super::sched_serve::startup_cost(&history, job.id);
-        specs.push(super::sched_serve::job_spec(job, &store.throughput(job.id)?, resize_s, start_s, t0));
+        // A start-up profile's cost (the slower steps on one worker while two slots were held, and
+        // its resize) is charged to the job's start.
+        let profile_s = history
+            .iter()
+            .filter(|h| h.job == job.id && h.event == "profiled")
+            .filter_map(|h| serde_json::from_str::<serde_json::Value>(&h.detail).ok()?["cost_s"].as_f64())
+            .fold(0.0, |sum, cost| sum + cost);
+        profile_costs.push(profile_s);
+        let start_s = super::sched_serve::startup_cost(&history, job.id) + profile_s;
+        let noise = super::sched_serve::noise_scale(&layout.run_dir(job));
+        specs.push(super::sched_serve::job_spec(job, &store.throughput(job.id)?, noise, resize_s, start_s, t0));
     }
     let config = SimConfig {
         tick_s: meta("tick_s", 10.0)?,
@@ -411,7 +433,7 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     };
     let sim = stoke_sched::simulate(&specs, &config)?;
     let mut rows = Vec::new();
-    for ((job, spec), predicted) in jobs.iter().zip(&specs).zip(&sim.jobs) {
+    for (((job, spec), predicted), profile_s) in jobs.iter().zip(&specs).zip(&sim.jobs).zip(&profile_costs) {
         let measured = job.finish_s.unwrap_or(f64::NAN) - job.submit_s;
         let predicted_s = predicted.completion_s();
         rows.push(serde_json::json!({
@@ -420,6 +442,7 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "steps": job.job.steps,
             "scaling": format!("{:?}", spec.scaling),
             "start_s": spec.start_s,
+            "profile_s": profile_s,
             "measured_s": measured,
             "predicted_s": predicted_s,
             "error": (predicted_s - measured) / measured,
@@ -440,16 +463,17 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{:<16} {:>9} {:>6} {:>8} {:>12} {:>13} {:>8} {:>9}",
-        "job", "submit s", "steps", "start s", "measured s", "predicted s", "error", "resizes"
+        "{:<16} {:>9} {:>6} {:>8} {:>10} {:>12} {:>13} {:>8} {:>9}",
+        "job", "submit s", "steps", "start s", "profile s", "measured s", "predicted s", "error", "resizes"
     );
     for r in &rows {
         println!(
-            "{:<16} {:>9.1} {:>6} {:>8.1} {:>12.1} {:>13.1} {:>+7.1}% {:>4}/{:<4}",
+            "{:<16} {:>9.1} {:>6} {:>8.1} {:>10.1} {:>12.1} {:>13.1} {:>+7.1}% {:>4}/{:<4}",
             r["job"].as_str().unwrap_or(""),
             r["submit_s"].as_f64().unwrap_or(0.0),
             r["steps"],
             r["start_s"].as_f64().unwrap_or(0.0),
+            r["profile_s"].as_f64().unwrap_or(0.0),
             r["measured_s"].as_f64().unwrap_or(f64::NAN),
             r["predicted_s"].as_f64().unwrap_or(f64::NAN),
             100.0 * r["error"].as_f64().unwrap_or(f64::NAN),
@@ -459,7 +483,8 @@ fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     }
     println!(
         "mean completion time: measured {measured_mean:.1} s, predicted {predicted_mean:.1} s ({:+.1}%); mean absolute error per job {:.1}%; \
-         policy {}, {slots} slots, resize cost {resize_s:.1} s (measured median); resizes measured/predicted",
+         policy {}, {slots} slots, resize cost {resize_s:.1} s (measured median); start s includes profile s; \
+         resizes measured/predicted",
         100.0 * (predicted_mean - measured_mean) / measured_mean,
         100.0 * mean_abs_error,
         policy.name()

@@ -10,6 +10,14 @@
 //! and started again on the same folder re-adopts the launchers that still run (pid and start
 //! time recorded, so a reused pid is not mistaken for one), learns how the others ended from
 //! their run's `events.jsonl`, and starts the lost ones again from their latest checkpoint.
+//!
+//! Slots are cores: slot k is the k-th CPU of `--cpus` (default: the CPUs this server may run
+//! on). A job holds numbered slots (committed with the job), and its launcher pins worker RANK to
+//! the core of its RANK-th slot (`stoke launch --cpus-file`: the allocation file lists the
+//! cores), so two jobs never share a core. Under the goodput policy a job that starts on two
+//! slots or more first runs `--profile-steps` measured steps on one worker, then on two (through
+//! the same checkpoint-restart resize), so its speedup is measured before the policy relies on
+//! it; the profile's cost is recorded in its history.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
@@ -66,6 +74,14 @@ pub struct ServeArgs {
     /// Launchers lost (killed, or gone without saying how they ended) before a job counts failed.
     #[arg(long, default_value_t = 3)]
     pub max_lost: u64,
+    /// The cores of the slots, in slot order (`0,1`; `0-3` ranges too). Default: the first
+    /// `--slots` CPUs this process may run on.
+    #[arg(long)]
+    pub cpus: Option<String>,
+    /// Goodput policy: steps measured on one worker, then on two, when a job first starts on two
+    /// slots or more (after `observe::WARMUP_STEPS` per start); 0 skips the profile.
+    #[arg(long, default_value_t = 10)]
+    pub profile_steps: u64,
     /// Exit once jobs were submitted and none is queued or running (scripts and tests); without it the server runs until
     /// killed. Killing it leaves the jobs running; the next `serve` on the folder re-adopts them.
     #[arg(long)]
@@ -146,10 +162,35 @@ pub fn startup_cost(history: &[HistoryEntry], job: i64) -> f64 {
     all.get(all.len() / 2).copied().unwrap_or(0.0)
 }
 
+/// The job's statistical efficiency: from the gradient noise scale its run reported, when its
+/// global batch grows with its workers (`train.global_batch` unset); 1 on every size otherwise (a
+/// fixed global batch, or no noise scale reported).
+pub fn efficiency(job: &JobRow, noise_scale: Option<f64>) -> stoke_sched::Efficiency {
+    match noise_scale {
+        Some(noise) if job.job.batch_grows && job.job.batch_per_worker > 0 => {
+            stoke_sched::Efficiency { b0: job.job.batch_per_worker as f64, batch_grows: true, noise }
+        }
+        _ => stoke_sched::Efficiency::FIXED_BATCH,
+    }
+}
+
+/// The noise scale in a job's `metrics.jsonl`, if its run reported one.
+pub fn noise_scale(run_dir: &Path) -> Option<f64> {
+    observe::latest_noise_scale(&std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap_or_default())
+}
+
 /// The model of a job the policies and the simulator use: work in steps, throughput in steps/s
-/// (fitted from its own reports; before any, 1 step/s on one worker with the prior parallel
-/// fraction), a fixed global batch (efficiency 1), the measured resize and start-up costs.
-pub fn job_spec(job: &JobRow, points: &[(usize, f64, usize)], resize_s: f64, start_s: f64, t0: f64) -> JobSpec {
+/// (fitted from its own reports, the start-up profile's included; before any, 1 step/s on one
+/// worker with the prior parallel fraction), its statistical efficiency (`efficiency`), the
+/// measured resize and start-up costs.
+pub fn job_spec(
+    job: &JobRow,
+    points: &[(usize, f64, usize)],
+    noise_scale: Option<f64>,
+    resize_s: f64,
+    start_s: f64,
+    t0: f64,
+) -> JobSpec {
     let scaling = observe::fit_scaling(points)
         .unwrap_or(stoke_sched::Scaling::Amdahl { t1: 1.0, p: observe::PRIOR_PARALLEL_FRACTION });
     JobSpec {
@@ -159,7 +200,7 @@ pub fn job_spec(job: &JobRow, points: &[(usize, f64, usize)], resize_s: f64, sta
         min_workers: job.job.min_workers,
         max_workers: job.job.max_workers,
         scaling,
-        efficiency: stoke_sched::Efficiency::FIXED_BATCH,
+        efficiency: efficiency(job, noise_scale),
         resize_s,
         start_s,
         priority: job.job.priority,
@@ -184,6 +225,41 @@ struct Live {
     launched: Option<(f64, u64)>,
     /// The world size it runs on now.
     world: usize,
+    /// Where its start-up profile stands.
+    profile: Profile,
+}
+
+/// A job's start-up profile (goodput policy): `One` while it runs its measured steps on one worker
+/// (two slots or more held), `Two` while on two; `Off` before, after, or without one. Kept in the
+/// history (`profile_1`, `profile_2`, then `profiled` or `profile_cut`), so a restarted server
+/// carries it on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Profile {
+    #[default]
+    Off,
+    One,
+    Two,
+}
+
+impl Profile {
+    /// The most workers the job's allocation file lets it run on.
+    fn cap(self) -> usize {
+        match self {
+            Profile::Off => usize::MAX,
+            Profile::One => 1,
+            Profile::Two => 2,
+        }
+    }
+
+    /// The phase the history leaves a job in.
+    fn from_history(history: &[HistoryEntry], job: i64) -> Profile {
+        let last = history.iter().rev().filter(|h| h.job == job).find(|h| h.event.starts_with("profile"));
+        match last.map(|h| h.event.as_str()) {
+            Some("profile_1") => Profile::One,
+            Some("profile_2") => Profile::Two,
+            _ => Profile::Off,
+        }
+    }
 }
 
 enum ProcessState {
@@ -253,13 +329,75 @@ fn lock_folder(dir: &Path) -> anyhow::Result<std::fs::File> {
     Ok(file)
 }
 
-fn write_alloc(layout: &Layout, id: i64, workers: usize) -> anyhow::Result<()> {
+/// Writes a job's allocation file, the cores its workers may run on (`2,3`), when it says
+/// something else (write + rename: the launcher never reads half a list).
+fn write_alloc(layout: &Layout, id: i64, cores: &[usize]) -> anyhow::Result<()> {
     let path = layout.alloc_file(id);
+    let text = cores.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    if std::fs::read_to_string(&path).is_ok_and(|old| old == text) {
+        return Ok(());
+    }
     let dir = path.parent().expect("alloc files sit in a folder");
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let tmp = dir.join(format!(".{id}.tmp"));
-    std::fs::write(&tmp, workers.to_string()).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::write(&tmp, &text).with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// `0,2,5-7` to [0, 2, 5, 6, 7].
+fn parse_cpu_list(text: &str) -> Result<Vec<usize>, UsageError> {
+    let bad = || UsageError(format!("--cpus `{text}`: expected CPU numbers and ranges like 0,2,4-7"));
+    let mut cpus = Vec::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+                if a > b {
+                    return Err(bad());
+                }
+                cpus.extend(a..=b);
+            }
+            None => cpus.push(part.parse().map_err(|_| bad())?),
+        }
+    }
+    Ok(cpus)
+}
+
+/// The CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: sched_getaffinity(2) fills a cpu_set_t of the size given; zeroed is a valid empty set.
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        set
+    };
+    // SAFETY: CPU_ISSET reads the set filled above, for indices below its size.
+    (0..libc::CPU_SETSIZE as usize).filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) }).collect()
+}
+
+/// The cores of the slots: `--cpus`, else the first `slots` CPUs this process may run on. Fewer
+/// CPUs than slots: slots share cores round-robin (said once).
+fn slot_cores(args: &ServeArgs) -> anyhow::Result<Vec<usize>> {
+    let cpus = match &args.cpus {
+        Some(text) => parse_cpu_list(text)?,
+        None => allowed_cpus(),
+    };
+    if cpus.is_empty() {
+        return Err(
+            UsageError("no CPU to pin the slots to (--cpus, or this process's affinity, is empty)".into()).into()
+        );
+    }
+    if cpus.len() < args.slots {
+        eprintln!(
+            "[sched] warning: {} slots on {} CPUs ({:?}): slots share cores, jobs are not kept apart",
+            args.slots,
+            cpus.len(),
+            cpus
+        );
+    }
+    Ok((0..args.slots).map(|k| cpus[k % cpus.len()]).collect())
 }
 
 /// A shell word holding `text` as is.
@@ -289,8 +427,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         store.set_meta("prometheus_addr", &addr.to_string())?;
         eprintln!("[sched] metrics: http://{addr}/metrics");
     }
+    let cores = slot_cores(&args)?;
+    store.set_meta("cores", &cores.iter().map(usize::to_string).collect::<Vec<_>>().join(","))?;
     let config = PolicyConfig { slots: args.slots, policy, min_resize_interval_s: args.min_resize_interval_s };
-    let mut server = Server { args: &args, layout, store, config, live: HashMap::new() };
+    let mut server = Server { args: &args, layout, store, config, cores, live: HashMap::new() };
     server.recover()?;
     let mut known_active: Vec<i64> = Vec::new();
     let mut next_tick = 0.0;
@@ -312,7 +452,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
             known_active = active.clone();
             next_tick = now + args.tick_s;
         }
-        server.launch_ready()?;
+        server.profile()?;
+        server.place()?;
         *metrics.lock().expect("metrics lock") = server.prometheus()?;
         if args.exit_when_idle && active.is_empty() && !jobs.is_empty() {
             eprintln!("[sched] no job queued or running; exiting");
@@ -327,6 +468,8 @@ struct Server<'a> {
     layout: Layout,
     store: Store,
     config: PolicyConfig,
+    /// The core of each slot.
+    cores: Vec<usize>,
     live: HashMap<i64, Live>,
 }
 
@@ -360,10 +503,10 @@ impl Server<'_> {
                         last_step_s: unix_now(),
                         starts_seen: launch_events(&run_dir).iter().filter(|e| e.event == "start").count(),
                         world,
+                        profile: Profile::from_history(&self.store.history()?, job.id),
                         ..Live::default()
                     };
                     self.live.insert(job.id, live);
-                    write_alloc(&self.layout, job.id, job.alloc)?;
                 }
                 None => self.settle(&job, None)?,
             }
@@ -544,7 +687,8 @@ impl Server<'_> {
         let t0 = jobs.iter().map(|j| j.submit_s).fold(now, f64::min);
         let mut specs = Vec::new();
         for job in &jobs {
-            specs.push(job_spec(job, &self.store.throughput(job.id)?, resize_s, startup_cost(&history, job.id), t0));
+            let (points, noise) = (self.store.throughput(job.id)?, noise_scale(&self.layout.run_dir(job)));
+            specs.push(job_spec(job, &points, noise, resize_s, startup_cost(&history, job.id), t0));
         }
         // Jobs that can never fit wait forever: refuse them once.
         let mut views = Vec::new();
@@ -588,45 +732,158 @@ impl Server<'_> {
         for change in &changes {
             let name = placed.iter().find(|j| j.id == change.job).map_or("", |j| j.job.name.as_str());
             eprintln!("[sched] {name}: {} -> {} workers: {}", change.from_workers, change.to_workers, change.reason);
-            if placed.iter().any(|j| j.id == change.job && j.state != JobState::Queued) {
-                write_alloc(&self.layout, change.job, change.to_workers)?;
-            }
         }
+        // The launchers learn their new sizes when `place` rewrites their allocation files.
         Ok(())
     }
 
-    /// Slots held now: a running job holds the larger of its allocation and the world it still
-    /// runs on (a shrink frees slots only once its launcher has restarted on fewer).
-    fn slots_held(&self, jobs: &[JobRow]) -> usize {
-        jobs.iter()
-            .filter(|j| matches!(j.state, JobState::Running | JobState::Starting))
-            .map(|j| j.alloc.max(self.live.get(&j.id).map_or(0, |l| l.world)))
-            .sum()
-    }
-
-    /// Starts the queued jobs that have an allocation, once their slots are free.
-    fn launch_ready(&mut self) -> anyhow::Result<()> {
+    /// Gives the allocations their slots, then tells the launchers. A running job keeps its slots
+    /// in order: a shrink releases the last ones only once its launcher runs on no more than the
+    /// allocation (the workers there have stopped), a grow adds free slots as they are released; a
+    /// queued job with an allocation starts once that many slots are free. Each job's slots are
+    /// committed before its allocation file (the cores of its first `alloc` slots, fewer during
+    /// its profile) is rewritten.
+    fn place(&mut self) -> anyhow::Result<()> {
         let jobs = self.store.jobs()?;
-        let mut free = self.config.slots.saturating_sub(self.slots_held(&jobs));
+        let holds = |j: &JobRow| matches!(j.state, JobState::Running | JobState::Starting);
+        let mut held: Vec<bool> = vec![false; self.config.slots];
+        for slot in jobs.iter().filter(|j| holds(j)).flat_map(|j| j.slots.iter()) {
+            if let Some(h) = held.get_mut(*slot) {
+                *h = true;
+            }
+        }
+        let take = |held: &mut Vec<bool>, n: usize| -> Vec<usize> {
+            let free: Vec<usize> = (0..held.len()).filter(|&s| !held[s]).take(n).collect();
+            for &s in &free {
+                held[s] = true;
+            }
+            free
+        };
+        for job in jobs.iter().filter(|j| holds(j)) {
+            let (world, profile) = self.live.get(&job.id).map_or((0, Profile::Off), |l| (l.world, l.profile));
+            let mut slots: Vec<usize> = job.slots.iter().copied().filter(|&s| s < self.config.slots).collect();
+            if slots.len() > job.alloc && world <= job.alloc {
+                for &s in &slots[job.alloc..] {
+                    held[s] = false;
+                }
+                slots.truncate(job.alloc);
+            }
+            if slots.len() < job.alloc {
+                let more = take(&mut held, job.alloc - slots.len());
+                slots.extend(more);
+            }
+            if slots != job.slots {
+                self.store.set_slots(job.id, &slots)?;
+            }
+            let n = job.alloc.min(profile.cap()).min(slots.len());
+            write_alloc(&self.layout, job.id, &slots[..n].iter().map(|&s| self.cores[s]).collect::<Vec<_>>())?;
+        }
         for job in jobs.iter().filter(|j| j.state == JobState::Queued && j.alloc > 0 && !j.cancel_requested) {
-            if job.alloc > free {
+            if held.iter().filter(|h| !**h).count() < job.alloc {
                 continue;
             }
-            free -= job.alloc;
-            self.launch(job)?;
+            let slots = take(&mut held, job.alloc);
+            self.store.set_slots(job.id, &slots)?;
+            self.launch(job, &slots)?;
         }
         Ok(())
     }
 
-    fn launch(&mut self, job: &JobRow) -> anyhow::Result<()> {
+    /// Moves the start-up profiles on: after `--profile-steps` measured steps on one worker the
+    /// job goes on to two; after as many on two the profile is done, its throughput points (in the
+    /// `throughput` table, which the fit reads) and its cost recorded. A policy that takes the
+    /// job below two workers meanwhile cuts the profile short.
+    fn profile(&mut self) -> anyhow::Result<()> {
+        let profiling: Vec<(i64, Profile)> =
+            self.live.iter().filter(|(_, l)| l.profile != Profile::Off).map(|(&id, l)| (id, l.profile)).collect();
+        if profiling.is_empty() {
+            return Ok(());
+        }
+        let history = self.store.history()?;
+        for (id, phase) in profiling {
+            let Some(job) = self.store.job(&id.to_string())?.filter(|j| j.state == JobState::Running) else { continue };
+            let run_dir = self.layout.run_dir(&job);
+            let events = launch_events(&run_dir);
+            let steps =
+                observe::parse_step_times(&std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap_or_default());
+            let segs = segments(&history, id, &events);
+            let points = observe::throughput_points(&steps, &segs);
+            let at = |w: usize| points.iter().find(|p| p.0 == w).copied();
+            let n = self.args.profile_steps as usize;
+            let (event, detail, next) = if job.alloc < 2 {
+                let detail = format!("allocation now {}: the profile stops at {} worker(s)", job.alloc, phase.cap());
+                ("profile_cut", detail, Profile::Off)
+            } else if let (Profile::One, Some((_, t1, m))) = (phase, at(1).filter(|p| p.2 >= n)) {
+                ("profile_2", format!("1 worker: {t1:.3} steps/s over {m} steps; now 2 workers"), Profile::Two)
+            } else if let (Profile::Two, Some((_, t2, m)), Some((_, t1, _))) =
+                (phase, at(2).filter(|p| p.2 >= n), at(1))
+            {
+                // The steps run on one worker: up to the start on two.
+                let steps_at_1 = segs.iter().find(|s| s.workers >= 2).map_or(0, |s| s.from_step);
+                let since =
+                    history.iter().rev().find(|h| h.job == id && h.event == "profile_2").map_or(0.0, |h| h.time_s);
+                let resize_s = history
+                    .iter()
+                    .find(|h| h.job == id && h.event == "resized" && h.time_s >= since)
+                    .and_then(|h| h.detail.parse::<f64>().ok())
+                    .unwrap_or(0.0);
+                let cost_s = observe::profile_cost(steps_at_1, t1, t2, resize_s);
+                let p = match stoke_sched::Scaling::fit(&[(1, t1), (2, t2)]) {
+                    Ok(stoke_sched::Scaling::Amdahl { p, .. }) => p,
+                    _ => f64::NAN,
+                };
+                let detail = serde_json::json!({
+                    "steps_per_s_1": t1, "steps_per_s_2": t2, "steps_measured_2": m, "parallel_fraction": p,
+                    "steps_at_1": steps_at_1, "resize_s": resize_s, "cost_s": cost_s,
+                })
+                .to_string();
+                ("profiled", detail, Profile::Off)
+            } else {
+                continue;
+            };
+            // The points the step rests on, recorded with it (the periodic fit may not have run yet).
+            if !points.is_empty() {
+                self.store.set_throughput(id, &points)?;
+            }
+            let step = last_step(&run_dir);
+            eprintln!("[sched] {}: {event}: {detail}", job.job.name);
+            let entry = self.entry(&job, event, next.cap().min(job.alloc), step, detail);
+            self.store.history_entry(&entry)?;
+            if let Some(live) = self.live.get_mut(&id) {
+                live.profile = next;
+            }
+        }
+        Ok(())
+    }
+
+    fn launch(&mut self, job: &JobRow, slots: &[usize]) -> anyhow::Result<()> {
         let run_dir = self.layout.run_dir(job);
         let resume = stoke_ckpt::CheckpointStore::new(run_dir.join("checkpoints")).latest().ok().flatten();
-        write_alloc(&self.layout, job.id, job.alloc)?;
+        // A fresh start on two slots or more under the goodput policy profiles first.
+        let profile = if resume.is_none()
+            && self.config.policy == Policy::Goodput
+            && self.args.profile_steps > 0
+            && job.job.min_workers == 1
+            && job.alloc >= 2
+        {
+            let detail = format!(
+                "profile: {n} measured steps on 1 worker, then {n} on 2, holding its {} slots",
+                job.alloc,
+                n = self.args.profile_steps
+            );
+            self.store.history_entry(&self.entry(job, "profile_1", 1, 0, detail))?;
+            Profile::One
+        } else {
+            Profile::Off
+        };
+        let n = job.alloc.min(profile.cap()).min(slots.len());
+        write_alloc(&self.layout, job.id, &slots[..n].iter().map(|&s| self.cores[s]).collect::<Vec<_>>())?;
         // Committed before the process exists: a server killed in between finds it by its tag.
         self.store.starting(job.id, unix_now())?;
         let alloc_file = self.layout.alloc_file(job.id);
+        // The file lists the cores: as many slots as cores listed.
         let check = format!(
-            "test \"$STOKE_SLOT\" -lt \"$(cat {} 2>/dev/null || echo 0)\"",
+            "n=$(cat {} 2>/dev/null | tr , ' ' | wc -w); test \"$STOKE_SLOT\" -lt $n",
             shell_quote(&alloc_file.display().to_string())
         );
         let exe = std::env::current_exe().context("cannot locate the stoke binary")?;
@@ -635,6 +892,8 @@ impl Server<'_> {
             .args(["--nproc", &format!("{}:{}", job.job.min_workers, job.job.max_workers)])
             .args(["--max-restarts", &self.args.max_restarts.to_string()])
             .args(["--slot-check", &check, "--slot-poll-s", "1", "--slot-wait-s", "300"])
+            .arg("--cpus-file")
+            .arg(&alloc_file)
             .args(["--", "train", "--quiet"]);
         if resume.is_some() {
             cmd.arg("--resume");
@@ -668,16 +927,18 @@ impl Server<'_> {
         let start = proc_stat(pid).map_or(0, |(_, s)| s);
         let step = resume.unwrap_or(0);
         let detail = if resume.is_some() { format!("resuming step {step}") } else { "fresh start".into() };
-        let entry = self.entry(job, "launched", job.alloc.min(job.job.max_workers), step, detail.clone());
+        let world = n.min(job.job.max_workers);
+        let entry = self.entry(job, "launched", world, step, detail.clone());
         self.store.started(job.id, pid, start, &entry)?;
-        eprintln!("[sched] {}: launched on {} workers (pid {pid}, {detail})", job.job.name, job.alloc);
+        eprintln!("[sched] {}: launched on {world} of its {} workers (pid {pid}, {detail})", job.job.name, job.alloc);
         let live = Live {
             child: Some(child),
             last_step: last_step(&run_dir),
             last_step_s: unix_now(),
             starts_seen: launch_events(&run_dir).iter().filter(|e| e.event == "start").count(),
-            world: job.alloc.min(job.job.max_workers),
+            world,
             launched: Some((entry.time_s, step)),
+            profile,
             ..Live::default()
         };
         self.live.insert(job.id, live);
@@ -731,7 +992,8 @@ impl Server<'_> {
         let mut throughput = Vec::new();
         let mut goodput = Vec::new();
         for job in &active {
-            let spec = job_spec(job, &self.store.throughput(job.id)?, DEFAULT_RESIZE_S, 0.0, 0.0);
+            let noise = noise_scale(&self.layout.run_dir(job));
+            let spec = job_spec(job, &self.store.throughput(job.id)?, noise, DEFAULT_RESIZE_S, 0.0, 0.0);
             let world = self.live.get(&job.id).map_or(0, |l| l.world);
             throughput.push((label(job), spec.scaling.throughput(world)));
             goodput.push((label(job), spec.goodput(world)));
@@ -779,4 +1041,41 @@ fn serve_metrics(port: u16, text: Arc<Mutex<String>>) -> anyhow::Result<std::net
         }
     })?;
     Ok(addr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_take_numbers_and_ranges() {
+        assert_eq!(parse_cpu_list("0,2,5-7").unwrap(), [0, 2, 5, 6, 7]);
+        assert_eq!(parse_cpu_list(" 3 ").unwrap(), [3]);
+        for bad in ["a", "3-1", "1-", "-"] {
+            assert!(parse_cpu_list(bad).is_err(), "{bad}");
+        }
+        // This process may run somewhere.
+        assert!(!allowed_cpus().is_empty());
+    }
+
+    #[test]
+    fn the_profile_phase_is_the_last_profile_line_of_the_job() {
+        let line = |job: i64, event: &str| HistoryEntry {
+            time_s: 0.0,
+            job,
+            event: event.into(),
+            workers: 1,
+            step: 0,
+            detail: String::new(),
+        };
+        let mut history = vec![line(1, "submitted"), line(1, "profile_1"), line(1, "launched"), line(2, "profile_2")];
+        assert_eq!(Profile::from_history(&history, 1), Profile::One);
+        assert_eq!(Profile::from_history(&history, 2), Profile::Two);
+        history.push(line(1, "profile_2"));
+        assert_eq!(Profile::from_history(&history, 1), Profile::Two);
+        history.push(line(1, "profiled"));
+        assert_eq!(Profile::from_history(&history, 1), Profile::Off);
+        assert_eq!(Profile::from_history(&history, 3), Profile::Off);
+        assert_eq!((Profile::One.cap(), Profile::Two.cap()), (1, 2));
+    }
 }

@@ -6,6 +6,10 @@
 //! every step exactly once, each restart resumes at least at the last step it had reached, and
 //! its losses match those of a job that ran on one worker throughout. A cancelled job stops through
 //! the preemption path with a checkpoint; a cancelled queued one never starts.
+//!
+//! Under the goodput policy: a job starting on both slots first profiles on one worker, then two
+//! (its measured points recorded and fitted), is shrunk when a second job arrives, and every
+//! worker of the two jobs runs pinned to its own core (read from `/proc/PID/task/TID/status`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -60,30 +64,32 @@ impl Drop for Server {
 }
 
 fn serve(dir: &Path, log: &str) -> Server {
+    serve_with(dir, log, &["--policy", "fair"])
+}
+
+fn serve_with(dir: &Path, log: &str, extra: &[&str]) -> Server {
     let log = std::fs::File::create(dir.join(log)).unwrap();
-    let child = stoke(
-        &[
-            "sched",
-            "serve",
-            "--dir",
-            dir.join("state").to_str().unwrap(),
-            "--slots",
-            "2",
-            "--policy",
-            "fair",
-            "--prometheus-port",
-            "0",
-            "--poll-s",
-            "0.2",
-            "--exit-when-idle",
-        ],
-        &[],
-    )
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(log)
-    .spawn()
-    .expect("stoke sched serve starts");
+    let state = dir.join("state");
+    let mut args = vec![
+        "sched",
+        "serve",
+        "--dir",
+        state.to_str().unwrap(),
+        "--slots",
+        "2",
+        "--prometheus-port",
+        "0",
+        "--poll-s",
+        "0.2",
+    ];
+    args.extend_from_slice(extra);
+    args.push("--exit-when-idle");
+    let child = stoke(&args, &[])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("stoke sched serve starts");
     Server { child, dir: dir.join("state") }
 }
 
@@ -327,4 +333,173 @@ fn a_cancelled_job_stops_with_a_checkpoint_and_a_queued_one_never_starts() {
     let out = run_ok(&mut stoke(&["sched", "status", "--dir", state.to_str().unwrap()], &[]));
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(table.lines().filter(|l| l.contains("cancelled")).count() == 2, "{table}");
+}
+
+/// The workers of a launcher (its child processes) and, for each, the CPUs every one of its
+/// threads may run on (`Cpus_allowed_list`), as the kernel reports them.
+fn worker_cpus(launcher: i64) -> Vec<(i64, Vec<String>)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i64>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i64>().ok());
+        // Its workers are this binary; the slot checks it runs are shells.
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if ppid != Some(launcher) || comm.trim() != "stoke" {
+            continue;
+        }
+        let mut lists = Vec::new();
+        for task in std::fs::read_dir(entry.path().join("task")).into_iter().flatten().flatten() {
+            let Ok(status) = std::fs::read_to_string(task.path().join("status")) else { continue };
+            if let Some(line) = status.lines().find(|l| l.starts_with("Cpus_allowed_list:")) {
+                lists.push(line["Cpus_allowed_list:".len()..].trim().to_string());
+            }
+        }
+        if !lists.is_empty() {
+            out.push((pid, lists));
+        }
+    }
+    out
+}
+
+fn history_has(status: &serde_json::Value, job_id: &serde_json::Value, event: &str) -> bool {
+    status["history"].as_array().is_some_and(|h| h.iter().any(|e| &e["job"] == job_id && e["event"] == event))
+}
+
+/// This process's CPUs (the server's slots are pinned to the first two of them).
+fn own_cpus() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("Cpus_allowed_list:"))
+        .map(|l| {
+            l["Cpus_allowed_list:".len()..]
+                .trim()
+                .split(',')
+                .map(|r| match r.split_once('-') {
+                    Some((a, b)) => b.parse::<usize>().unwrap() - a.parse::<usize>().unwrap() + 1,
+                    None => 1,
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn goodput_profiles_a_new_job_on_one_then_two_workers_and_pins_every_worker_to_its_own_core() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("job.toml");
+    std::fs::write(&config, JOB).unwrap();
+    let run_a = state.join("runs").join("a");
+    let mut watch = Watch { run: run_a.clone(), highest_before: vec![0] };
+    let mut server = serve_with(
+        dir.path(),
+        "serve.log",
+        &["--policy", "goodput", "--profile-steps", "8", "--tick-s", "1", "--min-resize-interval-s", "5"],
+    );
+    submit(&state, &config, "a", "2", 300);
+    // a starts on both slots' allocation but on one worker: its profile; then on two.
+    wait_until(&mut server, &mut watch, "a's profile", Duration::from_secs(300), || {
+        let s = status(&state);
+        let id = job(&s, "a")["id"].clone();
+        history_has(&s, &id, "profiled") || history_has(&s, &id, "profile_cut")
+    });
+    let s = status(&state);
+    let a = job(&s, "a").clone();
+    let history: Vec<&serde_json::Value> =
+        s["history"].as_array().unwrap().iter().filter(|h| h["job"] == a["id"]).collect();
+    let events: Vec<&str> = history.iter().map(|h| h["event"].as_str().unwrap()).collect();
+    let pos = |e: &str| events.iter().position(|x| *x == e).unwrap_or_else(|| panic!("no {e}: {events:?}"));
+    assert!(
+        pos("profile_1") < pos("launched") && pos("launched") < pos("profile_2") && pos("profile_2") < pos("profiled")
+    );
+    assert_eq!(history[pos("launched")]["workers"], 1, "the profile starts on one worker: {history:?}");
+    let profiled: serde_json::Value =
+        serde_json::from_str(history[pos("profiled")]["detail"].as_str().unwrap()).unwrap();
+    assert!(
+        profiled["cost_s"].as_f64().unwrap() >= 0.0 && profiled["steps_at_1"].as_u64().unwrap() >= 8 + 2,
+        "{profiled}"
+    );
+    // Both sizes measured (at least the profile's steps each), and they are what the fit reads.
+    let sizes: Vec<(u64, u64)> = a["throughput"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["workers"].as_u64().unwrap(), p["steps"].as_u64().unwrap()))
+        .collect();
+    assert!(sizes.iter().any(|&(w, n)| w == 1 && n >= 8) && sizes.iter().any(|&(w, n)| w == 2 && n >= 8), "{sizes:?}");
+    let worlds: Vec<u64> = starts(&run_a).iter().map(|e| e["world_size"].as_u64().unwrap()).collect();
+    assert_eq!(worlds, [2], "the profile's one restart: from one worker to two: {worlds:?}");
+    let pinning = own_cpus() >= 2;
+    if !pinning {
+        println!("skipped the pinning checks: this process may run on fewer than 2 CPUs");
+    }
+    let cores: Vec<String> = s["cores"].as_str().unwrap().split(',').map(String::from).collect();
+    // Two more jobs arrive: the goodput policy admits b at its minimum by shrinking a; c waits.
+    submit(&state, &config, "b", "1", 60);
+    submit(&state, &config, "c", "1", 60);
+    let run_b = state.join("runs").join("b");
+    let mut seen = None;
+    wait_until(&mut server, &mut watch, "a on one worker beside b, each pinned", Duration::from_secs(300), || {
+        if !(starts(&run_a).len() >= 2 && last_step(&run_b) >= 3) {
+            return false;
+        }
+        let s = status(&state);
+        let (Some(pa), Some(pb)) = (job(&s, "a")["pid"].as_i64(), job(&s, "b")["pid"].as_i64()) else { return false };
+        let (wa, wb) = (worker_cpus(pa), worker_cpus(pb));
+        if wa.len() == 1 && wb.len() == 1 {
+            seen = Some((wa, wb));
+            return true;
+        }
+        false
+    });
+    let (wa, wb) = seen.unwrap();
+    if pinning {
+        for (name, workers) in [("a", &wa), ("b", &wb)] {
+            let (_, lists) = &workers[0];
+            assert!(
+                lists.iter().all(|l| l == &lists[0]) && cores.contains(&lists[0]),
+                "{name}'s threads: {lists:?} (cores {cores:?})"
+            );
+        }
+        assert_ne!(wa[0].1[0], wb[0].1[0], "a and b share a core: {wa:?} {wb:?}");
+        println!(
+            "a's worker on core {}, b's on core {} ({} and {} threads)",
+            wa[0].1[0],
+            wb[0].1[0],
+            wa[0].1.len(),
+            wb[0].1.len()
+        );
+    }
+    wait_until(&mut server, &mut watch, "the end of every job", Duration::from_secs(600), || {
+        status(&state)["jobs"].as_array().is_some_and(|jobs| {
+            jobs.iter().all(|j| j["state"] != "queued" && j["state"] != "running" && j["state"] != "starting")
+        })
+    });
+    assert!(server.child.wait().unwrap().success());
+    let end = status(&state);
+    for name in ["a", "b", "c"] {
+        assert_eq!(job(&end, name)["state"], "finished", "{name}: {end}");
+    }
+    let a_id = job(&end, "a")["id"].clone();
+    let reasons: Vec<&str> = end["decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["job"] == a_id)
+        .map(|d| d["reason"].as_str().unwrap())
+        .collect();
+    assert!(reasons.iter().any(|r| r.starts_with("goodput: shrunk from 2 to 1 to admit b")), "{reasons:?}");
+    // Every step once, each restart resuming at or after the last step logged before it.
+    for (k, start) in starts(&run_a).iter().enumerate() {
+        assert!(start["latest_checkpoint"].as_u64().unwrap() >= watch.highest_before[k], "restart {k}: {start}");
+    }
+    assert_eq!(losses(&run_a).iter().map(|l| l.0).collect::<Vec<_>>(), (1..=300).collect::<Vec<_>>());
+    let out = run_ok(&mut stoke(&["sched", "report", "--dir", state.to_str().unwrap()], &[]));
+    let report = String::from_utf8_lossy(&out.stdout);
+    println!("{report}");
+    for name in ["a", "b", "c"] {
+        assert!(report.lines().any(|l| l.starts_with(name) && l.contains('%')), "{report}");
+    }
 }

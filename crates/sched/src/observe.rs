@@ -51,6 +51,25 @@ pub fn parse_step_times(text: &str) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// The latest gradient noise scale the run reported (`noise_scale` in `metrics.jsonl`, written
+/// while `adaptive.enabled` is on), if any is finite and positive.
+pub fn latest_noise_scale(text: &str) -> Option<f64> {
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|v| v["noise_scale"].as_f64())
+        .filter(|n| n.is_finite() && *n > 0.0)
+        .last()
+}
+
+/// What a profile at 1 then 2 workers cost the job, in seconds: the steps it ran on one worker
+/// while two slots were held for it, each slower than on two by `1/t1 - 1/t2` (steps/s), plus the
+/// measured resize from one worker to two. Never negative (a second worker that does not help
+/// loses nothing by those steps).
+pub fn profile_cost(steps_at_1: u64, t1: f64, t2: f64, resize_s: f64) -> f64 {
+    let per_step = if t1 > 0.0 && t2 > 0.0 { (1.0 / t1 - 1.0 / t2).max(0.0) } else { 0.0 };
+    steps_at_1 as f64 * per_step + resize_s.max(0.0)
+}
+
 /// Steps skipped after every start before step times count (start-up: first batches, caches).
 pub const WARMUP_STEPS: u64 = 2;
 
@@ -117,6 +136,18 @@ mod tests {
         let Some(Scaling::Amdahl { t1, p }) = fit_scaling(&points) else { panic!() };
         assert!((t1 - 50.0).abs() < 1e-6 && p > 0.8 && p < 0.95, "{t1} {p}");
         assert_eq!(fit_scaling(&[]), None);
+    }
+
+    #[test]
+    fn the_noise_scale_is_the_latest_reported_and_the_profile_cost_counts_the_slow_steps() {
+        let metrics = "{\"step\":1,\"step_ms\":5.0}\n{\"step\":2,\"step_ms\":5.0,\"noise_scale\":40.0}\n\
+                       {\"step\":3,\"step_ms\":5.0,\"noise_scale\":null}\n{\"step\":4,\"step_ms\":5.0,\"noise_scale\":55.5}\n";
+        assert_eq!(latest_noise_scale(metrics), Some(55.5));
+        assert_eq!(latest_noise_scale("{\"step\":1,\"step_ms\":5.0}\n"), None);
+        // 10 steps at 5 steps/s instead of 8: 10 x (0.2 - 0.125) = 0.75 s, plus a 2 s resize.
+        assert!((profile_cost(10, 5.0, 8.0, 2.0) - 2.75).abs() < 1e-12);
+        // A second worker that is slower: the steps at one lost nothing.
+        assert_eq!(profile_cost(10, 8.0, 5.0, 2.0), 2.0);
     }
 
     #[test]

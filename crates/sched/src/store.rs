@@ -74,6 +74,11 @@ pub struct NewJob {
     /// `train.steps`: the job's work.
     pub steps: u64,
     pub ckpt_every: u64,
+    /// Sequences each worker adds to a step (micro_batch x grad_accum of the resolved config).
+    pub batch_per_worker: usize,
+    /// The global batch grows with the workers (`train.global_batch` unset): the statistical
+    /// efficiency of a larger world then depends on the gradient noise scale.
+    pub batch_grows: bool,
 }
 
 /// One row of the jobs table.
@@ -98,6 +103,9 @@ pub struct JobRow {
     pub exit_code: Option<i32>,
     pub cancel_requested: bool,
     pub detail: String,
+    /// The slots (indices into the server's cores) the job holds, in rank order: its workers run
+    /// pinned on the first `alloc` of them; past those, slots it still runs on while it shrinks.
+    pub slots: Vec<usize>,
 }
 
 /// One policy decision.
@@ -152,7 +160,10 @@ CREATE TABLE IF NOT EXISTS jobs(
     launches INTEGER NOT NULL DEFAULT 0,
     exit_code INTEGER,
     cancel INTEGER NOT NULL DEFAULT 0,
-    detail TEXT NOT NULL DEFAULT ''
+    detail TEXT NOT NULL DEFAULT '',
+    slots TEXT NOT NULL DEFAULT '',
+    batch_per_worker INTEGER NOT NULL DEFAULT 0,
+    batch_grows INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS decisions(
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -171,7 +182,25 @@ CREATE TABLE IF NOT EXISTS throughput(
 ";
 
 const JOB_COLUMNS: &str = "id, name, config, overrides, min_workers, max_workers, priority, steps, ckpt_every, state, \
-     submit_s, start_s, finish_s, alloc, last_resize_s, resizes, pid, pid_start, launches, exit_code, cancel, detail";
+     submit_s, start_s, finish_s, alloc, last_resize_s, resizes, pid, pid_start, launches, exit_code, cancel, detail, \
+     slots, batch_per_worker, batch_grows";
+
+/// Columns added after the first schema, with their definitions: added to an older database when
+/// it is opened.
+const ADDED_COLUMNS: [(&str, &str); 3] = [
+    ("slots", "TEXT NOT NULL DEFAULT ''"),
+    ("batch_per_worker", "INTEGER NOT NULL DEFAULT 0"),
+    ("batch_grows", "INTEGER NOT NULL DEFAULT 0"),
+];
+
+/// `2,0,1` to [2, 0, 1]; anything else is skipped.
+fn parse_slots(text: &str) -> Vec<usize> {
+    text.split(',').filter_map(|s| s.trim().parse().ok()).collect()
+}
+
+fn slots_text(slots: &[usize]) -> String {
+    slots.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+}
 
 fn job_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<JobRow> {
     let overrides: String = row.get(3)?;
@@ -188,6 +217,8 @@ fn job_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<JobRow> {
             priority: row.get(6)?,
             steps: row.get::<_, i64>(7)? as u64,
             ckpt_every: row.get::<_, i64>(8)? as u64,
+            batch_per_worker: row.get::<_, i64>(23)? as usize,
+            batch_grows: row.get::<_, i64>(24)? != 0,
         },
         state: JobState::parse(&row.get::<_, String>(9)?),
         submit_s: row.get(10)?,
@@ -201,6 +232,7 @@ fn job_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<JobRow> {
         exit_code: row.get(19)?,
         cancel_requested: row.get::<_, i64>(20)? != 0,
         detail: row.get(21)?,
+        slots: parse_slots(&row.get::<_, String>(22)?),
     })
 }
 
@@ -231,6 +263,16 @@ impl Store {
         conn.pragma_update(None, "journal_mode", "WAL").map_err(err("switch to WAL"))?;
         conn.pragma_update(None, "synchronous", "FULL").map_err(err("set synchronous"))?;
         conn.execute_batch(SCHEMA).map_err(err("create the schema"))?;
+        let present: Vec<String> = conn
+            .prepare("SELECT name FROM pragma_table_info('jobs')")
+            .and_then(|mut stmt| stmt.query_map([], |r| r.get(0))?.collect())
+            .map_err(err("read the schema"))?;
+        for (column, definition) in ADDED_COLUMNS {
+            if !present.iter().any(|p| p == column) {
+                conn.execute_batch(&format!("ALTER TABLE jobs ADD COLUMN {column} {definition}"))
+                    .map_err(err("add a column"))?;
+            }
+        }
         Ok(Store { conn, path })
     }
 
@@ -281,8 +323,9 @@ impl Store {
         let overrides = serde_json::to_string(&job.overrides).expect("strings serialize");
         self.write("submit", |tx| {
             tx.execute(
-                "INSERT INTO jobs(name, config, overrides, min_workers, max_workers, priority, steps, ckpt_every, state, submit_s)
-                 VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'queued', ?9)",
+                "INSERT INTO jobs(name, config, overrides, min_workers, max_workers, priority, steps, ckpt_every, state, submit_s,
+                 batch_per_worker, batch_grows)
+                 VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'queued', ?9, ?10, ?11)",
                 params![
                     job.name,
                     job.config.as_ref().map(|p| p.display().to_string()),
@@ -292,7 +335,9 @@ impl Store {
                     job.priority,
                     job.steps as i64,
                     job.ckpt_every as i64,
-                    now_s
+                    now_s,
+                    job.batch_per_worker as i64,
+                    job.batch_grows as i64
                 ],
             )?;
             let id = tx.last_insert_rowid();
@@ -378,7 +423,7 @@ impl Store {
         self.write("record a job's end", |tx| {
             tx.execute(
                 "UPDATE jobs SET state = ?1, exit_code = ?2, finish_s = ?3, pid = NULL, pid_start = NULL, alloc = 0,
-                 detail = ?4 WHERE id = ?5",
+                 detail = ?4, slots = '' WHERE id = ?5",
                 params![state.name(), exit_code, finish, entry.detail, id],
             )?;
             insert_history(tx, entry)
@@ -410,6 +455,14 @@ impl Store {
                 },
             )?;
             Ok(JobState::parse(&state))
+        })
+    }
+
+    /// Records the slots a job holds (see `JobRow::slots`), before its workers are told.
+    pub fn set_slots(&mut self, id: i64, slots: &[usize]) -> Result<(), SchedError> {
+        let text = slots_text(slots);
+        self.write("record a job's slots", |tx| {
+            tx.execute("UPDATE jobs SET slots = ?1 WHERE id = ?2", params![text, id]).map(drop)
         })
     }
 
@@ -501,7 +554,35 @@ mod tests {
             priority: 1.0,
             steps: 10,
             ckpt_every: 5,
+            batch_per_worker: 8,
+            batch_grows: false,
         }
+    }
+
+    #[test]
+    fn an_older_database_gets_the_added_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let conn = Connection::open(dir.path().join(DB_FILE)).unwrap();
+            // The jobs table as first released, without the added columns.
+            let first = SCHEMA.replace(
+                ",\n    slots TEXT NOT NULL DEFAULT '',\n    batch_per_worker INTEGER NOT NULL DEFAULT 0,\n    batch_grows INTEGER NOT NULL DEFAULT 0",
+                "",
+            );
+            assert_ne!(first, SCHEMA);
+            conn.execute_batch(&first).unwrap();
+            conn.execute(
+                "INSERT INTO jobs(name, overrides, min_workers, max_workers, priority, steps, ckpt_every, state, submit_s)
+                 VALUES('old', '[]', 1, 2, 1.0, 10, 5, 'queued', 1.0)",
+                [],
+            )
+            .unwrap();
+        }
+        let mut store = Store::open(dir.path()).unwrap();
+        let old = store.job("old").unwrap().unwrap();
+        assert_eq!((old.slots.len(), old.job.batch_per_worker, old.job.batch_grows), (0, 0, false));
+        store.set_slots(old.id, &[0]).unwrap();
+        assert_eq!(store.job("old").unwrap().unwrap().slots, [0]);
     }
 
     #[test]
@@ -523,12 +604,14 @@ mod tests {
         };
         store.started(a, 4242, 777, &entry).unwrap();
         store.set_throughput(a, &[(1, 10.0, 5), (2, 18.0, 7)]).unwrap();
+        store.set_slots(a, &[1, 0]).unwrap();
         drop(store);
         // A second process on the same file: what the first committed is there.
         let mut store = Store::open(dir.path()).unwrap();
         let row = store.job("a").unwrap().unwrap();
         assert_eq!((row.state, row.alloc, row.pid, row.launches), (JobState::Running, 2, Some((4242, 777)), 1));
         assert_eq!(row.job, job("a"));
+        assert_eq!(row.slots, [1, 0]);
         assert_eq!(store.job(&a.to_string()).unwrap().unwrap().id, a);
         assert_eq!(store.decisions().unwrap()[0].reason, "admitted");
         assert_eq!(store.throughput(a).unwrap(), vec![(1, 10.0, 5), (2, 18.0, 7)]);
@@ -541,6 +624,7 @@ mod tests {
         store.ended(a, JobState::Finished, Some(0), &end).unwrap();
         let row = store.job("a").unwrap().unwrap();
         assert_eq!((row.state, row.alloc, row.pid, row.finish_s), (JobState::Finished, 0, None, Some(106.0)));
+        assert!(row.slots.is_empty(), "an ended job holds no slot");
         let events: Vec<String> = store.history().unwrap().into_iter().map(|h| h.event).collect();
         assert_eq!(events, ["submitted", "launched", "submitted", "cancel_requested", "cancel_requested", "finished"]);
     }
