@@ -113,6 +113,26 @@ fn run_train(args: &CkptBenchArgs, name: &str, background: bool) -> anyhow::Resu
     })
 }
 
+/// The memory limit on a snapshot's copy, measured beside the runs: `bytes` copied between two
+/// warm buffers by `stream_copy` on the intra-op threads (what the trainer's snapshot uses), and
+/// by one thread's memcpy. Returns (stream, memcpy) in copied bytes per second, best of three.
+fn copy_bandwidth(bytes: usize) -> (f64, f64) {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let threads = tch::get_num_threads().max(1) as usize;
+    let (mut stream, mut plain) = (0f64, 0f64);
+    for _ in 0..3 {
+        let start = std::time::Instant::now();
+        stoke_ckpt::stream_copy(&mut dst, &src, threads);
+        stream = stream.max(bytes as f64 / start.elapsed().as_secs_f64());
+        let start = std::time::Instant::now();
+        dst.copy_from_slice(&src);
+        plain = plain.max(bytes as f64 / start.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    (stream, plain)
+}
+
 /// Drops the checkpoint's pages from the page cache (they are clean after fsync), so a resume
 /// reads from the disk.
 fn evict_from_page_cache(folder: &Path) -> anyhow::Result<()> {
@@ -182,12 +202,16 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     let (mut disk, mut async_steady, mut async_first, mut sync_save) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut sync_tput, mut async_tput, mut load_s, mut restore_s) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut state_bytes, mut host_bytes, mut waits) = (0u64, 0u64, Vec::new());
+    let (mut copy_stream, mut copy_plain) = (Vec::new(), Vec::new());
     for pair in 0..args.pairs {
         let a = run_train(&args, &format!("async-{pair}"), true)?;
         let b = run_train(&args, &format!("sync-{pair}"), false)?;
         state_bytes = b.bytes_written / b.commits.max(1);
         let (write, _) = disk_bandwidth(&args.dir, state_bytes as usize)?;
         disk.push(write / 1e9);
+        let (stream, plain) = copy_bandwidth(state_bytes as usize);
+        copy_stream.push(stream / 1e9);
+        copy_plain.push(plain / 1e9);
         // The first snapshot into each of the two host buffers faults its pages in; later ones reuse them.
         let cold = a.stalls_ms.len().min(2);
         async_first.extend_from_slice(&a.stalls_ms[..cold]);
@@ -226,6 +250,8 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         row("synchronous save throughput (write, fsync, commit)", "GB/s", &sync_tput),
         row("background save throughput (beside training)", "GB/s", &async_tput),
         row("disk write with fsync, same size, same run", "GB/s", &disk),
+        row("copy of as many bytes into a warm buffer: stream_copy, intra-op threads", "GB/s", &copy_stream),
+        row("copy of as many bytes into a warm buffer: memcpy, one thread", "GB/s", &copy_plain),
         row("resume: load and verify (page cache dropped)", "s", &load_s),
         row("resume: restore into the model", "s", &restore_s),
     ];

@@ -31,13 +31,16 @@
 mod error;
 mod format;
 mod fsops;
+mod hostbuf;
 mod mirror;
+mod pin;
 mod shards;
 mod store;
 mod writer;
 
 pub use error::CkptError;
 pub use format::{write_safetensors, DType, TensorRecord};
+pub use hostbuf::stream_copy;
 pub use mirror::{Mirror, MirrorStats, MirrorStore};
 pub use shards::{Piece, ShardRole, ShardTable, ShardedTensor};
 pub use store::{
