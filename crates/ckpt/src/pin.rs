@@ -146,11 +146,14 @@ mod tests {
 
     #[test]
     fn pinning_a_host_buffer_succeeds_or_names_the_cuda_error() {
-        // The runtime is found where the loader finds it (LD_LIBRARY_PATH, or an install the test
-        // command points at with STOKE_TEST_CUDART); where neither has it, this says so and stops.
-        let names: Vec<String> = std::env::var("STOKE_TEST_CUDART")
-            .map(|p| vec![p])
-            .unwrap_or_else(|_| CUDART_NAMES.iter().map(|s| s.to_string()).collect());
+        // The runtime from the loader's path, or the one beside the project's libtorch
+        // (`.stoke/torch`'s wheel brings it), or STOKE_TEST_CUDART; where none is, this says so.
+        let beside_torch = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.stoke/torch/../nvidia/cu13/lib/libcudart.so.13");
+        let mut names: Vec<String> = CUDART_NAMES.iter().map(|s| s.to_string()).collect();
+        names.push(beside_torch.into());
+        if let Ok(path) = std::env::var("STOKE_TEST_CUDART") {
+            names.insert(0, path);
+        }
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let pinner = match Pinner::load_from(&names) {
             Ok(pinner) => pinner,

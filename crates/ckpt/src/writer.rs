@@ -719,6 +719,29 @@ mod tests {
     }
 
     #[test]
+    fn pinning_is_done_or_refused_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = CheckpointWriter::new(CheckpointStore::new(dir.path()), WriterConfig::default()).unwrap();
+        match writer.pin_host_buffers() {
+            // No CUDA runtime on the loader's path.
+            Err(e) => assert!(e.to_string().contains("cannot pin the host buffers: the CUDA runtime"), "{e}"),
+            Ok(()) => {
+                let mut snapshot = writer.begin(1).unwrap();
+                fill(&mut snapshot, 1.0, 1 << 16);
+                match writer.submit(snapshot) {
+                    // A runtime but no GPU: the runtime's refusal, naming the buffer.
+                    Err(e) => assert!(e.to_string().contains("model.safetensors: cudaHostRegister"), "{e}"),
+                    Ok(()) => {
+                        writer.release(1).unwrap();
+                        writer.finish().unwrap();
+                        assert!(writer.stats().pinned_bytes >= 4 << 16, "{:?}", writer.stats());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn buffers_are_reused_and_bounded() {
         let dir = tempfile::tempdir().unwrap();
         let config = WriterConfig { background: true, buffers: 2, keep: 1 };
