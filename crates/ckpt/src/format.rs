@@ -151,9 +151,7 @@ fn direct_io_enabled() -> bool {
 /// every `WRITEBACK_WINDOW` bytes. Either way the file's bytes are the same.
 pub(crate) fn write_file(path: &Path, source: &FileSource<'_>) -> Result<(u64, u32), CkptError> {
     let head = header(&source.tensors)?;
-    let body = source.body.filter(|b| {
-        b.len() >= DIRECT_MIN && b.as_ptr() as usize % PAGE == 0 && direct_io_enabled()
-    });
+    let body = source.body.filter(|b| b.len() >= DIRECT_MIN && b.as_ptr() as usize % PAGE == 0 && direct_io_enabled());
     if let Some(body) = body {
         debug_assert_eq!(body.len(), source.tensors.iter().map(|t| t.data.len()).sum::<usize>());
         if let Some(done) = write_direct(path, &head, body)? {

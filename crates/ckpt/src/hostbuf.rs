@@ -240,7 +240,8 @@ fn copy_one(dst: &mut [u8], src: &[u8]) {
         unsafe {
             let s = s.add(i).cast::<__m128i>();
             let d = d.add(i).cast::<__m128i>();
-            let (a, b, c, e) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)), _mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+            let (a, b, c, e) =
+                (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)), _mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
             _mm_stream_si128(d, a);
             _mm_stream_si128(d.add(1), b);
             _mm_stream_si128(d.add(2), c);
@@ -290,4 +291,3 @@ mod tests {
         }
     }
 }
-

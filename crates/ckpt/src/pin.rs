@@ -148,7 +148,8 @@ mod tests {
     fn pinning_a_host_buffer_succeeds_or_names_the_cuda_error() {
         // The runtime from the loader's path, or the one beside the project's libtorch
         // (`.stoke/torch`'s wheel brings it), or STOKE_TEST_CUDART; where none is, this says so.
-        let beside_torch = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.stoke/torch/../nvidia/cu13/lib/libcudart.so.13");
+        let beside_torch =
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../.stoke/torch/../nvidia/cu13/lib/libcudart.so.13");
         let mut names: Vec<String> = CUDART_NAMES.iter().map(|s| s.to_string()).collect();
         names.push(beside_torch.into());
         if let Ok(path) = std::env::var("STOKE_TEST_CUDART") {

@@ -1241,7 +1241,10 @@ fn notify(observers: &mut [&mut dyn Observer], event: &TrainEvent<'_>) -> Result
 fn copy_into(t: &Tensor, dst: &mut [u8]) {
     let numel = t.numel();
     assert_eq!(dst.len(), numel * t.kind().elt_size_in_bytes(), "the host slot fits the tensor");
-    if !dst.is_empty() && t.device() == Device::Cpu && t.is_contiguous() && std::env::var_os("STOKE_CKPT_COPY").is_none_or(|v| v != "torch")
+    if !dst.is_empty()
+        && t.device() == Device::Cpu
+        && t.is_contiguous()
+        && std::env::var_os("STOKE_CKPT_COPY").is_none_or(|v| v != "torch")
     {
         let threads = tch::get_num_threads().max(1) as usize;
         // SAFETY: a contiguous CPU tensor's `dst.len()` bytes (numel x element size, checked
