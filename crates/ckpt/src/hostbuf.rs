@@ -107,23 +107,26 @@ impl HostBuf {
 }
 
 impl HostBuf {
-    /// Pins the whole mapping through `pinner` (the CUDA runtime), once per mapping: a buffer
-    /// that grew (and so may have moved) is pinned again.
+    /// Pins the pages in use through `pinner` (the CUDA runtime); a buffer that grew since (and
+    /// so may have moved, or have more pages in use) is pinned again.
     pub(crate) fn pin_with(&mut self, pinner: &std::sync::Arc<crate::pin::Pinner>) -> Result<(), String> {
-        if self.cap == 0 || self.pinned.is_some() {
+        let len = self.len.div_ceil(PAGE) * PAGE;
+        if len == 0 || self.pinned.as_ref().is_some_and(|p| p.len() >= len) {
             return Ok(());
         }
-        self.pinned = Some(pinner.pin(self.ptr.as_ptr(), self.cap)?);
+        self.pinned = None;
+        self.pinned = Some(pinner.pin(self.ptr.as_ptr(), len)?);
         Ok(())
     }
 
+    #[cfg(test)]
     pub(crate) fn is_pinned(&self) -> bool {
         self.pinned.is_some()
     }
 
-    /// Bytes mapped (what pinning locks).
-    pub(crate) fn mapped(&self) -> usize {
-        self.cap
+    /// Bytes page-locked now.
+    pub(crate) fn pinned_bytes(&self) -> usize {
+        self.pinned.as_ref().map_or(0, |p| p.len())
     }
 }
 

@@ -86,7 +86,7 @@ impl Pinner {
                 self.describe(rc)
             ));
         }
-        Ok(Pinned { pinner: self.clone(), ptr })
+        Ok(Pinned { pinner: self.clone(), ptr, len })
     }
 
     fn describe(&self, rc: c_int) -> String {
@@ -104,6 +104,13 @@ impl Pinner {
 pub(crate) struct Pinned {
     pinner: Arc<Pinner>,
     ptr: *mut u8,
+    len: usize,
+}
+
+impl Pinned {
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
 }
 
 // SAFETY: the guard only holds the range's address for the unregister call; the runtime's
@@ -169,11 +176,12 @@ mod tests {
         match buf.pin_with(&pinner) {
             Ok(()) => {
                 assert!(buf.is_pinned());
-                // Growing moves the mapping: the old range is unpinned first, the content kept.
+                assert_eq!(buf.pinned_bytes(), 3 << 20);
+                // Growing may move the mapping: the old range is unpinned first, the content kept.
                 buf.grow_to(9 << 20).unwrap();
                 assert!(!buf.is_pinned());
                 buf.pin_with(&pinner).unwrap();
-                assert_eq!(&buf[..4], b"abcd");
+                assert_eq!((buf.pinned_bytes(), &buf[..4]), (9 << 20, &b"abcd"[..]));
             }
             Err(e) => {
                 // No GPU here: the runtime's own error, named.

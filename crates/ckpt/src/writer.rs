@@ -410,7 +410,7 @@ impl CheckpointWriter {
                     message: format!("cannot pin the host buffer of {}.safetensors: {message}", file.stem),
                 })?;
             }
-            let pinned: usize = snapshot.files.iter().filter(|f| f.arena.is_pinned()).map(|f| f.arena.mapped()).sum();
+            let pinned: usize = snapshot.files.iter().map(|f| f.arena.pinned_bytes()).sum();
             self.pinned[snapshot.id] = pinned;
             self.stats.pinned_bytes = self.pinned.iter().sum();
         }
