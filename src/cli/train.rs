@@ -682,7 +682,11 @@ fn train_inner(
             Some(std::sync::Arc::new(mirror))
         }
     };
-    let writer = CheckpointWriter::with_mirror(store, writer_config(config), mirror.clone())?;
+    let mut writer = CheckpointWriter::with_mirror(store, writer_config(config), mirror.clone())?;
+    if device.is_cuda() {
+        // The snapshot's device-to-host copy then goes straight into page-locked memory (DMA).
+        writer.pin_host_buffers()?;
+    }
     let mut target = CheckpointTarget { writer, meta };
     let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resumed_step)?;
     let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks, rank, world_size)?;
@@ -782,10 +786,13 @@ fn train_other_rank(
     let mut heartbeat = super::launch::Heartbeat::from_env(rank);
     let rss_start = stoke_train::reset_peak_rss();
     let mut target = match store.shard_role() {
-        Some(_) => Some(CheckpointTarget {
-            writer: CheckpointWriter::new(store, writer_config(config))?,
-            meta: serde_json::Value::Null,
-        }),
+        Some(_) => {
+            let mut writer = CheckpointWriter::new(store, writer_config(config))?;
+            if stoke_train::parse_device(&config.run.device)?.is_cuda() {
+                writer.pin_host_buffers()?;
+            }
+            Some(CheckpointTarget { writer, meta: serde_json::Value::Null })
+        }
         None => None,
     };
     // The target's writer is finished inside the run (its last part handed over) before the
@@ -966,6 +973,7 @@ fn write_checkpoint_stats(writer: &CheckpointWriter, resume: serde_json::Value, 
         "wait_s": stats.wait_s,
         "buffers": stats.buffers,
         "host_bytes": stats.host_bytes,
+        "pinned_bytes": stats.pinned_bytes,
         "resume": resume,
     });
     std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")

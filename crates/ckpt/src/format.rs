@@ -10,6 +10,7 @@ use safetensors::tensor::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
 use crate::error::io;
+use crate::hostbuf::{AlignedBlock, PAGE};
 use crate::CkptError;
 
 /// Element types a checkpoint stores.
@@ -93,9 +94,14 @@ pub(crate) struct TensorRef<'a> {
 pub(crate) struct FileSource<'a> {
     pub stem: &'a str,
     pub tensors: Vec<TensorRef<'a>>,
+    /// All of `tensors`' bytes as one slice, when they lie back to back in one buffer (a
+    /// snapshot's host buffer): written to the disk straight from there when page-aligned.
+    pub body: Option<&'a [u8]>,
 }
 
-/// The safetensors header of `tensors`, padded so the data starts 8-byte aligned.
+/// The safetensors header of `tensors`, padded with spaces so the data starts at a multiple of
+/// `PAGE` (4096) bytes: the data can then be written with `O_DIRECT`, and it is 8-byte aligned as
+/// safetensors readers expect.
 fn header(tensors: &[TensorRef<'_>]) -> Result<Vec<u8>, CkptError> {
     let mut map = serde_json::Map::new();
     let mut offset = 0usize;
@@ -113,35 +119,174 @@ fn header(tensors: &[TensorRef<'_>]) -> Result<Vec<u8>, CkptError> {
         offset += t.data.len();
     }
     let mut json = serde_json::to_vec(&serde_json::Value::Object(map)).expect("a JSON map serializes");
-    while (8 + json.len()) % 8 != 0 {
-        json.push(b' ');
-    }
+    json.resize((8 + json.len()).div_ceil(PAGE) * PAGE - 8, b' ');
     let mut out = Vec::with_capacity(8 + json.len());
     out.extend_from_slice(&(json.len() as u64).to_le_bytes());
     out.extend_from_slice(&json);
     Ok(out)
 }
 
+/// Bodies smaller than this are written through the page cache (a few pages gain nothing from
+/// `O_DIRECT`). Low enough that the small models of the kill tests write with `O_DIRECT`.
+const DIRECT_MIN: usize = 64 << 10;
+/// Bytes per `O_DIRECT` write call (each is split into the device's requests by the kernel).
+const DIRECT_CHUNK: usize = 32 << 20;
+/// With buffered writes, writeback of every this many bytes is started at once and waited for
+/// one window later, so at most two windows of dirty pages are ever pending.
+const WRITEBACK_WINDOW: usize = 64 << 20;
+
+/// Whether page-aligned bodies are written with `O_DIRECT` (the default). `STOKE_CKPT_DIRECT_IO=0`
+/// writes every file through the page cache instead (a diagnostic switch; the files are the same).
+fn direct_io_enabled() -> bool {
+    std::env::var("STOKE_CKPT_DIRECT_IO").map_or(true, |v| v != "0")
+}
+
 /// Writes `source` to `path` (a new file), fsyncs it, and returns (bytes, CRC-32).
+///
+/// A body in a page-aligned host buffer goes to the disk with `O_DIRECT`: no copy into the page
+/// cache, no dirty pages for the kernel to throttle against, and the writing thread sleeps while
+/// the device works, leaving the cores to the training step; its CRC-32 is computed on a second
+/// thread meanwhile. Where the filesystem refuses `O_DIRECT` (tmpfs, some network filesystems),
+/// or for scattered tensors, the file is written through the page cache with writeback started
+/// every `WRITEBACK_WINDOW` bytes. Either way the file's bytes are the same.
 pub(crate) fn write_file(path: &Path, source: &FileSource<'_>) -> Result<(u64, u32), CkptError> {
     let head = header(&source.tensors)?;
+    let body = source.body.filter(|b| b.len() >= DIRECT_MIN && b.as_ptr() as usize % PAGE == 0 && direct_io_enabled());
+    if let Some(body) = body {
+        debug_assert_eq!(body.len(), source.tensors.iter().map(|t| t.data.len()).sum::<usize>());
+        if let Some(done) = write_direct(path, &head, body)? {
+            return Ok(done);
+        }
+    }
+    write_buffered(path, &head, &source.tensors)
+}
+
+/// The `O_DIRECT` path; `Ok(None)` when the filesystem does not take `O_DIRECT` (nothing written).
+fn write_direct(path: &Path, head: &[u8], body: &[u8]) -> Result<Option<(u64, u32)>, CkptError> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let file = match std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(None),
+        Err(e) => return Err(CkptError::Io { action: "create", path: path.into(), source: e }),
+    };
+    let total = (head.len() + body.len()) as u64;
+    let crc = std::thread::scope(|scope| -> Result<u32, CkptError> {
+        let body_crc = scope.spawn(|| {
+            let mut hasher = crc32fast::Hasher::new();
+            hasher.update(body);
+            hasher
+        });
+        let mut direct = true;
+        // Writes `block` at `offset`; a device that refuses the alignment (EINVAL) gets the rest
+        // of the file through the page cache.
+        let mut put = |block: &[u8], offset: u64| -> Result<(), CkptError> {
+            if direct {
+                match file.write_all_at(block, offset) {
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                        direct = false;
+                        clear_direct(&file).map_err(io("write", path))?;
+                    }
+                    other => return other.map_err(io("write", path)),
+                }
+            }
+            file.write_all_at(block, offset).map_err(io("write", path))
+        };
+        let mut first = AlignedBlock::zeroed(head.len());
+        first[..head.len()].copy_from_slice(head);
+        put(&first[..head.len()], 0)?;
+        let whole = body.len() / PAGE * PAGE;
+        for (i, chunk) in body[..whole].chunks(DIRECT_CHUNK).enumerate() {
+            put(chunk, (head.len() + i * DIRECT_CHUNK) as u64)?;
+        }
+        if whole < body.len() {
+            // The last partial page goes out whole (zero-padded), then the file is cut to size.
+            let mut tail = AlignedBlock::zeroed(PAGE);
+            tail[..body.len() - whole].copy_from_slice(&body[whole..]);
+            put(&tail, (head.len() + whole) as u64)?;
+            file.set_len(total).map_err(io("write", path))?;
+        }
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(head);
+        hasher.combine(&body_crc.join().expect("the CRC-32 thread does not panic"));
+        Ok(hasher.finalize())
+    })?;
+    file.sync_all().map_err(io("fsync", path))?;
+    Ok(Some((total, crc)))
+}
+
+/// Turns `O_DIRECT` off on an open file.
+fn clear_direct(file: &std::fs::File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl on a descriptor `file` keeps open; F_GETFL/F_SETFL touch no memory of ours.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The page-cache path: writes in order, starting writeback every `WRITEBACK_WINDOW` bytes and
+/// waiting for the window before the last, so dirty pages never pile up.
+fn write_buffered(path: &Path, head: &[u8], tensors: &[TensorRef<'_>]) -> Result<(u64, u32), CkptError> {
     let file = std::fs::File::create(path).map_err(io("create", path))?;
     let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
     let mut crc = crc32fast::Hasher::new();
     let mut bytes = 0u64;
-    let mut put = |out: &mut std::io::BufWriter<std::fs::File>, chunk: &[u8]| {
-        crc.update(chunk);
-        bytes += chunk.len() as u64;
-        out.write_all(chunk).map_err(io("write", path))
+    // Writeback started up to `kicked`; waited for up to `waited`.
+    let (mut kicked, mut waited) = (0u64, 0u64);
+    let mut put = |out: &mut std::io::BufWriter<std::fs::File>, chunk: &[u8]| -> Result<(), CkptError> {
+        for piece in chunk.chunks(WRITEBACK_WINDOW) {
+            crc.update(piece);
+            out.write_all(piece).map_err(io("write", path))?;
+            bytes += piece.len() as u64;
+            if bytes - kicked >= WRITEBACK_WINDOW as u64 {
+                out.flush().map_err(io("write", path))?;
+                writeback(out.get_ref(), kicked, bytes - kicked, false).map_err(io("write", path))?;
+                if waited < kicked {
+                    writeback(out.get_ref(), waited, kicked - waited, true).map_err(io("write", path))?;
+                    waited = kicked;
+                }
+                kicked = bytes;
+            }
+        }
+        Ok(())
     };
-    put(&mut out, &head)?;
-    for t in &source.tensors {
+    put(&mut out, head)?;
+    for t in tensors {
         put(&mut out, t.data)?;
     }
     let file =
         out.into_inner().map_err(|e| CkptError::Io { action: "write", path: path.into(), source: e.into_error() })?;
     file.sync_all().map_err(io("fsync", path))?;
     Ok((bytes, crc.finalize()))
+}
+
+/// Starts writeback of `len` bytes at `offset` (`wait`: and waits until they are on the disk).
+/// Only a hint for the kernel's pacing: durability still comes from the final fsync, so a
+/// filesystem without `sync_file_range` is fine.
+fn writeback(file: &std::fs::File, offset: u64, len: u64, wait: bool) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let flags = if wait {
+        libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER
+    } else {
+        libc::SYNC_FILE_RANGE_WRITE
+    };
+    // SAFETY: a syscall on a descriptor `file` keeps open; it touches no memory of ours.
+    let rc = unsafe { libc::sync_file_range(file.as_raw_fd(), offset as i64, len as i64, flags) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ENOSYS) && e.raw_os_error() != Some(libc::EINVAL) {
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// Writes `tensors` as one safetensors file at `path`: into a temporary file beside it, fsynced,
@@ -152,6 +297,7 @@ pub fn write_safetensors(path: &Path, tensors: &[TensorRecord]) -> Result<u64, C
     let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
     let source = FileSource {
         stem: "",
+        body: None,
         tensors: tensors
             .iter()
             .map(|t| TensorRef { name: &t.name, dtype: t.dtype, shape: &t.shape, data: &t.data })
@@ -195,6 +341,7 @@ mod tests {
         let b: Vec<u8> = [7i64].iter().flat_map(|v| v.to_le_bytes()).collect();
         let source = FileSource {
             stem: "x",
+            body: None,
             tensors: vec![
                 TensorRef { name: "w.\"quoted\"", dtype: DType::F32, shape: &[3], data: &a },
                 TensorRef { name: "n", dtype: DType::I64, shape: &[], data: &b },
@@ -206,6 +353,39 @@ mod tests {
         let records = deserialize(&on_disk).unwrap();
         assert_eq!(records[0], TensorRecord::new("n", DType::I64, vec![], b).unwrap());
         assert_eq!(records[1], TensorRecord::new("w.\"quoted\"", DType::F32, vec![3], a).unwrap());
+    }
+
+    #[test]
+    fn direct_and_page_cache_writes_give_the_same_file() {
+        // Three tensors back to back in a page-aligned buffer, the last one ending mid-page.
+        let (a, b, c) = ((3 << 20) + 12, 4096 * 3, 4 * 1001);
+        let mut arena = crate::hostbuf::HostBuf::new();
+        arena.grow_to(a + b + c).unwrap();
+        for (i, byte) in arena.iter_mut().enumerate() {
+            *byte = (i * 7 % 253) as u8;
+        }
+        let shapes = [[a / 4], [b / 4], [c / 4]];
+        let (x, rest) = arena.split_at(a);
+        let (y, z) = rest.split_at(b);
+        let tensors = || {
+            vec![
+                TensorRef { name: "a", dtype: DType::F32, shape: &shapes[0], data: x },
+                TensorRef { name: "b", dtype: DType::F32, shape: &shapes[1], data: y },
+                TensorRef { name: "c", dtype: DType::F32, shape: &shapes[2], data: z },
+            ]
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let direct = FileSource { stem: "d", tensors: tensors(), body: Some(&arena[..]) };
+        let (d_bytes, d_crc) = write_file(&dir.path().join("d"), &direct).unwrap();
+        let (p_bytes, p_crc) = write_buffered(&dir.path().join("p"), &header(&tensors()).unwrap(), &tensors()).unwrap();
+        let (d, p) = (std::fs::read(dir.path().join("d")).unwrap(), std::fs::read(dir.path().join("p")).unwrap());
+        assert!(d == p, "the two paths wrote different bytes");
+        assert_eq!((d_bytes, d_crc), (p_bytes, p_crc));
+        assert_eq!((d.len() as u64, crc32fast::hash(&d)), (d_bytes, d_crc));
+        let head = u64::from_le_bytes(d[..8].try_into().unwrap()) as usize + 8;
+        assert_eq!(head % PAGE, 0, "the data starts on a page boundary");
+        let records = deserialize(&d).unwrap();
+        assert_eq!(records.iter().map(|r| r.data.as_slice()).collect::<Vec<_>>(), [x, y, z]);
     }
 
     #[test]

@@ -7,7 +7,10 @@
 //! `CheckpointWriter` persists `Snapshot`s (host buffers, two by default) on a long-lived thread,
 //! with back-pressure when every buffer is busy; a snapshot is published once the caller
 //! `release`s its step (after recording it), so no checkpoint is ever ahead of the run's
-//! records. `Mirror` copies committed checkpoints to a second tier (S3 or a folder, through
+//! records. Host buffers are page-aligned mappings (`hostbuf.rs`), so a snapshot's files go to the
+//! disk with `O_DIRECT` straight from them, and can be page-locked for a GPU through the CUDA
+//! runtime loaded at run time (`pin.rs`, `CheckpointWriter::pin_host_buffers`); `stream_copy` is
+//! the copy into them. `Mirror` copies committed checkpoints to a second tier (S3 or a folder, through
 //! `object_store`) in the background, and `MirrorStore` lists, downloads and deletes them there.
 //! The files load in PyTorch with
 //! `safetensors.torch.load_file`.
@@ -31,13 +34,16 @@
 mod error;
 mod format;
 mod fsops;
+mod hostbuf;
 mod mirror;
+mod pin;
 mod shards;
 mod store;
 mod writer;
 
 pub use error::CkptError;
 pub use format::{write_safetensors, DType, TensorRecord};
+pub use hostbuf::stream_copy;
 pub use mirror::{Mirror, MirrorStats, MirrorStore};
 pub use shards::{Piece, ShardRole, ShardTable, ShardedTensor};
 pub use store::{

@@ -175,6 +175,7 @@ impl CheckpointStore {
             .iter()
             .map(|(stem, tensors)| FileSource {
                 stem,
+                body: None,
                 tensors: tensors
                     .iter()
                     .map(|t| TensorRef { name: &t.name, dtype: t.dtype, shape: &t.shape, data: &t.data })

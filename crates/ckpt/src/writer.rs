@@ -15,6 +15,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::format::{check_size, FileSource, TensorRef};
+use crate::hostbuf::HostBuf;
 use crate::shards::PieceRecord;
 use crate::store::Prepared;
 use crate::{steps_to_delete_protecting, CheckpointStore, CkptError, DType, Mirror};
@@ -48,8 +49,9 @@ struct Slot {
 struct HostFile {
     stem: String,
     slots: Vec<Slot>,
-    /// Grows to the largest snapshot and stays; `used` bytes of it are this snapshot's.
-    arena: Vec<u8>,
+    /// Grows to the largest snapshot and stays (page-aligned, faulted in once); `used` bytes of
+    /// it are this snapshot's, its tensors back to back: the file's body as written.
+    arena: HostBuf,
     used: usize,
 }
 
@@ -107,7 +109,7 @@ impl Snapshot {
         let file_idx = match self.files.iter().position(|f| f.stem == stem) {
             Some(idx) => idx,
             None => {
-                self.files.push(HostFile { stem: stem.into(), slots: Vec::new(), arena: Vec::new(), used: 0 });
+                self.files.push(HostFile { stem: stem.into(), slots: Vec::new(), arena: HostBuf::new(), used: 0 });
                 self.files.len() - 1
             }
         };
@@ -115,7 +117,9 @@ impl Snapshot {
         let start = file.used;
         if file.arena.len() < start + len {
             // Only the first snapshots grow the buffer; later ones reuse its pages.
-            file.arena.resize(start + len, 0);
+            if let Err(e) = file.arena.grow_to(start + len) {
+                panic!("cannot map {} bytes of host memory for a checkpoint snapshot: {e}", start + len);
+            }
         }
         file.used += len;
         file.slots.push(Slot { name: name.into(), dtype, shape: shape.to_vec(), start, len });
@@ -150,7 +154,7 @@ impl Snapshot {
     }
 
     fn capacity(&self) -> usize {
-        self.files.iter().map(|f| f.arena.capacity()).sum()
+        self.files.iter().map(|f| f.arena.resident()).sum()
     }
 
     fn sources(&self) -> Result<Vec<FileSource<'_>>, CkptError> {
@@ -166,7 +170,7 @@ impl Snapshot {
                     data: &file.arena[slot.start..slot.start + slot.len],
                 });
             }
-            out.push(FileSource { stem: &file.stem, tensors });
+            out.push(FileSource { stem: &file.stem, tensors, body: Some(&file.arena[..file.used]) });
         }
         Ok(out)
     }
@@ -199,6 +203,8 @@ pub struct WriterStats {
     pub wait_s: f64,
     /// Seconds spent writing and committing (on the writer thread when in the background).
     pub write_s: f64,
+    /// Host memory page-locked for a GPU's copies (`pin_host_buffers`), in bytes.
+    pub pinned_bytes: usize,
 }
 
 /// A snapshot's buffer back from the writer, with its checkpoint (None: a rank's part of a sharded
@@ -242,6 +248,8 @@ pub struct CheckpointWriter {
     unpublished: VecDeque<(Snapshot, Prepared, f64)>,
     free: Vec<Snapshot>,
     capacities: Vec<usize>,
+    /// Bytes pinned per host buffer.
+    pinned: Vec<usize>,
     in_flight: usize,
     done: VecDeque<Committed>,
     failed: bool,
@@ -249,6 +257,8 @@ pub struct CheckpointWriter {
     mirror: Option<Arc<Mirror>>,
     /// A step retention never deletes (0: none), shared with the writer thread.
     protected: Arc<AtomicU64>,
+    /// Set by `pin_host_buffers`: every host buffer is page-locked through the CUDA runtime.
+    pinner: Option<Arc<crate::pin::Pinner>>,
 }
 
 /// The retention policy the writer applies after each commit: the newest `keep`, plus the
@@ -298,6 +308,7 @@ impl CheckpointWriter {
             let thread = std::thread::Builder::new()
                 .name("ckpt-writer".into())
                 .spawn(move || {
+                    lower_priority();
                     for snapshot in jobs_rx {
                         let result = persist_when_released(&store, &snapshot, &keep, &gate, mirror.as_deref());
                         if tx.send((snapshot, result)).is_err() {
@@ -321,12 +332,14 @@ impl CheckpointWriter {
             unpublished: VecDeque::new(),
             free: Vec::new(),
             capacities: Vec::new(),
+            pinned: Vec::new(),
             in_flight: 0,
             done: VecDeque::new(),
             failed: false,
             stats: WriterStats::default(),
             mirror,
             protected,
+            pinner: None,
         })
     }
 
@@ -334,6 +347,17 @@ impl CheckpointWriter {
     /// until another step is protected; None protects nothing.
     pub fn protect(&mut self, step: Option<u64>) {
         self.protected.store(step.unwrap_or(0), Ordering::SeqCst);
+    }
+
+    /// Page-locks the host buffers (for a state on a CUDA device, so the copy into them is a
+    /// DMA), through the CUDA runtime loaded now; an error when it cannot be loaded. A buffer is
+    /// pinned when its snapshot is submitted (it grows only during the first snapshots), so
+    /// every snapshot from the buffer's second use on is copied into pinned memory.
+    pub fn pin_host_buffers(&mut self) -> Result<(), CkptError> {
+        let pinner = crate::pin::Pinner::load()
+            .map_err(|message| CkptError::Writer { message: format!("cannot pin the host buffers: {message}") })?;
+        self.pinner = Some(pinner);
+        Ok(())
     }
 
     pub fn store(&self) -> &CheckpointStore {
@@ -354,6 +378,7 @@ impl CheckpointWriter {
             Some(snapshot) => snapshot,
             None if self.capacities.len() < self.config.buffers => {
                 self.capacities.push(0);
+                self.pinned.push(0);
                 self.stats.buffers = self.capacities.len();
                 Snapshot::empty(self.capacities.len() - 1)
             }
@@ -377,8 +402,18 @@ impl CheckpointWriter {
 
     /// Persists `snapshot`: queued for the writer thread, or (not `background`) written and synced
     /// now. Either way it is published by `release` of its step.
-    pub fn submit(&mut self, snapshot: Snapshot) -> Result<(), CkptError> {
+    pub fn submit(&mut self, mut snapshot: Snapshot) -> Result<(), CkptError> {
         self.check()?;
+        if let Some(pinner) = &self.pinner {
+            for file in &mut snapshot.files {
+                file.arena.pin_with(pinner).map_err(|message| CkptError::Writer {
+                    message: format!("cannot pin the host buffer of {}.safetensors: {message}", file.stem),
+                })?;
+            }
+            let pinned: usize = snapshot.files.iter().map(|f| f.arena.pinned_bytes()).sum();
+            self.pinned[snapshot.id] = pinned;
+            self.stats.pinned_bytes = self.pinned.iter().sum();
+        }
         self.capacities[snapshot.id] = snapshot.capacity();
         self.stats.host_bytes = self.capacities.iter().sum();
         self.stats.snapshots += 1;
@@ -529,6 +564,21 @@ impl Drop for CheckpointWriter {
     }
 }
 
+/// Niceness of the writer thread: it gets the cores when the training step leaves them idle,
+/// and about a tenth of a core when the step keeps them all busy.
+const WRITER_NICE: i32 = 10;
+
+/// Lowers the calling thread's scheduling priority (Linux: niceness is per thread), so the
+/// writer never takes the step's cores; failing to is harmless, so it is not an error.
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: gettid and setpriority on our own thread id read and write no memory of ours.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, WRITER_NICE);
+    }
+}
+
 /// On the writer thread: write and sync the snapshot, wait for its release, publish it.
 fn persist_when_released(
     store: &CheckpointStore,
@@ -665,6 +715,29 @@ mod tests {
             assert_eq!(store.list().unwrap(), vec![1], "dropping abandons the unreleased step 2");
             let leftovers = verify_dir(dir.path()).unwrap().leftovers;
             assert!(leftovers.is_empty(), "{leftovers:?}");
+        }
+    }
+
+    #[test]
+    fn pinning_is_done_or_refused_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut writer = CheckpointWriter::new(CheckpointStore::new(dir.path()), WriterConfig::default()).unwrap();
+        match writer.pin_host_buffers() {
+            // No CUDA runtime on the loader's path.
+            Err(e) => assert!(e.to_string().contains("cannot pin the host buffers: the CUDA runtime"), "{e}"),
+            Ok(()) => {
+                let mut snapshot = writer.begin(1).unwrap();
+                fill(&mut snapshot, 1.0, 1 << 16);
+                match writer.submit(snapshot) {
+                    // A runtime but no GPU: the runtime's refusal, naming the buffer.
+                    Err(e) => assert!(e.to_string().contains("model.safetensors: cudaHostRegister"), "{e}"),
+                    Ok(()) => {
+                        writer.release(1).unwrap();
+                        writer.finish().unwrap();
+                        assert!(writer.stats().pinned_bytes >= 4 << 16, "{:?}", writer.stats());
+                    }
+                }
+            }
         }
     }
 

@@ -1234,11 +1234,26 @@ fn notify(observers: &mut [&mut dyn Observer], event: &TrainEvent<'_>) -> Result
     Ok(())
 }
 
-/// Copies `t` (any device) into `dst` with libtorch's copy, which splits a large tensor across the
-/// intra-op threads.
+/// Copies `t` into `dst`. A contiguous CPU tensor is copied by `stoke_ckpt::stream_copy` (the
+/// intra-op thread count, streaming stores: about twice libtorch's copy into a large host buffer);
+/// anything else (another device, a strided view) by libtorch's copy. `STOKE_CKPT_COPY=torch`
+/// uses libtorch's copy for every tensor (a diagnostic switch).
 fn copy_into(t: &Tensor, dst: &mut [u8]) {
     let numel = t.numel();
     assert_eq!(dst.len(), numel * t.kind().elt_size_in_bytes(), "the host slot fits the tensor");
+    if !dst.is_empty()
+        && t.device() == Device::Cpu
+        && t.is_contiguous()
+        && std::env::var_os("STOKE_CKPT_COPY").is_none_or(|v| v != "torch")
+    {
+        let threads = tch::get_num_threads().max(1) as usize;
+        // SAFETY: a contiguous CPU tensor's `dst.len()` bytes (numel x element size, checked
+        // above) start at `data_ptr`; `t` is borrowed for this whole function, so the storage
+        // stays alive, and nothing writes it meanwhile (the step is not running).
+        let src = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, dst.len()) };
+        stoke_ckpt::stream_copy(dst, src, threads);
+        return;
+    }
     // SAFETY: `host` views exactly `dst`'s bytes (length checked above) as a CPU tensor; `dst` is
     // borrowed mutably for this whole function and `host` is dropped before it returns, so
     // nothing else reads or writes that memory meanwhile and the view never outlives it.
