@@ -22,30 +22,7 @@ cleanup() {
     rm -rf "$WORK"
 }
 trap cleanup EXIT
-cat > "$WORK/job.toml" <<'TOML'
-[model]
-n_layer = 2
-d_model = 128
-n_head = 4
-seq_len = 64
-[train]
-precision = "fp32"
-lr = 0.002
-warmup_steps = 5
-micro_batch = 4
-global_batch = 8
-threads = 1
-lr_horizon = 600
-[ckpt]
-every = 10
-keep = 2
-[data]
-builtin_bytes = 300000
-[prof]
-enabled = false
-[dist]
-timeout_s = 30
-TOML
+cp benches/sched_job.toml "$WORK/job.toml"
 history_has() { # STATE JOB EVENT
     "$STOKE" sched status --dir "$1" --json | python3 -c '
 import json, sys

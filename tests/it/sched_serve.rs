@@ -17,30 +17,8 @@ use std::time::{Duration, Instant};
 
 use crate::{losses, run_ok, stoke};
 
-const JOB: &str = r#"
-[model]
-n_layer = 2
-d_model = 128
-n_head = 4
-seq_len = 64
-[train]
-precision = "fp32"
-lr = 0.002
-warmup_steps = 5
-micro_batch = 4
-global_batch = 8
-threads = 1
-lr_horizon = 600
-[ckpt]
-every = 10
-keep = 2
-[data]
-builtin_bytes = 300000
-[prof]
-enabled = false
-[dist]
-timeout_s = 30
-"#;
+/// The small job every scheduler test submits (also `benches/sched_real.sh`'s).
+const JOB: &str = include_str!("../../benches/sched_job.toml");
 
 /// The scheduler process; killed, with every launcher its database names, if the test fails.
 struct Server {
