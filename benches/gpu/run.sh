@@ -14,6 +14,8 @@
 #   4. Recomputation on the GPU: device memory at the step's peak and step time per policy.
 #   5. fp16 with dynamic loss scaling against bf16 and fp32 on the built-in data.
 #   6. AdamW, LAMB and SGD on the GPU with held-out evaluation (the optimizers' tensor-op path).
+#   7. Checkpoints from the GPU: background (pinned host buffers) against synchronous saves, the step
+#      stall of each and the pinned bytes.
 #
 # SECTIONS="2 3" runs only those checks (default: all).
 set -uo pipefail
@@ -101,6 +103,25 @@ for optimizer in adamw lamb sgd; do
   train "optim-$optimizer" model.preset=small train.optimizer=$optimizer train.lr=$lr train.micro_batch=32 \
     train.steps=200 eval.every=50
   grep -h '"eval_loss"' "$RUNS/optim-$optimizer/metrics.jsonl" | tail -1 | cut -c1-200 || true
+done
+fi
+if want 7; then echo "== 7. checkpoints from the GPU (gpt2-124m, bf16, a checkpoint every 5 steps, interleaved)"
+for pair in 1 2; do
+  for mode in true false; do
+    name="ckpt-bg$mode-$pair"
+    timeout 300 "$BIN/stoke" train --quiet --set run.dir="$RUNS" --set run.name="$name" --set run.device=cuda \
+      --set model.preset=gpt2-124m --set train.precision=bf16 --set train.micro_batch=16 --set train.steps=20 \
+      --set ckpt.every=5 --set ckpt.at_end=false --set ckpt.background=$mode --set prof.prometheus=false \
+      --set prof.html=false --set prof.trace=false > "$RUNS/$name.log" 2>&1 || { echo "$name failed"; tail -5 "$RUNS/$name.log"; continue; }
+    "$PY" - "$RUNS/$name" "$name" <<'PY'
+import json, statistics, sys
+d, name = sys.argv[1], sys.argv[2]
+stalls = [json.loads(l)["phases_ms"]["ckpt_stall"] for l in open(f"{d}/metrics.jsonl") if json.loads(l)["step"] % 5 == 0]
+stats = json.load(open(f"{d}/checkpoint-stats.json"))
+print(f"{name:<16} ckpt_stall per checkpoint {[round(s, 1) for s in stalls]} ms, median of the warm ones "
+      f"{statistics.median(stalls[1:]):.1f} ms; writer: {json.dumps({k: v for k, v in stats.items() if k != 'resume'})[:300]}")
+PY
+  done
 done
 fi
 rm -rf "$RUNS"
