@@ -372,6 +372,9 @@ impl StepHooks for DataParallel {
     }
 
     fn before_backward(&mut self, unit: usize, clock: &mut StepClock) -> Result<(), TrainError> {
+        if self.zero_stage() >= 2 {
+            self.zero.as_ref().expect("stage 2 or 3").populate_grads(unit);
+        }
         if self.zero_stage() < 3 {
             return Ok(());
         }

@@ -426,6 +426,7 @@ impl Zero {
         if unit >= self.units.len() || !matches!(self.gathered[unit], Gathered::Released) {
             return Ok(());
         }
+        self.params.populate(self.units[unit].clone());
         self.place_shard(unit);
         self.gathered[unit] = match self.submit_gather(comm, &self.model_flat, unit, "all_gather parameters")? {
             Some(work) => Gathered::InFlight(work),
@@ -455,6 +456,14 @@ impl Zero {
             let _ = work.wait();
         }
         self.params.release(self.units[unit].clone());
+    }
+
+    /// Stage 2 and 3: `unit`'s released gradient pages faulted back in before its backward fills
+    /// them.
+    pub(crate) fn populate_grads(&self, unit: usize) {
+        if let Some(range) = self.units.get(unit) {
+            self.grads.populate(range.clone());
+        }
     }
 
     pub(crate) fn n_units(&self) -> usize {
