@@ -144,13 +144,20 @@ fn wait_until(server: &mut Server, watch: &mut Watch, what: &str, limit: Duratio
     }
 }
 
-#[test]
-fn three_jobs_share_two_slots_survive_a_killed_scheduler_and_the_resized_one_keeps_its_trajectory() {
+/// A test's folder: the scheduler's state folder, the job config written there, and the run
+/// folder the job `first` will train in.
+fn setup(first: &str) -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     let config = dir.path().join("job.toml");
     std::fs::write(&config, JOB).unwrap();
-    let run_a = state.join("runs").join("a");
+    let run = state.join("runs").join(first);
+    (dir, state, config, run)
+}
+
+#[test]
+fn three_jobs_share_two_slots_survive_a_killed_scheduler_and_the_resized_one_keeps_its_trajectory() {
+    let (dir, state, config, run_a) = setup("a");
     let mut watch = Watch { run: run_a.clone(), highest_before: vec![0] };
     let mut server = serve(dir.path(), "serve-1.log");
     submit(&state, &config, "a", "2", 600);
@@ -265,11 +272,7 @@ fn three_jobs_share_two_slots_survive_a_killed_scheduler_and_the_resized_one_kee
 
 #[test]
 fn a_cancelled_job_stops_with_a_checkpoint_and_a_queued_one_never_starts() {
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let config = dir.path().join("job.toml");
-    std::fs::write(&config, JOB).unwrap();
-    let run = state.join("runs").join("long");
+    let (dir, state, config, run) = setup("long");
     let mut watch = Watch { run: run.clone(), highest_before: vec![0] };
     let mut server = serve(dir.path(), "serve.log");
     submit(&state, &config, "long", "2", 100_000);
@@ -365,11 +368,7 @@ fn own_cpus() -> usize {
 
 #[test]
 fn goodput_profiles_a_new_job_on_one_then_two_workers_and_pins_every_worker_to_its_own_core() {
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let config = dir.path().join("job.toml");
-    std::fs::write(&config, JOB).unwrap();
-    let run_a = state.join("runs").join("a");
+    let (dir, state, config, run_a) = setup("a");
     let mut watch = Watch { run: run_a.clone(), highest_before: vec![0] };
     let mut server = serve_with(
         dir.path(),

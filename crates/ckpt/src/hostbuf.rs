@@ -16,8 +16,6 @@ use std::ptr::NonNull;
 pub(crate) const PAGE: usize = 4096;
 /// Buffers grow in steps of 2 MiB (at least doubling).
 const HUGE: usize = 2 << 20;
-/// `madvise` advice that faults pages in writable in one call (Linux 5.14); not in `libc` yet.
-const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 /// A growable, page-aligned byte buffer backed by its own anonymous mapping.
 pub(crate) struct HostBuf {
@@ -66,7 +64,11 @@ impl HostBuf {
         // SAFETY: advice on pages [start, end) of our own mapping (end <= cap: cap is a multiple
         // of HUGE, hence of PAGE); populating maps them without changing their content.
         let rc = unsafe {
-            libc::madvise(self.ptr.as_ptr().add(start).cast(), len.div_ceil(PAGE) * PAGE - start, MADV_POPULATE_WRITE)
+            libc::madvise(
+                self.ptr.as_ptr().add(start).cast(),
+                len.div_ceil(PAGE) * PAGE - start,
+                libc::MADV_POPULATE_WRITE,
+            )
         };
         if rc != 0 {
             // A kernel before 5.14: touch the pages instead.

@@ -318,8 +318,10 @@ impl CheckpointStore {
             });
         }
         for file in &part.files {
-            let plain = !file.name.contains(['/', '\\']) && !file.name.starts_with('.') && file.name != MANIFEST;
-            if !plain || !file.name.ends_with(&format!("-rank{rank}.safetensors")) {
+            if !plain_name(&file.name)
+                || file.name == MANIFEST
+                || !file.name.ends_with(&format!("-rank{rank}.safetensors"))
+            {
                 return Err(CkptError::BadManifest {
                     path,
                     message: format!("file name {:?} is not rank {rank}'s", file.name),
@@ -476,6 +478,11 @@ pub(crate) fn parse_step_name(name: &str) -> Option<u64> {
     (step.to_string() == digits).then_some(step)
 }
 
+/// A file name inside the checkpoint folder itself: no path separator, not hidden.
+fn plain_name(name: &str) -> bool {
+    !name.contains(['/', '\\']) && !name.starts_with('.')
+}
+
 /// Reads a checkpoint folder's manifest and checks that every listed file has its size; with
 /// `step`, also that the manifest names that step.
 pub(crate) fn inspect(path: &Path, step: Option<u64>) -> Result<Manifest, CkptError> {
@@ -496,7 +503,7 @@ pub(crate) fn inspect(path: &Path, step: Option<u64>) -> Result<Manifest, CkptEr
         });
     }
     for entry in &manifest.files {
-        if entry.name.contains(['/', '\\']) || entry.name.starts_with('.') {
+        if !plain_name(&entry.name) {
             return Err(CkptError::BadManifest {
                 path: manifest_path,
                 message: format!("file name {:?} is not a plain name", entry.name),

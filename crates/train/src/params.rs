@@ -187,7 +187,7 @@ impl Pages {
             // see (a present page is left as it is, a released one becomes a zero page, which is
             // what the next access would fault in anyway). An old kernel answers EINVAL: ignored.
             unsafe {
-                libc::madvise(self.ptr.add(first) as *mut libc::c_void, last - first, MADV_POPULATE_WRITE);
+                libc::madvise(self.ptr.add(first) as *mut libc::c_void, last - first, libc::MADV_POPULATE_WRITE);
             }
         }
     }
@@ -220,9 +220,6 @@ impl Drop for Pages {
         }
     }
 }
-
-/// `madvise` advice that faults pages in for writing (Linux 5.14; not in every libc's headers).
-const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
