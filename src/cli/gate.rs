@@ -18,7 +18,8 @@
 //! relative tolerance, a share when it exceeds the baseline by more than its absolute tolerance.
 //!
 //! The tolerances are fixed when the baseline is recorded (`--update`, more repeats than a check):
-//! four median absolute deviations of the recorded runs, never below a floor. The current run's own spread is
+//! four median absolute deviations of the recorded runs, never below a floor (6% for a time ratio,
+//! 12% for the optimizer's, which is bound by memory; 2 points for a share). The current run's own spread is
 //! printed but never widens them, so a change that makes steps noisier cannot hide inside its own
 //! noise. A figure that is missing or not finite on either side is an error, not a pass.
 
@@ -87,6 +88,17 @@ const UPDATE_REPEATS: usize = 9;
 /// checks take the median of 9 runs to keep the drift down.
 const MIN_RELATIVE_TOLERANCE: f64 = 0.06;
 const MIN_SHARE_TOLERANCE: f64 = 0.02;
+/// The floor of `optimizer_over_gemm`. The optimizer is bound by memory and the reference by
+/// arithmetic, so their ratio also moves with the memory traffic of the machine's other tenants,
+/// which neither the record's runs nor the check's see change within one invocation: on the CI
+/// machine (commit 00e3439) unchanged code recorded 0.2822 (MAD 0.0030) and measured 0.3036 in the
+/// check that followed, 7.6% apart, while the compute-bound ratios moved by 2-10% the other way.
+/// Here, six recordings of unchanged code gave medians 0.2886..0.2958. A regression that makes the
+/// optimizer 12% slower moves the step by under 2% (it is a seventh of the step), which no
+/// floor above could see anyway; a slower optimizer by a third or more is still caught.
+const MIN_MEMORY_BOUND_TOLERANCE: f64 = 0.12;
+/// Figures whose phase is bound by memory, not arithmetic: `MIN_MEMORY_BOUND_TOLERANCE` applies.
+const MEMORY_BOUND: &[&str] = &["optimizer_over_gemm"];
 /// A tolerance is this many median absolute deviations of the recorded runs (1.48 MAD estimates
 /// a standard deviation, so 4 MAD is about 2.7 of them); the MAD, unlike the range, is not moved
 /// by one run that another process disturbed.
@@ -392,10 +404,7 @@ fn record(args: &GateArgs, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> an
         let value = median(values);
         let deviations: Vec<f64> = values.iter().map(|v| (v - value).abs()).collect();
         let mad = median(&deviations);
-        let tolerance = match check {
-            Check::Relative => (MAD_FACTOR * mad / value).max(MIN_RELATIVE_TOLERANCE),
-            Check::Share => (MAD_FACTOR * mad).max(MIN_SHARE_TOLERANCE),
-        };
+        let tolerance = tolerance(key, *check, value, mad);
         let min = values.iter().copied().fold(f64::INFINITY, f64::min);
         let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         println!("{key:<22} {value:>9.4} (runs {min:.4}..{max:.4}, MAD {mad:.4}) tolerance {tolerance:.4}");
@@ -419,6 +428,15 @@ fn record(args: &GateArgs, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> an
         .with_context(|| format!("cannot write {}", args.baseline.display()))?;
     println!("baseline written to {}", args.baseline.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// A figure's fixed allowance from its recorded median and median absolute deviation.
+fn tolerance(key: &str, check: Check, value: f64, mad: f64) -> f64 {
+    match check {
+        Check::Relative if MEMORY_BOUND.contains(&key) => (MAD_FACTOR * mad / value).max(MIN_MEMORY_BOUND_TOLERANCE),
+        Check::Relative => (MAD_FACTOR * mad / value).max(MIN_RELATIVE_TOLERANCE),
+        Check::Share => (MAD_FACTOR * mad).max(MIN_SHARE_TOLERANCE),
+    }
 }
 
 fn load(path: &Path) -> anyhow::Result<Baseline> {
@@ -547,6 +565,15 @@ mod tests {
         // The median of the runs, not the worst run and not widened by their spread.
         assert_eq!(check(&[2.11, 2.2, 1.0], &[0.02], None), Ok(vec!["forward_over_gemm".to_string()]));
         assert_eq!(check(&[2.0], &[0.031], None), Ok(vec!["data_wait_share".to_string()]));
+    }
+
+    #[test]
+    fn tolerances_are_four_mads_above_their_floors() {
+        assert_eq!(tolerance("forward_over_gemm", Check::Relative, 2.0, 0.01), MIN_RELATIVE_TOLERANCE);
+        assert_eq!(tolerance("forward_over_gemm", Check::Relative, 2.0, 0.05), 0.1);
+        assert_eq!(tolerance("optimizer_over_gemm", Check::Relative, 0.3, 0.003), MIN_MEMORY_BOUND_TOLERANCE);
+        assert_eq!(tolerance("data_wait_share", Check::Share, 0.01, 0.001), MIN_SHARE_TOLERANCE);
+        assert_eq!(tolerance("data_wait_share", Check::Share, 0.01, 0.01), 0.04);
     }
 
     #[test]
