@@ -13,6 +13,8 @@ use std::process::{Command, ExitCode};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
+use stoke_prof::median;
+
 use super::bench::disk_bandwidth;
 
 /// A state of about 100 M parameters (1.2 GB with AdamW's two moments) whose steps are short:
@@ -60,6 +62,10 @@ pub struct CkptBenchArgs {
 struct RunFigures {
     /// ckpt_stall of each checkpoint step, in order, ms.
     stalls_ms: Vec<f64>,
+    /// Per checkpoint, in order: the wall time its step and the next one took beyond two ordinary
+    /// steps (the median of the steps that are neither), ms. The copy beside the next step
+    /// (`ckpt.overlap`) shows here, not in `ckpt_stall`, as the cores it takes from that step.
+    excess_ms: Vec<f64>,
     bytes_written: u64,
     write_s: f64,
     commits: u64,
@@ -72,7 +78,9 @@ fn run_train(args: &CkptBenchArgs, name: &str, background: bool) -> anyhow::Resu
     if run_dir.exists() {
         std::fs::remove_dir_all(&run_dir).with_context(|| format!("cannot clear {}", run_dir.display()))?;
     }
-    let steps = args.every * args.checkpoints;
+    // Two steps past the last checkpoint, which is then not the run's last (a run's last
+    // checkpoint is copied at once: there is no next step to copy beside) and has its next step.
+    let steps = args.every * args.checkpoints + 2;
     let mut overrides: Vec<String> = STATE_SHAPE.iter().map(|s| s.to_string()).collect();
     overrides.extend([
         format!("run.dir={}", toml::Value::String(args.dir.display().to_string())),
@@ -80,6 +88,7 @@ fn run_train(args: &CkptBenchArgs, name: &str, background: bool) -> anyhow::Resu
         format!("train.steps={steps}"),
         format!("ckpt.every={}", args.every),
         "ckpt.keep=1".into(),
+        "ckpt.at_end=false".into(),
         format!("ckpt.background={background}"),
         "prof.enabled=false".into(),
     ]);
@@ -95,22 +104,42 @@ fn run_train(args: &CkptBenchArgs, name: &str, background: bool) -> anyhow::Resu
     }
     let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl"))?;
     let mut stalls_ms = Vec::new();
+    let mut walls = Vec::new();
     for line in metrics.lines() {
         let v: Value = serde_json::from_str(line)?;
-        if v["step"].as_u64().is_some_and(|s| s % args.every == 0) {
+        let step = v["step"].as_u64().context("step in metrics")?;
+        if step % args.every == 0 && step <= args.every * args.checkpoints {
             stalls_ms.push(v["phases_ms"]["ckpt_stall"].as_f64().context("ckpt_stall in metrics")?);
         }
+        walls.push((step, v["step_ms"].as_f64().context("step_ms in metrics")?));
     }
+    let excess_ms = wall_excess(&walls, args.every, args.checkpoints);
     let stats: Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("checkpoint-stats.json"))?)?;
     let number = |key: &str| stats[key].as_f64().with_context(|| format!("{key} in checkpoint-stats.json"));
     Ok(RunFigures {
         stalls_ms,
+        excess_ms,
         bytes_written: number("bytes_written")? as u64,
         write_s: number("write_s")?,
         commits: number("commits")? as u64,
         host_bytes: number("host_bytes")? as u64,
         wait_s: number("wait_s")?,
     })
+}
+
+/// Per checkpoint step k x `every` (k = 1..=`checkpoints`): the wall time of that step and the
+/// next beyond twice the median of the ordinary steps (neither a checkpoint step nor the one
+/// after it; the first two steps, warm-up, are left out).
+fn wall_excess(walls: &[(u64, f64)], every: u64, checkpoints: u64) -> Vec<f64> {
+    let is_checkpoint = |step: u64| step % every == 0 && step <= every * checkpoints;
+    let ordinary: Vec<f64> = walls
+        .iter()
+        .filter(|&&(step, _)| step > 2 && !is_checkpoint(step) && !is_checkpoint(step - 1))
+        .map(|&(_, ms)| ms)
+        .collect();
+    let base = median(&ordinary);
+    let wall = |step: u64| walls.iter().find(|&&(s, _)| s == step).map_or(f64::NAN, |&(_, ms)| ms);
+    (1..=checkpoints).map(|k| wall(k * every) + wall(k * every + 1) - 2.0 * base).collect()
 }
 
 /// The disk's limit without the page cache: `bytes` written with `O_DIRECT` from one page-aligned
@@ -239,6 +268,7 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     let (mut sync_tput, mut async_tput, mut load_s, mut restore_s) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut state_bytes, mut host_bytes, mut waits) = (0u64, 0u64, Vec::new());
     let (mut copy_stream, mut copy_plain, mut disk_direct) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut async_excess, mut sync_excess) = (Vec::new(), Vec::new());
     for pair in 0..args.pairs {
         let a = run_train(&args, &format!("async-{pair}"), true)?;
         let b = run_train(&args, &format!("sync-{pair}"), false)?;
@@ -254,6 +284,8 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         async_first.extend_from_slice(&a.stalls_ms[..cold]);
         async_steady.extend_from_slice(&a.stalls_ms[cold..]);
         sync_save.extend_from_slice(&b.stalls_ms);
+        async_excess.extend_from_slice(&a.excess_ms[cold..]);
+        sync_excess.extend_from_slice(&b.excess_ms);
         sync_tput.push(b.bytes_written as f64 / b.write_s / 1e9);
         async_tput.push(a.bytes_written as f64 / a.write_s / 1e9);
         host_bytes = a.host_bytes;
@@ -267,9 +299,11 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
             std::fs::remove_dir_all(args.dir.join(format!("sync-{pair}")))?;
         }
         println!(
-            "pair {pair}: background stalls {:?} ms, synchronous saves {:?} ms, disk {:.2} GB/s",
+            "pair {pair}: background stalls {:?} ms (wall excess {:?}), synchronous saves {:?} ms (wall excess {:?}), disk {:.2} GB/s",
             a.stalls_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            a.excess_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
             b.stalls_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            b.excess_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
             write / 1e9
         );
     }
@@ -280,7 +314,13 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     );
     println!("\n| figure | median | min | max | unit | n |\n|---|---|---|---|---|---|");
     let mut rows = vec![
-        row("background checkpoint: step stall (warm host buffers)", "ms", &async_steady),
+        row(
+            "background checkpoint: wall time of its step and the next beyond two ordinary steps (warm)",
+            "ms",
+            &async_excess,
+        ),
+        row("synchronous save: wall time of its step and the next beyond two ordinary steps", "ms", &sync_excess),
+        row("background checkpoint: ckpt_stall phase (warm host buffers)", "ms", &async_steady),
         row("background checkpoint: step stall, first two (buffers faulted in)", "ms", &async_first),
         row("background: back-pressure waits per run", "ms", &waits),
         row("synchronous save of the same state: step stall", "ms", &sync_save),
@@ -293,8 +333,12 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         row("resume: load and verify (page cache dropped)", "s", &load_s),
         row("resume: restore into the model", "s", &restore_s),
     ];
-    let (stall, _, _) = spread(&async_steady);
-    let (save, _, _) = spread(&sync_save);
+    // The stall is the wall time a checkpoint costs the run, so that a copy moved beside the next
+    // step counts with the cores it takes from it; the synchronous save is measured the same way.
+    let (stall, _, _) = spread(&async_excess);
+    let (save, _, _) = spread(&sync_excess);
+    let (phase_stall, _, _) = spread(&async_steady);
+    let (phase_save, _, _) = spread(&sync_save);
     let (tput, _, _) = spread(&sync_tput);
     let (disk_median, _, _) = spread(&disk);
     let stall_ratio = stall / save;
@@ -304,9 +348,10 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     // The least a snapshot's copy can cost: the state copied at the memory's measured speed.
     let stall_floor_ratio = (state_bytes as f64 / 1e9 / copy_median * 1e3) / save;
     println!(
-        "\nstall / synchronous save: {:.1}% (target at most 5%: {}); save throughput / disk: {:.0}% (target at least 70%: {})",
+        "\nstall / synchronous save, in wall time: {:.1}% (target at most 5%: {}; in ckpt_stall phases: {:.1}%); save throughput / disk: {:.0}% (target at least 70%: {})",
         100.0 * stall_ratio,
         if stall_ratio <= 0.05 { "met" } else { "NOT met" },
+        100.0 * phase_stall / phase_save,
         100.0 * tput_ratio,
         if tput_ratio >= 0.7 { "met" } else { "NOT met" }
     );
@@ -367,7 +412,8 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.json {
         let out = json!({
             "state_bytes": state_bytes, "host_bytes": host_bytes, "rows": rows,
-            "stall_over_sync_save": stall_ratio, "save_throughput_over_disk": tput_ratio,
+            "stall_over_sync_save": stall_ratio, "ckpt_stall_phase_over_sync_save": phase_stall / phase_save,
+            "save_throughput_over_disk": tput_ratio,
             "save_throughput_over_direct_disk": tput / direct_median, "copy_floor_over_sync_save": stall_floor_ratio,
             "write_path_over_raw_write": write_path_ratio, "peer": peer,
         });

@@ -148,6 +148,23 @@ impl Snapshot {
         self.tensor(stem, name, dtype, &[range.end - range.start])
     }
 
+    /// Every tensor's room, per file in the order added: (stem, name, bytes). Taking a room may
+    /// move the file's earlier ones (its buffer grows), so a caller that fills the rooms later,
+    /// or from other threads, takes them all first and then asks for them here.
+    pub fn rooms_mut(&mut self) -> Vec<(&str, &str, &mut [u8])> {
+        let mut rooms = Vec::new();
+        for HostFile { stem, slots, arena, used } in &mut self.files {
+            let mut rest = &mut arena[..*used];
+            for slot in slots.iter() {
+                // Rooms lie back to back from the file's start (see `tensor`).
+                let (room, tail) = std::mem::take(&mut rest).split_at_mut(slot.len);
+                rest = tail;
+                rooms.push((stem.as_str(), slot.name.as_str(), room));
+            }
+        }
+        rooms
+    }
+
     /// Bytes of tensor data in this snapshot.
     pub fn bytes(&self) -> usize {
         self.files.iter().map(|f| f.used).sum()

@@ -26,6 +26,7 @@ mod optimizers;
 mod params;
 mod peak;
 mod precision;
+mod snapcopy;
 mod trainer;
 
 pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};

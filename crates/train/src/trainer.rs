@@ -21,6 +21,7 @@ use crate::optim::UpdateKernel;
 use crate::optimizers::{Hyper, Optimizer};
 use crate::params::FlatParams;
 use crate::precision::LossScaler;
+use crate::snapcopy::PendingCopy;
 use crate::TrainError;
 
 pub use stoke_prof::{Phase, PhaseTimes};
@@ -566,14 +567,31 @@ impl Trainer {
     /// `shard`: the ZeRO shard this rank's optimizer runs on; then the snapshot holds this rank's
     /// pieces of every parameter and optimizer tensor (`Snapshot::piece`, a sharded writer), which
     /// rank 0's checkpoint lists beside the other ranks' (no gathering).
+    ///
+    /// `defer`: when every tensor can be (`snapcopy::can_defer`), their rooms are taken but not
+    /// filled, and the tensors are returned for a `PendingCopy`; otherwise they are copied now and
+    /// nothing is returned.
     fn snapshot_into(
         &self,
         snapshot: &mut Snapshot,
         extra: &serde_json::Value,
         data_position: u64,
         shard: Option<&FlatParams>,
-    ) {
+        defer: bool,
+    ) -> Vec<(String, String, Tensor)> {
+        let mut deferred = Vec::new();
         let params = self.model.params();
+        let defer = defer
+            && shard.is_none()
+            && params.entries().iter().all(|e| crate::snapcopy::can_defer(&e.tensor))
+            && self.optimizer.state_tensors(params).iter().all(|s| crate::snapcopy::can_defer(&s.tensor));
+        let mut copy = |stem: &str, name: &str, tensor: Tensor, room: &mut [u8]| {
+            if defer {
+                deferred.push((stem.to_string(), name.to_string(), tensor));
+            } else {
+                copy_into(&tensor, room);
+            }
+        };
         let shape_of = |shape: &[i64]| -> Vec<usize> { shape.iter().map(|&s| s as usize).collect() };
         match shard {
             Some(shard) => {
@@ -601,11 +619,13 @@ impl Trainer {
             None => {
                 for entry in params.entries() {
                     let shape = shape_of(&entry.shape);
-                    copy_into(&entry.tensor.detach(), snapshot.tensor("model", &entry.name, DType::F32, &shape));
+                    let room = snapshot.tensor("model", &entry.name, DType::F32, &shape);
+                    copy("model", &entry.name, entry.tensor.detach(), room);
                 }
                 for state in self.optimizer.state_tensors(params) {
                     let shape = shape_of(&state.shape);
-                    copy_into(&state.tensor, snapshot.tensor("optim", &state.name, DType::F32, &shape));
+                    let room = snapshot.tensor("optim", &state.name, DType::F32, &shape);
+                    copy("optim", &state.name, state.tensor.shallow_clone(), room);
                 }
             }
         }
@@ -638,6 +658,7 @@ impl Trainer {
             meta.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
         }
         snapshot.set_meta(meta);
+        deferred
     }
 
     /// On a GPU, synchronize at phase boundaries only every `every` steps (1, the default: every
@@ -698,6 +719,8 @@ impl Trainer {
         let mut losses = std::collections::VecDeque::with_capacity(self.train.spike_window);
         let mut last_finite_loss = f64::NAN;
         let mut early_stopped = false;
+        // A checkpoint's copy running beside this step, finished before its optimizer step.
+        let mut pending: Option<PendingCopy> = None;
         while self.step < self.train.steps {
             let step_number = self.step + 1;
             let logged = step_number % self.train.log_every == 0
@@ -708,6 +731,7 @@ impl Trainer {
             let measure_memory = step_number == first_step;
             let position_before = source.position();
             if self.train.debug_poison_step == step_number {
+                submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
                 self.poison();
             }
             let (loss_sum, step_memory, micro_sq) =
@@ -716,6 +740,12 @@ impl Trainer {
                 memory = step_memory;
             }
             hooks.before_optimizer(&mut clock)?;
+            if pending.is_some() {
+                // The optimizer writes what the copy reads: the rest of the copy is this step's stall.
+                clock.lap(Phase::Other);
+                submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
+                clock.lap(Phase::CkptStall);
+            }
             // The global batch of this step (the adaptive batch size may have grown it).
             let lr = self.train.lr_at_batch(self.step, self.global_batch());
             let step_tokens = (self.train.micro_batch * shape.seq_len * self.grad_accum) as u64;
@@ -802,14 +832,22 @@ impl Trainer {
                 // Blocks only while every host buffer is still being written (back-pressure).
                 let mut snapshot = target.writer.begin(self.step)?;
                 let shard = if self.sharded { hooks.optimizer_params() } else { None };
-                self.snapshot_into(&mut snapshot, &target.meta, source.position(), shard);
+                // The copy goes beside the next step when there is one and the writer is a
+                // background one (a synchronous save is the step's stall anyway).
+                let last = step_number == self.train.steps || interrupted || early_stopped;
+                let defer = self.ckpt.overlap && target.writer.config().background && !last;
+                let deferred = self.snapshot_into(&mut snapshot, &target.meta, source.position(), shard, defer);
                 for (name, values) in &extras {
                     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
                     snapshot.tensor("dist", name, DType::F32, &[values.len()]).copy_from_slice(&bytes);
                 }
-                target.writer.submit(snapshot)?;
-                if best_eval {
-                    target.writer.protect(Some(self.step));
+                if deferred.is_empty() {
+                    target.writer.submit(snapshot)?;
+                    if best_eval {
+                        target.writer.protect(Some(self.step));
+                    }
+                } else {
+                    pending = Some(PendingCopy::start(snapshot, deferred, best_eval));
                 }
                 clock.lap(Phase::CkptStall);
             }
@@ -845,6 +883,7 @@ impl Trainer {
                 break;
             }
         }
+        submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
         if let Some(target) = checkpoints {
             for saved in target.writer.finish()? {
                 notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
@@ -1238,6 +1277,25 @@ fn notify(observers: &mut [&mut dyn Observer], event: &TrainEvent<'_>) -> Result
 /// intra-op thread count, streaming stores: about twice libtorch's copy into a large host buffer);
 /// anything else (another device, a strided view) by libtorch's copy. `STOKE_CKPT_COPY=torch`
 /// uses libtorch's copy for every tensor (a diagnostic switch).
+/// Finishes the checkpoint copy started beside this step, if any, and hands its snapshot to the
+/// writer.
+fn submit_pending(
+    pending: &mut Option<PendingCopy>,
+    target: Option<&mut CheckpointTarget>,
+    threads: usize,
+) -> Result<(), TrainError> {
+    let Some(copy) = pending.take() else { return Ok(()) };
+    let target = target.expect("a pending checkpoint copy has its writer");
+    let best_eval = copy.best_eval;
+    let snapshot = copy.finish(threads);
+    let step = snapshot.step();
+    target.writer.submit(snapshot)?;
+    if best_eval {
+        target.writer.protect(Some(step));
+    }
+    Ok(())
+}
+
 fn copy_into(t: &Tensor, dst: &mut [u8]) {
     let numel = t.numel();
     assert_eq!(dst.len(), numel * t.kind().elt_size_in_bytes(), "the host slot fits the tensor");
