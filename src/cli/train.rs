@@ -677,8 +677,12 @@ fn train_inner(
     let mirror = match config.ckpt.mirror.as_str() {
         "" => None,
         url => {
-            let mirror =
-                stoke_ckpt::Mirror::start(stoke_ckpt::MirrorStore::open(url)?, &store, config.ckpt.mirror_keep)?;
+            let mirror = stoke_ckpt::Mirror::start(
+                stoke_ckpt::MirrorStore::open(url)?,
+                &store,
+                config.ckpt.mirror_keep,
+                config.ckpt.mirror_keep_every,
+            )?;
             Some(std::sync::Arc::new(mirror))
         }
     };
@@ -749,7 +753,12 @@ fn train_inner(
 }
 
 fn writer_config(config: &StokeConfig) -> WriterConfig {
-    WriterConfig { background: config.ckpt.background, buffers: config.ckpt.host_buffers, keep: config.ckpt.keep }
+    WriterConfig {
+        background: config.ckpt.background,
+        buffers: config.ckpt.host_buffers,
+        keep: config.ckpt.keep,
+        keep_every: config.ckpt.keep_every,
+    }
 }
 
 /// The run's checkpoint folder as this rank writes it: rank 0 alone, or under ZeRO (`dist.zero`

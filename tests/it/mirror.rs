@@ -109,8 +109,8 @@ fn checkpoints_mirror_to_s3_and_a_run_without_local_checkpoints_resumes_from_the
     let server = start_s3("ckpts");
     let dir = tempfile::tempdir().unwrap();
     let url = "s3://ckpts/runs/mirrored";
-    let mirror = [format!("ckpt.mirror=\"{url}\""), "ckpt.mirror_keep=2".into()];
-    let base = ["train.steps=20".to_string(), "ckpt.every=5".into(), "ckpt.keep=1".into()];
+    let mirror = [format!("ckpt.mirror=\"{url}\""), "ckpt.mirror_keep=2".into(), "ckpt.mirror_keep_every=10".into()];
+    let base = ["train.steps=20".to_string(), "ckpt.every=5".into(), "ckpt.keep=1".into(), "ckpt.keep_every=10".into()];
 
     // A run mirrored to S3, and the same run without a mirror.
     let args = overrides(dir.path(), "mirrored", &[&base[..], &mirror[..]].concat());
@@ -120,7 +120,8 @@ fn checkpoints_mirror_to_s3_and_a_run_without_local_checkpoints_resumes_from_the
     let local_only = overrides(dir.path(), "local", &base);
     run_ok(&mut stoke(&["train", "--quiet"], &refs(&local_only)));
 
-    // The mirror holds the newest two (its own retention); the local tier the newest one.
+    // The mirror holds the newest two and its milestones (its own retention); the local tier the
+    // newest one and its milestones.
     let endpoint = format!("http://127.0.0.1:{}", server.port);
     let options = [
         ("aws_endpoint", endpoint.as_str()),
@@ -130,14 +131,14 @@ fn checkpoints_mirror_to_s3_and_a_run_without_local_checkpoints_resumes_from_the
         ("aws_region", "us-east-1"),
     ];
     let store = stoke_ckpt::MirrorStore::open_with(url, &options).unwrap();
-    assert_eq!(store.list().unwrap(), vec![15, 20]);
+    assert_eq!(store.list().unwrap(), vec![10, 15, 20]);
     let run = dir.path().join("mirrored");
     let local = stoke_ckpt::CheckpointStore::new(run.join("checkpoints"));
-    assert_eq!(local.list().unwrap(), vec![20]);
+    assert_eq!(local.list().unwrap(), vec![10, 20]);
 
     // An object under a step folder without a manifest (an upload killed midway) is no checkpoint.
     assert_eq!(http(server.port, "PUT", "/ckpts/runs/mirrored/step-25/model.safetensors"), 200);
-    assert_eq!(store.list().unwrap(), vec![15, 20]);
+    assert_eq!(store.list().unwrap(), vec![10, 15, 20]);
 
     // The local disk is lost: the resume fetches step 20 from the mirror.
     std::fs::remove_dir_all(run.join("checkpoints")).unwrap();

@@ -260,7 +260,12 @@ pub struct Mirror {
 
 impl Mirror {
     /// A mirror of the checkpoints committed in `local`'s folder to `store`.
-    pub fn start(store: MirrorStore, local: &CheckpointStore, keep: usize) -> Result<Mirror, CkptError> {
+    pub fn start(
+        store: MirrorStore,
+        local: &CheckpointStore,
+        keep: usize,
+        keep_every: u64,
+    ) -> Result<Mirror, CkptError> {
         let url = store.url.clone();
         let staging = local.dir().join(".mirror-staging");
         if staging.exists() {
@@ -284,7 +289,7 @@ impl Mirror {
                         if keep == 0 {
                             return Ok(());
                         }
-                        for old in crate::steps_to_delete(&store.list()?, keep) {
+                        for old in crate::steps_to_delete(&store.list()?, keep, keep_every) {
                             store.delete(old)?;
                             stats.deleted += 1;
                         }

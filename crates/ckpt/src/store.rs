@@ -619,20 +619,22 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport, CkptError> {
 }
 
 /// Retention policy, apart from the mechanism: given committed steps (any order), which to delete
-/// so that the newest `keep` remain. `keep == 0` keeps everything.
-pub fn steps_to_delete(steps: &[u64], keep: usize) -> Vec<u64> {
+/// so that the newest `keep` remain (`keep == 0` keeps everything), and of the older ones every
+/// multiple of `keep_every` (when it is not 0: the long-term milestones).
+pub fn steps_to_delete(steps: &[u64], keep: usize, keep_every: u64) -> Vec<u64> {
     if keep == 0 || steps.len() <= keep {
         return Vec::new();
     }
     let mut sorted = steps.to_vec();
     sorted.sort_unstable();
-    sorted[..sorted.len() - keep].to_vec()
+    let milestone = |step: u64| keep_every > 0 && step % keep_every == 0;
+    sorted[..sorted.len() - keep].iter().copied().filter(|&step| !milestone(step)).collect()
 }
 
 /// `steps_to_delete`, never deleting `protected` (which then does not count toward `keep`).
-pub fn steps_to_delete_protecting(steps: &[u64], keep: usize, protected: Option<u64>) -> Vec<u64> {
+pub fn steps_to_delete_protecting(steps: &[u64], keep: usize, keep_every: u64, protected: Option<u64>) -> Vec<u64> {
     let others: Vec<u64> = steps.iter().copied().filter(|&s| Some(s) != protected).collect();
-    steps_to_delete(&others, keep)
+    steps_to_delete(&others, keep, keep_every)
 }
 
 #[cfg(test)]
@@ -642,10 +644,10 @@ mod tests {
 
     #[test]
     fn retention_keeps_the_protected_step() {
-        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40], 2, Some(10)), vec![20]);
-        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40], 2, Some(40)), vec![10]);
-        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40], 2, None), vec![10, 20]);
-        assert!(steps_to_delete_protecting(&[10, 20], 0, Some(10)).is_empty());
+        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40], 2, 0, Some(10)), vec![20]);
+        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40], 2, 0, Some(40)), vec![10]);
+        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40], 2, 0, None), vec![10, 20]);
+        assert!(steps_to_delete_protecting(&[10, 20], 0, 0, Some(10)).is_empty());
     }
 
     fn record(name: &str, values: &[f32]) -> TensorRecord {
@@ -759,8 +761,12 @@ mod tests {
 
     #[test]
     fn retention_keeps_newest() {
-        assert_eq!(steps_to_delete(&[30, 10, 20, 40], 2), vec![10, 20]);
-        assert_eq!(steps_to_delete(&[10, 20], 3), Vec::<u64>::new());
-        assert_eq!(steps_to_delete(&[10, 20], 0), Vec::<u64>::new());
+        assert_eq!(steps_to_delete(&[30, 10, 20, 40], 2, 0), vec![10, 20]);
+        assert_eq!(steps_to_delete(&[10, 20], 3, 0), Vec::<u64>::new());
+        assert_eq!(steps_to_delete(&[10, 20], 0, 0), Vec::<u64>::new());
+        // Older milestones (multiples of keep_every) stay beside the newest `keep`.
+        assert_eq!(steps_to_delete(&[10, 20, 30, 40, 50, 60], 2, 20), vec![10, 30]);
+        assert_eq!(steps_to_delete(&[20, 40, 50], 1, 20), Vec::<u64>::new());
+        assert_eq!(steps_to_delete_protecting(&[10, 20, 30, 40, 50], 1, 20, Some(10)), vec![30]);
     }
 }

@@ -30,11 +30,13 @@ pub struct WriterConfig {
     pub buffers: usize,
     /// Keep this many newest checkpoints after each commit; 0 keeps all.
     pub keep: usize,
+    /// Also keep every checkpoint whose step is a multiple of this (0: none), outside `keep`.
+    pub keep_every: u64,
 }
 
 impl Default for WriterConfig {
     fn default() -> Self {
-        WriterConfig { background: true, buffers: 2, keep: 3 }
+        WriterConfig { background: true, buffers: 2, keep: 3, keep_every: 0 }
     }
 }
 
@@ -278,18 +280,19 @@ pub struct CheckpointWriter {
     pinner: Option<Arc<crate::pin::Pinner>>,
 }
 
-/// The retention policy the writer applies after each commit: the newest `keep`, plus the
-/// protected step.
+/// The retention policy the writer applies after each commit: the newest `keep`, the multiples
+/// of `keep_every`, and the protected step.
 #[derive(Clone)]
 struct Retention {
     keep: usize,
+    keep_every: u64,
     protected: Arc<AtomicU64>,
 }
 
 impl Retention {
     fn to_delete(&self, steps: &[u64]) -> Vec<u64> {
         let protected = self.protected.load(Ordering::SeqCst);
-        steps_to_delete_protecting(steps, self.keep, (protected > 0).then_some(protected))
+        steps_to_delete_protecting(steps, self.keep, self.keep_every, (protected > 0).then_some(protected))
     }
 }
 
@@ -319,7 +322,7 @@ impl CheckpointWriter {
         let protected = Arc::new(AtomicU64::new(0));
         let (jobs, thread) = if config.background {
             let (jobs_tx, jobs_rx) = mpsc::channel::<Snapshot>();
-            let keep = Retention { keep: config.keep, protected: protected.clone() };
+            let keep = Retention { keep: config.keep, keep_every: config.keep_every, protected: protected.clone() };
             let (store, tx, gate) = (store.clone(), returns_tx.clone(), gate.clone());
             let mirror = mirror.clone();
             let thread = std::thread::Builder::new()
@@ -470,7 +473,11 @@ impl CheckpointWriter {
         }
         while self.unpublished.front().is_some_and(|(snapshot, _, _)| snapshot.step <= step) {
             let (snapshot, prepared, prepare_s) = self.unpublished.pop_front().expect("checked");
-            let retention = Retention { keep: self.config.keep, protected: self.protected.clone() };
+            let retention = Retention {
+                keep: self.config.keep,
+                keep_every: self.config.keep_every,
+                protected: self.protected.clone(),
+            };
             let result =
                 publish(&self.store, &snapshot, prepared, prepare_s, &retention, self.mirror.as_deref()).map(Some);
             self.returns_tx.send((snapshot, result)).expect("the receiver is ours");
@@ -665,7 +672,7 @@ mod tests {
         for background in [true, false] {
             let dir = tempfile::tempdir().unwrap();
             let store = CheckpointStore::new(dir.path());
-            let config = WriterConfig { background, buffers: 2, keep: 2 };
+            let config = WriterConfig { background, buffers: 2, keep: 2, keep_every: 0 };
             let mut writer = CheckpointWriter::new(store.clone(), config).unwrap();
             let mut committed = Vec::new();
             for step in 1..=5u64 {
@@ -709,7 +716,7 @@ mod tests {
         for background in [true, false] {
             let dir = tempfile::tempdir().unwrap();
             let store = CheckpointStore::new(dir.path());
-            let config = WriterConfig { background, buffers: 2, keep: 0 };
+            let config = WriterConfig { background, buffers: 2, keep: 0, keep_every: 0 };
             let mut writer = CheckpointWriter::new(store.clone(), config).unwrap();
             for step in [1, 2] {
                 let mut snapshot = writer.begin(step).unwrap();
@@ -761,7 +768,7 @@ mod tests {
     #[test]
     fn buffers_are_reused_and_bounded() {
         let dir = tempfile::tempdir().unwrap();
-        let config = WriterConfig { background: true, buffers: 2, keep: 1 };
+        let config = WriterConfig { background: true, buffers: 2, keep: 1, keep_every: 0 };
         let mut writer = CheckpointWriter::new(CheckpointStore::new(dir.path()), config).unwrap();
         for step in 1..=6u64 {
             let mut snapshot = writer.begin(step).unwrap();
@@ -778,7 +785,7 @@ mod tests {
     fn shard_writer(dir: &std::path::Path, rank: usize, world: usize, wait_ms: u64) -> CheckpointWriter {
         let role = crate::ShardRole { rank, world, wait: Duration::from_millis(wait_ms) };
         let store = CheckpointStore::new(dir).with_shard(role).unwrap();
-        CheckpointWriter::new(store, WriterConfig { background: true, buffers: 2, keep: 2 }).unwrap()
+        CheckpointWriter::new(store, WriterConfig { background: true, buffers: 2, keep: 2, keep_every: 0 }).unwrap()
     }
 
     /// Rank `rank` of 2 holds elements [3 rank, 3 rank + 3) of a 6-element tensor `w` (2 x 3).

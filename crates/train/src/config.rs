@@ -557,6 +557,9 @@ pub struct CkptConfig {
     pub at_end: bool,
     /// Keep this many newest checkpoints and delete older ones; 0 keeps all. Default 3.
     pub keep: usize,
+    /// Also keep every checkpoint whose step is a multiple of this, outside `keep` (long-term
+    /// milestones); 0 keeps none beyond `keep`. Default 0.
+    pub keep_every: u64,
     /// Persist on a background thread: the step waits only for the copy to host memory. Default true.
     pub background: bool,
     /// Host buffers for snapshots (at least 1): host memory for checkpoints is at most this many
@@ -575,6 +578,9 @@ pub struct CkptConfig {
     pub mirror: String,
     /// Keep this many newest checkpoints on the mirror; 0 keeps all. Default 0.
     pub mirror_keep: usize,
+    /// Also keep every mirrored checkpoint whose step is a multiple of this, outside
+    /// `mirror_keep`; 0 keeps none beyond it. Default 0.
+    pub mirror_keep_every: u64,
 }
 
 impl Default for CkptConfig {
@@ -583,11 +589,13 @@ impl Default for CkptConfig {
             every: 200,
             at_end: true,
             keep: 3,
+            keep_every: 0,
             background: true,
             host_buffers: 2,
             overlap: true,
             mirror: String::new(),
             mirror_keep: 0,
+            mirror_keep_every: 0,
         }
     }
 }

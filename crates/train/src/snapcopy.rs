@@ -150,7 +150,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = CheckpointStore::new(dir.path());
         // Two buffers: the abandoned snapshot's never comes back.
-        let mut writer = CheckpointWriter::new(store, WriterConfig { background: true, buffers: 2, keep: 0 }).unwrap();
+        let mut writer =
+            CheckpointWriter::new(store, WriterConfig { background: true, buffers: 2, keep: 0, keep_every: 0 })
+                .unwrap();
         // Rooms of several pieces and of none; the later rooms grow (and may move) the buffer.
         let sizes = [3 * PIECE / 4 + 13, 0, 2 * PIECE + 5, 1];
         let tensors: Vec<Tensor> =
