@@ -50,12 +50,27 @@ impl HostBuf {
 
     /// Grows to `len` bytes (never shrinks), keeping the content; new bytes are zero.
     pub(crate) fn grow_to(&mut self, len: usize) -> std::io::Result<()> {
+        self.grow(len, true)
+    }
+
+    /// `grow_to`, leaving the new pages to fault in when first written (by a copy off the
+    /// step's path) instead of now.
+    pub(crate) fn grow_to_lazily(&mut self, len: usize) -> std::io::Result<()> {
+        self.grow(len, false)
+    }
+
+    fn grow(&mut self, len: usize, populate: bool) -> std::io::Result<()> {
         if len <= self.len {
             return Ok(());
         }
         if len > self.cap {
             let cap = len.max(self.cap.saturating_mul(2)).div_ceil(HUGE) * HUGE;
             self.remap(cap)?;
+        }
+        if !populate {
+            // Fresh anonymous pages read as zero, as `grow_to`'s do.
+            self.len = len;
+            return Ok(());
         }
         // Fault the new pages in now (the first snapshots pay for it, later ones reuse them).
         // Fresh anonymous pages are zero, and bytes of a grown buffer past `len` were never
@@ -280,6 +295,11 @@ mod tests {
         assert_eq!(buf.len(), 5 << 20);
         assert_eq!(&buf[..10], b"0123456789");
         assert!(buf[10..].iter().all(|&b| b == 0));
+        // Grown without faulting in (and moved): the same content, zeros after it, writable.
+        buf.grow_to_lazily(40 << 20).unwrap();
+        assert_eq!((buf.len(), &buf[..10]), (40 << 20, &b"0123456789"[..]));
+        assert!(buf[10..].iter().all(|&b| b == 0));
+        buf[(40 << 20) - 1] = 7;
         assert_eq!(buf.as_ptr() as usize % PAGE, 0);
         let block = AlignedBlock::zeroed(100);
         assert_eq!((block.len(), block.as_ptr() as usize % PAGE), (PAGE, 0));

@@ -67,6 +67,8 @@ pub struct Snapshot {
     /// Pieces of logical tensors (a sharded checkpoint), in the order they were added.
     pieces: Vec<PieceRecord>,
     waited: Duration,
+    /// Rooms taken now are not faulted in when taken (`fault_in_when_filled`).
+    lazy: bool,
 }
 
 impl Snapshot {
@@ -78,11 +80,13 @@ impl Snapshot {
             files: Vec::new(),
             pieces: Vec::new(),
             waited: Duration::ZERO,
+            lazy: false,
         }
     }
 
     fn reset(&mut self, step: u64) {
         self.step = step;
+        self.lazy = false;
         self.meta = serde_json::Value::Null;
         self.pieces.clear();
         for file in &mut self.files {
@@ -104,6 +108,12 @@ impl Snapshot {
         self.meta = meta;
     }
 
+    /// Rooms taken from now on that grow the buffer leave their new pages to be faulted in by
+    /// whoever fills them (a copy beside the next step), instead of faulting them in when taken.
+    pub fn fault_in_when_filled(&mut self) {
+        self.lazy = true;
+    }
+
     /// Room for tensor `name` of file `<stem>.safetensors`, to be filled with its little-endian
     /// bytes. Tensors are stored in the order they are added.
     pub fn tensor(&mut self, stem: &str, name: &str, dtype: DType, shape: &[usize]) -> &mut [u8] {
@@ -119,7 +129,9 @@ impl Snapshot {
         let start = file.used;
         if file.arena.len() < start + len {
             // Only the first snapshots grow the buffer; later ones reuse its pages.
-            if let Err(e) = file.arena.grow_to(start + len) {
+            let grown =
+                if self.lazy { file.arena.grow_to_lazily(start + len) } else { file.arena.grow_to(start + len) };
+            if let Err(e) = grown {
                 panic!("cannot map {} bytes of host memory for a checkpoint snapshot: {e}", start + len);
             }
         }

@@ -585,6 +585,10 @@ impl Trainer {
             && shard.is_none()
             && params.entries().iter().all(|e| crate::snapcopy::can_defer(&e.tensor))
             && self.optimizer.state_tensors(params).iter().all(|s| crate::snapcopy::can_defer(&s.tensor));
+        if defer {
+            // The first snapshots into a buffer fault its pages in: the copy beside the step does.
+            snapshot.fault_in_when_filled();
+        }
         let mut copy = |stem: &str, name: &str, tensor: Tensor, room: &mut [u8]| {
             if defer {
                 deferred.push((stem.to_string(), name.to_string(), tensor));
