@@ -57,7 +57,7 @@ class Bench:
         self.args = args
         self.out = Path(args.out)
         self.corpus = self.out / "corpus.txt"
-        self.env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(self.out / "inductor-cache"))
+        self.env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str((self.out / "inductor-cache").resolve()))
         self.runs = []  # every run's figures, for the JSON file
 
     def run(self, cmd, what, env=None):
@@ -86,13 +86,13 @@ class Bench:
         report = json.loads((run_dir / name / "report.json").read_text())
         steps = [json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines() if line]
         steady = [s for s in steps if s["step"] > cell["skip"]]
-        phases = sorted({p for s in steady for p in s.get("phases", {})})
+        phases = sorted({p for s in steady for p in s.get("phases_ms", {})})
         return {
             "side": "stoke", "name": name, "step_ms": report["step_ms"], "tokens_per_s": report["tokens_per_s"],
             "step_ms_mean": report["step_ms_mean"], "step_ms_p90": report["step_ms_p90"],
             "steps_measured": report["steps_measured"],
-            "phases_ms_median": {p: statistics.median(s["phases"].get(p, 0.0) for s in steady) for p in phases},
-            "phases_ms_mean": {p: statistics.fmean(s["phases"].get(p, 0.0) for s in steady) for p in phases},
+            "phases_ms_median": {p: statistics.median(s["phases_ms"].get(p, 0.0) for s in steady) for p in phases},
+            "phases_ms_mean": {p: statistics.fmean(s["phases_ms"].get(p, 0.0) for s in steady) for p in phases},
             "flops_per_token": report["model"]["flops_per_token"], "wall_s": wall,
             "final_loss": steps[-1]["loss"],
         }
