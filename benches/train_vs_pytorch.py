@@ -41,8 +41,9 @@ from pathlib import Path
 CELLS = {
     "tiny": dict(micro_batch=16, steps=30, skip=5),
     "small": dict(micro_batch=16, steps=14, skip=4),
-    "gpt2-124m": dict(micro_batch=2, steps=7, skip=2),
+    "gpt2-124m": dict(micro_batch=2, steps=5, skip=2),
 }
+SEQ_LEN = {"tiny": 128, "small": 256, "gpt2-124m": 1024}
 ATTENTION_CHOICES = {"bf16": ["sdpa", "sdpa-fp32", "matmul"], "fp32": ["sdpa", "matmul"]}
 # stoke's train.attention for the all-off configuration: plain PyTorch's autocast runs SDPA in bf16.
 ALL_OFF_ATTENTION = {"bf16": "bf16", "fp32": "auto"}
@@ -116,7 +117,7 @@ class Bench:
         """The tuned peer's attention, eager and compiled: lowest median of the per-round step times
         (the rounds interleave the variants)."""
         picks = {}
-        for mode in ("eager", "compiled"):
+        for mode in self.args.pick_modes.split(","):
             variants = ATTENTION_CHOICES[precision]
             times = {a: [] for a in variants}
             for round_idx in range(self.args.pick_rounds):
@@ -131,10 +132,13 @@ class Bench:
                     log(f"  pick {preset} {precision} {mode} {a}: {v['step_ms']:.1f} ms")
             best = min(variants, key=lambda a: statistics.median(times[a]))
             picks[mode] = {"attention": best, "step_ms": {a: times[a] for a in variants}}
+        if "compiled" not in picks:
+            # Not measured compiled: the compiled peer takes the eager winner.
+            picks["compiled"] = {"attention": picks["eager"]["attention"], "step_ms": "eager's winner"}
         return picks
 
     def cell(self, preset, precision):
-        cell = CELLS[preset]
+        cell = self.cell_of(preset)
         picks = self.pick_attention(preset, precision, cell) if self.args.pick_rounds else {
             "eager": {"attention": self.args.attention}, "compiled": {"attention": self.args.attention}}
         tuned = ["--adamw", "fused", "--host-memory", "retain"]
@@ -149,6 +153,10 @@ class Bench:
             ("PP", lambda n: self.peer(preset, precision, cell, n,
                                        ["--attention", "sdpa", "--adamw", "default", "--host-memory", "system"])),
         ]
+        rounds = self.rounds(preset, precision, configs)
+        return summarize(preset, precision, cell, picks, rounds)
+
+    def rounds(self, preset, precision, configs):
         rounds = []
         for round_idx in range(self.args.rounds):
             limits = self.limits(f"{preset}-{precision}-{round_idx}")
@@ -160,7 +168,43 @@ class Bench:
                 got[config] = v
                 log(f"  {preset} {precision} round {round_idx} {config}: {v['step_ms']:.1f} ms")
             rounds.append(got)
-        return summarize(preset, precision, cell, picks, rounds)
+        return rounds
+
+    def ablation(self, preset, precision):
+        """Where stoke all-off's step differs from plain PyTorch's: the two, and each with one
+        thing changed, interleaved; every ratio is over plain PyTorch in the same round."""
+        cell = self.cell_of(preset)
+        all_off = ["data.workers=0", "train.fused_optimizer=false", "train.host_memory=system",
+                   f"train.attention={ALL_OFF_ATTENTION[precision]}", "train.monitor_every=0"]
+        plain = ["--attention", "sdpa", "--adamw", "default"]
+        configs = [
+            ("PP", lambda n: self.peer(preset, precision, cell, n, plain + ["--host-memory", "system"])),
+            ("SO", lambda n: self.stoke(preset, precision, cell, n, all_off)),
+            ("SO+single-graph", lambda n: self.stoke(preset, precision, cell, n, all_off + ["train.executor=single-graph"])),
+            ("SO+retain", lambda n: self.stoke(preset, precision, cell, n, all_off + ["train.host_memory=retain"])),
+            ("PP+retain", lambda n: self.peer(preset, precision, cell, n, plain + ["--host-memory", "retain"])),
+        ]
+        rounds = self.rounds(preset, precision, configs)
+        names = [c for c, _ in configs]
+        out = {"preset": preset, "precision": precision, **cell,
+               "step_ms": {c: spread([r[c]["step_ms"] for r in rounds]) for c in names},
+               "over_PP": {c: spread([r[c]["step_ms"] / r["PP"]["step_ms"] for r in rounds]) for c in names[1:]},
+               "phases_ms_median": {c: {p: statistics.median(r[c]["phases_ms_median"].get(p, 0.0) for r in rounds)
+                                        for p in rounds[0][c]["phases_ms_median"]} for c in names}}
+        print(f"\nablation {preset} {precision} (micro-batch {cell['micro_batch']}), step time over plain PyTorch's, "
+              f"median [min, max] of {len(rounds)} rounds")
+        for c in names:
+            ratio = fmt(out["over_PP"][c]) if c in out["over_PP"] else "1"
+            phases = ", ".join(f"{p} {v:.1f}" for p, v in out["phases_ms_median"][c].items() if v >= 0.05)
+            print(f"  {c:<16} {out['step_ms'][c]['median']:8.1f} ms  {ratio:<24} {phases}")
+        return out
+
+    def cell_of(self, preset):
+        cell = dict(CELLS[preset])
+        for key in ("micro_batch", "steps", "skip"):
+            if getattr(self.args, key):
+                cell[key] = getattr(self.args, key)
+        return cell
 
 
 def spread(values):
@@ -172,7 +216,7 @@ def summarize(preset, precision, cell, picks, rounds):
     step = lambda c: spread([r[c]["step_ms"] for r in rounds])
     peak = spread([r["limits"]["matmul_bf16_flops"] for r in rounds])
     fpt = rounds[0]["S"]["flops_per_token"]
-    tokens = cell["micro_batch"] * {"tiny": 128, "small": 256, "gpt2-124m": 1024}[preset]
+    tokens = cell["micro_batch"] * SEQ_LEN[preset]
     mfu = lambda c: spread([fpt * tokens / (r[c]["step_ms"] / 1e3) / r["limits"]["matmul_bf16_flops"]
                             for r in rounds])
     phase_cmp = {}
@@ -231,11 +275,18 @@ def main():
     ap.add_argument("--pick-rounds", type=int, default=2,
                     help="interleaved rounds choosing the tuned peer's attention; 0 takes --attention")
     ap.add_argument("--attention", default="matmul")
+    ap.add_argument("--pick-modes", default="eager,compiled",
+                    help="eager,compiled: pick the attention for each; eager: the compiled peer takes eager's pick")
     ap.add_argument("--presets", default="tiny,small,gpt2-124m")
     ap.add_argument("--precisions", default="bf16,fp32")
     ap.add_argument("--out", default="runs/train-vs-pytorch")
     ap.add_argument("--stoke", default="target/release/stoke")
     ap.add_argument("--python", default=".stoke/venv/bin/python")
+    ap.add_argument("--micro-batch", type=int, default=0, help="instead of the preset's (CELLS)")
+    ap.add_argument("--steps", type=int, default=0, help="instead of the preset's (CELLS)")
+    ap.add_argument("--skip", type=int, default=0, help="instead of the preset's (CELLS)")
+    ap.add_argument("--ablation", action="store_true",
+                    help="instead of the table: stoke all-off and plain PyTorch with one thing changed at a time")
     ap.add_argument("--realtime", action="store_true", help="run every process under chrt -f 10")
     ap.add_argument("--run-timeout", type=float, default=1800)
     args = ap.parse_args()
@@ -247,12 +298,13 @@ def main():
     for preset in args.presets.split(","):
         for precision in args.precisions.split(","):
             log(f"{preset} {precision}")
-            cells.append(bench.cell(preset, precision))
+            cells.append(bench.ablation(preset, precision) if args.ablation else bench.cell(preset, precision))
             # Written after every cell, so a long run leaves what it has measured.
             (bench.out / "summary.json").write_text(json.dumps(
                 {"commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime()), "cells": cells,
                  "runs": bench.runs}, indent=1))
-    print_table(cells)
+    if not args.ablation:
+        print_table(cells)
     print(f"\ncommit {commit}; every run's figures: {bench.out / 'summary.json'}")
 
 
