@@ -236,7 +236,7 @@ def wait_for_other_realtime(limit_s=600):
 
 def disturbed(v):
     """A run whose slow steps are far from its median: something else took the cores for part of it."""
-    return v["step_ms_p90"] > 1.5 * v["step_ms"]
+    return v["step_ms_p90"] > 2.0 * v["step_ms"]
 
 
 def spread(values):
