@@ -41,7 +41,7 @@ from pathlib import Path
 CELLS = {
     "tiny": dict(micro_batch=16, steps=30, skip=5),
     "small": dict(micro_batch=16, steps=14, skip=4),
-    "gpt2-124m": dict(micro_batch=2, steps=5, skip=2),
+    "gpt2-124m": dict(micro_batch=1, steps=5, skip=2),
 }
 SEQ_LEN = {"tiny": 128, "small": 256, "gpt2-124m": 1024}
 ATTENTION_CHOICES = {"bf16": ["sdpa", "sdpa-fp32", "matmul"], "fp32": ["sdpa", "matmul"]}
