@@ -230,7 +230,7 @@ def other_realtime_processes():
     return found
 
 
-def wait_for_other_realtime(limit_s=30):
+def wait_for_other_realtime(limit_s=3):
     """Lets another real-time benchmark's run end first (for up to `limit_s`), so as not to freeze it."""
     start = time.perf_counter()
     while (found := other_realtime_processes()) and time.perf_counter() - start < limit_s:
