@@ -100,7 +100,8 @@ class Bench:
             "phases_ms_median": {p: statistics.median(s["phases_ms"].get(p, 0.0) for s in steady) for p in phases},
             "phases_ms_mean": {p: statistics.fmean(s["phases_ms"].get(p, 0.0) for s in steady) for p in phases},
             "flops_per_token": report["model"]["flops_per_token"], "wall_s": wall,
-            "final_loss": steps[-1]["loss"],
+            # Mean of the last 10 logged losses, as the peer and `stoke bench` take it.
+            "final_loss": statistics.fmean(s["loss"] for s in steps[-10:]),
         }
 
     def peer(self, preset, precision, cell, name, flags):
