@@ -48,7 +48,7 @@ class Block(nn.Module):
     def __init__(self, d, n_head, seq_len=0, attention="sdpa"):
         super().__init__()
         self.n_head = n_head
-        self.attention = attention
+        self.attention_kind = attention
         self.ln_1 = nn.LayerNorm(d)
         self.c_attn = nn.Linear(d, 3 * d)
         self.c_proj = nn.Linear(d, d)
@@ -63,7 +63,7 @@ class Block(nn.Module):
         b, t, d = x.shape
         hd = d // self.n_head
         q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
-        if self.attention == "matmul":
+        if self.attention_kind == "matmul":
             # Explicit batched matrix multiplies in the compute type (what stoke's bf16-math runs):
             # scores = mask + q k^T / sqrt(hd), softmax (16-bit out), times v.
             heads = lambda z: z.view(b, t, self.n_head, hd).transpose(1, 2).reshape(b * self.n_head, t, hd)
@@ -74,7 +74,7 @@ class Block(nn.Module):
         else:
             heads = lambda z: z.view(b, t, self.n_head, hd).transpose(1, 2)
             q, k, v = heads(q), heads(k), heads(v)
-            if self.attention == "sdpa-fp32":
+            if self.attention_kind == "sdpa-fp32":
                 # fp32 SDPA on q, k, v cast up (stoke's choice under bf16 at long context).
                 with torch.autocast("cpu", enabled=False):
                     y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
