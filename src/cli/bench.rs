@@ -193,6 +193,11 @@ fn run_peer(args: &FullchainArgs, corpus: &Path, pipeline: &str, tokens: u64) ->
         // What `train.host_memory = "retain"` sets in stoke, through glibc's environment: a tuned
         // PyTorch CPU job keeps freed memory too (tcmalloc, jemalloc or these).
         cmd.envs(stoke_train::retain_env());
+        // The tuned peer's attention is the variant `benches/train_vs_pytorch.sh` measured fastest
+        // for the tiny GPT under bf16 on a CPU (batched bf16 matmuls with a causal mask, stoke's
+        // bf16-math), and the model is compiled (its compilation falls in the first step, which the
+        // means leave out like stoke's first).
+        cmd.args(["--attention", "matmul", "--compile"]);
     }
     let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
     if !out.status.success() {
