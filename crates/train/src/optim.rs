@@ -232,31 +232,36 @@ impl AdamW {
     ) {
         let bias_correction1 = 1.0 - hp.beta1.powi(t);
         let bias_correction2 = 1.0 - hp.beta2.powi(t);
-        let len = range.end - range.start;
+        // One parameter's part of the range at a time, as PyTorch's single-tensor AdamW does: the
+        // temporaries (the squared gradient, the denominator, the update) are then the size of
+        // one tensor, not of the whole buffer (500 MB each at 124 M parameters, allocated and
+        // written every step, far beyond the caches). Every op is element-wise, so the values
+        // do not depend on the cut.
         tch::no_grad(|| {
-            let narrow = |t: &Tensor| t.narrow(0, range.start, len);
-            let mut flat = narrow(params.flat());
-            let mut grad = narrow(params.flat_grad());
-            let (mut exp_avg, mut exp_avg_sq) = (narrow(&self.exp_avg), narrow(&self.exp_avg_sq));
-            if grad_multiplier != 1.0 {
-                let _ = grad.g_mul_scalar_(grad_multiplier);
-            }
-            if hp.weight_decay > 0.0 {
-                for entry in params.entries().iter().filter(|e| e.decay) {
-                    let (lo, hi) = (entry.offset.max(range.start), (entry.offset + entry.numel).min(range.end));
-                    if lo < hi {
-                        let _ = flat.narrow(0, lo - range.start, hi - lo).g_mul_scalar_(1.0 - hp.lr * hp.weight_decay);
-                    }
+            for entry in params.entries() {
+                let (lo, hi) = (entry.offset.max(range.start), (entry.offset + entry.numel).min(range.end));
+                if lo >= hi {
+                    continue;
                 }
+                let narrow = |t: &Tensor| t.narrow(0, lo, hi - lo);
+                let mut flat = narrow(params.flat());
+                let mut grad = narrow(params.flat_grad());
+                let (mut exp_avg, mut exp_avg_sq) = (narrow(&self.exp_avg), narrow(&self.exp_avg_sq));
+                if grad_multiplier != 1.0 {
+                    let _ = grad.g_mul_scalar_(grad_multiplier);
+                }
+                if hp.weight_decay > 0.0 && entry.decay {
+                    let _ = flat.g_mul_scalar_(1.0 - hp.lr * hp.weight_decay);
+                }
+                let _ = exp_avg.lerp_(&grad, 1.0 - hp.beta1);
+                let _ = exp_avg_sq.lerp_(&grad.square(), 1.0 - hp.beta2);
+                let mut denom = exp_avg_sq.sqrt();
+                let _ = denom.g_div_scalar_(bias_correction2.sqrt()).g_add_scalar_(hp.eps);
+                let mut update = exp_avg.divide(&denom);
+                let _ = update.g_mul_scalar_(hp.lr / bias_correction1);
+                let _ = flat.g_sub_(&update);
+                let _ = grad.zero_();
             }
-            let _ = exp_avg.lerp_(&grad, 1.0 - hp.beta1);
-            let _ = exp_avg_sq.lerp_(&grad.square(), 1.0 - hp.beta2);
-            let mut denom = exp_avg_sq.sqrt();
-            let _ = denom.g_div_scalar_(bias_correction2.sqrt()).g_add_scalar_(hp.eps);
-            let mut update = exp_avg.divide(&denom);
-            let _ = update.g_mul_scalar_(hp.lr / bias_correction1);
-            let _ = flat.g_sub_(&update);
-            let _ = grad.zero_();
         });
     }
 
