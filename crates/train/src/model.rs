@@ -232,10 +232,12 @@ impl Gpt {
         let head_dim = d / n_head;
         let h = self.layer_norm(x, &block.ln_1);
         let qkv = self.linear(&h, &block.attn_w, Some(&block.attn_b));
-        let parts = qkv.split(d, 2);
         let y = match self.attention {
             Attention::Sdpa(kind) => {
-                let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2).to_kind(kind);
+                // Cast once while contiguous (a no-op when the projection already ran in `kind`):
+                // casting each head view after its transpose is three strided copies instead.
+                let parts = qkv.to_kind(kind).split(d, 2);
+                let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2);
                 let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
                 Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false)
             }
@@ -246,16 +248,19 @@ impl Gpt {
                     .expect("math attention builds its mask")
                     .narrow(0, 0, seq)
                     .narrow(1, 0, seq);
-                let heads = |t: &Tensor| {
-                    t.view([batch, seq, n_head, head_dim])
-                        .transpose(1, 2)
-                        .reshape([batch * n_head, seq, head_dim])
-                        .to_kind(kind)
-                };
-                let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
+                // q, k and v into head-major order in one copy, `[3, batch * n_head, seq, head_dim]`
+                // (cast while contiguous), then three contiguous views of it.
+                let heads = qkv
+                    .to_kind(kind)
+                    .view([batch, seq, 3, n_head, head_dim])
+                    .permute([2, 0, 3, 1, 4])
+                    .contiguous()
+                    .view([3, batch * n_head, seq, head_dim])
+                    .unbind(0);
+                let (q, k, v) = (&heads[0], &heads[1], &heads[2]);
                 let scale = 1.0 / (head_dim as f64).sqrt();
-                let scores = mask.expand([batch * n_head, seq, seq], false).baddbmm(&q, &k.transpose(1, 2), 1.0, scale);
-                scores.softmax(-1, None).bmm(&v).view([batch, n_head, seq, head_dim])
+                let scores = mask.expand([batch * n_head, seq, seq], false).baddbmm(q, &k.transpose(1, 2), 1.0, scale);
+                scores.softmax(-1, None).bmm(v).view([batch, n_head, seq, head_dim])
             }
         };
         let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
