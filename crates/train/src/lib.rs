@@ -20,6 +20,7 @@ mod error;
 mod executor;
 mod find_batch;
 mod host_memory;
+mod kernels;
 mod model;
 mod optim;
 mod optimizers;

@@ -22,6 +22,18 @@ pub struct Gpt {
     ln_f: (Tensor, Tensor),
     /// `[seq_len, seq_len]` additive causal mask in the compute type, for `Attention::Math`.
     causal_mask: Option<Tensor>,
+    /// Threads of the fused cross-entropy kernel; 0 leaves the loss to libtorch's ops (see
+    /// `set_fused_cross_entropy`).
+    fused_cross_entropy_threads: usize,
+}
+
+/// The head's loss, ready for its backward (`Gpt::head_loss_for_backward`).
+pub(crate) struct HeadLoss {
+    /// The mean loss, fp32; part of the autograd graph when `logits_grad` is `None`.
+    pub loss: Tensor,
+    /// With the fused kernel: the logits and the gradient of the loss (times the multiplier)
+    /// with respect to them, already computed; the backward starts from there.
+    pub logits_grad: Option<(Tensor, Tensor)>,
 }
 
 /// One block's parameters.
@@ -178,7 +190,16 @@ impl Gpt {
             compute: compute_kind(precision),
             attention,
             causal_mask,
+            fused_cross_entropy_threads: 0,
         }
+    }
+
+    /// Under bf16 on a CPU, the block executor takes the head's loss and its gradient with
+    /// respect to the logits from the fused kernel (`kernels::cross_entropy_bf16`, on `n_threads`
+    /// threads) instead of libtorch's cast, log-softmax and NLL (`train.fused_cross_entropy`).
+    /// `false` (the default of `new`) keeps libtorch's ops.
+    pub fn set_fused_cross_entropy(&mut self, enabled: bool, n_threads: usize) {
+        self.fused_cross_entropy_threads = if enabled { n_threads.max(1) } else { 0 };
     }
 
     pub fn shape(&self) -> GptShape {
@@ -285,6 +306,27 @@ impl Gpt {
     pub fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
         let vocab = self.shape.vocab_size as i64;
         self.head_logits(x).to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    }
+
+    /// The head's loss for the block executor's backward, which starts from `loss x
+    /// loss_multiplier`: with the fused kernel (see `set_fused_cross_entropy`) the gradient of the
+    /// logits comes with the loss, so the backward starts from the logits; otherwise as
+    /// `head_loss`. The losses agree within fp32 rounding (the kernel's exponential is its own).
+    pub(crate) fn head_loss_for_backward(&self, x: &Tensor, targets: &Tensor, loss_multiplier: f64) -> HeadLoss {
+        if self.fused_cross_entropy_threads > 0 && self.compute == Kind::BFloat16 {
+            let vocab = self.shape.vocab_size as i64;
+            let logits = self.head_logits(x).view([-1, vocab]);
+            let fused = crate::kernels::cross_entropy_bf16(
+                &logits,
+                &targets.view([-1]),
+                loss_multiplier,
+                self.fused_cross_entropy_threads,
+            );
+            if let Some(fused) = fused {
+                return HeadLoss { loss: fused.loss, logits_grad: Some((logits, fused.grad)) };
+            }
+        }
+        HeadLoss { loss: self.head_loss(x, targets), logits_grad: None }
     }
 
     /// Mean cross-entropy of predicting `targets` from `inputs`, both `[batch, seq]` int64, as
