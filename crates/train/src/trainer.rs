@@ -932,6 +932,9 @@ impl Trainer {
         let loss_multiplier = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / n_micro as f64;
         let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
         let mut memory = None;
+        // Each weight cast to the compute type once per step (not per micro-batch); a ZeRO step
+        // does not keep them (stage 3 releases the parameters between uses).
+        self.model.begin_step_casts(n_micro > 1 && !self.sharded);
         for micro_idx in 0..n_micro {
             let batch = source.next_batch()?;
             clock.lap(Phase::DataWait);
@@ -986,6 +989,7 @@ impl Trainer {
                 tch::no_grad(|| adaptive.previous_grad.shallow_clone().copy_(flat_grad));
             }
         }
+        self.model.end_step_casts();
         if let Some(adaptive) = &self.adaptive {
             // The next step starts from cleared gradients.
             tch::no_grad(|| {
