@@ -16,7 +16,7 @@ use tch::{Device, Kind, Tensor};
 
 /// The loss of a fused cross-entropy and the gradient of `loss x grad_scale` with respect to the
 /// logits.
-pub(crate) struct CrossEntropy {
+pub struct CrossEntropy {
     /// Mean over the rows, fp32 (as libtorch's), as a scalar tensor.
     pub loss: Tensor,
     /// `[rows, vocab]` bf16.
@@ -29,7 +29,7 @@ pub(crate) struct CrossEntropy {
 /// `[0, vocab)`, such as an ignore index): the caller takes libtorch's ops, which also report
 /// bad targets. `n_threads` splits the rows (contiguous runs, so the result does not depend on it
 /// except for the order of the loss sum, which is in f64 per run and then in run order).
-pub(crate) fn cross_entropy_bf16(
+pub fn cross_entropy_bf16(
     logits: &Tensor,
     targets: &Tensor,
     grad_scale: f64,
