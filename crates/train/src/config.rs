@@ -177,6 +177,12 @@ pub struct TrainConfig {
     /// chain of libtorch tensor ops over the flat buffers (PyTorch's default AdamW does one such
     /// chain per parameter). Default true.
     pub fused_optimizer: bool,
+    /// Under bf16 on a CPU, the loss and its gradient with respect to the logits in one fused
+    /// pass (a Rust kernel) instead of libtorch's fp32 cast, log-softmax and NLL forward and
+    /// backward; the block executor only. It pays with a large vocabulary (GPT-2's) and costs
+    /// time with the 256 byte tokens of tiny and small (README, "What each step change bought").
+    /// Default false.
+    pub fused_cross_entropy: bool,
     /// "adamw", "lamb" (AdamW's moments with a per-tensor trust ratio ||w|| / ||u||, for large
     /// batches) or "sgd" (momentum, optionally Nesterov; L2 weight decay as PyTorch's SGD).
     /// Default "adamw".
@@ -286,6 +292,7 @@ impl Default for TrainConfig {
             attention: AttentionPrecision::Auto,
             host_memory: HostMemory::Retain,
             fused_optimizer: true,
+            fused_cross_entropy: false,
             optimizer: OptimizerKind::AdamW,
             momentum: 0.9,
             nesterov: false,

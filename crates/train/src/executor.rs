@@ -337,12 +337,17 @@ impl Executor {
         hooks.before_forward(head_unit, clock)?;
         let head_input = current.detach().set_requires_grad(true);
         drop(current);
-        let loss = model.head_loss(&head_input, targets);
+        // With the fused cross-entropy the logits' gradient is computed here, in the forward.
+        let head = model.head_loss_for_backward(&head_input, targets, loss_multiplier);
         let peak_bytes_in_use = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
         clock.lap(Phase::Forward);
 
         hooks.before_backward(head_unit, clock)?;
-        (&loss * loss_multiplier).backward();
+        let loss = head.loss;
+        match head.logits_grad {
+            Some((logits, grad)) => backward_from(&logits, &grad),
+            None => (&loss * loss_multiplier).backward(),
+        }
         // The head's backward (logit gradients) runs while every activation is still alive.
         let peak_bytes_in_use =
             peak_bytes_in_use.zip(measure_memory.then(crate::peak::host_bytes_in_use).flatten()).map(|(a, b)| a.max(b));

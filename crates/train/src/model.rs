@@ -3,6 +3,8 @@
 //! and a GELU MLP, a final LayerNorm and a head tied to the token embedding. Parameter names follow
 //! nanoGPT, so a checkpoint's tensors load into its `GPT` by name.
 
+use std::cell::RefCell;
+
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{AttentionPrecision, GptShape, Precision};
@@ -22,6 +24,49 @@ pub struct Gpt {
     ln_f: (Tensor, Tensor),
     /// `[seq_len, seq_len]` additive causal mask in the compute type, for `Attention::Math`.
     causal_mask: Option<Tensor>,
+    /// Threads of the fused cross-entropy kernel; 0 leaves the loss to libtorch's ops (see
+    /// `set_fused_cross_entropy`).
+    fused_cross_entropy_threads: usize,
+    /// The weights and biases cast to the compute type, made at their first use in a step and
+    /// reused by its later micro-batches (see `begin_step_casts`); indexed by `Slot`.
+    casts: RefCell<Vec<Option<Tensor>>>,
+    /// Whether this step keeps its casts for reuse.
+    reuse_casts: bool,
+}
+
+/// Where a cast weight or bias is kept in `Gpt::casts`: block `layer_idx`'s linear layers in
+/// forward order, a weight then its bias (8 per block), then the head's tied embedding.
+#[derive(Clone, Copy)]
+struct Slot(usize);
+
+impl Slot {
+    const PER_BLOCK: usize = 8;
+    const ATTN: usize = 0;
+    const ATTN_PROJ: usize = 2;
+    const FC: usize = 4;
+    const MLP_PROJ: usize = 6;
+
+    /// The weight of linear layer `layer` (one of the constants) of block `layer_idx`.
+    fn weight(layer_idx: usize, layer: usize) -> Slot {
+        Slot(layer_idx * Slot::PER_BLOCK + layer)
+    }
+
+    fn bias(self) -> Slot {
+        Slot(self.0 + 1)
+    }
+
+    fn head(n_layer: usize) -> Slot {
+        Slot(n_layer * Slot::PER_BLOCK)
+    }
+}
+
+/// The head's loss, ready for its backward (`Gpt::head_loss_for_backward`).
+pub(crate) struct HeadLoss {
+    /// The mean loss, fp32; part of the autograd graph when `logits_grad` is `None`.
+    pub loss: Tensor,
+    /// With the fused kernel: the logits and the gradient of the loss (times the multiplier)
+    /// with respect to them, already computed; the backward starts from there.
+    pub logits_grad: Option<(Tensor, Tensor)>,
 }
 
 /// One block's parameters.
@@ -178,7 +223,57 @@ impl Gpt {
             compute: compute_kind(precision),
             attention,
             causal_mask,
+            fused_cross_entropy_threads: 0,
+            casts: RefCell::new((0..shape.n_layer * Slot::PER_BLOCK + 1).map(|_| None).collect()),
+            reuse_casts: false,
         }
+    }
+
+    /// Starts a step's casts of the weights to the compute type: drops the previous step's
+    /// (the parameters have changed since), and with `reuse` keeps each cast made with autograd
+    /// on for the step's later micro-batches, so a step of k accumulated micro-batches casts each
+    /// weight once instead of k times. The kept cast stays in every micro-batch's graph: its
+    /// backward (the cast's, which saves no tensor, so it can run once per micro-batch) adds each
+    /// micro-batch's gradient into the fp32 master's, as before. With one micro-batch there is
+    /// nothing to reuse, and keeping them would only hold memory (under recomputation, or a
+    /// ZeRO stage-3 step that releases the parameters) until `end_step_casts`.
+    pub fn begin_step_casts(&mut self, reuse: bool) {
+        self.end_step_casts();
+        self.reuse_casts = reuse && self.compute != Kind::Float;
+    }
+
+    /// Drops the step's kept casts (before the optimizer changes the weights).
+    pub fn end_step_casts(&mut self) {
+        self.casts.get_mut().iter_mut().for_each(|cast| *cast = None);
+        self.reuse_casts = false;
+    }
+
+    /// How many casts the step keeps now (each weight and bias of the linear layers once reuse
+    /// is on and a micro-batch ran with autograd).
+    pub fn kept_casts(&self) -> usize {
+        self.casts.borrow().iter().filter(|cast| cast.is_some()).count()
+    }
+
+    /// `tensor` in the compute type: the step's kept cast if there is one; a new one otherwise,
+    /// kept when reuse is on and it is part of the autograd graph (a cast made under `no_grad`,
+    /// an evaluation or a recomputed forward, has no path to the master's gradient).
+    fn cast(&self, slot: Slot, tensor: &Tensor) -> Tensor {
+        if let Some(cast) = &self.casts.borrow()[slot.0] {
+            return cast.shallow_clone();
+        }
+        let cast = tensor.to_kind(self.compute);
+        if self.reuse_casts && cast.requires_grad() {
+            self.casts.borrow_mut()[slot.0] = Some(cast.shallow_clone());
+        }
+        cast
+    }
+
+    /// Under bf16 on a CPU, the block executor takes the head's loss and its gradient with
+    /// respect to the logits from the fused kernel (`kernels::cross_entropy_bf16`, on `n_threads`
+    /// threads) instead of libtorch's cast, log-softmax and NLL (`train.fused_cross_entropy`).
+    /// `false` (the default of `new`) keeps libtorch's ops.
+    pub fn set_fused_cross_entropy(&mut self, enabled: bool, n_threads: usize) {
+        self.fused_cross_entropy_threads = if enabled { n_threads.max(1) } else { 0 };
     }
 
     pub fn shape(&self) -> GptShape {
@@ -202,12 +297,13 @@ impl Gpt {
 
     /// A linear layer in the compute type. Under 16-bit precision the input, weight and bias are
     /// cast for the multiply (what autocast does for `linear`), and the result stays 16-bit.
-    fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
+    /// `slot` names the weight, for the step's kept casts (`begin_step_casts`).
+    fn linear(&self, x: &Tensor, slot: Slot, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
         if self.compute == Kind::Float {
             return x.linear(weight, bias);
         }
-        let b16 = bias.map(|b| b.to_kind(self.compute));
-        x.to_kind(self.compute).linear(&weight.to_kind(self.compute), b16.as_ref())
+        let b16 = bias.map(|b| self.cast(slot.bias(), b));
+        x.to_kind(self.compute).linear(&self.cast(slot, weight), b16.as_ref())
     }
 
     /// LayerNorm always in fp32 (`precision::FP32_OPS`).
@@ -231,11 +327,13 @@ impl Gpt {
         let n_head = self.shape.n_head as i64;
         let head_dim = d / n_head;
         let h = self.layer_norm(x, &block.ln_1);
-        let qkv = self.linear(&h, &block.attn_w, Some(&block.attn_b));
-        let parts = qkv.split(d, 2);
+        let qkv = self.linear(&h, Slot::weight(layer_idx, Slot::ATTN), &block.attn_w, Some(&block.attn_b));
         let y = match self.attention {
             Attention::Sdpa(kind) => {
-                let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2).to_kind(kind);
+                // Cast once while contiguous (a no-op when the projection already ran in `kind`):
+                // casting each head view after its transpose is three strided copies instead.
+                let parts = qkv.to_kind(kind).split(d, 2);
+                let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2);
                 let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
                 Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false)
             }
@@ -246,40 +344,64 @@ impl Gpt {
                     .expect("math attention builds its mask")
                     .narrow(0, 0, seq)
                     .narrow(1, 0, seq);
-                let heads = |t: &Tensor| {
-                    t.view([batch, seq, n_head, head_dim])
-                        .transpose(1, 2)
-                        .reshape([batch * n_head, seq, head_dim])
-                        .to_kind(kind)
-                };
-                let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
+                // q, k and v into head-major order in one copy, `[3, batch * n_head, seq, head_dim]`
+                // (cast while contiguous), then three contiguous views of it.
+                let heads = qkv
+                    .to_kind(kind)
+                    .view([batch, seq, 3, n_head, head_dim])
+                    .permute([2, 0, 3, 1, 4])
+                    .contiguous()
+                    .view([3, batch * n_head, seq, head_dim])
+                    .unbind(0);
+                let (q, k, v) = (&heads[0], &heads[1], &heads[2]);
                 let scale = 1.0 / (head_dim as f64).sqrt();
-                let scores = mask.expand([batch * n_head, seq, seq], false).baddbmm(&q, &k.transpose(1, 2), 1.0, scale);
-                scores.softmax(-1, None).bmm(&v).view([batch, n_head, seq, head_dim])
+                let scores = mask.expand([batch * n_head, seq, seq], false).baddbmm(q, &k.transpose(1, 2), 1.0, scale);
+                scores.softmax(-1, None).bmm(v).view([batch, n_head, seq, head_dim])
             }
         };
         let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
-        x + self.linear(&y, &block.attn_proj_w, Some(&block.attn_proj_b))
+        x + self.linear(&y, Slot::weight(layer_idx, Slot::ATTN_PROJ), &block.attn_proj_w, Some(&block.attn_proj_b))
     }
 
     /// The second half of block `layer_idx`: `x + mlp(ln_2(x))`.
     pub fn mlp_residual(&self, layer_idx: usize, x: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
         let h = self.layer_norm(x, &block.ln_2);
-        let h = self.linear(&h, &block.fc_w, Some(&block.fc_b)).gelu("none");
-        x + self.linear(&h, &block.mlp_proj_w, Some(&block.mlp_proj_b))
+        let h = self.linear(&h, Slot::weight(layer_idx, Slot::FC), &block.fc_w, Some(&block.fc_b)).gelu("none");
+        x + self.linear(&h, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, Some(&block.mlp_proj_b))
     }
 
     /// Logits `[batch, seq, vocab]` from the last block's output (16-bit under 16-bit precision).
     pub fn head_logits(&self, x: &Tensor) -> Tensor {
         let x = self.layer_norm(x, &self.ln_f);
-        self.linear(&x, &self.wte, None)
+        self.linear(&x, Slot::head(self.shape.n_layer), &self.wte, None)
     }
 
     /// Mean cross-entropy (fp32) of the head's predictions against `targets` `[batch, seq]`.
     pub fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
         let vocab = self.shape.vocab_size as i64;
         self.head_logits(x).to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    }
+
+    /// The head's loss for the block executor's backward, which starts from `loss x
+    /// loss_multiplier`: with the fused kernel (see `set_fused_cross_entropy`) the gradient of the
+    /// logits comes with the loss, so the backward starts from the logits; otherwise as
+    /// `head_loss`. The losses agree within fp32 rounding (the kernel's exponential is its own).
+    pub(crate) fn head_loss_for_backward(&self, x: &Tensor, targets: &Tensor, loss_multiplier: f64) -> HeadLoss {
+        if self.fused_cross_entropy_threads > 0 && self.compute == Kind::BFloat16 {
+            let vocab = self.shape.vocab_size as i64;
+            let logits = self.head_logits(x).view([-1, vocab]);
+            let fused = crate::kernels::cross_entropy_bf16(
+                &logits,
+                &targets.view([-1]),
+                loss_multiplier,
+                self.fused_cross_entropy_threads,
+            );
+            if let Some(fused) = fused {
+                return HeadLoss { loss: fused.loss, logits_grad: Some((logits, fused.grad)) };
+            }
+        }
+        HeadLoss { loss: self.head_loss(x, targets), logits_grad: None }
     }
 
     /// Mean cross-entropy of predicting `targets` from `inputs`, both `[batch, seq]` int64, as
@@ -339,5 +461,27 @@ mod tests {
         let c = math.forward(&changed).to_kind(Kind::Float);
         let earlier = (b.narrow(1, 0, 31) - c.narrow(1, 0, 31)).abs().max().double_value(&[]);
         assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
+    }
+}
+
+#[cfg(test)]
+mod head_tests {
+    use super::*;
+
+    #[test]
+    fn the_fused_head_gives_the_logits_gradient_under_bf16_only() {
+        let shape = GptShape { n_layer: 1, n_head: 2, d_model: 16, seq_len: 8, vocab_size: 32 };
+        let x = Tensor::randn([2, 8, 16], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let targets = Tensor::randint(32, [2, 8], (Kind::Int64, Device::Cpu));
+        for (precision, enabled, fused) in [
+            (Precision::Bf16, true, true),
+            (Precision::Bf16, false, false),
+            (Precision::Fp32, true, false),
+        ] {
+            let mut model = Gpt::new(shape, precision, AttentionPrecision::Auto, Device::Cpu);
+            model.set_fused_cross_entropy(enabled, 2);
+            let head = model.head_loss_for_backward(&x, &targets, 1.0);
+            assert_eq!(head.logits_grad.is_some(), fused, "{precision:?}, enabled {enabled}");
+        }
     }
 }

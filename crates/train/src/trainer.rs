@@ -266,7 +266,8 @@ impl Trainer {
         }
         crate::host_memory::apply(train.host_memory);
         tch::manual_seed(train.seed as i64);
-        let model = Gpt::new(shape, train.precision, train.attention, device);
+        let mut model = Gpt::new(shape, train.precision, train.attention, device);
+        model.set_fused_cross_entropy(train.fused_cross_entropy, tch::get_num_threads().max(1) as usize);
         let optimizer = Optimizer::for_config(train, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;
         let scaler = (train.precision == Precision::Fp16).then(|| LossScaler::new(train.loss_scale()));
@@ -935,6 +936,9 @@ impl Trainer {
         let loss_multiplier = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / n_micro as f64;
         let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
         let mut memory = None;
+        // Each weight cast to the compute type once per step (not per micro-batch); a ZeRO step
+        // does not keep them (stage 3 releases the parameters between uses).
+        self.model.begin_step_casts(n_micro > 1 && !self.sharded);
         for micro_idx in 0..n_micro {
             let batch = source.next_batch()?;
             clock.lap(Phase::DataWait);
@@ -989,6 +993,7 @@ impl Trainer {
                 tch::no_grad(|| adaptive.previous_grad.shallow_clone().copy_(flat_grad));
             }
         }
+        self.model.end_step_casts();
         if let Some(adaptive) = &self.adaptive {
             // The next step starts from cleared gradients.
             tch::no_grad(|| {

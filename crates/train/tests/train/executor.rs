@@ -162,3 +162,69 @@ fn recomputation_keeps_less_activation_memory() {
     let (none, mlp, block) = (measure(Recompute::None), measure(Recompute::Mlp), measure(Recompute::Block));
     assert!(mlp < none && block < mlp, "activation bytes: none {none}, mlp {mlp}, block {block}");
 }
+
+#[test]
+fn fused_cross_entropy_gives_libtorchs_loss_and_gradients_in_bf16() {
+    let _rng = super::rng_lock();
+    let data = [batch(4, 5), batch(4, 6)];
+    let executor = Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap();
+    let run = |fused: bool| {
+        let mut model = model(Precision::Bf16);
+        model.set_fused_cross_entropy(fused, 2);
+        let grads = gradients(&model, &executor, &data);
+        let mut clock = StepClock::start(Device::Cpu, true);
+        let (inputs, targets) = &data[0];
+        let loss = executor
+            .run_micro_batch(&model, inputs, targets, 1.0, true, false, &mut clock, &mut stoke_train::NoHooks)
+            .unwrap()
+            .loss
+            .double_value(&[]);
+        (grads, loss)
+    };
+    let (libtorch, libtorch_loss) = run(false);
+    let (fused, fused_loss) = run(true);
+    assert!((fused_loss - libtorch_loss).abs() <= 1e-5 * libtorch_loss, "loss {fused_loss} against {libtorch_loss}");
+    // The logits' gradients differ by at most one bf16 rounding; through the bf16 backward that
+    // stays within bf16's precision of the gradient's scale.
+    let diff = relative_difference(&fused, &libtorch);
+    assert!(diff <= 1e-2, "fused vs libtorch cross-entropy: relative difference {diff:e}");
+}
+
+#[test]
+fn weights_cast_once_per_step_give_bit_identical_bf16_gradients() {
+    let _rng = super::rng_lock();
+    let k = 4;
+    let (inputs, targets) = batch(2 * k, 8);
+    let parts: Vec<(Tensor, Tensor)> =
+        (0..k).map(|i| (inputs.narrow(0, 2 * i, 2), targets.narrow(0, 2 * i, 2))).collect();
+    for policy in [Recompute::None, Recompute::Block] {
+        let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
+        let per_micro_batch = gradients(&model(Precision::Bf16), &executor, &parts);
+        let mut reused = model(Precision::Bf16);
+        reused.begin_step_casts(true);
+        let once = gradients(&reused, &executor, &parts);
+        // Every linear layer's weight and bias, and the head's tied embedding.
+        assert_eq!(reused.kept_casts(), SHAPE.n_layer * 8 + 1, "recompute {policy}");
+        reused.end_step_casts();
+        assert_eq!(reused.kept_casts(), 0);
+        assert!(once.iter().any(|&g| g != 0.0));
+        let differing = once.iter().zip(&per_micro_batch).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differing, 0, "recompute {policy}: {differing} gradient elements differ");
+        // A new step after the weights changed casts them again.
+        tch::no_grad(|| {
+            let mut flat = reused.params().flat().shallow_clone();
+            flat *= 0.5;
+        });
+        reused.begin_step_casts(true);
+        let after = gradients(&reused, &executor, &parts);
+        reused.end_step_casts();
+        let fresh = model(Precision::Bf16);
+        tch::no_grad(|| {
+            let mut flat = fresh.params().flat().shallow_clone();
+            flat *= 0.5;
+        });
+        let want = gradients(&fresh, &executor, &parts);
+        let differing = after.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differing, 0, "recompute {policy}: a cast from before the weights changed was reused");
+    }
+}

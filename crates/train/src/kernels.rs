@@ -1,0 +1,302 @@
+//! Fused kernels written in Rust for memory-bound parts of the step, where one pass over the data
+//! replaces a chain of libtorch ops (each a full pass and an allocation). Each is tested against
+//! the libtorch ops it replaces, forward and backward.
+//!
+//! `cross_entropy_bf16`: the loss and its gradient with respect to 16-bit logits in one pass per
+//! row. libtorch's path under bf16 casts the logits to fp32, takes `log_softmax`, `nll_loss`, and
+//! in the backward `nll_loss_backward` (a zeroed tensor and a scatter), `log_softmax_backward` and
+//! a cast back to bf16: six passes over `[rows, vocab]` and four fp32 temporaries. The kernel reads
+//! each row once into an fp32 scratch row, keeps the exponentials there, and writes the bf16
+//! gradient. Arithmetic is fp32 (the list in `precision::FP32_OPS`); the exponential is a
+//! polynomial within about 1 ulp, written so the compiler vectorizes it. Built twice on x86-64,
+//! for the baseline and for AVX-512 (AVX2 with FMA as the middle), picked at run time like the
+//! fused optimizer.
+
+use tch::{Device, Kind, Tensor};
+
+/// The loss of a fused cross-entropy and the gradient of `loss x grad_scale` with respect to the
+/// logits.
+pub struct CrossEntropy {
+    /// Mean over the rows, fp32 (as libtorch's), as a scalar tensor.
+    pub loss: Tensor,
+    /// `[rows, vocab]` bf16.
+    pub grad: Tensor,
+}
+
+/// Mean cross-entropy of `logits` `[rows, vocab]` against `targets` `[rows]`, and the gradient of
+/// the mean times `grad_scale` with respect to the logits. `None` when the inputs are not what the
+/// kernel handles (not bf16 contiguous logits and int64 targets on the CPU, or a target outside
+/// `[0, vocab)`, such as an ignore index): the caller takes libtorch's ops, which also report
+/// bad targets. `n_threads` splits the rows (contiguous runs, so the result does not depend on it
+/// except for the order of the loss sum, which is in f64 per run and then in run order).
+pub fn cross_entropy_bf16(
+    logits: &Tensor,
+    targets: &Tensor,
+    grad_scale: f64,
+    n_threads: usize,
+) -> Option<CrossEntropy> {
+    let (rows, vocab) = logits.size2().ok()?;
+    if logits.kind() != Kind::BFloat16
+        || logits.device() != Device::Cpu
+        || !logits.is_contiguous()
+        || targets.kind() != Kind::Int64
+        || targets.device() != Device::Cpu
+        || targets.size() != [rows]
+        || rows == 0
+        || vocab == 0
+    {
+        return None;
+    }
+    let targets = targets.contiguous();
+    let (rows, vocab) = (rows as usize, vocab as usize);
+    // SAFETY: `targets` is a contiguous int64 CPU tensor of `rows` elements, alive for this scope.
+    let target_slice = unsafe { std::slice::from_raw_parts(targets.data_ptr() as *const i64, rows) };
+    if target_slice.iter().any(|&t| t < 0 || t as usize >= vocab) {
+        return None;
+    }
+    let grad = Tensor::empty([rows as i64, vocab as i64], (Kind::BFloat16, Device::Cpu));
+    // SAFETY: `logits` is a contiguous bf16 CPU tensor of rows x vocab elements (checked above);
+    // bf16 is 16 bits, read as u16. `grad` was just allocated with that shape and nothing else
+    // refers to it yet, so this is the only access to its memory.
+    let (input, output) = unsafe {
+        (
+            std::slice::from_raw_parts(logits.data_ptr() as *const u16, rows * vocab),
+            std::slice::from_raw_parts_mut(grad.data_ptr() as *mut u16, rows * vocab),
+        )
+    };
+    let scale = (grad_scale / rows as f64) as f32;
+    let n_threads = n_threads.clamp(1, 64).min(rows.div_ceil(64));
+    let per_thread = rows.div_ceil(n_threads);
+    let sums: Vec<f64> = if n_threads == 1 {
+        vec![rows_dispatch(input, target_slice, vocab, scale, output)]
+    } else {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = input
+                .chunks(per_thread * vocab)
+                .zip(output.chunks_mut(per_thread * vocab))
+                .zip(target_slice.chunks(per_thread))
+                .map(|((input, output), targets)| {
+                    scope.spawn(move || rows_dispatch(input, targets, vocab, scale, output))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a cross-entropy thread panicked")).collect()
+        })
+    };
+    let loss = sums.iter().sum::<f64>() / rows as f64;
+    Some(CrossEntropy { loss: Tensor::from(loss as f32), grad })
+}
+
+/// Runs `rows_portable` compiled for the best instruction set this CPU has.
+fn rows_dispatch(input: &[u16], targets: &[i64], vocab: usize, scale: f32, output: &mut [u16]) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { rows_avx512(input, targets, vocab, scale, output) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: as above.
+            return unsafe { rows_avx2(input, targets, vocab, scale, output) };
+        }
+    }
+    rows_portable(input, targets, vocab, scale, output)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn rows_avx512(input: &[u16], targets: &[i64], vocab: usize, scale: f32, output: &mut [u16]) -> f64 {
+    rows_portable(input, targets, vocab, scale, output)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_avx2(input: &[u16], targets: &[i64], vocab: usize, scale: f32, output: &mut [u16]) -> f64 {
+    rows_portable(input, targets, vocab, scale, output)
+}
+
+/// Lanes of the hand-split reductions: wide enough for one AVX-512 register, so the compiler
+/// keeps the partial maxima and sums in vector registers.
+const LANES: usize = 16;
+
+/// Every row of `input` (`targets.len()` rows of `vocab`): the row's loss added (f64) to the
+/// returned sum, its gradient times `scale` written to `output`.
+#[inline(always)]
+fn rows_portable(input: &[u16], targets: &[i64], vocab: usize, scale: f32, output: &mut [u16]) -> f64 {
+    let mut scratch = vec![0f32; vocab.next_multiple_of(LANES)];
+    let mut sum = 0f64;
+    for ((row, out), &target) in input.chunks_exact(vocab).zip(output.chunks_exact_mut(vocab)).zip(targets) {
+        sum += row_loss_and_grad(row, target as usize, scale, &mut scratch, out) as f64;
+    }
+    sum
+}
+
+/// One row: widens it into `scratch` (padded to a multiple of `LANES` with -inf), takes its
+/// maximum, the exponentials of `x - max` (kept in `scratch`) and their sum; the loss is
+/// `ln(sum) - (x[target] - max)`, the gradient `(softmax - onehot(target)) x scale`.
+#[inline(always)]
+fn row_loss_and_grad(row: &[u16], target: usize, scale: f32, scratch: &mut [f32], out: &mut [u16]) -> f32 {
+    let vocab = row.len();
+    for (s, &b) in scratch.iter_mut().zip(row) {
+        *s = bf16_to_f32(b);
+    }
+    for s in &mut scratch[vocab..] {
+        *s = f32::NEG_INFINITY;
+    }
+    let mut maxima = [f32::NEG_INFINITY; LANES];
+    for chunk in scratch.chunks_exact(LANES) {
+        for (m, &x) in maxima.iter_mut().zip(chunk) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    let max = maxima.iter().fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    let mut sums = [0f32; LANES];
+    for chunk in scratch.chunks_exact_mut(LANES) {
+        for (s, x) in sums.iter_mut().zip(chunk) {
+            *x = exp_nonpositive(*x - max);
+            *s += *x;
+        }
+    }
+    let total: f32 = sums.iter().sum();
+    let shifted_target = bf16_to_f32(row[target]) - max;
+    let factor = scale / total;
+    for (o, &e) in out.iter_mut().zip(&scratch[..vocab]) {
+        *o = f32_to_bf16(e * factor);
+    }
+    out[target] = f32_to_bf16((scratch[target] / total - 1.0) * scale);
+    total.ln() - shifted_target
+}
+
+#[inline(always)]
+fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// Round to nearest even, as libtorch's conversion (finite inputs; the loss guard stops a step
+/// whose logits are not finite).
+#[inline(always)]
+fn f32_to_bf16(value: f32) -> u16 {
+    let bits = value.to_bits();
+    let rounding = 0x7fff + ((bits >> 16) & 1);
+    (bits.wrapping_add(rounding) >> 16) as u16
+}
+
+/// e^x for x <= 0 (NaN and -inf included: a NaN stays NaN, -inf gives 0), within about 1 ulp:
+/// x = n ln2 + r with n an integer and |r| <= ln2/2, e^r by its Taylor polynomial to degree 7,
+/// times 2^n built in the exponent bits. Inputs below -87 (whose result is below f32's normal
+/// range) give 0.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 in two parts, so n x LN2_HI is exact for |n| < 2^10.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Adding and subtracting 1.5 x 2^23 rounds to the nearest integer for |v| < 2^22.
+    const ROUND: f32 = 12_582_912.0;
+    let underflow = x < -87.0;
+    let clamped = if underflow { -87.0 } else { x };
+    let n = (clamped * LOG2_E + ROUND) - ROUND;
+    let r = (clamped - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let y = p * two_n;
+    if underflow {
+        0.0
+    } else if x.is_nan() {
+        x
+    } else {
+        y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_matches_the_standard_library() {
+        let mut worst = 0f32;
+        for i in 0..=200_000 {
+            let x = -87.0 * i as f32 / 200_000.0;
+            let (got, want) = (exp_nonpositive(x), x.exp());
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 4e-7, "relative error {worst}");
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert!(exp_nonpositive(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn bf16_rounding_matches_libtorch() {
+        let values = Tensor::randn([4096], (Kind::Float, Device::Cpu)) * 100.0;
+        let values = Tensor::cat(&[values, Tensor::from_slice(&[0.0f32, -0.0, 1e-40, 65504.0, 3.4e38])], 0);
+        let want = values.to_kind(Kind::BFloat16);
+        let n = values.numel();
+        // SAFETY: both are contiguous CPU tensors of n elements of the read types.
+        let (input, want) = unsafe {
+            (
+                std::slice::from_raw_parts(values.data_ptr() as *const f32, n),
+                std::slice::from_raw_parts(want.data_ptr() as *const u16, n),
+            )
+        };
+        for (x, w) in input.iter().zip(want) {
+            assert_eq!(f32_to_bf16(*x), *w, "{x}");
+        }
+    }
+
+    /// libtorch's path, as the model ran it before the kernel: fp32 cross-entropy of the bf16
+    /// logits, backward from the loss times `grad_scale`.
+    fn reference(logits: &Tensor, targets: &Tensor, grad_scale: f64) -> (f64, Tensor) {
+        let leaf = logits.detach().set_requires_grad(true);
+        let loss = leaf.to_kind(Kind::Float).cross_entropy_for_logits(targets);
+        (&loss * grad_scale).backward();
+        (loss.double_value(&[]), leaf.grad())
+    }
+
+    fn check(rows: i64, vocab: i64, spread: f64, grad_scale: f64, n_threads: usize, min_exact: f64) {
+        let logits = (Tensor::randn([rows, vocab], (Kind::Float, Device::Cpu)) * spread).to_kind(Kind::BFloat16);
+        let targets = Tensor::randint(vocab, [rows], (Kind::Int64, Device::Cpu));
+        let fused = cross_entropy_bf16(&logits, &targets, grad_scale, n_threads).expect("bf16 logits on the CPU");
+        let (want_loss, want_grad) = reference(&logits, &targets, grad_scale);
+        let loss = fused.loss.double_value(&[]);
+        assert!((loss - want_loss).abs() <= 1e-5 * want_loss.abs().max(1.0), "loss {loss} against {want_loss}");
+        assert_eq!(fused.grad.kind(), Kind::BFloat16);
+        let (got, want) = (fused.grad.to_kind(Kind::Float), want_grad.to_kind(Kind::Float));
+        // Both round an fp32 value to bf16; the fp32 values differ by a few ulp, so a result may
+        // land on the neighbouring bf16 value: one bf16 ulp (2^-8 relative) of the larger.
+        let bound = want.abs().max() * (2.0f64.powi(-8) * 1.01);
+        let worst = (&got - &want).abs().max().double_value(&[]);
+        assert!(worst <= bound.double_value(&[]), "gradient differs by {worst} (rows {rows}, vocab {vocab})");
+        let exact = got.eq_tensor(&want).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+        assert!(exact >= min_exact, "only {exact} of the gradient's elements equal libtorch's (rows {rows}, vocab {vocab})");
+    }
+
+    #[test]
+    fn cross_entropy_matches_libtorch_forward_and_backward() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        tch::manual_seed(5);
+        check(512, 256, 1.0, 1.0, 1, 0.99);
+        check(512, 256, 1.0, 1.0, 3, 0.99);
+        // A vocabulary that is not a multiple of the lanes, large logits, a loss multiplier.
+        check(300, 1000, 8.0, 0.25, 2, 0.99);
+        // Logits 87 or more below their row's maximum: the kernel's exponential gives 0 where
+        // libtorch's gives a subnormal, which the multiplier lifts into bf16's normal range; both
+        // are below 1e-37 of the largest gradient, inside the bound.
+        check(7, 50, 30.0, 65536.0, 4, 0.5);
+    }
+
+    #[test]
+    fn other_inputs_are_left_to_libtorch() {
+        let targets = Tensor::from_slice(&[1i64, 2]);
+        let float = Tensor::zeros([2, 4], (Kind::Float, Device::Cpu));
+        assert!(cross_entropy_bf16(&float, &targets, 1.0, 1).is_none());
+        let logits = float.to_kind(Kind::BFloat16);
+        assert!(cross_entropy_bf16(&logits.transpose(0, 1), &targets, 1.0, 1).is_none());
+        assert!(cross_entropy_bf16(&logits, &Tensor::from_slice(&[1i64, 4]), 1.0, 1).is_none());
+        assert!(cross_entropy_bf16(&logits, &Tensor::from_slice(&[-100i64, 0]), 1.0, 1).is_none());
+        assert!(cross_entropy_bf16(&logits, &targets, 1.0, 1).is_some());
+    }
+}
