@@ -164,9 +164,9 @@ pub struct TrainConfig {
     /// Attention under bf16: "fp32" (libtorch's scaled_dot_product_attention on fp32 q, k, v),
     /// "bf16" (the same kernel on bf16), "bf16-math" (scores, softmax and weighted sum as bf16
     /// batched matrix multiplies, the probabilities kept for the backward), or "auto": on a GPU
-    /// "bf16"; on a CPU "bf16-math" up to a context of 256 (where its s² scores are small and the
-    /// matrix units make it faster than fp32 SDPA with its casts: 2x at context 128, 1.45x at 256,
-    /// slower at 1024) and "fp32" beyond.
+    /// "bf16"; on a CPU "bf16-math" up to a context of 1024 (the matrix units make it faster than
+    /// fp32 SDPA with its casts: 2x at context 128, 1.45x at 256, 0.86-0.91 of its step time at
+    /// 1024 with micro-batch 1) and "fp32" beyond.
     /// Default "auto".
     pub attention: AttentionPrecision,
     /// What the C allocator does with host memory freed between steps: "retain" keeps it for the

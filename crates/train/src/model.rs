@@ -94,8 +94,10 @@ enum Attention {
 }
 
 /// The longest context "auto" runs as bf16-math on a CPU: the probabilities it keeps for the
-/// backward grow with its square.
-const MATH_ATTENTION_MAX_SEQ: usize = 256;
+/// backward grow with its square. At 1024 (gpt2-124m, micro-batch 1) it took 0.86-0.91 of fp32
+/// SDPA's step time in three interleaved rounds (2026-12-01, `benches/stoke_attention_cpu.sh`), and
+/// the PyTorch peer's bf16 matmul attention beat its SDPA there too (1846 against 2162 ms).
+const MATH_ATTENTION_MAX_SEQ: usize = 1024;
 
 fn block_names(layer_idx: usize) -> [String; 12] {
     let p = format!("transformer.h.{layer_idx}");
