@@ -49,7 +49,8 @@ fn main() {
         let logits = (Tensor::randn([rows, vocab], (Kind::Float, Device::Cpu)) * 2.0).to_kind(Kind::BFloat16);
         let targets = Tensor::randint(vocab, [rows], (Kind::Int64, Device::Cpu));
         let mut copy_target = logits.copy();
-        let (mut libtorch, mut fused, mut copy, mut ratios, mut kernel) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut libtorch, mut fused, mut copy, mut ratios, mut kernel) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
             let a = time_ms(iters, || {
                 let leaf = logits.detach().set_requires_grad(true);

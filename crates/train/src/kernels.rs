@@ -271,7 +271,10 @@ mod tests {
         let worst = (&got - &want).abs().max().double_value(&[]);
         assert!(worst <= bound.double_value(&[]), "gradient differs by {worst} (rows {rows}, vocab {vocab})");
         let exact = got.eq_tensor(&want).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
-        assert!(exact >= min_exact, "only {exact} of the gradient's elements equal libtorch's (rows {rows}, vocab {vocab})");
+        assert!(
+            exact >= min_exact,
+            "only {exact} of the gradient's elements equal libtorch's (rows {rows}, vocab {vocab})"
+        );
     }
 
     #[test]

@@ -33,7 +33,8 @@ mod trainer;
 pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};
 pub use clock::StepClock;
 pub use config::{
-    AttentionPrecision, CkptConfig, EvalConfig, GptShape, LrScaling, LrShape, ModelConfig, Precision, TrainConfig,
+    AttentionPrecision, CkptConfig, EvalConfig, FusedCrossEntropy, GptShape, LrScaling, LrShape, ModelConfig,
+    Precision, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB,
 };
 pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{

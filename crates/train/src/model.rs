@@ -475,11 +475,9 @@ mod head_tests {
         let shape = GptShape { n_layer: 1, n_head: 2, d_model: 16, seq_len: 8, vocab_size: 32 };
         let x = Tensor::randn([2, 8, 16], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let targets = Tensor::randint(32, [2, 8], (Kind::Int64, Device::Cpu));
-        for (precision, enabled, fused) in [
-            (Precision::Bf16, true, true),
-            (Precision::Bf16, false, false),
-            (Precision::Fp32, true, false),
-        ] {
+        for (precision, enabled, fused) in
+            [(Precision::Bf16, true, true), (Precision::Bf16, false, false), (Precision::Fp32, true, false)]
+        {
             let mut model = Gpt::new(shape, precision, AttentionPrecision::Auto, Device::Cpu);
             model.set_fused_cross_entropy(enabled, 2);
             let head = model.head_loss_for_backward(&x, &targets, 1.0);

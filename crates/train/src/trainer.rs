@@ -267,7 +267,8 @@ impl Trainer {
         crate::host_memory::apply(train.host_memory);
         tch::manual_seed(train.seed as i64);
         let mut model = Gpt::new(shape, train.precision, train.attention, device);
-        model.set_fused_cross_entropy(train.fused_cross_entropy, tch::get_num_threads().max(1) as usize);
+        let fused_cross_entropy = train.fused_cross_entropy.enabled(shape.vocab_size);
+        model.set_fused_cross_entropy(fused_cross_entropy, tch::get_num_threads().max(1) as usize);
         let optimizer = Optimizer::for_config(train, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;
         let scaler = (train.precision == Precision::Fp16).then(|| LossScaler::new(train.loss_scale()));
