@@ -148,12 +148,7 @@ fn direct_write_bandwidth(dir: &Path, bytes: usize) -> anyhow::Result<f64> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     const BLOCK: usize = 32 << 20;
-    let layout = std::alloc::Layout::from_size_align(BLOCK, 4096)?;
-    // SAFETY: a non-zero layout; the block is freed below and only read through `block`.
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-    anyhow::ensure!(!ptr.is_null(), "cannot allocate {BLOCK} bytes");
-    // SAFETY: `ptr` holds BLOCK zeroed bytes that live until the dealloc below.
-    let block = unsafe { std::slice::from_raw_parts(ptr, BLOCK) };
+    let block = stoke_ckpt::AlignedBlock::zeroed(BLOCK);
     let path = dir.join(".stoke-disk-test-direct");
     let result = (|| -> anyhow::Result<f64> {
         let start = std::time::Instant::now();
@@ -166,14 +161,12 @@ fn direct_write_bandwidth(dir: &Path, bytes: usize) -> anyhow::Result<f64> {
             .with_context(|| format!("cannot create {} with O_DIRECT", path.display()))?;
         let mut written = 0;
         while written < bytes {
-            f.write_all(block)?;
+            f.write_all(&block)?;
             written += BLOCK;
         }
         f.sync_all()?;
         Ok(written as f64 / start.elapsed().as_secs_f64())
     })();
-    // SAFETY: allocated above with this layout, freed once; `block` is not used after this.
-    unsafe { std::alloc::dealloc(ptr, layout) };
     let _ = std::fs::remove_file(&path);
     result
 }

@@ -173,15 +173,15 @@ impl Drop for HostBuf {
     }
 }
 
-/// An aligned, zeroed block of `len` bytes (a multiple of `PAGE`), for the header and the tail
-/// of a file written with `O_DIRECT`.
-pub(crate) struct AlignedBlock {
+/// An aligned, zeroed block of `len` bytes rounded up to whole pages, for the header and the tail
+/// of a file written with `O_DIRECT` (and a disk benchmark that writes the same way).
+pub struct AlignedBlock {
     ptr: NonNull<u8>,
     layout: std::alloc::Layout,
 }
 
 impl AlignedBlock {
-    pub(crate) fn zeroed(len: usize) -> AlignedBlock {
+    pub fn zeroed(len: usize) -> AlignedBlock {
         let layout = std::alloc::Layout::from_size_align(len.max(PAGE).div_ceil(PAGE) * PAGE, PAGE)
             .expect("a page-aligned layout of a sane size");
         // SAFETY: the layout has a non-zero size.

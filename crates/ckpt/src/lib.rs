@@ -43,7 +43,7 @@ mod writer;
 
 pub use error::CkptError;
 pub use format::{write_safetensors, DType, TensorRecord};
-pub use hostbuf::stream_copy;
+pub use hostbuf::{stream_copy, AlignedBlock};
 pub use mirror::{Mirror, MirrorStats, MirrorStore};
 pub use shards::{Piece, ShardRole, ShardTable, ShardedTensor};
 pub use store::{

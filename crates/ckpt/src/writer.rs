@@ -302,6 +302,10 @@ struct Retention {
 }
 
 impl Retention {
+    fn of(config: &WriterConfig, protected: &Arc<AtomicU64>) -> Retention {
+        Retention { keep: config.keep, keep_every: config.keep_every, protected: Arc::clone(protected) }
+    }
+
     fn to_delete(&self, steps: &[u64]) -> Vec<u64> {
         let protected = self.protected.load(Ordering::SeqCst);
         steps_to_delete_protecting(steps, self.keep, self.keep_every, (protected > 0).then_some(protected))
@@ -334,7 +338,7 @@ impl CheckpointWriter {
         let protected = Arc::new(AtomicU64::new(0));
         let (jobs, thread) = if config.background {
             let (jobs_tx, jobs_rx) = mpsc::channel::<Snapshot>();
-            let keep = Retention { keep: config.keep, keep_every: config.keep_every, protected: protected.clone() };
+            let keep = Retention::of(&config, &protected);
             let (store, tx, gate) = (store.clone(), returns_tx.clone(), gate.clone());
             let mirror = mirror.clone();
             let thread = std::thread::Builder::new()
@@ -485,11 +489,7 @@ impl CheckpointWriter {
         }
         while self.unpublished.front().is_some_and(|(snapshot, _, _)| snapshot.step <= step) {
             let (snapshot, prepared, prepare_s) = self.unpublished.pop_front().expect("checked");
-            let retention = Retention {
-                keep: self.config.keep,
-                keep_every: self.config.keep_every,
-                protected: self.protected.clone(),
-            };
+            let retention = Retention::of(&self.config, &self.protected);
             let result =
                 publish(&self.store, &snapshot, prepared, prepare_s, &retention, self.mirror.as_deref()).map(Some);
             self.returns_tx.send((snapshot, result)).expect("the receiver is ours");

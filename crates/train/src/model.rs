@@ -464,11 +464,6 @@ mod tests {
         let earlier = (b.narrow(1, 0, 31) - c.narrow(1, 0, 31)).abs().max().double_value(&[]);
         assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
     }
-}
-
-#[cfg(test)]
-mod head_tests {
-    use super::*;
 
     #[test]
     fn the_fused_head_gives_the_logits_gradient_under_bf16_only() {

@@ -570,7 +570,7 @@ impl Trainer {
     /// pieces of every parameter and optimizer tensor (`Snapshot::piece`, a sharded writer), which
     /// rank 0's checkpoint lists beside the other ranks' (no gathering).
     ///
-    /// `defer`: when every tensor can be (`snapcopy::can_defer`), their rooms are taken but not
+    /// `defer` (an unsharded snapshot only): when every tensor can be (`snapcopy::can_defer`), their rooms are taken but not
     /// filled, and the tensors are returned for a `PendingCopy`; otherwise they are copied now and
     /// nothing is returned.
     fn snapshot_into(
@@ -583,21 +583,6 @@ impl Trainer {
     ) -> Vec<(String, String, Tensor)> {
         let mut deferred = Vec::new();
         let params = self.model.params();
-        let defer = defer
-            && shard.is_none()
-            && params.entries().iter().all(|e| crate::snapcopy::can_defer(&e.tensor))
-            && self.optimizer.state_tensors(params).iter().all(|s| crate::snapcopy::can_defer(&s.tensor));
-        if defer {
-            // The first snapshots into a buffer fault its pages in: the copy beside the step does.
-            snapshot.fault_in_when_filled();
-        }
-        let mut copy = |stem: &str, name: &str, tensor: Tensor, room: &mut [u8]| {
-            if defer {
-                deferred.push((stem.to_string(), name.to_string(), tensor));
-            } else {
-                copy_into(&tensor, room);
-            }
-        };
         let shape_of = |shape: &[i64]| -> Vec<usize> { shape.iter().map(|&s| s as usize).collect() };
         match shard {
             Some(shard) => {
@@ -623,15 +608,26 @@ impl Trainer {
                 }
             }
             None => {
-                for entry in params.entries() {
-                    let shape = shape_of(&entry.shape);
-                    let room = snapshot.tensor("model", &entry.name, DType::F32, &shape);
-                    copy("model", &entry.name, entry.tensor.detach(), room);
+                let sources: Vec<(&str, String, Vec<i64>, Tensor)> = params
+                    .entries()
+                    .iter()
+                    .map(|e| ("model", e.name.clone(), e.shape.clone(), e.tensor.detach()))
+                    .chain(
+                        self.optimizer.state_tensors(params).into_iter().map(|s| ("optim", s.name, s.shape, s.tensor)),
+                    )
+                    .collect();
+                let defer = defer && sources.iter().all(|(_, _, _, t)| crate::snapcopy::can_defer(t));
+                if defer {
+                    // The first snapshots into a buffer fault its pages in: the copy beside the step does.
+                    snapshot.fault_in_when_filled();
                 }
-                for state in self.optimizer.state_tensors(params) {
-                    let shape = shape_of(&state.shape);
-                    let room = snapshot.tensor("optim", &state.name, DType::F32, &shape);
-                    copy("optim", &state.name, state.tensor.shallow_clone(), room);
+                for (stem, name, shape, tensor) in sources {
+                    let room = snapshot.tensor(stem, &name, DType::F32, &shape_of(&shape));
+                    if defer {
+                        deferred.push((stem.to_string(), name, tensor));
+                    } else {
+                        copy_into(&tensor, room);
+                    }
                 }
             }
         }
@@ -848,10 +844,7 @@ impl Trainer {
                     snapshot.tensor("dist", name, DType::F32, &[values.len()]).copy_from_slice(&bytes);
                 }
                 if deferred.is_empty() {
-                    target.writer.submit(snapshot)?;
-                    if best_eval {
-                        target.writer.protect(Some(self.step));
-                    }
+                    submit(&mut target.writer, snapshot, best_eval)?;
                 } else {
                     pending = Some(PendingCopy::start(snapshot, deferred, best_eval));
                 }
@@ -1283,10 +1276,6 @@ fn notify(observers: &mut [&mut dyn Observer], event: &TrainEvent<'_>) -> Result
     Ok(())
 }
 
-/// Copies `t` into `dst`. A contiguous CPU tensor is copied by `stoke_ckpt::stream_copy` (the
-/// intra-op thread count, streaming stores: about twice libtorch's copy into a large host buffer);
-/// anything else (another device, a strided view) by libtorch's copy. `STOKE_CKPT_COPY=torch`
-/// uses libtorch's copy for every tensor (a diagnostic switch).
 /// Finishes the checkpoint copy started beside this step, if any, and hands its snapshot to the
 /// writer.
 fn submit_pending(
@@ -1297,15 +1286,23 @@ fn submit_pending(
     let Some(copy) = pending.take() else { return Ok(()) };
     let target = target.expect("a pending checkpoint copy has its writer");
     let best_eval = copy.best_eval;
-    let snapshot = copy.finish(threads);
+    submit(&mut target.writer, copy.finish(threads), best_eval)
+}
+
+/// Hands a filled snapshot to the writer; the best evaluation's checkpoint is kept from retention.
+fn submit(writer: &mut CheckpointWriter, snapshot: Snapshot, best_eval: bool) -> Result<(), TrainError> {
     let step = snapshot.step();
-    target.writer.submit(snapshot)?;
+    writer.submit(snapshot)?;
     if best_eval {
-        target.writer.protect(Some(step));
+        writer.protect(Some(step));
     }
     Ok(())
 }
 
+/// Copies `t` into `dst`. A contiguous CPU tensor is copied by `stoke_ckpt::stream_copy` (the
+/// intra-op thread count, streaming stores: about twice libtorch's copy into a large host buffer);
+/// anything else (another device, a strided view) by libtorch's copy. `STOKE_CKPT_COPY=torch`
+/// uses libtorch's copy for every tensor (a diagnostic switch).
 fn copy_into(t: &Tensor, dst: &mut [u8]) {
     let numel = t.numel();
     assert_eq!(dst.len(), numel * t.kind().elt_size_in_bytes(), "the host slot fits the tensor");
