@@ -137,6 +137,11 @@ fn wait_until(server: &mut Server, watch: &mut Watch, what: &str, limit: Duratio
             return;
         }
         if let Some(status) = server.child.try_wait().unwrap() {
+            // It may have reached `ready` and exited (--exit-when-idle) since the look above.
+            watch.look();
+            if ready() {
+                return;
+            }
             panic!("the scheduler exited ({status}) before {what}");
         }
         assert!(Instant::now() < deadline, "no {what} within {limit:?}");
