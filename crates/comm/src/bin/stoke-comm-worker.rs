@@ -8,6 +8,9 @@
 //! - `victim --victim R [--op all_to_all] [--backend B] [--timeout S]`: all ranks join and print
 //!   `ready`; rank R then sleeps (for a test to kill or stop it) while the others all-reduce (or
 //!   all-to-all) and report what happened.
+//! - `leave`: every rank but 0 sends rank 0 a message, rank 1 only after a pause, and exits at
+//!   once; rank 0 receives from rank 1 first, while the others have already left, then from the
+//!   rest. A rank that sent its last message and left is no lost rank.
 //! - `bench --sizes BYTES,.. [--iters K] [--op all_to_all] [--backend B]`: times f32 all-reduces (or
 //!   all-to-alls); rank 0 prints one JSON line per size with the median and minimum seconds of K
 //!   iterations.
@@ -361,6 +364,34 @@ fn main() -> ExitCode {
                 }
             })
         }
+        Some("leave") => {
+            let rank = comm.rank();
+            let result = if rank == 0 {
+                (1..comm.world_size()).try_for_each(|from| {
+                    let mut got = [0u8; 4];
+                    comm.recv(&mut got, from)?;
+                    if got != [from as u8; 4] {
+                        eprintln!("rank 0: rank {from} sent {got:?}");
+                    }
+                    Ok(())
+                })
+            } else {
+                if rank == 1 {
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                comm.send(&[rank as u8; 4], 0)
+            };
+            match result {
+                Ok(()) => {
+                    println!("rank {rank} of {}: all checks passed", comm.world_size());
+                    Ok(0)
+                }
+                Err(err) => {
+                    eprintln!("rank {rank}: {err}");
+                    Ok(3)
+                }
+            }
+        }
         Some("bench") => {
             let sizes: Vec<usize> = arg(&args, "--sizes")
                 .expect("--sizes BYTES,..")
@@ -372,7 +403,7 @@ fn main() -> ExitCode {
             bench(comm.as_ref(), &sizes, iters, all_to_all).map(|_| 0)
         }
         _ => {
-            eprintln!("usage: stoke-comm-worker check|victim|bench [--backend B] [--timeout S]");
+            eprintln!("usage: stoke-comm-worker check|victim|leave|bench [--backend B] [--timeout S]");
             Ok(2)
         }
     };

@@ -2,7 +2,8 @@
 //! through byte-range locks; waiting that spins briefly, yields, then sleeps on a futex.
 //!
 //! Layout (offsets in bytes):
-//! - `0..4096` header: magic, version, group size, slots, slot bytes, `ready`, `joined`, `abort`.
+//! - `0..4096` header: magic, version, group size, slots, slot bytes, `ready`, `joined`, `abort`,
+//!   then from byte 256 one `departed` byte per rank.
 //! - `4096..` one 256-byte control block per ordered pair (src, dst): `posted` (chunks src has
 //!   written), `post_waiter`, `freed` (chunks dst has consumed), `free_waiter`, each on its own
 //!   cache line.
@@ -11,12 +12,15 @@
 //!
 //! Liveness: each member holds an open-file-description write lock on byte `LOCK_BASE + rank` of
 //! the segment file for as long as its process lives; the kernel drops it when the process dies
-//! (SIGKILL included), so `F_OFD_GETLK` tells a waiting rank that a peer is gone.
+//! (SIGKILL included), so `F_OFD_GETLK` tells a waiting rank that a peer is gone. A member that
+//! leaves through `Drop` (its work done, or an error of its own) sets its `departed` byte first:
+//! its exit then fails only the waits for it, not every wait in the group. A rank that sent its
+//! last message and exited is no lost rank to a peer still waiting on someone else.
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{CommError, Result};
@@ -44,6 +48,10 @@ const H_SLOT_BYTES: usize = 24;
 const H_READY: usize = 64;
 const H_JOINED: usize = 128;
 const H_ABORT: usize = 192;
+/// One byte per rank, set when that rank leaves through `Drop`.
+const H_DEPARTED: usize = 256;
+/// The most ranks the header has `departed` bytes for.
+const MAX_RANKS: usize = HEADER_BYTES - H_DEPARTED;
 
 /// What a wait is for, to name it in errors.
 #[derive(Clone, Copy)]
@@ -68,6 +76,8 @@ pub(crate) struct Segment {
     /// Set on the creator until the file is unlinked, so a failed rendezvous leaves nothing.
     unlink_on_drop: bool,
     timeout: Duration,
+    /// The group rank this handle joined as (its byte is locked), for `departed` on drop.
+    rank: Option<usize>,
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics and through slot bytes whose
@@ -96,6 +106,13 @@ impl Segment {
         slot_bytes: usize,
         timeout: Duration,
     ) -> Result<Segment> {
+        if size > MAX_RANKS {
+            return Err(CommError::Rendezvous {
+                rank: 0,
+                place: path.display().to_string(),
+                reason: format!("a shared-memory group holds at most {MAX_RANKS} ranks, not {size}"),
+            });
+        }
         let (data_offset, total) = layout(size, slots, slot_bytes);
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         let c_tmp = c_path(&tmp);
@@ -214,7 +231,7 @@ impl Segment {
             return Err(CommError::io("dup segment descriptor", path, std::io::Error::last_os_error()));
         }
         drop(header);
-        let segment = Segment::map(fd2, path, total, size, slots, slot_bytes, data_offset, timeout)?;
+        let mut segment = Segment::map(fd2, path, total, size, slots, slot_bytes, data_offset, timeout)?;
         segment.lock_rank(rank)?;
         Ok(Some(segment))
     }
@@ -252,6 +269,7 @@ impl Segment {
             data_offset,
             unlink_on_drop: false,
             timeout,
+            rank: None,
         })
     }
 
@@ -286,9 +304,12 @@ impl Segment {
         Ok(lock)
     }
 
-    fn lock_rank(&self, rank: usize) -> Result<()> {
+    fn lock_rank(&mut self, rank: usize) -> Result<()> {
         match self.lock_range(rank, libc::F_WRLCK as libc::c_short, libc::F_OFD_SETLK) {
-            Ok(_) => Ok(()),
+            Ok(_) => {
+                self.rank = Some(rank);
+                Ok(())
+            }
             Err(err) if matches!(err.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EACCES)) => {
                 Err(CommError::Rendezvous {
                     rank,
@@ -437,13 +458,28 @@ impl Segment {
         }
     }
 
+    /// Group rank `rank`'s `departed` byte.
+    fn departed_byte(&self, rank: usize) -> &AtomicU8 {
+        debug_assert!(H_DEPARTED + rank < HEADER_BYTES.min(self.len));
+        // SAFETY: H_DEPARTED + rank is inside the header (create() bounds the group size); the
+        // byte is only accessed atomically.
+        unsafe { &*(self.base.add(H_DEPARTED + rank) as *const AtomicU8) }
+    }
+
+    /// Whether group rank `rank` left through `Drop` (rather than dying).
+    fn departed(&self, rank: usize) -> bool {
+        self.departed_byte(rank).load(Ordering::SeqCst) != 0
+    }
+
     /// Fails if the segment was aborted or a member's process is gone; marks the segment aborted
-    /// so every other waiter names the same lost rank.
+    /// so every other waiter names the same lost rank. A member that departed cleanly counts as
+    /// lost only to a wait for that member itself.
     fn check_peers(&self, why: WaitFor<'_>) -> Result<()> {
         let abort = self.atomic32(H_ABORT);
         let mut lost = abort.load(Ordering::SeqCst);
         if lost == 0 {
-            if let Some(dead) = (0..self.size).find(|&r| r != why.rank && !self.is_alive(r)) {
+            let gone = |r: usize| r != why.rank && !self.is_alive(r) && (r == why.peer || !self.departed(r));
+            if let Some(dead) = (0..self.size).find(|&r| gone(r)) {
                 let _ = abort.compare_exchange(0, dead as u32 + 1, Ordering::SeqCst, Ordering::SeqCst);
                 lost = abort.load(Ordering::SeqCst);
             }
@@ -463,6 +499,9 @@ impl Drop for Segment {
     fn drop(&mut self) {
         if self.unlink_on_drop {
             self.unlink();
+        }
+        if let Some(rank) = self.rank {
+            self.departed_byte(rank).store(1, Ordering::SeqCst);
         }
         // SAFETY: base/len are the mapping made in `map`, fd the descriptor it owns; nothing
         // borrowed from the mapping outlives the segment (slot pointers are used within a call).

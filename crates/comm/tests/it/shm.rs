@@ -94,6 +94,14 @@ fn a_killed_worker_is_named_in_an_all_to_all() {
 }
 
 #[test]
+fn a_rank_that_sent_and_left_is_not_taken_for_lost() {
+    // Rank 0 waits for rank 1 while ranks 2 and 3 have sent their messages and exited: a
+    // liveness check that counted every member would fail this wait with "rank 2 was lost".
+    let outcomes = finish_all(spawn_torchrun(4, &["leave", "--timeout", "60"]));
+    assert_all_passed(&outcomes, "ranks leaving after their last send");
+}
+
+#[test]
 fn a_stopped_worker_times_out_with_its_rank_named() {
     stopped_worker_times_out(&[]);
 }
