@@ -440,7 +440,15 @@ impl Segment {
             if ready(value) {
                 return Ok(value);
             }
-            self.check_peers(why)?;
+            if let Err(err) = self.check_peers(why) {
+                // The peer may have done its part, then exited, between the look above and the
+                // liveness check: what it left counts.
+                let value = word.load(Ordering::SeqCst);
+                if ready(value) {
+                    return Ok(value);
+                }
+                return Err(err);
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(CommError::Timeout {
