@@ -126,7 +126,7 @@ fn grad_sq_sum_over(params: &FlatParams, range: Range<i64>, slices: Option<Vec<S
         .sum(),
         None => {
             let grad = params.flat_grad().narrow(0, range.start, range.end - range.start);
-            grad.square().sum(Kind::Double).double_value(&[])
+            crate::optim::tensor_sq_sum(&grad, range.start)
         }
     }
 }

@@ -983,7 +983,7 @@ impl Trainer {
                 let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
                 let flat_grad = self.model.params().flat_grad();
                 let own = tch::no_grad(|| (flat_grad - &adaptive.previous_grad) * (n_micro as f64 / scale));
-                micro_sq_sum += own.square().sum(Kind::Double).double_value(&[]);
+                micro_sq_sum += crate::optim::tensor_sq_sum(&own, 0);
                 tch::no_grad(|| adaptive.previous_grad.shallow_clone().copy_(flat_grad));
             }
         }
@@ -1122,8 +1122,8 @@ impl Trainer {
                 .iter()
                 .map(|u| {
                     let len = u.range.end - u.range.start;
-                    let d = delta.narrow(0, u.range.start, len).square().sum(Kind::Double).double_value(&[]);
-                    let w = before.narrow(0, u.range.start, len).square().sum(Kind::Double).double_value(&[]);
+                    let d = crate::optim::tensor_sq_sum(&delta.narrow(0, u.range.start, len), u.range.start);
+                    let w = crate::optim::tensor_sq_sum(&before.narrow(0, u.range.start, len), u.range.start);
                     if w > 0.0 {
                         (d / w).sqrt()
                     } else {
