@@ -35,6 +35,7 @@ use crate::clock::StepClock;
 use crate::dist::compress::{CompressConfig, Compression, Compressor, Pending};
 use crate::dist::zero::{Zero, ZeroError};
 use crate::executor::StepHooks;
+use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::trainer::{Phase, Trainer};
 use crate::TrainError;
@@ -502,6 +503,13 @@ impl StepHooks for DataParallel {
         match &self.zero {
             Some(zero) => zero.global_sq_sum(self.comm.as_ref(), local).map_err(|e| self.zero_error(e)),
             None => Ok(local),
+        }
+    }
+
+    fn whole_tensor_norms(&self, norms: &mut TensorNorms) -> Result<(), TrainError> {
+        match &self.zero {
+            Some(zero) => zero.whole_tensor_norms(self.comm.as_ref(), norms).map_err(|e| self.zero_error(e)),
+            None => Ok(()),
         }
     }
 

@@ -29,6 +29,7 @@ use tch::{Device, Tensor};
 
 use crate::clock::StepClock;
 use crate::model::Gpt;
+use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::{Phase, TrainError};
 
@@ -176,6 +177,14 @@ pub trait StepHooks {
     /// gives NaN everywhere, so every rank takes the same decision.
     fn global_sq_sum(&mut self, local: f64) -> Result<f64, TrainError> {
         Ok(local)
+    }
+
+    /// LAMB's per-tensor sums of squares over the buffers `optimizer_params` names (indexed like
+    /// their entries) made the whole tensors': ZeRO adds every rank's pieces of each parameter
+    /// (in rank order, so every rank gets the same sums). Collective; called once per LAMB step,
+    /// between its two passes, on every rank alike.
+    fn whole_tensor_norms(&self, _norms: &mut TensorNorms) -> Result<(), TrainError> {
+        Ok(())
     }
 
     /// The optimizer has updated its buffers (ZeRO 1 and 2 all-gather the updated parameters).

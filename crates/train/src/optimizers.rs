@@ -8,7 +8,8 @@
 //! - LAMB: `grad_sq_sum(range)`, then `prepare_range(range, multiplier, &mut norms)`, which in one
 //!   pass updates both moments, writes the Adam direction plus decoupled weight decay into the
 //!   gradient buffer (it is not needed any more) and adds each tensor's part of ||w||² and ||u||²
-//!   into `norms` (a shard sums its partial `TensorNorms` with the other shards'); then
+//!   into `norms` (under ZeRO, `Optimizer::step_with_sq_sum`'s `whole_norms` adds every rank's
+//!   partial sums per parameter, `dist/zero.rs`); then
 //!   `apply_range(range, lr, &norms)` moves each tensor by lr x its trust ratio ||w|| / ||u|| and
 //!   clears the gradient. By default (`LambOptions`) only the tensors with weight decay take the
 //!   trust ratio; biases and norms take Adam's step, as apex's and TensorFlow Addons' LAMB do.
@@ -597,13 +598,21 @@ impl Optimizer {
         n_threads: usize,
     ) -> Result<StepOutcome, f64> {
         let sq_sum = self.grad_sq_sum(params, 0..params.n_elements(), kernel, n_threads);
-        self.step_with_sq_sum(params, sq_sum, hp, max_norm, scaler, kernel, n_threads)
+        let whole = |_: &mut TensorNorms| Ok::<(), std::convert::Infallible>(());
+        match self.step_with_sq_sum(params, sq_sum, hp, max_norm, scaler, kernel, n_threads, whole) {
+            Ok(outcome) => outcome,
+            Err(never) => match never {},
+        }
     }
 
     /// `step`, given the sum of squared gradients of the whole model (under ZeRO, the ranks' shard
-    /// sums added), over all of `params` (under ZeRO, the shard).
+    /// sums added), over all of `params` (under ZeRO, the shard). `whole_norms` turns LAMB's
+    /// per-tensor sums over `params` into the whole tensors' (under ZeRO, every rank's pieces
+    /// added; on one process, nothing to do); it is called once per LAMB step, between the two
+    /// passes, and only by LAMB. Its error ends the step with the moments updated and the
+    /// parameters not: the run cannot go on from there.
     #[allow(clippy::too_many_arguments)]
-    pub fn step_with_sq_sum(
+    pub fn step_with_sq_sum<E>(
         &mut self,
         params: &FlatParams,
         sq_sum: f64,
@@ -612,14 +621,15 @@ impl Optimizer {
         scaler: Option<&mut LossScaler>,
         kernel: UpdateKernel,
         n_threads: usize,
-    ) -> Result<StepOutcome, f64> {
+        whole_norms: impl FnOnce(&mut TensorNorms) -> Result<(), E>,
+    ) -> Result<Result<StepOutcome, f64>, E> {
         let all = 0..params.n_elements();
         if scaler.is_none() && !sq_sum.is_finite() {
-            return Err(sq_sum.sqrt());
+            return Ok(Err(sq_sum.sqrt()));
         }
         let (grad_norm, multiplier) = match clip_and_scale(params, sq_sum, max_norm, scaler) {
             Ok(found) => found,
-            Err(grad_norm) => return Ok(StepOutcome { grad_norm, skipped: true }),
+            Err(grad_norm) => return Ok(Ok(StepOutcome { grad_norm, skipped: true })),
         };
         match self {
             Optimizer::AdamW(o) => {
@@ -630,6 +640,7 @@ impl Optimizer {
                 o.begin_step();
                 let mut norms = TensorNorms::zeros(params.entries().len());
                 o.prepare_range(params, all.clone(), hp, multiplier, kernel, n_threads, &mut norms);
+                whole_norms(&mut norms)?;
                 o.apply_range(params, all, hp.lr, &norms, kernel, n_threads);
             }
             Optimizer::Sgd(o) => {
@@ -637,7 +648,7 @@ impl Optimizer {
                 o.update_range(params, all, hp, multiplier, kernel, n_threads);
             }
         }
-        Ok(StepOutcome { grad_norm, skipped: false })
+        Ok(Ok(StepOutcome { grad_norm, skipped: false }))
     }
 }
 

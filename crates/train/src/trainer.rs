@@ -426,11 +426,6 @@ impl Trainer {
 
     /// Whether this run's settings allow ZeRO `stage`; the reason when not.
     pub fn check_shardable(&self, stage: u8) -> Result<(), String> {
-        if self.train.optimizer == crate::OptimizerKind::Lamb {
-            return Err("does not support train.optimizer = \"lamb\" yet (its per-tensor trust ratios would need \
-                        every shard's norms); use adamw or sgd"
-                .into());
-        }
         if stage >= 3 && self.executor.kind() == crate::ExecutorKind::SingleGraph {
             return Err("3 gathers each unit's parameters around the unit; train.executor = \"single-graph\" runs \
                         the model as one graph: use the block executor"
@@ -1073,7 +1068,8 @@ impl Trainer {
             self.scaler.as_mut(),
             kernel,
             self.n_threads,
-        );
+            |norms| hooks.whole_tensor_norms(norms),
+        )?;
         if outcome.is_ok() {
             hooks.after_optimizer(clock)?;
         }

@@ -21,7 +21,9 @@
 //!
 //! The global gradient norm (clipping, the fp16 overflow check, the NaN guard) is the sum of the
 //! ranks' shard sums of squares, gathered as f64 and added in rank order, so every rank decides
-//! alike.
+//! alike. LAMB's trust ratios need each whole parameter's ||w|| and ||u||: its first pass sums
+//! squares per piece of the shard, the ranks' per-parameter sums are gathered and added the same
+//! way, and its second pass moves every piece by its whole parameter's ratio.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -31,6 +33,7 @@ use tch::Tensor;
 
 use super::compress::{Compressor, Pending};
 use super::{f32_region, f32_slice};
+use crate::optimizers::TensorNorms;
 use crate::params::{Buffer, FlatParams, ParamEntry, Releaser, ShardMap};
 
 /// Which ZeRO stage, and how far stage 3 gathers ahead.
@@ -95,6 +98,11 @@ pub(crate) struct Zero {
     local: Vec<Range<i64>>,
     /// This rank's shard: what the optimizer updates.
     pub(crate) shard: FlatParams,
+    /// For each of the shard's entries, the model's entry (the logical parameter) it is a piece
+    /// of.
+    logical: Vec<usize>,
+    /// The model's parameter count (entries), the same on every rank.
+    n_logical: usize,
     model_flat: Tensor,
     model_grad: Tensor,
     params: Releaser,
@@ -117,6 +125,26 @@ type Result<T> = std::result::Result<T, ZeroError>;
 
 fn fail(op: &'static str) -> impl FnOnce(CommError) -> ZeroError {
     move |source| ZeroError { op, source }
+}
+
+/// `local` (the same length on every rank) summed element-wise over the ranks: every rank's
+/// values all-gathered as f64 and added in rank order, so every rank gets the same bits.
+/// Collective.
+fn sum_over_ranks(comm: &dyn Communicator, local: &[f64], op: &'static str) -> Result<Vec<f64>> {
+    let (rank, world, n) = (comm.rank(), comm.world_size(), local.len());
+    let mut bytes = vec![0u8; 8 * n * world];
+    for (i, value) in local.iter().enumerate() {
+        let at = 8 * (n * rank + i);
+        bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
+    }
+    comm.all_gather(&mut bytes).map_err(fail(op))?;
+    let mut sums = vec![0.0f64; n];
+    for part in bytes.chunks_exact(8 * n.max(1)) {
+        for (sum, c) in sums.iter_mut().zip(part.chunks_exact(8)) {
+            *sum += f64::from_le_bytes(c.try_into().expect("8 bytes"));
+        }
+    }
+    Ok(sums)
 }
 
 /// Waits for every one of `works` (all of them, even after a failure); the first error.
@@ -161,6 +189,18 @@ impl Zero {
         }
         let map = ShardMap { params: fused && config.stage <= 2, grads: fused && config.stage == 1 };
         let shard = params.shard(&own, map);
+        let logical = shard
+            .entries()
+            .iter()
+            .map(|piece| {
+                params
+                    .entries()
+                    .iter()
+                    .position(|e| e.offset <= piece.source && piece.source < e.offset + e.numel)
+                    .expect("a shard's piece lies inside one of the model's parameters")
+            })
+            .collect();
+        let n_logical = params.entries().len();
         if config.stage >= 2 {
             params.make_releasable(Buffer::Grads)?;
         }
@@ -178,6 +218,8 @@ impl Zero {
             own,
             local,
             shard,
+            logical,
+            n_logical,
             model_flat: params.flat().shallow_clone(),
             model_grad: params.flat_grad().shallow_clone(),
             params: params.releaser(Buffer::Params),
@@ -239,11 +281,26 @@ impl Zero {
     /// The global sum of squared gradients from this rank's part: every rank's value, gathered as
     /// f64, summed in rank order (NaN anywhere gives NaN everywhere). Collective.
     pub(crate) fn global_sq_sum(&self, comm: &dyn Communicator, local: f64) -> Result<f64> {
-        let (rank, world) = (comm.rank(), comm.world_size());
-        let mut bytes = vec![0u8; 8 * world];
-        bytes[8 * rank..8 * rank + 8].copy_from_slice(&local.to_le_bytes());
-        comm.all_gather(&mut bytes).map_err(fail("all_gather gradient norm"))?;
-        Ok(bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).sum())
+        Ok(sum_over_ranks(comm, &[local], "all_gather gradient norm")?[0])
+    }
+
+    /// LAMB's per-tensor sums of squares (||w||², ||u||²) over this rank's shard, indexed by the
+    /// shard's entries, made the whole parameters': each piece's sums go to its parameter, every
+    /// rank's per-parameter sums are gathered as f64 and added in rank order, and each piece gets
+    /// its parameter's totals. Every rank gets the same bits, whatever the timing. Collective.
+    pub(crate) fn whole_tensor_norms(&self, comm: &dyn Communicator, norms: &mut TensorNorms) -> Result<()> {
+        let n = self.n_logical;
+        let mut mine = vec![0.0f64; 2 * n];
+        for (piece, &param) in self.logical.iter().enumerate() {
+            mine[param] += norms.param_sq[piece];
+            mine[n + param] += norms.update_sq[piece];
+        }
+        let whole = sum_over_ranks(comm, &mine, "all_gather LAMB tensor norms")?;
+        for (piece, &param) in self.logical.iter().enumerate() {
+            norms.param_sq[piece] = whole[param];
+            norms.update_sq[piece] = whole[n + param];
+        }
+        Ok(())
     }
 
     // ---- gradients ----
