@@ -21,7 +21,7 @@
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::optim::{fused_slices, run_split, sum_of_squares, AdamW, AdamWStep, Slices, StateTensor, StepOutcome};
 use crate::optim::{state_buffer, UpdateKernel, MOMENTS};
@@ -336,8 +336,8 @@ impl Lamb {
                         u += &p * hp.weight_decay;
                     }
                     g.copy_(&u);
-                    norms.param_sq[entry] += p.square().sum(Kind::Double).double_value(&[]);
-                    norms.update_sq[entry] += u.square().sum(Kind::Double).double_value(&[]);
+                    norms.param_sq[entry] += crate::optim::tensor_sq_sum(&p, lo);
+                    norms.update_sq[entry] += crate::optim::tensor_sq_sum(&u, lo);
                 }
             }),
         }
