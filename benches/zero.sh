@@ -18,7 +18,8 @@
 #
 #   benches/zero.sh [steps] [pairs]      # defaults: 20 steps, 3 pairs
 #
-# Environment: WORLDS (default "2 4"), STAGES (default "0 1 2 3"), PARTS (default "stoke peer": which
+# Environment: MICRO_BATCH (rows per process, default 2; more rows make the step's compute larger
+# against the gathers, which do not grow with it), WORLDS (default "2 4"), STAGES (default "0 1 2 3"), PARTS (default "stoke peer": which
 # halves run), RECOMPUTE (train.recompute, default none), PREFETCH (dist.prefetch_blocks, default 1),
 # GRAD_UNITS (dist.gradient_units: full gradients alive at once at stages 2 and 3, the run's bound and the
 # formula's, default 2), STOKE (the
@@ -49,7 +50,7 @@ grad_units=${GRAD_UNITS:-2}
 slices=${SLICES:-mapped}
 py=.stoke/venv/bin/python
 stoke=${STOKE:-target/release/stoke}
-layers=12 width=512 heads=8 micro_batch=2
+layers=12 width=512 heads=8 micro_batch=${MICRO_BATCH:-2}
 dir=runs/zero
 rm -rf "$dir" && mkdir -p "$dir"
 "$stoke" corpus --out "$dir/corpus.txt" >/dev/null
