@@ -36,15 +36,15 @@
 //! runs the second phase. [`Compressor::wire_bytes`] counts the bytes this rank sent to other
 //! ranks. Everything here runs on host memory, on the calling thread.
 
-use std::collections::BTreeMap;
-use std::ops::Range;
+mod codec;
 
-use stoke_comm::{bf16, shard_range, CommError, Communicator, CommunicatorExt, Region, Work};
+use std::collections::BTreeMap;
+
+use stoke_comm::{shard_range, CommError, Communicator, CommunicatorExt, Region, Work};
 
 use crate::TrainError;
+use codec::{Isa, Reencode};
 
-/// 1.5 x 2^23: adding and subtracting it rounds an f32 of magnitude below 2^22 to an integer.
-const ROUNDER: f32 = 12_582_912.0;
 /// Name prefix of the first phase's residuals (over the whole buffer) in checkpoints.
 const RESIDUAL: &str = "compress.residual.";
 /// Name prefix of the all-reduce's second-phase residuals (over this rank's shard).
@@ -83,33 +83,7 @@ impl Compression {
         if let Some(residual) = &residual {
             assert_eq!(residual.len(), values.len(), "residual length");
         }
-        match (self, residual) {
-            (Compression::None, None) => {
-                for (out, v) in payload.chunks_exact_mut(4).zip(values) {
-                    out.copy_from_slice(&v.to_le_bytes());
-                }
-            }
-            (Compression::None, Some(residual)) => {
-                for ((out, v), r) in payload.chunks_exact_mut(4).zip(values).zip(residual.iter_mut()) {
-                    out.copy_from_slice(&(v + *r).to_le_bytes());
-                    *r = 0.0;
-                }
-            }
-            (Compression::Bf16, None) => {
-                for (out, v) in payload.chunks_exact_mut(2).zip(values) {
-                    out.copy_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes());
-                }
-            }
-            (Compression::Bf16, Some(residual)) => {
-                for ((out, v), r) in payload.chunks_exact_mut(2).zip(values).zip(residual.iter_mut()) {
-                    let x = v + *r;
-                    let encoded = bf16::from_f32(x);
-                    out.copy_from_slice(&encoded.to_bits().to_le_bytes());
-                    *r = finite_or_zero(x - encoded.to_f32());
-                }
-            }
-            (Compression::Int8 { block }, residual) => encode_int8(block, values, payload, residual),
-        }
+        codec::encode(Isa::best(), self, values, payload, residual);
     }
 
     /// Adds the values `payload` encodes to `acc` (`acc.len()` of them).
@@ -118,119 +92,16 @@ impl Compression {
     /// When `payload` does not encode `acc.len()` values.
     pub fn decode_add(self, payload: &[u8], acc: &mut [f32]) {
         assert_eq!(payload.len(), self.payload_bytes(acc.len()), "payload length for {} values", acc.len());
-        match self {
-            Compression::None => {
-                for (a, b) in acc.iter_mut().zip(payload.chunks_exact(4)) {
-                    *a += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
-            Compression::Bf16 => {
-                for (a, b) in acc.iter_mut().zip(payload.chunks_exact(2)) {
-                    *a += bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-                }
-            }
-            Compression::Int8 { block } => decode_int8(block, payload, acc, true),
-        }
+        codec::decode_add(Isa::best(), self, payload, acc);
     }
 
     /// Writes the values `payload` encodes into `out` (`out.len()` of them).
+    ///
+    /// # Panics
+    /// When `payload` does not encode `out.len()` values.
     pub fn decode(self, payload: &[u8], out: &mut [f32]) {
-        match self {
-            Compression::Int8 { block } => {
-                assert_eq!(payload.len(), self.payload_bytes(out.len()), "payload length for {} values", out.len());
-                decode_int8(block, payload, out, false)
-            }
-            _ => {
-                out.fill(0.0);
-                self.decode_add(payload, out);
-            }
-        }
-    }
-}
-
-fn finite_or_zero(x: f32) -> f32 {
-    if x.is_finite() {
-        x
-    } else {
-        0.0
-    }
-}
-
-/// Int8 payload: the blocks' scales (f32, little-endian), then one i8 per value.
-fn encode_int8(block: usize, values: &[f32], payload: &mut [u8], mut residual: Option<&mut [f32]>) {
-    let n_blocks = values.len().div_ceil(block);
-    let (scales, quantized) = payload.split_at_mut(4 * n_blocks);
-    for (b, chunk) in values.chunks(block).enumerate() {
-        let span = b * block..b * block + chunk.len();
-        let carried = residual.as_deref_mut().map(|r| &mut r[span.clone()]);
-        let (max, finite) = match carried.as_deref() {
-            Some(r) => max_abs(chunk.len(), |i| chunk[i] + r[i]),
-            None => max_abs(chunk.len(), |i| chunk[i]),
-        };
-        let scale = if finite { max / 127.0 } else { f32::NAN };
-        scales[4 * b..4 * b + 4].copy_from_slice(&scale.to_le_bytes());
-        let inverse = if finite && max > 0.0 { 127.0 / max } else { 0.0 };
-        let out = &mut quantized[span];
-        // Round to nearest (ties to even) by adding 1.5 x 2^23: for |y| <= 127 the sum's bits
-        // are 0x4B40_0000 + round(y), so its low byte is round(y) as an i8, and no float-to-int
-        // conversion is needed (this vectorizes; f32::round is a library call on baseline x86-64).
-        // A non-finite block's bytes are arbitrary: its NaN scale decodes them all to NaN.
-        let level = |x: f32| (x * inverse + ROUNDER).to_bits() as u8;
-        match carried {
-            None => {
-                for (q, v) in out.iter_mut().zip(chunk) {
-                    *q = level(*v);
-                }
-            }
-            Some(r) => {
-                for ((q, v), r) in out.iter_mut().zip(chunk).zip(r.iter_mut()) {
-                    let x = v + *r;
-                    *q = level(x);
-                    let kept = f32::from(*q as i8) * scale;
-                    *r = if finite { x - kept } else { 0.0 };
-                }
-            }
-        }
-    }
-}
-
-/// The largest |x(i)| over `0..len` and whether every x(i) is finite, in 8 lanes (so it
-/// vectorizes without reassociating anything).
-fn max_abs(len: usize, x: impl Fn(usize) -> f32) -> (f32, bool) {
-    let mut lanes = [0f32; 8];
-    let mut bad = [0u32; 8];
-    let mut visit = |lane: usize, v: f32| {
-        // f32::max ignores NaN; a NaN or inf is caught by the exponent test instead.
-        lanes[lane] = lanes[lane].max(v.abs());
-        bad[lane] |= u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000);
-    };
-    let full = len / 8 * 8;
-    for base in (0..full).step_by(8) {
-        for lane in 0..8 {
-            visit(lane, x(base + lane));
-        }
-    }
-    for i in full..len {
-        visit(i - full, x(i));
-    }
-    (lanes.iter().fold(0f32, |m, l| m.max(*l)), bad.iter().all(|b| *b == 0))
-}
-
-fn decode_int8(block: usize, payload: &[u8], out: &mut [f32], add: bool) {
-    let n_blocks = out.len().div_ceil(block);
-    let (scales, quantized) = payload.split_at(4 * n_blocks);
-    for (b, chunk) in out.chunks_mut(block).enumerate() {
-        let scale = f32::from_le_bytes([scales[4 * b], scales[4 * b + 1], scales[4 * b + 2], scales[4 * b + 3]]);
-        let q = &quantized[b * block..b * block + chunk.len()];
-        if add {
-            for (o, q) in chunk.iter_mut().zip(q) {
-                *o += f32::from(*q as i8) * scale;
-            }
-        } else {
-            for (o, q) in chunk.iter_mut().zip(q) {
-                *o = f32::from(*q as i8) * scale;
-            }
-        }
+        assert_eq!(payload.len(), self.payload_bytes(out.len()), "payload length for {} values", out.len());
+        codec::decode(Isa::best(), self, payload, out);
     }
 }
 
@@ -348,9 +219,15 @@ impl Compressor {
         self.spare.iter().map(Vec::capacity).sum::<usize>()
     }
 
-    /// A byte buffer of `bytes` bytes (contents unspecified) from the spares, or a new one.
+    /// A byte buffer of `bytes` bytes (contents unspecified) from the spares, or a new one: the
+    /// smallest spare that holds `bytes` without growing, else the largest (grown), so that
+    /// buffers of different sizes in turn do not reallocate (and fault in fresh pages) each step.
     fn buffer(&mut self, bytes: usize) -> Vec<u8> {
-        let mut buffer = self.spare.pop().unwrap_or_default();
+        let fits = (0..self.spare.len())
+            .filter(|i| self.spare[*i].capacity() >= bytes)
+            .min_by_key(|i| self.spare[*i].capacity());
+        let largest = (0..self.spare.len()).max_by_key(|i| self.spare[*i].capacity());
+        let mut buffer = fits.or(largest).map_or_else(Vec::new, |i| self.spare.swap_remove(i));
         buffer.resize(bytes, 0);
         buffer
     }
@@ -404,24 +281,36 @@ impl Compressor {
         }
         let codec = self.config.compression;
         let mine = shard_range(pending.len, n, rank);
-        let shard = &mut values[mine.clone()];
-        shard.fill(0.0);
-        let payload = codec.payload_bytes(shard.len());
+        let payload = codec.payload_bytes(mine.len());
+        let segment = pending.segment;
+        let isa = Isa::best();
         // Invariant: the sum runs over ranks 0..n in order on every rank, so a shard's bits do
         // not depend on which rank's payload arrived first.
-        for from in 0..n {
-            let start = from * pending.segment;
-            codec.decode_add(&pending.recv[start..start + payload], shard);
-        }
+        let received: Vec<&[u8]> = (0..n).map(|from| &pending.recv[from * segment..from * segment + payload]).collect();
         let divisor = n as f32;
-        for v in shard.iter_mut() {
-            *v /= divisor;
-        }
         if pending.collective == Collective::AllReduce {
-            // The send buffer is free again and has the size the all-gather needs.
+            // The second phase, fused into the same pass: the averaged shard (plus its own
+            // residual) is encoded into this rank's part of the send buffer (free again, and of
+            // the size the all-gather needs) and replaced by what the other ranks will decode.
             let mut gathered = std::mem::take(&mut pending.send);
-            self.gather_shards(comm, pending.id, values, mine, &mut gathered, pending.segment)?;
+            debug_assert_eq!(gathered.len(), n * segment);
+            let residual = self.residual(format!("{SHARD_RESIDUAL}{}", pending.id), mine.len())?;
+            let reencode = Reencode {
+                payload: &mut gathered[rank * segment..rank * segment + payload],
+                residual: residual.map(|r| r.as_mut_slice()),
+            };
+            codec::reduce(isa, codec, &received, divisor, &mut values[mine.clone()], Some(reencode));
+            self.wire_bytes += ((n - 1) * segment) as u64;
+            // All-gather cuts n * segment bytes into n shards of exactly `segment` bytes.
+            comm.all_gather(&mut gathered).map_err(|e| comm_error(comm, "compressed all_gather", e))?;
+            for from in (0..n).filter(|from| *from != rank) {
+                let range = shard_range(pending.len, n, from);
+                let payload = codec.payload_bytes(range.len());
+                codec::decode(isa, codec, &gathered[from * segment..from * segment + payload], &mut values[range]);
+            }
             pending.send = gathered;
+        } else {
+            codec::reduce(isa, codec, &received, divisor, &mut values[mine], None);
         }
         self.spare.push(std::mem::take(&mut pending.send));
         self.spare.push(std::mem::take(&mut pending.recv));
@@ -497,38 +386,6 @@ impl Compressor {
         let work = unsafe { comm.all_to_all_async(send_region, recv_region) }
             .map_err(|e| comm_error(comm, "compressed all_to_all", e))?;
         Ok(Pending { work: Some(work), send, recv, id, len, segment, collective, world_size: n, rank })
-    }
-
-    /// The all-reduce's second phase: this rank's averaged shard (plus its residual) encoded,
-    /// the payloads all-gathered as bytes, every shard decoded into `values`.
-    fn gather_shards(
-        &mut self,
-        comm: &dyn Communicator,
-        id: usize,
-        values: &mut [f32],
-        mine: Range<usize>,
-        gathered: &mut [u8],
-        segment: usize,
-    ) -> Result<(), TrainError> {
-        let (n, rank, len) = (comm.world_size(), comm.rank(), values.len());
-        let codec = self.config.compression;
-        let mut residual = self.residual(format!("{SHARD_RESIDUAL}{id}"), mine.len())?;
-        debug_assert_eq!(gathered.len(), n * segment);
-        let payload = codec.payload_bytes(mine.len());
-        codec.encode(
-            &values[mine],
-            &mut gathered[rank * segment..rank * segment + payload],
-            residual.as_mut().map(|r| r.as_mut_slice()),
-        );
-        self.wire_bytes += ((n - 1) * segment) as u64;
-        // All-gather cuts n * segment bytes into n shards of exactly `segment` bytes.
-        comm.all_gather(gathered).map_err(|e| comm_error(comm, "compressed all_gather", e))?;
-        for from in 0..n {
-            let range = shard_range(len, n, from);
-            let payload = codec.payload_bytes(range.len());
-            codec.decode(&gathered[from * segment..from * segment + payload], &mut values[range]);
-        }
-        Ok(())
     }
 
     /// The residual named `name` for a buffer of `len` values (zeros when new), or `None` without
