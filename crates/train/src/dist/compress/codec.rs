@@ -3,15 +3,18 @@
 //!
 //! Two implementations of every kernel give the same bits:
 //! - `scalar`: one value at a time, the definition (and the fallback on CPUs without AVX2).
-//! - `lanes`: the same arithmetic restructured for vector units (16 independent lanes, the block
-//!   maximum taken over the magnitudes' bit patterns as integers, selections instead of branches,
-//!   the fused pass tiled so that it reads and writes memory once), compiled twice on x86-64, for
-//!   AVX-512 (with BW) and for AVX2, and picked at run time like the fused optimizer's kernel.
+//! - `lanes`: the same arithmetic restructured for vector units, compiled twice on x86-64, for
+//!   AVX-512 (F and BW) and for AVX2, and picked at run time like the fused optimizer's kernel.
+//!   bf16 and fp32 are plain loops the compiler vectorizes (bit moves and selections, no branch
+//!   per value); int8's block loops are explicit intrinsics (`avx512`, `avx2`: the block maximum
+//!   over the magnitudes' bit patterns as integers, the level's byte by truncation), since the
+//!   compiler's own vectorization of them gathered and scattered; the reduction's finish is
+//!   tiled, so that it reads and writes memory once.
 //!
 //! Every step is one IEEE operation on one value (an add, a multiply, a divide, bit moves), never
 //! contracted or reassociated, so the two give the same bits whatever the vector width: the unit
 //! tests check each variant the CPU has against `scalar`, bit for bit, on odd sizes and blocks,
-//! zero, infinite and NaN values.
+//! zero, tiny, infinite and NaN values.
 
 use super::Compression;
 
@@ -19,8 +22,6 @@ use super::Compression;
 const ROUNDER: f32 = 12_582_912.0;
 /// An f32's exponent bits: a magnitude's bits at or above this are inf or NaN.
 const EXPONENT: u32 = 0x7f80_0000;
-/// Lanes of the restructured loops: one AVX-512 register of f32.
-const LANES: usize = 16;
 /// Values per tile of the fused reduction pass for bf16 and fp32 payloads (int8 tiles are its
 /// blocks): small enough to stay in L1 between the tile's steps.
 const TILE: usize = 2048;
@@ -85,11 +86,11 @@ macro_rules! dispatch {
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
                 unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
-                    lanes::$name($($arg),*)
+                    lanes::$name::<avx512::Avx512>($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
-                    lanes::$name($($arg),*)
+                    lanes::$name::<avx2::Avx2>($($arg),*)
                 }
                 match isa {
                     // SAFETY: `Isa::Avx512` comes from `Isa::best` or `Isa::available`, which
@@ -288,12 +289,14 @@ mod scalar {
     }
 }
 
-/// The same kernels in 16 independent lanes, written so that the compiler vectorizes every loop
-/// (fixed-width chunks, no data-dependent branch inside a chunk). Every function is
+/// The same kernels restructured for vector units: bf16 and fp32 as plain loops the compiler
+/// vectorizes (bit moves and selections, no branch per value), int8's block loops through the
+/// explicit AVX-512 or AVX2 code of [`Int8Ops`], the fused reduction tiled. Every function is
 /// `#[inline(always)]` so that it is compiled inside the dispatching `#[target_feature]`
 /// wrappers.
+#[cfg(target_arch = "x86_64")]
 mod lanes {
-    use super::{Compression, Reencode, EXPONENT, LANES, ROUNDER, TILE};
+    use super::{Compression, Reencode, EXPONENT, ROUNDER, TILE};
 
     #[inline(always)]
     fn finite_or_zero(x: f32) -> f32 {
@@ -335,10 +338,10 @@ mod lanes {
     /// A block's int8 step: its scale, the factor that maps a value to its level, and whether
     /// the block is finite.
     #[derive(Clone, Copy)]
-    struct Step {
-        scale: f32,
-        inverse: f32,
-        finite: bool,
+    pub(super) struct Step {
+        pub(super) scale: f32,
+        pub(super) inverse: f32,
+        pub(super) finite: bool,
     }
 
     impl Step {
@@ -356,151 +359,105 @@ mod lanes {
         }
     }
 
-    /// The largest magnitude's bits of `x` (plus `r`, when given).
-    #[inline(always)]
-    fn max_bits(x: &[f32], r: Option<&[f32]>) -> u32 {
-        let mut lanes = [0u32; LANES];
-        let mut tail = 0u32;
-        match r {
-            None => {
-                let chunks = x.chunks_exact(LANES);
-                for v in chunks.remainder() {
-                    tail = tail.max(v.to_bits() & 0x7fff_ffff);
-                }
-                for c in chunks {
-                    for k in 0..LANES {
-                        lanes[k] = lanes[k].max(c[k].to_bits() & 0x7fff_ffff);
-                    }
-                }
-            }
-            Some(r) => {
-                let (chunks, carried) = (x.chunks_exact(LANES), r.chunks_exact(LANES));
-                for (v, r) in chunks.remainder().iter().zip(carried.remainder()) {
-                    tail = tail.max((v + r).to_bits() & 0x7fff_ffff);
-                }
-                for (c, d) in chunks.zip(carried) {
-                    for k in 0..LANES {
-                        lanes[k] = lanes[k].max((c[k] + d[k]).to_bits() & 0x7fff_ffff);
-                    }
-                }
-            }
-        }
-        lanes.iter().fold(tail, |m, l| m.max(*l))
-    }
-
     /// The level of `x` as a byte (its i8; see the definition's comment), and the value that
     /// level decodes to with `scale`.
     #[inline(always)]
-    fn level(x: f32, inverse: f32, scale: f32) -> (u8, f32) {
+    pub(super) fn level(x: f32, inverse: f32, scale: f32) -> (u8, f32) {
         let byte = (x * inverse + ROUNDER).to_bits() as u8;
         (byte, f32::from(byte as i8) * scale)
     }
 
-    /// Quantizes one int8 block of `x` (plus `r`) into `q`; `r` becomes what decoding loses.
-    #[inline(always)]
-    fn quantize(x: &[f32], r: Option<&mut [f32]>, q: &mut [u8], step: Step) {
-        let Step { scale, inverse, finite } = step;
-        match r {
-            None => {
-                let (xs, qs) = (x.chunks_exact(LANES), q.chunks_exact_mut(LANES));
-                for (v, q) in xs.remainder().iter().zip(qs.into_remainder()) {
-                    *q = level(*v, inverse, scale).0;
-                }
-                for (v, q) in x.chunks_exact(LANES).zip(q.chunks_exact_mut(LANES)) {
-                    for k in 0..LANES {
-                        q[k] = level(v[k], inverse, scale).0;
-                    }
-                }
+    /// The int8 block loops, one value at a time; the vector implementations run these on their
+    /// tails (fewer values than a register holds), and every implementation on a non-finite
+    /// block (rare: it only has to be right).
+    pub(super) mod one_by_one {
+        use super::level;
+
+        #[inline(always)]
+        pub(in super::super) fn max_bits(x: &[f32], r: Option<&[f32]>) -> u32 {
+            match r {
+                None => x.iter().fold(0, |m, v| m.max(v.to_bits() & 0x7fff_ffff)),
+                Some(r) => x.iter().zip(r).fold(0, |m, (v, r)| m.max((v + r).to_bits() & 0x7fff_ffff)),
             }
-            Some(r) => {
-                let one = |v: f32, r: &mut f32, q: &mut u8| {
-                    let x = v + *r;
-                    let (byte, kept) = level(x, inverse, scale);
-                    *q = byte;
-                    *r = if finite { x - kept } else { 0.0 };
+        }
+
+        /// Quantizes `x` (plus `r`) into `q`; `r` becomes what decoding loses (0 in a non-finite
+        /// block); with `back`, `x` is replaced by its decoded value (NaN in a non-finite block,
+        /// as decoding its NaN scale gives).
+        #[inline(always)]
+        pub(in super::super) fn quantize(
+            x: &mut [f32],
+            mut r: Option<&mut [f32]>,
+            q: &mut [u8],
+            scale: f32,
+            inverse: f32,
+            finite: bool,
+            back: bool,
+        ) {
+            for (i, (x, q)) in x.iter_mut().zip(q.iter_mut()).enumerate() {
+                let value = match r.as_deref() {
+                    Some(r) => *x + r[i],
+                    None => *x,
                 };
-                let split = x.len() / LANES * LANES;
-                let (x_main, x_tail) = x.split_at(split);
-                let (r_main, r_tail) = r.split_at_mut(split);
-                let (q_main, q_tail) = q.split_at_mut(split);
-                for ((v, r), q) in x_tail.iter().zip(r_tail).zip(q_tail) {
-                    one(*v, r, q);
+                let (byte, kept) = level(value, inverse, scale);
+                *q = byte;
+                if let Some(r) = r.as_deref_mut() {
+                    r[i] = if finite { value - kept } else { 0.0 };
                 }
-                for ((v, r), q) in
-                    x_main.chunks_exact(LANES).zip(r_main.chunks_exact_mut(LANES)).zip(q_main.chunks_exact_mut(LANES))
-                {
-                    for k in 0..LANES {
-                        one(v[k], &mut r[k], &mut q[k]);
-                    }
+                if back {
+                    *x = if finite { kept } else { f32::NAN };
                 }
+            }
+        }
+
+        #[inline(always)]
+        pub(in super::super) fn dequantize<const ADD: bool>(q: &[u8], scale: f32, out: &mut [f32]) {
+            for (o, q) in out.iter_mut().zip(q) {
+                let d = f32::from(*q as i8) * scale;
+                *o = if ADD { *o + d } else { d };
             }
         }
     }
 
-    /// As [`quantize`], and `x` replaced by the decoded value ((q as i8) x scale; NaN in a
-    /// non-finite block, as decoding its NaN scale gives).
+    /// The int8 block loops of one instruction set. `quantize*` are called on finite blocks only.
+    pub(super) trait Int8Ops {
+        /// The largest magnitude's bits of `x` (plus `r`).
+        unsafe fn max_bits(x: &[f32], r: Option<&[f32]>) -> u32;
+        /// `q` = the levels of `values` (`x` plus `r`), `r` = value minus decoded value.
+        unsafe fn quantize(x: &[f32], r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32);
+        /// As `quantize`, and `x` replaced by its decoded value.
+        unsafe fn quantize_in_place(x: &mut [f32], r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32);
+        /// `out (+)= (q as i8) x scale`.
+        unsafe fn dequantize<const ADD: bool>(q: &[u8], scale: f32, out: &mut [f32]);
+    }
+
+    /// One block of an int8 encoding (its scale into `scale_out`, its levels into `q`).
     #[inline(always)]
-    fn quantize_in_place(x: &mut [f32], r: Option<&mut [f32]>, q: &mut [u8], step: Step) {
-        let Step { scale, inverse, finite } = step;
-        let one = |x: &mut f32, r: Option<&mut f32>, q: &mut u8| {
-            let value = match &r {
-                Some(r) => *x + **r,
-                None => *x,
-            };
-            let (byte, kept) = level(value, inverse, scale);
-            *q = byte;
-            if let Some(r) = r {
-                *r = if finite { value - kept } else { 0.0 };
-            }
-            *x = if finite { kept } else { f32::NAN };
-        };
-        let split = x.len() / LANES * LANES;
-        let (x_main, x_tail) = x.split_at_mut(split);
-        let (q_main, q_tail) = q.split_at_mut(split);
-        match r {
-            None => {
-                for (x, q) in x_tail.iter_mut().zip(q_tail) {
-                    one(x, None, q);
-                }
-                for (x, q) in x_main.chunks_exact_mut(LANES).zip(q_main.chunks_exact_mut(LANES)) {
-                    for k in 0..LANES {
-                        one(&mut x[k], None, &mut q[k]);
-                    }
-                }
-            }
-            Some(r) => {
-                let (r_main, r_tail) = r.split_at_mut(split);
-                for ((x, r), q) in x_tail.iter_mut().zip(r_tail).zip(q_tail) {
-                    one(x, Some(r), q);
-                }
-                for ((x, r), q) in
-                    x_main.chunks_exact_mut(LANES).zip(r_main.chunks_exact_mut(LANES)).zip(q_main.chunks_exact_mut(LANES))
-                {
-                    for k in 0..LANES {
-                        one(&mut x[k], Some(&mut r[k]), &mut q[k]);
-                    }
-                }
-            }
+    fn encode_block<O: Int8Ops>(x: &[f32], r: Option<&mut [f32]>, q: &mut [u8], scale_out: &mut [u8]) {
+        // SAFETY: the dispatcher only instantiates `O` for an instruction set the CPU has.
+        let step = Step::of(unsafe { O::max_bits(x, r.as_deref()) });
+        scale_out.copy_from_slice(&step.scale.to_le_bytes());
+        if step.finite {
+            // SAFETY: as above; the block is finite.
+            unsafe { O::quantize(x, r, q, step.scale, step.inverse) };
+        } else {
+            // The values are only read; a copy keeps `one_by_one::quantize` to one signature.
+            let mut copy = x.to_vec();
+            one_by_one::quantize(&mut copy, r, q, step.scale, step.inverse, false, false);
         }
     }
 
-    /// `out[i] (+)= (q[i] as i8) x scale` over one block.
+    /// One block of the fused pass's second encoding: levels into `q`, `x` replaced by decoded.
     #[inline(always)]
-    fn dequantize<const ADD: bool>(q: &[u8], scale: f32, out: &mut [f32]) {
-        let one = |o: &mut f32, q: u8| {
-            let d = f32::from(q as i8) * scale;
-            *o = if ADD { *o + d } else { d };
-        };
-        let split = out.len() / LANES * LANES;
-        let (o_main, o_tail) = out.split_at_mut(split);
-        let (q_main, q_tail) = q.split_at(split);
-        for (o, q) in o_tail.iter_mut().zip(q_tail) {
-            one(o, *q);
-        }
-        for (o, q) in o_main.chunks_exact_mut(LANES).zip(q_main.chunks_exact(LANES)) {
-            for k in 0..LANES {
-                one(&mut o[k], q[k]);
-            }
+    fn reencode_block<O: Int8Ops>(x: &mut [f32], r: Option<&mut [f32]>, q: &mut [u8], scale_out: &mut [u8]) {
+        // SAFETY: the dispatcher only instantiates `O` for an instruction set the CPU has.
+        let step = Step::of(unsafe { O::max_bits(x, r.as_deref()) });
+        scale_out.copy_from_slice(&step.scale.to_le_bytes());
+        if step.finite {
+            // SAFETY: as above; the block is finite.
+            unsafe { O::quantize_in_place(x, r, q, step.scale, step.inverse) };
+        } else {
+            one_by_one::quantize(x, r, q, step.scale, step.inverse, false, true);
         }
     }
 
@@ -510,7 +467,13 @@ mod lanes {
         load_f32(&scales[4 * b..4 * b + 4])
     }
 
-    pub(super) fn encode(codec: Compression, values: &[f32], payload: &mut [u8], residual: Option<&mut [f32]>) {
+    #[inline(always)]
+    pub(super) fn encode<O: Int8Ops>(
+        codec: Compression,
+        values: &[f32],
+        payload: &mut [u8],
+        residual: Option<&mut [f32]>,
+    ) {
         match (codec, residual) {
             (Compression::None, None) => {
                 for (out, v) in payload.chunks_exact_mut(4).zip(values) {
@@ -542,15 +505,14 @@ mod lanes {
                 for (b, (x, q)) in values.chunks(block).zip(quantized.chunks_mut(block)).enumerate() {
                     let span = b * block..b * block + x.len();
                     let r = residual.as_deref_mut().map(|r| &mut r[span]);
-                    let step = Step::of(max_bits(x, r.as_deref()));
-                    scales[4 * b..4 * b + 4].copy_from_slice(&step.scale.to_le_bytes());
-                    quantize(x, r, q, step);
+                    encode_block::<O>(x, r, q, &mut scales[4 * b..4 * b + 4]);
                 }
             }
         }
     }
 
-    pub(super) fn decode_add(codec: Compression, payload: &[u8], acc: &mut [f32]) {
+    #[inline(always)]
+    pub(super) fn decode_add<O: Int8Ops>(codec: Compression, payload: &[u8], acc: &mut [f32]) {
         match codec {
             Compression::None => {
                 for (a, b) in acc.iter_mut().zip(payload.chunks_exact(4)) {
@@ -565,13 +527,15 @@ mod lanes {
             Compression::Int8 { block } => {
                 let (scales, quantized) = payload.split_at(4 * acc.len().div_ceil(block));
                 for (b, (o, q)) in acc.chunks_mut(block).zip(quantized.chunks(block)).enumerate() {
-                    dequantize::<true>(q, scale_of(scales, b), o);
+                    // SAFETY: the dispatcher only instantiates `O` for an instruction set the CPU has.
+                    unsafe { O::dequantize::<true>(q, scale_of(scales, b), o) };
                 }
             }
         }
     }
 
-    pub(super) fn decode(codec: Compression, payload: &[u8], out: &mut [f32]) {
+    #[inline(always)]
+    pub(super) fn decode<O: Int8Ops>(codec: Compression, payload: &[u8], out: &mut [f32]) {
         match codec {
             Compression::None => {
                 for (o, b) in out.iter_mut().zip(payload.chunks_exact(4)) {
@@ -587,13 +551,15 @@ mod lanes {
             Compression::Int8 { block } => {
                 let (scales, quantized) = payload.split_at(4 * out.len().div_ceil(block));
                 for (b, (o, q)) in out.chunks_mut(block).zip(quantized.chunks(block)).enumerate() {
-                    dequantize::<false>(q, scale_of(scales, b), o);
+                    // SAFETY: the dispatcher only instantiates `O` for an instruction set the CPU has.
+                    unsafe { O::dequantize::<false>(q, scale_of(scales, b), o) };
                 }
             }
         }
     }
 
-    pub(super) fn reduce(
+    #[inline(always)]
+    pub(super) fn reduce<O: Int8Ops>(
         codec: Compression,
         payloads: &[&[u8]],
         divisor: f32,
@@ -618,11 +584,12 @@ mod lanes {
             o.fill(0.0);
             for payload in payloads {
                 match codec {
-                    Compression::None => decode_add(codec, &payload[4 * span.start..4 * span.end], o),
-                    Compression::Bf16 => decode_add(codec, &payload[2 * span.start..2 * span.end], o),
+                    Compression::None => decode_add::<O>(codec, &payload[4 * span.start..4 * span.end], o),
+                    Compression::Bf16 => decode_add::<O>(codec, &payload[2 * span.start..2 * span.end], o),
                     Compression::Int8 { .. } => {
                         let q = &payload[4 * n_blocks + span.start..4 * n_blocks + span.end];
-                        dequantize::<true>(q, scale_of(payload, t), o);
+                        // SAFETY: the dispatcher only instantiates `O` for an instruction set the CPU has.
+                        unsafe { O::dequantize::<true>(q, scale_of(payload, t), o) };
                     }
                 }
             }
@@ -635,17 +602,293 @@ mod lanes {
                 Compression::None | Compression::Bf16 => {
                     let bytes = if codec == Compression::None { 4 } else { 2 };
                     let payload = &mut send[bytes * span.start..bytes * span.end];
-                    encode(codec, o, payload, r);
-                    decode(codec, payload, o);
+                    encode::<O>(codec, o, payload, r);
+                    decode::<O>(codec, payload, o);
                 }
                 Compression::Int8 { .. } => {
-                    let step = Step::of(max_bits(o, r.as_deref()));
-                    send[4 * t..4 * t + 4].copy_from_slice(&step.scale.to_le_bytes());
-                    let q = &mut send[4 * n_blocks + span.start..4 * n_blocks + span.end];
-                    quantize_in_place(o, r, q, step);
+                    let (scales, quantized) = send.split_at_mut(4 * n_blocks);
+                    reencode_block::<O>(o, r, &mut quantized[span], &mut scales[4 * t..4 * t + 4]);
                 }
             }
         }
+    }
+}
+
+/// Int8's block loops in AVX-512 (F and BW) intrinsics, 16 values per step. Each step is the
+/// definition's operation on every lane: the same IEEE adds and multiplies, the level's byte by
+/// truncation (`vpmovdb`) and its i8 sign-extended back, so the bits equal the scalar code's.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::lanes::{one_by_one, Int8Ops};
+    use super::ROUNDER;
+
+    pub(super) struct Avx512;
+
+    impl Int8Ops for Avx512 {
+        #[inline(always)]
+        unsafe fn max_bits(x: &[f32], r: Option<&[f32]>) -> u32 {
+            // SAFETY: the caller runs on a CPU with AVX-512 F and BW.
+            unsafe { max_bits(x, r) }
+        }
+        #[inline(always)]
+        unsafe fn quantize(x: &[f32], r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32) {
+            // SAFETY: as above.
+            unsafe { quantize(x, r, q, scale, inverse) }
+        }
+        #[inline(always)]
+        unsafe fn quantize_in_place(x: &mut [f32], r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32) {
+            // SAFETY: as above.
+            unsafe { quantize_in_place(x, r, q, scale, inverse) }
+        }
+        #[inline(always)]
+        unsafe fn dequantize<const ADD: bool>(q: &[u8], scale: f32, out: &mut [f32]) {
+            // SAFETY: as above.
+            unsafe { dequantize::<ADD>(q, scale, out) }
+        }
+    }
+
+    const W: usize = 16;
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn max_bits(x: &[f32], r: Option<&[f32]>) -> u32 {
+        let main = x.len() / W * W;
+        let magnitude = _mm512_set1_epi32(0x7fff_ffff);
+        let mut acc = _mm512_setzero_si512();
+        for i in (0..main).step_by(W) {
+            // SAFETY: i + W <= main <= x.len() (and r.len() == x.len()).
+            let v = unsafe {
+                let v = _mm512_loadu_ps(x.as_ptr().add(i));
+                match r {
+                    Some(r) => _mm512_add_ps(v, _mm512_loadu_ps(r.as_ptr().add(i))),
+                    None => v,
+                }
+            };
+            acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(v), magnitude));
+        }
+        let tail = one_by_one::max_bits(&x[main..], r.map(|r| &r[main..]));
+        _mm512_reduce_max_epu32(acc).max(tail)
+    }
+
+    /// The 16 levels of `values` as bytes, and their decoded values.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    fn levels(values: __m512, inverse: __m512, scale: __m512) -> (__m128i, __m512) {
+        let t = _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(values, inverse), _mm512_set1_ps(ROUNDER)));
+        let bytes = _mm512_cvtepi32_epi8(t);
+        let whole = _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(t)));
+        (bytes, _mm512_mul_ps(whole, scale))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn quantize(x: &[f32], mut r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32) {
+        let main = x.len() / W * W;
+        let (inv, sc) = (_mm512_set1_ps(inverse), _mm512_set1_ps(scale));
+        for i in (0..main).step_by(W) {
+            // SAFETY: i + W <= main, within x, q and r (all of x.len()).
+            unsafe {
+                let v = _mm512_loadu_ps(x.as_ptr().add(i));
+                match r.as_deref_mut() {
+                    Some(r) => {
+                        let value = _mm512_add_ps(v, _mm512_loadu_ps(r.as_ptr().add(i)));
+                        let (bytes, kept) = levels(value, inv, sc);
+                        _mm_storeu_si128(q.as_mut_ptr().add(i).cast(), bytes);
+                        _mm512_storeu_ps(r.as_mut_ptr().add(i), _mm512_sub_ps(value, kept));
+                    }
+                    None => _mm_storeu_si128(q.as_mut_ptr().add(i).cast(), levels(v, inv, sc).0),
+                }
+            }
+        }
+        let mut tail = x[main..].to_vec();
+        one_by_one::quantize(&mut tail, r.map(|r| &mut r[main..]), &mut q[main..], scale, inverse, true, false);
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn quantize_in_place(x: &mut [f32], mut r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32) {
+        let main = x.len() / W * W;
+        let (inv, sc) = (_mm512_set1_ps(inverse), _mm512_set1_ps(scale));
+        for i in (0..main).step_by(W) {
+            // SAFETY: i + W <= main, within x, q and r (all of x.len()).
+            unsafe {
+                let mut value = _mm512_loadu_ps(x.as_ptr().add(i));
+                if let Some(r) = r.as_deref() {
+                    value = _mm512_add_ps(value, _mm512_loadu_ps(r.as_ptr().add(i)));
+                }
+                let (bytes, kept) = levels(value, inv, sc);
+                _mm_storeu_si128(q.as_mut_ptr().add(i).cast(), bytes);
+                if let Some(r) = r.as_deref_mut() {
+                    _mm512_storeu_ps(r.as_mut_ptr().add(i), _mm512_sub_ps(value, kept));
+                }
+                _mm512_storeu_ps(x.as_mut_ptr().add(i), kept);
+            }
+        }
+        one_by_one::quantize(&mut x[main..], r.map(|r| &mut r[main..]), &mut q[main..], scale, inverse, true, true);
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn dequantize<const ADD: bool>(q: &[u8], scale: f32, out: &mut [f32]) {
+        let main = out.len() / W * W;
+        let sc = _mm512_set1_ps(scale);
+        for i in (0..main).step_by(W) {
+            // SAFETY: i + W <= main, within out and q (q.len() == out.len()).
+            unsafe {
+                let levels = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.as_ptr().add(i).cast()));
+                let d = _mm512_mul_ps(_mm512_cvtepi32_ps(levels), sc);
+                let o = out.as_mut_ptr().add(i);
+                _mm512_storeu_ps(o, if ADD { _mm512_add_ps(_mm512_loadu_ps(o), d) } else { d });
+            }
+        }
+        one_by_one::dequantize::<ADD>(&q[main..], scale, &mut out[main..]);
+    }
+}
+
+/// Int8's block loops in AVX2 intrinsics, 8 values per step (as `avx512`; the level's byte is
+/// picked by a byte shuffle).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::lanes::{one_by_one, Int8Ops};
+    use super::ROUNDER;
+
+    pub(super) struct Avx2;
+
+    impl Int8Ops for Avx2 {
+        #[inline(always)]
+        unsafe fn max_bits(x: &[f32], r: Option<&[f32]>) -> u32 {
+            // SAFETY: the caller runs on a CPU with AVX2.
+            unsafe { max_bits(x, r) }
+        }
+        #[inline(always)]
+        unsafe fn quantize(x: &[f32], r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32) {
+            // SAFETY: as above.
+            unsafe { quantize(x, r, q, scale, inverse) }
+        }
+        #[inline(always)]
+        unsafe fn quantize_in_place(x: &mut [f32], r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32) {
+            // SAFETY: as above.
+            unsafe { quantize_in_place(x, r, q, scale, inverse) }
+        }
+        #[inline(always)]
+        unsafe fn dequantize<const ADD: bool>(q: &[u8], scale: f32, out: &mut [f32]) {
+            // SAFETY: as above.
+            unsafe { dequantize::<ADD>(q, scale, out) }
+        }
+    }
+
+    const W: usize = 8;
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn max_bits(x: &[f32], r: Option<&[f32]>) -> u32 {
+        let main = x.len() / W * W;
+        let magnitude = _mm256_set1_epi32(0x7fff_ffff);
+        let mut acc = _mm256_setzero_si256();
+        for i in (0..main).step_by(W) {
+            // SAFETY: i + W <= main <= x.len() (and r.len() == x.len()).
+            let v = unsafe {
+                let v = _mm256_loadu_ps(x.as_ptr().add(i));
+                match r {
+                    Some(r) => _mm256_add_ps(v, _mm256_loadu_ps(r.as_ptr().add(i))),
+                    None => v,
+                }
+            };
+            acc = _mm256_max_epu32(acc, _mm256_and_si256(_mm256_castps_si256(v), magnitude));
+        }
+        let mut lanes = [0u32; W];
+        // SAFETY: `lanes` holds 32 bytes.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+        let tail = one_by_one::max_bits(&x[main..], r.map(|r| &r[main..]));
+        lanes.iter().fold(tail, |m, l| m.max(*l))
+    }
+
+    /// The 8 levels of `values` as the low 8 bytes of a register, and their decoded values.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn levels(values: __m256, inverse: __m256, scale: __m256) -> (__m128i, __m256) {
+        let t = _mm256_castps_si256(_mm256_add_ps(_mm256_mul_ps(values, inverse), _mm256_set1_ps(ROUNDER)));
+        // Byte 0 of each 32-bit lane to the front of its 128-bit half, then both halves' first
+        // dwords together.
+        let picked = _mm256_shuffle_epi8(
+            t,
+            _mm256_setr_epi8(
+                0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1,
+                -1, -1, -1, -1, -1,
+            ),
+        );
+        let bytes =
+            _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(picked, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0)));
+        let whole = _mm256_cvtepi32_ps(_mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(t)));
+        (bytes, _mm256_mul_ps(whole, scale))
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn quantize(x: &[f32], mut r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32) {
+        let main = x.len() / W * W;
+        let (inv, sc) = (_mm256_set1_ps(inverse), _mm256_set1_ps(scale));
+        for i in (0..main).step_by(W) {
+            // SAFETY: i + W <= main, within x, q and r (all of x.len()).
+            unsafe {
+                let v = _mm256_loadu_ps(x.as_ptr().add(i));
+                match r.as_deref_mut() {
+                    Some(r) => {
+                        let value = _mm256_add_ps(v, _mm256_loadu_ps(r.as_ptr().add(i)));
+                        let (bytes, kept) = levels(value, inv, sc);
+                        _mm_storel_epi64(q.as_mut_ptr().add(i).cast(), bytes);
+                        _mm256_storeu_ps(r.as_mut_ptr().add(i), _mm256_sub_ps(value, kept));
+                    }
+                    None => _mm_storel_epi64(q.as_mut_ptr().add(i).cast(), levels(v, inv, sc).0),
+                }
+            }
+        }
+        let mut tail = x[main..].to_vec();
+        one_by_one::quantize(&mut tail, r.map(|r| &mut r[main..]), &mut q[main..], scale, inverse, true, false);
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn quantize_in_place(x: &mut [f32], mut r: Option<&mut [f32]>, q: &mut [u8], scale: f32, inverse: f32) {
+        let main = x.len() / W * W;
+        let (inv, sc) = (_mm256_set1_ps(inverse), _mm256_set1_ps(scale));
+        for i in (0..main).step_by(W) {
+            // SAFETY: i + W <= main, within x, q and r (all of x.len()).
+            unsafe {
+                let mut value = _mm256_loadu_ps(x.as_ptr().add(i));
+                if let Some(r) = r.as_deref() {
+                    value = _mm256_add_ps(value, _mm256_loadu_ps(r.as_ptr().add(i)));
+                }
+                let (bytes, kept) = levels(value, inv, sc);
+                _mm_storel_epi64(q.as_mut_ptr().add(i).cast(), bytes);
+                if let Some(r) = r.as_deref_mut() {
+                    _mm256_storeu_ps(r.as_mut_ptr().add(i), _mm256_sub_ps(value, kept));
+                }
+                _mm256_storeu_ps(x.as_mut_ptr().add(i), kept);
+            }
+        }
+        one_by_one::quantize(&mut x[main..], r.map(|r| &mut r[main..]), &mut q[main..], scale, inverse, true, true);
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn dequantize<const ADD: bool>(q: &[u8], scale: f32, out: &mut [f32]) {
+        let main = out.len() / W * W;
+        let sc = _mm256_set1_ps(scale);
+        for i in (0..main).step_by(W) {
+            // SAFETY: i + W <= main, within out and q (q.len() == out.len()).
+            unsafe {
+                let levels = _mm256_cvtepi8_epi32(_mm_loadl_epi64(q.as_ptr().add(i).cast()));
+                let d = _mm256_mul_ps(_mm256_cvtepi32_ps(levels), sc);
+                let o = out.as_mut_ptr().add(i);
+                _mm256_storeu_ps(o, if ADD { _mm256_add_ps(_mm256_loadu_ps(o), d) } else { d });
+            }
+        }
+        one_by_one::dequantize::<ADD>(&q[main..], scale, &mut out[main..]);
     }
 }
 
@@ -747,7 +990,14 @@ mod tests {
         reduce(isa, codec, &views, n as f32, &mut reduced, Some(reencode));
         let mut unfed = vec![1f32; len];
         let mut unfed_payload = vec![0u8; bytes];
-        reduce(isa, codec, &views, n as f32, &mut unfed, Some(Reencode { payload: &mut unfed_payload, residual: None }));
+        reduce(
+            isa,
+            codec,
+            &views,
+            n as f32,
+            &mut unfed,
+            Some(Reencode { payload: &mut unfed_payload, residual: None }),
+        );
         Outputs {
             payload,
             residual: bits(&residual),
