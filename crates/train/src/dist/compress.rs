@@ -16,8 +16,12 @@
 //! same way, so the result does not depend on timing.
 //!
 //! **All-reduce (average)** = that reduce-scatter, then each rank encodes its averaged shard again
-//! and the payloads are all-gathered as bytes; every rank decodes every shard, its own included,
-//! so all ranks hold the same bits.
+//! and the payloads are all-gathered as bytes; every rank ends with every shard's decoded value,
+//! its own included, so all ranks hold the same bits (a rank writes its own shard's decoded value
+//! while encoding it, in the same pass that averages it, and decodes the other ranks' shards).
+//!
+//! **Kernels** (`codec`): a scalar definition and a vectorized version (AVX-512 or AVX2, picked at
+//! run time) that gives the same bits, so results and residuals do not depend on the CPU.
 //!
 //! **Error feedback** (`error_feedback`, as in 1-bit Adam and ZeRO++). What the encoding lost this
 //! step (the residual: value minus decoded value) is kept per reduced buffer, keyed by a
