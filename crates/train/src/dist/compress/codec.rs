@@ -618,9 +618,6 @@ mod lanes {
 /// definition's operation on every lane: the same IEEE adds and multiplies, the level's byte by
 /// truncation (`vpmovdb`) and its i8 sign-extended back, so the bits equal the scalar code's.
 #[cfg(target_arch = "x86_64")]
-// AVX-512 intrinsics are stable since Rust 1.89, which the workspace already needs (the
-// `avx512f` target feature of `kernels.rs` is too); its declared rust-version (1.85) is behind.
-#[allow(clippy::incompatible_msrv)]
 mod avx512 {
     use std::arch::x86_64::*;
 
