@@ -27,6 +27,8 @@ const STATE_SHAPE: &[&str] = &[
     "train.micro_batch=1",
     "train.precision=fp32",
     "train.warmup_steps=2",
+    // The monitors' pass every tenth step is the same on every side and only adds noise here.
+    "train.monitor_every=0",
 ];
 
 #[derive(Debug, clap::Args)]
@@ -71,9 +73,23 @@ struct RunFigures {
     commits: u64,
     host_bytes: u64,
     wait_s: f64,
+    /// Wall time of every step after the first two (warm-up), ms: against a run without
+    /// checkpoints, what the checkpoints cost the run in all (their copies, the writer's CPU time
+    /// and memory traffic beside the steps, retention).
+    total_ms: f64,
 }
 
-fn run_train(args: &CkptBenchArgs, name: &str, background: bool) -> anyhow::Result<RunFigures> {
+/// How a benchmark run checkpoints.
+#[derive(Clone, Copy, PartialEq)]
+enum Saves {
+    Background,
+    Synchronous,
+    /// No checkpoints: the reference for the whole-run cost.
+    None,
+}
+
+fn run_train(args: &CkptBenchArgs, name: &str, saves: Saves) -> anyhow::Result<RunFigures> {
+    let background = saves == Saves::Background;
     let run_dir = args.dir.join(name);
     if run_dir.exists() {
         std::fs::remove_dir_all(&run_dir).with_context(|| format!("cannot clear {}", run_dir.display()))?;
@@ -86,7 +102,7 @@ fn run_train(args: &CkptBenchArgs, name: &str, background: bool) -> anyhow::Resu
         format!("run.dir={}", toml::Value::String(args.dir.display().to_string())),
         format!("run.name={name}"),
         format!("train.steps={steps}"),
-        format!("ckpt.every={}", args.every),
+        format!("ckpt.every={}", if saves == Saves::None { 0 } else { args.every }),
         "ckpt.keep=1".into(),
         "ckpt.at_end=false".into(),
         format!("ckpt.background={background}"),
@@ -113,6 +129,19 @@ fn run_train(args: &CkptBenchArgs, name: &str, background: bool) -> anyhow::Resu
         }
         walls.push((step, v["step_ms"].as_f64().context("step_ms in metrics")?));
     }
+    let total_ms = walls.iter().filter(|&&(step, _)| step > 2).map(|&(_, ms)| ms).sum();
+    if saves == Saves::None {
+        return Ok(RunFigures {
+            stalls_ms: Vec::new(),
+            excess_ms: Vec::new(),
+            bytes_written: 0,
+            write_s: 0.0,
+            commits: 0,
+            host_bytes: 0,
+            wait_s: 0.0,
+            total_ms,
+        });
+    }
     let excess_ms = wall_excess(&walls, args.every, args.checkpoints);
     let stats: Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("checkpoint-stats.json"))?)?;
     let number = |key: &str| stats[key].as_f64().with_context(|| format!("{key} in checkpoint-stats.json"));
@@ -124,6 +153,7 @@ fn run_train(args: &CkptBenchArgs, name: &str, background: bool) -> anyhow::Resu
         commits: number("commits")? as u64,
         host_bytes: number("host_bytes")? as u64,
         wait_s: number("wait_s")?,
+        total_ms,
     })
 }
 
@@ -262,9 +292,14 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     let (mut state_bytes, mut host_bytes, mut waits) = (0u64, 0u64, Vec::new());
     let (mut copy_stream, mut copy_plain, mut disk_direct) = (Vec::new(), Vec::new(), Vec::new());
     let (mut async_excess, mut sync_excess) = (Vec::new(), Vec::new());
+    let (mut async_run, mut sync_run) = (Vec::new(), Vec::new());
     for pair in 0..args.pairs {
-        let a = run_train(&args, &format!("async-{pair}"), true)?;
-        let b = run_train(&args, &format!("sync-{pair}"), false)?;
+        let a = run_train(&args, &format!("async-{pair}"), Saves::Background)?;
+        let b = run_train(&args, &format!("sync-{pair}"), Saves::Synchronous)?;
+        let none = run_train(&args, &format!("none-{pair}"), Saves::None)?;
+        let per_checkpoint = |run: &RunFigures| (run.total_ms - none.total_ms) / args.checkpoints as f64;
+        async_run.push(per_checkpoint(&a));
+        sync_run.push(per_checkpoint(&b));
         state_bytes = b.bytes_written / b.commits.max(1);
         let (write, _) = disk_bandwidth(&args.dir, state_bytes as usize)?;
         disk.push(write / 1e9);
@@ -288,15 +323,18 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         restore_s.push(restore);
         // Each run keeps a checkpoint of the whole state: keep only the last one (the peers' input).
         std::fs::remove_dir_all(args.dir.join(format!("async-{pair}")))?;
+        std::fs::remove_dir_all(args.dir.join(format!("none-{pair}")))?;
         if pair + 1 < args.pairs {
             std::fs::remove_dir_all(args.dir.join(format!("sync-{pair}")))?;
         }
         println!(
-            "pair {pair}: background stalls {:?} ms (wall excess {:?}), synchronous saves {:?} ms (wall excess {:?}), disk {:.2} GB/s",
+            "round {pair}: background stalls {:?} ms (wall excess {:?}; whole run {:.0} ms a checkpoint), synchronous saves {:?} ms (wall excess {:?}; whole run {:.0} ms a checkpoint), disk {:.2} GB/s",
             a.stalls_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
             a.excess_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            async_run[pair],
             b.stalls_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
             b.excess_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            sync_run[pair],
             write / 1e9
         );
     }
@@ -313,6 +351,16 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
             &async_excess,
         ),
         row("synchronous save: wall time of its step and the next beyond two ordinary steps", "ms", &sync_excess),
+        row(
+            "background checkpoint: the whole run's wall time beyond a run without checkpoints, per checkpoint",
+            "ms",
+            &async_run,
+        ),
+        row(
+            "synchronous save: the whole run's wall time beyond a run without checkpoints, per checkpoint",
+            "ms",
+            &sync_run,
+        ),
         row("background checkpoint: ckpt_stall phase (warm host buffers)", "ms", &async_steady),
         row("background checkpoint: step stall, first two (buffers faulted in)", "ms", &async_first),
         row("background: back-pressure waits per run", "ms", &waits),
@@ -335,6 +383,9 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     let (tput, _, _) = spread(&sync_tput);
     let (disk_median, _, _) = spread(&disk);
     let stall_ratio = stall / save;
+    // Per round, so each ratio's two runs are neighbours in time.
+    let run_ratios: Vec<f64> = async_run.iter().zip(&sync_run).map(|(a, s)| a / s).collect();
+    let (run_ratio, run_ratio_min, run_ratio_max) = spread(&run_ratios);
     let tput_ratio = tput / disk_median;
     let (direct_median, _, _) = spread(&disk_direct);
     let (copy_median, _, _) = spread(&copy_stream);
@@ -347,6 +398,12 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         100.0 * phase_stall / phase_save,
         100.0 * tput_ratio,
         if tput_ratio >= 0.7 { "met" } else { "NOT met" }
+    );
+    println!(
+        "whole-run cost, background / synchronous, per round: {:.1}% ({:.1}-{:.1}%; everything a checkpoint costs the run: the copy, the writer's CPU time (CRC-32 of every byte) and memory traffic beside the steps, retention)",
+        100.0 * run_ratio,
+        100.0 * run_ratio_min,
+        100.0 * run_ratio_max
     );
     println!(
         "save throughput / O_DIRECT disk write: {:.0}%; the copy alone at the measured copy speed would be {:.1}% of the synchronous save (the floor of the first ratio)",
@@ -406,6 +463,7 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         let out = json!({
             "state_bytes": state_bytes, "host_bytes": host_bytes, "rows": rows,
             "stall_over_sync_save": stall_ratio, "ckpt_stall_phase_over_sync_save": phase_stall / phase_save,
+            "whole_run_over_sync_save": run_ratio,
             "save_throughput_over_disk": tput_ratio,
             "save_throughput_over_direct_disk": tput / direct_median, "copy_floor_over_sync_save": stall_floor_ratio,
             "write_path_over_raw_write": write_path_ratio, "peer": peer,

@@ -222,32 +222,40 @@ fn safetensors_files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> 
 
 #[test]
 fn a_copy_beside_the_next_step_holds_its_own_steps_state() {
-    // Checkpoints every other step, kept: their copies run beside the next step's forward and
-    // backward (ckpt.overlap), or inside their own step. Byte for byte the same files, so the
-    // copy read each step's state before the next optimizer step wrote it.
+    // Checkpoints every other step, kept: their state is saved by the next step's fused AdamW
+    // update as it overwrites it, or (the tensor-op optimizer) copied beside the next step's
+    // forward and backward (ckpt.overlap); or copied inside their own step. Byte for byte the
+    // same files for each optimizer path, so the save read each step's state before the next
+    // optimizer step wrote it.
     let dir = tempfile::tempdir().unwrap();
     let run_dir = format!("run.dir={}", dir.path().display());
-    let mut trees = Vec::new();
-    for overlap in [true, false] {
-        let name = format!("overlap-{overlap}");
-        let args = [
-            run_dir.as_str(),
-            &format!("run.name={name}"),
-            "model.d_model=128",
-            "train.steps=7",
-            "ckpt.every=2",
-            "ckpt.keep=0",
-            &format!("ckpt.overlap={overlap}"),
-        ];
-        run_ok(&mut stoke(&["train", "--quiet"], &with(&args)));
-        let files = safetensors_files(&dir.path().join(&name));
-        let steps: std::collections::BTreeSet<&str> =
-            files.keys().filter_map(|k| k.split('/').find(|p| p.starts_with("step-"))).collect();
-        assert_eq!(steps.len(), 4, "checkpoints of steps 2, 4, 6 and the last: {:?}", files.keys());
-        trees.push(files);
-    }
-    assert_eq!(trees[0].keys().collect::<Vec<_>>(), trees[1].keys().collect::<Vec<_>>());
-    for (path, bytes) in &trees[0] {
-        assert!(bytes == &trees[1][path], "{path} differs between a copy beside the next step and one inside its own");
+    for fused in [true, false] {
+        let mut trees = Vec::new();
+        for overlap in [true, false] {
+            let name = format!("fused-{fused}-overlap-{overlap}");
+            let args = [
+                run_dir.as_str(),
+                &format!("run.name={name}"),
+                "model.d_model=128",
+                "train.steps=7",
+                "ckpt.every=2",
+                "ckpt.keep=0",
+                &format!("ckpt.overlap={overlap}"),
+                &format!("train.fused_optimizer={fused}"),
+            ];
+            run_ok(&mut stoke(&["train", "--quiet"], &with(&args)));
+            let files = safetensors_files(&dir.path().join(&name));
+            let steps: std::collections::BTreeSet<&str> =
+                files.keys().filter_map(|k| k.split('/').find(|p| p.starts_with("step-"))).collect();
+            assert_eq!(steps.len(), 4, "checkpoints of steps 2, 4, 6 and the last: {:?}", files.keys());
+            trees.push(files);
+        }
+        assert_eq!(trees[0].keys().collect::<Vec<_>>(), trees[1].keys().collect::<Vec<_>>());
+        for (path, bytes) in &trees[0] {
+            assert!(
+                bytes == &trees[1][path],
+                "{path} differs between a checkpoint saved beside the next step and one copied inside its own (fused optimizer: {fused})"
+            );
+        }
     }
 }

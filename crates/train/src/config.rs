@@ -599,10 +599,12 @@ pub struct CkptConfig {
     /// copies of the state. With 2, a snapshot can be taken while the previous one is written;
     /// when all are being written the step waits (counted in `ckpt_stall`). Default 2.
     pub host_buffers: usize,
-    /// A background checkpoint's copy into host memory runs beside the next step's batch,
-    /// forward and backward (which only read the state), on a thread of the lowest priority; the
-    /// next optimizer step first copies what is left (counted in `ckpt_stall`). Only for state
-    /// in CPU memory, unsharded; the run's last checkpoint is copied at once. Default true.
+    /// A background checkpoint's state is not copied within its own step: the next step's fused
+    /// AdamW update saves each block into host memory just before it overwrites it, or (another
+    /// optimizer, the tensor-op update) a thread of the lowest priority copies it beside the next
+    /// step's batch, forward and backward, and the next optimizer step first copies what is left
+    /// (counted in `ckpt_stall`). Only for state in CPU memory, unsharded; the run's last
+    /// checkpoint is copied at once. Default true.
     pub overlap: bool,
     /// Second tier: every committed checkpoint is also copied, in the background, to
     /// "s3://BUCKET/PREFIX" (endpoint and credentials from the `AWS_*` variables) or

@@ -13,11 +13,13 @@
 //! as libtorch ops over the range.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use tch::{Kind, Tensor};
 
 use crate::params::FlatParams;
 use crate::precision::{LossScaler, ScaleOutcome};
+use crate::snapcopy::SaveMap;
 
 /// Hyper-parameters of one AdamW step.
 #[derive(Debug, Clone, Copy)]
@@ -55,6 +57,8 @@ pub struct AdamW {
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     n_steps: u64,
+    /// A pending checkpoint's rooms: the next update saves the values it overwrites there.
+    save: Option<Arc<SaveMap>>,
 }
 
 /// A tensor of the optimizer's state, as a checkpoint stores it.
@@ -71,7 +75,20 @@ pub(crate) const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
 impl AdamW {
     pub fn new(params: &FlatParams) -> AdamW {
-        AdamW { exp_avg: state_buffer(params), exp_avg_sq: state_buffer(params), n_steps: 0 }
+        AdamW { exp_avg: state_buffer(params), exp_avg_sq: state_buffer(params), n_steps: 0, save: None }
+    }
+
+    /// The next `update_range` saves the parameters and moments it overwrites into `save`'s rooms
+    /// (the fused kernel streams each block out just before updating it; the tensor-op path copies
+    /// them all first), then marks it complete. `None` withdraws a map no update took.
+    pub(crate) fn save_in_next_update(&mut self, save: Option<Arc<SaveMap>>) {
+        self.save = save;
+    }
+
+    /// Whether `update_range` over `params` with `kernel` runs the fused kernel, the one that saves
+    /// as it goes.
+    pub(crate) fn updates_fused(&self, params: &FlatParams, kernel: UpdateKernel) -> bool {
+        self.fused_slices(params, &(0..0), kernel).is_some()
     }
 
     /// Optimizer steps taken (the bias corrections' t).
@@ -195,6 +212,7 @@ impl AdamW {
         n_threads: usize,
     ) {
         let t = self.n_steps.max(1) as i32;
+        let save = self.save.take();
         match self.fused_slices(params, &range, kernel) {
             Some(slices) => {
                 let step_size = (hp.lr / (1.0 - hp.beta1.powi(t))) as f32;
@@ -214,10 +232,44 @@ impl AdamW {
                     };
                     let decay = if s.decay { decay_factor } else { 1.0 };
                     let k = UpdateConsts { clip, w1, w2, inv_sqrt_bc2, eps, decay, step_size };
-                    update(g, p, m, v, &k);
+                    match &save {
+                        None => update(g, p, m, v, &k),
+                        Some(save) => {
+                            // A block at a time: its old values streamed into the rooms while
+                            // the update reads them into cache, then updated from there.
+                            let mut at = 0;
+                            while at < s.numel {
+                                let n = SAVE_BLOCK.min(s.numel - at);
+                                let r = at..at + n;
+                                // SAFETY: these blocks are this thread's alone (see `Slices`) and
+                                // nothing writes them until `update` below, on this thread.
+                                unsafe {
+                                    save.save(p[r.clone()].as_ptr(), n);
+                                    save.save(m[r.clone()].as_ptr(), n);
+                                    save.save(v[r.clone()].as_ptr(), n);
+                                }
+                                update(&mut g[r.clone()], &mut p[r.clone()], &mut m[r.clone()], &mut v[r], &k);
+                                at += n;
+                            }
+                        }
+                    }
                 });
             }
-            None => self.update_range_tensor_ops(params, range, hp, grad_multiplier, t),
+            None => {
+                if let Some(save) = &save {
+                    // Not the fused kernel: everything saved before anything changes.
+                    let all = |t: &Tensor| (t.data_ptr() as *const f32, t.numel());
+                    for (ptr, n) in [all(params.param_memory().0), all(&self.exp_avg), all(&self.exp_avg_sq)] {
+                        // SAFETY: whole contiguous CPU buffers (a `SaveMap` is only made for
+                        // such sources), not written until the update below, on this thread.
+                        unsafe { save.save(ptr, n) };
+                    }
+                }
+                self.update_range_tensor_ops(params, range, hp, grad_multiplier, t)
+            }
+        }
+        if let Some(save) = save {
+            save.mark_complete();
         }
     }
 
@@ -413,6 +465,10 @@ pub(crate) fn tensor_sq_sum(t: &Tensor, offset: i64) -> f64 {
     })
 }
 
+/// Elements per block when an update saves as it goes: 64 KiB per buffer, so the block's four
+/// buffers stay in the core's L2 between the streaming copy and the update.
+const SAVE_BLOCK: usize = 1 << 14;
+
 /// The scalars of one parameter's update.
 struct UpdateConsts {
     clip: f32,
@@ -535,6 +591,56 @@ mod tests {
             norms.push(optimizer.step(&params, hp, 5.0, None, kernel, 2).grad_norm);
         }
         (Vec::<f32>::try_from(params.flat()).unwrap(), norms)
+    }
+
+    #[test]
+    fn an_update_that_saves_leaves_the_old_state_in_the_rooms_and_updates_as_one_that_does_not() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let hp = AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        for kernel in [UpdateKernel::Fused, UpdateKernel::TensorOps] {
+            let (plain, saving) = (params(), params());
+            let (mut plain_opt, mut saving_opt) = (AdamW::new(&plain), AdamW::new(&saving));
+            let mut rooms = vec![0f32; 3 * plain.n_elements() as usize + 1];
+            for step in 1..=3 {
+                for (p, o) in [(&plain, &mut plain_opt), (&saving, &mut saving_opt)] {
+                    let loss =
+                        (p.get("w").square().sum(Kind::Float) * 0.01 + p.get("b").sum(Kind::Float)) * step as f64;
+                    loss.backward();
+                    if step == 3 && std::ptr::eq(p, &saving) {
+                        // Rooms one element off 16-byte alignment, in segments that do not
+                        // line up with the blocks or the parameters.
+                        let n = p.n_elements() as usize;
+                        let sources = [p.flat(), &o.exp_avg, &o.exp_avg_sq].map(|t| t.data_ptr() as usize);
+                        let mut segments = Vec::new();
+                        for (i, src) in sources.into_iter().enumerate() {
+                            let mut at = 0;
+                            while at < n {
+                                let len = 5003.min(n - at);
+                                let dst = rooms[1 + i * n + at..].as_mut_ptr() as usize;
+                                segments.push((src + 4 * at, 4 * len, dst));
+                                at += len;
+                            }
+                        }
+                        let before: Vec<f32> = [p.flat(), &o.exp_avg, &o.exp_avg_sq]
+                            .iter()
+                            .flat_map(|t| Vec::<f32>::try_from(*t).unwrap())
+                            .collect();
+                        let save = Arc::new(SaveMap::new(segments));
+                        o.save_in_next_update(Some(Arc::clone(&save)));
+                        o.step(p, hp, 5.0, None, kernel, 2);
+                        assert!(save.is_complete(), "{kernel:?}: the update marked the rooms filled");
+                        assert!(rooms[1..] == before[..], "{kernel:?}: the rooms hold the state before the update");
+                        assert_eq!(rooms[0], 0.0);
+                    } else {
+                        o.step(p, hp, 5.0, None, kernel, 2);
+                    }
+                }
+            }
+            let flat = |p: &FlatParams| Vec::<f32>::try_from(p.flat()).unwrap();
+            assert!(flat(&plain) == flat(&saving), "{kernel:?}: saving changed the update");
+            let moments = |o: &AdamW| Vec::<f32>::try_from(&o.exp_avg_sq).unwrap();
+            assert!(moments(&plain_opt) == moments(&saving_opt));
+        }
     }
 
     #[test]

@@ -605,6 +605,22 @@ impl Optimizer {
         }
     }
 
+    /// Whether the next update can save a pending checkpoint's state as it goes
+    /// (`save_in_next_update`): AdamW's fused CPU kernel over `params`.
+    pub(crate) fn saves_in_update(&self, params: &FlatParams, kernel: UpdateKernel) -> bool {
+        matches!(self, Optimizer::AdamW(o) if o.updates_fused(params, kernel))
+    }
+
+    /// Hands AdamW's next update the rooms to save into (`None`: withdraws them); the other
+    /// optimizers never take one (`saves_in_update` is false for them).
+    pub(crate) fn save_in_next_update(&mut self, save: Option<std::sync::Arc<crate::snapcopy::SaveMap>>) {
+        if let Optimizer::AdamW(o) = self {
+            o.save_in_next_update(save);
+        } else {
+            assert!(save.is_none(), "only AdamW saves a checkpoint in its update");
+        }
+    }
+
     /// `step`, given the sum of squared gradients of the whole model (under ZeRO, the ranks' shard
     /// sums added), over all of `params` (under ZeRO, the shard). `whole_norms` turns LAMB's
     /// per-tensor sums over `params` into the whole tensors' (under ZeRO, every rank's pieces

@@ -737,11 +737,18 @@ impl Trainer {
                 memory = step_memory;
             }
             hooks.before_optimizer(&mut clock)?;
-            if pending.is_some() {
-                // The optimizer writes what the copy reads: the rest of the copy is this step's stall.
-                clock.lap(Phase::Other);
-                submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
-                clock.lap(Phase::CkptStall);
+            if let Some(copy) = &pending {
+                match copy.save_map() {
+                    // The update saves the state it overwrites.
+                    Some(save) => self.optimizer.save_in_next_update(Some(save)),
+                    None => {
+                        // The optimizer writes what the copy reads: the rest of the copy is this
+                        // step's stall.
+                        clock.lap(Phase::Other);
+                        submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
+                        clock.lap(Phase::CkptStall);
+                    }
+                }
             }
             // The global batch of this step (the adaptive batch size may have grown it).
             let lr = self.train.lr_at_batch(self.step, self.global_batch());
@@ -752,7 +759,16 @@ impl Trainer {
             let local_loss = loss_sum.double_value(&[]);
             let monitored = logged && self.train.monitor_every > 0 && step_number % self.train.monitor_every == 0;
             let before_update = (monitored && !self.sharded).then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0)));
-            let outcome = self.optimizer_step(lr, local_loss.is_finite(), hooks, &mut clock)?;
+            let outcome = self.optimizer_step(lr, local_loss.is_finite(), hooks, &mut clock);
+            if pending.is_some() {
+                // An update that ran saved the snapshot; one that did not (skipped, not finite, an
+                // error) left the state as it was, and `finish` copies it now.
+                self.optimizer.save_in_next_update(None);
+                clock.lap(Phase::Optimizer);
+                submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
+                clock.lap(Phase::CkptStall);
+            }
+            let outcome = outcome?;
             let outcome = match outcome {
                 Ok(outcome) => outcome,
                 Err(grad_norm) => {
@@ -840,6 +856,10 @@ impl Trainer {
                 }
                 if deferred.is_empty() {
                     submit(&mut target.writer, snapshot, best_eval)?;
+                } else if self.optimizer.saves_in_update(self.model.params(), self.kernel())
+                    && std::env::var_os("STOKE_CKPT_SAVE_IN_UPDATE").is_none_or(|v| v != "0")
+                {
+                    pending = Some(PendingCopy::for_optimizer(snapshot, deferred, best_eval));
                 } else {
                     pending = Some(PendingCopy::start(snapshot, deferred, best_eval));
                 }
