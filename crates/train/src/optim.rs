@@ -59,6 +59,10 @@ pub struct AdamW {
     n_steps: u64,
     /// A pending checkpoint's rooms: the next update saves the values it overwrites there.
     save: Option<Arc<SaveMap>>,
+    /// The next fused update measures, per parameter, the squared norms of its change and of the
+    /// weights before it (the monitors' update ratios), into `update_norms`.
+    measure: bool,
+    update_norms: Option<Vec<(f64, f64)>>,
 }
 
 /// A tensor of the optimizer's state, as a checkpoint stores it.
@@ -75,7 +79,14 @@ pub(crate) const MOMENTS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 
 impl AdamW {
     pub fn new(params: &FlatParams) -> AdamW {
-        AdamW { exp_avg: state_buffer(params), exp_avg_sq: state_buffer(params), n_steps: 0, save: None }
+        AdamW {
+            exp_avg: state_buffer(params),
+            exp_avg_sq: state_buffer(params),
+            n_steps: 0,
+            save: None,
+            measure: false,
+            update_norms: None,
+        }
     }
 
     /// The next `update_range` saves the parameters and moments it overwrites into `save`'s rooms
@@ -85,8 +96,22 @@ impl AdamW {
         self.save = save;
     }
 
+    /// The next fused update measures each parameter's (||w_new - w_old||^2, ||w_old||^2) as it
+    /// goes, for `take_update_norms`: the monitors' update ratios without a copy of the weights.
+    pub(crate) fn measure_next_update(&mut self) {
+        self.measure = true;
+        self.update_norms = None;
+    }
+
+    /// Per parameter (the order of `FlatParams::entries`), the squared norms the last measured
+    /// update found; None when no update ran since `measure_next_update` (a skipped step).
+    pub(crate) fn take_update_norms(&mut self) -> Option<Vec<(f64, f64)>> {
+        self.measure = false;
+        self.update_norms.take()
+    }
+
     /// Whether `update_range` over `params` with `kernel` runs the fused kernel, the one that saves
-    /// as it goes.
+    /// and measures as it goes.
     pub(crate) fn updates_fused(&self, params: &FlatParams, kernel: UpdateKernel) -> bool {
         self.fused_slices(params, &(0..0), kernel).is_some()
     }
@@ -220,7 +245,8 @@ impl AdamW {
                 let (w1, w2, eps) = ((1.0 - hp.beta1) as f32, (1.0 - hp.beta2) as f32, hp.eps as f32);
                 let decay_factor = (1.0 - hp.lr * hp.weight_decay) as f32;
                 let clip = grad_multiplier as f32;
-                run_split(&slices, n_threads, |s| {
+                let measure = std::mem::take(&mut self.measure);
+                let sums = run_split(&slices, n_threads, |s| {
                     // SAFETY: see `Slices`: this thread is the only one touching these four ranges.
                     let (g, p, m, v) = unsafe {
                         (
@@ -232,28 +258,48 @@ impl AdamW {
                     };
                     let decay = if s.decay { decay_factor } else { 1.0 };
                     let k = UpdateConsts { clip, w1, w2, inv_sqrt_bc2, eps, decay, step_size };
-                    match &save {
-                        None => update(g, p, m, v, &k),
-                        Some(save) => {
-                            // A block at a time: its old values streamed into the rooms while
-                            // the update reads them into cache, then updated from there.
-                            let mut at = 0;
-                            while at < s.numel {
-                                let n = SAVE_BLOCK.min(s.numel - at);
-                                let r = at..at + n;
-                                // SAFETY: these blocks are this thread's alone (see `Slices`) and
-                                // nothing writes them until `update` below, on this thread.
-                                unsafe {
-                                    save.save(p[r.clone()].as_ptr(), n);
-                                    save.save(m[r.clone()].as_ptr(), n);
-                                    save.save(v[r.clone()].as_ptr(), n);
-                                }
-                                update(&mut g[r.clone()], &mut p[r.clone()], &mut m[r.clone()], &mut v[r], &k);
-                                at += n;
+                    if save.is_none() && !measure {
+                        update(g, p, m, v, &k);
+                        return (0.0, 0.0);
+                    }
+                    // A block at a time: its old values streamed into the rooms (and the old
+                    // weights kept for the norms) while the update reads them into cache, then
+                    // the block updated from there.
+                    let mut old = if measure { vec![0f32; SAVE_BLOCK.min(s.numel)] } else { Vec::new() };
+                    let (mut change_sq, mut weight_sq) = (0.0, 0.0);
+                    let mut at = 0;
+                    while at < s.numel {
+                        let n = SAVE_BLOCK.min(s.numel - at);
+                        let r = at..at + n;
+                        if let Some(save) = &save {
+                            // SAFETY: these blocks are this thread's alone (see `Slices`) and
+                            // nothing writes them until `update` below, on this thread.
+                            unsafe {
+                                save.save(p[r.clone()].as_ptr(), n);
+                                save.save(m[r.clone()].as_ptr(), n);
+                                save.save(v[r.clone()].as_ptr(), n);
                             }
                         }
+                        if measure {
+                            old[..n].copy_from_slice(&p[r.clone()]);
+                        }
+                        update(&mut g[r.clone()], &mut p[r.clone()], &mut m[r.clone()], &mut v[r.clone()], &k);
+                        if measure {
+                            weight_sq += sum_of_squares(&old[..n]);
+                            change_sq += sum_of_squared_differences(&p[r], &old[..n]);
+                        }
+                        at += n;
                     }
+                    (change_sq, weight_sq)
                 });
+                if measure {
+                    let mut per_entry = vec![(0.0, 0.0); params.entries().len()];
+                    for (s, (change_sq, weight_sq)) in slices.iter().zip(sums) {
+                        per_entry[s.entry].0 += change_sq;
+                        per_entry[s.entry].1 += weight_sq;
+                    }
+                    self.update_norms = Some(per_entry);
+                }
             }
             None => {
                 if let Some(save) = &save {
@@ -428,6 +474,21 @@ pub(crate) fn sum_of_squares(g: &[f32]) -> f64 {
     sum
 }
 
+/// Sum of squares of `a - b` (the difference taken in fp32, as a tensor subtraction would), in
+/// f64 over eight lanes like `sum_of_squares`.
+fn sum_of_squared_differences(a: &[f32], b: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let (chunks_a, chunks_b) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f64 = chunks_a.remainder().iter().zip(chunks_b.remainder()).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+    for (ca, cb) in chunks_a.zip(chunks_b) {
+        for ((lane, &x), &y) in lanes.iter_mut().zip(ca).zip(cb) {
+            let d = f64::from(x - y);
+            *lane += d * d;
+        }
+    }
+    lanes.iter().sum::<f64>() + tail
+}
+
 /// Elements per chunk in `tensor_sq_sum`: chunk norms taken in fp32 sum to within about 1e-9
 /// of the exact value at this length (124 M elements), where one fp32 reduction over the whole
 /// buffer was off by 2.6% and chunks of 65,536 by 3e-7.
@@ -465,7 +526,7 @@ pub(crate) fn tensor_sq_sum(t: &Tensor, offset: i64) -> f64 {
     })
 }
 
-/// Elements per block when an update saves as it goes: 64 KiB per buffer, so the block's four
+/// Elements per block when an update saves or measures as it goes: 64 KiB per buffer, so the block's four
 /// buffers stay in the core's L2 between the streaming copy and the update.
 const SAVE_BLOCK: usize = 1 << 14;
 
@@ -594,7 +655,7 @@ mod tests {
     }
 
     #[test]
-    fn an_update_that_saves_leaves_the_old_state_in_the_rooms_and_updates_as_one_that_does_not() {
+    fn an_update_that_saves_and_measures_leaves_the_old_state_in_the_rooms_and_updates_as_one_that_does_not() {
         let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let hp = AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
         for kernel in [UpdateKernel::Fused, UpdateKernel::TensorOps] {
@@ -627,8 +688,32 @@ mod tests {
                             .collect();
                         let save = Arc::new(SaveMap::new(segments));
                         o.save_in_next_update(Some(Arc::clone(&save)));
+                        o.measure_next_update();
                         o.step(p, hp, 5.0, None, kernel, 2);
                         assert!(save.is_complete(), "{kernel:?}: the update marked the rooms filled");
+                        // The measured norms: each parameter's change and weights, as from copies.
+                        let norms = o.take_update_norms();
+                        if kernel == UpdateKernel::Fused {
+                            let norms = norms.expect("the fused update measured");
+                            let after = Vec::<f32>::try_from(p.flat()).unwrap();
+                            for (e, &(change, weight)) in p.entries().iter().zip(&norms) {
+                                let r = e.offset as usize..(e.offset + e.numel) as usize;
+                                let w: f64 = before[r.clone()].iter().map(|&x| f64::from(x).powi(2)).sum();
+                                let c: f64 = after[r.clone()]
+                                    .iter()
+                                    .zip(&before[r])
+                                    .map(|(&a, &b)| f64::from(a - b).powi(2))
+                                    .sum();
+                                assert!(
+                                    (weight - w).abs() <= 1e-12 * w && (change - c).abs() <= 1e-12 * c,
+                                    "{}",
+                                    e.name
+                                );
+                                assert!(c > 0.0);
+                            }
+                        } else {
+                            assert!(norms.is_none(), "the tensor-op update measures nothing");
+                        }
                         assert!(rooms[1..] == before[..], "{kernel:?}: the rooms hold the state before the update");
                         assert_eq!(rooms[0], 0.0);
                     } else {

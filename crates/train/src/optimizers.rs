@@ -611,6 +611,23 @@ impl Optimizer {
         matches!(self, Optimizer::AdamW(o) if o.updates_fused(params, kernel))
     }
 
+    /// Asks AdamW's next fused update to measure its change per parameter (`take_update_norms`);
+    /// call only where `saves_in_update` holds.
+    pub(crate) fn measure_next_update(&mut self) {
+        if let Optimizer::AdamW(o) = self {
+            o.measure_next_update();
+        }
+    }
+
+    /// Per parameter, (||change||^2, ||weights before||^2) of the last measured update; None when
+    /// no update ran (a skipped step) or none was asked for.
+    pub(crate) fn take_update_norms(&mut self) -> Option<Vec<(f64, f64)>> {
+        match self {
+            Optimizer::AdamW(o) => o.take_update_norms(),
+            _ => None,
+        }
+    }
+
     /// Hands AdamW's next update the rooms to save into (`None`: withdraws them); the other
     /// optimizers never take one (`saves_in_update` is false for them).
     pub(crate) fn save_in_next_update(&mut self, save: Option<std::sync::Arc<crate::snapcopy::SaveMap>>) {

@@ -758,7 +758,15 @@ impl Trainer {
             // synchronizes anyway) or gradient norm stops the run before the update.
             let local_loss = loss_sum.double_value(&[]);
             let monitored = logged && self.train.monitor_every > 0 && step_number % self.train.monitor_every == 0;
-            let before_update = (monitored && !self.sharded).then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0)));
+            // The fused AdamW measures the update ratios as it updates; other paths copy the
+            // weights first.
+            let measured_in_update =
+                monitored && !self.sharded && self.optimizer.saves_in_update(self.model.params(), self.kernel());
+            let before_update = (monitored && !self.sharded)
+                .then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0), !measured_in_update));
+            if measured_in_update {
+                self.optimizer.measure_next_update();
+            }
             let outcome = self.optimizer_step(lr, local_loss.is_finite(), hooks, &mut clock);
             if pending.is_some() {
                 // An update that ran saved the snapshot; one that did not (skipped, not finite, an
@@ -794,9 +802,13 @@ impl Trainer {
                     return Err(TrainError::NonFinite(Box::new(NanDump { latest_checkpoint: latest, ..dump })));
                 }
             };
+            let update_norms = self.optimizer.take_update_norms();
             let monitors = before_update.map(|(grad_norm, params_before)| BlockMonitors {
                 grad_norm,
-                update_ratio: self.update_ratios(&params_before),
+                update_ratio: match params_before {
+                    Some(before) => self.update_ratios(&before),
+                    None => self.unit_update_ratios(update_norms.as_deref()),
+                },
             });
             clock.lap(Phase::Optimizer);
             self.step = step_number;
@@ -1115,9 +1127,9 @@ impl Trainer {
         });
     }
 
-    /// Each unit's gradient norm (divided by the loss scale), and a copy of the parameters before
-    /// the update, for `update_ratios`.
-    fn block_grad_norms(&self, scale: f64) -> (Vec<f64>, Tensor) {
+    /// Each unit's gradient norm (divided by the loss scale), and (`copy`) a copy of the parameters
+    /// before the update, for `update_ratios`.
+    fn block_grad_norms(&self, scale: f64, copy: bool) -> (Vec<f64>, Option<Tensor>) {
         let params = self.model.params();
         let kernel = self.kernel();
         let norms = params
@@ -1125,7 +1137,28 @@ impl Trainer {
             .iter()
             .map(|u| self.optimizer.grad_sq_sum(params, u.range.clone(), kernel, self.n_threads).sqrt() / scale)
             .collect();
-        (norms, params.flat().detach().copy())
+        (norms, copy.then(|| params.flat().detach().copy()))
+    }
+
+    /// Each unit's ||Δw|| / ||w|| from the per-parameter squared norms a measured update found
+    /// (`Optimizer::take_update_norms`); no update (a skipped step): 0 for every unit, as the copy's
+    /// way gives.
+    fn unit_update_ratios(&self, norms: Option<&[(f64, f64)]>) -> Vec<f64> {
+        self.model
+            .params()
+            .units()
+            .iter()
+            .map(|u| {
+                let (change, weight) = norms.map_or((0.0, 0.0), |n| {
+                    n[u.entries.clone()].iter().fold((0.0, 0.0), |(c, w), &(dc, dw)| (c + dc, w + dw))
+                });
+                if weight > 0.0 {
+                    (change / weight).sqrt()
+                } else {
+                    0.0
+                }
+            })
+            .collect()
     }
 
     /// ||w_after - w_before|| / ||w_before|| per unit.
