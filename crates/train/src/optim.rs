@@ -272,6 +272,33 @@ impl AdamW {
                         let n = SAVE_BLOCK.min(s.numel - at);
                         let r = at..at + n;
                         if let Some(save) = &save {
+                            if !measure {
+                                let rooms = [
+                                    save.room_of(p[r.clone()].as_ptr(), n),
+                                    save.room_of(m[r.clone()].as_ptr(), n),
+                                    save.room_of(v[r.clone()].as_ptr(), n),
+                                ];
+                                if let [Some(dp), Some(dm), Some(dv)] = rooms {
+                                    // SAFETY: each room holds `n` f32 (`room_of`), lies in the
+                                    // pending snapshot's buffer, which outlives the update, and
+                                    // no other thread writes it (the blocks are this thread's).
+                                    let saved = unsafe {
+                                        update_saving(
+                                            &mut g[r.clone()],
+                                            &mut p[r.clone()],
+                                            &mut m[r.clone()],
+                                            &mut v[r.clone()],
+                                            &k,
+                                            [dp, dm, dv],
+                                        )
+                                    };
+                                    if saved {
+                                        save.count_saved(3 * 4 * n);
+                                        at += n;
+                                        continue;
+                                    }
+                                }
+                            }
                             // SAFETY: these blocks are this thread's alone (see `Slices`) and
                             // nothing writes them until `update` below, on this thread.
                             unsafe {
@@ -573,6 +600,102 @@ fn update_portable(g: &mut [f32], p: &mut [f32], m: &mut [f32], v: &mut [f32], k
     }
 }
 
+/// `update` that also streams the old parameters and moments into `rooms` ([p, m, v], each
+/// `p.len()` f32) from the registers the update loads them into: the save costs only its stores.
+/// Bit for bit `update`'s arithmetic. Returns false, doing nothing, where it cannot (no AVX2, or
+/// rooms not equally aligned); the caller then saves another way.
+///
+/// # Safety
+/// Each room must be valid for `p.len()` f32 writes that nothing else reads or writes meanwhile.
+unsafe fn update_saving(
+    g: &mut [f32],
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &UpdateConsts,
+    rooms: [*mut f32; 3],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let offset = |d: *mut f32| d as usize % 32;
+        if std::is_x86_feature_detected!("avx2")
+            && offset(rooms[0]) % 4 == 0
+            && offset(rooms[0]) == offset(rooms[1])
+            && offset(rooms[0]) == offset(rooms[2])
+        {
+            // SAFETY: the CPU has AVX2; the rooms as the caller promised, equally aligned.
+            unsafe { update_saving_avx2(g, p, m, v, k, rooms) };
+            return true;
+        }
+    }
+    let _ = (g, p, m, v, k, rooms);
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn update_saving_avx2(
+    g: &mut [f32],
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &UpdateConsts,
+    rooms: [*mut f32; 3],
+) {
+    use std::arch::x86_64::*;
+    let n = p.len();
+    assert!(g.len() == n && m.len() == n && v.len() == n);
+    let [dp, dm, dv] = rooms;
+    // Plain stores up to the rooms' first 32-byte boundary (the same place in all three), 8
+    // lanes with streaming stores after it, plain stores for the rest.
+    let head = ((32 - dp as usize % 32) % 32 / 4).min(n);
+    let body_end = head + (n - head) / 8 * 8;
+    let scalar = |range: Range<usize>, g: &mut [f32], p: &mut [f32], m: &mut [f32], v: &mut [f32]| {
+        for i in range.clone() {
+            // SAFETY: i < n, inside each room (the caller's promise).
+            unsafe {
+                *dp.add(i) = p[i];
+                *dm.add(i) = m[i];
+                *dv.add(i) = v[i];
+            }
+        }
+        update_portable(&mut g[range.clone()], &mut p[range.clone()], &mut m[range.clone()], &mut v[range], k);
+    };
+    scalar(0..head, g, p, m, v);
+    let (clip, w1, w2) = (_mm256_set1_ps(k.clip), _mm256_set1_ps(k.w1), _mm256_set1_ps(k.w2));
+    let (inv_sqrt_bc2, eps) = (_mm256_set1_ps(k.inv_sqrt_bc2), _mm256_set1_ps(k.eps));
+    let (decay, step_size) = (_mm256_set1_ps(k.decay), _mm256_set1_ps(k.step_size));
+    let (gp, pp, mp, vp) = (g.as_mut_ptr(), p.as_mut_ptr(), m.as_mut_ptr(), v.as_mut_ptr());
+    let mut i = head;
+    while i < body_end {
+        // SAFETY: i + 8 <= n: in bounds of the four slices (unaligned loads and stores) and of the
+        // rooms, whose `i` is 32-byte aligned past `head`, as `_mm256_stream_ps` requires.
+        unsafe {
+            let grad = _mm256_mul_ps(_mm256_loadu_ps(gp.add(i)), clip);
+            let (old_p, old_m, old_v) =
+                (_mm256_loadu_ps(pp.add(i)), _mm256_loadu_ps(mp.add(i)), _mm256_loadu_ps(vp.add(i)));
+            _mm256_stream_ps(dp.add(i), old_p);
+            _mm256_stream_ps(dm.add(i), old_m);
+            _mm256_stream_ps(dv.add(i), old_v);
+            // `update_portable`'s operations in its order (no fused multiply-adds).
+            let new_m = _mm256_add_ps(old_m, _mm256_mul_ps(w1, _mm256_sub_ps(grad, old_m)));
+            let new_v = _mm256_add_ps(old_v, _mm256_mul_ps(w2, _mm256_sub_ps(_mm256_mul_ps(grad, grad), old_v)));
+            let denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(new_v), inv_sqrt_bc2), eps);
+            let step = _mm256_div_ps(_mm256_mul_ps(step_size, new_m), denom);
+            let new_p = _mm256_sub_ps(_mm256_mul_ps(old_p, decay), step);
+            _mm256_storeu_ps(pp.add(i), new_p);
+            _mm256_storeu_ps(mp.add(i), new_m);
+            _mm256_storeu_ps(vp.add(i), new_v);
+            _mm256_storeu_ps(gp.add(i), _mm256_setzero_ps());
+        }
+        i += 8;
+    }
+    // Orders the streaming stores before this thread's later stores (and the join that hands
+    // the snapshot to the writer).
+    _mm_sfence();
+    scalar(body_end..n, g, p, m, v);
+}
+
 /// Runs `work` on every slice, the slices dealt to `n_threads` threads in contiguous runs of about
 /// equal size; returns the results in slice order.
 pub(crate) fn run_split<R: Send + Default + Clone>(
@@ -658,7 +781,10 @@ mod tests {
     fn an_update_that_saves_and_measures_leaves_the_old_state_in_the_rooms_and_updates_as_one_that_does_not() {
         let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let hp = AdamWStep { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
-        for kernel in [UpdateKernel::Fused, UpdateKernel::TensorOps] {
+        // Segments shorter than a block (saved block by block), and whole buffers (saved from the
+        // update's registers).
+        let cases = [(UpdateKernel::Fused, 5003), (UpdateKernel::Fused, usize::MAX), (UpdateKernel::TensorOps, 5003)];
+        for (kernel, segment) in cases {
             let (plain, saving) = (params(), params());
             let (mut plain_opt, mut saving_opt) = (AdamW::new(&plain), AdamW::new(&saving));
             let mut rooms = vec![0f32; 3 * plain.n_elements() as usize + 1];
@@ -676,7 +802,7 @@ mod tests {
                         for (i, src) in sources.into_iter().enumerate() {
                             let mut at = 0;
                             while at < n {
-                                let len = 5003.min(n - at);
+                                let len = segment.min(n - at);
                                 let dst = rooms[1 + i * n + at..].as_mut_ptr() as usize;
                                 segments.push((src + 4 * at, 4 * len, dst));
                                 at += len;
@@ -688,12 +814,16 @@ mod tests {
                             .collect();
                         let save = Arc::new(SaveMap::new(segments));
                         o.save_in_next_update(Some(Arc::clone(&save)));
-                        o.measure_next_update();
+                        // Measuring takes the block-by-block way: not with whole buffers.
+                        let measure = segment != usize::MAX;
+                        if measure {
+                            o.measure_next_update();
+                        }
                         o.step(p, hp, 5.0, None, kernel, 2);
                         assert!(save.is_complete(), "{kernel:?}: the update marked the rooms filled");
                         // The measured norms: each parameter's change and weights, as from copies.
                         let norms = o.take_update_norms();
-                        if kernel == UpdateKernel::Fused {
+                        if kernel == UpdateKernel::Fused && measure {
                             let norms = norms.expect("the fused update measured");
                             let after = Vec::<f32>::try_from(p.flat()).unwrap();
                             for (e, &(change, weight)) in p.entries().iter().zip(&norms) {
@@ -712,7 +842,7 @@ mod tests {
                                 assert!(c > 0.0);
                             }
                         } else {
-                            assert!(norms.is_none(), "the tensor-op update measures nothing");
+                            assert!(norms.is_none(), "{kernel:?}: no norms where none were measured");
                         }
                         assert!(rooms[1..] == before[..], "{kernel:?}: the rooms hold the state before the update");
                         assert_eq!(rooms[0], 0.0);

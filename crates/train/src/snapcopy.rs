@@ -115,6 +115,20 @@ impl SaveMap {
         }
     }
 
+    /// The room of `[src, src + len)` (f32 elements) when one segment holds all of it; the caller
+    /// that fills it itself counts it with `count_saved`.
+    pub(crate) fn room_of(&self, src: *const f32, len: usize) -> Option<*mut f32> {
+        let (at, end) = (src as usize, src as usize + len * 4);
+        let i = self.segments.partition_point(|s| s.0 <= at).checked_sub(1)?;
+        let (seg_src, seg_len, seg_dst) = self.segments[i];
+        (end <= seg_src + seg_len).then_some((seg_dst + (at - seg_src)) as *mut f32)
+    }
+
+    /// Counts bytes a caller saved through `room_of`.
+    pub(crate) fn count_saved(&self, bytes: usize) {
+        self.saved.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// Called once the update that saved has finished on every thread: every room must then be
     /// filled (the update covered every source).
     pub(crate) fn mark_complete(&self) {
