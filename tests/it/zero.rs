@@ -13,6 +13,24 @@ use std::path::Path;
 use crate::dist::{assert_same_trajectory, overrides, reference_losses, refs, SMALL_BUCKETS};
 use crate::{losses, run_ok, stoke};
 
+/// Launches run `name` on `nproc` ranks at ZeRO `stage` with `more` overrides; it must say so and
+/// follow `reference`'s losses (`what` names it in a failure).
+fn launch_follows(
+    dir: &Path,
+    name: &str,
+    nproc: &str,
+    stage: &str,
+    more: &[&str],
+    reference: &[(u64, f64)],
+    what: &str,
+) {
+    let args = overrides(dir, name, more);
+    let out = run_ok(&mut stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(&format!("ZeRO stage {stage}")), "{text}");
+    assert_same_trajectory(reference, &dir.join(name), what, &out);
+}
+
 #[test]
 fn zero_stages_follow_one_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -29,11 +47,7 @@ fn zero_stages_follow_one_process() {
             if nproc == "3" {
                 more.extend_from_slice(SMALL_BUCKETS);
             }
-            let args = overrides(dir.path(), &name, &more);
-            let out = run_ok(&mut stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)));
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(text.contains(&format!("ZeRO stage {stage}")), "{text}");
-            assert_same_trajectory(&reference, &dir.path().join(&name), &format!("ZeRO {stage}, {nproc} ranks"), &out);
+            launch_follows(dir.path(), &name, nproc, stage, &more, &reference, &format!("ZeRO {stage}, {nproc} ranks"));
         }
     }
 }
@@ -70,12 +84,15 @@ fn lamb_under_zero_follows_one_process_and_resumes_bit_identically() {
             if nproc == "3" {
                 more.extend_from_slice(SMALL_BUCKETS);
             }
-            let args = overrides(dir.path(), &name, &more);
-            let out = run_ok(&mut stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)));
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(text.contains(&format!("ZeRO stage {stage}")), "{text}");
-            let what = format!("LAMB, ZeRO {stage}, {nproc} ranks");
-            assert_same_trajectory(&reference, &dir.path().join(&name), &what, &out);
+            launch_follows(
+                dir.path(),
+                &name,
+                nproc,
+                stage,
+                &more,
+                &reference,
+                &format!("LAMB, ZeRO {stage}, {nproc} ranks"),
+            );
         }
     }
 

@@ -605,14 +605,15 @@ impl Optimizer {
         }
     }
 
-    /// Whether the next update can save a pending checkpoint's state as it goes
-    /// (`save_in_next_update`): AdamW's fused CPU kernel over `params`.
-    pub(crate) fn saves_in_update(&self, params: &FlatParams, kernel: UpdateKernel) -> bool {
+    /// Whether the next update runs AdamW's fused CPU kernel over `params`, the one that can save a
+    /// pending checkpoint's state (`save_in_next_update`) and measure its change
+    /// (`measure_next_update`) as it goes.
+    pub(crate) fn is_fused_adamw(&self, params: &FlatParams, kernel: UpdateKernel) -> bool {
         matches!(self, Optimizer::AdamW(o) if o.updates_fused(params, kernel))
     }
 
     /// Asks AdamW's next fused update to measure its change per parameter (`take_update_norms`);
-    /// call only where `saves_in_update` holds.
+    /// call only where `is_fused_adamw` holds.
     pub(crate) fn measure_next_update(&mut self) {
         if let Optimizer::AdamW(o) = self {
             o.measure_next_update();
@@ -629,7 +630,7 @@ impl Optimizer {
     }
 
     /// Hands AdamW's next update the rooms to save into (`None`: withdraws them); the other
-    /// optimizers never take one (`saves_in_update` is false for them).
+    /// optimizers never take one (`is_fused_adamw` is false for them).
     pub(crate) fn save_in_next_update(&mut self, save: Option<std::sync::Arc<crate::snapcopy::SaveMap>>) {
         if let Optimizer::AdamW(o) = self {
             o.save_in_next_update(save);

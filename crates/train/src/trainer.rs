@@ -761,7 +761,7 @@ impl Trainer {
             // The fused AdamW measures the update ratios as it updates; other paths copy the
             // weights first.
             let measured_in_update =
-                monitored && !self.sharded && self.optimizer.saves_in_update(self.model.params(), self.kernel());
+                monitored && !self.sharded && self.optimizer.is_fused_adamw(self.model.params(), self.kernel());
             let before_update = (monitored && !self.sharded)
                 .then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0), !measured_in_update));
             if measured_in_update {
@@ -868,7 +868,7 @@ impl Trainer {
                 }
                 if deferred.is_empty() {
                     submit(&mut target.writer, snapshot, best_eval)?;
-                } else if self.optimizer.saves_in_update(self.model.params(), self.kernel())
+                } else if self.optimizer.is_fused_adamw(self.model.params(), self.kernel())
                     && std::env::var_os("STOKE_CKPT_SAVE_IN_UPDATE").is_none_or(|v| v != "0")
                 {
                     pending = Some(PendingCopy::for_optimizer(snapshot, deferred, best_eval));
