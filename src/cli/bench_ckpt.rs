@@ -4,8 +4,11 @@
 //! `torch.save` and DCP `async_save` of the same state as peers.
 //!
 //! Background and synchronous runs alternate (A, B, A, B, ...), each its own `stoke train`
-//! process writing several checkpoints; the disk is measured before each pair. Figures are the
-//! median with min and max over all runs' checkpoints.
+//! process writing several checkpoints, with two references in every round: a run without
+//! checkpoints, and one beside which the benchmark writes as many bytes to the disk itself
+//! (`O_DIRECT`, when the background writer would), whose cost to the steps is the disk's floor on
+//! this machine: what writing the state costs any checkpointer here. Figures are the median with
+//! min and max over all runs' checkpoints, ratios per round.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -39,11 +42,12 @@ pub struct CkptBenchArgs {
     /// Pairs of runs (background, synchronous), interleaved.
     #[arg(long, default_value_t = 3)]
     pub pairs: usize,
-    /// Checkpoints each run writes.
-    #[arg(long, default_value_t = 5)]
+    /// Checkpoints each run writes (at least 4: the warm figures leave out the first two, whose
+    /// host buffers fault in, and the last, whose write outlasts the run).
+    #[arg(long, default_value_t = 8)]
     pub checkpoints: u64,
     /// Steps between checkpoints.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 6)]
     pub every: u64,
     /// More overrides for every run (for example another model size).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
@@ -64,10 +68,8 @@ pub struct CkptBenchArgs {
 struct RunFigures {
     /// ckpt_stall of each checkpoint step, in order, ms.
     stalls_ms: Vec<f64>,
-    /// Per checkpoint, in order: the wall time its step and the next one took beyond two ordinary
-    /// steps (the median of the steps that are neither), ms. The copy beside the next step
-    /// (`ckpt.overlap`) shows here, not in `ckpt_stall`, as the cores it takes from that step.
-    excess_ms: Vec<f64>,
+    /// (step, wall time in ms) of every step logged.
+    walls: Vec<(u64, f64)>,
     bytes_written: u64,
     write_s: f64,
     commits: u64,
@@ -86,10 +88,15 @@ enum Saves {
     Synchronous,
     /// No checkpoints: the reference for the whole-run cost.
     None,
+    /// No checkpoints, but the benchmark itself writes as many bytes to the disk (`O_DIRECT`, as
+    /// the writer does) each time a background checkpoint's writer would start: what writing the
+    /// state beside the steps costs them on this machine, whoever writes it (the disk's floor).
+    RawWrites(usize),
 }
 
 fn run_train(args: &CkptBenchArgs, name: &str, saves: Saves) -> anyhow::Result<RunFigures> {
     let background = saves == Saves::Background;
+    let checkpoints = matches!(saves, Saves::Background | Saves::Synchronous);
     let run_dir = args.dir.join(name);
     if run_dir.exists() {
         std::fs::remove_dir_all(&run_dir).with_context(|| format!("cannot clear {}", run_dir.display()))?;
@@ -102,7 +109,7 @@ fn run_train(args: &CkptBenchArgs, name: &str, saves: Saves) -> anyhow::Result<R
         format!("run.dir={}", toml::Value::String(args.dir.display().to_string())),
         format!("run.name={name}"),
         format!("train.steps={steps}"),
-        format!("ckpt.every={}", if saves == Saves::None { 0 } else { args.every }),
+        format!("ckpt.every={}", if checkpoints { args.every } else { 0 }),
         "ckpt.keep=1".into(),
         "ckpt.at_end=false".into(),
         format!("ckpt.background={background}"),
@@ -114,7 +121,10 @@ fn run_train(args: &CkptBenchArgs, name: &str, saves: Saves) -> anyhow::Result<R
     for o in &overrides {
         cmd.arg("--set").arg(o);
     }
-    let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
+    let out = match saves {
+        Saves::RawWrites(bytes) => write_beside(args, cmd, &run_dir.join("metrics.jsonl"), bytes)?,
+        _ => cmd.output().with_context(|| format!("cannot run {cmd:?}"))?,
+    };
     if !out.status.success() {
         bail!("{name} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
@@ -130,10 +140,10 @@ fn run_train(args: &CkptBenchArgs, name: &str, saves: Saves) -> anyhow::Result<R
         walls.push((step, v["step_ms"].as_f64().context("step_ms in metrics")?));
     }
     let total_ms = walls.iter().filter(|&&(step, _)| step > 2).map(|&(_, ms)| ms).sum();
-    if saves == Saves::None {
+    if !checkpoints {
         return Ok(RunFigures {
             stalls_ms: Vec::new(),
-            excess_ms: Vec::new(),
+            walls,
             bytes_written: 0,
             write_s: 0.0,
             commits: 0,
@@ -142,12 +152,12 @@ fn run_train(args: &CkptBenchArgs, name: &str, saves: Saves) -> anyhow::Result<R
             total_ms,
         });
     }
-    let excess_ms = wall_excess(&walls, args.every, args.checkpoints);
+
     let stats: Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("checkpoint-stats.json"))?)?;
     let number = |key: &str| stats[key].as_f64().with_context(|| format!("{key} in checkpoint-stats.json"));
     Ok(RunFigures {
         stalls_ms,
-        excess_ms,
+        walls,
         bytes_written: number("bytes_written")? as u64,
         write_s: number("write_s")?,
         commits: number("commits")? as u64,
@@ -158,18 +168,57 @@ fn run_train(args: &CkptBenchArgs, name: &str, saves: Saves) -> anyhow::Result<R
 }
 
 /// Per checkpoint step k x `every` (k = 1..=`checkpoints`): the wall time of that step and the
-/// next beyond twice the median of the ordinary steps (neither a checkpoint step nor the one
-/// after it; the first two steps, warm-up, are left out).
-fn wall_excess(walls: &[(u64, f64)], every: u64, checkpoints: u64) -> Vec<f64> {
-    let is_checkpoint = |step: u64| step % every == 0 && step <= every * checkpoints;
-    let ordinary: Vec<f64> = walls
-        .iter()
-        .filter(|&&(step, _)| step > 2 && !is_checkpoint(step) && !is_checkpoint(step - 1))
-        .map(|&(_, ms)| ms)
-        .collect();
-    let base = median(&ordinary);
+/// next (the one whose optimizer saves the state) beyond two steps of `base_ms`, the median step
+/// of the same round's run without checkpoints. (Not the same run's other steps: those the
+/// background write slows, so a base taken from them hides the stall in the write's cost.)
+fn wall_excess(walls: &[(u64, f64)], every: u64, checkpoints: u64, base_ms: f64) -> Vec<f64> {
     let wall = |step: u64| walls.iter().find(|&&(s, _)| s == step).map_or(f64::NAN, |&(_, ms)| ms);
-    (1..=checkpoints).map(|k| wall(k * every) + wall(k * every + 1) - 2.0 * base).collect()
+    (1..=checkpoints).map(|k| wall(k * every) + wall(k * every + 1) - 2.0 * base_ms).collect()
+}
+
+/// The wall time a warm checkpoint's interval (its step and the `every - 1` after it) takes beyond
+/// the same steps of `reference` (the run without checkpoints), averaged over checkpoints 3 to
+/// the one before last: the first two fault their host buffers in, and the last one's write
+/// outlasts the run. Everything a checkpoint costs the steps, wherever it lands, and nothing else.
+fn warm_cost(walls: &[(u64, f64)], reference: &[(u64, f64)], every: u64, checkpoints: u64) -> f64 {
+    let interval = |walls: &[(u64, f64)], k: u64| -> f64 {
+        walls.iter().filter(|(step, _)| (k * every..(k + 1) * every).contains(step)).map(|w| w.1).sum()
+    };
+    let warm = 3..checkpoints;
+    let excess: f64 = warm.clone().map(|k| interval(walls, k) - interval(reference, k)).sum();
+    excess / warm.count() as f64
+}
+
+/// Runs `cmd` (a training run without checkpoints, writing `metrics`), and each time it logs a
+/// step k x `every` + 1 (k = 1..=`checkpoints`: when a background checkpoint's writer starts)
+/// writes `bytes` to a scratch file with `O_DIRECT` and fsyncs it, as the writer does.
+fn write_beside(
+    args: &CkptBenchArgs,
+    mut cmd: Command,
+    metrics: &Path,
+    bytes: usize,
+) -> anyhow::Result<std::process::Output> {
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
+    let due: Vec<u64> = (1..=args.checkpoints).map(|k| k * args.every + 1).collect();
+    let mut written = 0;
+    while written < due.len() {
+        if child.try_wait()?.is_some() {
+            break;
+        }
+        let logged = std::fs::read_to_string(metrics).unwrap_or_default();
+        let last = logged.lines().rev().find_map(|l| serde_json::from_str::<Value>(l).ok()?["step"].as_u64());
+        if last.is_some_and(|step| step >= due[written]) {
+            direct_write_bandwidth(&args.dir, bytes)?;
+            written += 1;
+        } else {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+    Ok(child.wait_with_output()?)
 }
 
 /// The disk's limit without the page cache: `bytes` written with `O_DIRECT` from one page-aligned
@@ -293,14 +342,27 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     let (mut copy_stream, mut copy_plain, mut disk_direct) = (Vec::new(), Vec::new(), Vec::new());
     let (mut async_excess, mut sync_excess) = (Vec::new(), Vec::new());
     let (mut async_run, mut sync_run) = (Vec::new(), Vec::new());
+    let (mut async_warm, mut sync_warm, mut raw_warm) = (Vec::new(), Vec::new(), Vec::new());
+    if args.checkpoints < 4 {
+        bail!("--checkpoints must be at least 4: the first two are cold, the last is cut off by the run's end");
+    }
     for pair in 0..args.pairs {
         let a = run_train(&args, &format!("async-{pair}"), Saves::Background)?;
         let b = run_train(&args, &format!("sync-{pair}"), Saves::Synchronous)?;
         let none = run_train(&args, &format!("none-{pair}"), Saves::None)?;
+        state_bytes = b.bytes_written / b.commits.max(1);
+        let raw = run_train(&args, &format!("raw-{pair}"), Saves::RawWrites(state_bytes as usize))?;
         let per_checkpoint = |run: &RunFigures| (run.total_ms - none.total_ms) / args.checkpoints as f64;
         async_run.push(per_checkpoint(&a));
         sync_run.push(per_checkpoint(&b));
-        state_bytes = b.bytes_written / b.commits.max(1);
+        async_warm.push(warm_cost(&a.walls, &none.walls, args.every, args.checkpoints));
+        sync_warm.push(warm_cost(&b.walls, &none.walls, args.every, args.checkpoints));
+        raw_warm.push(warm_cost(&raw.walls, &none.walls, args.every, args.checkpoints));
+        let none_step = median(&none.walls.iter().filter(|w| w.0 > 2).map(|w| w.1).collect::<Vec<_>>());
+        let (a_excess, b_excess) = (
+            wall_excess(&a.walls, args.every, args.checkpoints, none_step),
+            wall_excess(&b.walls, args.every, args.checkpoints, none_step),
+        );
         let (write, _) = disk_bandwidth(&args.dir, state_bytes as usize)?;
         disk.push(write / 1e9);
         disk_direct.push(direct_write_bandwidth(&args.dir, state_bytes as usize)? / 1e9);
@@ -312,8 +374,8 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         async_first.extend_from_slice(&a.stalls_ms[..cold]);
         async_steady.extend_from_slice(&a.stalls_ms[cold..]);
         sync_save.extend_from_slice(&b.stalls_ms);
-        async_excess.extend_from_slice(&a.excess_ms[cold..]);
-        sync_excess.extend_from_slice(&b.excess_ms);
+        async_excess.extend_from_slice(&a_excess[cold..]);
+        sync_excess.extend_from_slice(&b_excess);
         sync_tput.push(b.bytes_written as f64 / b.write_s / 1e9);
         async_tput.push(a.bytes_written as f64 / a.write_s / 1e9);
         host_bytes = a.host_bytes;
@@ -324,17 +386,22 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         // Each run keeps a checkpoint of the whole state: keep only the last one (the peers' input).
         std::fs::remove_dir_all(args.dir.join(format!("async-{pair}")))?;
         std::fs::remove_dir_all(args.dir.join(format!("none-{pair}")))?;
+        std::fs::remove_dir_all(args.dir.join(format!("raw-{pair}")))?;
         if pair + 1 < args.pairs {
             std::fs::remove_dir_all(args.dir.join(format!("sync-{pair}")))?;
         }
         println!(
-            "round {pair}: background stalls {:?} ms (wall excess {:?}; whole run {:.0} ms a checkpoint), synchronous saves {:?} ms (wall excess {:?}; whole run {:.0} ms a checkpoint), disk {:.2} GB/s",
+            "round {pair}: background stalls {:?} ms (wall excess {:?}; whole run {:.0} ms a checkpoint, warm {:.0}), synchronous saves {:?} ms (wall excess {:?}; whole run {:.0} ms a checkpoint, warm {:.0}), raw writes beside a run without checkpoints: warm {:.0} ms a write; step {:.1} ms without checkpoints; disk {:.2} GB/s",
             a.stalls_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
-            a.excess_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            a_excess.iter().map(|v| v.round()).collect::<Vec<_>>(),
             async_run[pair],
+            async_warm[pair],
             b.stalls_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
-            b.excess_ms.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            b_excess.iter().map(|v| v.round()).collect::<Vec<_>>(),
             sync_run[pair],
+            sync_warm[pair],
+            raw_warm[pair],
+            none_step,
             write / 1e9
         );
     }
@@ -346,11 +413,15 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     println!("\n| figure | median | min | max | unit | n |\n|---|---|---|---|---|---|");
     let mut rows = vec![
         row(
-            "background checkpoint: wall time of its step and the next beyond two ordinary steps (warm)",
+            "background checkpoint: wall time of its step and the next beyond two steps of the run without checkpoints (warm)",
             "ms",
             &async_excess,
         ),
-        row("synchronous save: wall time of its step and the next beyond two ordinary steps", "ms", &sync_excess),
+        row(
+            "synchronous save: wall time of its step and the next beyond two steps of the run without checkpoints",
+            "ms",
+            &sync_excess,
+        ),
         row(
             "background checkpoint: the whole run's wall time beyond a run without checkpoints, per checkpoint",
             "ms",
@@ -360,6 +431,17 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
             "synchronous save: the whole run's wall time beyond a run without checkpoints, per checkpoint",
             "ms",
             &sync_run,
+        ),
+        row(
+            "background checkpoint: wall time of a warm checkpoint's interval beyond the run without checkpoints'",
+            "ms",
+            &async_warm,
+        ),
+        row("synchronous save: the same, per warm interval", "ms", &sync_warm),
+        row(
+            "raw O_DIRECT write of the state beside a run without checkpoints: the same, per warm interval (the disk's floor)",
+            "ms",
+            &raw_warm,
         ),
         row("background checkpoint: ckpt_stall phase (warm host buffers)", "ms", &async_steady),
         row("background checkpoint: step stall, first two (buffers faulted in)", "ms", &async_first),
@@ -386,6 +468,14 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
     // Per round, so each ratio's two runs are neighbours in time.
     let run_ratios: Vec<f64> = async_run.iter().zip(&sync_run).map(|(a, s)| a / s).collect();
     let (run_ratio, run_ratio_min, run_ratio_max) = spread(&run_ratios);
+    let warm_ratios: Vec<f64> = async_warm.iter().zip(&sync_warm).map(|(a, s)| a / s).collect();
+    let (warm_ratio, warm_ratio_min, warm_ratio_max) = spread(&warm_ratios);
+    // What stoke adds beyond the disk's floor (the same bytes written beside the same steps).
+    let own_ratios: Vec<f64> =
+        async_warm.iter().zip(&raw_warm).zip(&sync_warm).map(|((a, r), s)| (a - r) / s).collect();
+    let (own_ratio, own_ratio_min, own_ratio_max) = spread(&own_ratios);
+    let floor_ratios: Vec<f64> = raw_warm.iter().zip(&sync_warm).map(|(r, s)| r / s).collect();
+    let (floor_ratio, _, _) = spread(&floor_ratios);
     let tput_ratio = tput / disk_median;
     let (direct_median, _, _) = spread(&disk_direct);
     let (copy_median, _, _) = spread(&copy_stream);
@@ -400,10 +490,20 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
         if tput_ratio >= 0.7 { "met" } else { "NOT met" }
     );
     println!(
-        "whole-run cost, background / synchronous, per round: {:.1}% ({:.1}-{:.1}%; everything a checkpoint costs the run: the copy, the writer's CPU time (CRC-32 of every byte) and memory traffic beside the steps, retention)",
+        "whole-run cost, background / synchronous, per round: {:.1}% ({:.1}-{:.1}%; everything a checkpoint costs the run: the copy and its CRC-32s, the writer's CPU time and memory traffic beside the steps, retention)",
         100.0 * run_ratio,
         100.0 * run_ratio_min,
         100.0 * run_ratio_max
+    );
+    println!(
+        "warm checkpoints' whole-run cost, background / synchronous, per round: {:.1}% ({:.1}-{:.1}%); of which the disk's floor (the same bytes written raw beside the same steps) {:.1}%; stoke's own beyond that floor: {:.1}% ({:.1}-{:.1}%)",
+        100.0 * warm_ratio,
+        100.0 * warm_ratio_min,
+        100.0 * warm_ratio_max,
+        100.0 * floor_ratio,
+        100.0 * own_ratio,
+        100.0 * own_ratio_min,
+        100.0 * own_ratio_max
     );
     println!(
         "save throughput / O_DIRECT disk write: {:.0}%; the copy alone at the measured copy speed would be {:.1}% of the synchronous save (the floor of the first ratio)",
@@ -464,6 +564,8 @@ pub fn run(args: CkptBenchArgs) -> anyhow::Result<ExitCode> {
             "state_bytes": state_bytes, "host_bytes": host_bytes, "rows": rows,
             "stall_over_sync_save": stall_ratio, "ckpt_stall_phase_over_sync_save": phase_stall / phase_save,
             "whole_run_over_sync_save": run_ratio,
+            "warm_whole_run_over_sync_save": warm_ratio, "disk_floor_over_sync_save": floor_ratio,
+            "own_beyond_disk_floor_over_sync_save": own_ratio,
             "save_throughput_over_disk": tput_ratio,
             "save_throughput_over_direct_disk": tput / direct_median, "copy_floor_over_sync_save": stall_floor_ratio,
             "write_path_over_raw_write": write_path_ratio, "peer": peer,

@@ -97,6 +97,25 @@ pub(crate) struct FileSource<'a> {
     /// All of `tensors`' bytes as one slice, when they lie back to back in one buffer (a
     /// snapshot's host buffer): written to the disk straight from there when page-aligned.
     pub body: Option<&'a [u8]>,
+    /// CRC-32s of pieces of `body` already known (offset, bytes, CRC-32; sorted, apart): hashed
+    /// by whoever filled them, while the bytes were in cache, so the write hashes only the rest.
+    pub known: Vec<(usize, usize, u32)>,
+}
+
+/// The CRC-32 of `body`: the pieces in `known` (offset, bytes, CRC-32; sorted, apart) combined as
+/// they are, the bytes between them hashed.
+fn body_checksum(body: &[u8], known: &[(usize, usize, u32)]) -> crc32fast::Hasher {
+    let mut hasher = crc32fast::Hasher::new();
+    let mut at = 0;
+    for &(offset, len, crc) in known {
+        // Invariant: the pieces are sorted and apart, so `at` never passes the next one.
+        debug_assert!(at <= offset && offset + len <= body.len(), "known pieces sorted, apart, in the body");
+        hasher.update(&body[at..offset]);
+        hasher.combine(&crc32fast::Hasher::new_with_initial_len(crc, len as u64));
+        at = offset + len;
+    }
+    hasher.update(&body[at..]);
+    hasher
 }
 
 /// The safetensors header of `tensors`, padded with spaces so the data starts at a multiple of
@@ -154,7 +173,7 @@ pub(crate) fn write_file(path: &Path, source: &FileSource<'_>) -> Result<(u64, u
     let body = source.body.filter(|b| b.len() >= DIRECT_MIN && b.as_ptr() as usize % PAGE == 0 && direct_io_enabled());
     if let Some(body) = body {
         debug_assert_eq!(body.len(), source.tensors.iter().map(|t| t.data.len()).sum::<usize>());
-        if let Some(done) = write_direct(path, &head, body)? {
+        if let Some(done) = write_direct(path, &head, body, source)? {
             return Ok(done);
         }
     }
@@ -162,7 +181,12 @@ pub(crate) fn write_file(path: &Path, source: &FileSource<'_>) -> Result<(u64, u
 }
 
 /// The `O_DIRECT` path; `Ok(None)` when the filesystem does not take `O_DIRECT` (nothing written).
-fn write_direct(path: &Path, head: &[u8], body: &[u8]) -> Result<Option<(u64, u32)>, CkptError> {
+fn write_direct(
+    path: &Path,
+    head: &[u8],
+    body: &[u8],
+    source: &FileSource<'_>,
+) -> Result<Option<(u64, u32)>, CkptError> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
     let file = match std::fs::OpenOptions::new()
         .write(true)
@@ -176,10 +200,15 @@ fn write_direct(path: &Path, head: &[u8], body: &[u8]) -> Result<Option<(u64, u3
         Err(e) => return Err(CkptError::Io { action: "create", path: path.into(), source: e }),
     };
     let total = (head.len() + body.len()) as u64;
+    let known = &source.known;
     let crc = std::thread::scope(|scope| -> Result<u32, CkptError> {
         let body_crc = scope.spawn(|| {
-            let mut hasher = crc32fast::Hasher::new();
-            hasher.update(body);
+            let hasher = body_checksum(body, known);
+            // Every test run (debug builds) checks the known pieces against the bytes.
+            debug_assert!(
+                known.is_empty() || hasher.clone().finalize() == crc32fast::hash(body),
+                "a known CRC-32 is wrong"
+            );
             hasher
         });
         let mut direct = true;
@@ -298,6 +327,7 @@ pub fn write_safetensors(path: &Path, tensors: &[TensorRecord]) -> Result<u64, C
     let source = FileSource {
         stem: "",
         body: None,
+        known: Vec::new(),
         tensors: tensors
             .iter()
             .map(|t| TensorRef { name: &t.name, dtype: t.dtype, shape: &t.shape, data: &t.data })
@@ -342,6 +372,7 @@ mod tests {
         let source = FileSource {
             stem: "x",
             body: None,
+            known: Vec::new(),
             tensors: vec![
                 TensorRef { name: "w.\"quoted\"", dtype: DType::F32, shape: &[3], data: &a },
                 TensorRef { name: "n", dtype: DType::I64, shape: &[], data: &b },
@@ -375,8 +406,18 @@ mod tests {
             ]
         };
         let dir = tempfile::tempdir().unwrap();
-        let direct = FileSource { stem: "d", tensors: tensors(), body: Some(&arena[..]) };
+        let direct = FileSource { stem: "d", tensors: tensors(), body: Some(&arena[..]), known: Vec::new() };
         let (d_bytes, d_crc) = write_file(&dir.path().join("d"), &direct).unwrap();
+        // The same file with some pieces' CRC-32s handed in (a gap, one at the start, one at the end).
+        let piece = |range: std::ops::Range<usize>| (range.start, range.len(), crc32fast::hash(&arena[range]));
+        let known = vec![piece(0..4096), piece(10_000..(1 << 20)), piece(a + 5..a + b + c)];
+        assert_eq!(body_checksum(&arena, &known).finalize(), crc32fast::hash(&arena));
+        let with_known = FileSource { stem: "k", tensors: tensors(), body: Some(&arena[..]), known: known.clone() };
+        assert_eq!(write_file(&dir.path().join("k"), &with_known).unwrap(), (d_bytes, d_crc));
+        // The known pieces are taken as given, not hashed again.
+        let mut wrong = known;
+        wrong[1].2 ^= 1;
+        assert_ne!(body_checksum(&arena, &wrong).finalize(), crc32fast::hash(&arena));
         let (p_bytes, p_crc) = write_buffered(&dir.path().join("p"), &header(&tensors()).unwrap(), &tensors()).unwrap();
         let (d, p) = (std::fs::read(dir.path().join("d")).unwrap(), std::fs::read(dir.path().join("p")).unwrap());
         assert!(d == p, "the two paths wrote different bytes");

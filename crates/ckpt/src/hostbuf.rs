@@ -239,6 +239,66 @@ pub fn stream_copy(dst: &mut [u8], src: &[u8], threads: usize) {
     });
 }
 
+/// The CRC-32 (IEEE, the manifests' checksum) of `bytes`.
+pub fn checksum(bytes: &[u8]) -> u32 {
+    crc32fast::hash(bytes)
+}
+
+/// The CRC-32 of consecutive pieces, each given as (its CRC-32, its length in bytes).
+pub fn checksum_concat(pieces: impl IntoIterator<Item = (u32, usize)>) -> u32 {
+    let mut total = crc32fast::Hasher::new();
+    for (crc, len) in pieces {
+        total.combine(&crc32fast::Hasher::new_with_initial_len(crc, len as u64));
+    }
+    total.finalize()
+}
+
+/// A checksummed copy hashes each piece of this many bytes right after copying it, while the
+/// source is still in the core's cache (L2 holds it), so the hash reads no memory of its own.
+const CHECKSUM_PIECE: usize = 256 << 10;
+
+/// `stream_copy`, returning the CRC-32 of the bytes copied. Each piece is hashed just after it is
+/// copied, from the cache: a writer handed the result (`Snapshot::add_checksums`) need not read
+/// the buffer again to checksum it (on 1.2 GB, about 140 ms of one core and of memory traffic
+/// beside the step, 2026-12-01).
+pub fn stream_copy_checksummed(dst: &mut [u8], src: &[u8], threads: usize) -> u32 {
+    assert_eq!(dst.len(), src.len(), "stream_copy_checksummed needs equal lengths");
+    let one = |dst: &mut [u8], src: &[u8]| {
+        let mut hasher = crc32fast::Hasher::new();
+        for (d, s) in dst.chunks_mut(CHECKSUM_PIECE).zip(src.chunks(CHECKSUM_PIECE)) {
+            copy_one(d, s);
+            hasher.update(s);
+        }
+        hasher
+    };
+    let threads = threads.clamp(1, 64).min(dst.len() / (PARALLEL_MIN / 2)).max(1);
+    if threads == 1 {
+        return one(dst, src).finalize();
+    }
+    let piece = dst.len().div_ceil(threads).div_ceil(64) * 64;
+    let hashers = std::thread::scope(|scope| {
+        let mut pieces = dst.chunks_mut(piece).zip(src.chunks(piece)).peekable();
+        let mut spawned = Vec::new();
+        while let Some((d, s)) = pieces.next() {
+            if pieces.peek().is_some() {
+                spawned.push(scope.spawn(move || one(d, s)));
+            } else {
+                let last = one(d, s);
+                let mut all: Vec<_> =
+                    spawned.into_iter().map(|h| h.join().expect("a copy thread does not panic")).collect();
+                all.push(last);
+                return all;
+            }
+        }
+        Vec::new()
+    });
+    let mut total = crc32fast::Hasher::new();
+    for hasher in &hashers {
+        total.combine(hasher);
+    }
+    total.finalize()
+}
+
 #[cfg(target_arch = "x86_64")]
 fn copy_one(dst: &mut [u8], src: &[u8]) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
@@ -303,6 +363,20 @@ mod tests {
         assert_eq!(buf.as_ptr() as usize % PAGE, 0);
         let block = AlignedBlock::zeroed(100);
         assert_eq!((block.len(), block.as_ptr() as usize % PAGE), (PAGE, 0));
+    }
+
+    #[test]
+    fn a_checksummed_copy_gives_the_bytes_and_their_crc() {
+        let src: Vec<u8> = (0..(9 << 20) + 333).map(|i| (i * 13 % 249) as u8).collect();
+        for (offset, len, threads) in [(0, src.len(), 2), (7, src.len() - 7, 3), (1, 300_001, 2), (0, 0, 2), (2, 5, 1)]
+        {
+            let mut dst = vec![0u8; len + 9];
+            let crc = stream_copy_checksummed(&mut dst[offset..offset + len], &src[..len], threads);
+            assert_eq!(&dst[offset..offset + len], &src[..len], "offset {offset} len {len}");
+            assert_eq!(crc, crc32fast::hash(&src[..len]), "offset {offset} len {len} threads {threads}");
+        }
+        let parts = [0..3, 3..3, 3..1000, 1000..src.len()].map(|r| (crc32fast::hash(&src[r.clone()]), r.len()));
+        assert_eq!(checksum_concat(parts), crc32fast::hash(&src));
     }
 
     #[test]

@@ -10,7 +10,9 @@
 //! records. Host buffers are page-aligned mappings (`hostbuf.rs`), so a snapshot's files go to the
 //! disk with `O_DIRECT` straight from them, and can be page-locked for a GPU through the CUDA
 //! runtime loaded at run time (`pin.rs`, `CheckpointWriter::pin_host_buffers`); `stream_copy` is
-//! the copy into them. `Mirror` copies committed checkpoints to a second tier (S3 or a folder, through
+//! the copy into them (`stream_copy_checksummed` also returns the bytes' CRC-32, hashed from the
+//! cache, for `Snapshot::add_checksums`; `Crc32x256` takes the CRC-32 from a kernel's AVX2
+//! registers). `Mirror` copies committed checkpoints to a second tier (S3 or a folder, through
 //! `object_store`) in the background, and `MirrorStore` lists, downloads and deletes them there.
 //! The files load in PyTorch with
 //! `safetensors.torch.load_file`.
@@ -31,6 +33,8 @@
 //! assert_eq!(store.load(100).unwrap().files["model"][0].data[4..], 2f32.to_le_bytes());
 //! ```
 
+#[cfg(target_arch = "x86_64")]
+mod crcfold;
 mod error;
 mod format;
 mod fsops;
@@ -41,9 +45,11 @@ mod shards;
 mod store;
 mod writer;
 
+#[cfg(target_arch = "x86_64")]
+pub use crcfold::{crc32x256_available, Crc32x256};
 pub use error::CkptError;
 pub use format::{write_safetensors, DType, TensorRecord};
-pub use hostbuf::{stream_copy, AlignedBlock};
+pub use hostbuf::{checksum, checksum_concat, stream_copy, stream_copy_checksummed, AlignedBlock};
 pub use mirror::{Mirror, MirrorStats, MirrorStore};
 pub use shards::{Piece, ShardRole, ShardTable, ShardedTensor};
 pub use store::{

@@ -176,6 +176,7 @@ impl CheckpointStore {
             .map(|(stem, tensors)| FileSource {
                 stem,
                 body: None,
+                known: Vec::new(),
                 tensors: tensors
                     .iter()
                     .map(|t| TensorRef { name: &t.name, dtype: t.dtype, shape: &t.shape, data: &t.data })

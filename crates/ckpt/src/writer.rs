@@ -55,6 +55,9 @@ struct HostFile {
     /// it are this snapshot's, its tensors back to back: the file's body as written.
     arena: HostBuf,
     used: usize,
+    /// CRC-32s of pieces of the rooms that their filler computed (`Snapshot::add_checksums`):
+    /// (offset in `arena`, bytes, CRC-32).
+    known: Vec<(usize, usize, u32)>,
 }
 
 /// One checkpoint's state in a host buffer. Fill it with `tensor`, then hand it to
@@ -92,6 +95,7 @@ impl Snapshot {
         for file in &mut self.files {
             file.slots.clear();
             file.used = 0;
+            file.known.clear();
         }
     }
 
@@ -121,7 +125,13 @@ impl Snapshot {
         let file_idx = match self.files.iter().position(|f| f.stem == stem) {
             Some(idx) => idx,
             None => {
-                self.files.push(HostFile { stem: stem.into(), slots: Vec::new(), arena: HostBuf::new(), used: 0 });
+                self.files.push(HostFile {
+                    stem: stem.into(),
+                    slots: Vec::new(),
+                    arena: HostBuf::new(),
+                    used: 0,
+                    known: Vec::new(),
+                });
                 self.files.len() - 1
             }
         };
@@ -167,7 +177,7 @@ impl Snapshot {
     /// or from other threads, takes them all first and then asks for them here.
     pub fn rooms_mut(&mut self) -> Vec<(&str, &str, &mut [u8])> {
         let mut rooms = Vec::new();
-        for HostFile { stem, slots, arena, used } in &mut self.files {
+        for HostFile { stem, slots, arena, used, .. } in &mut self.files {
             let mut rest = &mut arena[..*used];
             for slot in slots.iter() {
                 // Rooms lie back to back from the file's start (see `tensor`).
@@ -177,6 +187,27 @@ impl Snapshot {
             }
         }
         rooms
+    }
+
+    /// Records CRC-32s of bytes of the rooms that whoever filled them computed on the way
+    /// (`stream_copy_checksummed`, or an optimizer update that saved into the rooms), so that the
+    /// writer hashes only the bytes no piece covers. A piece is (the address of its first byte in
+    /// a room, as `tensor`, `piece` or `rooms_mut` gave it, its length, its CRC-32). A room's
+    /// address holds until a later room grows (and may move) the buffer, so record a piece right
+    /// after filling it, or once every room is taken; the piece's bytes must not change after it.
+    /// A piece outside this snapshot's rooms is ignored; of overlapping pieces the writer takes
+    /// the first by address.
+    pub fn add_checksums(&mut self, pieces: impl IntoIterator<Item = (usize, usize, u32)>) {
+        for (address, len, crc) in pieces {
+            let file = self.files.iter_mut().find(|f| {
+                let base = f.arena.as_ptr() as usize;
+                base <= address && address + len <= base + f.used
+            });
+            if let Some(file) = file {
+                let offset = address - file.arena.as_ptr() as usize;
+                file.known.push((offset, len, crc));
+            }
+        }
     }
 
     /// Bytes of tensor data in this snapshot.
@@ -201,7 +232,17 @@ impl Snapshot {
                     data: &file.arena[slot.start..slot.start + slot.len],
                 });
             }
-            out.push(FileSource { stem: &file.stem, tensors, body: Some(&file.arena[..file.used]) });
+            let mut known = file.known.clone();
+            known.sort_unstable();
+            let mut end = 0;
+            known.retain(|&(offset, len, _)| {
+                let apart = offset >= end && len > 0;
+                if apart {
+                    end = offset + len;
+                }
+                apart
+            });
+            out.push(FileSource { stem: &file.stem, tensors, body: Some(&file.arena[..file.used]), known });
         }
         Ok(out)
     }
@@ -667,6 +708,7 @@ fn publish(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hostbuf::{checksum, stream_copy_checksummed};
     use crate::verify_dir;
 
     fn fill(snapshot: &mut Snapshot, value: f32, n: usize) {
@@ -706,6 +748,53 @@ mod tests {
             assert!(stats.buffers <= 2 && stats.commits == 5, "{stats:?}");
             assert!(stats.host_bytes >= 4004 && stats.host_bytes <= 2 * 4004 * 2, "{stats:?}");
         }
+    }
+
+    #[test]
+    fn checksums_handed_in_by_the_filler_make_the_same_checkpoint() {
+        // Rooms large enough for O_DIRECT; pieces of them checksummed by the copy, some not,
+        // one given twice (overlapping), one outside every room.
+        let n = 300_000;
+        let values: Vec<u8> = (0..4 * n).map(|i| (i * 17 % 241) as u8).collect();
+        let mut files = Vec::new();
+        for hand_in in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let store = CheckpointStore::new(dir.path());
+            let mut writer = CheckpointWriter::new(store.clone(), WriterConfig::default()).unwrap();
+            let mut snapshot = writer.begin(1).unwrap();
+            for name in ["a", "b"] {
+                snapshot.tensor("model", name, DType::F32, &[n]);
+            }
+            let rooms: Vec<(usize, usize)> =
+                snapshot.rooms_mut().into_iter().map(|(_, _, r)| (r.as_mut_ptr() as usize, r.len())).collect();
+            let mut pieces = Vec::new();
+            for (i, (_, _, room)) in snapshot.rooms_mut().into_iter().enumerate() {
+                let (head, tail) = room.split_at_mut(1000 + i);
+                head.copy_from_slice(&values[..head.len()]);
+                pieces.push((
+                    tail.as_ptr() as usize,
+                    tail.len(),
+                    stream_copy_checksummed(tail, &values[head.len()..], 2),
+                ));
+            }
+            if hand_in {
+                pieces.push((rooms[0].0 + 8, 100, checksum(&values[8..108])));
+                pieces.push((rooms[0].0 + 1050, 10, 0));
+                pieces.push((rooms[1].0 + rooms[1].1 - 4, 8, 0));
+                snapshot.add_checksums(pieces);
+                // The two copies' pieces and the one at 8 are taken; the overlapping and the
+                // outside ones are not.
+                let known: Vec<usize> = snapshot.sources().unwrap()[0].known.iter().map(|k| k.0).collect();
+                assert_eq!(known, [8, 1000, 4 * n + 1001]);
+            }
+            writer.submit(snapshot).unwrap();
+            writer.release(1).unwrap();
+            writer.finish().unwrap();
+            let report = verify_dir(dir.path()).unwrap();
+            assert_eq!((report.checkpoints.len(), report.damaged()), (1, 0));
+            files.push(std::fs::read(dir.path().join("step-1/model.safetensors")).unwrap());
+        }
+        assert!(files[0] == files[1], "the files differ");
     }
 
     #[test]

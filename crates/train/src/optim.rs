@@ -266,6 +266,8 @@ impl AdamW {
                     // weights kept for the norms) while the update reads them into cache, then
                     // the block updated from there.
                     let mut old = if measure { vec![0f32; SAVE_BLOCK.min(s.numel)] } else { Vec::new() };
+                    // (room address, bytes, CRC-32) of what the register path saved.
+                    let mut checksums = Vec::new();
                     let (mut change_sq, mut weight_sq) = (0.0, 0.0);
                     let mut at = 0;
                     while at < s.numel {
@@ -278,11 +280,25 @@ impl AdamW {
                                     save.room_of(m[r.clone()].as_ptr(), n),
                                     save.room_of(v[r.clone()].as_ptr(), n),
                                 ];
-                                if let [Some(dp), Some(dm), Some(dv)] = rooms {
+                                let way = match rooms {
+                                    [Some(dp), Some(dm), Some(dv)] => {
+                                        saves_in_registers([dp, dm, dv]).map(|way| (way, [dp, dm, dv]))
+                                    }
+                                    _ => None,
+                                };
+                                if let Some((way, [dp, dm, dv])) = way {
+                                    // Without folding in registers, the old values' CRC-32s are
+                                    // taken first: that reads the block into cache, where the
+                                    // update then loads it, so the writer need not read the rooms.
+                                    let hashed = (way == RegisterSave::Plain).then(|| {
+                                        [&p[r.clone()], &m[r.clone()], &v[r.clone()]]
+                                            .map(|x| stoke_ckpt::checksum(f32_bytes(x)))
+                                    });
                                     // SAFETY: each room holds `n` f32 (`room_of`), lies in the
                                     // pending snapshot's buffer, which outlives the update, and
-                                    // no other thread writes it (the blocks are this thread's).
-                                    let saved = unsafe {
+                                    // no other thread writes it (the blocks are this thread's);
+                                    // `way` is `saves_in_registers`'s for them.
+                                    let folded = unsafe {
                                         update_saving(
                                             &mut g[r.clone()],
                                             &mut p[r.clone()],
@@ -290,13 +306,19 @@ impl AdamW {
                                             &mut v[r.clone()],
                                             &k,
                                             [dp, dm, dv],
+                                            way,
                                         )
                                     };
-                                    if saved {
-                                        save.count_saved(3 * 4 * n);
-                                        at += n;
-                                        continue;
-                                    }
+                                    let crcs = hashed.or(folded).expect("one way or the other hashes the block");
+                                    save.count_saved(3 * 4 * n);
+                                    checksums.extend(
+                                        [dp, dm, dv]
+                                            .into_iter()
+                                            .zip(crcs)
+                                            .map(|(room, crc)| (room as usize, 4 * n, crc)),
+                                    );
+                                    at += n;
+                                    continue;
                                 }
                             }
                             // SAFETY: these blocks are this thread's alone (see `Slices`) and
@@ -316,6 +338,9 @@ impl AdamW {
                             change_sq += sum_of_squared_differences(&p[r], &old[..n]);
                         }
                         at += n;
+                    }
+                    if let Some(save) = &save {
+                        save.add_checksums(checksums);
                     }
                     (change_sq, weight_sq)
                 });
@@ -600,13 +625,24 @@ fn update_portable(g: &mut [f32], p: &mut [f32], m: &mut [f32], v: &mut [f32], k
     }
 }
 
+/// How `update_saving` can save a block into its rooms.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum RegisterSave {
+    /// From the update's registers, and the rooms' CRC-32s folded from the same registers
+    /// (AVX2 with 256-bit VPCLMULQDQ): no load of its own for the checksum.
+    WithChecksums,
+    /// From the update's registers (AVX2); the caller hashes the block first.
+    Plain,
+}
+
 /// `update` that also streams the old parameters and moments into `rooms` ([p, m, v], each
 /// `p.len()` f32) from the registers the update loads them into: the save costs only its stores.
-/// Bit for bit `update`'s arithmetic. Returns false, doing nothing, where it cannot (no AVX2, or
-/// rooms not equally aligned); the caller then saves another way.
+/// Bit for bit `update`'s arithmetic. With `RegisterSave::WithChecksums` it also returns the
+/// CRC-32 of each room's bytes, folded from those registers.
 ///
 /// # Safety
-/// Each room must be valid for `p.len()` f32 writes that nothing else reads or writes meanwhile.
+/// Each room must be valid for `p.len()` f32 writes that nothing else reads or writes meanwhile,
+/// and `way` must be what `saves_in_registers` returned for these rooms.
 unsafe fn update_saving(
     g: &mut [f32],
     p: &mut [f32],
@@ -614,22 +650,57 @@ unsafe fn update_saving(
     v: &mut [f32],
     k: &UpdateConsts,
     rooms: [*mut f32; 3],
-) -> bool {
+    way: RegisterSave,
+) -> Option<[u32; 3]> {
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (g, p, m, v, k, rooms);
+        unreachable!("saves_in_registers offers no {way:?} on this target");
+    }
+    #[cfg(target_arch = "x86_64")]
+    match way {
+        // SAFETY: the CPU has AVX2, pclmulqdq, vpclmulqdq and SSE4.1 (`saves_in_registers`); the
+        // rooms as the caller promised, equally aligned.
+        RegisterSave::WithChecksums => Some(unsafe { update_saving_avx2_crc(g, p, m, v, k, rooms) }),
+        RegisterSave::Plain => {
+            // SAFETY: the CPU has AVX2; the rooms as above.
+            unsafe { update_saving_avx2(g, p, m, v, k, rooms) };
+            None
+        }
+    }
+}
+
+/// How `update_saving` can save into `rooms`: None where it cannot (no AVX2, or rooms not equally
+/// aligned), and the caller saves another way.
+fn saves_in_registers(rooms: [*mut f32; 3]) -> Option<RegisterSave> {
     #[cfg(target_arch = "x86_64")]
     {
         let offset = |d: *mut f32| d as usize % 32;
-        if std::is_x86_feature_detected!("avx2")
+        let fits = std::is_x86_feature_detected!("avx2")
             && offset(rooms[0]) % 4 == 0
             && offset(rooms[0]) == offset(rooms[1])
-            && offset(rooms[0]) == offset(rooms[2])
-        {
-            // SAFETY: the CPU has AVX2; the rooms as the caller promised, equally aligned.
-            unsafe { update_saving_avx2(g, p, m, v, k, rooms) };
-            return true;
+            && offset(rooms[0]) == offset(rooms[2]);
+        if !fits {
+            None
+        } else if stoke_ckpt::crc32x256_available() {
+            Some(RegisterSave::WithChecksums)
+        } else {
+            Some(RegisterSave::Plain)
         }
     }
-    let _ = (g, p, m, v, k, rooms);
-    false
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = rooms;
+        None
+    }
+}
+
+/// The bytes of `values`, as a checkpoint stores them (little-endian f32 on every target stoke
+/// builds for).
+fn f32_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: any initialized f32 memory is valid as bytes; the length covers exactly `values`,
+    // whose borrow the result keeps.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -642,7 +713,39 @@ unsafe fn update_saving_avx2(
     k: &UpdateConsts,
     rooms: [*mut f32; 3],
 ) {
+    // SAFETY: as the caller promised; this context has AVX2, all the body needs without CRC.
+    unsafe { update_saving_body::<false>(g, p, m, v, k, rooms) };
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,pclmulqdq,vpclmulqdq,sse4.1")]
+unsafe fn update_saving_avx2_crc(
+    g: &mut [f32],
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &UpdateConsts,
+    rooms: [*mut f32; 3],
+) -> [u32; 3] {
+    // SAFETY: as the caller promised; this context has what the CRC's folding needs.
+    unsafe { update_saving_body::<true>(g, p, m, v, k, rooms) }
+}
+
+/// The saving update's loop, inlined into each `#[target_feature]` wrapper. With `CRC`, the old
+/// values' bytes are also folded into one CRC-32 per room as they pass through the registers (the
+/// unaligned head and the tail hashed apart and joined), and those are returned; without, zeros.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn update_saving_body<const CRC: bool>(
+    g: &mut [f32],
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &UpdateConsts,
+    rooms: [*mut f32; 3],
+) -> [u32; 3] {
     use std::arch::x86_64::*;
+    use stoke_ckpt::Crc32x256;
     let n = p.len();
     assert!(g.len() == n && m.len() == n && v.len() == n);
     let [dp, dm, dv] = rooms;
@@ -661,7 +764,15 @@ unsafe fn update_saving_avx2(
         }
         update_portable(&mut g[range.clone()], &mut p[range.clone()], &mut m[range.clone()], &mut v[range], k);
     };
+    // The CRC-32s of a range's old values, taken before `scalar` overwrites them.
+    let hashed = |range: Range<usize>, p: &[f32], m: &[f32], v: &[f32]| {
+        [p, m, v].map(|x| (stoke_ckpt::checksum(f32_bytes(&x[range.clone()])), 4 * range.len()))
+    };
+    let head_crcs = if CRC { hashed(0..head, p, m, v) } else { [(0, 0); 3] };
     scalar(0..head, g, p, m, v);
+    // SAFETY (for the folds' calls): with `CRC` this is inlined into `update_saving_avx2_crc`,
+    // whose caller checked the features they need; without, they are never called.
+    let mut folds = if CRC { Some(unsafe { [Crc32x256::new(); 3] }) } else { None };
     let (clip, w1, w2) = (_mm256_set1_ps(k.clip), _mm256_set1_ps(k.w1), _mm256_set1_ps(k.w2));
     let (inv_sqrt_bc2, eps) = (_mm256_set1_ps(k.inv_sqrt_bc2), _mm256_set1_ps(k.eps));
     let (decay, step_size) = (_mm256_set1_ps(k.decay), _mm256_set1_ps(k.step_size));
@@ -669,7 +780,8 @@ unsafe fn update_saving_avx2(
     let mut i = head;
     while i < body_end {
         // SAFETY: i + 8 <= n: in bounds of the four slices (unaligned loads and stores) and of the
-        // rooms, whose `i` is 32-byte aligned past `head`, as `_mm256_stream_ps` requires.
+        // rooms, whose `i` is 32-byte aligned past `head`, as `_mm256_stream_ps` requires; the
+        // folds as above.
         unsafe {
             let grad = _mm256_mul_ps(_mm256_loadu_ps(gp.add(i)), clip);
             let (old_p, old_m, old_v) =
@@ -677,6 +789,11 @@ unsafe fn update_saving_avx2(
             _mm256_stream_ps(dp.add(i), old_p);
             _mm256_stream_ps(dm.add(i), old_m);
             _mm256_stream_ps(dv.add(i), old_v);
+            if let Some([fp, fm, fv]) = &mut folds {
+                fp.absorb(_mm256_castps_si256(old_p));
+                fm.absorb(_mm256_castps_si256(old_m));
+                fv.absorb(_mm256_castps_si256(old_v));
+            }
             // `update_portable`'s operations in its order (no fused multiply-adds).
             let new_m = _mm256_add_ps(old_m, _mm256_mul_ps(w1, _mm256_sub_ps(grad, old_m)));
             let new_v = _mm256_add_ps(old_v, _mm256_mul_ps(w2, _mm256_sub_ps(_mm256_mul_ps(grad, grad), old_v)));
@@ -693,7 +810,17 @@ unsafe fn update_saving_avx2(
     // Orders the streaming stores before this thread's later stores (and the join that hands
     // the snapshot to the writer).
     _mm_sfence();
+    let tail_crcs = if CRC { hashed(body_end..n, p, m, v) } else { [(0, 0); 3] };
     scalar(body_end..n, g, p, m, v);
+    let Some(folds) = folds else { return [0; 3] };
+    let mut out = [0; 3];
+    for (j, fold) in folds.into_iter().enumerate() {
+        let body_bytes = fold.bytes() as usize;
+        // SAFETY: as above.
+        let body = unsafe { fold.finish() };
+        out[j] = stoke_ckpt::checksum_concat([head_crcs[j], (body, body_bytes), tail_crcs[j]]);
+    }
+    out
 }
 
 /// Runs `work` on every slice, the slices dealt to `n_threads` threads in contiguous runs of about
@@ -846,6 +973,22 @@ mod tests {
                         }
                         assert!(rooms[1..] == before[..], "{kernel:?}: the rooms hold the state before the update");
                         assert_eq!(rooms[0], 0.0);
+                        // The CRC-32s handed to the writer cover every room's byte once and are
+                        // those of the bytes in the rooms.
+                        let mut checksums = save.take_checksums();
+                        checksums.sort_unstable();
+                        let base = rooms[1..].as_ptr() as usize;
+                        let mut at = base;
+                        for &(address, len, crc) in &checksums {
+                            assert_eq!(address, at, "{kernel:?}: the checksummed pieces tile the rooms");
+                            // SAFETY: `address..address + len` lies in `rooms` (checked by the
+                            // tiling: it starts where the last ended and ends by the rooms' end).
+                            assert!(address + len <= base + 4 * (rooms.len() - 1));
+                            let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, len) };
+                            assert_eq!(crc, stoke_ckpt::checksum(bytes), "{kernel:?}: a piece's CRC-32");
+                            at += len;
+                        }
+                        assert_eq!(at, base + 4 * (rooms.len() - 1), "{kernel:?}: every room's bytes checksummed");
                     } else {
                         o.step(p, hp, 5.0, None, kernel, 2);
                     }
@@ -855,6 +998,54 @@ mod tests {
             assert!(flat(&plain) == flat(&saving), "{kernel:?}: saving changed the update");
             let moments = |o: &AdamW| Vec::<f32>::try_from(&o.exp_avg_sq).unwrap();
             assert!(moments(&plain_opt) == moments(&saving_opt));
+        }
+    }
+
+    #[test]
+    fn the_saving_update_folds_each_rooms_crc_from_its_registers_and_updates_as_update_does() {
+        let k =
+            UpdateConsts { clip: 0.5, w1: 0.1, w2: 0.01, inv_sqrt_bc2: 1.2, eps: 1e-8, decay: 0.999, step_size: 0.01 };
+        let values = |seed: usize, n: usize| -> Vec<f32> {
+            (0..n).map(|i| ((i * 7919 + seed * 104_729) % 1000) as f32 / 250.0 - 2.0).collect()
+        };
+        // Lengths with and without a tail; rooms at every offset from 32-byte alignment.
+        for (n, offset) in [(1000, 0), (1003, 1), (17, 5), (5, 3), (4099, 7)] {
+            let ways = [Some(RegisterSave::Plain), saves_in_registers([std::ptr::null_mut(); 3])];
+            for way in ways.into_iter().flatten() {
+                // The second moment is never negative.
+                let v: Vec<f32> = values(4, n).iter().map(|x| x.abs()).collect();
+                let (mut g, mut p, mut m, mut v) = (values(1, n), values(2, n), values(3, n), v);
+                let old = [p.clone(), m.clone(), v.clone()];
+                let (mut g2, mut p2, mut m2, mut v2) = (g.clone(), p.clone(), m.clone(), v.clone());
+                update(&mut g2, &mut p2, &mut m2, &mut v2, &k);
+                // Room space aligned to 32 bytes, each room `offset` f32 past a boundary.
+                let stride = n.div_ceil(8) * 8 + 8;
+                let mut space = vec![0f32; 3 * stride + 8];
+                let base = space.as_mut_ptr().align_offset(32);
+                let rooms: [*mut f32; 3] = std::array::from_fn(|j| space[base + j * stride + offset..].as_mut_ptr());
+                if saves_in_registers(rooms).is_none() {
+                    eprintln!("skipped: this CPU saves no block from registers");
+                    return;
+                }
+                // SAFETY: each room has `n` f32 of `space`, which nothing else touches.
+                let crcs = unsafe { update_saving(&mut g, &mut p, &mut m, &mut v, &k, rooms, way) };
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(&p) == bits(&p2) && bits(&m) == bits(&m2) && bits(&v) == bits(&v2) && bits(&g) == bits(&g2),
+                    "{way:?} n {n}: the update is update's"
+                );
+                for (j, old) in old.iter().enumerate() {
+                    let start = base + j * stride + offset;
+                    assert!(space[start..start + n] == old[..], "{way:?} n {n}: room {j} holds the old values");
+                }
+                match way {
+                    RegisterSave::Plain => assert_eq!(crcs, None),
+                    RegisterSave::WithChecksums => {
+                        let expected = old.clone().map(|x| stoke_ckpt::checksum(f32_bytes(&x)));
+                        assert_eq!(crcs, Some(expected), "n {n} offset {offset}");
+                    }
+                }
+            }
         }
     }
 

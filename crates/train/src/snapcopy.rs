@@ -18,7 +18,7 @@
 //! against 128-138 ms with the copy thread: 2026-12-01, README).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use stoke_ckpt::Snapshot;
@@ -33,14 +33,35 @@ struct CopyJob {
     /// (source address, destination address, bytes).
     pieces: Vec<(usize, usize, usize)>,
     next: AtomicUsize,
+    /// Each copied piece's (destination address, bytes, CRC-32), for the writer.
+    checksums: Checksums,
+}
+
+/// CRC-32s of pieces of a snapshot's rooms, gathered from the threads that filled them:
+/// (destination address, bytes, CRC-32), handed to `Snapshot::add_checksums`.
+#[derive(Default)]
+pub(crate) struct Checksums(Mutex<Vec<(usize, usize, u32)>>);
+
+impl Checksums {
+    /// Adds one thread's pieces (one lock for all of them).
+    pub(crate) fn extend(&self, pieces: Vec<(usize, usize, u32)>) {
+        if !pieces.is_empty() {
+            self.0.lock().expect("a checksum list's lock is never poisoned").extend(pieces);
+        }
+    }
+
+    fn take(&self) -> Vec<(usize, usize, u32)> {
+        std::mem::take(&mut *self.0.lock().expect("a checksum list's lock is never poisoned"))
+    }
 }
 
 impl CopyJob {
     /// Copies pieces until none is left, each with `threads` threads.
     fn drain(&self, threads: usize) {
+        let mut checksums = Vec::new();
         loop {
             let i = self.next.fetch_add(1, Ordering::Relaxed);
-            let Some(&(src, dst, len)) = self.pieces.get(i) else { return };
+            let Some(&(src, dst, len)) = self.pieces.get(i) else { break };
             // SAFETY: `PendingCopy::start` built each piece inside one source tensor's storage
             // (contiguous, CPU, `len` bytes in range) and inside the snapshot's room for it;
             // `PendingCopy` keeps both alive until the worker has been joined, no two pieces
@@ -49,8 +70,9 @@ impl CopyJob {
             let (src, dst) = unsafe {
                 (std::slice::from_raw_parts(src as *const u8, len), std::slice::from_raw_parts_mut(dst as *mut u8, len))
             };
-            stoke_ckpt::stream_copy(dst, src, threads);
+            checksums.push((dst.as_ptr() as usize, len, stoke_ckpt::stream_copy_checksummed(dst, src, threads)));
         }
+        self.checksums.extend(checksums);
     }
 }
 
@@ -68,6 +90,8 @@ pub(crate) struct SaveMap {
     saved: AtomicUsize,
     /// Set once an update has saved every segment.
     complete: AtomicBool,
+    /// CRC-32s of what was saved, for the writer.
+    checksums: Checksums,
 }
 
 impl SaveMap {
@@ -77,7 +101,12 @@ impl SaveMap {
         for pair in segments.windows(2) {
             assert!(pair[0].0 + pair[0].1 <= pair[1].0, "snapshot sources overlap");
         }
-        SaveMap { segments, saved: AtomicUsize::new(0), complete: AtomicBool::new(false) }
+        SaveMap {
+            segments,
+            saved: AtomicUsize::new(0),
+            complete: AtomicBool::new(false),
+            checksums: Checksums::default(),
+        }
     }
 
     fn total(&self) -> usize {
@@ -90,6 +119,7 @@ impl SaveMap {
     /// `[src, src + len)` must be readable and nothing may write it during the call; no other
     /// thread may save the same bytes (the rooms are written without synchronization).
     pub(crate) unsafe fn save(&self, src: *const f32, len: usize) {
+        let mut checksums = Vec::new();
         let (mut at, end) = (src as usize, src as usize + len * 4);
         while at < end {
             // The last segment starting at or before `at`.
@@ -110,10 +140,11 @@ impl SaveMap {
                     std::slice::from_raw_parts_mut((seg_dst + (at - seg_src)) as *mut u8, n),
                 )
             };
-            stoke_ckpt::stream_copy(to, from, 1);
+            checksums.push((to.as_ptr() as usize, n, stoke_ckpt::stream_copy_checksummed(to, from, 1)));
             self.saved.fetch_add(n, Ordering::Relaxed);
             at += n;
         }
+        self.checksums.extend(checksums);
     }
 
     /// The room of `[src, src + len)` (f32 elements) when one segment holds all of it; the caller
@@ -130,12 +161,23 @@ impl SaveMap {
         self.saved.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// The CRC-32s of bytes a caller saved through `room_of`, (room address, bytes, CRC-32) each,
+    /// computed from the values it saved.
+    pub(crate) fn add_checksums(&self, checksums: Vec<(usize, usize, u32)>) {
+        self.checksums.extend(checksums);
+    }
+
     /// Called once the update that saved has finished on every thread: every room must then be
     /// filled (the update covered every source).
     pub(crate) fn mark_complete(&self) {
         let (saved, total) = (self.saved.load(Ordering::Relaxed), self.total());
         assert_eq!(saved, total, "the update saved {saved} of the snapshot's {total} bytes");
         self.complete.store(true, Ordering::Release);
+    }
+
+    /// The CRC-32s of what was saved: (room address, bytes, CRC-32) each, in no order.
+    pub(crate) fn take_checksums(&self) -> Vec<(usize, usize, u32)> {
+        self.checksums.take()
     }
 
     pub(crate) fn is_complete(&self) -> bool {
@@ -200,7 +242,7 @@ impl PendingCopy {
             }
             held.push(tensor);
         }
-        let job = Arc::new(CopyJob { pieces, next: AtomicUsize::new(0) });
+        let job = Arc::new(CopyJob { pieces, next: AtomicUsize::new(0), checksums: Checksums::default() });
         if by_optimizer {
             let save = SaveMap::new(job.pieces.iter().map(|&(src, dst, len)| (src, len, dst)).collect());
             return PendingCopy {
@@ -232,14 +274,22 @@ impl PendingCopy {
     /// Copies what the worker has not, with `threads` threads, waits for the worker, and returns
     /// the filled snapshot.
     pub(crate) fn finish(mut self, threads: usize) -> Snapshot {
-        if !self.save.as_ref().is_some_and(|save| save.is_complete()) {
+        let saved_by_update = self.save.as_ref().filter(|save| save.is_complete()).cloned();
+        if saved_by_update.is_none() {
             self.job.drain(threads);
         }
         if let Some(worker) = self.worker.take() {
             // The worker only copies; a panic there is a bug worth surfacing.
             worker.join().expect("the snapshot copy thread panicked");
         }
-        self.snapshot.take().expect("a pending copy holds its snapshot until finished")
+        let mut snapshot = self.snapshot.take().expect("a pending copy holds its snapshot until finished");
+        // The rooms were all taken before the copy began, so their addresses still hold; the
+        // CRC-32s are those of whichever filled the rooms.
+        match saved_by_update {
+            Some(save) => snapshot.add_checksums(save.take_checksums()),
+            None => snapshot.add_checksums(self.job.checksums.take()),
+        }
+        snapshot
     }
 }
 

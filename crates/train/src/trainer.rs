@@ -590,16 +590,17 @@ impl Trainer {
                     let (offset, shape) = &whole[entry.name.as_str()];
                     let start = (entry.source - offset) as usize;
                     let range = start..start + entry.numel as usize;
-                    copy_into(
-                        &entry.tensor.detach(),
-                        snapshot.piece("model", &entry.name, DType::F32, shape, range.clone()),
-                    );
+                    let room = snapshot.piece("model", &entry.name, DType::F32, shape, range.clone());
+                    let checksum = copy_into(&entry.tensor.detach(), room);
+                    snapshot.add_checksums(checksum);
                     pieces.insert(entry.name.as_str(), (range, shape));
                 }
                 for state in self.optimizer.state_tensors(shard) {
                     let param = state.name.rsplit_once('.').map_or(state.name.as_str(), |(param, _)| param);
                     let (range, shape) = &pieces[param];
-                    copy_into(&state.tensor, snapshot.piece("optim", &state.name, DType::F32, shape, range.clone()));
+                    let room = snapshot.piece("optim", &state.name, DType::F32, shape, range.clone());
+                    let checksum = copy_into(&state.tensor, room);
+                    snapshot.add_checksums(checksum);
                 }
             }
             None => {
@@ -621,7 +622,8 @@ impl Trainer {
                     if defer {
                         deferred.push((stem.to_string(), name, tensor));
                     } else {
-                        copy_into(&tensor, room);
+                        let checksum = copy_into(&tensor, room);
+                        snapshot.add_checksums(checksum);
                     }
                 }
             }
@@ -1348,11 +1350,13 @@ fn submit(writer: &mut CheckpointWriter, snapshot: Snapshot, best_eval: bool) ->
     Ok(())
 }
 
-/// Copies `t` into `dst`. A contiguous CPU tensor is copied by `stoke_ckpt::stream_copy` (the
-/// intra-op thread count, streaming stores: about twice libtorch's copy into a large host buffer);
-/// anything else (another device, a strided view) by libtorch's copy. `STOKE_CKPT_COPY=torch`
-/// uses libtorch's copy for every tensor (a diagnostic switch).
-fn copy_into(t: &Tensor, dst: &mut [u8]) {
+/// Copies `t` into `dst`. A contiguous CPU tensor is copied by
+/// `stoke_ckpt::stream_copy_checksummed` (the intra-op thread count, streaming stores: about twice
+/// libtorch's copy into a large host buffer), which also hashes it from the cache: the returned
+/// (address, bytes, CRC-32) is for `Snapshot::add_checksums`. Anything else (another device, a
+/// strided view) is copied by libtorch, and the writer hashes it. `STOKE_CKPT_COPY=torch` uses
+/// libtorch's copy for every tensor (a diagnostic switch).
+fn copy_into(t: &Tensor, dst: &mut [u8]) -> Option<(usize, usize, u32)> {
     let numel = t.numel();
     assert_eq!(dst.len(), numel * t.kind().elt_size_in_bytes(), "the host slot fits the tensor");
     if !dst.is_empty()
@@ -1365,12 +1369,12 @@ fn copy_into(t: &Tensor, dst: &mut [u8]) {
         // above) start at `data_ptr`; `t` is borrowed for this whole function, so the storage
         // stays alive, and nothing writes it meanwhile (the step is not running).
         let src = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const u8, dst.len()) };
-        stoke_ckpt::stream_copy(dst, src, threads);
-        return;
+        return Some((dst.as_ptr() as usize, dst.len(), stoke_ckpt::stream_copy_checksummed(dst, src, threads)));
     }
     // SAFETY: `host` views exactly `dst`'s bytes (length checked above) as a CPU tensor; `dst` is
     // borrowed mutably for this whole function and `host` is dropped before it returns, so
     // nothing else reads or writes that memory meanwhile and the view never outlives it.
     let mut host = unsafe { Tensor::from_blob(dst.as_mut_ptr(), &[numel as i64], &[1], t.kind(), Device::Cpu) };
     tch::no_grad(|| host.copy_(&t.reshape([-1])));
+    None
 }
