@@ -59,6 +59,10 @@ pub struct CkptBenchArgs {
     pub peer_script: PathBuf,
     #[arg(long)]
     pub no_peers: bool,
+    /// The `stoke` binary whose `train` the runs use (default: this one): to compare two builds
+    /// under the same measurement.
+    #[arg(long, value_name = "BIN")]
+    pub trainer: Option<PathBuf>,
     /// Also write the figures as JSON here.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -79,6 +83,13 @@ struct RunFigures {
     /// checkpoints, what the checkpoints cost the run in all (their copies, the writer's CPU time
     /// and memory traffic beside the steps, retention).
     total_ms: f64,
+}
+
+fn trainer(args: &CkptBenchArgs) -> anyhow::Result<PathBuf> {
+    match &args.trainer {
+        Some(path) => Ok(path.clone()),
+        None => Ok(std::env::current_exe()?),
+    }
 }
 
 /// How a benchmark run checkpoints.
@@ -116,7 +127,7 @@ fn run_train(args: &CkptBenchArgs, name: &str, saves: Saves) -> anyhow::Result<R
         "prof.enabled=false".into(),
     ]);
     overrides.extend(args.overrides.iter().cloned());
-    let mut cmd = Command::new(std::env::current_exe()?);
+    let mut cmd = Command::new(trainer(args)?);
     cmd.args(["train", "--quiet"]);
     for o in &overrides {
         cmd.arg("--set").arg(o);
@@ -290,7 +301,7 @@ fn run_resume(args: &CkptBenchArgs, name: &str) -> anyhow::Result<(f64, f64)> {
     let run_dir = args.dir.join(name);
     let latest = stoke_ckpt::CheckpointStore::new(run_dir.join("checkpoints")).latest()?.context("a checkpoint")?;
     evict_from_page_cache(&run_dir.join(format!("checkpoints/step-{latest}")))?;
-    let mut cmd = Command::new(std::env::current_exe()?);
+    let mut cmd = Command::new(trainer(args)?);
     cmd.args(["train", "--quiet", "--resume", "--set"])
         .arg(format!("run.dir={}", toml::Value::String(args.dir.display().to_string())))
         .args(["--set", &format!("run.name={name}")]);

@@ -246,11 +246,16 @@ pub fn checksum(bytes: &[u8]) -> u32 {
 
 /// The CRC-32 of consecutive pieces, each given as (its CRC-32, its length in bytes).
 pub fn checksum_concat(pieces: impl IntoIterator<Item = (u32, usize)>) -> u32 {
-    let mut total = crc32fast::Hasher::new();
-    for (crc, len) in pieces {
-        total.combine(&crc32fast::Hasher::new_with_initial_len(crc, len as u64));
+    let mut total: Option<crc32fast::Hasher> = None;
+    // Empty pieces change nothing (a kernel's head and tail often are).
+    for (crc, len) in pieces.into_iter().filter(|&(_, len)| len > 0) {
+        let piece = crc32fast::Hasher::new_with_initial_len(crc, len as u64);
+        match &mut total {
+            Some(total) => total.combine(&piece),
+            None => total = Some(piece),
+        }
     }
-    total.finalize()
+    total.map_or(0, crc32fast::Hasher::finalize)
 }
 
 /// A checksummed copy hashes each piece of this many bytes right after copying it, while the

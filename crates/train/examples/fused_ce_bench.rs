@@ -56,13 +56,13 @@ fn main() {
                 let leaf = logits.detach().set_requires_grad(true);
                 let loss = leaf.to_kind(Kind::Float).cross_entropy_for_logits(&targets);
                 loss.backward();
-                std::hint::black_box(leaf.grad());
+                let _ = std::hint::black_box(leaf.grad());
             });
             let b = time_ms(iters, || {
                 let leaf = logits.detach().set_requires_grad(true);
                 let out = cross_entropy_bf16(&leaf.detach(), &targets, 1.0, n_threads).expect("bf16 CPU logits");
                 leaf.view([-1]).dot(&out.grad.view([-1])).backward();
-                std::hint::black_box((leaf.grad(), out.loss));
+                let _ = std::hint::black_box((leaf.grad(), out.loss));
             });
             let c = time_ms(iters, || {
                 copy_target.copy_(&logits);
