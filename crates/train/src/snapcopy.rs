@@ -13,9 +13,11 @@
 //! When the next step's optimizer is the fused CPU AdamW over the same buffers, no thread copies:
 //! `PendingCopy::for_optimizer` hands the rooms to that update as a `SaveMap`, and the update
 //! streams each block's old values into its room just before it overwrites them. The update reads
-//! those values anyway, so the checkpoint costs only the streaming stores (on the 101 M-parameter
-//! benchmark state the step after a checkpoint took 12-23 ms more than the checkpoint's own step,
-//! against 128-138 ms with the copy thread: 2026-12-01, README).
+//! those values anyway, so the checkpoint costs only the streaming stores and the CRC-32s folded
+//! from the same registers (the README's checkpoint table has the figures).
+//!
+//! Whichever way the rooms are filled, their CRC-32s are computed on the way (`Checksums`) and
+//! handed to the snapshot when it is finished, so the writer does not read the state again.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
