@@ -85,6 +85,7 @@ struct RunFigures {
     total_ms: f64,
 }
 
+/// The binary whose `train` the runs use: `--trainer`, or this one.
 fn trainer(args: &CkptBenchArgs) -> anyhow::Result<PathBuf> {
     match &args.trainer {
         Some(path) => Ok(path.clone()),
@@ -163,7 +164,6 @@ fn run_train(args: &CkptBenchArgs, name: &str, saves: Saves) -> anyhow::Result<R
             total_ms,
         });
     }
-
     let stats: Value = serde_json::from_str(&std::fs::read_to_string(run_dir.join("checkpoint-stats.json"))?)?;
     let number = |key: &str| stats[key].as_f64().with_context(|| format!("{key} in checkpoint-stats.json"));
     Ok(RunFigures {

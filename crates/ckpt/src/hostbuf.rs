@@ -220,23 +220,39 @@ const PARALLEL_MIN: usize = 8 << 20;
 /// non-temporal stores on x86-64.
 pub fn stream_copy(dst: &mut [u8], src: &[u8], threads: usize) {
     assert_eq!(dst.len(), src.len(), "stream_copy needs equal lengths");
+    split_across(dst, src, threads, copy_one);
+}
+
+/// Runs `work` on consecutive pieces of `dst` and `src` (whole cache lines, one per thread, up to
+/// `threads` of them; a copy under `PARALLEL_MIN / 2` per thread stays on the calling thread,
+/// which always takes the last piece), and returns each piece's result in order.
+fn split_across<R: Send>(
+    dst: &mut [u8],
+    src: &[u8],
+    threads: usize,
+    work: impl Fn(&mut [u8], &[u8]) -> R + Sync,
+) -> Vec<R> {
     let threads = threads.clamp(1, 64).min(dst.len() / (PARALLEL_MIN / 2)).max(1);
     if threads == 1 {
-        copy_one(dst, src);
-        return;
+        return vec![work(dst, src)];
     }
-    // Pieces of whole cache lines, one per thread; the calling thread takes the last.
     let piece = dst.len().div_ceil(threads).div_ceil(64) * 64;
+    let work = &work;
     std::thread::scope(|scope| {
         let mut pieces = dst.chunks_mut(piece).zip(src.chunks(piece)).peekable();
+        let mut spawned = Vec::new();
+        let mut last = None;
         while let Some((d, s)) = pieces.next() {
             if pieces.peek().is_some() {
-                scope.spawn(move || copy_one(d, s));
+                spawned.push(scope.spawn(move || work(d, s)));
             } else {
-                copy_one(d, s);
+                last = Some(work(d, s));
             }
         }
-    });
+        let mut out: Vec<R> = spawned.into_iter().map(|h| h.join().expect("a copy thread does not panic")).collect();
+        out.extend(last);
+        out
+    })
 }
 
 /// The CRC-32 (IEEE, the manifests' checksum) of `bytes`.
@@ -264,38 +280,16 @@ const CHECKSUM_PIECE: usize = 256 << 10;
 
 /// `stream_copy`, returning the CRC-32 of the bytes copied. Each piece is hashed just after it is
 /// copied, from the cache: a writer handed the result (`Snapshot::add_checksums`) need not read
-/// the buffer again to checksum it (on 1.2 GB, about 140 ms of one core and of memory traffic
-/// beside the step, 2026-12-01).
+/// the buffer again to checksum it.
 pub fn stream_copy_checksummed(dst: &mut [u8], src: &[u8], threads: usize) -> u32 {
     assert_eq!(dst.len(), src.len(), "stream_copy_checksummed needs equal lengths");
-    let one = |dst: &mut [u8], src: &[u8]| {
+    let hashers = split_across(dst, src, threads, |dst, src| {
         let mut hasher = crc32fast::Hasher::new();
         for (d, s) in dst.chunks_mut(CHECKSUM_PIECE).zip(src.chunks(CHECKSUM_PIECE)) {
             copy_one(d, s);
             hasher.update(s);
         }
         hasher
-    };
-    let threads = threads.clamp(1, 64).min(dst.len() / (PARALLEL_MIN / 2)).max(1);
-    if threads == 1 {
-        return one(dst, src).finalize();
-    }
-    let piece = dst.len().div_ceil(threads).div_ceil(64) * 64;
-    let hashers = std::thread::scope(|scope| {
-        let mut pieces = dst.chunks_mut(piece).zip(src.chunks(piece)).peekable();
-        let mut spawned = Vec::new();
-        while let Some((d, s)) = pieces.next() {
-            if pieces.peek().is_some() {
-                spawned.push(scope.spawn(move || one(d, s)));
-            } else {
-                let last = one(d, s);
-                let mut all: Vec<_> =
-                    spawned.into_iter().map(|h| h.join().expect("a copy thread does not panic")).collect();
-                all.push(last);
-                return all;
-            }
-        }
-        Vec::new()
     });
     let mut total = crc32fast::Hasher::new();
     for hasher in &hashers {
