@@ -13,8 +13,9 @@
 //!   `cargo test --workspace --features stoke-comm/mpi,stoke-comm/nccl ARGS`; without ARGS, then also the
 //!   benchmark regression gate's own test (`stoke bench gate`): a baseline recorded on this machine
 //!   from the code as it is, a check of the same code against it (exit 0 expected) and one with
-//!   the forward made 10% slower by its hidden test switch (exit 4 expected). (The Slurm test
-//!   installs Slurm itself.)
+//!   the forward made 10% slower by its hidden test switch (exit 4 expected); either check that
+//!   goes the wrong way is repeated once against a baseline recorded anew, as the ratios drift
+//!   between invocations. (The Slurm test installs Slurm itself.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
 
@@ -85,19 +86,47 @@ fn main() -> ExitCode {
                 }
                 status(gate)
             };
-            println!("xtask: the gate's baseline, recorded on this machine from this code");
-            let code = gate(None, true)?;
+            // The ratios of one machine drift between invocations minutes apart (up to about 5%
+            // on a shared 2-core machine, see `gate.rs`), which is as much as the margin on either
+            // side of the 6% floor. So each of the two checks may, once, re-record the baseline
+            // and check again: a gate that cannot see the slowdown misses it both times, and code
+            // that a gate wrongly flags is flagged both times only if the drift repeats.
+            let record = || -> Result<i32, String> {
+                println!("xtask: the gate's baseline, recorded on this machine from this code");
+                gate(None, true)
+            };
+            let code = record()?;
             if code != 0 {
                 return Ok(code);
             }
-            let code = gate(None, false)?;
+            let mut code = gate(None, false)?;
+            if code == 4 {
+                println!("xtask: the unmodified code was flagged; once more against a baseline recorded anew");
+                let recorded = record()?;
+                if recorded != 0 {
+                    return Ok(recorded);
+                }
+                code = gate(None, false)?;
+            }
             if code != 0 {
                 return Ok(code);
             }
-            println!(
-                "xtask: the gate again, with every forward 10% slower (STOKE_TEST_SLOW_FORWARD=0.10): exit 4 expected"
-            );
-            match gate(Some("0.10"), false)? {
+            let slow = || -> Result<i32, String> {
+                println!(
+                    "xtask: the gate again, with every forward 10% slower (STOKE_TEST_SLOW_FORWARD=0.10): exit 4 expected"
+                );
+                gate(Some("0.10"), false)
+            };
+            let mut code = slow()?;
+            if code == 0 {
+                println!("xtask: the slower forward was missed; once more against a baseline recorded anew");
+                let recorded = record()?;
+                if recorded != 0 {
+                    return Ok(recorded);
+                }
+                code = slow()?;
+            }
+            match code {
                 4 => {
                     println!("xtask: the gate caught the slower forward");
                     Ok(0)
