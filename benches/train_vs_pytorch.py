@@ -9,7 +9,8 @@ Per preset and precision, each round runs five processes one after another:
       fused AdamW, glibc keeping freed memory
   PE  the same tuned peer, eager
   SO  stoke with everything of its own turned off: `stoke bench fullchain`'s naive settings
-      (data.workers=0, train.fused_optimizer=false, train.host_memory=system), the attention that
+      (data.workers=0, train.fused_optimizer=false, train.host_memory=system), no fused kernels
+      (train.fused_cross_entropy=off, train.fused_layer_norm=false), the attention that
       plain PyTorch runs (SDPA in the autocast type: train.attention=bf16), no per-block monitors
   PP  plain PyTorch: eager, SDPA, PyTorch's default AdamW, the C allocator's defaults
 
@@ -155,6 +156,7 @@ class Bench:
             ("PE", lambda n: self.peer(preset, precision, cell, n, tuned + ["--attention", picks["eager"]["attention"]])),
             ("SO", lambda n: self.stoke(preset, precision, cell, n, [
                 "data.workers=0", "train.fused_optimizer=false", "train.host_memory=system",
+                "train.fused_cross_entropy=off", "train.fused_layer_norm=false",
                 f"train.attention={ALL_OFF_ATTENTION[precision]}", "train.monitor_every=0"])),
             ("PP", lambda n: self.peer(preset, precision, cell, n,
                                        ["--attention", "sdpa", "--adamw", "default", "--host-memory", "system"])),
@@ -186,6 +188,7 @@ class Bench:
         thing changed, interleaved; every ratio is over plain PyTorch in the same round."""
         cell = self.cell_of(preset)
         all_off = ["data.workers=0", "train.fused_optimizer=false", "train.host_memory=system",
+                   "train.fused_cross_entropy=off", "train.fused_layer_norm=false",
                    f"train.attention={ALL_OFF_ATTENTION[precision]}", "train.monitor_every=0"]
         plain = ["--attention", "sdpa", "--adamw", "default"]
         configs = [

@@ -184,6 +184,11 @@ pub struct TrainConfig {
     /// time at GPT-2's 50304) and costs time with the 256 byte tokens of tiny and small (1.95x)
     /// (README, "What each step change bought"). Default "auto".
     pub fused_cross_entropy: FusedCrossEntropy,
+    /// Under bf16 on a CPU, every LayerNorm as a Rust kernel from the fp32 residual stream
+    /// straight to bf16, and its backward with the residual's gradient added in the same pass,
+    /// instead of libtorch's fp32 LayerNorm, casts and add; the block executor only (README,
+    /// "What each step change bought"). Default true.
+    pub fused_layer_norm: bool,
     /// "adamw", "lamb" (AdamW's moments with a per-tensor trust ratio ||w|| / ||u||, for large
     /// batches) or "sgd" (momentum, optionally Nesterov; L2 weight decay as PyTorch's SGD).
     /// Default "adamw".
@@ -319,6 +324,7 @@ impl Default for TrainConfig {
             host_memory: HostMemory::Retain,
             fused_optimizer: true,
             fused_cross_entropy: FusedCrossEntropy::Auto,
+            fused_layer_norm: true,
             optimizer: OptimizerKind::AdamW,
             momentum: 0.9,
             nesterov: false,

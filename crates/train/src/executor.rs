@@ -28,7 +28,8 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
 
 use crate::clock::StepClock;
-use crate::model::Gpt;
+use crate::kernels::LayerNormStats;
+use crate::model::{Gpt, Norm};
 use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::{Phase, TrainError};
@@ -235,6 +236,9 @@ struct Segment {
     /// detached tensor from which the backward recomputes.
     input: Tensor,
     output: Option<Tensor>,
+    /// With the fused LayerNorm, while `output` holds the graph: the normed input (a leaf that
+    /// requires grad) and its statistics, for the norm's backward.
+    normed: Option<(Tensor, LayerNormStats)>,
 }
 
 /// What one micro-batch gave.
@@ -265,6 +269,23 @@ impl Executor {
             });
         }
         Ok(Executor { kind, recompute })
+    }
+
+    /// The autograd segments of block `layer_idx`: the policy's, with a whole block split in
+    /// its halves when the model runs the fused LayerNorm (each half's norm is then outside
+    /// libtorch's graph, between the half and its input).
+    fn block_segments(&self, model: &Gpt, layer_idx: usize) -> Vec<(Half, bool)> {
+        let segments = self.recompute.segments(layer_idx);
+        if !model.fused_layer_norm() {
+            return segments.to_vec();
+        }
+        segments
+            .iter()
+            .flat_map(|&(half, recomputed)| match half {
+                Half::Whole => vec![(Half::Attention, recomputed), (Half::Mlp, recomputed)],
+                _ => vec![(half, recomputed)],
+            })
+            .collect()
     }
 
     pub fn recompute(&self) -> Recompute {
@@ -324,16 +345,15 @@ impl Executor {
         for layer_idx in 0..n_layer {
             hooks.before_forward(layer_idx + 1, clock)?;
             let bytes_before = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
-            for &(half, recomputed) in self.recompute.segments(layer_idx) {
+            for (half, recomputed) in self.block_segments(model, layer_idx) {
+                let input = current.detach();
                 let segment = if recomputed {
-                    let input = current.detach();
-                    current = tch::no_grad(|| run_half(model, layer_idx, half, &input));
-                    Segment { layer_idx, half, input, output: None }
+                    current = tch::no_grad(|| forward_half(model, layer_idx, half, &input).1);
+                    Segment { layer_idx, half, input, output: None, normed: None }
                 } else {
-                    let input = current.detach().set_requires_grad(true);
-                    let output = run_half(model, layer_idx, half, &input);
+                    let (input, output, normed) = forward_half(model, layer_idx, half, &input);
                     current = output.shallow_clone();
-                    Segment { layer_idx, half, input, output: Some(output) }
+                    Segment { layer_idx, half, input, output: Some(output), normed }
                 };
                 segments.push(segment);
             }
@@ -344,10 +364,18 @@ impl Executor {
             }
         }
         hooks.before_forward(head_unit, clock)?;
-        let head_input = current.detach().set_requires_grad(true);
+        let head_input = current.detach();
         drop(current);
+        // With the fused LayerNorm the head starts from the normed output, a leaf.
+        let (head_input, head_normed) = match model.fused_norm(Norm::Final, &head_input) {
+            Some((normed, stats)) => (head_input, Some((normed.set_requires_grad(true), stats))),
+            None => (head_input.set_requires_grad(true), None),
+        };
         // With the fused cross-entropy the logits' gradient is computed here, in the forward.
-        let head = model.head_loss_for_backward(&head_input, targets, loss_multiplier);
+        let head = match &head_normed {
+            Some((normed, _)) => model.head_loss_for_backward(normed, true, targets, loss_multiplier),
+            None => model.head_loss_for_backward(&head_input, false, targets, loss_multiplier),
+        };
         let peak_bytes_in_use = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
         clock.lap(Phase::Forward);
 
@@ -360,7 +388,10 @@ impl Executor {
         // The head's backward (logit gradients) runs while every activation is still alive.
         let peak_bytes_in_use =
             peak_bytes_in_use.zip(measure_memory.then(crate::peak::host_bytes_in_use).flatten()).map(|(a, b)| a.max(b));
-        let mut grad_output = head_input.grad();
+        let mut grad_output = match head_normed {
+            Some((normed, stats)) => model.fused_norm_backward(Norm::Final, &normed.grad(), &head_input, &stats, None),
+            None => head_input.grad(),
+        };
         drop(head_input);
         clock.lap(Phase::Backward);
         grads_final(model, head_unit, last, clock, hooks)?;
@@ -373,18 +404,28 @@ impl Executor {
             if matches!(segment.half, Half::Whole | Half::Mlp) {
                 hooks.before_backward(unit, clock)?;
             }
-            let (input, output) = match segment.output {
-                Some(output) => (segment.input, output),
+            let (input, output, normed) = match segment.output {
+                Some(output) => (segment.input, output, segment.normed),
                 None => {
                     clock.lap(Phase::Backward);
-                    let input = segment.input.set_requires_grad(true);
-                    let output = run_half(model, segment.layer_idx, segment.half, &input);
+                    let recomputed = forward_half(model, segment.layer_idx, segment.half, &segment.input);
                     clock.lap(Phase::Recompute);
-                    (input, output)
+                    recomputed
                 }
             };
             backward_from(&output, &grad_output);
-            grad_output = input.grad();
+            // The residual passes `grad_output` through to the input unchanged; the fused
+            // LayerNorm's backward adds its part to it in place.
+            grad_output = match normed {
+                Some((normed, stats)) => model.fused_norm_backward(
+                    norm_of(segment.layer_idx, segment.half),
+                    &normed.grad(),
+                    &input,
+                    &stats,
+                    Some(grad_output),
+                ),
+                None => input.grad(),
+            };
             if matches!(segment.half, Half::Whole | Half::Attention) {
                 clock.lap(Phase::Backward);
                 grads_final(model, unit, last, clock, hooks)?;
@@ -399,6 +440,41 @@ impl Executor {
             activation_bytes: measure_memory.then_some(activation_bytes),
             peak_bytes_in_use,
         })
+    }
+}
+
+/// A half's forward from `input` (detached): the input as the backward uses it, the output, and
+/// with the fused LayerNorm the normed input (a leaf that requires grad) and its statistics.
+/// With the fused LayerNorm (a half, not a whole block, with the kernel on and taking the input)
+/// the input needs no gradient of its own: the residual passes the output's through. Otherwise it
+/// becomes a leaf that requires grad, and libtorch runs the whole half.
+fn forward_half(
+    model: &Gpt,
+    layer_idx: usize,
+    half: Half,
+    input: &Tensor,
+) -> (Tensor, Tensor, Option<(Tensor, LayerNormStats)>) {
+    let fused = match half {
+        Half::Whole => None,
+        Half::Attention | Half::Mlp => model.fused_norm(norm_of(layer_idx, half), input),
+    };
+    let Some((normed, stats)) = fused else {
+        let input = input.shallow_clone().set_requires_grad(true);
+        let output = run_half(model, layer_idx, half, &input);
+        return (input, output, None);
+    };
+    let normed = normed.set_requires_grad(true);
+    let branch = match half {
+        Half::Attention => model.attention_branch(layer_idx, &normed),
+        _ => model.mlp_branch(layer_idx, &normed),
+    };
+    (input.shallow_clone(), input + branch, Some((normed, stats)))
+}
+
+fn norm_of(layer_idx: usize, half: Half) -> Norm {
+    match half {
+        Half::Mlp => Norm::Mlp(layer_idx),
+        _ => Norm::Attention(layer_idx),
     }
 }
 

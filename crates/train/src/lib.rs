@@ -45,7 +45,7 @@ pub use error::TrainError;
 pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};
 pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use host_memory::{retain_env, HostMemory};
-pub use kernels::{cross_entropy_bf16, CrossEntropy};
+pub use kernels::{cross_entropy_bf16, layer_norm_bf16, layer_norm_bf16_backward, CrossEntropy, LayerNormStats};
 pub use model::Gpt;
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, OptimizerKind, Sgd, TensorNorms};

@@ -8,6 +8,7 @@ use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{AttentionPrecision, GptShape, Precision};
+use crate::kernels::LayerNormStats;
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
@@ -27,11 +28,28 @@ pub struct Gpt {
     /// Threads of the fused cross-entropy kernel; 0 leaves the loss to libtorch's ops (see
     /// `set_fused_cross_entropy`).
     fused_cross_entropy_threads: usize,
+    /// Threads of the fused LayerNorm kernels; 0 leaves the norms to libtorch's ops (see
+    /// `set_fused_layer_norm`).
+    fused_layer_norm_threads: usize,
     /// The weights and biases cast to the compute type, made at their first use in a step and
     /// reused by its later micro-batches (see `begin_step_casts`); indexed by `Slot`.
     casts: RefCell<Vec<Option<Tensor>>>,
     /// Whether this step keeps its casts for reuse.
     reuse_casts: bool,
+}
+
+/// libtorch's default, nanoGPT's and GPT-2's.
+const LAYER_NORM_EPS: f64 = 1e-5;
+
+/// One of the model's LayerNorms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Norm {
+    /// Block `layer_idx`'s `ln_1`, before the attention.
+    Attention(usize),
+    /// Block `layer_idx`'s `ln_2`, before the MLP.
+    Mlp(usize),
+    /// `ln_f`, before the head.
+    Final,
 }
 
 /// Where a cast weight or bias is kept in `Gpt::casts`: block `layer_idx`'s linear layers in
@@ -226,6 +244,7 @@ impl Gpt {
             attention,
             causal_mask,
             fused_cross_entropy_threads: 0,
+            fused_layer_norm_threads: 0,
             casts: RefCell::new((0..shape.n_layer * Slot::PER_BLOCK + 1).map(|_| None).collect()),
             reuse_casts: false,
         }
@@ -278,6 +297,62 @@ impl Gpt {
         self.fused_cross_entropy_threads = if enabled { n_threads.max(1) } else { 0 };
     }
 
+    /// Under bf16 on a CPU, the block executor runs every LayerNorm as a Rust kernel that reads
+    /// the fp32 residual stream and writes the bf16 the next linear layer takes, and its backward
+    /// as one that adds the residual branch's gradient in the same pass
+    /// (`kernels::layer_norm_bf16`, on `n_threads` threads; `train.fused_layer_norm`) instead of
+    /// libtorch's fp32 LayerNorm and casts. `false` (the default of `new`) keeps libtorch's ops.
+    pub fn set_fused_layer_norm(&mut self, enabled: bool, n_threads: usize) {
+        self.fused_layer_norm_threads = if enabled { n_threads.max(1) } else { 0 };
+    }
+
+    /// Whether the executor takes the LayerNorms from the kernel (see `set_fused_layer_norm`).
+    pub(crate) fn fused_layer_norm(&self) -> bool {
+        self.fused_layer_norm_threads > 0 && self.compute == Kind::BFloat16 && self.wte.device() == Device::Cpu
+    }
+
+    fn norm(&self, which: Norm) -> &(Tensor, Tensor) {
+        match which {
+            Norm::Attention(layer_idx) => &self.blocks[layer_idx].ln_1,
+            Norm::Mlp(layer_idx) => &self.blocks[layer_idx].ln_2,
+            Norm::Final => &self.ln_f,
+        }
+    }
+
+    /// LayerNorm `which` of `x` (fp32) by the kernel, in bf16, with what its backward needs;
+    /// `None` when the kernel is off or does not take `x` (the caller runs libtorch's ops).
+    pub(crate) fn fused_norm(&self, which: Norm, x: &Tensor) -> Option<(Tensor, LayerNormStats)> {
+        if !self.fused_layer_norm() {
+            return None;
+        }
+        let (weight, bias) = self.norm(which);
+        crate::kernels::layer_norm_bf16(x, weight, bias, LAYER_NORM_EPS, self.fused_layer_norm_threads)
+    }
+
+    /// The backward of a `fused_norm`: the gradient with respect to `x` given the normed
+    /// output's `grad`, added in place to `residual` when given; the weight's and bias's
+    /// gradients go into their views of the flat gradient buffer.
+    pub(crate) fn fused_norm_backward(
+        &self,
+        which: Norm,
+        grad: &Tensor,
+        x: &Tensor,
+        stats: &LayerNormStats,
+        residual: Option<Tensor>,
+    ) -> Tensor {
+        let (weight, bias) = self.norm(which);
+        crate::kernels::layer_norm_bf16_backward(
+            grad,
+            x,
+            stats,
+            weight,
+            residual.map(|r| r.contiguous()),
+            &weight.grad(),
+            &bias.grad(),
+            self.fused_layer_norm_threads,
+        )
+    }
+
     pub fn shape(&self) -> GptShape {
         self.shape
     }
@@ -311,7 +386,7 @@ impl Gpt {
     /// LayerNorm always in fp32 (`precision::FP32_OPS`).
     fn layer_norm(&self, x: &Tensor, (weight, bias): &(Tensor, Tensor)) -> Tensor {
         let d = self.shape.d_model as i64;
-        x.to_kind(Kind::Float).layer_norm([d], Some(weight), Some(bias), 1e-5, true)
+        x.to_kind(Kind::Float).layer_norm([d], Some(weight), Some(bias), LAYER_NORM_EPS, true)
     }
 
     /// The embedding unit: token plus position embeddings, `[batch, seq, d]` fp32.
@@ -324,11 +399,16 @@ impl Gpt {
 
     /// The first half of block `layer_idx`: `x + attention(ln_1(x))`.
     pub fn attention_residual(&self, layer_idx: usize, x: &Tensor) -> Tensor {
+        x + self.attention_branch(layer_idx, &self.layer_norm(x, &self.blocks[layer_idx].ln_1))
+    }
+
+    /// The attention of block `layer_idx` on `h`, its input already normed (fp32, or bf16 from
+    /// the fused LayerNorm), in the compute type.
+    pub(crate) fn attention_branch(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
-        let (batch, seq, d) = x.size3().expect("activations are [batch, seq, d]");
+        let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
         let n_head = self.shape.n_head as i64;
         let head_dim = d / n_head;
-        let h = self.layer_norm(x, &block.ln_1);
         let qkv = self.linear(&h, Slot::weight(layer_idx, Slot::ATTN), &block.attn_w, Some(&block.attn_b));
         let y = match self.attention {
             Attention::Sdpa(kind) => {
@@ -362,37 +442,58 @@ impl Gpt {
             }
         };
         let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
-        x + self.linear(&y, Slot::weight(layer_idx, Slot::ATTN_PROJ), &block.attn_proj_w, Some(&block.attn_proj_b))
+        self.linear(&y, Slot::weight(layer_idx, Slot::ATTN_PROJ), &block.attn_proj_w, Some(&block.attn_proj_b))
     }
 
     /// The second half of block `layer_idx`: `x + mlp(ln_2(x))`.
     pub fn mlp_residual(&self, layer_idx: usize, x: &Tensor) -> Tensor {
+        x + self.mlp_branch(layer_idx, &self.layer_norm(x, &self.blocks[layer_idx].ln_2))
+    }
+
+    /// The MLP of block `layer_idx` on `h`, its input already normed, in the compute type.
+    pub(crate) fn mlp_branch(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
-        let h = self.layer_norm(x, &block.ln_2);
-        let h = self.linear(&h, Slot::weight(layer_idx, Slot::FC), &block.fc_w, Some(&block.fc_b)).gelu("none");
-        x + self.linear(&h, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, Some(&block.mlp_proj_b))
+        let h = self.linear(h, Slot::weight(layer_idx, Slot::FC), &block.fc_w, Some(&block.fc_b)).gelu("none");
+        self.linear(&h, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, Some(&block.mlp_proj_b))
     }
 
     /// Logits `[batch, seq, vocab]` from the last block's output (16-bit under 16-bit precision).
     pub fn head_logits(&self, x: &Tensor) -> Tensor {
-        let x = self.layer_norm(x, &self.ln_f);
-        self.linear(&x, Slot::head(self.shape.n_layer), &self.wte, None)
+        self.head_logits_normed(&self.layer_norm(x, &self.ln_f))
+    }
+
+    /// Logits from the final LayerNorm's output.
+    fn head_logits_normed(&self, h: &Tensor) -> Tensor {
+        self.linear(h, Slot::head(self.shape.n_layer), &self.wte, None)
     }
 
     /// Mean cross-entropy (fp32) of the head's predictions against `targets` `[batch, seq]`.
     pub fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
+        self.mean_cross_entropy(&self.head_logits(x), targets)
+    }
+
+    /// libtorch's cross-entropy in fp32 of `logits` `[.., vocab]` against `targets`.
+    fn mean_cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Tensor {
         let vocab = self.shape.vocab_size as i64;
-        self.head_logits(x).to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+        logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
     }
 
     /// The head's loss for the block executor's backward, which starts from `loss x
     /// loss_multiplier`: with the fused kernel (see `set_fused_cross_entropy`) the gradient of the
     /// logits comes with the loss, so the backward starts from the logits; otherwise as
     /// `head_loss`. The losses agree within fp32 rounding (the kernel's exponential is its own).
-    pub(crate) fn head_loss_for_backward(&self, x: &Tensor, targets: &Tensor, loss_multiplier: f64) -> HeadLoss {
+    /// `normed`: `x` is already the final LayerNorm's output (the fused LayerNorm's).
+    pub(crate) fn head_loss_for_backward(
+        &self,
+        x: &Tensor,
+        normed: bool,
+        targets: &Tensor,
+        loss_multiplier: f64,
+    ) -> HeadLoss {
+        let logits = if normed { self.head_logits_normed(x) } else { self.head_logits(x) };
         if self.fused_cross_entropy_threads > 0 && self.compute == Kind::BFloat16 {
             let vocab = self.shape.vocab_size as i64;
-            let logits = self.head_logits(x).view([-1, vocab]);
+            let logits = logits.view([-1, vocab]);
             let fused = crate::kernels::cross_entropy_bf16(
                 &logits,
                 &targets.view([-1]),
@@ -403,7 +504,7 @@ impl Gpt {
                 return HeadLoss { loss: fused.loss, logits_grad: Some((logits, fused.grad)) };
             }
         }
-        HeadLoss { loss: self.head_loss(x, targets), logits_grad: None }
+        HeadLoss { loss: self.mean_cross_entropy(&logits, targets), logits_grad: None }
     }
 
     /// Mean cross-entropy of predicting `targets` from `inputs`, both `[batch, seq]` int64, as

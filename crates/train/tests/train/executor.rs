@@ -191,6 +191,47 @@ fn fused_cross_entropy_gives_libtorchs_loss_and_gradients_in_bf16() {
 }
 
 #[test]
+fn fused_layer_norm_gives_libtorchs_loss_and_gradients_in_bf16() {
+    let _rng = super::rng_lock();
+    let data = [batch(4, 5), batch(4, 6)];
+    let norms = ["transformer.h.0.ln_1.weight", "transformer.h.3.ln_2.bias", "transformer.ln_f.weight"];
+    let run = |fused: bool, policy: Recompute| {
+        let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
+        let mut model = model(Precision::Bf16);
+        model.set_fused_layer_norm(fused, 2);
+        let grads = gradients(&model, &executor, &data);
+        let norm_grads: Vec<Vec<f32>> =
+            norms.iter().map(|name| Vec::<f32>::try_from(model.params().get(name).grad().contiguous()).unwrap()).collect();
+        let mut clock = StepClock::start(Device::Cpu, true);
+        let (inputs, targets) = &data[0];
+        let loss = executor
+            .run_micro_batch(&model, inputs, targets, 1.0, true, false, &mut clock, &mut stoke_train::NoHooks)
+            .unwrap()
+            .loss
+            .double_value(&[]);
+        (grads, norm_grads, loss)
+    };
+    let (libtorch, libtorch_norms, libtorch_loss) = run(false, Recompute::None);
+    let (fused, fused_norms, fused_loss) = run(true, Recompute::None);
+    // Both norm in fp32 and round to bf16; the kernel's sums are in another order.
+    assert!((fused_loss - libtorch_loss).abs() <= 1e-3 * libtorch_loss, "loss {fused_loss} against {libtorch_loss}");
+    let diff = relative_difference(&fused, &libtorch);
+    assert!(diff <= 1e-2, "fused vs libtorch LayerNorm: relative difference {diff:e}");
+    // Equal bit for bit would mean the kernel never ran (its sums round differently).
+    assert!(fused != libtorch, "the fused LayerNorm changed no gradient");
+    // The norms' own gradients, each against its own scale (the whole buffer's is the embedding's).
+    for ((name, got), want) in norms.iter().zip(&fused_norms).zip(&libtorch_norms) {
+        let diff = relative_difference(got, want);
+        assert!(diff <= 2e-2, "{name}: relative difference {diff:e}");
+    }
+    // Recomputation reruns the same kernels on the same inputs: the same gradients, bit for bit.
+    for policy in [Recompute::Block, Recompute::Mlp, Recompute::Attention, Recompute::Every(2)] {
+        let (recomputed, _, _) = run(true, policy);
+        assert!(recomputed == fused, "fused LayerNorm under recompute {policy}: gradients differ");
+    }
+}
+
+#[test]
 fn weights_cast_once_per_step_give_bit_identical_bf16_gradients() {
     let _rng = super::rng_lock();
     let k = 4;

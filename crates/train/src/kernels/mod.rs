@@ -12,7 +12,13 @@
 //! for the baseline and for AVX-512 (AVX2 with FMA as the middle), picked at run time like the
 //! fused optimizer.
 
+use std::ops::Range;
+
 use tch::{Device, Kind, Tensor};
+
+mod layer_norm;
+
+pub use layer_norm::{layer_norm_bf16, layer_norm_bf16_backward, LayerNormStats};
 
 /// The loss of a fused cross-entropy and the gradient of `loss x grad_scale` with respect to the
 /// logits.
@@ -84,6 +90,66 @@ pub fn cross_entropy_bf16(
     };
     let loss = sums.iter().sum::<f64>() / rows as f64;
     Some(CrossEntropy { loss: Tensor::from(loss as f32), grad })
+}
+
+/// A mutable buffer that threads write disjoint parts of (see `parallel_rows`).
+#[derive(Clone, Copy)]
+struct SharedMut<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: a `SharedMut` is only a pointer and a length; the code that takes slices of it from
+// several threads promises their ranges are disjoint (`slice`'s contract).
+unsafe impl<T: Send> Send for SharedMut<T> {}
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    /// # Safety
+    /// `ptr` points to `len` valid, initialized elements that outlive every use of the result.
+    unsafe fn new(ptr: *mut T, len: usize) -> SharedMut<T> {
+        SharedMut { ptr, len }
+    }
+
+    /// Of a slice; `slice`'s callers keep it alive while they use the parts.
+    fn of(slice: &mut [T]) -> SharedMut<T> {
+        SharedMut { ptr: slice.as_mut_ptr(), len: slice.len() }
+    }
+
+    /// # Safety
+    /// The buffer is still alive, and no two slices alive at the same time overlap.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, range: Range<usize>) -> &mut [T] {
+        assert!(range.start <= range.end && range.end <= self.len, "slice {range:?} of {}", self.len);
+        std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.end - range.start)
+    }
+}
+
+/// Runs `work` on `rows` split into contiguous ranges, one per thread, at most `n_threads` of them
+/// and each at least `min_rows` long (one range when the rows are fewer); the calling thread takes
+/// the first range. The results come back in range order.
+fn parallel_rows<R: Send>(
+    rows: usize,
+    n_threads: usize,
+    min_rows: usize,
+    work: impl Fn(Range<usize>) -> R + Sync,
+) -> Vec<R> {
+    let n = n_threads.clamp(1, 64).min(rows.div_ceil(min_rows.max(1))).max(1);
+    let per = rows.div_ceil(n);
+    let ranges: Vec<Range<usize>> = (0..n).map(|i| (i * per).min(rows)..((i + 1) * per).min(rows)).collect();
+    if n == 1 {
+        return vec![work(0..rows)];
+    }
+    std::thread::scope(|scope| {
+        let work = &work;
+        let handles: Vec<_> = ranges[1..].iter().map(|range| {
+            let range = range.clone();
+            scope.spawn(move || work(range))
+        }).collect();
+        let mut results = vec![work(ranges[0].clone())];
+        results.extend(handles.into_iter().map(|h| h.join().expect("a kernel thread panicked")));
+        results
+    })
 }
 
 /// Runs `rows_portable` compiled for the best instruction set this CPU has.

@@ -1,0 +1,387 @@
+//! LayerNorm of the fp32 residual stream straight into bf16, and its backward with the residual's
+//! gradient added in the same pass.
+//!
+//! Under bf16 the model normalizes in fp32 (`precision::FP32_OPS`) and casts the result to bf16
+//! for the next linear layer. libtorch runs that as `layer_norm` (an fp32 output and its row
+//! statistics) and a cast; its backward as the cast's (bf16 gradient to fp32), `layer_norm`'s
+//! backward, and the add of the residual branch's gradient: five passes over `[rows, d]` and two
+//! fp32 temporaries. The forward kernel reads each row once from memory (the second look at it
+//! hits L1) and writes bf16; the backward reads the bf16 gradient and the fp32 input once and
+//! writes the input's gradient, adding the residual's in place, while it sums the weight's and
+//! bias's gradients per thread. The arithmetic is fp32, as libtorch's; the rows are split across
+//! threads in contiguous runs, so the per-row results do not depend on the thread count (the
+//! weight's and bias's sums do, by their order of addition).
+
+use std::ops::Range;
+
+use tch::{Device, Kind, Tensor};
+
+use super::{bf16_to_f32, f32_to_bf16, parallel_rows, SharedMut, LANES};
+
+/// What the backward needs of a forward besides its input: each row's mean and 1/std.
+pub struct LayerNormStats {
+    mean: Vec<f32>,
+    rstd: Vec<f32>,
+}
+
+/// The rows a thread takes at the least: below it a thread's start costs more than its share.
+const MIN_ROWS_PER_THREAD: usize = 64;
+
+/// `x` `[.., d]` fp32, normalized over its last dimension with `weight` and `bias` `[d]` fp32 and
+/// `eps`, as bf16 of `x`'s shape; with the row statistics for `layer_norm_bf16_backward`. `None`
+/// when the inputs are not what the kernel handles (not contiguous fp32 on the CPU, or shapes
+/// that do not fit): the caller takes libtorch's ops.
+pub fn layer_norm_bf16(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    n_threads: usize,
+) -> Option<(Tensor, LayerNormStats)> {
+    let d = *x.size().last()?;
+    if !fp32_cpu_contiguous(x) || !fp32_cpu_contiguous(weight) || !fp32_cpu_contiguous(bias) || d == 0 {
+        return None;
+    }
+    if weight.size() != [d] || bias.size() != [d] {
+        return None;
+    }
+    let d = d as usize;
+    let rows = x.numel() / d;
+    let out = Tensor::empty(x.size(), (Kind::BFloat16, Device::Cpu));
+    let mut stats = LayerNormStats { mean: vec![0.0; rows], rstd: vec![0.0; rows] };
+    // SAFETY: all three are contiguous fp32 CPU tensors of the lengths given (checked above),
+    // alive for this scope; `out` was just allocated and nothing else refers to it yet.
+    let (x, gamma, beta, out_all) = unsafe {
+        (
+            std::slice::from_raw_parts(x.data_ptr() as *const f32, rows * d),
+            std::slice::from_raw_parts(weight.data_ptr() as *const f32, d),
+            std::slice::from_raw_parts(bias.data_ptr() as *const f32, d),
+            SharedMut::new(out.data_ptr() as *mut u16, rows * d),
+        )
+    };
+    let (mean_all, rstd_all) =
+        (SharedMut::of(&mut stats.mean), SharedMut::of(&mut stats.rstd));
+    parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
+        // SAFETY: `parallel_rows` hands out disjoint ranges of rows, so these slices of the
+        // outputs do not overlap between threads.
+        let (out, mean, rstd) = unsafe {
+            (out_all.slice(range.start * d..range.end * d), mean_all.slice(range.clone()), rstd_all.slice(range.clone()))
+        };
+        forward_dispatch(&x[range.start * d..range.end * d], gamma, beta, eps as f32, out, mean, rstd);
+    });
+    Some((out, stats))
+}
+
+/// The gradient with respect to `x` of a `layer_norm_bf16` forward, given `grad_out` (bf16, of
+/// `x`'s shape), added to `residual` (fp32, of `x`'s shape) in place, which is returned; without
+/// `residual`, a new tensor. The weight's and bias's gradients are added to `weight_grad` and
+/// `bias_grad` (fp32 `[d]`, e.g. the parameters' views of the flat gradient buffer). Panics when
+/// the tensors do not fit the forward's (a caller's bug, not bad data).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_bf16_backward(
+    grad_out: &Tensor,
+    x: &Tensor,
+    stats: &LayerNormStats,
+    weight: &Tensor,
+    residual: Option<Tensor>,
+    weight_grad: &Tensor,
+    bias_grad: &Tensor,
+    n_threads: usize,
+) -> Tensor {
+    let d = *x.size().last().expect("a forward's input has a last dimension") as usize;
+    let rows = stats.mean.len();
+    let grad_out = grad_out.contiguous();
+    assert!(grad_out.kind() == Kind::BFloat16 && grad_out.size() == x.size(), "layer_norm_bf16_backward: grad_out");
+    assert!(fp32_cpu_contiguous(x) && x.numel() == rows * d, "layer_norm_bf16_backward: x");
+    assert!(fp32_cpu_contiguous(weight) && weight.numel() == d, "layer_norm_bf16_backward: weight");
+    for grad in [weight_grad, bias_grad] {
+        assert!(grad.kind() == Kind::Float && grad.numel() == d, "layer_norm_bf16_backward: parameter gradient");
+    }
+    let accumulate = residual.is_some();
+    let dx = match residual {
+        Some(residual) => {
+            assert!(fp32_cpu_contiguous(&residual) && residual.size() == x.size(), "layer_norm_bf16_backward: residual");
+            residual
+        }
+        None => Tensor::empty(x.size(), (Kind::Float, Device::Cpu)),
+    };
+    // SAFETY: contiguous CPU tensors of the kinds and lengths asserted above, alive for this
+    // scope; `dx` is the caller's residual gradient handed over, or new, and only written here.
+    let (g, x, gamma, dx_all) = unsafe {
+        (
+            std::slice::from_raw_parts(grad_out.data_ptr() as *const u16, rows * d),
+            std::slice::from_raw_parts(x.data_ptr() as *const f32, rows * d),
+            std::slice::from_raw_parts(weight.data_ptr() as *const f32, d),
+            SharedMut::new(dx.data_ptr() as *mut f32, rows * d),
+        )
+    };
+    let partials = parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
+        let mut dgamma = vec![0f32; d];
+        let mut dbeta = vec![0f32; d];
+        let span = range.start * d..range.end * d;
+        // SAFETY: disjoint row ranges, as in the forward.
+        let dx = unsafe { dx_all.slice(span.clone()) };
+        backward_dispatch(
+            &g[span.clone()],
+            &x[span],
+            &stats.mean[range.clone()],
+            &stats.rstd[range],
+            gamma,
+            accumulate,
+            dx,
+            &mut dgamma,
+            &mut dbeta,
+        );
+        (dgamma, dbeta)
+    });
+    let (mut dgamma, mut dbeta) = (vec![0f32; d], vec![0f32; d]);
+    for (pg, pb) in &partials {
+        dgamma.iter_mut().zip(pg).for_each(|(a, b)| *a += b);
+        dbeta.iter_mut().zip(pb).for_each(|(a, b)| *a += b);
+    }
+    let _guard = tch::no_grad_guard();
+    let mut weight_grad = weight_grad.shallow_clone();
+    let mut bias_grad = bias_grad.shallow_clone();
+    let _ = weight_grad.f_add_(&Tensor::from_slice(&dgamma).view(weight_grad.size().as_slice()).to_device(weight_grad.device()));
+    let _ = bias_grad.f_add_(&Tensor::from_slice(&dbeta).view(bias_grad.size().as_slice()).to_device(bias_grad.device()));
+    dx
+}
+
+fn fp32_cpu_contiguous(t: &Tensor) -> bool {
+    t.defined() && t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous()
+}
+
+fn forward_dispatch(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16], mean: &mut [f32], rstd: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { forward_avx512(x, gamma, beta, eps, out, mean, rstd) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: as above.
+            return unsafe { forward_avx2(x, gamma, beta, eps, out, mean, rstd) };
+        }
+    }
+    forward_rows(x, gamma, beta, eps, out, mean, rstd)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn forward_avx512(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16], mean: &mut [f32], rstd: &mut [f32]) {
+    forward_rows(x, gamma, beta, eps, out, mean, rstd)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn forward_avx2(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16], mean: &mut [f32], rstd: &mut [f32]) {
+    forward_rows(x, gamma, beta, eps, out, mean, rstd)
+}
+
+/// Sum of a row in `LANES` partial sums (which the compiler keeps in vector registers), then
+/// the tail.
+#[inline(always)]
+fn lane_sum(values: impl Fn(usize) -> f32, n: usize) -> f32 {
+    let mut sums = [0f32; LANES];
+    let full = n - n % LANES;
+    for base in (0..full).step_by(LANES) {
+        for (lane, s) in sums.iter_mut().enumerate() {
+            *s += values(base + lane);
+        }
+    }
+    let mut total: f32 = sums.iter().sum();
+    for j in full..n {
+        total += values(j);
+    }
+    total
+}
+
+/// Each row: its mean, then the mean of its squared deviations (two passes; the second reads
+/// the row from L1), `rstd = 1 / sqrt(var + eps)`, and the bf16 of `(x - mean) rstd gamma + beta`.
+#[inline(always)]
+fn forward_rows(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16], mean: &mut [f32], rstd: &mut [f32]) {
+    let d = gamma.len();
+    for (((row, out), mean), rstd) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)).zip(mean).zip(rstd) {
+        let mu = lane_sum(|j| row[j], d) / d as f32;
+        let var = lane_sum(|j| (row[j] - mu) * (row[j] - mu), d) / d as f32;
+        let rs = 1.0 / (var + eps).sqrt();
+        for (((o, &v), &w), &b) in out.iter_mut().zip(row).zip(gamma).zip(beta) {
+            *o = f32_to_bf16((v - mu) * rs * w + b);
+        }
+        (*mean, *rstd) = (mu, rs);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_dispatch(
+    g: &[u16],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    accumulate: bool,
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { backward_avx512(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: as above.
+            return unsafe { backward_avx2(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta) };
+        }
+    }
+    backward_rows(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn backward_avx512(
+    g: &[u16],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    accumulate: bool,
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) {
+    backward_rows(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn backward_avx2(
+    g: &[u16],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    accumulate: bool,
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) {
+    backward_rows(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta)
+}
+
+/// Each row, with `xhat = (x - mean) rstd` and `gg = g gamma`: `dx = rstd (gg - mean(gg) - xhat
+/// mean(gg xhat))`, added to what `dx` holds when `accumulate`; `dgamma += g xhat`, `dbeta += g`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn backward_rows(
+    g: &[u16],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    gamma: &[f32],
+    accumulate: bool,
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) {
+    let d = gamma.len();
+    let inv_d = 1.0 / d as f32;
+    for ((((g, x), dx), &mu), &rs) in
+        g.chunks_exact(d).zip(x.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).zip(mean).zip(rstd)
+    {
+        let a = lane_sum(|j| bf16_to_f32(g[j]) * gamma[j], d) * inv_d;
+        let b = lane_sum(|j| bf16_to_f32(g[j]) * gamma[j] * ((x[j] - mu) * rs), d) * inv_d;
+        if accumulate {
+            for j in 0..d {
+                let (gj, xhat) = (bf16_to_f32(g[j]), (x[j] - mu) * rs);
+                dx[j] += rs * (gj * gamma[j] - a - xhat * b);
+                dgamma[j] += gj * xhat;
+                dbeta[j] += gj;
+            }
+        } else {
+            for j in 0..d {
+                let (gj, xhat) = (bf16_to_f32(g[j]), (x[j] - mu) * rs);
+                dx[j] = rs * (gj * gamma[j] - a - xhat * b);
+                dgamma[j] += gj * xhat;
+                dbeta[j] += gj;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// libtorch's path, as the model runs it without the kernel: fp32 LayerNorm, cast to bf16;
+    /// backward from `grad` through both, plus `residual` added to the input's gradient.
+    fn reference(x: &Tensor, w: &Tensor, b: &Tensor, grad: &Tensor, residual: &Tensor) -> [Tensor; 4] {
+        let (x, w, b) = (x.detach().set_requires_grad(true), w.detach().set_requires_grad(true), b.detach().set_requires_grad(true));
+        let d = *x.size().last().unwrap();
+        let out = x.layer_norm([d], Some(&w), Some(&b), 1e-5, true).to_kind(Kind::BFloat16);
+        out.view([-1]).dot(&grad.view([-1])).backward();
+        [out.detach(), x.grad() + residual, w.grad(), b.grad()]
+    }
+
+    fn check(shape: &[i64], n_threads: usize) {
+        let opts = (Kind::Float, Device::Cpu);
+        let d = *shape.last().unwrap();
+        // Rows with an offset and a scale of their own, as a residual stream has.
+        let x = Tensor::randn(shape, opts) * 3.0 + Tensor::randn([d], opts);
+        let (w, b) = (Tensor::randn([d], opts) * 0.5 + 1.0, Tensor::randn([d], opts) * 0.1);
+        let grad = Tensor::randn(shape, opts).to_kind(Kind::BFloat16);
+        let residual = Tensor::randn(shape, opts);
+        let [want_out, want_dx, want_dw, want_db] = reference(&x, &w, &b, &grad, &residual);
+
+        let (out, stats) = layer_norm_bf16(&x, &w, &b, 1e-5, n_threads).expect("fp32 contiguous on the CPU");
+        assert_eq!(out.kind(), Kind::BFloat16);
+        assert_eq!(out.size(), shape);
+        let (got, want) = (out.to_kind(Kind::Float), want_out.to_kind(Kind::Float));
+        // The fp32 values differ by rounding, so a result may land on the neighbouring bf16
+        // value: one bf16 ulp, 2^-8 to 2^-7 of the value.
+        let excess = ((&got - &want).abs() - want.abs() * (2.0f64.powi(-7) * 1.01)).max().double_value(&[]);
+        assert!(excess <= 1e-6, "forward differs by more than a bf16 ulp (shape {shape:?}): {excess}");
+        let exact = got.eq_tensor(&want).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+        assert!(exact >= 0.98, "only {exact} of the outputs equal libtorch's (shape {shape:?})");
+
+        // The parameters' gradients are added to what their buffers hold.
+        let start_w = Tensor::full([d], 2.0, opts);
+        let (dw, db) = (start_w.copy(), Tensor::zeros([d], opts));
+        let dx = layer_norm_bf16_backward(&grad, &x, &stats, &w, Some(residual.copy()), &dw, &db, n_threads);
+        let rel = |got: &Tensor, want: &Tensor| {
+            ((got - want).abs().max() / want.abs().max()).double_value(&[])
+        };
+        assert!(rel(&dx, &want_dx) <= 1e-5, "dx (shape {shape:?}): {}", rel(&dx, &want_dx));
+        assert!(rel(&(&dw - &start_w), &want_dw) <= 1e-4, "dweight (shape {shape:?}): {}", rel(&(&dw - &start_w), &want_dw));
+        assert!(rel(&db, &want_db) <= 1e-4, "dbias (shape {shape:?}): {}", rel(&db, &want_db));
+        // Without a residual the input's gradient is the LayerNorm's alone.
+        let (dw2, db2) = (Tensor::zeros([d], opts), Tensor::zeros([d], opts));
+        let alone = layer_norm_bf16_backward(&grad, &x, &stats, &w, None, &dw2, &db2, n_threads);
+        assert!(rel(&alone, &(&want_dx - &residual)) <= 1e-5, "dx without residual (shape {shape:?})");
+    }
+
+    #[test]
+    fn layer_norm_matches_libtorch_forward_and_backward() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        tch::manual_seed(11);
+        check(&[4, 64, 256], 1);
+        check(&[4, 64, 256], 3);
+        // A width that is not a multiple of the lanes, fewer rows than threads would take.
+        check(&[3, 7, 100], 4);
+        check(&[2, 384], 2);
+    }
+
+    #[test]
+    fn other_inputs_are_left_to_libtorch() {
+        let opts = (Kind::Float, Device::Cpu);
+        let (w, b) = (Tensor::ones([8], opts), Tensor::zeros([8], opts));
+        let x = Tensor::randn([4, 8], opts);
+        assert!(layer_norm_bf16(&x, &w, &b, 1e-5, 1).is_some());
+        assert!(layer_norm_bf16(&x.to_kind(Kind::BFloat16), &w, &b, 1e-5, 1).is_none());
+        assert!(layer_norm_bf16(&Tensor::randn([8, 4], opts).transpose(0, 1), &w, &b, 1e-5, 1).is_none());
+        assert!(layer_norm_bf16(&x, &Tensor::ones([4], opts), &b, 1e-5, 1).is_none());
+    }
+}
