@@ -178,20 +178,21 @@ unsafe fn forward_avx2(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &m
     forward_rows(x, gamma, beta, eps, out, mean, rstd)
 }
 
-/// Sum of a row in `LANES` partial sums (which the compiler keeps in vector registers), then
-/// the tail.
+/// `sum_j f(a_j, b_j, c_j)` over three rows of one length, in `LANES` partial sums (which the
+/// compiler keeps in vector registers), then the tail.
 #[inline(always)]
-fn lane_sum(values: impl Fn(usize) -> f32, n: usize) -> f32 {
+fn lane_sum3<A: Copy, B: Copy, C: Copy>(a: &[A], b: &[B], c: &[C], f: impl Fn(A, B, C) -> f32) -> f32 {
     let mut sums = [0f32; LANES];
-    let full = n - n % LANES;
-    for base in (0..full).step_by(LANES) {
-        for (lane, s) in sums.iter_mut().enumerate() {
-            *s += values(base + lane);
+    let (ac, bc, cc) = (a.chunks_exact(LANES), b.chunks_exact(LANES), c.chunks_exact(LANES));
+    let (ar, br, cr) = (ac.remainder(), bc.remainder(), cc.remainder());
+    for ((a, b), c) in ac.zip(bc).zip(cc) {
+        for (((s, &a), &b), &c) in sums.iter_mut().zip(a).zip(b).zip(c) {
+            *s += f(a, b, c);
         }
     }
     let mut total: f32 = sums.iter().sum();
-    for j in full..n {
-        total += values(j);
+    for ((&a, &b), &c) in ar.iter().zip(br).zip(cr) {
+        total += f(a, b, c);
     }
     total
 }
@@ -202,8 +203,8 @@ fn lane_sum(values: impl Fn(usize) -> f32, n: usize) -> f32 {
 fn forward_rows(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16], mean: &mut [f32], rstd: &mut [f32]) {
     let d = gamma.len();
     for (((row, out), mean), rstd) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)).zip(mean).zip(rstd) {
-        let mu = lane_sum(|j| row[j], d) / d as f32;
-        let var = lane_sum(|j| (row[j] - mu) * (row[j] - mu), d) / d as f32;
+        let mu = lane_sum3(row, row, row, |v, _, _| v) / d as f32;
+        let var = lane_sum3(row, row, row, |v, _, _| (v - mu) * (v - mu)) / d as f32;
         let rs = 1.0 / (var + eps).sqrt();
         for (((o, &v), &w), &b) in out.iter_mut().zip(row).zip(gamma).zip(beta) {
             *o = f32_to_bf16((v - mu) * rs * w + b);
@@ -289,25 +290,19 @@ fn backward_rows(
 ) {
     let d = gamma.len();
     let inv_d = 1.0 / d as f32;
+    let (dgamma, dbeta) = (&mut dgamma[..d], &mut dbeta[..d]);
     for ((((g, x), dx), &mu), &rs) in
         g.chunks_exact(d).zip(x.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).zip(mean).zip(rstd)
     {
-        let a = lane_sum(|j| bf16_to_f32(g[j]) * gamma[j], d) * inv_d;
-        let b = lane_sum(|j| bf16_to_f32(g[j]) * gamma[j] * ((x[j] - mu) * rs), d) * inv_d;
-        if accumulate {
-            for j in 0..d {
-                let (gj, xhat) = (bf16_to_f32(g[j]), (x[j] - mu) * rs);
-                dx[j] += rs * (gj * gamma[j] - a - xhat * b);
-                dgamma[j] += gj * xhat;
-                dbeta[j] += gj;
-            }
-        } else {
-            for j in 0..d {
-                let (gj, xhat) = (bf16_to_f32(g[j]), (x[j] - mu) * rs);
-                dx[j] = rs * (gj * gamma[j] - a - xhat * b);
-                dgamma[j] += gj * xhat;
-                dbeta[j] += gj;
-            }
+        let a = lane_sum3(g, gamma, x, |g, w, _| bf16_to_f32(g) * w) * inv_d;
+        let b = lane_sum3(g, gamma, x, |g, w, x| bf16_to_f32(g) * w * ((x - mu) * rs)) * inv_d;
+        let terms = g.iter().zip(x).zip(gamma).zip(dx.iter_mut()).zip(dgamma.iter_mut()).zip(dbeta.iter_mut());
+        for (((((&g, &x), &w), dx), dw), db) in terms {
+            let (g, xhat) = (bf16_to_f32(g), (x - mu) * rs);
+            let grad = rs * (g * w - a - xhat * b);
+            *dx = if accumulate { *dx + grad } else { grad };
+            *dw += g * xhat;
+            *db += g;
         }
     }
 }
