@@ -60,8 +60,8 @@ fn sixteen_bit_runs_end_within_two_percent_of_fp32() {
     // The final loss is the mean of the last 50 steps' losses: one step's loss on 16 x 32 tokens
     // is too noisy to compare at 2%. (fp16 matrix multiplies are slow on a CPU without fp16
     // units: this run is the longest test of the crate.)
-    let final_loss = |precision: Precision| {
-        let train = train_config(precision, 300, 16);
+    let final_loss = |precision: Precision, fused_layer_norm: bool| {
+        let train = TrainConfig { fused_layer_norm, ..train_config(precision, 300, 16) };
         let mut trainer = Trainer::new(&model, &train, &CkptConfig::default(), tch::Device::Cpu).unwrap();
         let mut source = corpus_source(&train, 32);
         let mut log = ScaleLog::default();
@@ -69,13 +69,14 @@ fn sixteen_bit_runs_end_within_two_percent_of_fp32() {
         let tail: Vec<f64> = log.steps.iter().rev().take(50).map(|(_, _, loss)| *loss).collect();
         (tail.iter().sum::<f64>() / tail.len() as f64, summary.skipped_steps)
     };
-    let (fp32, _) = final_loss(Precision::Fp32);
-    for precision in [Precision::Bf16, Precision::Fp16] {
-        let (loss, skipped) = final_loss(precision);
+    let (fp32, _) = final_loss(Precision::Fp32, false);
+    // bf16 also with the fused LayerNorm kernels (`train.fused_layer_norm`), through the trainer.
+    for (precision, fused_layer_norm) in [(Precision::Bf16, false), (Precision::Bf16, true), (Precision::Fp16, false)] {
+        let (loss, skipped) = final_loss(precision, fused_layer_norm);
         let gap = (loss - fp32) / fp32;
         assert!(
             gap.abs() <= 0.02,
-            "{precision:?} final loss {loss} vs fp32 {fp32}: {:.2}% ({skipped} steps skipped)",
+            "{precision:?} (fused LayerNorm {fused_layer_norm}) final loss {loss} vs fp32 {fp32}: {:.2}% ({skipped} steps skipped)",
             100.0 * gap
         );
     }
