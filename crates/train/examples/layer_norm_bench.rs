@@ -93,7 +93,11 @@ fn main() {
                 std::hint::black_box(layer_norm_bf16(&x, &w, &b, 1e-5, n_threads));
             });
             let lb = time_ms(iters, || {
-                let (xl, wl, bl) = (x.detach().set_requires_grad(true), w.detach().set_requires_grad(true), b.detach().set_requires_grad(true));
+                let (xl, wl, bl) = (
+                    x.detach().set_requires_grad(true),
+                    w.detach().set_requires_grad(true),
+                    b.detach().set_requires_grad(true),
+                );
                 let out = xl.layer_norm([d], Some(&wl), Some(&bl), 1e-5, true).to_kind(Kind::BFloat16);
                 out.to_kind(Kind::Float).view([-1]).dot(&grad_f32.view([-1])).backward();
                 let _ = std::hint::black_box((xl.grad() + &residual, wl.grad(), bl.grad()));
@@ -107,7 +111,16 @@ fn main() {
             let fb = time_ms(iters, || {
                 let (out, stats) = layer_norm_bf16(&x, &w, &b, 1e-5, n_threads).unwrap();
                 let _ = std::hint::black_box(out);
-                let acc = layer_norm_bf16_backward(&grad, &x, &stats, &w, Some(accumulated.shallow_clone()), &wg, &bg, n_threads);
+                let acc = layer_norm_bf16_backward(
+                    &grad,
+                    &x,
+                    &stats,
+                    &w,
+                    Some(accumulated.shallow_clone()),
+                    &wg,
+                    &bg,
+                    n_threads,
+                );
                 let _ = std::hint::black_box(acc);
             });
             let c = time_ms(iters, || {
@@ -123,6 +136,14 @@ fn main() {
             format!("{m:.3} ({:.3}-{:.3})", v[0], v[v.len() - 1])
         };
         let [a, b2, c, e, f, g] = &mut cells;
-        println!("| {rows} x {d} | {} | {} | {} | {} | {} | {} |", spread(a), spread(b2), spread(c), spread(e), spread(f), spread(g));
+        println!(
+            "| {rows} x {d} | {} | {} | {} | {} | {} | {} |",
+            spread(a),
+            spread(b2),
+            spread(c),
+            spread(e),
+            spread(f),
+            spread(g)
+        );
     }
 }

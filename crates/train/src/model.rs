@@ -409,7 +409,7 @@ impl Gpt {
         let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
         let n_head = self.shape.n_head as i64;
         let head_dim = d / n_head;
-        let qkv = self.linear(&h, Slot::weight(layer_idx, Slot::ATTN), &block.attn_w, Some(&block.attn_b));
+        let qkv = self.linear(h, Slot::weight(layer_idx, Slot::ATTN), &block.attn_w, Some(&block.attn_b));
         let y = match self.attention {
             Attention::Sdpa(kind) => {
                 // Cast once while contiguous (a no-op when the projection already ran in `kind`):
@@ -576,7 +576,7 @@ mod tests {
         {
             let mut model = Gpt::new(shape, precision, AttentionPrecision::Auto, Device::Cpu);
             model.set_fused_cross_entropy(enabled, 2);
-            let head = model.head_loss_for_backward(&x, &targets, 1.0);
+            let head = model.head_loss_for_backward(&x, false, &targets, 1.0);
             assert_eq!(head.logits_grad.is_some(), fused, "{precision:?}, enabled {enabled}");
         }
     }

@@ -59,13 +59,16 @@ pub fn layer_norm_bf16(
             SharedMut::new(out.data_ptr() as *mut u16, rows * d),
         )
     };
-    let (mean_all, rstd_all) =
-        (SharedMut::of(&mut stats.mean), SharedMut::of(&mut stats.rstd));
+    let (mean_all, rstd_all) = (SharedMut::of(&mut stats.mean), SharedMut::of(&mut stats.rstd));
     parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
         // SAFETY: `parallel_rows` hands out disjoint ranges of rows, so these slices of the
         // outputs do not overlap between threads.
         let (out, mean, rstd) = unsafe {
-            (out_all.slice(range.start * d..range.end * d), mean_all.slice(range.clone()), rstd_all.slice(range.clone()))
+            (
+                out_all.slice(range.start * d..range.end * d),
+                mean_all.slice(range.clone()),
+                rstd_all.slice(range.clone()),
+            )
         };
         forward_dispatch(&x[range.start * d..range.end * d], gamma, beta, eps as f32, out, mean, rstd);
     });
@@ -100,7 +103,10 @@ pub fn layer_norm_bf16_backward(
     let accumulate = residual.is_some();
     let dx = match residual {
         Some(residual) => {
-            assert!(fp32_cpu_contiguous(&residual) && residual.size() == x.size(), "layer_norm_bf16_backward: residual");
+            assert!(
+                fp32_cpu_contiguous(&residual) && residual.size() == x.size(),
+                "layer_norm_bf16_backward: residual"
+            );
             residual
         }
         None => Tensor::empty(x.size(), (Kind::Float, Device::Cpu)),
@@ -142,8 +148,10 @@ pub fn layer_norm_bf16_backward(
     let _guard = tch::no_grad_guard();
     let mut weight_grad = weight_grad.shallow_clone();
     let mut bias_grad = bias_grad.shallow_clone();
-    let _ = weight_grad.f_add_(&Tensor::from_slice(&dgamma).view(weight_grad.size().as_slice()).to_device(weight_grad.device()));
-    let _ = bias_grad.f_add_(&Tensor::from_slice(&dbeta).view(bias_grad.size().as_slice()).to_device(bias_grad.device()));
+    let _ = weight_grad
+        .f_add_(&Tensor::from_slice(&dgamma).view(weight_grad.size().as_slice()).to_device(weight_grad.device()));
+    let _ =
+        bias_grad.f_add_(&Tensor::from_slice(&dbeta).view(bias_grad.size().as_slice()).to_device(bias_grad.device()));
     dx
 }
 
@@ -151,7 +159,15 @@ fn fp32_cpu_contiguous(t: &Tensor) -> bool {
     t.defined() && t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous()
 }
 
-fn forward_dispatch(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16], mean: &mut [f32], rstd: &mut [f32]) {
+fn forward_dispatch(
+    x: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+    out: &mut [u16],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
@@ -168,13 +184,29 @@ fn forward_dispatch(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-unsafe fn forward_avx512(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16], mean: &mut [f32], rstd: &mut [f32]) {
+unsafe fn forward_avx512(
+    x: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+    out: &mut [u16],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) {
     forward_rows(x, gamma, beta, eps, out, mean, rstd)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn forward_avx2(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16], mean: &mut [f32], rstd: &mut [f32]) {
+unsafe fn forward_avx2(
+    x: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+    out: &mut [u16],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) {
     forward_rows(x, gamma, beta, eps, out, mean, rstd)
 }
 
@@ -314,7 +346,11 @@ mod tests {
     /// libtorch's path, as the model runs it without the kernel: fp32 LayerNorm, cast to bf16;
     /// backward from `grad` through both, plus `residual` added to the input's gradient.
     fn reference(x: &Tensor, w: &Tensor, b: &Tensor, grad: &Tensor, residual: &Tensor) -> [Tensor; 4] {
-        let (x, w, b) = (x.detach().set_requires_grad(true), w.detach().set_requires_grad(true), b.detach().set_requires_grad(true));
+        let (x, w, b) = (
+            x.detach().set_requires_grad(true),
+            w.detach().set_requires_grad(true),
+            b.detach().set_requires_grad(true),
+        );
         let d = *x.size().last().unwrap();
         let out = x.layer_norm([d], Some(&w), Some(&b), 1e-5, true).to_kind(Kind::BFloat16);
         out.view([-1]).dot(&grad.view([-1])).backward();
@@ -346,11 +382,13 @@ mod tests {
         let start_w = Tensor::full([d], 2.0, opts);
         let (dw, db) = (start_w.copy(), Tensor::zeros([d], opts));
         let dx = layer_norm_bf16_backward(&grad, &x, &stats, &w, Some(residual.copy()), &dw, &db, n_threads);
-        let rel = |got: &Tensor, want: &Tensor| {
-            ((got - want).abs().max() / want.abs().max()).double_value(&[])
-        };
+        let rel = |got: &Tensor, want: &Tensor| ((got - want).abs().max() / want.abs().max()).double_value(&[]);
         assert!(rel(&dx, &want_dx) <= 1e-5, "dx (shape {shape:?}): {}", rel(&dx, &want_dx));
-        assert!(rel(&(&dw - &start_w), &want_dw) <= 1e-4, "dweight (shape {shape:?}): {}", rel(&(&dw - &start_w), &want_dw));
+        assert!(
+            rel(&(&dw - &start_w), &want_dw) <= 1e-4,
+            "dweight (shape {shape:?}): {}",
+            rel(&(&dw - &start_w), &want_dw)
+        );
         assert!(rel(&db, &want_db) <= 1e-4, "dbias (shape {shape:?}): {}", rel(&db, &want_db));
         // Without a residual the input's gradient is the LayerNorm's alone.
         let (dw2, db2) = (Tensor::zeros([d], opts), Tensor::zeros([d], opts));

@@ -142,10 +142,13 @@ fn parallel_rows<R: Send>(
     }
     std::thread::scope(|scope| {
         let work = &work;
-        let handles: Vec<_> = ranges[1..].iter().map(|range| {
-            let range = range.clone();
-            scope.spawn(move || work(range))
-        }).collect();
+        let handles: Vec<_> = ranges[1..]
+            .iter()
+            .map(|range| {
+                let range = range.clone();
+                scope.spawn(move || work(range))
+            })
+            .collect();
         let mut results = vec![work(ranges[0].clone())];
         results.extend(handles.into_iter().map(|h| h.join().expect("a kernel thread panicked")));
         results

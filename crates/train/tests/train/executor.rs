@@ -200,8 +200,10 @@ fn fused_layer_norm_gives_libtorchs_loss_and_gradients_in_bf16() {
         let mut model = model(Precision::Bf16);
         model.set_fused_layer_norm(fused, 2);
         let grads = gradients(&model, &executor, &data);
-        let norm_grads: Vec<Vec<f32>> =
-            norms.iter().map(|name| Vec::<f32>::try_from(model.params().get(name).grad().contiguous()).unwrap()).collect();
+        let norm_grads: Vec<Vec<f32>> = norms
+            .iter()
+            .map(|name| Vec::<f32>::try_from(model.params().get(name).grad().contiguous()).unwrap())
+            .collect();
         let mut clock = StepClock::start(Device::Cpu, true);
         let (inputs, targets) = &data[0];
         let loss = executor
