@@ -19,9 +19,10 @@
 //!
 //! The tolerances are fixed when the baseline is recorded (`--update`, more repeats than a check):
 //! four median absolute deviations of the recorded runs, never below a floor (6% for a time ratio,
-//! 12% for the optimizer's, which is bound by memory; 2 points for a share). The current run's own spread is
-//! printed but never widens them, so a change that makes steps noisier cannot hide inside its own
-//! noise. A figure that is missing or not finite on either side is an error, not a pass.
+//! 12% for the optimizer's, which is bound by memory; 2 points for a share) and, for a time ratio
+//! bound by arithmetic, never above 8%, below the 10% slowdown the gate must catch. The current
+//! run's own spread is printed but never widens them, so a change that makes steps noisier cannot
+//! hide inside its own noise. A figure that is missing or not finite on either side is an error, not a pass.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -97,6 +98,13 @@ const MIN_SHARE_TOLERANCE: f64 = 0.02;
 /// optimizer 12% slower moves the step by under 2% (it is a seventh of the step), which no
 /// floor above could see anyway; a slower optimizer by a third or more is still caught.
 const MIN_MEMORY_BOUND_TOLERANCE: f64 = 0.12;
+/// The ceiling of a compute-bound time ratio's tolerance. The gate must see a 10% slower phase;
+/// an allowance of 10% or more could not. A recording on a noisy machine gives one: on the
+/// development machine (2026-12-02, commit 9844c44) a record's runs spread 3.07..3.53 (MAD 0.136,
+/// 4 MAD = 16%), and a later record's 4 MAD was 10.1%, so the 10% slower forward, measured +10.2%
+/// and +9.9% over those baselines, passed both. Held at 8%, the median of a check's 9 runs still
+/// leaves 2 points for drift on the side of catching and 8 on the side of passing unchanged code.
+const MAX_RELATIVE_TOLERANCE: f64 = 0.08;
 /// Figures whose phase is bound by memory, not arithmetic: `MIN_MEMORY_BOUND_TOLERANCE` applies.
 const MEMORY_BOUND: &[&str] = &["optimizer_over_gemm"];
 /// A tolerance is this many median absolute deviations of the recorded runs (1.48 MAD estimates
@@ -434,7 +442,7 @@ fn record(args: &GateArgs, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> an
 fn tolerance(key: &str, check: Check, value: f64, mad: f64) -> f64 {
     match check {
         Check::Relative if MEMORY_BOUND.contains(&key) => (MAD_FACTOR * mad / value).max(MIN_MEMORY_BOUND_TOLERANCE),
-        Check::Relative => (MAD_FACTOR * mad / value).max(MIN_RELATIVE_TOLERANCE),
+        Check::Relative => (MAD_FACTOR * mad / value).clamp(MIN_RELATIVE_TOLERANCE, MAX_RELATIVE_TOLERANCE),
         Check::Share => (MAD_FACTOR * mad).max(MIN_SHARE_TOLERANCE),
     }
 }
@@ -570,7 +578,9 @@ mod tests {
     #[test]
     fn tolerances_are_four_mads_above_their_floors() {
         assert_eq!(tolerance("forward_over_gemm", Check::Relative, 2.0, 0.01), MIN_RELATIVE_TOLERANCE);
-        assert_eq!(tolerance("forward_over_gemm", Check::Relative, 2.0, 0.05), 0.1);
+        assert_eq!(tolerance("forward_over_gemm", Check::Relative, 2.0, 0.035), 0.07);
+        // A noisy record cannot widen a compute-bound ratio past what the gate must catch.
+        assert_eq!(tolerance("forward_over_gemm", Check::Relative, 2.0, 0.05), MAX_RELATIVE_TOLERANCE);
         assert_eq!(tolerance("optimizer_over_gemm", Check::Relative, 0.3, 0.003), MIN_MEMORY_BOUND_TOLERANCE);
         assert_eq!(tolerance("data_wait_share", Check::Share, 0.01, 0.001), MIN_SHARE_TOLERANCE);
         assert_eq!(tolerance("data_wait_share", Check::Share, 0.01, 0.01), 0.04);
