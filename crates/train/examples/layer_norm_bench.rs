@@ -19,30 +19,11 @@
 //! the kernels' forward and backward and the copy in turn (interleaved), K calls each, and takes
 //! each one's median; the table gives the median of the rounds with min and max.
 
-use std::time::Instant;
-
 use stoke_train::{layer_norm_bf16, layer_norm_bf16_backward};
 use tch::{Device, Kind, Tensor};
 
-fn arg(args: &[String], name: &str, default: usize) -> usize {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map_or(default, |v| v.parse().expect(name))
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(|a, b| a.total_cmp(b));
-    values[values.len() / 2]
-}
-
-fn time_ms(iters: usize, mut work: impl FnMut()) -> f64 {
-    let mut times: Vec<f64> = (0..iters)
-        .map(|_| {
-            let start = Instant::now();
-            work();
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    median(&mut times)
-}
+mod support;
+use support::{arg, median, time_ms};
 
 /// glibc reads its MALLOC_ variables at start, so the process starts itself again once with them.
 fn reexec_once() {

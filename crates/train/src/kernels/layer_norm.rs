@@ -148,10 +148,8 @@ pub fn layer_norm_bf16_backward(
     let _guard = tch::no_grad_guard();
     let mut weight_grad = weight_grad.shallow_clone();
     let mut bias_grad = bias_grad.shallow_clone();
-    let _ = weight_grad
-        .f_add_(&Tensor::from_slice(&dgamma).view(weight_grad.size().as_slice()).to_device(weight_grad.device()));
-    let _ =
-        bias_grad.f_add_(&Tensor::from_slice(&dbeta).view(bias_grad.size().as_slice()).to_device(bias_grad.device()));
+    weight_grad += Tensor::from_slice(&dgamma).view(weight_grad.size().as_slice());
+    bias_grad += Tensor::from_slice(&dbeta).view(bias_grad.size().as_slice());
     dx
 }
 
@@ -159,55 +157,16 @@ fn fp32_cpu_contiguous(t: &Tensor) -> bool {
     t.defined() && t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous()
 }
 
-fn forward_dispatch(
-    x: &[f32],
-    gamma: &[f32],
-    beta: &[f32],
-    eps: f32,
-    out: &mut [u16],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
-            // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { forward_avx512(x, gamma, beta, eps, out, mean, rstd) };
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: as above.
-            return unsafe { forward_avx2(x, gamma, beta, eps, out, mean, rstd) };
-        }
-    }
-    forward_rows(x, gamma, beta, eps, out, mean, rstd)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-unsafe fn forward_avx512(
-    x: &[f32],
-    gamma: &[f32],
-    beta: &[f32],
-    eps: f32,
-    out: &mut [u16],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-) {
-    forward_rows(x, gamma, beta, eps, out, mean, rstd)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn forward_avx2(
-    x: &[f32],
-    gamma: &[f32],
-    beta: &[f32],
-    eps: f32,
-    out: &mut [u16],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-) {
-    forward_rows(x, gamma, beta, eps, out, mean, rstd)
+simd_dispatch! {
+    fn forward_dispatch(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        eps: f32,
+        out: &mut [u16],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) => forward_rows
 }
 
 /// `sum_j f(a_j, b_j, c_j)` over three rows of one length, in `LANES` partial sums (which the
@@ -245,64 +204,19 @@ fn forward_rows(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn backward_dispatch(
-    g: &[u16],
-    x: &[f32],
-    mean: &[f32],
-    rstd: &[f32],
-    gamma: &[f32],
-    accumulate: bool,
-    dx: &mut [f32],
-    dgamma: &mut [f32],
-    dbeta: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
-            // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { backward_avx512(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta) };
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: as above.
-            return unsafe { backward_avx2(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta) };
-        }
-    }
-    backward_rows(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn backward_avx512(
-    g: &[u16],
-    x: &[f32],
-    mean: &[f32],
-    rstd: &[f32],
-    gamma: &[f32],
-    accumulate: bool,
-    dx: &mut [f32],
-    dgamma: &mut [f32],
-    dbeta: &mut [f32],
-) {
-    backward_rows(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn backward_avx2(
-    g: &[u16],
-    x: &[f32],
-    mean: &[f32],
-    rstd: &[f32],
-    gamma: &[f32],
-    accumulate: bool,
-    dx: &mut [f32],
-    dgamma: &mut [f32],
-    dbeta: &mut [f32],
-) {
-    backward_rows(g, x, mean, rstd, gamma, accumulate, dx, dgamma, dbeta)
+simd_dispatch! {
+    #[allow(clippy::too_many_arguments)]
+    fn backward_dispatch(
+        g: &[u16],
+        x: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        gamma: &[f32],
+        accumulate: bool,
+        dx: &mut [f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+    ) => backward_rows
 }
 
 /// Each row, with `xhat = (x - mean) rstd` and `gg = g gamma`: `dx = rstd (gg - mean(gg) - xhat

@@ -16,6 +16,39 @@ use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 
+/// Defines `$name`, which runs `$body` (an `#[inline(always)]` function of the same arguments)
+/// compiled for the best instruction set this CPU has: AVX-512 (F and BW), AVX2 with FMA, or the
+/// baseline, picked at run time, like the fused optimizer.
+macro_rules! simd_dispatch {
+    ($(#[$meta:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:ident) => {
+        $(#[$meta])*
+        fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+                    // SAFETY: the CPU has the features the function is compiled for.
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    // SAFETY: as above.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+
 mod layer_norm;
 
 pub use layer_norm::{layer_norm_bf16, layer_norm_bf16_backward, LayerNormStats};
@@ -67,27 +100,16 @@ pub fn cross_entropy_bf16(
     let (input, output) = unsafe {
         (
             std::slice::from_raw_parts(logits.data_ptr() as *const u16, rows * vocab),
-            std::slice::from_raw_parts_mut(grad.data_ptr() as *mut u16, rows * vocab),
+            SharedMut::new(grad.data_ptr() as *mut u16, rows * vocab),
         )
     };
     let scale = (grad_scale / rows as f64) as f32;
-    let n_threads = n_threads.clamp(1, 64).min(rows.div_ceil(64));
-    let per_thread = rows.div_ceil(n_threads);
-    let sums: Vec<f64> = if n_threads == 1 {
-        vec![rows_dispatch(input, target_slice, vocab, scale, output)]
-    } else {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = input
-                .chunks(per_thread * vocab)
-                .zip(output.chunks_mut(per_thread * vocab))
-                .zip(target_slice.chunks(per_thread))
-                .map(|((input, output), targets)| {
-                    scope.spawn(move || rows_dispatch(input, targets, vocab, scale, output))
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("a cross-entropy thread panicked")).collect()
-        })
-    };
+    let sums = parallel_rows(rows, n_threads, 64, |range: Range<usize>| {
+        let span = range.start * vocab..range.end * vocab;
+        // SAFETY: `parallel_rows` hands out disjoint ranges of rows.
+        let output = unsafe { output.slice(span.clone()) };
+        rows_dispatch(&input[span], &target_slice[range], vocab, scale, output)
+    });
     let loss = sums.iter().sum::<f64>() / rows as f64;
     Some(CrossEntropy { loss: Tensor::from(loss as f32), grad })
 }
@@ -135,11 +157,11 @@ fn parallel_rows<R: Send>(
     work: impl Fn(Range<usize>) -> R + Sync,
 ) -> Vec<R> {
     let n = n_threads.clamp(1, 64).min(rows.div_ceil(min_rows.max(1))).max(1);
-    let per = rows.div_ceil(n);
-    let ranges: Vec<Range<usize>> = (0..n).map(|i| (i * per).min(rows)..((i + 1) * per).min(rows)).collect();
     if n == 1 {
         return vec![work(0..rows)];
     }
+    let per = rows.div_ceil(n);
+    let ranges: Vec<Range<usize>> = (0..n).map(|i| (i * per).min(rows)..((i + 1) * per).min(rows)).collect();
     std::thread::scope(|scope| {
         let work = &work;
         let handles: Vec<_> = ranges[1..]
@@ -155,32 +177,9 @@ fn parallel_rows<R: Send>(
     })
 }
 
-/// Runs `rows_portable` compiled for the best instruction set this CPU has.
-fn rows_dispatch(input: &[u16], targets: &[i64], vocab: usize, scale: f32, output: &mut [u16]) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
-            // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { rows_avx512(input, targets, vocab, scale, output) };
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: as above.
-            return unsafe { rows_avx2(input, targets, vocab, scale, output) };
-        }
-    }
-    rows_portable(input, targets, vocab, scale, output)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-unsafe fn rows_avx512(input: &[u16], targets: &[i64], vocab: usize, scale: f32, output: &mut [u16]) -> f64 {
-    rows_portable(input, targets, vocab, scale, output)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rows_avx2(input: &[u16], targets: &[i64], vocab: usize, scale: f32, output: &mut [u16]) -> f64 {
-    rows_portable(input, targets, vocab, scale, output)
+simd_dispatch! {
+    /// `rows_portable` for the best instruction set this CPU has.
+    fn rows_dispatch(input: &[u16], targets: &[i64], vocab: usize, scale: f32, output: &mut [u16]) -> f64 => rows_portable
 }
 
 /// Lanes of the hand-split reductions: wide enough for one AVX-512 register, so the compiler
