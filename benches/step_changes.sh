@@ -9,7 +9,8 @@
 # matmul peak measured alongside (`stoke bench limits`, B's binary), the physical limit.
 #
 #   benches/step_changes.sh A_BINARY B_BINARY [pairs] [preset] [precision] [steps]
-#       (defaults: 3 small bf16 30; STOKE_SET adds `--set` overrides to both sides)
+#       (defaults: 3 small bf16 30; STOKE_SET adds `--set` overrides to both sides, STOKE_SET_A and
+#       STOKE_SET_B to one side: the same binary twice with a switch off and on measures that switch)
 # Results: runs/bench-step-changes/<B binary name>-<preset>-<precision>/results.jsonl, one JSON line per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,8 +35,9 @@ results="$dir/results.jsonl"
 prio=()
 if chrt -f 10 true 2>/dev/null; then prio=(chrt -f 10); fi
 run() { # side binary pair -> one JSON line
-  local name="$1-$3"
-  "${prio[@]}" "$2" train --quiet "${common[@]}" --set run.name="$name" >/dev/null
+  local name="$1-$3" own=() var="STOKE_SET_$1"
+  for kv in ${!var:-}; do own+=(--set "$kv"); done
+  "${prio[@]}" "$2" train --quiet "${common[@]}" "${own[@]}" --set run.name="$name" >/dev/null
   python3 - "$dir/$name" "$1" "$3" "$skip" <<'PY'
 import json, statistics, sys
 run, side, pair, skip = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

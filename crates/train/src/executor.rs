@@ -381,16 +381,31 @@ impl Executor {
 
         hooks.before_backward(head_unit, clock)?;
         let loss = head.loss;
-        match head.logits_grad {
-            Some((logits, grad)) => backward_from(&logits, &grad),
-            None => (&loss * loss_multiplier).backward(),
-        }
+        // With the fused cross-entropy the head's matrix multiplies are backward-ed by hand, from
+        // the logits' gradient, to the gradient of the head's input in the compute type.
+        let head_grad = match head.fused {
+            Some(fused) => Some(model.fused_head_backward(fused)),
+            None => {
+                (&loss * loss_multiplier).backward();
+                None
+            }
+        };
         // The head's backward (logit gradients) runs while every activation is still alive.
         let peak_bytes_in_use =
             peak_bytes_in_use.zip(measure_memory.then(crate::peak::host_bytes_in_use).flatten()).map(|(a, b)| a.max(b));
-        let mut grad_output = match head_normed {
-            Some((normed, stats)) => model.fused_norm_backward(Norm::Final, &normed.grad(), &head_input, &stats, None),
-            None => head_input.grad(),
+        let mut grad_output = match (head_normed, head_grad) {
+            // The normed leaf is the head's input: its gradient is the one just computed.
+            (Some((_, stats)), Some((_, grad_normed))) => {
+                model.fused_norm_backward(Norm::Final, &grad_normed, &head_input, &stats, None)
+            }
+            (Some((normed, stats)), None) => {
+                model.fused_norm_backward(Norm::Final, &normed.grad(), &head_input, &stats, None)
+            }
+            (None, Some((input, grad_input))) => {
+                backward_from(&input, &grad_input);
+                head_input.grad()
+            }
+            (None, None) => head_input.grad(),
         };
         drop(head_input);
         clock.lap(Phase::Backward);

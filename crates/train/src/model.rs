@@ -80,11 +80,24 @@ impl Slot {
 
 /// The head's loss, ready for its backward (`Gpt::head_loss_for_backward`).
 pub(crate) struct HeadLoss {
-    /// The mean loss, fp32; part of the autograd graph when `logits_grad` is `None`.
+    /// The mean loss, fp32; part of the autograd graph when `fused` is `None`.
     pub loss: Tensor,
-    /// With the fused kernel: the logits and the gradient of the loss (times the multiplier)
-    /// with respect to them, already computed; the backward starts from there.
-    pub logits_grad: Option<(Tensor, Tensor)>,
+    /// With the fused kernel: what the head's backward by hand needs (`Gpt::fused_head_backward`).
+    pub fused: Option<FusedHead>,
+}
+
+/// The fused cross-entropy's head, for its backward by hand: the logits' gradient came with the
+/// loss, so the head's matrix multiplies are backward-ed here instead of through autograd, whose
+/// backward starts only from a scalar (a `<logits, gradient>` seed over the whole `[rows, vocab]`
+/// would cost more than the kernel saves).
+pub(crate) struct FusedHead {
+    /// The head's input in the compute type `[batch, seq, d]`: the fused LayerNorm's leaf, or
+    /// libtorch's LayerNorm cast, part of the graph back to the head's input.
+    input: Tensor,
+    /// The head's weight (the tied embedding) in the compute type, outside the graph.
+    weight: Tensor,
+    /// The gradient of the loss times the multiplier with respect to the logits, `[rows, vocab]`.
+    logits_grad: Tensor,
 }
 
 /// One block's parameters.
@@ -480,9 +493,10 @@ impl Gpt {
 
     /// The head's loss for the block executor's backward, which starts from `loss x
     /// loss_multiplier`: with the fused kernel (see `set_fused_cross_entropy`) the gradient of the
-    /// logits comes with the loss, so the backward starts from the logits; otherwise as
-    /// `head_loss`. The losses agree within fp32 rounding (the kernel's exponential is its own).
-    /// `normed`: `x` is already the final LayerNorm's output (the fused LayerNorm's).
+    /// logits comes with the loss and the head's logits are computed outside the graph (see
+    /// `fused_head_backward`); otherwise as `head_loss`. The losses agree within fp32 rounding
+    /// (the kernel's exponential is its own). `normed`: `x` is already the final LayerNorm's
+    /// output (the fused LayerNorm's).
     pub(crate) fn head_loss_for_backward(
         &self,
         x: &Tensor,
@@ -490,10 +504,15 @@ impl Gpt {
         targets: &Tensor,
         loss_multiplier: f64,
     ) -> HeadLoss {
-        let logits = if normed { self.head_logits_normed(x) } else { self.head_logits(x) };
         if self.fused_cross_entropy_threads > 0 && self.compute == Kind::BFloat16 {
+            let input = if normed {
+                x.to_kind(self.compute)
+            } else {
+                self.layer_norm(x, &self.ln_f).to_kind(self.compute)
+            };
+            let weight = self.cast(Slot::head(self.shape.n_layer), &self.wte).detach();
             let vocab = self.shape.vocab_size as i64;
-            let logits = logits.view([-1, vocab]);
+            let logits = input.detach().matmul(&weight.tr()).view([-1, vocab]);
             let fused = crate::kernels::cross_entropy_bf16(
                 &logits,
                 &targets.view([-1]),
@@ -501,10 +520,33 @@ impl Gpt {
                 self.fused_cross_entropy_threads,
             );
             if let Some(fused) = fused {
-                return HeadLoss { loss: fused.loss, logits_grad: Some((logits, fused.grad)) };
+                return HeadLoss {
+                    loss: fused.loss,
+                    fused: Some(FusedHead { input, weight, logits_grad: fused.grad }),
+                };
             }
         }
-        HeadLoss { loss: self.mean_cross_entropy(&logits, targets), logits_grad: None }
+        let logits = if normed { self.head_logits_normed(x) } else { self.head_logits(x) };
+        HeadLoss { loss: self.mean_cross_entropy(&logits, targets), fused: None }
+    }
+
+    /// The fused head's backward by hand: adds the tied weight's gradient (`logits_grad^T x
+    /// input`) to the embedding's and returns the head's input in the compute type with its
+    /// gradient (`logits_grad x weight`), for the caller to backward from. The same two matrix
+    /// multiplies as autograd's backward of the head's linear layer, with no seed over the logits.
+    pub(crate) fn fused_head_backward(&self, head: FusedHead) -> (Tensor, Tensor) {
+        let FusedHead { input, weight, logits_grad } = head;
+        let shape = input.size();
+        let d = *shape.last().expect("the head's input has a width");
+        let grad_input = logits_grad.mm(&weight).view(shape.as_slice());
+        drop(weight);
+        let grad_weight = logits_grad.tr().mm(&input.detach().view([-1, d]));
+        drop(logits_grad);
+        tch::no_grad(|| {
+            let mut grad = self.wte.grad();
+            grad += &grad_weight;
+        });
+        (input, grad_input)
     }
 
     /// Mean cross-entropy of predicting `targets` from `inputs`, both `[batch, seq]` int64, as
@@ -577,7 +619,7 @@ mod tests {
             let mut model = Gpt::new(shape, precision, AttentionPrecision::Auto, Device::Cpu);
             model.set_fused_cross_entropy(enabled, 2);
             let head = model.head_loss_for_backward(&x, false, &targets, 1.0);
-            assert_eq!(head.logits_grad.is_some(), fused, "{precision:?}, enabled {enabled}");
+            assert_eq!(head.fused.is_some(), fused, "{precision:?}, enabled {enabled}");
         }
     }
 }

@@ -168,26 +168,40 @@ fn fused_cross_entropy_gives_libtorchs_loss_and_gradients_in_bf16() {
     let _rng = super::rng_lock();
     let data = [batch(4, 5), batch(4, 6)];
     let executor = Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap();
-    let run = |fused: bool| {
-        let mut model = model(Precision::Bf16);
-        model.set_fused_cross_entropy(fused, 2);
-        let grads = gradients(&model, &executor, &data);
-        let mut clock = StepClock::start(Device::Cpu, true);
-        let (inputs, targets) = &data[0];
-        let loss = executor
-            .run_micro_batch(&model, inputs, targets, 1.0, true, false, &mut clock, &mut stoke_train::NoHooks)
-            .unwrap()
-            .loss
-            .double_value(&[]);
-        (grads, loss)
-    };
-    let (libtorch, libtorch_loss) = run(false);
-    let (fused, fused_loss) = run(true);
-    assert!((fused_loss - libtorch_loss).abs() <= 1e-5 * libtorch_loss, "loss {fused_loss} against {libtorch_loss}");
-    // The logits' gradients differ by at most one bf16 rounding; through the bf16 backward that
-    // stays within bf16's precision of the gradient's scale.
-    let diff = relative_difference(&fused, &libtorch);
-    assert!(diff <= 1e-2, "fused vs libtorch cross-entropy: relative difference {diff:e}");
+    // The head's input comes from libtorch's LayerNorm (a graph) or the fused one's (a leaf).
+    for fused_layer_norm in [false, true] {
+        let run = |fused: bool| {
+            let mut model = model(Precision::Bf16);
+            model.set_fused_cross_entropy(fused, 2);
+            model.set_fused_layer_norm(fused_layer_norm, 2);
+            let grads = gradients(&model, &executor, &data);
+            let head = Vec::<f32>::try_from(model.params().get("transformer.wte.weight").grad().view([-1])).unwrap();
+            let ln_f = Vec::<f32>::try_from(model.params().get("transformer.ln_f.weight").grad().contiguous()).unwrap();
+            let mut clock = StepClock::start(Device::Cpu, true);
+            let (inputs, targets) = &data[0];
+            let loss = executor
+                .run_micro_batch(&model, inputs, targets, 1.0, true, false, &mut clock, &mut stoke_train::NoHooks)
+                .unwrap()
+                .loss
+                .double_value(&[]);
+            (grads, head, ln_f, loss)
+        };
+        let (libtorch, libtorch_wte, libtorch_ln_f, libtorch_loss) = run(false);
+        let (fused, fused_wte, fused_ln_f, fused_loss) = run(true);
+        let case = format!("fused LayerNorm {fused_layer_norm}");
+        assert!((fused_loss - libtorch_loss).abs() <= 1e-5 * libtorch_loss, "{case}: loss {fused_loss} against {libtorch_loss}");
+        // The logits' gradients differ by at most one bf16 rounding; through the bf16 backward
+        // that stays within bf16's precision of the gradient's scale.
+        let diff = relative_difference(&fused, &libtorch);
+        assert!(diff <= 1e-2, "{case}: fused vs libtorch cross-entropy: relative difference {diff:e}");
+        // The head's backward by hand: the tied embedding's gradient (head and embedding) and the
+        // final norm's, which only the head's input gradient reaches.
+        let diff = relative_difference(&fused_wte, &libtorch_wte);
+        assert!(diff <= 1e-2, "{case}: the embedding's gradient: relative difference {diff:e}");
+        let diff = relative_difference(&fused_ln_f, &libtorch_ln_f);
+        assert!(diff <= 2e-2, "{case}: ln_f's gradient: relative difference {diff:e}");
+        assert!(fused_ln_f.iter().any(|&g| g != 0.0), "{case}: no gradient reached ln_f");
+    }
 }
 
 #[test]
