@@ -179,10 +179,11 @@ pub struct TrainConfig {
     pub fused_optimizer: bool,
     /// Under bf16 on a CPU, the loss and its gradient with respect to the logits in one fused
     /// pass (a Rust kernel) instead of libtorch's fp32 cast, log-softmax and NLL forward and
-    /// backward; the block executor only. "on", "off", or "auto": on from a vocabulary of
-    /// `FUSED_CROSS_ENTROPY_MIN_VOCAB` (8192). It pays with a large vocabulary (0.68x libtorch's
-    /// time at GPT-2's 50304) and costs time with the 256 byte tokens of tiny and small (1.95x)
-    /// (README, "What each step change bought"). Default "auto".
+    /// backward, and the head's matrix multiplies backward-ed by hand from that gradient; the
+    /// block executor only. "on", "off", or "auto": on from a vocabulary of
+    /// `FUSED_CROSS_ENTROPY_MIN_VOCAB` (8192). The whole head takes 0.75x libtorch's time at
+    /// GPT-2's 50304, and 1.01x and 0.90x with the 256 byte tokens of tiny and small (README,
+    /// "What each step change bought"). Default "auto".
     pub fused_cross_entropy: FusedCrossEntropy,
     /// Under bf16 on a CPU, every LayerNorm as a Rust kernel from the fp32 residual stream
     /// straight to bf16, and its backward with the residual's gradient added in the same pass,
@@ -269,9 +270,10 @@ pub enum FusedCrossEntropy {
     Off,
 }
 
-/// The smallest vocabulary `FusedCrossEntropy::Auto` takes the fused kernel at: measured at 256
-/// (1.95x libtorch's time: its logits stay in cache) and 50304 (0.68x); between them unmeasured,
-/// this is where the logits of a micro-batch outgrow the caches.
+/// The smallest vocabulary `FusedCrossEntropy::Auto` takes the fused kernel at: the head measured
+/// at 256 (1.01x libtorch's time on tiny, 0.90x on small: its logits stay in cache, and the step
+/// does not resolve the difference) and 50304 (0.75x); between them unmeasured, this is where the
+/// logits of a micro-batch outgrow the caches.
 pub const FUSED_CROSS_ENTROPY_MIN_VOCAB: usize = 8192;
 
 impl FusedCrossEntropy {
