@@ -82,7 +82,7 @@ common=(--quiet --data "$dir/corpus.txt" --set run.dir="$dir" --set train.steps=
 # would add to stage 0's peak and step alone.
 # The same host-memory policy on both sides: what stoke's default `train.host_memory = "retain"` sets
 # (stoke_train::retain_env), given to the peer through glibc's environment.
-retain=(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_TOP_PAD_=67108864)
+retain=(MALLOC_MMAP_MAX_=0 MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_TOP_PAD_=67108864)
 fsdp() { # world sharding -> the peer's JSON line
   (cd benches/peers && timeout 900 env "${retain[@]}" "../../$py" fsdp_gpt.py --data "../../$dir/corpus.txt" --nproc "$1" \
     --steps "$steps" --micro-batch "$micro_batch" --n-layer "$layers" --d-model "$width" --n-head "$heads" \

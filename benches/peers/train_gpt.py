@@ -148,10 +148,10 @@ class MemmapWindows(torch.utils.data.Dataset):
 
 
 # glibc's mallopt parameters (malloc.h) and the values stoke's `train.host_memory = "retain"` sets
-# (crates/train/src/host_memory.rs): keep freed blocks up to 32 MiB in the heap, never trim it,
-# grow it 64 MiB at a time.
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-RETAIN = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 64 << 20))
+# (crates/train/src/host_memory.rs): every block from the heap (no mmap, whatever its size), freed
+# blocks kept there, never trimmed, the heap grown 64 MiB at a time.
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
+RETAIN = ((M_MMAP_MAX, 0), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 64 << 20))
 
 
 def retain_host_memory():

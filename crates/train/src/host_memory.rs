@@ -6,6 +6,10 @@
 //! and zeroes pages it held a moment earlier: `clear_page_erms` and `exc_page_fault` in a `perf`
 //! profile of a bf16 step, 10-15% of its time on the development machine. Retaining keeps freed
 //! blocks in the heap for the next step, what tcmalloc or jemalloc do for tuned PyTorch CPU jobs.
+//! glibc's mmap threshold stops at 32 MiB, and a block above it (gpt2-124m's logits and their
+//! gradient, 100 MB each at 1,024 tokens; the head's weight cast and its gradient, 77 MB) was still
+//! mapped and faulted in anew every step (12% of a gpt2-124m bf16 step's samples in the kernel on
+//! 2026-12-02, 6.7% without), so `Retain` also turns mmap off: every block comes from the heap.
 
 use serde::{Deserialize, Serialize};
 
@@ -13,8 +17,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum HostMemory {
-    /// Keep freed blocks up to glibc's largest mmap threshold (32 MiB) in the heap and never trim
-    /// it.
+    /// Take every block from the heap (no mmap, whatever its size), keep freed blocks there and
+    /// never trim it.
     Retain,
     /// The C library's defaults.
     System,
@@ -28,8 +32,9 @@ const TRIM_THRESHOLD: i32 = i32::MAX;
 const TOP_PAD: i32 = 64 << 20;
 
 /// The environment that gives another glibc process (a PyTorch peer, say) the `Retain` policy.
-pub fn retain_env() -> [(&'static str, String); 3] {
+pub fn retain_env() -> [(&'static str, String); 4] {
     [
+        ("MALLOC_MMAP_MAX_", "0".to_string()),
         ("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD_MAX.to_string()),
         ("MALLOC_TRIM_THRESHOLD_", TRIM_THRESHOLD.to_string()),
         ("MALLOC_TOP_PAD_", TOP_PAD.to_string()),
@@ -50,7 +55,8 @@ fn retain() -> bool {
     // SAFETY: mallopt only sets allocator parameters; it is safe to call at any time, from any
     // thread, and returns 0 for a value it refuses.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
+        libc::mallopt(libc::M_MMAP_MAX, 0) == 1
+            && libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
             && libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
             && libc::mallopt(libc::M_TOP_PAD, TOP_PAD) == 1
     }
