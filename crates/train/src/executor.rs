@@ -394,12 +394,10 @@ impl Executor {
         let peak_bytes_in_use =
             peak_bytes_in_use.zip(measure_memory.then(crate::peak::host_bytes_in_use).flatten()).map(|(a, b)| a.max(b));
         let mut grad_output = match (head_normed, head_grad) {
-            // The normed leaf is the head's input: its gradient is the one just computed.
-            (Some((_, stats)), Some((_, grad_normed))) => {
+            // With the fused head the normed leaf is its input: its gradient is the one just computed.
+            (Some((normed, stats)), head_grad) => {
+                let grad_normed = head_grad.map_or_else(|| normed.grad(), |(_, grad)| grad);
                 model.fused_norm_backward(Norm::Final, &grad_normed, &head_input, &stats, None)
-            }
-            (Some((normed, stats)), None) => {
-                model.fused_norm_backward(Norm::Final, &normed.grad(), &head_input, &stats, None)
             }
             (None, Some((input, grad_input))) => {
                 backward_from(&input, &grad_input);

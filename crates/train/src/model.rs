@@ -505,11 +505,8 @@ impl Gpt {
         loss_multiplier: f64,
     ) -> HeadLoss {
         if self.fused_cross_entropy_threads > 0 && self.compute == Kind::BFloat16 {
-            let input = if normed {
-                x.to_kind(self.compute)
-            } else {
-                self.layer_norm(x, &self.ln_f).to_kind(self.compute)
-            };
+            let input =
+                if normed { x.to_kind(self.compute) } else { self.layer_norm(x, &self.ln_f).to_kind(self.compute) };
             let weight = self.cast(Slot::head(self.shape.n_layer), &self.wte).detach();
             let vocab = self.shape.vocab_size as i64;
             let logits = input.detach().matmul(&weight.tr()).view([-1, vocab]);

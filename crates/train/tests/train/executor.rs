@@ -45,6 +45,22 @@ fn gradients(model: &Gpt, executor: &Executor, micro_batches: &[(Tensor, Tensor)
 
 /// max |a - b| over max |b|: the difference relative to the gradient's scale (element-wise
 /// relative differences are meaningless for the many gradients near zero).
+/// The gradient of parameter `name`, flattened.
+fn grad_of(model: &Gpt, name: &str) -> Vec<f32> {
+    Vec::<f32>::try_from(model.params().get(name).grad().contiguous().view([-1])).unwrap()
+}
+
+/// The loss of the first micro-batch of `data`, through `executor`.
+fn first_loss(model: &Gpt, executor: &Executor, data: &[(Tensor, Tensor)]) -> f64 {
+    let mut clock = StepClock::start(Device::Cpu, true);
+    let (inputs, targets) = &data[0];
+    executor
+        .run_micro_batch(model, inputs, targets, 1.0, true, false, &mut clock, &mut stoke_train::NoHooks)
+        .unwrap()
+        .loss
+        .double_value(&[])
+}
+
 fn relative_difference(a: &[f32], b: &[f32]) -> f64 {
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
     let worst = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
@@ -175,21 +191,17 @@ fn fused_cross_entropy_gives_libtorchs_loss_and_gradients_in_bf16() {
             model.set_fused_cross_entropy(fused, 2);
             model.set_fused_layer_norm(fused_layer_norm, 2);
             let grads = gradients(&model, &executor, &data);
-            let head = Vec::<f32>::try_from(model.params().get("transformer.wte.weight").grad().view([-1])).unwrap();
-            let ln_f = Vec::<f32>::try_from(model.params().get("transformer.ln_f.weight").grad().contiguous()).unwrap();
-            let mut clock = StepClock::start(Device::Cpu, true);
-            let (inputs, targets) = &data[0];
-            let loss = executor
-                .run_micro_batch(&model, inputs, targets, 1.0, true, false, &mut clock, &mut stoke_train::NoHooks)
-                .unwrap()
-                .loss
-                .double_value(&[]);
+            let (head, ln_f) = (grad_of(&model, "transformer.wte.weight"), grad_of(&model, "transformer.ln_f.weight"));
+            let loss = first_loss(&model, &executor, &data);
             (grads, head, ln_f, loss)
         };
         let (libtorch, libtorch_wte, libtorch_ln_f, libtorch_loss) = run(false);
         let (fused, fused_wte, fused_ln_f, fused_loss) = run(true);
         let case = format!("fused LayerNorm {fused_layer_norm}");
-        assert!((fused_loss - libtorch_loss).abs() <= 1e-5 * libtorch_loss, "{case}: loss {fused_loss} against {libtorch_loss}");
+        assert!(
+            (fused_loss - libtorch_loss).abs() <= 1e-5 * libtorch_loss,
+            "{case}: loss {fused_loss} against {libtorch_loss}"
+        );
         // The logits' gradients differ by at most one bf16 rounding; through the bf16 backward
         // that stays within bf16's precision of the gradient's scale.
         let diff = relative_difference(&fused, &libtorch);
@@ -214,17 +226,8 @@ fn fused_layer_norm_gives_libtorchs_loss_and_gradients_in_bf16() {
         let mut model = model(Precision::Bf16);
         model.set_fused_layer_norm(fused, 2);
         let grads = gradients(&model, &executor, &data);
-        let norm_grads: Vec<Vec<f32>> = norms
-            .iter()
-            .map(|name| Vec::<f32>::try_from(model.params().get(name).grad().contiguous()).unwrap())
-            .collect();
-        let mut clock = StepClock::start(Device::Cpu, true);
-        let (inputs, targets) = &data[0];
-        let loss = executor
-            .run_micro_batch(&model, inputs, targets, 1.0, true, false, &mut clock, &mut stoke_train::NoHooks)
-            .unwrap()
-            .loss
-            .double_value(&[]);
+        let norm_grads: Vec<Vec<f32>> = norms.iter().map(|name| grad_of(&model, name)).collect();
+        let loss = first_loss(&model, &executor, &data);
         (grads, norm_grads, loss)
     };
     let (libtorch, libtorch_norms, libtorch_loss) = run(false, Recompute::None);
