@@ -21,8 +21,9 @@ tokens/s = tokens per step / median steady step time on both sides.
 
 Before the rounds, the attention variant of the tuned peer is chosen per preset and precision by the
 same interleaving (eager and compiled separately): bf16 tries sdpa (bf16 SDPA under autocast),
-sdpa-fp32 and matmul (bf16 batched matmuls with a causal mask, stoke's bf16-math); fp32 tries sdpa
-and matmul.
+sdpa-fp32, matmul (bf16 batched matmuls with a causal mask over the whole square) and matmul-blocked
+(the same 128 queries at a time against only the keys at or before them: stoke's bf16-math with its
+default `train.causal_block_rows`); fp32 tries sdpa and matmul.
 
 The physical limit is measured in every round: `stoke bench limits` (fp32 and bf16 matmul peak
 through libtorch, memcpy). MFU = the report's model FLOPs per token x tokens/s over the round's bf16
@@ -45,7 +46,7 @@ CELLS = {
     "gpt2-124m": dict(micro_batch=1, steps=5, skip=2),
 }
 SEQ_LEN = {"tiny": 128, "small": 256, "gpt2-124m": 1024}
-ATTENTION_CHOICES = {"bf16": ["sdpa", "sdpa-fp32", "matmul"], "fp32": ["sdpa", "matmul"]}
+ATTENTION_CHOICES = {"bf16": ["sdpa", "sdpa-fp32", "matmul", "matmul-blocked"], "fp32": ["sdpa", "matmul"]}
 # stoke's train.attention for the all-off configuration: plain PyTorch's autocast runs SDPA in bf16.
 ALL_OFF_ATTENTION = {"bf16": "bf16", "fp32": "auto"}
 
@@ -114,10 +115,10 @@ class Bench:
         v.update(side="pytorch", name=name, process_wall_s=wall)
         return v
 
-    def limits(self, tag):
+    def limits(self, tag, preset, micro_batch):
         path = self.out / f"limits-{tag}.json"
         self.run([self.args.stoke, "bench", "limits", "--dir", str(self.out), "--bytes", str(256 << 20),
-                  "--json", str(path)], "stoke bench limits")
+                  "--preset", preset, "--micro-batch", str(micro_batch), "--json", str(path)], "stoke bench limits")
         return json.loads(path.read_text())
 
     def pick_attention(self, preset, precision, cell):
@@ -161,13 +162,13 @@ class Bench:
             ("PP", lambda n: self.peer(preset, precision, cell, n,
                                        ["--attention", "sdpa", "--adamw", "default", "--host-memory", "system"])),
         ]
-        rounds = self.rounds(preset, precision, configs)
+        rounds = self.rounds(preset, precision, configs, cell)
         return summarize(preset, precision, cell, picks, rounds)
 
-    def rounds(self, preset, precision, configs):
+    def rounds(self, preset, precision, configs, cell):
         rounds = []
         for round_idx in range(self.args.rounds):
-            limits = self.limits(f"{preset}-{precision}-{round_idx}")
+            limits = self.limits(f"{preset}-{precision}-{round_idx}", preset, cell["micro_batch"])
             got = {"limits": limits}
             for config, fn in configs:
                 for attempt in range(3):
@@ -198,7 +199,7 @@ class Bench:
             ("SO+retain", lambda n: self.stoke(preset, precision, cell, n, all_off + ["train.host_memory=retain"])),
             ("PP+retain", lambda n: self.peer(preset, precision, cell, n, plain + ["--host-memory", "retain"])),
         ]
-        rounds = self.rounds(preset, precision, configs)
+        rounds = self.rounds(preset, precision, configs, cell)
         names = [c for c, _ in configs]
         out = {"preset": preset, "precision": precision, **cell,
                "step_ms": {c: spread([r[c]["step_ms"] for r in rounds]) for c in names},
@@ -276,6 +277,13 @@ def summarize(preset, precision, cell, picks, rounds):
         "matmul_bf16_peak_flops": peak,
         "matmul_fp32_peak_flops": spread([r["limits"]["matmul_fp32_flops"] for r in rounds]),
         "mfu_bf16_peak": {c: mfu(c) for c in ("S", "PC", "PE")},
+        # The step's bf16 matrix multiplies alone at the model's shapes (whole causal square), over
+        # each side's step in the same round: no side that runs those products through libtorch
+        # can go below this share of its own step; the ratio over the compiled peer is the lowest
+        # stoke / compiled that leaving only the matrix multiplies would give.
+        "model_gemm_ms": spread([r["limits"]["model_gemm_ms"] for r in rounds]),
+        "gemm_over_step": {c: spread([r["limits"]["model_gemm_ms"] / r[c]["step_ms"] for r in rounds])
+                           for c in ("S", "PC", "PE")},
         "phases_ms_median": phase_cmp,
         "final_loss": {c: statistics.median(r[c]["final_loss"] for r in rounds) for c in ("S", "PC", "PE", "SO", "PP")},
     }
@@ -294,14 +302,18 @@ def print_table(cells):
         steps = ", ".join(f"{c['step_ms'][k]['median']:.0f}" for k in ("S", "PC", "PE", "SO", "PP"))
         print(f"| {c['preset']} | {c['precision']} | {c['micro_batch']} | {c['attention']['compiled']} / "
               f"{c['attention']['eager']} | {fmt(c['S/PC'])} | {fmt(c['S/PE'])} | {fmt(c['SO/PP'])} | {steps} |")
-    print("\nMFU against the bf16 matmul peak measured in the same rounds; compile time of the compiled peer\n")
-    print("| preset | precision | bf16 peak GFLOP/s | MFU stoke | MFU tuned compiled | MFU tuned eager | compile s |")
-    print("|---|---|---|---|---|---|---|")
+    print("\nMFU against the bf16 matmul peak measured in the same rounds; compile time of the compiled peer;\n"
+          "the step's bf16 matrix multiplies alone (whole causal square) and their share of each side's step\n")
+    print("| preset | precision | bf16 peak GFLOP/s | MFU stoke | MFU tuned compiled | MFU tuned eager | compile s "
+          "| matmuls alone ms | over stoke's step | over compiled's step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c in cells:
         m = c["mfu_bf16_peak"]
         peak = {k: v / 1e9 for k, v in c["matmul_bf16_peak_flops"].items() if k != "n"}
+        g = c["gemm_over_step"]
         print(f"| {c['preset']} | {c['precision']} | {fmt(peak, 0)} | {fmt(m['S'])} | {fmt(m['PC'])} | "
-              f"{fmt(m['PE'])} | {fmt(c['compile_s'], 1)} |")
+              f"{fmt(m['PE'])} | {fmt(c['compile_s'], 1)} | {fmt(c['model_gemm_ms'], 1)} | {fmt(g['S'])} | "
+              f"{fmt(g['PC'])} |")
     print("\nphases, ms (median step's phase, median over the rounds)\n")
     for c in cells:
         for pair, phases in c["phases_ms_median"].items():
@@ -315,7 +327,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pick-rounds", type=int, default=2,
                     help="interleaved rounds choosing the tuned peer's attention; 0 takes --attention")
-    ap.add_argument("--attention", default="matmul")
+    ap.add_argument("--attention", default="matmul-blocked")
     ap.add_argument("--pick-modes", default="eager,compiled",
                     help="eager,compiled: pick the attention for each; eager: the compiled peer takes eager's pick")
     ap.add_argument("--presets", default="tiny,small,gpt2-124m")

@@ -42,6 +42,8 @@ PRESETS = {
 }
 
 PHASES = ("data_wait", "forward", "backward", "optimizer", "ckpt_stall")
+# Queries per block of the matmul-blocked attention: stoke's train.causal_block_rows default.
+CAUSAL_BLOCK_ROWS = 128
 
 
 class Block(nn.Module):
@@ -55,7 +57,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(d)
         self.c_fc = nn.Linear(d, 4 * d)
         self.mlp_proj = nn.Linear(4 * d, d)
-        if attention == "matmul":
+        if attention in ("matmul", "matmul-blocked"):
             # Additive causal mask; autocast casts it with the scores' operands.
             self.register_buffer("mask", torch.full((seq_len, seq_len), float("-inf")).triu(1), persistent=False)
 
@@ -71,6 +73,19 @@ class Block(nn.Module):
             scores = torch.baddbmm(self.mask[:t, :t].expand(b * self.n_head, t, t), q, k.transpose(1, 2),
                                    beta=1.0, alpha=1.0 / math.sqrt(hd))
             y = torch.bmm(torch.softmax(scores, dim=-1), v).view(b, self.n_head, t, hd)
+        elif self.attention_kind == "matmul-blocked":
+            # The same in blocks of CAUSAL_BLOCK_ROWS queries, each against only the keys at or
+            # before its last row (what stoke's train.causal_block_rows does): the upper triangle
+            # of the square is never computed.
+            heads = lambda z: z.view(b, t, self.n_head, hd).transpose(1, 2).reshape(b * self.n_head, t, hd)
+            q, k, v = heads(q), heads(k), heads(v)
+            blocks = []
+            for start in range(0, t, CAUSAL_BLOCK_ROWS):
+                end = min(start + CAUSAL_BLOCK_ROWS, t)
+                scores = torch.baddbmm(self.mask[start:end, :end].expand(b * self.n_head, end - start, end),
+                                       q[:, start:end], k[:, :end].transpose(1, 2), beta=1.0, alpha=1.0 / math.sqrt(hd))
+                blocks.append(torch.bmm(torch.softmax(scores, dim=-1), v[:, :end]))
+            y = torch.cat(blocks, dim=1).view(b, self.n_head, t, hd)
         else:
             heads = lambda z: z.view(b, t, self.n_head, hd).transpose(1, 2)
             q, k, v = heads(q), heads(k), heads(v)
@@ -173,10 +188,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--attention", choices=["sdpa", "sdpa-fp32", "matmul"], default="sdpa",
+    ap.add_argument("--attention", choices=["sdpa", "sdpa-fp32", "matmul", "matmul-blocked"], default="sdpa",
                     help="sdpa: F.scaled_dot_product_attention in the autocast type (bf16 under bf16); sdpa-fp32: "
                          "the same on q, k, v cast to fp32; matmul: batched matrix multiplies in the compute type "
-                         "with an additive causal mask (stoke's bf16-math)")
+                         "with an additive causal mask (stoke's bf16-math with train.causal_block_rows = 0); "
+                         "matmul-blocked: the same, 128 queries at a time against only the keys at or before "
+                         "them (stoke's bf16-math)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     ap.add_argument("--adamw", choices=["default", "foreach", "fused"], default=None,
                     help="PyTorch's AdamW implementation (default: fused for --pipeline tuned, else PyTorch's "
@@ -211,7 +228,7 @@ def main():
     torch.manual_seed(args.seed)
     cfg = PRESETS[args.preset]
     model = GPT(**cfg, attention=args.attention)
-    if args.attention == "matmul" and args.precision == "bf16":
+    if args.attention in ("matmul", "matmul-blocked") and args.precision == "bf16":
         # The mask in the compute type, as stoke keeps it: no cast of it per layer and step.
         for block in model.h:
             block.mask = block.mask.to(torch.bfloat16)

@@ -68,6 +68,15 @@ pub struct LimitsArgs {
     pub bytes: usize,
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Also time one training step's matrix multiplies alone for this preset (tiny, small,
+    /// gpt2-124m) in bf16: every linear layer and the tied head forward and backward, and the
+    /// attention's whole causal square, at the model's shapes (`gate::GemmReference`). No
+    /// implementation that runs those products through libtorch steps faster than this.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Sequences per step for `--preset`.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch: usize,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
@@ -386,6 +395,25 @@ fn limits(args: LimitsArgs) -> anyhow::Result<ExitCode> {
         let peak = stoke_train::measure_matmul_peak_flops(precision, device, 5);
         println!("matmul peak {precision:?}: {:.1} GFLOP/s", peak / 1e9);
         out.insert(format!("matmul_{precision:?}_flops").to_lowercase(), json!(peak));
+    }
+    if let Some(preset) = &args.preset {
+        let shape = stoke_train::ModelConfig { preset: preset.clone(), ..Default::default() }.shape()?;
+        let reference = super::gate::GemmReference::new(shape, args.micro_batch, stoke_train::Precision::Bf16, device);
+        // Fastest of five passes: the floor, not the typical time.
+        let (mut forward, mut backward) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..5 {
+            let t = reference.time();
+            forward = forward.min(t.forward_ms);
+            backward = backward.min(t.backward_ms);
+        }
+        println!(
+            "{preset} micro-batch {} bf16, the step's matrix multiplies alone: {:.1} ms (forward {forward:.1}, backward {backward:.1})",
+            args.micro_batch,
+            forward + backward
+        );
+        out.insert("model_gemm_forward_ms".into(), json!(forward));
+        out.insert("model_gemm_backward_ms".into(), json!(backward));
+        out.insert("model_gemm_ms".into(), json!(forward + backward));
     }
     let memcpy = memcpy_bandwidth(args.bytes);
     println!("memcpy: {:.1} GB/s (bytes read + written, one thread)", memcpy / 1e9);

@@ -169,6 +169,11 @@ pub struct TrainConfig {
     /// 1024 with micro-batch 1) and "fp32" beyond.
     /// Default "auto".
     pub attention: AttentionPrecision,
+    /// bf16-math attention only: queries per block, each block against only the keys at or before
+    /// its last row, so the causal square's upper triangle is never computed (`n` blocks compute
+    /// `(n + 1) / 2n` of it). 0, or a value at least the context, computes the whole square and
+    /// masks it, as PyTorch's matmul attention does. Default 128.
+    pub causal_block_rows: usize,
     /// What the C allocator does with host memory freed between steps: "retain" keeps it for the
     /// next step, "system" leaves the C library's defaults (which return it to the kernel, so
     /// every step faults its pages in again). Process-wide. Default "retain".
@@ -325,6 +330,7 @@ impl Default for TrainConfig {
             log_every: 1,
             threads: 0,
             attention: AttentionPrecision::Auto,
+            causal_block_rows: 128,
             host_memory: HostMemory::Retain,
             fused_optimizer: true,
             fused_cross_entropy: FusedCrossEntropy::Auto,

@@ -31,6 +31,9 @@ pub struct Gpt {
     /// Threads of the fused LayerNorm kernels; 0 leaves the norms to libtorch's ops (see
     /// `set_fused_layer_norm`).
     fused_layer_norm_threads: usize,
+    /// Query rows per block of `Attention::Math`; 0 takes the whole context at once (see
+    /// `set_causal_block_rows`).
+    causal_block_rows: usize,
     /// The weights and biases cast to the compute type, made at their first use in a step and
     /// reused by its later micro-batches (see `begin_step_casts`); indexed by `Slot`.
     casts: RefCell<Vec<Option<Tensor>>>,
@@ -258,6 +261,7 @@ impl Gpt {
             causal_mask,
             fused_cross_entropy_threads: 0,
             fused_layer_norm_threads: 0,
+            causal_block_rows: 0,
             casts: RefCell::new((0..shape.n_layer * Slot::PER_BLOCK + 1).map(|_| None).collect()),
             reuse_casts: false,
         }
@@ -317,6 +321,15 @@ impl Gpt {
     /// libtorch's fp32 LayerNorm and casts. `false` (the default of `new`) keeps libtorch's ops.
     pub fn set_fused_layer_norm(&mut self, enabled: bool, n_threads: usize) {
         self.fused_layer_norm_threads = if enabled { n_threads.max(1) } else { 0 };
+    }
+
+    /// The bf16-math attention takes its queries `rows` at a time, each block against only the
+    /// keys at or before its last row (`train.causal_block_rows`): the score and weighted-sum
+    /// matrix multiplies, the softmax and the kept probabilities shrink to the causal triangle
+    /// plus one diagonal block per block, `(n + 1) / 2n` of the whole square with `n` blocks. 0 (the
+    /// default of `new`), or `rows` at least the context, computes the whole square and masks it.
+    pub fn set_causal_block_rows(&mut self, rows: usize) {
+        self.causal_block_rows = rows;
     }
 
     /// Whether the executor takes the LayerNorms from the kernel (see `set_fused_layer_norm`).
@@ -450,8 +463,30 @@ impl Gpt {
                     .unbind(0);
                 let (q, k, v) = (&heads[0], &heads[1], &heads[2]);
                 let scale = 1.0 / (head_dim as f64).sqrt();
-                let scores = mask.expand([batch * n_head, seq, seq], false).baddbmm(q, &k.transpose(1, 2), 1.0, scale);
-                scores.softmax(-1, None).bmm(v).view([batch, n_head, seq, head_dim])
+                let rows = self.causal_block_rows as i64;
+                let bh = batch * n_head;
+                if rows == 0 || rows >= seq {
+                    let scores = mask.expand([bh, seq, seq], false).baddbmm(q, &k.transpose(1, 2), 1.0, scale);
+                    scores.softmax(-1, None).bmm(v).view([batch, n_head, seq, head_dim])
+                } else {
+                    // Queries [start, end) see keys [0, end): every block's scores are the
+                    // causal rows of the square, masked only where they cross the diagonal.
+                    let blocks: Vec<Tensor> = (0..seq)
+                        .step_by(rows as usize)
+                        .map(|start| {
+                            let len = rows.min(seq - start);
+                            let end = start + len;
+                            let keys = k.narrow(1, 0, end);
+                            let scores = mask
+                                .narrow(0, start, len)
+                                .narrow(1, 0, end)
+                                .expand([bh, len, end], false)
+                                .baddbmm(&q.narrow(1, start, len), &keys.transpose(1, 2), 1.0, scale);
+                            scores.softmax(-1, None).bmm(&v.narrow(1, 0, end))
+                        })
+                        .collect();
+                    Tensor::cat(&blocks, 1).view([batch, n_head, seq, head_dim])
+                }
             }
         };
         let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
@@ -603,6 +638,40 @@ mod tests {
         let c = math.forward(&changed).to_kind(Kind::Float);
         let earlier = (b.narrow(1, 0, 31) - c.narrow(1, 0, 31)).abs().max().double_value(&[]);
         assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
+    }
+
+    #[test]
+    fn blocked_causal_attention_is_the_whole_square_masked() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let inputs = Tensor::randint(64, [3, 32], (Kind::Int64, Device::Cpu));
+        let targets = Tensor::randint(64, [3, 32], (Kind::Int64, Device::Cpu));
+        let whole = model(AttentionPrecision::Bf16Math);
+        // Weights large enough that the attention is far from uniform: with the init's N(0, 0.02)
+        // every softmax is near 1/n, and keys in a wrong order would give the same output.
+        tch::no_grad(|| {
+            let flat = whole.params().flat();
+            flat.shallow_clone().copy_(&(flat.randn_like() * 0.5));
+        });
+        let run = |m: &Gpt| {
+            m.params().zero_grad();
+            let logits = m.forward(&inputs).to_kind(Kind::Float);
+            logits.view([-1, 64]).cross_entropy_for_logits(&targets.view([-1])).backward();
+            (logits, m.params().flat_grad().copy())
+        };
+        let (logits, grad) = run(&whole);
+        // 4 even blocks, uneven ones (12, 12, 8), and one block as large as the context.
+        for rows in [8, 12, 32] {
+            let mut blocked = model(AttentionPrecision::Bf16Math);
+            tch::no_grad(|| blocked.params().flat().shallow_clone().copy_(whole.params().flat()));
+            blocked.set_causal_block_rows(rows);
+            let (l, g) = run(&blocked);
+            let worst = (&l - &logits).abs().max().double_value(&[]);
+            assert!(worst < 1e-2 * logits.abs().max().double_value(&[]), "rows {rows}: logits differ by {worst}");
+            let worst = (&g - &grad).abs().max().double_value(&[]);
+            let scale = grad.abs().max().double_value(&[]);
+            assert!(worst < 2e-2 * scale, "rows {rows}: gradients differ by {worst} (largest {scale})");
+            assert!(g.abs().sum(Kind::Double).double_value(&[]) > 0.0, "rows {rows}: no gradient");
+        }
     }
 
     #[test]

@@ -270,6 +270,7 @@ impl Trainer {
         let fused_cross_entropy = train.fused_cross_entropy.enabled(shape.vocab_size);
         model.set_fused_cross_entropy(fused_cross_entropy, tch::get_num_threads().max(1) as usize);
         model.set_fused_layer_norm(train.fused_layer_norm, tch::get_num_threads().max(1) as usize);
+        model.set_causal_block_rows(train.causal_block_rows);
         let optimizer = Optimizer::for_config(train, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;
         let scaler = (train.precision == Precision::Fp16).then(|| LossScaler::new(train.loss_scale()));
