@@ -405,6 +405,7 @@ impl Executor {
             }
             (None, None) => head_input.grad(),
         };
+        model.add_cast_grads(None);
         drop(head_input);
         clock.lap(Phase::Backward);
         grads_final(model, head_unit, last, clock, hooks)?;
@@ -427,6 +428,7 @@ impl Executor {
                 }
             };
             backward_from(&output, &grad_output);
+            model.add_cast_grads(Some(segment.layer_idx));
             // The residual passes `grad_output` through to the input unchanged; the fused
             // LayerNorm's backward adds its part to it in place.
             grad_output = match normed {
@@ -540,6 +542,7 @@ fn run_single_graph(
         hooks.before_backward(unit, clock)?;
     }
     (&loss * loss_multiplier).backward();
+    model.add_all_cast_grads();
     clock.lap(Phase::Backward);
     for unit in (0..n_units).rev() {
         grads_final(model, unit, last, clock, hooks)?;

@@ -39,6 +39,15 @@ pub struct Gpt {
     casts: RefCell<Vec<Option<Tensor>>>,
     /// Whether this step keeps its casts for reuse.
     reuse_casts: bool,
+    /// Whether the linear layers take 16-bit leaves cut from one cast of their block (see
+    /// `set_unit_casts`).
+    unit_casts: bool,
+    /// With `unit_casts`: each block's parameters in the compute type, cast in one op at the
+    /// block's first forward with autograd in a step; indexed by layer.
+    block_casts: RefCell<Vec<Option<Tensor>>>,
+    /// With `unit_casts`: the 16-bit leaves a forward with autograd handed the linear layers,
+    /// until `add_cast_grads` adds their gradients into the fp32 buffer; indexed by `Slot`.
+    leaves: RefCell<Vec<Option<Tensor>>>,
 }
 
 /// libtorch's default, nanoGPT's and GPT-2's.
@@ -78,6 +87,18 @@ impl Slot {
 
     fn head(n_layer: usize) -> Slot {
         Slot(n_layer * Slot::PER_BLOCK)
+    }
+
+    /// The block of a block's slot; `None` for the head's.
+    fn layer(self, n_layer: usize) -> Option<usize> {
+        (self.0 < n_layer * Slot::PER_BLOCK).then_some(self.0 / Slot::PER_BLOCK)
+    }
+
+    /// The index of the slot's parameter among its block's, in `block_names` order.
+    fn param_in_block(self) -> usize {
+        // ln_1's two parameters come first, and ln_2's two sit between the attention's and the MLP's.
+        const PARAM: [usize; Slot::PER_BLOCK] = [2, 3, 4, 5, 8, 9, 10, 11];
+        PARAM[self.0 % Slot::PER_BLOCK]
     }
 }
 
@@ -264,6 +285,9 @@ impl Gpt {
             causal_block_rows: 0,
             casts: RefCell::new((0..shape.n_layer * Slot::PER_BLOCK + 1).map(|_| None).collect()),
             reuse_casts: false,
+            unit_casts: false,
+            block_casts: RefCell::new((0..shape.n_layer).map(|_| None).collect()),
+            leaves: RefCell::new((0..shape.n_layer * Slot::PER_BLOCK + 1).map(|_| None).collect()),
         }
     }
 
@@ -283,7 +307,106 @@ impl Gpt {
     /// Drops the step's kept casts (before the optimizer changes the weights).
     pub fn end_step_casts(&mut self) {
         self.casts.get_mut().iter_mut().for_each(|cast| *cast = None);
+        self.block_casts.get_mut().iter_mut().for_each(|cast| *cast = None);
+        // Leaves are left only by a micro-batch that stopped between its forward and backward.
+        self.leaves.get_mut().iter_mut().for_each(|leaf| *leaf = None);
         self.reuse_casts = false;
+    }
+
+    /// Under 16-bit precision, in a forward with autograd, each block's parameters are cast to
+    /// the compute type in one op (kept for the step) and its linear layers take 16-bit leaves
+    /// cut from that cast, instead of one cast per weight and bias, each with its own backward
+    /// (a 32-bit copy of the gradient) and accumulation. The leaves' gradients stay 16-bit until
+    /// `add_cast_grads` adds them into the fp32 gradient buffer, which gives the same bits as
+    /// autograd's cast backward and accumulation. The caller must call `add_cast_grads` after
+    /// every backward (the block executor and the single-graph step do). `false` (the default of
+    /// `new`) keeps a cast per use (`train.unit_casts`).
+    pub fn set_unit_casts(&mut self, enabled: bool) {
+        self.unit_casts = enabled;
+    }
+
+    /// Adds the gradients of the 16-bit leaves a backward just reached (block `layer_idx`'s, or
+    /// with `None` the head's tied embedding) into the fp32 gradient buffer and drops those
+    /// leaves; leaves the backward has not reached yet (the other half of a block run as two
+    /// segments) keep theirs. Without `set_unit_casts` there are none.
+    pub(crate) fn add_cast_grads(&self, layer_idx: Option<usize>) {
+        if !self.unit_casts {
+            return;
+        }
+        let n_layer = self.shape.n_layer;
+        let slots = match layer_idx {
+            Some(layer_idx) => layer_idx * Slot::PER_BLOCK..(layer_idx + 1) * Slot::PER_BLOCK,
+            None => n_layer * Slot::PER_BLOCK..n_layer * Slot::PER_BLOCK + 1,
+        };
+        let mut leaves = self.leaves.borrow_mut();
+        for slot in slots {
+            let Some(leaf) = &leaves[slot] else { continue };
+            let grad = leaf.grad();
+            if !grad.defined() {
+                continue;
+            }
+            tch::no_grad(|| {
+                let mut master = self.param_of(Slot(slot)).grad();
+                master += &grad;
+            });
+            leaves[slot] = None;
+        }
+        if let Some(layer_idx) = layer_idx {
+            let block = layer_idx * Slot::PER_BLOCK..(layer_idx + 1) * Slot::PER_BLOCK;
+            if !self.reuse_casts && leaves[block].iter().all(Option::is_none) {
+                self.block_casts.borrow_mut()[layer_idx] = None;
+            }
+        }
+    }
+
+    /// `add_cast_grads` for every block and the head.
+    pub(crate) fn add_all_cast_grads(&self) {
+        for layer_idx in 0..self.shape.n_layer {
+            self.add_cast_grads(Some(layer_idx));
+        }
+        self.add_cast_grads(None);
+    }
+
+    /// The fp32 parameter behind `slot`.
+    fn param_of(&self, slot: Slot) -> &Tensor {
+        let Some(layer_idx) = slot.layer(self.shape.n_layer) else { return &self.wte };
+        let block = &self.blocks[layer_idx];
+        match slot.0 % Slot::PER_BLOCK {
+            0 => &block.attn_w,
+            1 => &block.attn_b,
+            2 => &block.attn_proj_w,
+            3 => &block.attn_proj_b,
+            4 => &block.fc_w,
+            5 => &block.fc_b,
+            6 => &block.mlp_proj_w,
+            _ => &block.mlp_proj_b,
+        }
+    }
+
+    /// The 16-bit leaf of `slot` for a forward with autograd (see `set_unit_casts`): the one
+    /// handed out since the last `add_cast_grads` of its block, or a new one, cut from the block's
+    /// one cast (made now if the step has none yet). The head's is its own cast of the embedding.
+    fn leaf(&self, slot: Slot) -> Tensor {
+        if let Some(leaf) = &self.leaves.borrow()[slot.0] {
+            return leaf.shallow_clone();
+        }
+        let values = match slot.layer(self.shape.n_layer) {
+            None => tch::no_grad(|| self.wte.to_kind(self.compute)),
+            Some(layer_idx) => {
+                let unit = &self.params.units()[layer_idx + 1];
+                let cast = self.block_casts.borrow_mut()[layer_idx]
+                    .get_or_insert_with(|| {
+                        let len = unit.range.end - unit.range.start;
+                        tch::no_grad(|| self.params.flat().narrow(0, unit.range.start, len).to_kind(self.compute))
+                    })
+                    .shallow_clone();
+                let entry = &self.params.entries()[unit.entries.start + slot.param_in_block()];
+                cast.narrow(0, entry.offset - unit.range.start, entry.numel).view(entry.shape.as_slice())
+            }
+        };
+        let leaf = values.detach().set_requires_grad(true);
+        self.leaves.borrow_mut()[slot.0] = Some(leaf.shallow_clone());
+        leaf
     }
 
     /// How many casts the step keeps now (each weight and bias of the linear layers once reuse
@@ -404,6 +527,10 @@ impl Gpt {
     fn linear(&self, x: &Tensor, slot: Slot, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
         if self.compute == Kind::Float {
             return x.linear(weight, bias);
+        }
+        if self.unit_casts && x.requires_grad() {
+            let b16 = bias.map(|_| self.leaf(slot.bias()));
+            return x.to_kind(self.compute).linear(&self.leaf(slot), b16.as_ref());
         }
         let b16 = bias.map(|b| self.cast(slot.bias(), b));
         x.to_kind(self.compute).linear(&self.cast(slot, weight), b16.as_ref())

@@ -288,3 +288,54 @@ fn weights_cast_once_per_step_give_bit_identical_bf16_gradients() {
         assert_eq!(differing, 0, "recompute {policy}: a cast from before the weights changed was reused");
     }
 }
+
+#[test]
+fn unit_casts_give_bit_identical_bf16_gradients() {
+    let _rng = super::rng_lock();
+    let (inputs, targets) = batch(4, 9);
+    let parts: Vec<(Tensor, Tensor)> =
+        (0..2).map(|i| (inputs.narrow(0, 2 * i, 2), targets.narrow(0, 2 * i, 2))).collect();
+    let one = [batch(4, 10)];
+    let policies = [Recompute::None, Recompute::Mlp, Recompute::Attention, Recompute::Block, Recompute::Every(2)];
+    // The fused LayerNorm splits a block in two backward segments; the fused head casts the
+    // embedding outside the graph; with accumulation the block casts are kept for the step.
+    for (fused_layer_norm, fused_head, reuse) in
+        [(false, false, false), (true, false, false), (false, true, false), (true, true, true), (false, false, true)]
+    {
+        for policy in policies {
+            let case = format!("fused LayerNorm {fused_layer_norm}, fused head {fused_head}, reuse {reuse}, {policy}");
+            let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
+            let run = |unit_casts: bool, data: &[(Tensor, Tensor)]| {
+                let mut model = model(Precision::Bf16);
+                model.set_fused_layer_norm(fused_layer_norm, 2);
+                model.set_fused_cross_entropy(fused_head, 2);
+                model.set_unit_casts(unit_casts);
+                model.begin_step_casts(reuse);
+                let grads = gradients(&model, &executor, data);
+                model.end_step_casts();
+                grads
+            };
+            for data in [&parts[..], &one[..]] {
+                let (per_weight, unit) = (run(false, data), run(true, data));
+                assert!(unit.iter().any(|&g| g != 0.0), "{case}: no gradient");
+                let differing = unit.iter().zip(&per_weight).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(differing, 0, "{case}, {} micro-batches: {differing} gradient elements differ", data.len());
+            }
+        }
+    }
+    // The single-graph step adds the leaves' gradients after its one backward, so the tied
+    // embedding's two parts (head and embedding) are added in another order: that one parameter
+    // may differ in its last bits, every other is the same.
+    let executor = Executor::new(ExecutorKind::SingleGraph, Recompute::None).unwrap();
+    let run = |unit_casts: bool| {
+        let mut model = model(Precision::Bf16);
+        model.set_unit_casts(unit_casts);
+        gradients(&model, &executor, &parts)
+    };
+    let (per_weight, unit) = (run(false), run(true));
+    let wte = SHAPE.vocab_size * SHAPE.d_model;
+    let differing = unit[wte..].iter().zip(&per_weight[wte..]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+    assert_eq!(differing, 0, "single graph: {differing} gradient elements beyond the embedding's differ");
+    let diff = relative_difference(&unit[..wte], &per_weight[..wte]);
+    assert!(diff <= 1e-6, "single graph: the embedding's gradient differs by {diff:e}");
+}
