@@ -2,7 +2,8 @@
 from interleaved repeats. Run through `benches/train_vs_pytorch.sh` (which documents the arguments);
 the standard library only, so it never imports torch itself.
 
-Per preset and precision, each round runs five processes one after another:
+Per preset and precision, each round runs five processes one after another (the order rotated by one
+each round):
 
   S   stoke's defaults (`stoke train`, nothing changed but the shape, batch and steps)
   PC  the tuned PyTorch peer, torch.compile'd: the fastest attention variant (measured first, below),
@@ -170,7 +171,10 @@ class Bench:
         for round_idx in range(self.args.rounds):
             limits = self.limits(f"{preset}-{precision}-{round_idx}", preset, cell["micro_batch"])
             got = {"limits": limits}
-            for config, fn in configs:
+            # The order rotates by one each round, so no side is always first (step_changes.sh found
+            # a pair's second run about 5% slower than its first on gpt2-124m).
+            shift = round_idx % len(configs)
+            for config, fn in configs[shift:] + configs[:shift]:
                 for attempt in range(3):
                     v = fn(f"{preset}-{precision}-{config}-{round_idx}")
                     if not disturbed(v):
