@@ -200,8 +200,8 @@ pub struct TrainConfig {
     /// Under 16-bit precision, each block's parameters cast to the compute type in one op per
     /// step, its linear layers taking 16-bit leaves cut from that cast whose gradients are added
     /// into the fp32 gradient buffer after the block's backward (the same bits), instead of a cast
-    /// per weight and bias in every forward, each with its own backward and accumulation (see
-    /// README, "What each step change bought"). Default true.
+    /// per weight and bias in every forward, each with its own backward and accumulation; what the
+    /// step gains was within this machine's noise (README, "one cast per block"). Default true.
     pub unit_casts: bool,
     /// "adamw", "lamb" (AdamW's moments with a per-tensor trust ratio ||w|| / ||u||, for large
     /// batches) or "sgd" (momentum, optionally Nesterov; L2 weight decay as PyTorch's SGD).
