@@ -99,6 +99,7 @@ class Bench:
         return {
             "side": "stoke", "name": name, "step_ms": report["step_ms"], "tokens_per_s": report["tokens_per_s"],
             "step_ms_mean": report["step_ms_mean"], "step_ms_p90": report["step_ms_p90"],
+            "step_ms_min": min(s["step_ms"] for s in steady),
             "steps_measured": report["steps_measured"],
             "phases_ms_median": {p: statistics.median(s["phases_ms"].get(p, 0.0) for s in steady) for p in phases},
             "phases_ms_mean": {p: statistics.fmean(s["phases_ms"].get(p, 0.0) for s in steady) for p in phases},
@@ -259,6 +260,9 @@ def spread(values):
 
 def summarize(preset, precision, cell, picks, rounds):
     ratio = lambda a, b: spread([r[a]["step_ms"] / r[b]["step_ms"] for r in rounds])
+    # The same ratios of each run's fastest steady step: a machine whose speed flips between runs
+    # (2026-12-03: a run's steps at either of two levels, 20% apart) moves the medians' ratio more.
+    fastest = lambda a, b: spread([r[a]["step_ms_min"] / r[b]["step_ms_min"] for r in rounds])
     step = lambda c: spread([r[c]["step_ms"] for r in rounds])
     peak = spread([r["limits"]["matmul_bf16_flops"] for r in rounds])
     fpt = rounds[0]["S"]["flops_per_token"]
@@ -275,6 +279,7 @@ def summarize(preset, precision, cell, picks, rounds):
         "preset": preset, "precision": precision, **cell, "tokens_per_step": tokens,
         "attention": {m: picks[m]["attention"] for m in picks}, "attention_pick": picks,
         "S/PC": ratio("S", "PC"), "S/PE": ratio("S", "PE"), "SO/PP": ratio("SO", "PP"),
+        "fastest_step": {"S/PC": fastest("S", "PC"), "S/PE": fastest("S", "PE"), "SO/PP": fastest("SO", "PP")},
         "step_ms": {c: step(c) for c in ("S", "PC", "PE", "SO", "PP")},
         "compile_s": spread([r["PC"]["compile_s"] for r in rounds]),
         "peer_wall_s": {c: spread([r[c]["wall_s"] for r in rounds]) for c in ("PC", "PE")},
@@ -306,6 +311,12 @@ def print_table(cells):
         steps = ", ".join(f"{c['step_ms'][k]['median']:.0f}" for k in ("S", "PC", "PE", "SO", "PP"))
         print(f"| {c['preset']} | {c['precision']} | {c['micro_batch']} | {c['attention']['compiled']} / "
               f"{c['attention']['eager']} | {fmt(c['S/PC'])} | {fmt(c['S/PE'])} | {fmt(c['SO/PP'])} | {steps} |")
+    print("\nthe same ratios of each run's fastest steady step\n")
+    print("| preset | precision | stoke / tuned compiled | stoke / tuned eager | stoke all-off / plain PyTorch |")
+    print("|---|---|---|---|---|")
+    for c in cells:
+        f = c["fastest_step"]
+        print(f"| {c['preset']} | {c['precision']} | {fmt(f['S/PC'])} | {fmt(f['S/PE'])} | {fmt(f['SO/PP'])} |")
     print("\nMFU against the bf16 matmul peak measured in the same rounds; compile time of the compiled peer;\n"
           "the step's bf16 matrix multiplies alone (whole causal square) and their share of each side's step\n")
     print("| preset | precision | bf16 peak GFLOP/s | MFU stoke | MFU tuned compiled | MFU tuned eager | compile s "

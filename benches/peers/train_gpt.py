@@ -369,7 +369,7 @@ def main():
 def step_figures(step_ms, tokens_per_step):
     """The step report's figures, defined as crates/prof's `stats` defines them: the median step
     time (the mean of the two middle ones for an even count), mean, 90th percentile by nearest
-    rank, and tokens/s = tokens per step / median step time (`stats::tokens_per_s`)."""
+    rank, the fastest step, and tokens/s = tokens per step / median step time (`stats::tokens_per_s`)."""
     ordered = sorted(step_ms)
     median = statistics.median(ordered)
     p90 = ordered[max(1, math.ceil(0.9 * len(ordered))) - 1]
@@ -379,6 +379,7 @@ def step_figures(step_ms, tokens_per_step):
         "step_ms": median,
         "step_ms_mean": mean,
         "step_ms_p90": p90,
+        "step_ms_min": ordered[0],
         "tokens_per_s": tokens_per_step / (median / 1e3),
         "tokens_per_s_mean": tokens_per_step * len(ordered) / (sum(ordered) / 1e3),
         "tokens_per_s_p90_step": tokens_per_step / (p90 / 1e3),
