@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::{AttentionPrecision, GptShape, Precision};
 use crate::kernels::LayerNormStats;
-use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
+use crate::params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 use crate::precision::compute_kind;
 
 pub struct Gpt {
@@ -339,7 +339,7 @@ impl Gpt {
             None => n_layer * Slot::PER_BLOCK..n_layer * Slot::PER_BLOCK + 1,
         };
         let mut leaves = self.leaves.borrow_mut();
-        for slot in slots {
+        for slot in slots.clone() {
             let Some(leaf) = &leaves[slot] else { continue };
             let grad = leaf.grad();
             if !grad.defined() {
@@ -352,8 +352,7 @@ impl Gpt {
             leaves[slot] = None;
         }
         if let Some(layer_idx) = layer_idx {
-            let block = layer_idx * Slot::PER_BLOCK..(layer_idx + 1) * Slot::PER_BLOCK;
-            if !self.reuse_casts && leaves[block].iter().all(Option::is_none) {
+            if !self.reuse_casts && leaves[slots].iter().all(Option::is_none) {
                 self.block_casts.borrow_mut()[layer_idx] = None;
             }
         }
@@ -367,20 +366,19 @@ impl Gpt {
         self.add_cast_grads(None);
     }
 
-    /// The fp32 parameter behind `slot`.
+    /// The fp32 parameter behind `slot` (the leaf view of the flat buffer whose `.grad` is a view
+    /// of the flat gradient).
     fn param_of(&self, slot: Slot) -> &Tensor {
-        let Some(layer_idx) = slot.layer(self.shape.n_layer) else { return &self.wte };
-        let block = &self.blocks[layer_idx];
-        match slot.0 % Slot::PER_BLOCK {
-            0 => &block.attn_w,
-            1 => &block.attn_b,
-            2 => &block.attn_proj_w,
-            3 => &block.attn_proj_b,
-            4 => &block.fc_w,
-            5 => &block.fc_b,
-            6 => &block.mlp_proj_w,
-            _ => &block.mlp_proj_b,
+        match slot.layer(self.shape.n_layer) {
+            Some(layer_idx) => &self.block_entry(layer_idx, slot).1.tensor,
+            None => &self.wte,
         }
+    }
+
+    /// Block `layer_idx`'s unit and the entry of its parameter in `slot`.
+    fn block_entry(&self, layer_idx: usize, slot: Slot) -> (&UnitRange, &ParamEntry) {
+        let unit = &self.params.units()[layer_idx + 1];
+        (unit, &self.params.entries()[unit.entries.start + slot.param_in_block()])
     }
 
     /// The 16-bit leaf of `slot` for a forward with autograd (see `set_unit_casts`): the one
@@ -393,14 +391,13 @@ impl Gpt {
         let values = match slot.layer(self.shape.n_layer) {
             None => tch::no_grad(|| self.wte.to_kind(self.compute)),
             Some(layer_idx) => {
-                let unit = &self.params.units()[layer_idx + 1];
+                let (unit, entry) = self.block_entry(layer_idx, slot);
                 let cast = self.block_casts.borrow_mut()[layer_idx]
                     .get_or_insert_with(|| {
                         let len = unit.range.end - unit.range.start;
                         tch::no_grad(|| self.params.flat().narrow(0, unit.range.start, len).to_kind(self.compute))
                     })
                     .shallow_clone();
-                let entry = &self.params.entries()[unit.entries.start + slot.param_in_block()];
                 cast.narrow(0, entry.offset - unit.range.start, entry.numel).view(entry.shape.as_slice())
             }
         };
