@@ -197,6 +197,11 @@ pub struct TrainConfig {
     /// step measured the same within noise (small 0.996, tiny 1.043) with 3-9% less peak memory
     /// (README, "What each step change bought"). Default false.
     pub fused_layer_norm: bool,
+    /// Under bf16-math attention on a CPU, each attention's core outside libtorch's graph: the
+    /// causal blocks' scores as plain `bmm`s into one buffer, the causal softmax as a Rust kernel
+    /// that skips the masked keys (no mask is added), and the core's backward by hand between the
+    /// output projection's and the q, k, v projection's; the block executor only. Default false.
+    pub fused_softmax: bool,
     /// Under 16-bit precision, each block's parameters cast to the compute type in one op per
     /// step, its linear layers taking 16-bit leaves cut from that cast whose gradients are added
     /// into the fp32 gradient buffer after the block's backward (the same bits), instead of a cast
@@ -341,6 +346,7 @@ impl Default for TrainConfig {
             fused_optimizer: true,
             fused_cross_entropy: FusedCrossEntropy::Auto,
             fused_layer_norm: false,
+            fused_softmax: false,
             unit_casts: true,
             optimizer: OptimizerKind::AdamW,
             momentum: 0.9,

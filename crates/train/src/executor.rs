@@ -29,7 +29,7 @@ use tch::{Device, Tensor};
 
 use crate::clock::StepClock;
 use crate::kernels::LayerNormStats;
-use crate::model::{Gpt, Norm};
+use crate::model::{AttentionCore, Gpt, Norm};
 use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::{Phase, TrainError};
@@ -239,6 +239,17 @@ struct Segment {
     /// With the fused LayerNorm, while `output` holds the graph: the normed input (a leaf that
     /// requires grad) and its statistics, for the norm's backward.
     normed: Option<(Tensor, LayerNormStats)>,
+    /// With the attention's core by hand, while `output` holds the graph: what its backward needs.
+    core: Option<AttentionCore>,
+}
+
+/// A half's forward (see `forward_half`).
+struct HalfForward {
+    /// The input as the backward uses it.
+    input: Tensor,
+    output: Tensor,
+    normed: Option<(Tensor, LayerNormStats)>,
+    core: Option<AttentionCore>,
 }
 
 /// What one micro-batch gave.
@@ -273,10 +284,10 @@ impl Executor {
 
     /// The autograd segments of block `layer_idx`: the policy's, with a whole block split in
     /// its halves when the model runs the fused LayerNorm (each half's norm is then outside
-    /// libtorch's graph, between the half and its input).
+    /// libtorch's graph, between the half and its input) or the attention's core by hand.
     fn block_segments(&self, model: &Gpt, layer_idx: usize) -> Vec<(Half, bool)> {
         let segments = self.recompute.segments(layer_idx);
-        if !model.fused_layer_norm() {
+        if !model.fused_layer_norm() && !model.fused_softmax() {
             return segments.to_vec();
         }
         segments
@@ -348,12 +359,12 @@ impl Executor {
             for (half, recomputed) in self.block_segments(model, layer_idx) {
                 let input = current.detach();
                 let segment = if recomputed {
-                    current = tch::no_grad(|| forward_half(model, layer_idx, half, &input).1);
-                    Segment { layer_idx, half, input, output: None, normed: None }
+                    current = tch::no_grad(|| forward_half(model, layer_idx, half, &input).output);
+                    Segment { layer_idx, half, input, output: None, normed: None, core: None }
                 } else {
-                    let (input, output, normed) = forward_half(model, layer_idx, half, &input);
+                    let HalfForward { input, output, normed, core } = forward_half(model, layer_idx, half, &input);
                     current = output.shallow_clone();
-                    Segment { layer_idx, half, input, output: Some(output), normed }
+                    Segment { layer_idx, half, input, output: Some(output), normed, core }
                 };
                 segments.push(segment);
             }
@@ -418,8 +429,10 @@ impl Executor {
             if matches!(segment.half, Half::Whole | Half::Mlp) {
                 hooks.before_backward(unit, clock)?;
             }
-            let (input, output, normed) = match segment.output {
-                Some(output) => (segment.input, output, segment.normed),
+            let HalfForward { input, output, normed, core } = match segment.output {
+                Some(output) => {
+                    HalfForward { input: segment.input, output, normed: segment.normed, core: segment.core }
+                }
                 None => {
                     clock.lap(Phase::Backward);
                     let recomputed = forward_half(model, segment.layer_idx, segment.half, &segment.input);
@@ -428,6 +441,12 @@ impl Executor {
                 }
             };
             backward_from(&output, &grad_output);
+            // The attention's core by hand, between its output projection's graph and its q, k,
+            // v projection's.
+            if let Some(core) = core {
+                drop(output);
+                backward_from(&core.heads, &model.attention_core_backward(&core));
+            }
             model.add_cast_grads(Some(segment.layer_idx));
             // The residual passes `grad_output` through to the input unchanged; the fused
             // LayerNorm's backward adds its part to it in place.
@@ -458,32 +477,43 @@ impl Executor {
     }
 }
 
-/// A half's forward from `input` (detached): the input as the backward uses it, the output, and
-/// with the fused LayerNorm the normed input (a leaf that requires grad) and its statistics.
-/// With the fused LayerNorm (a half, not a whole block, with the kernel on and taking the input)
-/// the input needs no gradient of its own: the residual passes the output's through. Otherwise it
-/// becomes a leaf that requires grad, and libtorch runs the whole half.
-fn forward_half(
-    model: &Gpt,
-    layer_idx: usize,
-    half: Half,
-    input: &Tensor,
-) -> (Tensor, Tensor, Option<(Tensor, LayerNormStats)>) {
+/// A half's forward from `input` (detached). With the fused LayerNorm (a half, not a whole block,
+/// with the kernel on and taking the input) the input needs no gradient of its own: the residual
+/// passes the output's through, and the normed input is a leaf that requires grad. Otherwise the
+/// input becomes a leaf that requires grad, and libtorch runs the whole half, except an
+/// attention's core when the model runs it by hand (`Gpt::fused_softmax`).
+fn forward_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> HalfForward {
     let fused = match half {
         Half::Whole => None,
         Half::Attention | Half::Mlp => model.fused_norm(norm_of(layer_idx, half), input),
     };
-    let Some((normed, stats)) = fused else {
-        let input = input.shallow_clone().set_requires_grad(true);
-        let output = run_half(model, layer_idx, half, &input);
-        return (input, output, None);
+    let by_hand = half == Half::Attention && model.fused_softmax();
+    let (input, normed, normed_input) = match fused {
+        Some((normed, stats)) => {
+            let normed = normed.set_requires_grad(true);
+            (input.shallow_clone(), normed.shallow_clone(), Some((normed, stats)))
+        }
+        None if !by_hand => {
+            let input = input.shallow_clone().set_requires_grad(true);
+            let output = run_half(model, layer_idx, half, &input);
+            return HalfForward { input, output, normed: None, core: None };
+        }
+        None => {
+            let input = input.shallow_clone().set_requires_grad(true);
+            let normed = model.norm_by_libtorch(norm_of(layer_idx, half), &input);
+            (input, normed, None)
+        }
     };
-    let normed = normed.set_requires_grad(true);
-    let branch = match half {
-        Half::Attention => model.attention_branch(layer_idx, &normed),
-        _ => model.mlp_branch(layer_idx, &normed),
+    let (branch, core) = match half {
+        Half::Attention if by_hand => {
+            let (branch, core) = model.attention_branch_by_hand(layer_idx, &normed);
+            (branch, Some(core))
+        }
+        Half::Attention => (model.attention_branch(layer_idx, &normed), None),
+        _ => (model.mlp_branch(layer_idx, &normed), None),
     };
-    (input.shallow_clone(), input + branch, Some((normed, stats)))
+    let output = &input + branch;
+    HalfForward { input, output, normed: normed_input, core }
 }
 
 fn norm_of(layer_idx: usize, half: Half) -> Norm {

@@ -22,6 +22,7 @@ mod find_batch;
 mod host_memory;
 mod kernels;
 mod model;
+mod omp;
 mod optim;
 mod optimizers;
 mod params;

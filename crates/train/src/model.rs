@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{AttentionPrecision, GptShape, Precision};
-use crate::kernels::LayerNormStats;
+use crate::kernels::{CausalBlock, LayerNormStats};
 use crate::params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 use crate::precision::compute_kind;
 
@@ -34,6 +34,9 @@ pub struct Gpt {
     /// Query rows per block of `Attention::Math`; 0 takes the whole context at once (see
     /// `set_causal_block_rows`).
     causal_block_rows: usize,
+    /// Threads of the causal softmax kernel; 0 leaves the attention's core to libtorch's ops and
+    /// autograd (see `set_fused_softmax`).
+    fused_softmax_threads: usize,
     /// The weights and biases cast to the compute type, made at their first use in a step and
     /// reused by its later micro-batches (see `begin_step_casts`); indexed by `Slot`.
     casts: RefCell<Vec<Option<Tensor>>>,
@@ -122,6 +125,40 @@ pub(crate) struct FusedHead {
     weight: Tensor,
     /// The gradient of the loss times the multiplier with respect to the logits, `[rows, vocab]`.
     logits_grad: Tensor,
+}
+
+/// An attention core run outside libtorch's graph (`Gpt::attention_branch_by_hand`): what its
+/// backward by hand (`Gpt::attention_core_backward`) needs.
+pub(crate) struct AttentionCore {
+    /// q, k and v `[3, batch * n_head, seq, head_dim]`, with libtorch's graph back to the half's
+    /// input: the backward by hand ends with this tensor's gradient.
+    pub heads: Tensor,
+    /// Every query block's probabilities, one buffer (`blocks` says where each lies).
+    probs: Tensor,
+    blocks: Vec<CausalBlock>,
+    /// The weighted sums `[batch * n_head, seq, head_dim]`: a leaf that requires grad, where the
+    /// output projection's graph starts.
+    y: Tensor,
+    scale: f64,
+}
+
+/// Block `block`'s `heads` matrices in `buffer` (see `CausalBlock::layout`).
+fn block_view(buffer: &Tensor, block: &CausalBlock, heads: i64) -> Tensor {
+    let (rows, cols) = (block.rows as i64, block.cols as i64);
+    buffer.narrow(0, block.offset as i64, heads * rows * cols).view([heads, rows, cols])
+}
+
+/// q, k and v of the math attention from the projection `qkv` `[batch, seq, 3d]`, into head-major
+/// order in one copy, `[3, batch * n_head, seq, head_dim]` (cast to `kind` while contiguous).
+fn math_heads(qkv: &Tensor, kind: Kind, n_head: i64) -> Tensor {
+    let (batch, seq, d3) = qkv.size3().expect("the projection is [batch, seq, 3d]");
+    let head_dim = d3 / 3 / n_head;
+    qkv.to_kind(kind).view([batch, seq, 3, n_head, head_dim]).permute([2, 0, 3, 1, 4]).contiguous().view([
+        3,
+        batch * n_head,
+        seq,
+        head_dim,
+    ])
 }
 
 /// One block's parameters.
@@ -283,6 +320,7 @@ impl Gpt {
             fused_cross_entropy_threads: 0,
             fused_layer_norm_threads: 0,
             causal_block_rows: 0,
+            fused_softmax_threads: 0,
             casts: RefCell::new((0..shape.n_layer * Slot::PER_BLOCK + 1).map(|_| None).collect()),
             reuse_casts: false,
             unit_casts: false,
@@ -452,6 +490,23 @@ impl Gpt {
         self.causal_block_rows = rows;
     }
 
+    /// Under bf16-math attention on a CPU, the block executor runs each attention's core (scores,
+    /// causal softmax, weighted sum) outside libtorch's graph: plain `bmm`s of the causal blocks
+    /// into one buffer and the softmax kernel (`kernels::causal_softmax_bf16`, on `n_threads`
+    /// threads; `train.fused_softmax`), which skips the masked keys, with its backward by hand
+    /// between the output projection's and the q, k, v projection's. `false` (the default of
+    /// `new`) keeps libtorch's masked `baddbmm`, softmax and autograd.
+    pub fn set_fused_softmax(&mut self, enabled: bool, n_threads: usize) {
+        self.fused_softmax_threads = if enabled { n_threads.max(1) } else { 0 };
+    }
+
+    /// Whether the executor runs the attention's core by hand (see `set_fused_softmax`).
+    pub(crate) fn fused_softmax(&self) -> bool {
+        self.fused_softmax_threads > 0
+            && self.attention == Attention::Math(Kind::BFloat16)
+            && self.wte.device() == Device::Cpu
+    }
+
     /// Whether the executor takes the LayerNorms from the kernel (see `set_fused_layer_norm`).
     pub(crate) fn fused_layer_norm(&self) -> bool {
         self.fused_layer_norm_threads > 0 && self.compute == Kind::BFloat16 && self.wte.device() == Device::Cpu
@@ -473,6 +528,11 @@ impl Gpt {
         }
         let (weight, bias) = self.norm(which);
         crate::kernels::layer_norm_bf16(x, weight, bias, LAYER_NORM_EPS, self.fused_layer_norm_threads)
+    }
+
+    /// LayerNorm `which` of `x` by libtorch's op, fp32.
+    pub(crate) fn norm_by_libtorch(&self, which: Norm, x: &Tensor) -> Tensor {
+        self.layer_norm(x, self.norm(which))
     }
 
     /// The backward of a `fused_norm`: the gradient with respect to `x` given the normed
@@ -576,15 +636,7 @@ impl Gpt {
                     .expect("math attention builds its mask")
                     .narrow(0, 0, seq)
                     .narrow(1, 0, seq);
-                // q, k and v into head-major order in one copy, `[3, batch * n_head, seq, head_dim]`
-                // (cast while contiguous), then three contiguous views of it.
-                let heads = qkv
-                    .to_kind(kind)
-                    .view([batch, seq, 3, n_head, head_dim])
-                    .permute([2, 0, 3, 1, 4])
-                    .contiguous()
-                    .view([3, batch * n_head, seq, head_dim])
-                    .unbind(0);
+                let heads = math_heads(&qkv, kind, n_head).unbind(0);
                 let (q, k, v) = (&heads[0], &heads[1], &heads[2]);
                 let scale = 1.0 / (head_dim as f64).sqrt();
                 let rows = self.causal_block_rows as i64;
@@ -613,8 +665,108 @@ impl Gpt {
                 }
             }
         };
-        let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
+        self.attention_out(layer_idx, &y)
+    }
+
+    /// The attention's output projection of the heads' weighted sums `[batch, n_head, seq,
+    /// head_dim]`.
+    fn attention_out(&self, layer_idx: usize, y: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        let (batch, n_head, seq, head_dim) = y.size4().expect("weighted sums are [batch, n_head, seq, head_dim]");
+        let y = y.transpose(1, 2).contiguous().view([batch, seq, n_head * head_dim]);
         self.linear(&y, Slot::weight(layer_idx, Slot::ATTN_PROJ), &block.attn_proj_w, Some(&block.attn_proj_b))
+    }
+
+    /// `attention_branch` with the core by hand (see `set_fused_softmax`): the q, k, v projection
+    /// and the output projection run in libtorch's graph; between them the scores of each causal
+    /// query block (`train.causal_block_rows`) are `bmm`-ed into one buffer, the kernel turns
+    /// them into probabilities in place, and their products with v make the weighted sums, a
+    /// new leaf. The branch, and what `attention_core_backward` needs.
+    pub(crate) fn attention_branch_by_hand(&self, layer_idx: usize, h: &Tensor) -> (Tensor, AttentionCore) {
+        let block = &self.blocks[layer_idx];
+        let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
+        let n_head = self.shape.n_head as i64;
+        let head_dim = d / n_head;
+        let bh = batch * n_head;
+        let qkv = self.linear(h, Slot::weight(layer_idx, Slot::ATTN), &block.attn_w, Some(&block.attn_b));
+        let heads = math_heads(&qkv, Kind::BFloat16, n_head);
+        let (blocks, total) = CausalBlock::layout(seq as usize, self.causal_block_rows, bh as usize);
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        let (probs, y) = tch::no_grad(|| {
+            let parts = heads.detach();
+            let (q, k, v) = (parts.get(0), parts.get(1), parts.get(2));
+            let probs = Tensor::empty([total as i64], (Kind::BFloat16, Device::Cpu));
+            for b in &blocks {
+                let keys = k.narrow(1, 0, b.cols as i64).transpose(1, 2);
+                let _ = q.narrow(1, b.first as i64, b.rows as i64).bmm_out(&block_view(&probs, b, bh), &keys);
+            }
+            crate::kernels::causal_softmax_bf16(&probs, &blocks, bh as usize, scale as f32, self.fused_softmax_threads);
+            let sums: Vec<Tensor> =
+                blocks.iter().map(|b| block_view(&probs, b, bh).bmm(&v.narrow(1, 0, b.cols as i64))).collect();
+            let y = if sums.len() == 1 { sums[0].shallow_clone() } else { Tensor::cat(&sums, 1) };
+            (probs, y)
+        });
+        let y = y.set_requires_grad(true);
+        let branch = self.attention_out(layer_idx, &y.view([batch, n_head, seq, head_dim]));
+        (branch, AttentionCore { heads, probs, blocks, y, scale })
+    }
+
+    /// The backward by hand of an `attention_branch_by_hand` core whose weighted sums have their
+    /// gradient (the output projection's backward ran): the gradient of its `heads`, `[3, batch *
+    /// n_head, seq, head_dim]` bf16. Per query block: the probabilities' gradient `dY V^T` into one
+    /// buffer, `dV += P^T dY`; the kernel turns the buffer into the scores' gradient in place;
+    /// then `dQ = dS K` and `dK += dS^T Q`.
+    pub(crate) fn attention_core_backward(&self, core: &AttentionCore) -> Tensor {
+        tch::no_grad(|| {
+            let grad_y = core.y.grad();
+            let (bh, seq, head_dim) = core.y.size3().expect("weighted sums are [heads, seq, head_dim]");
+            let parts = core.heads.detach();
+            let (q, k, v) = (parts.get(0), parts.get(1), parts.get(2));
+            // One block covers every key: its products are written straight into the gradient.
+            let whole = core.blocks.len() == 1;
+            let options = (Kind::BFloat16, Device::Cpu);
+            let grad_heads = if whole {
+                Tensor::empty([3, bh, seq, head_dim], options)
+            } else {
+                Tensor::zeros([3, bh, seq, head_dim], options)
+            };
+            let (dq, dk, dv) = (grad_heads.get(0), grad_heads.get(1), grad_heads.get(2));
+            let grad_probs = Tensor::empty_like(&core.probs);
+            for b in &core.blocks {
+                let (first, rows, cols) = (b.first as i64, b.rows as i64, b.cols as i64);
+                let grad_y = grad_y.narrow(1, first, rows);
+                let _ = grad_y.bmm_out(&block_view(&grad_probs, b, bh), &v.narrow(1, 0, cols).transpose(1, 2));
+                let probs_t = block_view(&core.probs, b, bh).transpose(1, 2);
+                if whole {
+                    let _ = probs_t.bmm_out(&dv, &grad_y);
+                } else {
+                    let mut dv = dv.narrow(1, 0, cols);
+                    dv += probs_t.bmm(&grad_y);
+                }
+            }
+            crate::kernels::causal_softmax_backward_bf16(
+                &core.probs,
+                &grad_probs,
+                &core.blocks,
+                bh as usize,
+                core.scale as f32,
+                self.fused_softmax_threads,
+            );
+            for b in &core.blocks {
+                let (first, rows, cols) = (b.first as i64, b.rows as i64, b.cols as i64);
+                let grad_scores = block_view(&grad_probs, b, bh);
+                let (keys, queries) = (k.narrow(1, 0, cols), q.narrow(1, first, rows));
+                if whole {
+                    let _ = grad_scores.bmm_out(&dq, &keys);
+                    let _ = grad_scores.transpose(1, 2).bmm_out(&dk, &queries);
+                } else {
+                    dq.narrow(1, first, rows).copy_(&grad_scores.bmm(&keys));
+                    let mut dk = dk.narrow(1, 0, cols);
+                    dk += grad_scores.transpose(1, 2).bmm(&queries);
+                }
+            }
+            grad_heads
+        })
     }
 
     /// The second half of block `layer_idx`: `x + mlp(ln_2(x))`.

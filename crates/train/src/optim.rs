@@ -13,7 +13,7 @@
 //! as libtorch ops over the range.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
 
@@ -847,20 +847,26 @@ pub(crate) fn run_split<R: Send + Default + Clone>(
             acc = 0;
         }
     }
-    std::thread::scope(|scope| {
-        let work = &work;
+    // On libtorch's OpenMP threads (see `omp`), each group writing its own run of the results.
+    let runs: Vec<Mutex<&mut [R]>> = {
         let mut rest: &mut [R] = &mut results;
-        for &(lo, hi) in &groups {
-            let (mine, tail) = rest.split_at_mut(hi - lo);
-            rest = tail;
-            let group = &slices[lo..hi];
-            scope.spawn(move || {
-                for (out, s) in mine.iter_mut().zip(group) {
-                    *out = work(s);
-                }
-            });
+        groups
+            .iter()
+            .map(|&(lo, hi)| {
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(hi - lo);
+                rest = tail;
+                Mutex::new(mine)
+            })
+            .collect()
+    };
+    crate::omp::run_tasks(groups.len(), &|g| {
+        let (lo, hi) = groups[g];
+        let mut mine = runs[g].lock().unwrap_or_else(|p| p.into_inner());
+        for (out, s) in mine.iter_mut().zip(&slices[lo..hi]) {
+            *out = work(s);
         }
     });
+    drop(runs);
     results
 }
 

@@ -11,6 +11,9 @@
 //! polynomial within about 1 ulp, written so the compiler vectorizes it. Built twice on x86-64,
 //! for the baseline and for AVX-512 (AVX2 with FMA as the middle), picked at run time like the
 //! fused optimizer.
+//!
+//! `layer_norm_bf16` (the LayerNorms, `layer_norm.rs`) and `causal_softmax_bf16` (the attention's
+//! masked softmax, `softmax.rs`) are the others.
 
 use std::ops::Range;
 
@@ -50,8 +53,10 @@ macro_rules! simd_dispatch {
 }
 
 mod layer_norm;
+mod softmax;
 
 pub use layer_norm::{layer_norm_bf16, layer_norm_bf16_backward, LayerNormStats};
+pub use softmax::{causal_softmax_backward_bf16, causal_softmax_bf16, CausalBlock};
 
 /// The loss of a fused cross-entropy and the gradient of `loss x grad_scale` with respect to the
 /// logits.
@@ -147,9 +152,9 @@ impl<T> SharedMut<T> {
     }
 }
 
-/// Runs `work` on `rows` split into contiguous ranges, one per thread, at most `n_threads` of them
-/// and each at least `min_rows` long (one range when the rows are fewer); the calling thread takes
-/// the first range. The results come back in range order.
+/// Runs `work` on `rows` split into contiguous ranges, at most `n_threads` of them and each at
+/// least `min_rows` long (one range when the rows are fewer), on libtorch's OpenMP threads (the
+/// calling thread takes the first range; see `omp`). The results come back in range order.
 fn parallel_rows<R: Send>(
     rows: usize,
     n_threads: usize,
@@ -161,20 +166,15 @@ fn parallel_rows<R: Send>(
         return vec![work(0..rows)];
     }
     let per = rows.div_ceil(n);
-    let ranges: Vec<Range<usize>> = (0..n).map(|i| (i * per).min(rows)..((i + 1) * per).min(rows)).collect();
-    std::thread::scope(|scope| {
-        let work = &work;
-        let handles: Vec<_> = ranges[1..]
-            .iter()
-            .map(|range| {
-                let range = range.clone();
-                scope.spawn(move || work(range))
-            })
-            .collect();
-        let mut results = vec![work(ranges[0].clone())];
-        results.extend(handles.into_iter().map(|h| h.join().expect("a kernel thread panicked")));
-        results
-    })
+    let results: Vec<std::sync::Mutex<Option<R>>> = (0..n).map(|_| std::sync::Mutex::new(None)).collect();
+    crate::omp::run_tasks(n, &|i| {
+        let result = work((i * per).min(rows)..((i + 1) * per).min(rows));
+        *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+    });
+    results
+        .into_iter()
+        .map(|slot| slot.into_inner().unwrap_or_else(|p| p.into_inner()).expect("every range ran"))
+        .collect()
 }
 
 simd_dispatch! {
