@@ -532,10 +532,13 @@ fn run_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> Tensor
 }
 
 /// Runs the backward of `output`'s graph with `grad_output` as its incoming gradient. tch's
-/// `backward` starts from a scalar with gradient one, so it starts from `<output, grad_output>`,
-/// whose gradient with respect to `output` is exactly `grad_output`.
+/// `backward` starts from a scalar with gradient one, so it starts from the sum of `output x
+/// grad_output` in `output`'s type, whose gradient with respect to `output` is exactly
+/// `grad_output` (ones times it; the sum's value is never read, so its rounding does not matter).
+/// Not `dot`: libtorch's dot on a CPU is a scalar loop for bf16, 4.8 ms for the 1.5 M values of a
+/// tiny block's q, k and v against 0.49 ms for the product and sum (fp32: 0.86 against 0.23).
 fn backward_from(output: &Tensor, grad_output: &Tensor) {
-    output.view([-1]).dot(&grad_output.view([-1])).backward();
+    (output * grad_output).sum(output.kind()).backward();
 }
 
 fn grads_final(

@@ -46,7 +46,10 @@ pub use error::TrainError;
 pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};
 pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use host_memory::{retain_env, HostMemory};
-pub use kernels::{cross_entropy_bf16, layer_norm_bf16, layer_norm_bf16_backward, CrossEntropy, LayerNormStats};
+pub use kernels::{
+    causal_softmax_backward_bf16, causal_softmax_bf16, cross_entropy_bf16, layer_norm_bf16, layer_norm_bf16_backward,
+    CausalBlock, CrossEntropy, LayerNormStats,
+};
 pub use model::Gpt;
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, OptimizerKind, Sgd, TensorNorms};
