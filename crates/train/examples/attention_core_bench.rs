@@ -35,7 +35,11 @@ fn main() {
     for (bh, seq, hd) in [(64i64, 128i64, 64i64), (96, 256, 64)] {
         tch::manual_seed(1);
         let opts = (Kind::BFloat16, Device::Cpu);
-        let (q, k, v) = (Tensor::randn([bh, seq, hd], opts), Tensor::randn([bh, seq, hd], opts), Tensor::randn([bh, seq, hd], opts));
+        let (q, k, v) = (
+            Tensor::randn([bh, seq, hd], opts),
+            Tensor::randn([bh, seq, hd], opts),
+            Tensor::randn([bh, seq, hd], opts),
+        );
         let dy = Tensor::randn([bh, seq, hd], opts);
         let dy_f32 = dy.to_kind(Kind::Float);
         let mask = Tensor::full([seq, seq], f64::NEG_INFINITY, opts).triu(1);
