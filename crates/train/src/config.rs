@@ -194,13 +194,17 @@ pub struct TrainConfig {
     /// straight to bf16, and its backward with the residual's gradient added in the same pass,
     /// instead of libtorch's fp32 LayerNorm, casts and add; the block executor only. The kernels
     /// take 0.41-0.66x libtorch's time, but a block then runs as two autograd segments, and the
-    /// step measured the same within noise (small 0.996, tiny 1.043) with 3-9% less peak memory
-    /// (README, "What each step change bought"). Default false.
+    /// step measured the same within noise (tiny 0.991, small 1.000 with the kernels on libtorch's
+    /// OpenMP threads) with 3-9% less peak memory (README, "What each step change bought", "The
+    /// Rust kernels on libtorch's threads"). Default false.
     pub fused_layer_norm: bool,
     /// Under bf16-math attention on a CPU, each attention's core outside libtorch's graph: the
     /// causal blocks' scores as plain `bmm`s into one buffer, the causal softmax as a Rust kernel
     /// that skips the masked keys (no mask is added), and the core's backward by hand between the
-    /// output projection's and the q, k, v projection's; the block executor only. Default false.
+    /// output projection's and the q, k, v projection's; the block executor only. The core takes
+    /// 0.68-0.71x libtorch's time on its own, but the block then runs as two segments and its
+    /// attention half as three backward calls, and the tiny step measured level (0.975; README,
+    /// "The Rust kernels on libtorch's threads"). Default false.
     pub fused_softmax: bool,
     /// Under 16-bit precision, each block's parameters cast to the compute type in one op per
     /// step, its linear layers taking 16-bit leaves cut from that cast whose gradients are added
