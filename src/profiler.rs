@@ -244,8 +244,13 @@ impl Profiler {
         if let Some(facts) = &self.facts {
             self.metrics.observe(&sample, record.lr, facts.model.flops_per_token, facts.machine.peak_flops);
         }
-        // The record arrives as its step ends: the step began wall_ms earlier.
-        let start_us = self.run_start.map_or(0.0, |start| start.elapsed().as_secs_f64() * 1e6 - record.wall_ms * 1e3);
+        // The step began wall_ms before it ended (not before the record reached this observer: on
+        // a loaded machine the observers before it, or the scheduler, can delay that by
+        // milliseconds, which once put a rank's step after the other rank's same step on the
+        // merged time line, though their all-reduce held both inside it at once).
+        let start_us = self.run_start.map_or(0.0, |start| {
+            record.ended.saturating_duration_since(start).as_secs_f64() * 1e6 - record.wall_ms * 1e3
+        });
         if let Some(trace) = &mut self.trace {
             trace.step(start_us.max(0.0), &sample)?;
         }

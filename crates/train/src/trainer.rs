@@ -38,6 +38,9 @@ pub struct StepRecord {
     pub grad_norm: f64,
     pub tokens: u64,
     pub wall_ms: f64,
+    /// When the step ended (its clock stopped): observers that place the step on a time line take
+    /// this, not the moment the record reaches them, which on a loaded machine can be later.
+    pub ended: std::time::Instant,
     pub phases: PhaseTimes,
     pub logged: bool,
     /// True when the phase boundaries were synchronized with the device, so the phase split is
@@ -884,6 +887,7 @@ impl Trainer {
                 clock.lap(Phase::CkptStall);
             }
             let (phases, wall_ms) = clock.finish();
+            let ended = std::time::Instant::now();
             let record = StepRecord {
                 step: step_number,
                 loss,
@@ -891,6 +895,7 @@ impl Trainer {
                 grad_norm: outcome.grad_norm,
                 tokens: step_tokens,
                 wall_ms,
+                ended,
                 phases,
                 logged,
                 timed,
