@@ -142,12 +142,6 @@ pub(crate) struct AttentionCore {
     scale: f64,
 }
 
-/// Block `block`'s `heads` matrices in `buffer` (see `CausalBlock::layout`).
-fn block_view(buffer: &Tensor, block: &CausalBlock, heads: i64) -> Tensor {
-    let (rows, cols) = (block.rows as i64, block.cols as i64);
-    buffer.narrow(0, block.offset as i64, heads * rows * cols).view([heads, rows, cols])
-}
-
 /// q, k and v of the math attention from the projection `qkv` `[batch, seq, 3d]`, into head-major
 /// order in one copy, `[3, batch * n_head, seq, head_dim]` (cast to `kind` while contiguous).
 fn math_heads(qkv: &Tensor, kind: Kind, n_head: i64) -> Tensor {
@@ -698,11 +692,11 @@ impl Gpt {
             let probs = Tensor::empty([total as i64], (Kind::BFloat16, Device::Cpu));
             for b in &blocks {
                 let keys = k.narrow(1, 0, b.cols as i64).transpose(1, 2);
-                let _ = q.narrow(1, b.first as i64, b.rows as i64).bmm_out(&block_view(&probs, b, bh), &keys);
+                let _ = q.narrow(1, b.first as i64, b.rows as i64).bmm_out(&b.matrices(&probs, bh as usize), &keys);
             }
             crate::kernels::causal_softmax_bf16(&probs, &blocks, bh as usize, scale as f32, self.fused_softmax_threads);
             let sums: Vec<Tensor> =
-                blocks.iter().map(|b| block_view(&probs, b, bh).bmm(&v.narrow(1, 0, b.cols as i64))).collect();
+                blocks.iter().map(|b| b.matrices(&probs, bh as usize).bmm(&v.narrow(1, 0, b.cols as i64))).collect();
             let y = if sums.len() == 1 { sums[0].shallow_clone() } else { Tensor::cat(&sums, 1) };
             (probs, y)
         });
@@ -735,8 +729,8 @@ impl Gpt {
             for b in &core.blocks {
                 let (first, rows, cols) = (b.first as i64, b.rows as i64, b.cols as i64);
                 let grad_y = grad_y.narrow(1, first, rows);
-                let _ = grad_y.bmm_out(&block_view(&grad_probs, b, bh), &v.narrow(1, 0, cols).transpose(1, 2));
-                let probs_t = block_view(&core.probs, b, bh).transpose(1, 2);
+                let _ = grad_y.bmm_out(&b.matrices(&grad_probs, bh as usize), &v.narrow(1, 0, cols).transpose(1, 2));
+                let probs_t = b.matrices(&core.probs, bh as usize).transpose(1, 2);
                 if whole {
                     let _ = probs_t.bmm_out(&dv, &grad_y);
                 } else {
@@ -754,7 +748,7 @@ impl Gpt {
             );
             for b in &core.blocks {
                 let (first, rows, cols) = (b.first as i64, b.rows as i64, b.cols as i64);
-                let grad_scores = block_view(&grad_probs, b, bh);
+                let grad_scores = b.matrices(&grad_probs, bh as usize);
                 let (keys, queries) = (k.narrow(1, 0, cols), q.narrow(1, first, rows));
                 if whole {
                     let _ = grad_scores.bmm_out(&dq, &keys);

@@ -115,6 +115,19 @@ pub(crate) fn run_tasks(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// `run_tasks` that returns each task's result, in task order.
+pub(crate) fn map_tasks<R: Send>(tasks: usize, task: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let slots: Vec<Mutex<Option<R>>> = (0..tasks).map(|_| Mutex::new(None)).collect();
+    run_tasks(tasks, &|i| {
+        let result = task(i);
+        *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+    });
+    slots
+        .into_iter()
+        .map(|slot| slot.into_inner().unwrap_or_else(|p| p.into_inner()).expect("every task ran"))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};

@@ -13,7 +13,7 @@
 //! as libtorch ops over the range.
 
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tch::{Kind, Tensor};
 
@@ -825,17 +825,12 @@ unsafe fn update_saving_body<const CRC: bool>(
 
 /// Runs `work` on every slice, the slices dealt to `n_threads` threads in contiguous runs of about
 /// equal size; returns the results in slice order.
-pub(crate) fn run_split<R: Send + Default + Clone>(
-    slices: &[Slices],
-    n_threads: usize,
-    work: impl Fn(&Slices) -> R + Sync,
-) -> Vec<R> {
+pub(crate) fn run_split<R: Send>(slices: &[Slices], n_threads: usize, work: impl Fn(&Slices) -> R + Sync) -> Vec<R> {
     let total: usize = slices.iter().map(|s| s.numel).sum();
     let n_threads = n_threads.clamp(1, 8);
     if n_threads == 1 || total < 1 << 16 {
         return slices.iter().map(&work).collect();
     }
-    let mut results = vec![R::default(); slices.len()];
     let target = total.div_ceil(n_threads);
     let mut groups: Vec<(usize, usize)> = Vec::new();
     let (mut start, mut acc) = (0, 0);
@@ -847,27 +842,14 @@ pub(crate) fn run_split<R: Send + Default + Clone>(
             acc = 0;
         }
     }
-    // On libtorch's OpenMP threads (see `omp`), each group writing its own run of the results.
-    let runs: Vec<Mutex<&mut [R]>> = {
-        let mut rest: &mut [R] = &mut results;
-        groups
-            .iter()
-            .map(|&(lo, hi)| {
-                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(hi - lo);
-                rest = tail;
-                Mutex::new(mine)
-            })
-            .collect()
-    };
-    crate::omp::run_tasks(groups.len(), &|g| {
+    // On libtorch's OpenMP threads (see `omp`), a group to a task.
+    crate::omp::map_tasks(groups.len(), |g| {
         let (lo, hi) = groups[g];
-        let mut mine = runs[g].lock().unwrap_or_else(|p| p.into_inner());
-        for (out, s) in mine.iter_mut().zip(&slices[lo..hi]) {
-            *out = work(s);
-        }
-    });
-    drop(runs);
-    results
+        slices[lo..hi].iter().map(&work).collect::<Vec<R>>()
+    })
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
 #[cfg(test)]

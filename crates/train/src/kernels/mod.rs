@@ -166,15 +166,7 @@ fn parallel_rows<R: Send>(
         return vec![work(0..rows)];
     }
     let per = rows.div_ceil(n);
-    let results: Vec<std::sync::Mutex<Option<R>>> = (0..n).map(|_| std::sync::Mutex::new(None)).collect();
-    crate::omp::run_tasks(n, &|i| {
-        let result = work((i * per).min(rows)..((i + 1) * per).min(rows));
-        *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
-    });
-    results
-        .into_iter()
-        .map(|slot| slot.into_inner().unwrap_or_else(|p| p.into_inner()).expect("every range ran"))
-        .collect()
+    crate::omp::map_tasks(n, |i| work((i * per).min(rows)..((i + 1) * per).min(rows)))
 }
 
 simd_dispatch! {

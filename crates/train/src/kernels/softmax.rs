@@ -48,6 +48,15 @@ impl CausalBlock {
     fn len(&self, heads: usize) -> usize {
         heads * self.rows * self.cols
     }
+
+    /// This block's `heads` matrices in `buffer`, `[heads, rows, cols]`.
+    pub fn matrices(&self, buffer: &Tensor, heads: usize) -> Tensor {
+        buffer.narrow(0, self.offset as i64, self.len(heads) as i64).view([
+            heads as i64,
+            self.rows as i64,
+            self.cols as i64,
+        ])
+    }
 }
 
 /// The fewest matrices a thread takes: below it a thread's start costs more than its share.
@@ -228,9 +237,7 @@ mod tests {
         let (blocks, total) = CausalBlock::layout(seq, rows, heads);
         let buffer = (Tensor::randn([total as i64], (Kind::Float, Device::Cpu)) * 3.0).to_kind(Kind::BFloat16);
         let upstream = Tensor::randn([total as i64], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
-        let view = |t: &Tensor, b: &CausalBlock| {
-            t.narrow(0, b.offset as i64, b.len(heads) as i64).view([heads as i64, b.rows as i64, b.cols as i64])
-        };
+        let view = |t: &Tensor, b: &CausalBlock| b.matrices(t, heads);
         let wants: Vec<(Tensor, Tensor)> = blocks
             .iter()
             .map(|b| reference(&view(&buffer, b), b.first as i64, scale as f64, &view(&upstream, b)))
