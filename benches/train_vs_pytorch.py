@@ -11,8 +11,9 @@ each round):
   PE  the same tuned peer, eager
   SO  stoke with everything of its own turned off: `stoke bench fullchain`'s naive settings
       (data.workers=0, train.fused_optimizer=false, train.host_memory=system), no fused kernels
-      (train.fused_cross_entropy=off, train.fused_layer_norm=false, train.fused_softmax=false), the attention that
-      plain PyTorch runs (SDPA in the autocast type: train.attention=bf16), no per-block monitors
+      (train.fused_cross_entropy=off, train.fused_layer_norm=false, train.fused_softmax=false,
+      train.fused_bias_gelu=false), the attention that plain PyTorch runs (SDPA in the autocast
+      type: train.attention=bf16), no per-block monitors
   PP  plain PyTorch: eager, SDPA, PyTorch's default AdamW, the C allocator's defaults
 
 and the ratios of median steady step times S/PC, S/PE and SO/PP are taken within the round; the table
@@ -160,6 +161,7 @@ class Bench:
             ("SO", lambda n: self.stoke(preset, precision, cell, n, [
                 "data.workers=0", "train.fused_optimizer=false", "train.host_memory=system",
                 "train.fused_cross_entropy=off", "train.fused_layer_norm=false", "train.fused_softmax=false",
+                "train.fused_bias_gelu=false",
                 f"train.attention={ALL_OFF_ATTENTION[precision]}", "train.monitor_every=0"])),
             ("PP", lambda n: self.peer(preset, precision, cell, n,
                                        ["--attention", "sdpa", "--adamw", "default", "--host-memory", "system"])),

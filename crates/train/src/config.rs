@@ -206,6 +206,11 @@ pub struct TrainConfig {
     /// attention half as three backward calls, and the tiny step measured level (0.975; README,
     /// "The Rust kernels on libtorch's threads"). Default false.
     pub fused_softmax: bool,
+    /// Under bf16 on a CPU, each MLP's first linear layer without its bias, and the bias and GELU
+    /// as one Rust kernel outside libtorch's graph, with the backward by hand (the bias's gradient
+    /// summed in the kernel's one pass, the layer's two matrix multiplies); the block executor
+    /// only, and a block then runs as its two halves. Default false.
+    pub fused_bias_gelu: bool,
     /// Under 16-bit precision, each block's parameters cast to the compute type in one op per
     /// step, its linear layers taking 16-bit leaves cut from that cast whose gradients are added
     /// into the fp32 gradient buffer after the block's backward (the same bits), instead of a cast
@@ -351,6 +356,7 @@ impl Default for TrainConfig {
             fused_cross_entropy: FusedCrossEntropy::Auto,
             fused_layer_norm: false,
             fused_softmax: false,
+            fused_bias_gelu: false,
             unit_casts: true,
             optimizer: OptimizerKind::AdamW,
             momentum: 0.9,

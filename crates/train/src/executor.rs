@@ -29,7 +29,7 @@ use tch::{Device, Tensor};
 
 use crate::clock::StepClock;
 use crate::kernels::LayerNormStats;
-use crate::model::{AttentionCore, Gpt, Norm};
+use crate::model::{Core, Gpt, Norm};
 use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::{Phase, TrainError};
@@ -239,8 +239,9 @@ struct Segment {
     /// With the fused LayerNorm, while `output` holds the graph: the normed input (a leaf that
     /// requires grad) and its statistics, for the norm's backward.
     normed: Option<(Tensor, LayerNormStats)>,
-    /// With the attention's core by hand, while `output` holds the graph: what its backward needs.
-    core: Option<AttentionCore>,
+    /// With the attention's core or the MLP's bias and GELU by hand, while `output` holds the
+    /// graph: what its backward needs.
+    core: Option<Core>,
 }
 
 /// A half's forward (see `forward_half`).
@@ -249,7 +250,7 @@ struct HalfForward {
     input: Tensor,
     output: Tensor,
     normed: Option<(Tensor, LayerNormStats)>,
-    core: Option<AttentionCore>,
+    core: Option<Core>,
 }
 
 /// What one micro-batch gave.
@@ -287,7 +288,7 @@ impl Executor {
     /// libtorch's graph, between the half and its input) or the attention's core by hand.
     fn block_segments(&self, model: &Gpt, layer_idx: usize) -> Vec<(Half, bool)> {
         let segments = self.recompute.segments(layer_idx);
-        if !model.fused_layer_norm() && !model.fused_softmax() {
+        if !model.fused_layer_norm() && !model.fused_softmax() && !model.fused_bias_gelu() {
             return segments.to_vec();
         }
         segments
@@ -441,11 +442,13 @@ impl Executor {
                 }
             };
             backward_from(&output, &grad_output);
-            // The attention's core by hand, between its output projection's graph and its q, k,
-            // v projection's.
+            // The attention's core or the MLP's bias and GELU by hand, between two graphs.
             if let Some(core) = core {
                 drop(output);
-                backward_from(&core.heads, &model.attention_core_backward(&core));
+                match core {
+                    Core::Attention(core) => backward_from(&core.heads, &model.attention_core_backward(&core)),
+                    Core::Mlp(core) => backward_from(&core.input, &model.mlp_core_backward(segment.layer_idx, &core)),
+                }
             }
             model.add_cast_grads(Some(segment.layer_idx));
             // The residual passes `grad_output` through to the input unchanged; the fused
@@ -481,13 +484,18 @@ impl Executor {
 /// with the kernel on and taking the input) the input needs no gradient of its own: the residual
 /// passes the output's through, and the normed input is a leaf that requires grad. Otherwise the
 /// input becomes a leaf that requires grad, and libtorch runs the whole half, except an
-/// attention's core when the model runs it by hand (`Gpt::fused_softmax`).
+/// attention's core or an MLP's bias and GELU when the model runs them by hand
+/// (`Gpt::fused_softmax`, `Gpt::fused_bias_gelu`).
 fn forward_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> HalfForward {
     let fused = match half {
         Half::Whole => None,
         Half::Attention | Half::Mlp => model.fused_norm(norm_of(layer_idx, half), input),
     };
-    let by_hand = half == Half::Attention && model.fused_softmax();
+    let by_hand = match half {
+        Half::Whole => false,
+        Half::Attention => model.fused_softmax(),
+        Half::Mlp => model.fused_bias_gelu(),
+    };
     let (input, normed, normed_input) = match fused {
         Some((normed, stats)) => {
             let normed = normed.set_requires_grad(true);
@@ -507,9 +515,13 @@ fn forward_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> Ha
     let (branch, core) = match half {
         Half::Attention if by_hand => {
             let (branch, core) = model.attention_branch_by_hand(layer_idx, &normed);
-            (branch, Some(core))
+            (branch, Some(Core::Attention(core)))
         }
         Half::Attention => (model.attention_branch(layer_idx, &normed), None),
+        _ if by_hand => {
+            let (branch, core) = model.mlp_branch_by_hand(layer_idx, &normed);
+            (branch, Some(Core::Mlp(core)))
+        }
         _ => (model.mlp_branch(layer_idx, &normed), None),
     };
     let output = &input + branch;

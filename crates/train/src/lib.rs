@@ -47,8 +47,8 @@ pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepH
 pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use host_memory::{retain_env, HostMemory};
 pub use kernels::{
-    causal_softmax_backward_bf16, causal_softmax_bf16, cross_entropy_bf16, layer_norm_bf16, layer_norm_bf16_backward,
-    CausalBlock, CrossEntropy, LayerNormStats,
+    bias_gelu_bf16, bias_gelu_bf16_backward, causal_softmax_backward_bf16, causal_softmax_bf16, cross_entropy_bf16,
+    layer_norm_bf16, layer_norm_bf16_backward, CausalBlock, CrossEntropy, LayerNormStats,
 };
 pub use model::Gpt;
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};

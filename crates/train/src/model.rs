@@ -37,6 +37,9 @@ pub struct Gpt {
     /// Threads of the causal softmax kernel; 0 leaves the attention's core to libtorch's ops and
     /// autograd (see `set_fused_softmax`).
     fused_softmax_threads: usize,
+    /// Threads of the bias + GELU kernels; 0 leaves the MLP's first bias and GELU to libtorch's
+    /// ops and autograd (see `set_fused_bias_gelu`).
+    fused_bias_gelu_threads: usize,
     /// The weights and biases cast to the compute type, made at their first use in a step and
     /// reused by its later micro-batches (see `begin_step_casts`); indexed by `Slot`.
     casts: RefCell<Vec<Option<Tensor>>>,
@@ -129,6 +132,25 @@ pub(crate) struct FusedHead {
 
 /// An attention core run outside libtorch's graph (`Gpt::attention_branch_by_hand`): what its
 /// backward by hand (`Gpt::attention_core_backward`) needs.
+/// What the backward by hand of an MLP's bias and GELU needs (`Gpt::mlp_branch_by_hand`).
+pub(crate) struct MlpCore {
+    /// The first linear layer's input in bf16, with libtorch's graph back to the half's input:
+    /// the backward by hand ends with this tensor's gradient.
+    pub input: Tensor,
+    /// The first weight in bf16 `[4d, d]`, outside the graph.
+    weight: Tensor,
+    /// The product `input W^T` without the bias, bf16.
+    pre: Tensor,
+    /// `gelu(pre + bias)`: a leaf that requires grad, where the second linear layer's graph starts.
+    act: Tensor,
+}
+
+/// A part of a half that the executor backward-s by hand, between two of libtorch's graphs.
+pub(crate) enum Core {
+    Attention(AttentionCore),
+    Mlp(MlpCore),
+}
+
 pub(crate) struct AttentionCore {
     /// q, k and v `[3, batch * n_head, seq, head_dim]`, with libtorch's graph back to the half's
     /// input: the backward by hand ends with this tensor's gradient.
@@ -315,6 +337,7 @@ impl Gpt {
             fused_layer_norm_threads: 0,
             causal_block_rows: 0,
             fused_softmax_threads: 0,
+            fused_bias_gelu_threads: 0,
             casts: RefCell::new((0..shape.n_layer * Slot::PER_BLOCK + 1).map(|_| None).collect()),
             reuse_casts: false,
             unit_casts: false,
@@ -422,20 +445,23 @@ impl Gpt {
         }
         let values = match slot.layer(self.shape.n_layer) {
             None => tch::no_grad(|| self.wte.to_kind(self.compute)),
-            Some(layer_idx) => {
-                let (unit, entry) = self.block_entry(layer_idx, slot);
-                let cast = self.block_casts.borrow_mut()[layer_idx]
-                    .get_or_insert_with(|| {
-                        let len = unit.range.end - unit.range.start;
-                        tch::no_grad(|| self.params.flat().narrow(0, unit.range.start, len).to_kind(self.compute))
-                    })
-                    .shallow_clone();
-                cast.narrow(0, entry.offset - unit.range.start, entry.numel).view(entry.shape.as_slice())
-            }
+            Some(layer_idx) => self.block_cast_of(layer_idx, slot),
         };
         let leaf = values.detach().set_requires_grad(true);
         self.leaves.borrow_mut()[slot.0] = Some(leaf.shallow_clone());
         leaf
+    }
+
+    /// Slot `slot`'s part of block `layer_idx`'s one cast (made now if the step has none yet).
+    fn block_cast_of(&self, layer_idx: usize, slot: Slot) -> Tensor {
+        let (unit, entry) = self.block_entry(layer_idx, slot);
+        let cast = self.block_casts.borrow_mut()[layer_idx]
+            .get_or_insert_with(|| {
+                let len = unit.range.end - unit.range.start;
+                tch::no_grad(|| self.params.flat().narrow(0, unit.range.start, len).to_kind(self.compute))
+            })
+            .shallow_clone();
+        cast.narrow(0, entry.offset - unit.range.start, entry.numel).view(entry.shape.as_slice())
     }
 
     /// How many casts the step keeps now (each weight and bias of the linear layers once reuse
@@ -499,6 +525,21 @@ impl Gpt {
         self.fused_softmax_threads > 0
             && self.attention == Attention::Math(Kind::BFloat16)
             && self.wte.device() == Device::Cpu
+    }
+
+    /// Under bf16 on a CPU, the block executor runs each MLP's first linear layer without its
+    /// bias, and the bias and GELU as one Rust kernel outside libtorch's graph
+    /// (`kernels::bias_gelu_bf16`, on `n_threads` threads; `train.fused_bias_gelu`), with the
+    /// backward by hand: the kernel's (the bias's gradient summed in the same pass) and the
+    /// linear layer's two matrix multiplies. `false` (the default of `new`) keeps libtorch's
+    /// `addmm`, `gelu` and autograd.
+    pub fn set_fused_bias_gelu(&mut self, enabled: bool, n_threads: usize) {
+        self.fused_bias_gelu_threads = if enabled { n_threads.max(1) } else { 0 };
+    }
+
+    /// Whether the executor runs the MLP's bias and GELU by hand (see `set_fused_bias_gelu`).
+    pub(crate) fn fused_bias_gelu(&self) -> bool {
+        self.fused_bias_gelu_threads > 0 && self.compute == Kind::BFloat16 && self.wte.device() == Device::Cpu
     }
 
     /// Whether the executor takes the LayerNorms from the kernel (see `set_fused_layer_norm`).
@@ -773,6 +814,52 @@ impl Gpt {
         let block = &self.blocks[layer_idx];
         let h = self.linear(h, Slot::weight(layer_idx, Slot::FC), &block.fc_w, Some(&block.fc_b)).gelu("none");
         self.linear(&h, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, Some(&block.mlp_proj_b))
+    }
+
+    /// `mlp_branch` with the first bias and the GELU by hand (see `set_fused_bias_gelu`): `h`
+    /// cast to bf16 in libtorch's graph, then outside it the product with the first weight
+    /// (without its bias) and the kernel; the result is a new leaf, where the second linear
+    /// layer's graph starts. The branch, and what `mlp_core_backward` needs.
+    pub(crate) fn mlp_branch_by_hand(&self, layer_idx: usize, h: &Tensor) -> (Tensor, MlpCore) {
+        let block = &self.blocks[layer_idx];
+        let slot = Slot::weight(layer_idx, Slot::FC);
+        let input = h.to_kind(self.compute);
+        let (weight, pre, act) = tch::no_grad(|| {
+            let weight =
+                if self.unit_casts { self.block_cast_of(layer_idx, slot) } else { block.fc_w.to_kind(self.compute) };
+            let pre = input.detach().linear(&weight, None::<&Tensor>);
+            let act = crate::kernels::bias_gelu_bf16(&pre, &block.fc_b, self.fused_bias_gelu_threads)
+                .expect("the MLP's product is contiguous bf16 and its bias a contiguous fp32 view");
+            (weight, pre, act)
+        });
+        let act = act.set_requires_grad(true);
+        let branch =
+            self.linear(&act, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, Some(&block.mlp_proj_b));
+        (branch, MlpCore { input, weight, pre, act })
+    }
+
+    /// The backward by hand of an `mlp_branch_by_hand` core whose activation has its gradient
+    /// (the second linear layer's backward ran): the gradient of its `input`. The kernel gives
+    /// the product's gradient and adds the bias's into the flat gradient buffer; the weight's
+    /// gradient, `dP^T h`, is added there too (as the bf16 leaf's would be), and the input's is
+    /// `dP W`.
+    pub(crate) fn mlp_core_backward(&self, layer_idx: usize, core: &MlpCore) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        tch::no_grad(|| {
+            let grad_pre = crate::kernels::bias_gelu_bf16_backward(
+                &core.act.grad(),
+                &core.pre,
+                &block.fc_b,
+                &block.fc_b.grad(),
+                self.fused_bias_gelu_threads,
+            );
+            let hidden = *grad_pre.size().last().expect("the product is [.., 4d]");
+            let d = *core.weight.size().last().expect("the weight is [4d, d]");
+            let rows = grad_pre.view([-1, hidden]);
+            let mut weight_grad = block.fc_w.grad();
+            weight_grad += rows.transpose(0, 1).mm(&core.input.detach().view([-1, d]));
+            grad_pre.matmul(&core.weight)
+        })
     }
 
     /// Logits `[batch, seq, vocab]` from the last block's output (16-bit under 16-bit precision).

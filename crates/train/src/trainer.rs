@@ -275,6 +275,7 @@ impl Trainer {
         model.set_fused_layer_norm(train.fused_layer_norm, tch::get_num_threads().max(1) as usize);
         model.set_causal_block_rows(train.causal_block_rows);
         model.set_fused_softmax(train.fused_softmax, tch::get_num_threads().max(1) as usize);
+        model.set_fused_bias_gelu(train.fused_bias_gelu, tch::get_num_threads().max(1) as usize);
         model.set_unit_casts(train.unit_casts);
         let optimizer = Optimizer::for_config(train, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;

@@ -12,8 +12,9 @@
 //! for the baseline and for AVX-512 (AVX2 with FMA as the middle), picked at run time like the
 //! fused optimizer.
 //!
-//! `layer_norm_bf16` (the LayerNorms, `layer_norm.rs`) and `causal_softmax_bf16` (the attention's
-//! masked softmax, `softmax.rs`) are the others.
+//! `layer_norm_bf16` (the LayerNorms, `layer_norm.rs`), `causal_softmax_bf16` (the attention's
+//! masked softmax, `softmax.rs`) and `bias_gelu_bf16` (the MLP's first bias and GELU, `gelu.rs`)
+//! are the others.
 
 use std::ops::Range;
 
@@ -52,9 +53,11 @@ macro_rules! simd_dispatch {
     };
 }
 
+mod gelu;
 mod layer_norm;
 mod softmax;
 
+pub use gelu::{bias_gelu_bf16, bias_gelu_bf16_backward};
 pub use layer_norm::{layer_norm_bf16, layer_norm_bf16_backward, LayerNormStats};
 pub use softmax::{causal_softmax_backward_bf16, causal_softmax_bf16, CausalBlock};
 
@@ -254,13 +257,17 @@ fn exp_nonpositive(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0;
     let underflow = x < -87.0;
     let clamped = if underflow { -87.0 } else { x };
-    let n = (clamped * LOG2_E + ROUND) - ROUND;
+    let shifted = clamped * LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let r = (clamped - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `shifted` is 1.5 x 2^23 + n, whose bits are those of 1.5 x 2^23 plus n: so n + 127 in
+    // integer arithmetic, which vectorizes (`n as i32` saturates, which the compiler does lane
+    // by lane).
+    let two_n = f32::from_bits(shifted.to_bits().wrapping_sub(ROUND.to_bits() - 127) << 23);
     let y = p * two_n;
     if underflow {
         0.0

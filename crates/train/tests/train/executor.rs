@@ -299,6 +299,49 @@ fn fused_softmax_gives_libtorchs_loss_and_gradients_in_bf16() {
 }
 
 #[test]
+fn fused_bias_gelu_gives_libtorchs_loss_and_gradients_in_bf16() {
+    let _rng = super::rng_lock();
+    let data = [batch(4, 8), batch(4, 9)];
+    // The first linear layer's weight and bias get their gradients only by hand.
+    let mlp = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.3.mlp.c_fc.bias", "transformer.h.1.ln_2.weight"];
+    for (unit_casts, fused_layer_norm) in [(false, false), (true, false), (true, true)] {
+        let run = |fused: bool, policy: Recompute| {
+            let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
+            let mut model = model(Precision::Bf16);
+            model.set_unit_casts(unit_casts);
+            model.set_fused_layer_norm(fused_layer_norm, 2);
+            model.set_fused_bias_gelu(fused, 2);
+            let grads = gradients(&model, &executor, &data);
+            let own: Vec<Vec<f32>> = mlp.iter().map(|name| grad_of(&model, name)).collect();
+            let loss = first_loss(&model, &executor, &data);
+            (grads, own, loss)
+        };
+        let case = format!("unit casts {unit_casts}, fused LayerNorm {fused_layer_norm}");
+        let (libtorch, libtorch_own, libtorch_loss) = run(false, Recompute::None);
+        let (fused, fused_own, fused_loss) = run(true, Recompute::None);
+        assert!(
+            (fused_loss - libtorch_loss).abs() <= 1e-3 * libtorch_loss,
+            "{case}: loss {fused_loss} against {libtorch_loss}"
+        );
+        let diff = relative_difference(&fused, &libtorch);
+        assert!(diff <= 1e-2, "{case}: relative difference {diff:e}");
+        // The kernel adds the fp32 bias to the product (libtorch rounds the biased product to
+        // bf16) and sums the bias's gradient before rounding: not the same bits.
+        assert!(fused != libtorch, "{case}: the bias and GELU by hand changed no gradient");
+        for ((name, got), want) in mlp.iter().zip(&fused_own).zip(&libtorch_own) {
+            assert!(got.iter().any(|&g| g != 0.0), "{case}: no gradient reached {name}");
+            let diff = relative_difference(got, want);
+            assert!(diff <= 2e-2, "{case}: {name}: relative difference {diff:e}");
+        }
+        // Recomputation reruns the same kernel on the same inputs: the same gradients, bit for bit.
+        for policy in [Recompute::Mlp, Recompute::Block, Recompute::Every(2)] {
+            let (recomputed, _, _) = run(true, policy);
+            assert!(recomputed == fused, "{case}, recompute {policy}: gradients differ");
+        }
+    }
+}
+
+#[test]
 fn weights_cast_once_per_step_give_bit_identical_bf16_gradients() {
     let _rng = super::rng_lock();
     let k = 4;

@@ -1,0 +1,108 @@
+//! The fused bias + GELU kernels against libtorch's ops they replace, on the MLP's shapes
+//! `[rows, 4d]` under bf16, with the first linear layer's product included on both sides.
+//! libtorch: `addmm` with the bf16 bias, `gelu`; backward `gelu_backward`, the bias's gradient
+//! as a sum over the rows, added into its fp32 buffer. Fused: `mm` without the bias,
+//! `bias_gelu_bf16` with the fp32 bias; backward `bias_gelu_bf16_backward` (the bias's gradient
+//! summed in the same pass). The product's own backward is the same on both sides and left out.
+//!
+//! ```text
+//! cargo run --release -p stoke-train --example bias_gelu_bench -- [--rounds R] [--iters K] [--threads N]
+//! ```
+//!
+//! Runs with the C allocator keeping freed memory (stoke's default `train.host_memory`). Each
+//! round times the four in turn (interleaved), K calls each, and takes each one's median; the
+//! table gives the median of the rounds with min and max.
+
+use stoke_train::{bias_gelu_bf16, bias_gelu_bf16_backward};
+use tch::{Device, Kind, Tensor};
+
+mod support;
+use support::{arg, median, time_ms};
+
+/// glibc reads its MALLOC_ variables at start, so the process starts itself again once with them.
+fn reexec_once() {
+    if std::env::var_os("BIAS_GELU_BENCH_CHILD").is_some() {
+        return;
+    }
+    let status = std::process::Command::new(std::env::current_exe().expect("own path"))
+        .args(std::env::args().skip(1))
+        .env("BIAS_GELU_BENCH_CHILD", "1")
+        .status()
+        .expect("restart with the allocator's settings");
+    std::process::exit(status.code().unwrap_or(1));
+}
+
+fn cell(values: &mut [f64]) -> String {
+    let (min, max) = values.iter().fold((f64::MAX, f64::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+    format!("{:.3} [{min:.3}, {max:.3}]", median(values))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let (rounds, iters) = (arg(&args, "--rounds", 5), arg(&args, "--iters", 15));
+    let n_threads = arg(&args, "--threads", tch::get_num_threads().max(1) as usize);
+    for (name, value) in stoke_train::retain_env() {
+        std::env::set_var(name, value);
+    }
+    reexec_once();
+    println!("threads: kernel {n_threads}, libtorch {}", tch::get_num_threads());
+    println!(
+        "| rows x d | libtorch fwd ms | fused fwd ms | libtorch bwd ms | fused bwd ms | fused / libtorch (fwd+bwd) |"
+    );
+    println!("|---|---|---|---|---|---|");
+    // tiny, small and gpt2-124m at micro-batch 16, 16 and 1.
+    for (rows, d) in [(2048i64, 256i64), (4096, 384), (1024, 768)] {
+        tch::manual_seed(1);
+        let _guard = tch::no_grad_guard();
+        let h = 4 * d;
+        let bf16 = (Kind::BFloat16, Device::Cpu);
+        let x = Tensor::randn([rows, d], bf16);
+        let w = Tensor::randn([h, d], bf16) * 0.05;
+        let bias = Tensor::randn([h], (Kind::Float, Device::Cpu)) * 0.1;
+        let bias16 = bias.to_kind(Kind::BFloat16);
+        let grad = Tensor::randn([rows, h], bf16);
+        let pre_biased = x.linear(&w, Some(&bias16));
+        let pre = x.linear(&w, None::<&Tensor>);
+        let mut bias_grad = Tensor::zeros([h], (Kind::Float, Device::Cpu));
+        let mut cells: [Vec<f64>; 4] = Default::default();
+        for _ in 0..rounds {
+            let lf = time_ms(iters, || {
+                std::hint::black_box(x.linear(&w, Some(&bias16)).gelu("none"));
+            });
+            let ff = time_ms(iters, || {
+                std::hint::black_box(bias_gelu_bf16(&x.linear(&w, None::<&Tensor>), &bias, n_threads));
+            });
+            let lb = time_ms(iters, || {
+                let grad_pre = grad.gelu_backward(&pre_biased, "none");
+                bias_grad += grad_pre.sum_dim_intlist([0i64].as_slice(), false, Kind::BFloat16);
+                std::hint::black_box(grad_pre);
+            });
+            let fb = time_ms(iters, || {
+                std::hint::black_box(bias_gelu_bf16_backward(&grad, &pre, &bias, &bias_grad, n_threads));
+            });
+            let ga = time_ms(iters, || {
+                std::hint::black_box(pre_biased.gelu("none"));
+            });
+            let ka = time_ms(iters, || {
+                std::hint::black_box(bias_gelu_bf16(&pre, &bias, n_threads));
+            });
+            let k1 = time_ms(iters, || {
+                std::hint::black_box(bias_gelu_bf16(&pre, &bias, 1));
+            });
+            let am = time_ms(iters, || {
+                std::hint::black_box(x.linear(&w, Some(&bias16)));
+            });
+            let mm = time_ms(iters, || {
+                std::hint::black_box(x.linear(&w, None::<&Tensor>));
+            });
+            eprintln!("gelu alone {ga:.3} kernel alone {ka:.3} kernel 1 thread {k1:.3} addmm {am:.3} mm {mm:.3}");
+            for (cell, value) in cells.iter_mut().zip([lf, ff, lb, fb]) {
+                cell.push(value);
+            }
+        }
+        let mut ratio: Vec<f64> =
+            (0..rounds).map(|r| (cells[1][r] + cells[3][r]) / (cells[0][r] + cells[2][r])).collect();
+        let [lf, ff, lb, fb] = &mut cells;
+        println!("| {rows} x {h} | {} | {} | {} | {} | {} |", cell(lf), cell(ff), cell(lb), cell(fb), cell(&mut ratio));
+    }
+}

@@ -1,0 +1,279 @@
+//! The MLP's first bias and its GELU, forward and backward, with the bias's gradient summed in
+//! the backward's one pass.
+//!
+//! Under bf16 libtorch runs the MLP's first linear layer as `addmm` (the bias copied into the
+//! output, then the product added), `gelu` (one pass, fp32 inside), and in the backward
+//! `gelu_backward` (one pass) and the bias's gradient as a sum over the rows of that result
+//! (another pass over `[rows, 4d]`), then the bias leaf's bf16 gradient cast and added into the
+//! fp32 buffer. Here the product runs without the bias, and one pass adds the fp32 bias and takes
+//! the GELU; the backward reads the product and the output's gradient once, writes the
+//! product's gradient and sums the bias's per thread in fp32. The GELU is the exact one
+//! (`x Phi(x)`, libtorch's `approximate="none"`), with `Phi` from the erfc approximation of
+//! Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7, the one libtorch's vectorized `erf`
+//! uses) and one exponential per value, which the derivative's `phi(x)` shares.
+
+use std::ops::Range;
+
+use tch::{Device, Kind, Tensor};
+
+use super::{bf16_to_f32, f32_to_bf16, parallel_rows, SharedMut};
+
+/// The rows a thread takes at the least.
+const MIN_ROWS_PER_THREAD: usize = 32;
+
+/// `gelu(pre + bias)` of `pre` `[.., h]` bf16 and `bias` `[h]` fp32, as bf16 of `pre`'s shape.
+/// `None` when the inputs are not what the kernel handles (not contiguous bf16 and fp32 on the
+/// CPU, or a bias of another width): the caller takes libtorch's ops.
+pub fn bias_gelu_bf16(pre: &Tensor, bias: &Tensor, n_threads: usize) -> Option<Tensor> {
+    let (rows, h) = fits(pre, bias)?;
+    let out = Tensor::empty(pre.size(), (Kind::BFloat16, Device::Cpu));
+    // SAFETY: `pre` and `bias` are contiguous CPU tensors of the kinds and lengths checked by
+    // `fits`, alive for this scope; `out` was just allocated and nothing else refers to it.
+    let (x, b, out_all) = unsafe {
+        (
+            std::slice::from_raw_parts(pre.data_ptr() as *const u16, rows * h),
+            std::slice::from_raw_parts(bias.data_ptr() as *const f32, h),
+            SharedMut::new(out.data_ptr() as *mut u16, rows * h),
+        )
+    };
+    parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
+        let span = range.start * h..range.end * h;
+        // SAFETY: `parallel_rows` hands out disjoint ranges of rows.
+        let out = unsafe { out_all.slice(span.clone()) };
+        forward_dispatch(&x[span], b, out);
+    });
+    Some(out)
+}
+
+/// The gradient with respect to `pre` of a `bias_gelu_bf16` forward, given `grad_out` (bf16, of
+/// `pre`'s shape), as bf16; the bias's gradient (the sum of that over the rows, in fp32 before
+/// rounding) is added to `bias_grad` (fp32 `[h]`, e.g. the bias's view of the flat gradient
+/// buffer). Panics when the tensors do not fit the forward's (a caller's bug, not bad data).
+pub fn bias_gelu_bf16_backward(
+    grad_out: &Tensor,
+    pre: &Tensor,
+    bias: &Tensor,
+    bias_grad: &Tensor,
+    n_threads: usize,
+) -> Tensor {
+    let (rows, h) = fits(pre, bias).expect("bias_gelu_bf16_backward: the forward's inputs");
+    let grad_out = grad_out.contiguous();
+    assert!(grad_out.kind() == Kind::BFloat16 && grad_out.size() == pre.size(), "bias_gelu_bf16_backward: grad_out");
+    assert!(bias_grad.kind() == Kind::Float && bias_grad.numel() == h, "bias_gelu_bf16_backward: bias_grad");
+    let grad_pre = Tensor::empty(pre.size(), (Kind::BFloat16, Device::Cpu));
+    // SAFETY: contiguous CPU tensors of the kinds and lengths checked above, alive for this
+    // scope; `grad_pre` is new and only written here.
+    let (g, x, b, dx_all) = unsafe {
+        (
+            std::slice::from_raw_parts(grad_out.data_ptr() as *const u16, rows * h),
+            std::slice::from_raw_parts(pre.data_ptr() as *const u16, rows * h),
+            std::slice::from_raw_parts(bias.data_ptr() as *const f32, h),
+            SharedMut::new(grad_pre.data_ptr() as *mut u16, rows * h),
+        )
+    };
+    let partials = parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
+        let span = range.start * h..range.end * h;
+        let mut db = vec![0f32; h];
+        // SAFETY: disjoint row ranges, as in the forward.
+        let dx = unsafe { dx_all.slice(span.clone()) };
+        backward_dispatch(&g[span.clone()], &x[span], b, dx, &mut db);
+        db
+    });
+    let mut db = vec![0f32; h];
+    for partial in &partials {
+        db.iter_mut().zip(partial).for_each(|(a, b)| *a += b);
+    }
+    let _guard = tch::no_grad_guard();
+    let mut bias_grad = bias_grad.shallow_clone();
+    bias_grad += Tensor::from_slice(&db).view(bias_grad.size().as_slice());
+    grad_pre
+}
+
+/// `pre`'s rows and width when `pre` is contiguous bf16 and `bias` contiguous fp32 of its width,
+/// both on the CPU.
+fn fits(pre: &Tensor, bias: &Tensor) -> Option<(usize, usize)> {
+    let h = *pre.size().last()?;
+    let cpu_contiguous =
+        |t: &Tensor, kind| t.defined() && t.kind() == kind && t.device() == Device::Cpu && t.is_contiguous();
+    if !cpu_contiguous(pre, Kind::BFloat16) || !cpu_contiguous(bias, Kind::Float) || h == 0 || bias.size() != [h] {
+        return None;
+    }
+    Some((pre.numel() / h as usize, h as usize))
+}
+
+simd_dispatch! {
+    fn forward_dispatch(x: &[u16], b: &[f32], out: &mut [u16]) => forward_rows
+}
+
+simd_dispatch! {
+    fn backward_dispatch(g: &[u16], x: &[u16], b: &[f32], dx: &mut [u16], db: &mut [f32]) => backward_rows
+}
+
+/// `Phi(x)` and `phi(x)`, the standard normal's distribution and density at `x`. NaN gives NaN.
+#[inline(always)]
+fn normal_cdf_pdf(x: f32) -> (f32, f32) {
+    // Abramowitz and Stegun 7.1.26: erfc(z) ~ t (a1 + t (a2 + ...)) e^(-z^2), t = 1 / (1 + p z), z >= 0.
+    const P: f32 = 0.327_591_1;
+    const A: [f32; 5] = [0.254_829_6, -0.284_496_74, 1.421_413_8, -1.453_152_1, 1.061_405_4];
+    const INV_SQRT_2PI: f32 = 0.398_942_3;
+    let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
+    let t = 1.0 / P.mul_add(z, 1.0);
+    let poly = t * t.mul_add(t.mul_add(t.mul_add(t.mul_add(A[4], A[3]), A[2]), A[1]), A[0]);
+    let e = exp_for_bf16(-(z * z));
+    // Phi(-|x|) = erfc(|x| / sqrt 2) / 2.
+    let tail = 0.5 * poly * e;
+    let cdf = if x >= 0.0 { 1.0 - tail } else { tail };
+    (cdf, e * INV_SQRT_2PI)
+}
+
+/// e^x for x <= 0 to about 3e-6 relative (a bf16 result needs 2^-9): `kernels::exp_nonpositive`'s
+/// reduction with its Taylor polynomial cut to degree 5, in fused multiply-adds. Below -87 it
+/// gives 0; a NaN gives some number (the GELU's product with the NaN input makes the result NaN).
+#[inline(always)]
+fn exp_for_bf16(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0;
+    let underflow = x < -87.0;
+    let clamped = if underflow { -87.0 } else { x };
+    let shifted = clamped.mul_add(LOG2_E, ROUND);
+    let n = shifted - ROUND;
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, clamped));
+    let p = r.mul_add(r.mul_add(r.mul_add(r.mul_add(r.mul_add(1.0 / 120.0, 1.0 / 24.0), 1.0 / 6.0), 0.5), 1.0), 1.0);
+    let two_n = f32::from_bits(shifted.to_bits().wrapping_sub(ROUND.to_bits() - 127) << 23);
+    if underflow {
+        0.0
+    } else {
+        p * two_n
+    }
+}
+
+/// Each value: `gelu(x + b) = (x + b) Phi(x + b)`.
+#[inline(always)]
+fn forward_rows(x: &[u16], b: &[f32], out: &mut [u16]) {
+    let h = b.len();
+    for (row, out) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        for ((o, &x), &b) in out.iter_mut().zip(row).zip(b) {
+            let v = bf16_to_f32(x) + b;
+            let (cdf, _) = normal_cdf_pdf(v);
+            *o = f32_to_bf16(v * cdf);
+        }
+    }
+}
+
+/// Each value, with `v = x + b`: `dx = g (Phi(v) + v phi(v))`, and `db += dx` before rounding.
+#[inline(always)]
+fn backward_rows(g: &[u16], x: &[u16], b: &[f32], dx: &mut [u16], db: &mut [f32]) {
+    let h = b.len();
+    let db = &mut db[..h];
+    for ((g, x), dx) in g.chunks_exact(h).zip(x.chunks_exact(h)).zip(dx.chunks_exact_mut(h)) {
+        for ((((&g, &x), &b), dx), db) in g.iter().zip(x).zip(b).zip(dx.iter_mut()).zip(db.iter_mut()) {
+            let v = bf16_to_f32(x) + b;
+            let (cdf, pdf) = normal_cdf_pdf(v);
+            let grad = bf16_to_f32(g) * (cdf + v * pdf);
+            *dx = f32_to_bf16(grad);
+            *db += grad;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// libtorch's ops on the same values in f64: `pre + bias` (its fp32 sum, as the kernel
+    /// takes it), the exact GELU, and the backward from the bf16 `grad`; the outputs rounded to
+    /// bf16 as the kernel's are. In f64 so that the kernel's own error is what is measured:
+    /// libtorch's fp32 GELU, `x (1 + erf(x / sqrt 2)) / 2`, cancels below about x = -4
+    /// (gelu(-7) comes out 0), and the kernel's erfc, accurate to 1.5e-7 absolute, is not
+    /// accurate relative to a Phi below about 1e-5 either: both are within 1e-6 absolute there.
+    fn reference(pre: &Tensor, bias: &Tensor, grad: &Tensor) -> [Tensor; 3] {
+        let v = (pre.to_kind(Kind::Float) + bias).to_kind(Kind::Double).detach().set_requires_grad(true);
+        let out = v.gelu("none");
+        (&out * grad.to_kind(Kind::Double)).sum(Kind::Double).backward();
+        let dv = v.grad();
+        let db = dv.sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
+        [out.detach().to_kind(Kind::BFloat16), dv.to_kind(Kind::BFloat16), db]
+    }
+
+    /// Within one bf16 ulp of the larger (the fp32 values differ in their last bits, and the
+    /// rounding may land either side), or 1e-6 absolute in the far tail; at least `min_exact`
+    /// equal among the values of magnitude 1e-3 or more (the tail's are within the bound).
+    fn close_in_bf16(got: &Tensor, want: &Tensor, what: &str, min_exact: f64) {
+        let (got, want) = (got.to_kind(Kind::Float), want.to_kind(Kind::Float));
+        let bound = want.abs().maximum(&got.abs()) * (2.0f64.powi(-7) * 1.01) + 1e-6;
+        let excess = ((&got - &want).abs() - bound).max().double_value(&[]);
+        assert!(excess <= 0.0, "{what} differs by more than a bf16 ulp: {excess}");
+        let body = want.abs().ge(1e-3);
+        let equal = got.eq_tensor(&want).logical_and(&body).sum(Kind::Float).double_value(&[]);
+        let exact = equal / body.sum(Kind::Float).double_value(&[]).max(1.0);
+        assert!(exact >= min_exact, "only {exact} of {what} equal libtorch's");
+    }
+
+    fn check(rows: i64, h: i64, spread: f64, n_threads: usize) {
+        let opts = (Kind::Float, Device::Cpu);
+        let pre = (Tensor::randn([rows, h], opts) * spread).to_kind(Kind::BFloat16);
+        let bias = Tensor::randn([h], opts) * 0.5;
+        let grad = Tensor::randn([rows, h], opts).to_kind(Kind::BFloat16);
+        let [want_out, want_dx, want_db] = reference(&pre, &bias, &grad);
+
+        let out = bias_gelu_bf16(&pre, &bias, n_threads).expect("bf16 and fp32 on the CPU");
+        assert_eq!((out.kind(), out.size()), (Kind::BFloat16, vec![rows, h]));
+        close_in_bf16(&out, &want_out, "the forward", 0.99);
+
+        let start = Tensor::full([h], 0.25, opts);
+        let bias_grad = start.copy();
+        let dx = bias_gelu_bf16_backward(&grad, &pre, &bias, &bias_grad, n_threads);
+        close_in_bf16(&dx, &want_dx, "the input's gradient", 0.98);
+        let db = &bias_grad - &start;
+        let rel = ((&db - &want_db).abs().max() / want_db.abs().max()).double_value(&[]);
+        assert!(rel <= 1e-4, "the bias's gradient (rows {rows}, width {h}): {rel}");
+    }
+
+    #[test]
+    fn bias_gelu_matches_libtorch_forward_and_backward() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        tch::manual_seed(17);
+        check(256, 1024, 1.0, 1);
+        check(256, 1024, 1.0, 3);
+        // Wide values (the tails of Phi), a width that is not a multiple of the lanes, fewer rows
+        // than the threads would take.
+        check(37, 100, 6.0, 4);
+        check(5, 3072, 0.1, 2);
+    }
+
+    #[test]
+    fn the_tails_and_nan() {
+        for (x, want) in [(0.0f32, 0.0f32), (10.0, 10.0), (-10.0, 0.0)] {
+            let (cdf, _) = normal_cdf_pdf(x);
+            assert!((x * cdf - want).abs() <= 1e-6, "gelu({x}) = {}", x * cdf);
+        }
+        for x in [f32::NAN, -f32::NAN] {
+            let (cdf, pdf) = normal_cdf_pdf(x);
+            assert!((x * cdf).is_nan() && (cdf + x * pdf).is_nan(), "the GELU and its derivative at {x}");
+        }
+        let mut worst = 0f32;
+        for i in 0..=100_000 {
+            let x = -87.0 * i as f32 / 100_000.0;
+            worst = worst.max(((exp_for_bf16(x) - x.exp()) / x.exp()).abs());
+        }
+        assert!(worst < 4e-6, "the exponential's relative error {worst}");
+        let (cdf, pdf) = normal_cdf_pdf(f32::NEG_INFINITY);
+        assert_eq!((cdf, pdf), (0.0, 0.0));
+    }
+
+    #[test]
+    fn other_inputs_are_left_to_libtorch() {
+        let opts = (Kind::Float, Device::Cpu);
+        let pre = Tensor::zeros([4, 8], (Kind::BFloat16, Device::Cpu));
+        let bias = Tensor::zeros([8], opts);
+        assert!(bias_gelu_bf16(&pre, &bias, 1).is_some());
+        assert!(bias_gelu_bf16(&pre.to_kind(Kind::Float), &bias, 1).is_none());
+        assert!(bias_gelu_bf16(&pre, &bias.to_kind(Kind::BFloat16), 1).is_none());
+        assert!(
+            bias_gelu_bf16(&Tensor::zeros([8, 4], (Kind::BFloat16, Device::Cpu)).transpose(0, 1), &bias, 1).is_none()
+        );
+        assert!(bias_gelu_bf16(&pre, &Tensor::zeros([4], opts), 1).is_none());
+    }
+}
