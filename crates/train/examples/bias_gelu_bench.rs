@@ -10,8 +10,9 @@
 //! ```
 //!
 //! Runs with the C allocator keeping freed memory (stoke's default `train.host_memory`). Each
-//! round times the four in turn (interleaved), K calls each, and takes each one's median; the
-//! table gives the median of the rounds with min and max.
+//! round times the four in turn (interleaved), then libtorch's `gelu` and the kernel's forward
+//! alone (without the product), K calls each, and takes each one's median; the table gives the
+//! median of the rounds with min and max.
 
 use stoke_train::{bias_gelu_bf16, bias_gelu_bf16_backward};
 use tch::{Device, Kind, Tensor};
@@ -47,9 +48,10 @@ fn main() {
     reexec_once();
     println!("threads: kernel {n_threads}, libtorch {}", tch::get_num_threads());
     println!(
-        "| rows x d | libtorch fwd ms | fused fwd ms | libtorch bwd ms | fused bwd ms | fused / libtorch (fwd+bwd) |"
+        "| rows x 4d | libtorch fwd ms | fused fwd ms | libtorch bwd ms | fused bwd ms | fused / libtorch (fwd+bwd) \
+         | gelu alone ms | kernel fwd alone ms |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     // tiny, small and gpt2-124m at micro-batch 16, 16 and 1.
     for (rows, d) in [(2048i64, 256i64), (4096, 384), (1024, 768)] {
         tch::manual_seed(1);
@@ -64,10 +66,10 @@ fn main() {
         let pre_biased = x.linear(&w, Some(&bias16));
         let pre = x.linear(&w, None::<&Tensor>);
         let mut bias_grad = Tensor::zeros([h], (Kind::Float, Device::Cpu));
-        let mut cells: [Vec<f64>; 4] = Default::default();
+        let mut cells: [Vec<f64>; 6] = Default::default();
         for _ in 0..rounds {
             let lf = time_ms(iters, || {
-                std::hint::black_box(x.linear(&w, Some(&bias16)).gelu("none"));
+                let _ = std::hint::black_box(x.linear(&w, Some(&bias16)).gelu("none"));
             });
             let ff = time_ms(iters, || {
                 std::hint::black_box(bias_gelu_bf16(&x.linear(&w, None::<&Tensor>), &bias, n_threads));
@@ -75,34 +77,33 @@ fn main() {
             let lb = time_ms(iters, || {
                 let grad_pre = grad.gelu_backward(&pre_biased, "none");
                 bias_grad += grad_pre.sum_dim_intlist([0i64].as_slice(), false, Kind::BFloat16);
-                std::hint::black_box(grad_pre);
+                let _ = std::hint::black_box(grad_pre);
             });
             let fb = time_ms(iters, || {
-                std::hint::black_box(bias_gelu_bf16_backward(&grad, &pre, &bias, &bias_grad, n_threads));
+                let _ = std::hint::black_box(bias_gelu_bf16_backward(&grad, &pre, &bias, &bias_grad, n_threads));
             });
-            let ga = time_ms(iters, || {
-                std::hint::black_box(pre_biased.gelu("none"));
+            let gelu = time_ms(iters, || {
+                let _ = std::hint::black_box(pre_biased.gelu("none"));
             });
-            let ka = time_ms(iters, || {
+            let kernel = time_ms(iters, || {
                 std::hint::black_box(bias_gelu_bf16(&pre, &bias, n_threads));
             });
-            let k1 = time_ms(iters, || {
-                std::hint::black_box(bias_gelu_bf16(&pre, &bias, 1));
-            });
-            let am = time_ms(iters, || {
-                std::hint::black_box(x.linear(&w, Some(&bias16)));
-            });
-            let mm = time_ms(iters, || {
-                std::hint::black_box(x.linear(&w, None::<&Tensor>));
-            });
-            eprintln!("gelu alone {ga:.3} kernel alone {ka:.3} kernel 1 thread {k1:.3} addmm {am:.3} mm {mm:.3}");
-            for (cell, value) in cells.iter_mut().zip([lf, ff, lb, fb]) {
+            for (cell, value) in cells.iter_mut().zip([lf, ff, lb, fb, gelu, kernel]) {
                 cell.push(value);
             }
         }
         let mut ratio: Vec<f64> =
             (0..rounds).map(|r| (cells[1][r] + cells[3][r]) / (cells[0][r] + cells[2][r])).collect();
-        let [lf, ff, lb, fb] = &mut cells;
-        println!("| {rows} x {h} | {} | {} | {} | {} | {} |", cell(lf), cell(ff), cell(lb), cell(fb), cell(&mut ratio));
+        let [lf, ff, lb, fb, gelu, kernel] = &mut cells;
+        println!(
+            "| {rows} x {h} | {} | {} | {} | {} | {} | {} | {} |",
+            cell(lf),
+            cell(ff),
+            cell(lb),
+            cell(fb),
+            cell(&mut ratio),
+            cell(gelu),
+            cell(kernel)
+        );
     }
 }

@@ -193,23 +193,26 @@ pub struct TrainConfig {
     /// Under bf16 on a CPU, every LayerNorm as a Rust kernel from the fp32 residual stream
     /// straight to bf16, and its backward with the residual's gradient added in the same pass,
     /// instead of libtorch's fp32 LayerNorm, casts and add; the block executor only. The kernels
-    /// take 0.41-0.66x libtorch's time, but a block then runs as two autograd segments, and the
-    /// step measured the same within noise (tiny 0.991, small 1.000 with the kernels on libtorch's
-    /// OpenMP threads) with 3-9% less peak memory (README, "What each step change bought", "The
-    /// Rust kernels on libtorch's threads"). Default false.
+    /// take 0.41-0.66x libtorch's time; a block then runs as its two halves (autograd segments).
+    /// With `fused_softmax` and `fused_bias_gelu` on beside it (the halves are then paid once)
+    /// the step took 0.993 (tiny), 0.948 (small) and 0.988 (gpt2-124m) of libtorch's ops' step,
+    /// with the same activation and peak memory within 1% (README, "The bias + GELU kernel").
+    /// Default true.
     pub fused_layer_norm: bool,
     /// Under bf16-math attention on a CPU, each attention's core outside libtorch's graph: the
     /// causal blocks' scores as plain `bmm`s into one buffer, the causal softmax as a Rust kernel
     /// that skips the masked keys (no mask is added), and the core's backward by hand between the
     /// output projection's and the q, k, v projection's; the block executor only. The core takes
-    /// 0.68-0.71x libtorch's time on its own, but the block then runs as two segments and its
-    /// attention half as three backward calls, and the tiny step measured level (0.975; README,
-    /// "The Rust kernels on libtorch's threads"). Default false.
+    /// 0.58x libtorch's time on its own (tiny and small); the block then runs as its two halves
+    /// and the attention half as three backward calls. Alone the step measured 0.991 (tiny) and
+    /// 0.990 (small); with the other two see `fused_layer_norm`. Default true.
     pub fused_softmax: bool,
     /// Under bf16 on a CPU, each MLP's first linear layer without its bias, and the bias and GELU
     /// as one Rust kernel outside libtorch's graph, with the backward by hand (the bias's gradient
     /// summed in the kernel's one pass, the layer's two matrix multiplies); the block executor
-    /// only, and a block then runs as its two halves. Default false.
+    /// only, and a block then runs as its two halves. With the product, 0.88-0.93x libtorch's
+    /// time; alone the step measured 0.995 (tiny, small); with the other two see
+    /// `fused_layer_norm`. Default true.
     pub fused_bias_gelu: bool,
     /// Under 16-bit precision, each block's parameters cast to the compute type in one op per
     /// step, its linear layers taking 16-bit leaves cut from that cast whose gradients are added
@@ -354,9 +357,9 @@ impl Default for TrainConfig {
             host_memory: HostMemory::Retain,
             fused_optimizer: true,
             fused_cross_entropy: FusedCrossEntropy::Auto,
-            fused_layer_norm: false,
-            fused_softmax: false,
-            fused_bias_gelu: false,
+            fused_layer_norm: true,
+            fused_softmax: true,
+            fused_bias_gelu: true,
             unit_casts: true,
             optimizer: OptimizerKind::AdamW,
             momentum: 0.9,

@@ -158,8 +158,8 @@ pub(crate) struct AttentionCore {
     /// Every query block's probabilities, one buffer (`blocks` says where each lies).
     probs: Tensor,
     blocks: Vec<CausalBlock>,
-    /// The weighted sums `[batch * n_head, seq, head_dim]`: a leaf that requires grad, where the
-    /// output projection's graph starts.
+    /// The weighted sums `[batch, seq, n_head * head_dim]` (heads side by side, the output
+    /// projection's input): a leaf that requires grad, where that projection's graph starts.
     y: Tensor,
     scale: f64,
 }
@@ -716,7 +716,8 @@ impl Gpt {
     /// and the output projection run in libtorch's graph; between them the scores of each causal
     /// query block (`train.causal_block_rows`) are `bmm`-ed into one buffer, the kernel turns
     /// them into probabilities in place, and their products with v make the weighted sums, a
-    /// new leaf. The branch, and what `attention_core_backward` needs.
+    /// new leaf in the output projection's layout. The branch, and what `attention_core_backward`
+    /// needs.
     pub(crate) fn attention_branch_by_hand(&self, layer_idx: usize, h: &Tensor) -> (Tensor, AttentionCore) {
         let block = &self.blocks[layer_idx];
         let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
@@ -739,10 +740,14 @@ impl Gpt {
             let sums: Vec<Tensor> =
                 blocks.iter().map(|b| b.matrices(&probs, bh as usize).bmm(&v.narrow(1, 0, b.cols as i64))).collect();
             let y = if sums.len() == 1 { sums[0].shallow_clone() } else { Tensor::cat(&sums, 1) };
+            // In the output projection's layout, heads side by side: the leaf is then the tensor
+            // the projection keeps for its backward, not a second copy of the weighted sums.
+            let y = y.view([batch, n_head, seq, head_dim]).transpose(1, 2).contiguous().view([batch, seq, d]);
             (probs, y)
         });
         let y = y.set_requires_grad(true);
-        let branch = self.attention_out(layer_idx, &y.view([batch, n_head, seq, head_dim]));
+        let slot = Slot::weight(layer_idx, Slot::ATTN_PROJ);
+        let branch = self.linear(&y, slot, &block.attn_proj_w, Some(&block.attn_proj_b));
         (branch, AttentionCore { heads, probs, blocks, y, scale })
     }
 
@@ -753,8 +758,10 @@ impl Gpt {
     /// then `dQ = dS K` and `dK += dS^T Q`.
     pub(crate) fn attention_core_backward(&self, core: &AttentionCore) -> Tensor {
         tch::no_grad(|| {
-            let grad_y = core.y.grad();
-            let (bh, seq, head_dim) = core.y.size3().expect("weighted sums are [heads, seq, head_dim]");
+            let (_, bh, seq, head_dim) = core.heads.size4().expect("q, k and v are [3, heads, seq, head_dim]");
+            let n_head = self.shape.n_head as i64;
+            let grad_y =
+                core.y.grad().view([bh / n_head, seq, n_head, head_dim]).transpose(1, 2).reshape([bh, seq, head_dim]);
             let parts = core.heads.detach();
             let (q, k, v) = (parts.get(0), parts.get(1), parts.get(2));
             // One block covers every key: its products are written straight into the gradient.
