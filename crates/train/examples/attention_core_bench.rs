@@ -12,6 +12,8 @@
 //! cargo run --release -p stoke-train --example attention_core_bench -- [--rounds R] [--iters K] [--threads N]
 //! ```
 //!
+//! Runs with the C allocator keeping freed memory (stoke's default `train.host_memory`; until
+//! 2026-12-03 the bench set those variables after its start, where glibc no longer reads them).
 //! Each round times libtorch's, the kernel's and the multiplies alone in turn (interleaved), K calls
 //! each, and takes each one's median; the table gives the median of the rounds with min and max.
 
@@ -19,15 +21,12 @@ use stoke_train::{causal_softmax_backward_bf16, causal_softmax_bf16, CausalBlock
 use tch::{Device, Kind, Tensor};
 
 mod support;
-use support::{arg, median, time_ms};
+use support::{median, restart_with_retained_memory, rounds_iters_threads, time_ms};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let (rounds, iters) = (arg(&args, "--rounds", 5), arg(&args, "--iters", 15));
-    let n_threads = arg(&args, "--threads", tch::get_num_threads().max(1) as usize);
-    for (name, value) in stoke_train::retain_env() {
-        std::env::set_var(name, value);
-    }
+    let (rounds, iters, n_threads) = rounds_iters_threads(&args, 15);
+    restart_with_retained_memory();
     println!("threads: kernel {n_threads}, libtorch {}", tch::get_num_threads());
     println!("| heads x seq x head_dim | libtorch fwd+bwd ms (seed subtracted) | by hand fwd+bwd ms | by hand / libtorch | 6 bmm alone ms |");
     println!("|---|---|---|---|---|");

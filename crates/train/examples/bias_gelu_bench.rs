@@ -18,20 +18,7 @@ use stoke_train::{bias_gelu_bf16, bias_gelu_bf16_backward};
 use tch::{Device, Kind, Tensor};
 
 mod support;
-use support::{arg, median, time_ms};
-
-/// glibc reads its MALLOC_ variables at start, so the process starts itself again once with them.
-fn reexec_once() {
-    if std::env::var_os("BIAS_GELU_BENCH_CHILD").is_some() {
-        return;
-    }
-    let status = std::process::Command::new(std::env::current_exe().expect("own path"))
-        .args(std::env::args().skip(1))
-        .env("BIAS_GELU_BENCH_CHILD", "1")
-        .status()
-        .expect("restart with the allocator's settings");
-    std::process::exit(status.code().unwrap_or(1));
-}
+use support::{median, restart_with_retained_memory, rounds_iters_threads, time_ms};
 
 fn cell(values: &mut [f64]) -> String {
     let (min, max) = values.iter().fold((f64::MAX, f64::MIN), |(a, b), &v| (a.min(v), b.max(v)));
@@ -40,12 +27,8 @@ fn cell(values: &mut [f64]) -> String {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let (rounds, iters) = (arg(&args, "--rounds", 5), arg(&args, "--iters", 15));
-    let n_threads = arg(&args, "--threads", tch::get_num_threads().max(1) as usize);
-    for (name, value) in stoke_train::retain_env() {
-        std::env::set_var(name, value);
-    }
-    reexec_once();
+    let (rounds, iters, n_threads) = rounds_iters_threads(&args, 15);
+    restart_with_retained_memory();
     println!("threads: kernel {n_threads}, libtorch {}", tch::get_num_threads());
     println!(
         "| rows x 4d | libtorch fwd ms | fused fwd ms | libtorch bwd ms | fused bwd ms | fused / libtorch (fwd+bwd) \

@@ -23,31 +23,13 @@ use stoke_train::{layer_norm_bf16, layer_norm_bf16_backward};
 use tch::{Device, Kind, Tensor};
 
 mod support;
-use support::{arg, median, time_ms};
-
-/// glibc reads its MALLOC_ variables at start, so the process starts itself again once with them.
-fn reexec_once() {
-    if std::env::var_os("LAYER_NORM_BENCH_CHILD").is_some() {
-        return;
-    }
-    let status = std::process::Command::new(std::env::current_exe().expect("own path"))
-        .args(std::env::args().skip(1))
-        .env("LAYER_NORM_BENCH_CHILD", "1")
-        .status()
-        .expect("restart with the allocator's settings");
-    std::process::exit(status.code().unwrap_or(1));
-}
+use support::{median, restart_with_retained_memory, rounds_iters_threads, time_ms};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let (rounds, iters) = (arg(&args, "--rounds", 5), arg(&args, "--iters", 15));
-    let n_threads = arg(&args, "--threads", tch::get_num_threads().max(1) as usize);
+    let (rounds, iters, n_threads) = rounds_iters_threads(&args, 15);
     if !args.iter().any(|a| a == "--system-memory") {
-        // The same settings `train.host_memory = "retain"` makes before a run.
-        for (name, value) in stoke_train::retain_env() {
-            std::env::set_var(name, value);
-        }
-        reexec_once();
+        restart_with_retained_memory();
     }
     println!("threads: kernel {n_threads}, libtorch {}", tch::get_num_threads());
     println!("| rows x d | libtorch fwd ms | fused fwd ms | libtorch fwd+bwd ms (seed subtracted) | fused fwd+bwd ms | fused / libtorch (fwd+bwd) | copy of x ms |");

@@ -250,10 +250,49 @@ fn fused_layer_norm_gives_libtorchs_loss_and_gradients_in_bf16() {
     }
 }
 
+/// What one configuration gives: the flat gradient, the gradients of some named parameters, and
+/// the first micro-batch's loss.
+type Outcome = (Vec<f32>, Vec<Vec<f32>>, f64);
+
+/// A part run by hand (`run(true, policy)`) against libtorch's ops (`run(false, none)`): the loss
+/// within 1e-3, the gradients within 1e-2 and not the same bits (the part by hand ran), each of
+/// `names` (reached only through the part by hand) given a gradient within 2e-2, and each
+/// recomputation policy the same gradients bit for bit.
+fn check_by_hand(case: &str, names: &[&str], policies: &[Recompute], run: impl Fn(bool, Recompute) -> Outcome) {
+    let (libtorch, libtorch_own, libtorch_loss) = run(false, Recompute::None);
+    let (fused, fused_own, fused_loss) = run(true, Recompute::None);
+    assert!(
+        (fused_loss - libtorch_loss).abs() <= 1e-3 * libtorch_loss,
+        "{case}: loss {fused_loss} against {libtorch_loss}"
+    );
+    let diff = relative_difference(&fused, &libtorch);
+    assert!(diff <= 1e-2, "{case}: relative difference {diff:e}");
+    assert!(fused != libtorch, "{case}: the part by hand changed no gradient");
+    for ((name, got), want) in names.iter().zip(&fused_own).zip(&libtorch_own) {
+        assert!(got.iter().any(|&g| g != 0.0), "{case}: no gradient reached {name}");
+        let diff = relative_difference(got, want);
+        assert!(diff <= 2e-2, "{case}: {name}: relative difference {diff:e}");
+    }
+    // Recomputation reruns the same part on the same inputs.
+    for &policy in policies {
+        let (recomputed, _, _) = run(true, policy);
+        assert!(recomputed == fused, "{case}, recompute {policy}: gradients differ");
+    }
+}
+
+/// `check_by_hand`'s outcome of `model` through a block executor with `policy`.
+fn outcome(model: &Gpt, policy: Recompute, data: &[(Tensor, Tensor)], names: &[&str]) -> Outcome {
+    let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
+    let grads = gradients(model, &executor, data);
+    let own = names.iter().map(|name| grad_of(model, name)).collect();
+    (grads, own, first_loss(model, &executor, data))
+}
+
 #[test]
 fn fused_softmax_gives_libtorchs_loss_and_gradients_in_bf16() {
     let _rng = super::rng_lock();
     let data = [batch(4, 5), batch(4, 6)];
+    // The q, k, v projection's gradients come only through the core's backward by hand.
     let attention =
         ["transformer.h.0.attn.c_attn.weight", "transformer.h.3.attn.c_attn.bias", "transformer.h.2.ln_1.weight"];
     // A head size of 12: libtorch's path rounds the scores times 1/sqrt(12) to bf16 before its
@@ -262,39 +301,16 @@ fn fused_softmax_gives_libtorchs_loss_and_gradients_in_bf16() {
     let shape = GptShape { d_model: 48, ..SHAPE };
     // The whole square (one query block), and query blocks of 12 (blocks of 12, 12 and 8 rows).
     for (rows, fused_layer_norm) in [(0, false), (12, false), (12, true)] {
-        let run = |fused: bool, policy: Recompute| {
-            let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
+        let case = format!("query blocks of {rows}, fused LayerNorm {fused_layer_norm}");
+        let policies = [Recompute::Attention, Recompute::Block, Recompute::Every(2)];
+        check_by_hand(&case, &attention, &policies, |fused, policy| {
             tch::manual_seed(7);
             let mut model = Gpt::new(shape, Precision::Bf16, AttentionPrecision::Auto, Device::Cpu);
             model.set_causal_block_rows(rows);
             model.set_fused_layer_norm(fused_layer_norm, 2);
             model.set_fused_softmax(fused, 2);
-            let grads = gradients(&model, &executor, &data);
-            let own: Vec<Vec<f32>> = attention.iter().map(|name| grad_of(&model, name)).collect();
-            let loss = first_loss(&model, &executor, &data);
-            (grads, own, loss)
-        };
-        let case = format!("query blocks of {rows}, fused LayerNorm {fused_layer_norm}");
-        let (libtorch, libtorch_own, libtorch_loss) = run(false, Recompute::None);
-        let (fused, fused_own, fused_loss) = run(true, Recompute::None);
-        assert!(
-            (fused_loss - libtorch_loss).abs() <= 1e-3 * libtorch_loss,
-            "{case}: loss {fused_loss} against {libtorch_loss}"
-        );
-        let diff = relative_difference(&fused, &libtorch);
-        assert!(diff <= 1e-2, "{case}: relative difference {diff:e}");
-        assert!(fused != libtorch, "{case}: the attention's core by hand changed no gradient");
-        // The q, k, v projection's gradients come only through the core's backward by hand.
-        for ((name, got), want) in attention.iter().zip(&fused_own).zip(&libtorch_own) {
-            assert!(got.iter().any(|&g| g != 0.0), "{case}: no gradient reached {name}");
-            let diff = relative_difference(got, want);
-            assert!(diff <= 2e-2, "{case}: {name}: relative difference {diff:e}");
-        }
-        // Recomputation reruns the same core on the same inputs: the same gradients, bit for bit.
-        for policy in [Recompute::Attention, Recompute::Block, Recompute::Every(2)] {
-            let (recomputed, _, _) = run(true, policy);
-            assert!(recomputed == fused, "{case}, recompute {policy}: gradients differ");
-        }
+            outcome(&model, policy, &data, &attention)
+        });
     }
 }
 
@@ -302,42 +318,20 @@ fn fused_softmax_gives_libtorchs_loss_and_gradients_in_bf16() {
 fn fused_bias_gelu_gives_libtorchs_loss_and_gradients_in_bf16() {
     let _rng = super::rng_lock();
     let data = [batch(4, 8), batch(4, 9)];
-    // The first linear layer's weight and bias get their gradients only by hand.
+    // The first linear layer's weight and bias get their gradients only by hand. The kernel adds
+    // the fp32 bias to the product (libtorch rounds the biased product to bf16) and sums the
+    // bias's gradient before rounding: not the same bits.
     let mlp = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.3.mlp.c_fc.bias", "transformer.h.1.ln_2.weight"];
     for (unit_casts, fused_layer_norm) in [(false, false), (true, false), (true, true)] {
-        let run = |fused: bool, policy: Recompute| {
-            let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
+        let case = format!("unit casts {unit_casts}, fused LayerNorm {fused_layer_norm}");
+        let policies = [Recompute::Mlp, Recompute::Block, Recompute::Every(2)];
+        check_by_hand(&case, &mlp, &policies, |fused, policy| {
             let mut model = model(Precision::Bf16);
             model.set_unit_casts(unit_casts);
             model.set_fused_layer_norm(fused_layer_norm, 2);
             model.set_fused_bias_gelu(fused, 2);
-            let grads = gradients(&model, &executor, &data);
-            let own: Vec<Vec<f32>> = mlp.iter().map(|name| grad_of(&model, name)).collect();
-            let loss = first_loss(&model, &executor, &data);
-            (grads, own, loss)
-        };
-        let case = format!("unit casts {unit_casts}, fused LayerNorm {fused_layer_norm}");
-        let (libtorch, libtorch_own, libtorch_loss) = run(false, Recompute::None);
-        let (fused, fused_own, fused_loss) = run(true, Recompute::None);
-        assert!(
-            (fused_loss - libtorch_loss).abs() <= 1e-3 * libtorch_loss,
-            "{case}: loss {fused_loss} against {libtorch_loss}"
-        );
-        let diff = relative_difference(&fused, &libtorch);
-        assert!(diff <= 1e-2, "{case}: relative difference {diff:e}");
-        // The kernel adds the fp32 bias to the product (libtorch rounds the biased product to
-        // bf16) and sums the bias's gradient before rounding: not the same bits.
-        assert!(fused != libtorch, "{case}: the bias and GELU by hand changed no gradient");
-        for ((name, got), want) in mlp.iter().zip(&fused_own).zip(&libtorch_own) {
-            assert!(got.iter().any(|&g| g != 0.0), "{case}: no gradient reached {name}");
-            let diff = relative_difference(got, want);
-            assert!(diff <= 2e-2, "{case}: {name}: relative difference {diff:e}");
-        }
-        // Recomputation reruns the same kernel on the same inputs: the same gradients, bit for bit.
-        for policy in [Recompute::Mlp, Recompute::Block, Recompute::Every(2)] {
-            let (recomputed, _, _) = run(true, policy);
-            assert!(recomputed == fused, "{case}, recompute {policy}: gradients differ");
-        }
+            outcome(&model, policy, &data, &mlp)
+        });
     }
 }
 
