@@ -203,9 +203,9 @@ pub struct TrainConfig {
     /// causal blocks' scores as plain `bmm`s into one buffer, the causal softmax as a Rust kernel
     /// that skips the masked keys (no mask is added), and the core's backward by hand between the
     /// output projection's and the q, k, v projection's; the block executor only. The core takes
-    /// 0.58x libtorch's time on its own (tiny and small); the block then runs as its two halves
-    /// and the attention half as three backward calls. Alone the step measured 0.991 (tiny) and
-    /// 0.990 (small); with the other two see `fused_layer_norm`. Default true.
+    /// 0.72x (tiny) and 0.85x (small) libtorch's time on its own; the block then runs as its two
+    /// halves and the attention half as three backward calls. Alone the step measured 0.991
+    /// (tiny) and 0.990 (small); with the other two see `fused_layer_norm`. Default true.
     pub fused_softmax: bool,
     /// Under bf16 on a CPU, each MLP's first linear layer without its bias, and the bias and GELU
     /// as one Rust kernel outside libtorch's graph, with the backward by hand (the bias's gradient
