@@ -285,7 +285,8 @@ impl Executor {
 
     /// The autograd segments of block `layer_idx`: the policy's, with a whole block split in
     /// its halves when the model runs the fused LayerNorm (each half's norm is then outside
-    /// libtorch's graph, between the half and its input) or the attention's core by hand.
+    /// libtorch's graph, between the half and its input), the attention's core or the MLP's
+    /// bias and GELU by hand.
     fn block_segments(&self, model: &Gpt, layer_idx: usize) -> Vec<(Half, bool)> {
         let segments = self.recompute.segments(layer_idx);
         if !model.fused_layer_norm() && !model.fused_softmax() && !model.fused_bias_gelu() {

@@ -130,8 +130,6 @@ pub(crate) struct FusedHead {
     logits_grad: Tensor,
 }
 
-/// An attention core run outside libtorch's graph (`Gpt::attention_branch_by_hand`): what its
-/// backward by hand (`Gpt::attention_core_backward`) needs.
 /// What the backward by hand of an MLP's bias and GELU needs (`Gpt::mlp_branch_by_hand`).
 pub(crate) struct MlpCore {
     /// The first linear layer's input in bf16, with libtorch's graph back to the half's input:
@@ -151,6 +149,8 @@ pub(crate) enum Core {
     Mlp(MlpCore),
 }
 
+/// An attention core run outside libtorch's graph (`Gpt::attention_branch_by_hand`): what its
+/// backward by hand (`Gpt::attention_core_backward`) needs.
 pub(crate) struct AttentionCore {
     /// q, k and v `[3, batch * n_head, seq, head_dim]`, with libtorch's graph back to the half's
     /// input: the backward by hand ends with this tensor's gradient.
