@@ -271,11 +271,13 @@ impl Trainer {
         tch::manual_seed(train.seed as i64);
         let mut model = Gpt::new(shape, train.precision, train.attention, device);
         let fused_cross_entropy = train.fused_cross_entropy.enabled(shape.vocab_size);
-        model.set_fused_cross_entropy(fused_cross_entropy, tch::get_num_threads().max(1) as usize);
-        model.set_fused_layer_norm(train.fused_layer_norm, tch::get_num_threads().max(1) as usize);
+        // The Rust kernels split their work over libtorch's threads.
+        let kernel_threads = tch::get_num_threads().max(1) as usize;
+        model.set_fused_cross_entropy(fused_cross_entropy, kernel_threads);
+        model.set_fused_layer_norm(train.fused_layer_norm, kernel_threads);
         model.set_causal_block_rows(train.causal_block_rows);
-        model.set_fused_softmax(train.fused_softmax, tch::get_num_threads().max(1) as usize);
-        model.set_fused_bias_gelu(train.fused_bias_gelu, tch::get_num_threads().max(1) as usize);
+        model.set_fused_softmax(train.fused_softmax, kernel_threads);
+        model.set_fused_bias_gelu(train.fused_bias_gelu, kernel_threads);
         model.set_unit_casts(train.unit_casts);
         let optimizer = Optimizer::for_config(train, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;

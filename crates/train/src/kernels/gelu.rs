@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 
-use super::{bf16_to_f32, exp_for_bf16, f32_to_bf16, parallel_rows, SharedMut};
+use super::{add_partial_sums, bf16_to_f32, cpu_contiguous, exp_for_bf16, f32_to_bf16, parallel_rows, SharedMut};
 
 /// The rows a thread takes at the least.
 const MIN_ROWS_PER_THREAD: usize = 32;
@@ -79,13 +79,7 @@ pub fn bias_gelu_bf16_backward(
         backward_dispatch(&g[span.clone()], &x[span], b, dx, &mut db);
         db
     });
-    let mut db = vec![0f32; h];
-    for partial in &partials {
-        db.iter_mut().zip(partial).for_each(|(a, b)| *a += b);
-    }
-    let _guard = tch::no_grad_guard();
-    let mut bias_grad = bias_grad.shallow_clone();
-    bias_grad += Tensor::from_slice(&db).view(bias_grad.size().as_slice());
+    add_partial_sums(bias_grad, h, partials.iter().map(Vec::as_slice));
     grad_pre
 }
 
@@ -93,8 +87,6 @@ pub fn bias_gelu_bf16_backward(
 /// both on the CPU.
 fn fits(pre: &Tensor, bias: &Tensor) -> Option<(usize, usize)> {
     let h = *pre.size().last()?;
-    let cpu_contiguous =
-        |t: &Tensor, kind| t.defined() && t.kind() == kind && t.device() == Device::Cpu && t.is_contiguous();
     if !cpu_contiguous(pre, Kind::BFloat16) || !cpu_contiguous(bias, Kind::Float) || h == 0 || bias.size() != [h] {
         return None;
     }

@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 
-use super::{bf16_to_f32, f32_to_bf16, parallel_rows, SharedMut, LANES};
+use super::{add_partial_sums, bf16_to_f32, cpu_contiguous, f32_to_bf16, parallel_rows, SharedMut, LANES};
 
 /// What the backward needs of a forward besides its input: each row's mean and 1/std.
 pub struct LayerNormStats {
@@ -39,7 +39,11 @@ pub fn layer_norm_bf16(
     n_threads: usize,
 ) -> Option<(Tensor, LayerNormStats)> {
     let d = *x.size().last()?;
-    if !fp32_cpu_contiguous(x) || !fp32_cpu_contiguous(weight) || !fp32_cpu_contiguous(bias) || d == 0 {
+    if !cpu_contiguous(x, Kind::Float)
+        || !cpu_contiguous(weight, Kind::Float)
+        || !cpu_contiguous(bias, Kind::Float)
+        || d == 0
+    {
         return None;
     }
     if weight.size() != [d] || bias.size() != [d] {
@@ -95,8 +99,8 @@ pub fn layer_norm_bf16_backward(
     let rows = stats.mean.len();
     let grad_out = grad_out.contiguous();
     assert!(grad_out.kind() == Kind::BFloat16 && grad_out.size() == x.size(), "layer_norm_bf16_backward: grad_out");
-    assert!(fp32_cpu_contiguous(x) && x.numel() == rows * d, "layer_norm_bf16_backward: x");
-    assert!(fp32_cpu_contiguous(weight) && weight.numel() == d, "layer_norm_bf16_backward: weight");
+    assert!(cpu_contiguous(x, Kind::Float) && x.numel() == rows * d, "layer_norm_bf16_backward: x");
+    assert!(cpu_contiguous(weight, Kind::Float) && weight.numel() == d, "layer_norm_bf16_backward: weight");
     for grad in [weight_grad, bias_grad] {
         assert!(grad.kind() == Kind::Float && grad.numel() == d, "layer_norm_bf16_backward: parameter gradient");
     }
@@ -104,7 +108,7 @@ pub fn layer_norm_bf16_backward(
     let dx = match residual {
         Some(residual) => {
             assert!(
-                fp32_cpu_contiguous(&residual) && residual.size() == x.size(),
+                cpu_contiguous(&residual, Kind::Float) && residual.size() == x.size(),
                 "layer_norm_bf16_backward: residual"
             );
             residual
@@ -140,21 +144,9 @@ pub fn layer_norm_bf16_backward(
         );
         (dgamma, dbeta)
     });
-    let (mut dgamma, mut dbeta) = (vec![0f32; d], vec![0f32; d]);
-    for (pg, pb) in &partials {
-        dgamma.iter_mut().zip(pg).for_each(|(a, b)| *a += b);
-        dbeta.iter_mut().zip(pb).for_each(|(a, b)| *a += b);
-    }
-    let _guard = tch::no_grad_guard();
-    let mut weight_grad = weight_grad.shallow_clone();
-    let mut bias_grad = bias_grad.shallow_clone();
-    weight_grad += Tensor::from_slice(&dgamma).view(weight_grad.size().as_slice());
-    bias_grad += Tensor::from_slice(&dbeta).view(bias_grad.size().as_slice());
+    add_partial_sums(weight_grad, d, partials.iter().map(|(g, _)| g.as_slice()));
+    add_partial_sums(bias_grad, d, partials.iter().map(|(_, b)| b.as_slice()));
     dx
-}
-
-fn fp32_cpu_contiguous(t: &Tensor) -> bool {
-    t.defined() && t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous()
 }
 
 simd_dispatch! {

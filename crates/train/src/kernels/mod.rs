@@ -155,6 +155,24 @@ impl<T> SharedMut<T> {
     }
 }
 
+/// Whether `t` is a contiguous CPU tensor of `kind` (what the kernels read through raw slices).
+fn cpu_contiguous(t: &Tensor, kind: Kind) -> bool {
+    t.defined() && t.kind() == kind && t.device() == Device::Cpu && t.is_contiguous()
+}
+
+/// Adds the element-wise sum of `partials` (each thread's sums over its rows, `len` values,
+/// added in order) to `grad` (fp32, `len` elements: a parameter's view of the flat gradient
+/// buffer).
+fn add_partial_sums<'a>(grad: &Tensor, len: usize, partials: impl IntoIterator<Item = &'a [f32]>) {
+    let mut total = vec![0f32; len];
+    for partial in partials {
+        total.iter_mut().zip(partial).for_each(|(a, b)| *a += b);
+    }
+    let _guard = tch::no_grad_guard();
+    let mut grad = grad.shallow_clone();
+    grad += Tensor::from_slice(&total).view(grad.size().as_slice());
+}
+
 /// Runs `work` on `rows` split into contiguous ranges, at most `n_threads` of them and each at
 /// least `min_rows` long (one range when the rows are fewer), on libtorch's OpenMP threads (the
 /// calling thread takes the first range; see `omp`). The results come back in range order.
