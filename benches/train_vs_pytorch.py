@@ -53,6 +53,14 @@ ATTENTION_CHOICES = {"bf16": ["sdpa", "sdpa-fp32", "matmul", "matmul-blocked"], 
 ALL_OFF_ATTENTION = {"bf16": "bf16", "fp32": "auto"}
 
 
+def all_off(precision):
+    """stoke's settings with everything of its own turned off (the SO configuration)."""
+    return ["data.workers=0", "train.fused_optimizer=false", "train.host_memory=system",
+            "train.fused_cross_entropy=off", "train.fused_layer_norm=false", "train.fused_softmax=false",
+            "train.fused_bias_gelu=false", f"train.attention={ALL_OFF_ATTENTION[precision]}",
+            "train.monitor_every=0"]
+
+
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
@@ -158,11 +166,7 @@ class Bench:
             ("PC", lambda n: self.peer(preset, precision, cell, n,
                                        tuned + ["--attention", picks["compiled"]["attention"], "--compile"])),
             ("PE", lambda n: self.peer(preset, precision, cell, n, tuned + ["--attention", picks["eager"]["attention"]])),
-            ("SO", lambda n: self.stoke(preset, precision, cell, n, [
-                "data.workers=0", "train.fused_optimizer=false", "train.host_memory=system",
-                "train.fused_cross_entropy=off", "train.fused_layer_norm=false", "train.fused_softmax=false",
-                "train.fused_bias_gelu=false",
-                f"train.attention={ALL_OFF_ATTENTION[precision]}", "train.monitor_every=0"])),
+            ("SO", lambda n: self.stoke(preset, precision, cell, n, all_off(precision))),
             ("PP", lambda n: self.peer(preset, precision, cell, n,
                                        ["--attention", "sdpa", "--adamw", "default", "--host-memory", "system"])),
         ]
@@ -195,15 +199,13 @@ class Bench:
         """Where stoke all-off's step differs from plain PyTorch's: the two, and each with one
         thing changed, interleaved; every ratio is over plain PyTorch in the same round."""
         cell = self.cell_of(preset)
-        all_off = ["data.workers=0", "train.fused_optimizer=false", "train.host_memory=system",
-                   "train.fused_cross_entropy=off", "train.fused_layer_norm=false",
-                   f"train.attention={ALL_OFF_ATTENTION[precision]}", "train.monitor_every=0"]
+        off = all_off(precision)
         plain = ["--attention", "sdpa", "--adamw", "default"]
         configs = [
             ("PP", lambda n: self.peer(preset, precision, cell, n, plain + ["--host-memory", "system"])),
-            ("SO", lambda n: self.stoke(preset, precision, cell, n, all_off)),
-            ("SO+single-graph", lambda n: self.stoke(preset, precision, cell, n, all_off + ["train.executor=single-graph"])),
-            ("SO+retain", lambda n: self.stoke(preset, precision, cell, n, all_off + ["train.host_memory=retain"])),
+            ("SO", lambda n: self.stoke(preset, precision, cell, n, off)),
+            ("SO+single-graph", lambda n: self.stoke(preset, precision, cell, n, off + ["train.executor=single-graph"])),
+            ("SO+retain", lambda n: self.stoke(preset, precision, cell, n, off + ["train.host_memory=retain"])),
             ("PP+retain", lambda n: self.peer(preset, precision, cell, n, plain + ["--host-memory", "retain"])),
         ]
         rounds = self.rounds(preset, precision, configs, cell)
