@@ -236,11 +236,12 @@ struct Segment {
     /// detached tensor from which the backward recomputes.
     input: Tensor,
     output: Option<Tensor>,
-    /// With the fused LayerNorm, while `output` holds the graph: the normed input (a leaf that
-    /// requires grad) and its statistics, for the norm's backward.
+    /// With the fused LayerNorm, while `output` is kept: the normed input (a leaf that requires
+    /// grad, or a plain tensor when the whole branch runs by hand) and its statistics, for the
+    /// norm's backward.
     normed: Option<(Tensor, LayerNormStats)>,
-    /// With the attention's core or the MLP's bias and GELU by hand, while `output` holds the
-    /// graph: what its backward needs.
+    /// With the attention's core or the MLP's bias and GELU by hand (or, after the fused
+    /// LayerNorm, the whole branch), while `output` is kept: what its backward needs.
     core: Option<Core>,
 }
 
@@ -442,22 +443,34 @@ impl Executor {
                     recomputed
                 }
             };
-            backward_from(&output, &grad_output);
-            // The attention's core or the MLP's bias and GELU by hand, between two graphs.
-            if let Some(core) = core {
-                drop(output);
-                match core {
-                    Core::Attention(core) => backward_from(&core.heads, &model.attention_core_backward(&core)),
-                    Core::Mlp(core) => backward_from(&core.input, &model.mlp_core_backward(segment.layer_idx, &core)),
+            let layer_idx = segment.layer_idx;
+            // A whole branch by hand has no graph: it gives its normed input's gradient itself.
+            let grad_normed = match core {
+                Some(Core::AttentionHalf(half)) => Some(model.attention_half_backward(layer_idx, &half, &grad_output)),
+                Some(Core::MlpHalf(half)) => Some(model.mlp_half_backward(layer_idx, &half, &grad_output)),
+                core => {
+                    backward_from(&output, &grad_output);
+                    drop(output);
+                    // The attention's core or the MLP's bias and GELU by hand, between two graphs.
+                    match core {
+                        Some(Core::Attention(core)) => {
+                            backward_from(&core.heads, &model.attention_core_backward(&core, &core.y.grad()))
+                        }
+                        Some(Core::Mlp(core)) => {
+                            backward_from(&core.input, &model.mlp_core_backward(layer_idx, &core, &core.act.grad()))
+                        }
+                        _ => {}
+                    }
+                    None
                 }
-            }
-            model.add_cast_grads(Some(segment.layer_idx));
+            };
+            model.add_cast_grads(Some(layer_idx));
             // The residual passes `grad_output` through to the input unchanged; the fused
             // LayerNorm's backward adds its part to it in place.
             grad_output = match normed {
                 Some((normed, stats)) => model.fused_norm_backward(
-                    norm_of(segment.layer_idx, segment.half),
-                    &normed.grad(),
+                    norm_of(layer_idx, segment.half),
+                    &grad_normed.unwrap_or_else(|| normed.grad()),
                     &input,
                     &stats,
                     Some(grad_output),
@@ -486,7 +499,9 @@ impl Executor {
 /// passes the output's through, and the normed input is a leaf that requires grad. Otherwise the
 /// input becomes a leaf that requires grad, and libtorch runs the whole half, except an
 /// attention's core or an MLP's bias and GELU when the model runs them by hand
-/// (`Gpt::fused_softmax`, `Gpt::fused_bias_gelu`).
+/// (`Gpt::fused_softmax`, `Gpt::fused_bias_gelu`). With both the fused LayerNorm and the part by
+/// hand, the whole branch runs by hand with no graph (`Gpt::attention_half_by_hand`,
+/// `Gpt::mlp_half_by_hand`), and so does its backward: no seed over any of its tensors.
 fn forward_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> HalfForward {
     let fused = match half {
         Half::Whole => None,
@@ -498,6 +513,26 @@ fn forward_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> Ha
         Half::Mlp => model.fused_bias_gelu(),
     };
     let (input, normed, normed_input) = match fused {
+        // After the fused LayerNorm a branch by hand runs whole outside libtorch's graph.
+        Some((normed, stats)) if by_hand => {
+            let (branch, core) = match half {
+                Half::Attention => {
+                    let (branch, half) = model.attention_half_by_hand(layer_idx, &normed);
+                    (branch, Core::AttentionHalf(half))
+                }
+                _ => {
+                    let (branch, half) = model.mlp_half_by_hand(layer_idx, &normed);
+                    (branch, Core::MlpHalf(half))
+                }
+            };
+            let output = tch::no_grad(|| input + branch);
+            return HalfForward {
+                input: input.shallow_clone(),
+                output,
+                normed: Some((normed, stats)),
+                core: Some(core),
+            };
+        }
         Some((normed, stats)) => {
             let normed = normed.set_requires_grad(true);
             (input.shallow_clone(), normed.shallow_clone(), Some((normed, stats)))

@@ -132,35 +132,60 @@ pub(crate) struct FusedHead {
 
 /// What the backward by hand of an MLP's bias and GELU needs (`Gpt::mlp_branch_by_hand`).
 pub(crate) struct MlpCore {
-    /// The first linear layer's input in bf16, with libtorch's graph back to the half's input:
-    /// the backward by hand ends with this tensor's gradient.
+    /// The first linear layer's input in bf16, with libtorch's graph back to the half's input
+    /// (none in an `MlpHalf`): the backward by hand ends with this tensor's gradient.
     pub input: Tensor,
     /// The first weight in bf16 `[4d, d]`, outside the graph.
     weight: Tensor,
     /// The product `input W^T` without the bias, bf16.
     pre: Tensor,
-    /// `gelu(pre + bias)`: a leaf that requires grad, where the second linear layer's graph starts.
-    act: Tensor,
+    /// `gelu(pre + bias)`: a leaf that requires grad, where the second linear layer's graph
+    /// starts (a plain tensor in an `MlpHalf`).
+    pub act: Tensor,
 }
 
-/// A part of a half that the executor backward-s by hand, between two of libtorch's graphs.
+/// A part of a half that the executor backward-s by hand: between two of libtorch's graphs
+/// (`Attention`, `Mlp`), or the whole branch after the fused LayerNorm, with no graph at all
+/// (`AttentionHalf`, `MlpHalf`).
 pub(crate) enum Core {
     Attention(AttentionCore),
     Mlp(MlpCore),
+    AttentionHalf(AttentionHalf),
+    MlpHalf(MlpHalf),
+}
+
+/// An attention branch run whole outside libtorch's graph, from the fused LayerNorm's bf16
+/// output (`Gpt::attention_half_by_hand`): what its backward by hand needs.
+pub(crate) struct AttentionHalf {
+    /// The normed input, bf16 `[batch, seq, d]`.
+    normed: Tensor,
+    /// The q, k, v projection's weight `[3d, d]` and the output projection's `[d, d]`, bf16.
+    qkv_weight: Tensor,
+    proj_weight: Tensor,
+    core: AttentionCore,
+}
+
+/// An MLP branch run whole outside libtorch's graph, from the fused LayerNorm's bf16 output
+/// (`Gpt::mlp_half_by_hand`): what its backward by hand needs.
+pub(crate) struct MlpHalf {
+    /// The second linear layer's weight, bf16 `[d, 4d]` (its input is `core.act`).
+    proj_weight: Tensor,
+    core: MlpCore,
 }
 
 /// An attention core run outside libtorch's graph (`Gpt::attention_branch_by_hand`): what its
 /// backward by hand (`Gpt::attention_core_backward`) needs.
 pub(crate) struct AttentionCore {
     /// q, k and v `[3, batch * n_head, seq, head_dim]`, with libtorch's graph back to the half's
-    /// input: the backward by hand ends with this tensor's gradient.
+    /// input (none in an `AttentionHalf`): the backward by hand ends with this tensor's gradient.
     pub heads: Tensor,
     /// Every query block's probabilities, one buffer (`blocks` says where each lies).
     probs: Tensor,
     blocks: Vec<CausalBlock>,
     /// The weighted sums `[batch, seq, n_head * head_dim]` (heads side by side, the output
-    /// projection's input): a leaf that requires grad, where that projection's graph starts.
-    y: Tensor,
+    /// projection's input): a leaf that requires grad, where that projection's graph starts (a
+    /// plain tensor in an `AttentionHalf`).
+    pub y: Tensor,
     scale: f64,
 }
 
@@ -175,6 +200,20 @@ fn math_heads(qkv: &Tensor, kind: Kind, n_head: i64) -> Tensor {
         seq,
         head_dim,
     ])
+}
+
+/// The backward by hand of the 16-bit linear layer `x W^T + b` from its output's gradient `grad`
+/// (16-bit, `[.., out]`): adds the weight's gradient `grad^T x` (a 16-bit product, as autograd's
+/// is) and the bias's (summed in fp32) into the fp32 parameters' (`master`) gradients, and returns
+/// the input's, `grad W`.
+fn linear_backward(grad: &Tensor, x: &Tensor, weight: &Tensor, (master_w, master_b): (&Tensor, &Tensor)) -> Tensor {
+    let (out, d_in) = (*grad.size().last().expect("a width"), *x.size().last().expect("a width"));
+    let rows = grad.reshape([-1, out]);
+    let mut w_grad = master_w.grad();
+    w_grad += rows.tr().mm(&x.reshape([-1, d_in]));
+    let mut b_grad = master_b.grad();
+    b_grad += rows.sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
+    grad.matmul(weight)
 }
 
 /// One block's parameters.
@@ -713,19 +752,74 @@ impl Gpt {
     }
 
     /// `attention_branch` with the core by hand (see `set_fused_softmax`): the q, k, v projection
-    /// and the output projection run in libtorch's graph; between them the scores of each causal
-    /// query block (`train.causal_block_rows`) are `bmm`-ed into one buffer, the kernel turns
-    /// them into probabilities in place, and their products with v make the weighted sums, a
-    /// new leaf in the output projection's layout. The branch, and what `attention_core_backward`
-    /// needs.
+    /// and the output projection run in libtorch's graph, the core (`attention_core`) between
+    /// them, its weighted sums a new leaf where the projection's graph starts. The branch, and what
+    /// `attention_core_backward` needs.
     pub(crate) fn attention_branch_by_hand(&self, layer_idx: usize, h: &Tensor) -> (Tensor, AttentionCore) {
         let block = &self.blocks[layer_idx];
-        let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
+        let qkv = self.linear(h, Slot::weight(layer_idx, Slot::ATTN), &block.attn_w, Some(&block.attn_b));
+        let heads = math_heads(&qkv, Kind::BFloat16, self.shape.n_head as i64);
+        let mut core = self.attention_core(heads, &h.size());
+        core.y = core.y.set_requires_grad(true);
+        let slot = Slot::weight(layer_idx, Slot::ATTN_PROJ);
+        let branch = self.linear(&core.y, slot, &block.attn_proj_w, Some(&block.attn_proj_b));
+        (branch, core)
+    }
+
+    /// The whole attention branch by hand, outside libtorch's graph, from the fused LayerNorm's
+    /// bf16 output `normed`: the projections' matrix multiplies as libtorch's linear layers run
+    /// them, the core between them. The branch (bf16, no graph), and what
+    /// `attention_half_backward` needs.
+    pub(crate) fn attention_half_by_hand(&self, layer_idx: usize, normed: &Tensor) -> (Tensor, AttentionHalf) {
+        let block = &self.blocks[layer_idx];
+        tch::no_grad(|| {
+            let slot = Slot::weight(layer_idx, Slot::ATTN);
+            let qkv_weight = self.weight16(layer_idx, slot, &block.attn_w);
+            let qkv = normed.linear(&qkv_weight, Some(&self.weight16(layer_idx, slot.bias(), &block.attn_b)));
+            let core = self.attention_core(math_heads(&qkv, Kind::BFloat16, self.shape.n_head as i64), &normed.size());
+            drop(qkv);
+            let slot = Slot::weight(layer_idx, Slot::ATTN_PROJ);
+            let proj_weight = self.weight16(layer_idx, slot, &block.attn_proj_w);
+            let branch = core.y.linear(&proj_weight, Some(&self.weight16(layer_idx, slot.bias(), &block.attn_proj_b)));
+            (branch, AttentionHalf { normed: normed.shallow_clone(), qkv_weight, proj_weight, core })
+        })
+    }
+
+    /// The backward by hand of an `attention_half_by_hand` from its output's gradient `grad`
+    /// (fp32 `[batch, seq, d]`): every parameter's gradient added into the flat gradient buffer,
+    /// and the normed input's returned (bf16).
+    pub(crate) fn attention_half_backward(&self, layer_idx: usize, half: &AttentionHalf, grad: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        tch::no_grad(|| {
+            let grad = grad.to_kind(self.compute);
+            let grad_y =
+                linear_backward(&grad, &half.core.y, &half.proj_weight, (&block.attn_proj_w, &block.attn_proj_b));
+            drop(grad);
+            let grad_heads = self.attention_core_backward(&half.core, &grad_y);
+            drop(grad_y);
+            let (batch, seq, d) = half.normed.size3().expect("activations are [batch, seq, d]");
+            let n_head = self.shape.n_head as i64;
+            // `math_heads` backward: from head-major order back to the projection's `[.., 3d]`.
+            let grad_qkv = grad_heads.view([3, batch, n_head, seq, d / n_head]).permute([1, 3, 0, 2, 4]).reshape([
+                batch,
+                seq,
+                3 * d,
+            ]);
+            drop(grad_heads);
+            linear_backward(&grad_qkv, &half.normed, &half.qkv_weight, (&block.attn_w, &block.attn_b))
+        })
+    }
+
+    /// The attention's core outside libtorch's graph from q, k and v `heads` of activations shaped
+    /// `shape` (`[batch, seq, d]`): the scores of each causal query block
+    /// (`train.causal_block_rows`) are `bmm`-ed into one buffer, the kernel turns them into
+    /// probabilities in place, and their products with v make the weighted sums, in the output
+    /// projection's layout.
+    fn attention_core(&self, heads: Tensor, shape: &[i64]) -> AttentionCore {
+        let (batch, seq, d) = (shape[0], shape[1], shape[2]);
         let n_head = self.shape.n_head as i64;
         let head_dim = d / n_head;
         let bh = batch * n_head;
-        let qkv = self.linear(h, Slot::weight(layer_idx, Slot::ATTN), &block.attn_w, Some(&block.attn_b));
-        let heads = math_heads(&qkv, Kind::BFloat16, n_head);
         let (blocks, total) = CausalBlock::layout(seq as usize, self.causal_block_rows, bh as usize);
         let scale = 1.0 / (head_dim as f64).sqrt();
         let (probs, y) = tch::no_grad(|| {
@@ -740,28 +834,24 @@ impl Gpt {
             let sums: Vec<Tensor> =
                 blocks.iter().map(|b| b.matrices(&probs, bh as usize).bmm(&v.narrow(1, 0, b.cols as i64))).collect();
             let y = if sums.len() == 1 { sums[0].shallow_clone() } else { Tensor::cat(&sums, 1) };
-            // In the output projection's layout, heads side by side: the leaf is then the tensor
-            // the projection keeps for its backward, not a second copy of the weighted sums.
+            // In the output projection's layout, heads side by side: the tensor the projection
+            // keeps for its backward, not a second copy of the weighted sums.
             let y = y.view([batch, n_head, seq, head_dim]).transpose(1, 2).contiguous().view([batch, seq, d]);
             (probs, y)
         });
-        let y = y.set_requires_grad(true);
-        let slot = Slot::weight(layer_idx, Slot::ATTN_PROJ);
-        let branch = self.linear(&y, slot, &block.attn_proj_w, Some(&block.attn_proj_b));
-        (branch, AttentionCore { heads, probs, blocks, y, scale })
+        AttentionCore { heads, probs, blocks, y, scale }
     }
 
-    /// The backward by hand of an `attention_branch_by_hand` core whose weighted sums have their
-    /// gradient (the output projection's backward ran): the gradient of its `heads`, `[3, batch *
+    /// The backward by hand of an attention core from its weighted sums' gradient `grad_y` (the
+    /// output projection's backward ran): the gradient of its `heads`, `[3, batch *
     /// n_head, seq, head_dim]` bf16. Per query block: the probabilities' gradient `dY V^T` into one
     /// buffer, `dV += P^T dY`; the kernel turns the buffer into the scores' gradient in place;
     /// then `dQ = dS K` and `dK += dS^T Q`.
-    pub(crate) fn attention_core_backward(&self, core: &AttentionCore) -> Tensor {
+    pub(crate) fn attention_core_backward(&self, core: &AttentionCore, grad_y: &Tensor) -> Tensor {
         tch::no_grad(|| {
             let (_, bh, seq, head_dim) = core.heads.size4().expect("q, k and v are [3, heads, seq, head_dim]");
             let n_head = self.shape.n_head as i64;
-            let grad_y =
-                core.y.grad().view([bh / n_head, seq, n_head, head_dim]).transpose(1, 2).reshape([bh, seq, head_dim]);
+            let grad_y = grad_y.view([bh / n_head, seq, n_head, head_dim]).transpose(1, 2).reshape([bh, seq, head_dim]);
             let parts = core.heads.detach();
             let (q, k, v) = (parts.get(0), parts.get(1), parts.get(2));
             // One block covers every key: its products are written straight into the gradient.
@@ -824,37 +914,69 @@ impl Gpt {
     }
 
     /// `mlp_branch` with the first bias and the GELU by hand (see `set_fused_bias_gelu`): `h`
-    /// cast to bf16 in libtorch's graph, then outside it the product with the first weight
-    /// (without its bias) and the kernel; the result is a new leaf, where the second linear
-    /// layer's graph starts. The branch, and what `mlp_core_backward` needs.
+    /// cast to bf16 in libtorch's graph, then outside it the core (`mlp_core`), whose activation
+    /// is a new leaf where the second linear layer's graph starts. The branch, and what
+    /// `mlp_core_backward` needs.
     pub(crate) fn mlp_branch_by_hand(&self, layer_idx: usize, h: &Tensor) -> (Tensor, MlpCore) {
         let block = &self.blocks[layer_idx];
-        let slot = Slot::weight(layer_idx, Slot::FC);
-        let input = h.to_kind(self.compute);
+        let mut core = self.mlp_core(layer_idx, h.to_kind(self.compute));
+        core.act = core.act.set_requires_grad(true);
+        let branch =
+            self.linear(&core.act, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, Some(&block.mlp_proj_b));
+        (branch, core)
+    }
+
+    /// The whole MLP branch by hand, outside libtorch's graph, from the fused LayerNorm's bf16
+    /// output `normed`: the core, then the second linear layer as libtorch's runs it. The branch
+    /// (bf16, no graph), and what `mlp_half_backward` needs.
+    pub(crate) fn mlp_half_by_hand(&self, layer_idx: usize, normed: &Tensor) -> (Tensor, MlpHalf) {
+        let block = &self.blocks[layer_idx];
+        tch::no_grad(|| {
+            let core = self.mlp_core(layer_idx, normed.shallow_clone());
+            let slot = Slot::weight(layer_idx, Slot::MLP_PROJ);
+            let proj_weight = self.weight16(layer_idx, slot, &block.mlp_proj_w);
+            let branch = core.act.linear(&proj_weight, Some(&self.weight16(layer_idx, slot.bias(), &block.mlp_proj_b)));
+            (branch, MlpHalf { proj_weight, core })
+        })
+    }
+
+    /// The backward by hand of an `mlp_half_by_hand` from its output's gradient `grad` (fp32
+    /// `[batch, seq, d]`): every parameter's gradient added into the flat gradient buffer, and the
+    /// normed input's returned (bf16).
+    pub(crate) fn mlp_half_backward(&self, layer_idx: usize, half: &MlpHalf, grad: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        tch::no_grad(|| {
+            let grad = grad.to_kind(self.compute);
+            let grad_act =
+                linear_backward(&grad, &half.core.act, &half.proj_weight, (&block.mlp_proj_w, &block.mlp_proj_b));
+            drop(grad);
+            self.mlp_core_backward(layer_idx, &half.core, &grad_act)
+        })
+    }
+
+    /// The MLP's first linear layer without its bias, then the bias and GELU by the kernel, all
+    /// outside libtorch's graph, from `input` (bf16).
+    fn mlp_core(&self, layer_idx: usize, input: Tensor) -> MlpCore {
+        let block = &self.blocks[layer_idx];
         let (weight, pre, act) = tch::no_grad(|| {
-            let weight =
-                if self.unit_casts { self.block_cast_of(layer_idx, slot) } else { block.fc_w.to_kind(self.compute) };
+            let weight = self.weight16(layer_idx, Slot::weight(layer_idx, Slot::FC), &block.fc_w);
             let pre = input.detach().linear(&weight, None::<&Tensor>);
             let act = crate::kernels::bias_gelu_bf16(&pre, &block.fc_b, self.fused_bias_gelu_threads)
                 .expect("the MLP's product is contiguous bf16 and its bias a contiguous fp32 view");
             (weight, pre, act)
         });
-        let act = act.set_requires_grad(true);
-        let branch =
-            self.linear(&act, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, Some(&block.mlp_proj_b));
-        (branch, MlpCore { input, weight, pre, act })
+        MlpCore { input, weight, pre, act }
     }
 
-    /// The backward by hand of an `mlp_branch_by_hand` core whose activation has its gradient
-    /// (the second linear layer's backward ran): the gradient of its `input`. The kernel gives
-    /// the product's gradient and adds the bias's into the flat gradient buffer; the weight's
-    /// gradient, `dP^T h`, is added there too (as the bf16 leaf's would be), and the input's is
-    /// `dP W`.
-    pub(crate) fn mlp_core_backward(&self, layer_idx: usize, core: &MlpCore) -> Tensor {
+    /// The backward by hand of an MLP core from its activation's gradient `grad_act` (the second
+    /// linear layer's backward ran): the gradient of its `input`. The kernel gives the product's
+    /// gradient and adds the bias's into the flat gradient buffer; the weight's gradient, `dP^T
+    /// h`, is added there too (as the bf16 leaf's would be), and the input's is `dP W`.
+    pub(crate) fn mlp_core_backward(&self, layer_idx: usize, core: &MlpCore, grad_act: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
         tch::no_grad(|| {
             let grad_pre = crate::kernels::bias_gelu_bf16_backward(
-                &core.act.grad(),
+                grad_act,
                 &core.pre,
                 &block.fc_b,
                 &block.fc_b.grad(),
@@ -867,6 +989,16 @@ impl Gpt {
             weight_grad += rows.transpose(0, 1).mm(&core.input.detach().view([-1, d]));
             grad_pre.matmul(&core.weight)
         })
+    }
+
+    /// Slot `slot`'s weight or bias (`master`, fp32) in the compute type, outside the graph: its
+    /// part of the block's one cast with unit casts, else a cast of its own.
+    fn weight16(&self, layer_idx: usize, slot: Slot, master: &Tensor) -> Tensor {
+        if self.unit_casts {
+            self.block_cast_of(layer_idx, slot)
+        } else {
+            tch::no_grad(|| master.to_kind(self.compute))
+        }
     }
 
     /// Logits `[batch, seq, vocab]` from the last block's output (16-bit under 16-bit precision).

@@ -300,12 +300,17 @@ fn fused_softmax_gives_libtorchs_loss_and_gradients_in_bf16() {
     // came out the same bits) and show the core by hand ran.
     let shape = GptShape { d_model: 48, ..SHAPE };
     // The whole square (one query block), and query blocks of 12 (blocks of 12, 12 and 8 rows).
-    for (rows, fused_layer_norm) in [(0, false), (12, false), (12, true)] {
-        let case = format!("query blocks of {rows}, fused LayerNorm {fused_layer_norm}");
+    // After the fused LayerNorm the whole branch runs by hand, its weights cast one by one or
+    // cut from the block's one cast.
+    for (rows, fused_layer_norm, unit_casts) in
+        [(0, false, false), (12, false, false), (12, true, false), (0, true, true)]
+    {
+        let case = format!("query blocks of {rows}, fused LayerNorm {fused_layer_norm}, unit casts {unit_casts}");
         let policies = [Recompute::Attention, Recompute::Block, Recompute::Every(2)];
         check_by_hand(&case, &attention, &policies, |fused, policy| {
             tch::manual_seed(7);
             let mut model = Gpt::new(shape, Precision::Bf16, AttentionPrecision::Auto, Device::Cpu);
+            model.set_unit_casts(unit_casts);
             model.set_causal_block_rows(rows);
             model.set_fused_layer_norm(fused_layer_norm, 2);
             model.set_fused_softmax(fused, 2);
@@ -322,7 +327,7 @@ fn fused_bias_gelu_gives_libtorchs_loss_and_gradients_in_bf16() {
     // the fp32 bias to the product (libtorch rounds the biased product to bf16) and sums the
     // bias's gradient before rounding: not the same bits.
     let mlp = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.3.mlp.c_fc.bias", "transformer.h.1.ln_2.weight"];
-    for (unit_casts, fused_layer_norm) in [(false, false), (true, false), (true, true)] {
+    for (unit_casts, fused_layer_norm) in [(false, false), (true, false), (false, true), (true, true)] {
         let case = format!("unit casts {unit_casts}, fused LayerNorm {fused_layer_norm}");
         let policies = [Recompute::Mlp, Recompute::Block, Recompute::Every(2)];
         check_by_hand(&case, &mlp, &policies, |fused, policy| {
@@ -331,6 +336,36 @@ fn fused_bias_gelu_gives_libtorchs_loss_and_gradients_in_bf16() {
             model.set_fused_layer_norm(fused_layer_norm, 2);
             model.set_fused_bias_gelu(fused, 2);
             outcome(&model, policy, &data, &mlp)
+        });
+    }
+}
+
+#[test]
+fn whole_blocks_by_hand_give_libtorchs_loss_and_gradients_in_bf16() {
+    let _rng = super::rng_lock();
+    let data = [batch(4, 11), batch(4, 12)];
+    // With the three block kernels on, no block has a libtorch graph: every parameter's gradient
+    // comes by hand, over two accumulated micro-batches, with the weights cast per step once.
+    let names = [
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.1.attn.c_proj.bias",
+        "transformer.h.2.mlp.c_proj.weight",
+        "transformer.h.3.mlp.c_fc.bias",
+        "transformer.h.0.ln_1.bias",
+    ];
+    for reuse in [false, true] {
+        let case = format!("reuse casts {reuse}");
+        let policies = [Recompute::Mlp, Recompute::Attention, Recompute::Block, Recompute::Every(2)];
+        check_by_hand(&case, &names, &policies, |fused, policy| {
+            let mut model = model(Precision::Bf16);
+            model.set_unit_casts(true);
+            model.begin_step_casts(reuse);
+            model.set_fused_layer_norm(fused, 2);
+            model.set_fused_softmax(fused, 2);
+            model.set_fused_bias_gelu(fused, 2);
+            let got = outcome(&model, policy, &data, &names);
+            model.end_step_casts();
+            got
         });
     }
 }
