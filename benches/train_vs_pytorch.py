@@ -12,8 +12,9 @@ each round):
   SO  stoke with everything of its own turned off: `stoke bench fullchain`'s naive settings
       (data.workers=0, train.fused_optimizer=false, train.host_memory=system), no fused kernels
       (train.fused_cross_entropy=off, train.fused_layer_norm=false, train.fused_softmax=false,
-      train.fused_bias_gelu=false), the attention that plain PyTorch runs (SDPA in the autocast
-      type: train.attention=bf16), no per-block monitors
+      train.fused_bias_gelu=false), a cast per weight (train.unit_casts=false, as autocast casts),
+      the attention that plain PyTorch runs (SDPA in the autocast type: train.attention=bf16), no
+      per-block monitors
   PP  plain PyTorch: eager, SDPA, PyTorch's default AdamW, the C allocator's defaults
 
 and the ratios of median steady step times S/PC, S/PE and SO/PP are taken within the round; the table
@@ -57,7 +58,7 @@ def all_off(precision):
     """stoke's settings with everything of its own turned off (the SO configuration)."""
     return ["data.workers=0", "train.fused_optimizer=false", "train.host_memory=system",
             "train.fused_cross_entropy=off", "train.fused_layer_norm=false", "train.fused_softmax=false",
-            "train.fused_bias_gelu=false", f"train.attention={ALL_OFF_ATTENTION[precision]}",
+            "train.fused_bias_gelu=false", "train.unit_casts=false", f"train.attention={ALL_OFF_ATTENTION[precision]}",
             "train.monitor_every=0"]
 
 
@@ -206,6 +207,7 @@ class Bench:
             ("SO", lambda n: self.stoke(preset, precision, cell, n, off)),
             ("SO+single-graph", lambda n: self.stoke(preset, precision, cell, n, off + ["train.executor=single-graph"])),
             ("SO+retain", lambda n: self.stoke(preset, precision, cell, n, off + ["train.host_memory=retain"])),
+            ("SO+unit-casts", lambda n: self.stoke(preset, precision, cell, n, off + ["train.unit_casts=true"])),
             ("PP+retain", lambda n: self.peer(preset, precision, cell, n, plain + ["--host-memory", "retain"])),
         ]
         rounds = self.rounds(preset, precision, configs, cell)
