@@ -213,12 +213,25 @@ pub trait StepHooks {
     fn agree_stop(&mut self, local: bool) -> Result<bool, TrainError> {
         Ok(local)
     }
+
+    /// Whether these hooks act between blocks (`before_forward`, `before_backward` or
+    /// `grads_final` of a block's unit). Without, the block executor runs consecutive whole
+    /// blocks that keep their activations as one autograd graph (`Segment::last_layer`): cutting
+    /// the graph between them only costs each a backward seed and an input gradient of its own.
+    /// The callbacks still fire, in the same order, but a chained run's together.
+    fn between_blocks(&self) -> bool {
+        true
+    }
 }
 
 /// Hooks that do nothing: a single-process step.
 pub struct NoHooks;
 
-impl StepHooks for NoHooks {}
+impl StepHooks for NoHooks {
+    fn between_blocks(&self) -> bool {
+        false
+    }
+}
 
 /// A block's autograd segments: the whole block, or one of its halves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -231,6 +244,9 @@ enum Half {
 /// One block segment between forward and backward.
 struct Segment {
     layer_idx: usize,
+    /// The last block of a run of whole blocks chained in one graph (`StepHooks::between_blocks`);
+    /// `layer_idx` otherwise.
+    last_layer: usize,
     half: Half,
     /// The half's input: a leaf that requires grad when `output` holds its graph, else a plain
     /// detached tensor from which the backward recomputes.
@@ -350,6 +366,7 @@ impl Executor {
         let n_layer = model.shape().n_layer;
         let head_unit = n_layer + 1;
         let measure_memory = measure_memory && inputs.device() == Device::Cpu;
+        let chain = !hooks.between_blocks();
         let mut activation_bytes = Vec::with_capacity(n_layer);
 
         hooks.before_forward(0, clock)?;
@@ -360,14 +377,30 @@ impl Executor {
             hooks.before_forward(layer_idx + 1, clock)?;
             let bytes_before = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
             for (half, recomputed) in self.block_segments(model, layer_idx) {
+                // A kept whole block continues the graph of the kept whole block before it.
+                let chained = segments.last_mut().filter(|last| {
+                    chain
+                        && half == Half::Whole
+                        && !recomputed
+                        && last.half == Half::Whole
+                        && last.output.is_some()
+                        && last.last_layer + 1 == layer_idx
+                });
+                if let Some(last) = chained {
+                    let output = run_half(model, layer_idx, half, &current);
+                    current = output.shallow_clone();
+                    (last.output, last.last_layer) = (Some(output), layer_idx);
+                    continue;
+                }
                 let input = current.detach();
+                let last_layer = layer_idx;
                 let segment = if recomputed {
                     current = tch::no_grad(|| forward_half(model, layer_idx, half, &input).output);
-                    Segment { layer_idx, half, input, output: None, normed: None, core: None }
+                    Segment { layer_idx, last_layer, half, input, output: None, normed: None, core: None }
                 } else {
                     let HalfForward { input, output, normed, core } = forward_half(model, layer_idx, half, &input);
                     current = output.shallow_clone();
-                    Segment { layer_idx, half, input, output: Some(output), normed, core }
+                    Segment { layer_idx, last_layer, half, input, output: Some(output), normed, core }
                 };
                 segments.push(segment);
             }
@@ -428,9 +461,13 @@ impl Executor {
         // to the output of the segment on top of `segments`.
         while let Some(segment) = segments.pop() {
             let unit = segment.layer_idx + 1;
+            // The units of the segment's blocks, last first (one, unless whole blocks are chained).
+            let units = (unit..=segment.last_layer + 1).rev();
             // A block's last segment is backward-ed first; its first segment completes the unit.
             if matches!(segment.half, Half::Whole | Half::Mlp) {
-                hooks.before_backward(unit, clock)?;
+                for unit in units.clone() {
+                    hooks.before_backward(unit, clock)?;
+                }
             }
             let HalfForward { input, output, normed, core } = match segment.output {
                 Some(output) => {
@@ -464,7 +501,9 @@ impl Executor {
                     None
                 }
             };
-            model.add_cast_grads(Some(layer_idx));
+            for layer_idx in layer_idx..=segment.last_layer {
+                model.add_cast_grads(Some(layer_idx));
+            }
             // The residual passes `grad_output` through to the input unchanged; the fused
             // LayerNorm's backward adds its part to it in place.
             grad_output = match normed {
@@ -479,7 +518,9 @@ impl Executor {
             };
             if matches!(segment.half, Half::Whole | Half::Attention) {
                 clock.lap(Phase::Backward);
-                grads_final(model, unit, last, clock, hooks)?;
+                for unit in units {
+                    grads_final(model, unit, last, clock, hooks)?;
+                }
             }
         }
         hooks.before_backward(0, clock)?;

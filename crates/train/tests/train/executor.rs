@@ -22,21 +22,22 @@ fn batch(rows: i64, seed: i64) -> (Tensor, Tensor) {
 
 /// The flat gradient after `micro_batches` run through `executor` (the loss averaged over them).
 fn gradients(model: &Gpt, executor: &Executor, micro_batches: &[(Tensor, Tensor)]) -> Vec<f32> {
+    gradients_with(model, executor, micro_batches, &mut stoke_train::NoHooks)
+}
+
+/// `gradients` with `hooks` between the units.
+fn gradients_with(
+    model: &Gpt,
+    executor: &Executor,
+    micro_batches: &[(Tensor, Tensor)],
+    hooks: &mut dyn StepHooks,
+) -> Vec<f32> {
     model.params().zero_grad();
     let mut clock = StepClock::start(Device::Cpu, true);
     let k = micro_batches.len();
     for (idx, (inputs, targets)) in micro_batches.iter().enumerate() {
         executor
-            .run_micro_batch(
-                model,
-                inputs,
-                targets,
-                1.0 / k as f64,
-                idx + 1 == k,
-                false,
-                &mut clock,
-                &mut stoke_train::NoHooks,
-            )
+            .run_micro_batch(model, inputs, targets, 1.0 / k as f64, idx + 1 == k, false, &mut clock, hooks)
             .unwrap();
     }
     assert!(model.params().grads_are_bound(), "a gradient left the flat buffer");
@@ -78,6 +79,30 @@ fn executor_gradients_equal_the_single_graph_gradients() {
     assert!(reference.iter().any(|&g| g != 0.0));
     let diff = relative_difference(&blocks, &reference);
     assert!(diff <= 1e-6, "block executor vs single graph: relative difference {diff:e}");
+}
+
+/// Hooks that act between blocks (they do nothing, but say so): the executor cuts the graph at
+/// every block, as for data parallelism.
+struct Between;
+
+impl StepHooks for Between {}
+
+#[test]
+fn chained_whole_blocks_give_the_same_bits_as_blocks_cut_apart() {
+    let _rng = super::rng_lock();
+    let data = [batch(2, 3), batch(2, 4)];
+    let executor = Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap();
+    for (precision, unit_casts) in [(Precision::Fp32, false), (Precision::Bf16, false), (Precision::Bf16, true)] {
+        let run = |hooks: &mut dyn StepHooks| {
+            let mut model = model(precision);
+            model.set_unit_casts(unit_casts);
+            gradients_with(&model, &executor, &data, hooks)
+        };
+        let (chained, cut) = (run(&mut stoke_train::NoHooks), run(&mut Between));
+        assert!(chained.iter().any(|&g| g != 0.0));
+        let differing = chained.iter().zip(&cut).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differing, 0, "{precision:?}, unit casts {unit_casts}: {differing} gradient elements differ");
+    }
 }
 
 #[test]
