@@ -791,10 +791,12 @@ impl Gpt {
     pub(crate) fn attention_half_backward(&self, layer_idx: usize, half: &AttentionHalf, grad: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
         tch::no_grad(|| {
-            let grad = grad.to_kind(self.compute);
-            let grad_y =
-                linear_backward(&grad, &half.core.y, &half.proj_weight, (&block.attn_proj_w, &block.attn_proj_b));
-            drop(grad);
+            let grad_y = self.branch_output_backward(
+                grad,
+                &half.core.y,
+                &half.proj_weight,
+                (&block.attn_proj_w, &block.attn_proj_b),
+            );
             let grad_heads = self.attention_core_backward(&half.core, &grad_y);
             drop(grad_y);
             let (batch, seq, d) = half.normed.size3().expect("activations are [batch, seq, d]");
@@ -808,6 +810,20 @@ impl Gpt {
             drop(grad_heads);
             linear_backward(&grad_qkv, &half.normed, &half.qkv_weight, (&block.attn_w, &block.attn_b))
         })
+    }
+
+    /// The backward of a branch's last linear layer (`weight` in the compute type, `master` the
+    /// fp32 weight and bias) from the half's output gradient `grad` (fp32; the residual adds the
+    /// branch in the compute type, so the branch's gradient is `grad`'s cast): the layer's input's
+    /// gradient.
+    fn branch_output_backward(
+        &self,
+        grad: &Tensor,
+        input: &Tensor,
+        weight: &Tensor,
+        master: (&Tensor, &Tensor),
+    ) -> Tensor {
+        linear_backward(&grad.to_kind(self.compute), input, weight, master)
     }
 
     /// The attention's core outside libtorch's graph from q, k and v `heads` of activations shaped
@@ -940,16 +956,16 @@ impl Gpt {
         })
     }
 
-    /// The backward by hand of an `mlp_half_by_hand` from its output's gradient `grad` (fp32
-    /// `[batch, seq, d]`): every parameter's gradient added into the flat gradient buffer, and the
-    /// normed input's returned (bf16).
+    /// `attention_half_backward` for an `mlp_half_by_hand`.
     pub(crate) fn mlp_half_backward(&self, layer_idx: usize, half: &MlpHalf, grad: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
         tch::no_grad(|| {
-            let grad = grad.to_kind(self.compute);
-            let grad_act =
-                linear_backward(&grad, &half.core.act, &half.proj_weight, (&block.mlp_proj_w, &block.mlp_proj_b));
-            drop(grad);
+            let grad_act = self.branch_output_backward(
+                grad,
+                &half.core.act,
+                &half.proj_weight,
+                (&block.mlp_proj_w, &block.mlp_proj_b),
+            );
             self.mlp_core_backward(layer_idx, &half.core, &grad_act)
         })
     }
