@@ -6,11 +6,11 @@
 //! (units 1..=n_layer), the head with the loss (the last unit). Forward runs them in order; each
 //! block half (attention, MLP) starts from a detached copy of its input, so its autograd graph ends
 //! there (in one process, with no hooks between blocks, consecutive whole blocks share one graph:
-//! `StepHooks::between_blocks`). Backward runs in reverse: the head's backward starts from the loss, and each earlier
-//! segment's from the gradient of its output, which is the gradient its successor left on its
-//! detached input. Parameter gradients accumulate into the model's flat gradient buffer (see
-//! `params`), so a unit's gradients are final, for the last micro-batch of a step, as soon as its
-//! backward is done.
+//! `StepHooks::between_blocks`). Backward runs in reverse: the head's backward starts from the
+//! loss, and each earlier segment's from the gradient of its output, which is the gradient its
+//! successor left on its detached input. Parameter gradients accumulate into the model's flat
+//! gradient buffer (see `params`), so a unit's gradients are final, for the last micro-batch of a
+//! step, as soon as its backward is done.
 //!
 //! Invariants:
 //! - Forward fires `before_forward(u)` for u = 0, 1, ..., n_units-1; backward fires
