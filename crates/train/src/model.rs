@@ -773,14 +773,11 @@ impl Gpt {
     pub(crate) fn attention_half_by_hand(&self, layer_idx: usize, normed: &Tensor) -> (Tensor, AttentionHalf) {
         let block = &self.blocks[layer_idx];
         tch::no_grad(|| {
-            let slot = Slot::weight(layer_idx, Slot::ATTN);
-            let qkv_weight = self.weight16(layer_idx, slot, &block.attn_w);
-            let qkv = normed.linear(&qkv_weight, Some(&self.weight16(layer_idx, slot.bias(), &block.attn_b)));
+            let (qkv, qkv_weight) = self.linear16(normed, layer_idx, Slot::ATTN, (&block.attn_w, &block.attn_b));
             let core = self.attention_core(math_heads(&qkv, Kind::BFloat16, self.shape.n_head as i64), &normed.size());
             drop(qkv);
-            let slot = Slot::weight(layer_idx, Slot::ATTN_PROJ);
-            let proj_weight = self.weight16(layer_idx, slot, &block.attn_proj_w);
-            let branch = core.y.linear(&proj_weight, Some(&self.weight16(layer_idx, slot.bias(), &block.attn_proj_b)));
+            let (branch, proj_weight) =
+                self.linear16(&core.y, layer_idx, Slot::ATTN_PROJ, (&block.attn_proj_w, &block.attn_proj_b));
             (branch, AttentionHalf { normed: normed.shallow_clone(), qkv_weight, proj_weight, core })
         })
     }
@@ -949,9 +946,8 @@ impl Gpt {
         let block = &self.blocks[layer_idx];
         tch::no_grad(|| {
             let core = self.mlp_core(layer_idx, normed.shallow_clone());
-            let slot = Slot::weight(layer_idx, Slot::MLP_PROJ);
-            let proj_weight = self.weight16(layer_idx, slot, &block.mlp_proj_w);
-            let branch = core.act.linear(&proj_weight, Some(&self.weight16(layer_idx, slot.bias(), &block.mlp_proj_b)));
+            let (branch, proj_weight) =
+                self.linear16(&core.act, layer_idx, Slot::MLP_PROJ, (&block.mlp_proj_w, &block.mlp_proj_b));
             (branch, MlpHalf { proj_weight, core })
         })
     }
@@ -1005,6 +1001,16 @@ impl Gpt {
             weight_grad += rows.transpose(0, 1).mm(&core.input.detach().view([-1, d]));
             grad_pre.matmul(&core.weight)
         })
+    }
+
+    /// Linear layer `layer` (a `Slot` constant) of block `layer_idx` on `x` in the compute type,
+    /// outside the graph, from its fp32 weight and bias `master`: the output and the weight as
+    /// cast (`weight16`), which the layer's backward by hand takes.
+    fn linear16(&self, x: &Tensor, layer_idx: usize, layer: usize, master: (&Tensor, &Tensor)) -> (Tensor, Tensor) {
+        let slot = Slot::weight(layer_idx, layer);
+        let weight = self.weight16(layer_idx, slot, master.0);
+        let out = tch::no_grad(|| x.linear(&weight, Some(&self.weight16(layer_idx, slot.bias(), master.1))));
+        (out, weight)
     }
 
     /// Slot `slot`'s weight or bias (`master`, fp32) in the compute type, outside the graph: its
