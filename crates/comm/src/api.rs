@@ -143,6 +143,17 @@ pub trait CommunicatorExt: Communicator {
 
 impl<C: Communicator + ?Sized> CommunicatorExt for C {}
 
+/// The handle type backends return (exposed to the feature modules).
+#[allow(dead_code)] // used by the `mpi` and `nccl` features
+pub(crate) fn process_group(
+    worker: Arc<Worker>,
+    rank: usize,
+    size: usize,
+    backend: &'static str,
+) -> Box<dyn Communicator> {
+    Box::new(ProcessGroup { worker, group: 0, rank, size, backend })
+}
+
 /// The handle every backend returns: a group id on a shared communication thread.
 pub(crate) struct ProcessGroup {
     pub(crate) worker: Arc<Worker>,

@@ -46,7 +46,6 @@ pub use error::{CommError, Result};
 pub use half::{bf16, f16};
 pub use work::{Region, Work};
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Builds the communicator of this process for `env`'s job with `config`'s backend. Collective:
@@ -75,15 +74,4 @@ fn connect_shm(config: &CommConfig, env: &DistEnv) -> Result<Box<dyn Communicato
         Ok(Box::new(engine) as Box<dyn work::Engine>)
     })?;
     Ok(Box::new(api::ProcessGroup { worker, group: 0, rank, size, backend: "shm" }))
-}
-
-/// The handle type backends return (exposed to the feature modules).
-#[allow(dead_code)] // used by the `mpi` and `nccl` features
-pub(crate) fn process_group(
-    worker: Arc<work::Worker>,
-    rank: usize,
-    size: usize,
-    backend: &'static str,
-) -> Box<dyn Communicator> {
-    Box::new(api::ProcessGroup { worker, group: 0, rank, size, backend })
 }

@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use stoke_stats::median;
 
 use crate::cluster::{ClusterConfig, Efficiency, Precision};
 use crate::layout::{Layout, Recompute};
@@ -206,27 +207,17 @@ pub fn merge_repeats(runs: Vec<MeasuredRun>) -> Vec<MeasuredRun> {
                 _ => group[0].name.as_str(),
             };
             let name = format!("{stem}x{}", group.len());
-            let step = median(group.iter().map(|run| run.measured_step_s).collect());
+            let step = median(&group.iter().map(|run| run.measured_step_s).collect::<Vec<_>>());
             let optimizer: Option<Vec<f64>> = group.iter().map(|run| run.measured_optimizer_s).collect();
             MeasuredRun {
                 name,
                 config: group[0].config.clone(),
                 layout: group[0].layout,
                 measured_step_s: step,
-                measured_optimizer_s: optimizer.map(median),
+                measured_optimizer_s: optimizer.map(|values| median(&values)),
             }
         })
         .collect()
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 {
-        values[mid]
-    } else {
-        (values[mid - 1] + values[mid]) / 2.0
-    }
 }
 
 /// One run's measured and predicted step time.

@@ -11,7 +11,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use crate::report::StepSample;
+use crate::input::StepSample;
 
 /// Thread ids inside a rank's process.
 const TID_STEPS: u32 = 0;

@@ -95,7 +95,7 @@ impl RunCurves {
         let curve = if basis == "eval" { self.eval.clone() } else { self.smoothed_train() };
         let &(tokens, step, loss) = curve.iter().find(|p| p.2 <= target)?;
         let wall_s = self.wall.iter().find(|w| w.0 == step).map_or(f64::NAN, |w| w.1);
-        let median_step_s = crate::stats::median(&self.step_ms) / 1e3;
+        let median_step_s = stoke_stats::median(&self.step_ms) / 1e3;
         Some(Reach { tokens, step, wall_s, median_wall_s: median_step_s * step as f64, loss })
     }
 

@@ -7,7 +7,8 @@ use std::fmt::Write as _;
 use plotters::prelude::*;
 
 use crate::error::ProfError;
-use crate::report::{format_bound, RunReport, StepSample};
+use crate::input::StepSample;
+use crate::report::{format_bound, RunReport};
 use crate::stats::tokens_per_s;
 use crate::vocab::{Phase, N_PHASES};
 
@@ -354,8 +355,8 @@ fn dynamics_section(html: &mut String, d: &crate::dynamics::Dynamics) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::input::ProfConfig;
     use crate::report::tests::{facts, step};
-    use crate::report::ProfConfig;
     use crate::step::build_report;
 
     #[test]

@@ -57,7 +57,9 @@ mod dynamics;
 mod error;
 mod findings;
 mod html;
+mod input;
 mod prom;
+mod rank_report;
 mod ranks;
 mod report;
 mod rules;
@@ -72,12 +74,15 @@ pub use dynamics::{BatchEvent, Dynamics, EvalPoint, MonitorPoint, Spike};
 pub use error::ProfError;
 pub use findings::{amdahl, amdahl_bound, Finding, Rule, RuleId, Scope, RULES};
 pub use html::render_html;
+pub use input::{MachineFacts, ModelFacts, ProfConfig, RunFacts, StepSample, TrainFacts};
 pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};
-pub use ranks::{merge_ranks, ClockOffset, RankMemory, RankStepReport, RankSummary, RanksReport, TimedStep};
-pub use report::{format_bound, MachineFacts, ModelFacts, ProfConfig, RunFacts, RunReport, StepSample, TrainFacts};
+pub use rank_report::{ClockOffset, RankMemory, RankStepReport, RankSummary, RanksReport, TimedStep};
+pub use ranks::merge_ranks;
+pub use report::{format_bound, RunReport};
 pub use rules::diagnose;
-pub use stats::{median, percentile, tokens_per_s, Spread};
+pub use stats::{tokens_per_s, Spread};
 pub use step::build_report;
+pub use stoke_stats::{mad, median, percentile};
 pub use trace::{
     analyze, analyze_paths, analyze_rank, cross_rank, diff, diff_markdown, diff_table, find_trace_files, kernel_type,
     load_trace, load_traces, markdown, overlay_trace, peak_flops_for, prometheus, rank_from_file_name, table,

@@ -21,7 +21,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-use crate::report::StepSample;
+use crate::input::StepSample;
 use crate::vocab::Phase;
 
 type FloatGauge = Gauge<f64, AtomicU64>;

@@ -14,7 +14,8 @@
 //! | `small_batch` | compute phases < 30% of peak and a micro-batch < 8192 tokens | compute phases at 30% of peak |
 
 use crate::findings::{amdahl, pct, sort_by_bound, Finding, RuleId};
-use crate::report::{measured_steps, ProfConfig, RunReport, StepSample};
+use crate::input::{ProfConfig, StepSample};
+use crate::report::{measured_steps, RunReport};
 use crate::vocab::{Phase, Precision};
 
 /// Runs every rule; findings come sorted by bound, largest first (risks without a bound last).

@@ -1,8 +1,9 @@
-//! The few statistics every figure of stoke uses, defined once: a throughput, a median, a
-//! percentile, a distribution summary. The PyTorch peers in `benches/peers/` compute theirs the
-//! same way (`_measure.py` says so next to each).
+//! A run's rates and distributions: a throughput and a summary of step times, on the median and
+//! percentile of `stoke_stats` (the one definition of each). The PyTorch peers in `benches/peers/`
+//! compute theirs the same way (`_measure.py` says so next to each).
 
 use serde::{Deserialize, Serialize};
+use stoke_stats::{median, percentile};
 
 /// Tokens per second of `tokens` trained in `wall_ms` milliseconds; 0 when no time passed.
 ///
@@ -14,34 +15,6 @@ pub fn tokens_per_s(tokens: f64, wall_ms: f64) -> f64 {
     } else {
         0.0
     }
-}
-
-/// The median; the mean of the two middle values for an even count. NaN when empty or when any
-/// value is NaN (a missing figure never becomes a plausible number).
-pub fn median(values: &[f64]) -> f64 {
-    if values.is_empty() || values.iter().any(|v| v.is_nan()) {
-        return f64::NAN;
-    }
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let n = sorted.len();
-    if n % 2 == 1 {
-        sorted[n / 2]
-    } else {
-        0.5 * (sorted[n / 2 - 1] + sorted[n / 2])
-    }
-}
-
-/// The `p`-th percentile (0..=100) by nearest rank: the smallest value with at least p% of the
-/// values at or below it. NaN when empty or when any value is NaN.
-pub fn percentile(values: &[f64], p: f64) -> f64 {
-    if values.is_empty() || values.iter().any(|v| v.is_nan()) {
-        return f64::NAN;
-    }
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 /// A distribution of step times, ms.

@@ -1,6 +1,7 @@
 //! The step report of a run: its figures (`report`), then its findings (`rules`).
 
-use crate::report::{measure_report, ProfConfig, RunFacts, RunReport, StepSample};
+use crate::input::{ProfConfig, RunFacts, StepSample};
+use crate::report::{measure_report, RunReport};
 use crate::rules::diagnose;
 
 /// Builds the report of a run from its steps: figures, then findings sorted by bound.

@@ -86,13 +86,7 @@ pub fn throughput_points(steps: &[(u64, f64)], segments: &[Segment]) -> Vec<(usi
             by_world.entry(seg.workers).or_default().push(ms);
         }
     }
-    by_world
-        .into_iter()
-        .map(|(w, mut ms)| {
-            ms.sort_by(f64::total_cmp);
-            (w, 1000.0 / ms[ms.len() / 2], ms.len())
-        })
-        .collect()
+    by_world.into_iter().map(|(w, ms)| (w, 1000.0 / stoke_stats::median(&ms), ms.len())).collect()
 }
 
 /// The parallel fraction assumed until a job has run on two sizes. Default 0.9.

@@ -68,13 +68,11 @@ impl SimResult {
 
     /// Nearest-rank percentile of completion times.
     pub fn completion_percentile_s(&self, q: f64) -> f64 {
-        let mut times: Vec<f64> = self.jobs.iter().map(JobResult::completion_s).collect();
-        times.sort_by(f64::total_cmp);
+        let times: Vec<f64> = self.jobs.iter().map(JobResult::completion_s).collect();
         if times.is_empty() {
             return 0.0;
         }
-        let rank = ((q * times.len() as f64).ceil() as usize).clamp(1, times.len());
-        times[rank - 1]
+        stoke_stats::percentile(&times, 100.0 * q)
     }
 
     pub fn makespan_s(&self) -> f64 {

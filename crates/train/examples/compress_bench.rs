@@ -87,9 +87,9 @@ impl Kernel {
 }
 
 fn median_min_max(values: &[f64]) -> (f64, f64, f64) {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[0], v[v.len() - 1])
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (stoke_stats::median(values), min, max)
 }
 
 fn worker(args: &[String]) -> Result<(), String> {

@@ -95,6 +95,7 @@ fn main() {
         }
         let _ = accumulated.zero_();
         let spread = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
             let m = median(v);
             format!("{m:.3} ({:.3}-{:.3})", v[0], v[v.len() - 1])
         };

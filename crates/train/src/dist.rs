@@ -19,6 +19,7 @@
 mod agree;
 mod buckets;
 pub(crate) mod compress;
+mod region;
 mod zero;
 
 pub use agree::{Disagreement, KeyDifference, RankDifference};
@@ -29,7 +30,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use stoke_comm::{CommError, Communicator, CommunicatorExt, ReduceOp, Region, Work};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::clock::StepClock;
 use crate::dist::compress::{CompressConfig, Compression, Compressor, Pending};
@@ -39,6 +40,7 @@ use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::trainer::{Phase, Trainer};
 use crate::TrainError;
+use region::{f32_region, f32_slice};
 
 /// How a data-parallel step communicates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -587,31 +589,4 @@ impl StepHooks for DataParallel {
         self.comm.all_reduce(&mut flag, ReduceOp::Sum).map_err(|e| self.error("all_reduce stop flag", e))?;
         Ok(flag[0] > 0.0)
     }
-}
-
-/// Elements `range` of a contiguous CPU fp32 tensor as a slice.
-///
-/// # Safety
-/// `range` lies inside the tensor, and nothing else reads or writes it while the slice lives.
-unsafe fn f32_slice<'a>(t: &Tensor, range: Range<i64>) -> &'a mut [f32] {
-    // SAFETY: the caller's contract.
-    unsafe {
-        std::slice::from_raw_parts_mut(
-            (t.data_ptr() as *mut f32).add(range.start as usize),
-            (range.end - range.start) as usize,
-        )
-    }
-}
-
-/// The region of elements `range` of a contiguous fp32 tensor (host memory, or device memory for
-/// a device backend).
-fn f32_region(t: &Tensor, range: Range<i64>) -> Result<Region, String> {
-    if t.kind() != Kind::Float || !t.is_contiguous() {
-        return Err(format!("data parallelism needs a contiguous fp32 buffer, got {:?}", t.kind()));
-    }
-    if range.start < 0 || range.end > t.numel() as i64 || range.start > range.end {
-        return Err(format!("range {range:?} is outside the buffer of {} elements", t.numel()));
-    }
-    let whole = Region::new(t.data_ptr() as *mut u8, t.numel(), stoke_comm::DType::F32);
-    Ok(whole.slice(range.start as usize, range.end as usize))
 }

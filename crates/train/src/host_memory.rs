@@ -11,18 +11,7 @@
 //! mapped and faulted in anew every step (12% of a gpt2-124m bf16 step's samples in the kernel on
 //! 2026-12-02, 6.7% without), so `Retain` also turns mmap off: every block comes from the heap.
 
-use serde::{Deserialize, Serialize};
-
-/// See `TrainConfig::host_memory`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum HostMemory {
-    /// Take every block from the heap (no mmap, whatever its size), keep freed blocks there and
-    /// never trim it.
-    Retain,
-    /// The C library's defaults.
-    System,
-}
+use crate::config::HostMemory;
 
 /// glibc refuses an mmap threshold above half its largest heap (64 MiB on 64-bit targets).
 const MMAP_THRESHOLD_MAX: i32 = 32 << 20;

@@ -34,8 +34,8 @@ mod trainer;
 pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};
 pub use clock::StepClock;
 pub use config::{
-    AttentionPrecision, CkptConfig, EvalConfig, FusedCrossEntropy, GptShape, LrScaling, LrShape, ModelConfig,
-    Precision, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB,
+    AttentionPrecision, CkptConfig, EvalConfig, FusedCrossEntropy, GptShape, HostMemory, LossScaleConfig, LrScaling,
+    LrShape, ModelConfig, OptimizerKind, Precision, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB,
 };
 pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{
@@ -45,20 +45,20 @@ pub use dist::{
 pub use error::TrainError;
 pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};
 pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
-pub use host_memory::{retain_env, HostMemory};
+pub use host_memory::retain_env;
 pub use kernels::{
     bias_gelu_bf16, bias_gelu_bf16_backward, causal_softmax_backward_bf16, causal_softmax_bf16, cross_entropy_bf16,
     layer_norm_bf16, layer_norm_bf16_backward, CausalBlock, CrossEntropy, LayerNormStats,
 };
 pub use model::Gpt;
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
-pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, OptimizerKind, Sgd, TensorNorms};
+pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 pub use peak::{
     host_bytes_in_use, matmul_peak_flops_cached, measure_matmul_peak_flops, memory_available_bytes,
     memory_capacity_bytes, memory_in_use_bytes, peak_key, peak_rss_bytes, reset_peak_rss, PEAK_CACHE_FILE,
 };
-pub use precision::{compute_kind, LossScaleConfig, LossScaler, ScaleOutcome, FP32_OPS};
+pub use precision::{compute_kind, LossScaler, ScaleOutcome, FP32_OPS};
 pub use trainer::{
     parse_device, BatchChange, BlockMonitors, CheckpointTarget, EvalRecord, MemoryReport, NanDump, Observer,
     ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary, TrainEvent, Trainer,

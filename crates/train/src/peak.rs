@@ -56,7 +56,7 @@ pub fn measure_matmul_peak_flops(precision: Precision, device: Device, repeats: 
     let b = Tensor::randn([n, n], (kind, device));
     let _ = a.matmul(&b);
     sync(device);
-    let mut rates: Vec<f64> = (0..repeats.max(1))
+    let rates: Vec<f64> = (0..repeats.max(1))
         .map(|_| {
             let start = Instant::now();
             let c = a.matmul(&b);
@@ -66,8 +66,7 @@ pub fn measure_matmul_peak_flops(precision: Precision, device: Device, repeats: 
             2.0 * (n as f64).powi(3) / seconds.max(1e-12)
         })
         .collect();
-    rates.sort_by(f64::total_cmp);
-    rates[rates.len() / 2]
+    stoke_stats::median(&rates)
 }
 
 /// The peak for `precision` on `device`, from `dir/.machine-peak.json` when measured before,

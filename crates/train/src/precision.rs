@@ -6,7 +6,7 @@
 
 use tch::Kind;
 
-use crate::config::Precision;
+use crate::config::{LossScaleConfig, Precision};
 
 /// Ops that run in fp32 whatever the precision, because their sums or exponentials lose too
 /// much in 16 bits. This list is the policy; the model's code follows it.
@@ -19,19 +19,6 @@ pub fn compute_kind(precision: Precision) -> Kind {
         Precision::Bf16 => Kind::BFloat16,
         Precision::Fp16 => Kind::Half,
     }
-}
-
-/// The fp16 loss scaler's settings (`train.loss_scale_*`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LossScaleConfig {
-    /// The scale the first step multiplies the loss by. Default 65536.
-    pub init: f64,
-    /// Multiply the scale by this after `interval` steps in a row without overflow. Default 2.
-    pub growth: f64,
-    /// Multiply the scale by this when a step's gradients overflow (the step is skipped). Default 0.5.
-    pub backoff: f64,
-    /// Steps without overflow before the scale grows. Default 2000.
-    pub interval: u64,
 }
 
 /// Dynamic loss scaling (what `torch.cuda.amp.GradScaler` does): the loss is multiplied by

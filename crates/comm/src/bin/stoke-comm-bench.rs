@@ -106,7 +106,7 @@ fn memcpy_gbps() -> f64 {
     let src = vec![1u8; bytes];
     // Touch every page first, so the timing sees copies, not page faults.
     let mut dst = vec![2u8; bytes];
-    let mut rates: Vec<f64> = (0..9)
+    let rates: Vec<f64> = (0..9)
         .map(|_| {
             let start = Instant::now();
             dst.copy_from_slice(std::hint::black_box(&src));
@@ -114,14 +114,13 @@ fn memcpy_gbps() -> f64 {
             bytes as f64 / start.elapsed().as_secs_f64() / 1e9
         })
         .collect();
-    rates.sort_by(f64::total_cmp);
-    rates[rates.len() / 2]
+    stoke_stats::median(&rates)
 }
 
 fn stats(values: &[f64]) -> (f64, f64, f64) {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[0], v[v.len() - 1])
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (stoke_stats::median(values), min, max)
 }
 
 fn human(bytes: usize) -> String {

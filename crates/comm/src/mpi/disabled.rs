@@ -11,6 +11,3 @@ pub(crate) fn connect(_config: &CommConfig, _env: &DistEnv) -> Result<Box<dyn Co
             .into(),
     })
 }
-
-/// Whether this build carries the backend.
-pub(crate) const BUILT: bool = false;

@@ -388,8 +388,5 @@ pub(crate) fn connect(_config: &CommConfig, env: &DistEnv) -> Result<Box<dyn Com
             env.rank, env.world_size
         )));
     }
-    Ok(crate::process_group(worker, rank, size, "mpi"))
+    Ok(crate::api::process_group(worker, rank, size, "mpi"))
 }
-
-/// Whether this build carries the backend.
-pub(crate) const BUILT: bool = true;

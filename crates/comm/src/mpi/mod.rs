@@ -4,9 +4,12 @@
 #[cfg(feature = "mpi")]
 mod enabled;
 #[cfg(feature = "mpi")]
-pub(crate) use enabled::{connect, BUILT};
+pub(crate) use enabled::connect;
 
 #[cfg(not(feature = "mpi"))]
 mod disabled;
 #[cfg(not(feature = "mpi"))]
-pub(crate) use disabled::{connect, BUILT};
+pub(crate) use disabled::connect;
+
+/// Whether this build carries the backend.
+pub(crate) const BUILT: bool = cfg!(feature = "mpi");

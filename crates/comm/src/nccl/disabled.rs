@@ -10,6 +10,3 @@ pub(crate) fn connect(_config: &CommConfig, _env: &DistEnv) -> Result<Box<dyn Co
         reason: "this build lacks the `nccl` feature (build with `--features stoke-comm/nccl`)".into(),
     })
 }
-
-/// Whether this build carries the backend.
-pub(crate) const BUILT: bool = false;

@@ -527,8 +527,5 @@ pub(crate) fn connect(config: &CommConfig, env: &DistEnv) -> Result<Box<dyn Comm
     let worker: Arc<Worker> = Worker::spawn(env.rank, "nccl", move || {
         Ok(Box::new(NcclEngine::new(&config, &env_moved, store)?) as Box<dyn Engine>)
     })?;
-    Ok(crate::process_group(worker, env.rank, env.world_size, "nccl"))
+    Ok(crate::api::process_group(worker, env.rank, env.world_size, "nccl"))
 }
-
-/// Whether this build carries the backend.
-pub(crate) const BUILT: bool = true;

@@ -4,9 +4,12 @@
 #[cfg(feature = "nccl")]
 mod enabled;
 #[cfg(feature = "nccl")]
-pub(crate) use enabled::{connect, BUILT};
+pub(crate) use enabled::connect;
 
 #[cfg(not(feature = "nccl"))]
 mod disabled;
 #[cfg(not(feature = "nccl"))]
-pub(crate) use disabled::{connect, BUILT};
+pub(crate) use disabled::connect;
+
+/// Whether this build carries the backend.
+pub(crate) const BUILT: bool = cfg!(feature = "nccl");

@@ -6,8 +6,8 @@
 //! plugin's rules: `dataloader`, `communication`, `low_gpu_utilization`, `no_tensor_cores`.
 //! Across ranks: `straggler`.
 
-use super::analyze::{RankReport, StepReport};
 use super::event::DeviceInfo;
+use super::figures::{RankReport, StepReport};
 use crate::findings::{amdahl_bound, pct, Finding, RuleId};
 
 /// Thresholds, in one place so that documentation and code agree.

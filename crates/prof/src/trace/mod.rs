@@ -8,10 +8,12 @@
 //! benchmarks.
 
 mod analyze;
+mod classify;
 mod diagnose;
 mod diff;
 mod error;
 mod event;
+mod figures;
 mod ingest;
 mod intervals;
 mod ranks;
@@ -25,14 +27,15 @@ use serde::Serialize;
 
 use crate::findings::Finding;
 
-pub use analyze::{
-    kernel_type, peak_flops_for, AnalyzeOptions, Categories, Category, Dist, GpuTime, KernelStat, KernelType,
-    KernelTypeTime, LaunchStats, MemcpyStat, MemoryStat, Overlap, QueueStat, RankReport, StepReport, StreamIdle,
-    TensorCoreStat,
-};
+pub use analyze::AnalyzeOptions;
+pub use classify::{kernel_type, peak_flops_for, KernelType};
 pub use diff::{diff, DiffOptions, NameDiff, StepStats, TraceDiff};
 pub use error::TraceError;
 pub use event::{DeviceInfo, Event, IngestStats, Kind, MemorySample, RankTrace};
+pub use figures::{
+    Categories, Category, Dist, GpuTime, KernelStat, KernelTypeTime, LaunchStats, MemcpyStat, MemoryStat, Overlap,
+    QueueStat, RankReport, StepReport, StreamIdle, TensorCoreStat,
+};
 pub use ingest::{find_trace_files, load_trace, load_traces};
 pub use ranks::{cross_rank, AlignedStep, CrossRank, RankCollectives};
 pub use render::{diff_markdown, diff_table, markdown, overlay_trace, prometheus, table};

@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde::Serialize;
 
-use super::analyze::RankReport;
 use super::diagnose::STRAGGLER_FACTOR;
+use super::figures::RankReport;
 use crate::findings::{Finding, RuleId};
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -43,9 +43,14 @@ pub struct CrossRank {
     pub findings: Vec<Finding>,
 }
 
-fn median(mut v: Vec<i64>) -> i64 {
-    v.sort_unstable();
-    v.get(v.len() / 2).copied().unwrap_or(0)
+/// The median (`stoke_stats::median`) of nanosecond figures, to the nearest nanosecond; 0 when
+/// there are none.
+fn median_ns(values: &[i64]) -> i64 {
+    if values.is_empty() {
+        return 0;
+    }
+    let values: Vec<f64> = values.iter().map(|&v| v as f64).collect();
+    stoke_stats::median(&values).round() as i64
 }
 
 pub fn cross_rank(ranks: &[RankReport]) -> Option<CrossRank> {
@@ -70,7 +75,7 @@ pub fn cross_rank(ranks: &[RankReport]) -> Option<CrossRank> {
                 step,
                 min_ns: *walls.iter().min().expect("non-empty"),
                 max_ns: slowest.1,
-                median_ns: median(walls),
+                median_ns: median_ns(&walls),
                 slowest_rank: slowest.0,
                 wall_ns,
             }
@@ -105,7 +110,7 @@ pub fn cross_rank(ranks: &[RankReport]) -> Option<CrossRank> {
     let mut stragglers = Vec::new();
     let mut findings = Vec::new();
     let means: Vec<i64> = ranks.iter().map(|r| r.mean_step_ns as i64).collect();
-    let med = median(means.clone());
+    let med = median_ns(&means);
     for (r, &m) in ranks.iter().zip(&means) {
         if med > 0 && m as f64 > STRAGGLER_FACTOR * med as f64 {
             stragglers.push(r.rank);
@@ -122,7 +127,7 @@ pub fn cross_rank(ranks: &[RankReport]) -> Option<CrossRank> {
     let matched: Vec<&RankCollectives> = collectives.iter().filter(|c| c.n_matched > 0).collect();
     if matched.len() >= 2 {
         let least = matched.iter().min_by_key(|c| (c.wait_ns, c.rank)).expect("two or more");
-        let others_wait = median(matched.iter().map(|c| c.wait_ns).collect());
+        let others_wait = median_ns(&matched.iter().map(|c| c.wait_ns).collect::<Vec<_>>());
         if others_wait > 0 && least.wait_ns * 2 < others_wait && !stragglers.contains(&least.rank) {
             stragglers.push(least.rank);
             findings.push(Finding::new(

@@ -4,8 +4,8 @@
 use std::fmt::Write as _;
 use std::io::Write;
 
-use super::analyze::{Category, RankReport};
 use super::diff::{NameDiff, TraceDiff};
+use super::figures::{Category, RankReport};
 use super::Analysis;
 
 fn ms(ns: i64) -> f64 {

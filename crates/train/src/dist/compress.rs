@@ -47,6 +47,8 @@ use std::collections::BTreeMap;
 use stoke_comm::{shard_range, CommError, Communicator, CommunicatorExt, Region, Work};
 
 use crate::TrainError;
+pub use codec::Compression;
+
 use codec::{Isa, Reencode};
 
 /// Name prefix of the first phase's residuals (over the whole buffer) in checkpoints.
@@ -54,27 +56,7 @@ const RESIDUAL: &str = "compress.residual.";
 /// Name prefix of the all-reduce's second-phase residuals (over this rank's shard).
 const SHARD_RESIDUAL: &str = "compress.shard_residual.";
 
-/// How values travel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Compression {
-    /// fp32, 4 bytes per value: lossless.
-    None,
-    /// bf16, 2 bytes per value, rounded to nearest even.
-    Bf16,
-    /// Per block of `block` values an f32 scale (max |x| / 127) and one i8 per value.
-    Int8 { block: usize },
-}
-
 impl Compression {
-    /// Bytes of the payload that encodes `values` values.
-    pub fn payload_bytes(self, values: usize) -> usize {
-        match self {
-            Compression::None => 4 * values,
-            Compression::Bf16 => 2 * values,
-            Compression::Int8 { block } => 4 * values.div_ceil(block.max(1)) + values,
-        }
-    }
-
     /// Encodes `values` plus `residual` (when given) into `payload` (exactly
     /// [`Compression::payload_bytes`] long), then sets `residual` to what decoding will lose:
     /// value plus old residual minus decoded value (0 where that is not finite). This is error
