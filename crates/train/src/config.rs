@@ -2,11 +2,14 @@
 //!
 //! Every field's default is stated in its doc; `validate` names the key of any value out of range.
 
+mod executor;
+
 use serde::{Deserialize, Serialize};
+
+pub use executor::{ExecutorKind, Recompute};
 
 pub use crate::optimizers::OptimizerKind;
 
-use crate::executor::{ExecutorKind, Recompute};
 use crate::host_memory::HostMemory;
 use crate::precision::LossScaleConfig;
 
