@@ -2,9 +2,11 @@
 //!
 //! Every field's default is stated in its doc; `validate` names the key of any value out of range.
 
+mod executor;
+
 use serde::{Deserialize, Serialize};
 
-use crate::executor::{ExecutorKind, Recompute};
+pub use executor::{ExecutorKind, Recompute};
 
 use crate::TrainError;
 

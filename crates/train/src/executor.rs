@@ -21,111 +21,17 @@
 //!   recomputation reruns the same ops on the same inputs, and every activation gets at most two
 //!   gradient contributions (the residual and the branch), whose sum does not depend on order.
 
-use std::fmt;
 use std::ops::Range;
-use std::str::FromStr;
 
-use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
 
 use crate::clock::StepClock;
+use crate::config::{ExecutorKind, Recompute};
 use crate::kernels::LayerNormStats;
-use crate::model::{Core, Gpt, Norm};
+use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, Model, Norm};
 use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::{Phase, TrainError};
-
-/// Which parts of each block keep only their input in the forward pass and run their forward
-/// again inside the backward pass (`train.recompute`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Recompute {
-    /// Keep every activation.
-    None,
-    /// Recompute each block's MLP half (LayerNorm, both linears, GELU): most of a block's
-    /// activation memory for about a third of its forward arithmetic.
-    Mlp,
-    /// Recompute each block's attention half.
-    Attention,
-    /// Recompute every block whole: only block inputs are kept.
-    Block,
-    /// Recompute whole blocks 0, K, 2K, ... (one block in every K).
-    Every(usize),
-}
-
-impl Recompute {
-    /// The autograd segments block `layer_idx` runs as, in forward order, each with whether it is
-    /// recomputed. A block runs as one segment unless only one of its halves is recomputed: fewer
-    /// segments are fewer backward calls.
-    fn segments(self, layer_idx: usize) -> &'static [(Half, bool)] {
-        match self {
-            Recompute::None => &[(Half::Whole, false)],
-            Recompute::Mlp => &[(Half::Attention, false), (Half::Mlp, true)],
-            Recompute::Attention => &[(Half::Attention, true), (Half::Mlp, false)],
-            Recompute::Block => &[(Half::Whole, true)],
-            Recompute::Every(k) => {
-                if layer_idx % k == 0 {
-                    &[(Half::Whole, true)]
-                } else {
-                    &[(Half::Whole, false)]
-                }
-            }
-        }
-    }
-}
-
-impl fmt::Display for Recompute {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Recompute::None => f.write_str("none"),
-            Recompute::Mlp => f.write_str("mlp"),
-            Recompute::Attention => f.write_str("attention"),
-            Recompute::Block => f.write_str("block"),
-            Recompute::Every(k) => write!(f, "every:{k}"),
-        }
-    }
-}
-
-impl FromStr for Recompute {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Recompute, String> {
-        let allowed = "allowed: \"none\", \"mlp\", \"attention\", \"block\", \"every:K\" (K >= 1)";
-        match text {
-            "none" => Ok(Recompute::None),
-            "mlp" => Ok(Recompute::Mlp),
-            "attention" => Ok(Recompute::Attention),
-            "block" => Ok(Recompute::Block),
-            _ => match text.strip_prefix("every:").map(str::parse::<usize>) {
-                Some(Ok(k)) if k >= 1 => Ok(Recompute::Every(k)),
-                _ => Err(format!("got {text:?}; {allowed}")),
-            },
-        }
-    }
-}
-
-impl Serialize for Recompute {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for Recompute {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Recompute, D::Error> {
-        let text = String::deserialize(deserializer)?;
-        text.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-/// How a step's forward and backward are driven (`train.executor`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ExecutorKind {
-    /// Unit by unit, with callbacks between units and recomputation.
-    Blocks,
-    /// The whole model as one autograd graph and one `backward()`: no recomputation, callbacks
-    /// only before and after. Kept as the reference the block executor is measured against.
-    SingleGraph,
-}
 
 /// Code that acts between units. Every method has a do-nothing default.
 pub trait StepHooks {
@@ -234,7 +140,7 @@ impl StepHooks for NoHooks {
     }
 }
 
-/// A block's autograd segments: the whole block, or one of its halves.
+/// A block's autograd segments: the whole block, or one of its halves (a residual branch).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Half {
     Whole,
@@ -242,8 +148,46 @@ enum Half {
     Mlp,
 }
 
+impl Half {
+    /// The branch a half runs; `None` for a whole block.
+    fn branch(self) -> Option<Branch> {
+        match self {
+            Half::Whole => None,
+            Half::Attention => Some(Branch::Attention),
+            Half::Mlp => Some(Branch::Mlp),
+        }
+    }
+}
+
+/// The autograd segments block `layer_idx` runs as, in forward order, each with whether it is
+/// recomputed. A block runs as one segment unless only one of its halves is recomputed: fewer
+/// segments are fewer backward calls.
+fn segments(recompute: Recompute, layer_idx: usize) -> &'static [(Half, bool)] {
+    match recompute {
+        Recompute::None => &[(Half::Whole, false)],
+        Recompute::Mlp => &[(Half::Attention, false), (Half::Mlp, true)],
+        Recompute::Attention => &[(Half::Attention, true), (Half::Mlp, false)],
+        Recompute::Block => &[(Half::Whole, true)],
+        Recompute::Every(k) => {
+            if layer_idx % k == 0 {
+                &[(Half::Whole, true)]
+            } else {
+                &[(Half::Whole, false)]
+            }
+        }
+    }
+}
+
+/// A part of a half the model runs by hand, while the half's output is kept: its backward.
+enum Part<'m> {
+    /// The whole branch after the norm by hand, with no graph.
+    Branch(Box<dyn BranchBackward + 'm>),
+    /// The branch's core, between two of libtorch's graphs.
+    Core(Box<dyn CoreBackward + 'm>),
+}
+
 /// One block segment between forward and backward.
-struct Segment {
+struct Segment<'m> {
     layer_idx: usize,
     /// The last block of a run of whole blocks chained in one graph (`StepHooks::between_blocks`);
     /// `layer_idx` otherwise.
@@ -257,18 +201,18 @@ struct Segment {
     /// grad, or a plain tensor when the whole branch runs by hand) and its statistics, for the
     /// norm's backward.
     normed: Option<(Tensor, LayerNormStats)>,
-    /// With the attention's core or the MLP's bias and GELU by hand (or, after the fused
-    /// LayerNorm, the whole branch), while `output` is kept: what its backward needs.
-    core: Option<Core>,
+    /// With the branch's core by hand (or, after the norm by hand, the whole branch), while
+    /// `output` is kept: its backward.
+    part: Option<Part<'m>>,
 }
 
 /// A half's forward (see `forward_half`).
-struct HalfForward {
+struct HalfForward<'m> {
     /// The input as the backward uses it.
     input: Tensor,
     output: Tensor,
     normed: Option<(Tensor, LayerNormStats)>,
-    core: Option<Core>,
+    part: Option<Part<'m>>,
 }
 
 /// What one micro-batch gave.
@@ -302,12 +246,13 @@ impl Executor {
     }
 
     /// The autograd segments of block `layer_idx`: the policy's, with a whole block split in
-    /// its halves when the model runs the fused LayerNorm (each half's norm is then outside
-    /// libtorch's graph, between the half and its input), the attention's core or the MLP's
-    /// bias and GELU by hand.
-    fn block_segments(&self, model: &Gpt, layer_idx: usize) -> Vec<(Half, bool)> {
-        let segments = self.recompute.segments(layer_idx);
-        if !model.fused_layer_norm() && !model.fused_softmax() && !model.fused_bias_gelu() {
+    /// its halves when the model runs its norms by hand (each half's norm is then outside
+    /// libtorch's graph, between the half and its input), or a branch's core.
+    fn block_segments(&self, model: &dyn Model, layer_idx: usize) -> Vec<(Half, bool)> {
+        let segments = segments(self.recompute, layer_idx);
+        let by_hand =
+            model.by_hand().is_some_and(|h| h.norms() || h.branch(Branch::Attention) || h.branch(Branch::Mlp));
+        if !by_hand {
             return segments.to_vec();
         }
         segments
@@ -335,7 +280,7 @@ impl Executor {
     #[allow(clippy::too_many_arguments)]
     pub fn run_micro_batch(
         &self,
-        model: &Gpt,
+        model: &dyn Model,
         inputs: &Tensor,
         targets: &Tensor,
         loss_multiplier: f64,
@@ -355,7 +300,7 @@ impl Executor {
     #[allow(clippy::too_many_arguments)]
     fn run_blocks(
         &self,
-        model: &Gpt,
+        model: &dyn Model,
         inputs: &Tensor,
         targets: &Tensor,
         loss_multiplier: f64,
@@ -397,11 +342,11 @@ impl Executor {
                 let last_layer = layer_idx;
                 let segment = if recomputed {
                     current = tch::no_grad(|| forward_half(model, layer_idx, half, &input).output);
-                    Segment { layer_idx, last_layer, half, input, output: None, normed: None, core: None }
+                    Segment { layer_idx, last_layer, half, input, output: None, normed: None, part: None }
                 } else {
-                    let HalfForward { input, output, normed, core } = forward_half(model, layer_idx, half, &input);
+                    let HalfForward { input, output, normed, part } = forward_half(model, layer_idx, half, &input);
                     current = output.shallow_clone();
-                    Segment { layer_idx, last_layer, half, input, output: Some(output), normed, core }
+                    Segment { layer_idx, last_layer, half, input, output: Some(output), normed, part }
                 };
                 segments.push(segment);
             }
@@ -415,7 +360,7 @@ impl Executor {
         let head_input = current.detach();
         drop(current);
         // With the fused LayerNorm the head starts from the normed output, a leaf.
-        let (head_input, head_normed) = match model.fused_norm(Norm::Final, &head_input) {
+        let (head_input, head_normed) = match model.by_hand().and_then(|h| h.norm(Norm::Final, &head_input)) {
             Some((normed, stats)) => (head_input, Some((normed.set_requires_grad(true), stats))),
             None => (head_input.set_requires_grad(true), None),
         };
@@ -431,8 +376,8 @@ impl Executor {
         let loss = head.loss;
         // With the fused cross-entropy the head's matrix multiplies are backward-ed by hand, from
         // the logits' gradient, to the gradient of the head's input in the compute type.
-        let head_grad = match head.fused {
-            Some(fused) => Some(model.fused_head_backward(fused)),
+        let head_grad = match head.by_hand {
+            Some(by_hand) => Some(by_hand.backward()),
             None => {
                 (&loss * loss_multiplier).backward();
                 None
@@ -445,7 +390,7 @@ impl Executor {
             // With the fused head the normed leaf is its input: its gradient is the one just computed.
             (Some((normed, stats)), head_grad) => {
                 let grad_normed = head_grad.map_or_else(|| normed.grad(), |(_, grad)| grad);
-                model.fused_norm_backward(Norm::Final, &grad_normed, &head_input, &stats, None)
+                hand(model).norm_backward(Norm::Final, &grad_normed, &head_input, &stats, None)
             }
             (None, Some((input, grad_input))) => {
                 backward_from(&input, &grad_input);
@@ -470,9 +415,9 @@ impl Executor {
                     hooks.before_backward(unit, clock)?;
                 }
             }
-            let HalfForward { input, output, normed, core } = match segment.output {
+            let HalfForward { input, output, normed, part } = match segment.output {
                 Some(output) => {
-                    HalfForward { input: segment.input, output, normed: segment.normed, core: segment.core }
+                    HalfForward { input: segment.input, output, normed: segment.normed, part: segment.part }
                 }
                 None => {
                     clock.lap(Phase::Backward);
@@ -483,21 +428,15 @@ impl Executor {
             };
             let layer_idx = segment.layer_idx;
             // A whole branch by hand has no graph: it gives its normed input's gradient itself.
-            let grad_normed = match core {
-                Some(Core::AttentionHalf(half)) => Some(model.attention_half_backward(layer_idx, &half, &grad_output)),
-                Some(Core::MlpHalf(half)) => Some(model.mlp_half_backward(layer_idx, &half, &grad_output)),
-                core => {
+            let grad_normed = match part {
+                Some(Part::Branch(branch)) => Some(branch.backward(&grad_output)),
+                part => {
                     backward_from(&output, &grad_output);
                     drop(output);
-                    // The attention's core or the MLP's bias and GELU by hand, between two graphs.
-                    match core {
-                        Some(Core::Attention(core)) => {
-                            backward_from(&core.heads, &model.attention_core_backward(&core, &core.y.grad()))
-                        }
-                        Some(Core::Mlp(core)) => {
-                            backward_from(&core.input, &model.mlp_core_backward(layer_idx, &core, &core.act.grad()))
-                        }
-                        _ => {}
+                    // A branch's core by hand, between two graphs.
+                    if let Some(Part::Core(core)) = part {
+                        let (tensor, grad) = core.backward();
+                        backward_from(&tensor, &grad);
                     }
                     None
                 }
@@ -508,7 +447,7 @@ impl Executor {
             // The residual passes `grad_output` through to the input unchanged; the fused
             // LayerNorm's backward adds its part to it in place.
             grad_output = match normed {
-                Some((normed, stats)) => model.fused_norm_backward(
+                Some((normed, stats)) => hand(model).norm_backward(
                     norm_of(layer_idx, segment.half),
                     &grad_normed.unwrap_or_else(|| normed.grad()),
                     &input,
@@ -536,74 +475,60 @@ impl Executor {
     }
 }
 
-/// A half's forward from `input` (detached). With the fused LayerNorm (a half, not a whole block,
-/// with the kernel on and taking the input) the input needs no gradient of its own: the residual
-/// passes the output's through, and the normed input is a leaf that requires grad. Otherwise the
-/// input becomes a leaf that requires grad, and libtorch runs the whole half, except an
-/// attention's core or an MLP's bias and GELU when the model runs them by hand
-/// (`Gpt::fused_softmax`, `Gpt::fused_bias_gelu`). With both the fused LayerNorm and the part by
-/// hand, the whole branch runs by hand with no graph (`Gpt::attention_half_by_hand`,
-/// `Gpt::mlp_half_by_hand`), and so does its backward: no seed over any of its tensors.
-fn forward_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> HalfForward {
-    let fused = match half {
-        Half::Whole => None,
-        Half::Attention | Half::Mlp => model.fused_norm(norm_of(layer_idx, half), input),
+/// A half's forward from `input` (detached). With the norm by hand (a half, not a whole block,
+/// with the model's `ByHand::norm` taking the input) the input needs no gradient of its own: the
+/// residual passes the output's through, and the normed input is a leaf that requires grad.
+/// Otherwise the input becomes a leaf that requires grad, and libtorch runs the whole half,
+/// except a branch's core when the model runs it by hand (`ByHand::branch_core`). With both the
+/// norm and the branch by hand, the whole branch runs by hand with no graph
+/// (`ByHand::branch_whole`), and so does its backward: no seed over any of its tensors.
+fn forward_half<'m>(model: &'m dyn Model, layer_idx: usize, half: Half, input: &Tensor) -> HalfForward<'m> {
+    let by_hand = model.by_hand();
+    let fused = match half.branch() {
+        None => None,
+        Some(branch) => by_hand.and_then(|h| h.norm(Norm::before(layer_idx, branch), input)),
     };
-    let by_hand = match half {
-        Half::Whole => false,
-        Half::Attention => model.fused_softmax(),
-        Half::Mlp => model.fused_bias_gelu(),
+    let branch_by_hand = match half.branch() {
+        None => false,
+        Some(branch) => by_hand.is_some_and(|h| h.branch(branch)),
     };
     let (input, normed, normed_input) = match fused {
-        // After the fused LayerNorm a branch by hand runs whole outside libtorch's graph.
-        Some((normed, stats)) if by_hand => {
-            let (branch, core) = match half {
-                Half::Attention => {
-                    let (branch, half) = model.attention_half_by_hand(layer_idx, &normed);
-                    (branch, Core::AttentionHalf(half))
-                }
-                _ => {
-                    let (branch, half) = model.mlp_half_by_hand(layer_idx, &normed);
-                    (branch, Core::MlpHalf(half))
-                }
-            };
-            let output = tch::no_grad(|| input + branch);
+        // After the norm by hand a branch by hand runs whole outside libtorch's graph.
+        Some((normed, stats)) if branch_by_hand => {
+            let branch = half.branch().expect("a norm by hand is a half's");
+            let (output, part) = hand(model).branch_whole(layer_idx, branch, &normed);
+            let output = tch::no_grad(|| input + output);
             return HalfForward {
                 input: input.shallow_clone(),
                 output,
                 normed: Some((normed, stats)),
-                core: Some(core),
+                part: Some(Part::Branch(part)),
             };
         }
         Some((normed, stats)) => {
             let normed = normed.set_requires_grad(true);
             (input.shallow_clone(), normed.shallow_clone(), Some((normed, stats)))
         }
-        None if !by_hand => {
+        None if !branch_by_hand => {
             let input = input.shallow_clone().set_requires_grad(true);
             let output = run_half(model, layer_idx, half, &input);
-            return HalfForward { input, output, normed: None, core: None };
+            return HalfForward { input, output, normed: None, part: None };
         }
         None => {
             let input = input.shallow_clone().set_requires_grad(true);
-            let normed = model.norm_by_libtorch(norm_of(layer_idx, half), &input);
+            let normed = model.norm(norm_of(layer_idx, half), &input);
             (input, normed, None)
         }
     };
-    let (branch, core) = match half {
-        Half::Attention if by_hand => {
-            let (branch, core) = model.attention_branch_by_hand(layer_idx, &normed);
-            (branch, Some(Core::Attention(core)))
-        }
-        Half::Attention => (model.attention_branch(layer_idx, &normed), None),
-        _ if by_hand => {
-            let (branch, core) = model.mlp_branch_by_hand(layer_idx, &normed);
-            (branch, Some(Core::Mlp(core)))
-        }
-        _ => (model.mlp_branch(layer_idx, &normed), None),
+    let branch = half.branch().expect("a whole block returned above");
+    let (output, part) = if branch_by_hand {
+        let (output, core) = hand(model).branch_core(layer_idx, branch, &normed);
+        (output, Some(Part::Core(core)))
+    } else {
+        (model.branch(layer_idx, branch, &normed), None)
     };
-    let output = &input + branch;
-    HalfForward { input, output, normed: normed_input, core }
+    let output = &input + output;
+    HalfForward { input, output, normed: normed_input, part }
 }
 
 fn norm_of(layer_idx: usize, half: Half) -> Norm {
@@ -613,12 +538,20 @@ fn norm_of(layer_idx: usize, half: Half) -> Norm {
     }
 }
 
-fn run_half(model: &Gpt, layer_idx: usize, half: Half, input: &Tensor) -> Tensor {
+fn run_half(model: &dyn Model, layer_idx: usize, half: Half, input: &Tensor) -> Tensor {
     match half {
-        Half::Whole => model.mlp_residual(layer_idx, &model.attention_residual(layer_idx, input)),
-        Half::Attention => model.attention_residual(layer_idx, input),
-        Half::Mlp => model.mlp_residual(layer_idx, input),
+        Half::Whole => {
+            let x = model.residual(layer_idx, Branch::Attention, input);
+            model.residual(layer_idx, Branch::Mlp, &x)
+        }
+        Half::Attention => model.residual(layer_idx, Branch::Attention, input),
+        Half::Mlp => model.residual(layer_idx, Branch::Mlp, input),
     }
+}
+
+/// The model's parts by hand, where a norm or a part by hand came from them.
+fn hand(model: &dyn Model) -> &dyn ByHand {
+    model.by_hand().expect("a part run by hand comes from the model's `ByHand`")
 }
 
 /// Runs the backward of `output`'s graph with `grad_output` as its incoming gradient. tch's
@@ -632,7 +565,7 @@ fn backward_from(output: &Tensor, grad_output: &Tensor) {
 }
 
 fn grads_final(
-    model: &Gpt,
+    model: &dyn Model,
     unit: usize,
     last: bool,
     clock: &mut StepClock,
@@ -647,7 +580,7 @@ fn grads_final(
 
 /// Today's step before the executor: one graph, one `backward()`.
 fn run_single_graph(
-    model: &Gpt,
+    model: &dyn Model,
     inputs: &Tensor,
     targets: &Tensor,
     loss_multiplier: f64,
@@ -686,7 +619,7 @@ mod tests {
             let err = bad.parse::<Recompute>().unwrap_err();
             assert!(err.contains("allowed"), "{err}");
         }
-        assert_eq!(Recompute::Every(2).segments(0), &[(Half::Whole, true)]);
-        assert_eq!(Recompute::Every(2).segments(1), &[(Half::Whole, false)]);
+        assert_eq!(segments(Recompute::Every(2), 0), &[(Half::Whole, true)]);
+        assert_eq!(segments(Recompute::Every(2), 1), &[(Half::Whole, false)]);
     }
 }

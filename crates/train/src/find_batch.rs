@@ -11,8 +11,7 @@ use std::sync::atomic::AtomicBool;
 
 use tch::Device;
 
-use crate::config::{CkptConfig, ModelConfig, TrainConfig};
-use crate::executor::Recompute;
+use crate::config::{CkptConfig, ModelConfig, Recompute, TrainConfig};
 use crate::trainer::Trainer;
 use crate::TrainError;
 

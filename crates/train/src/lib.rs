@@ -1,4 +1,4 @@
-//! stoke-train: the model, its parameters and optimizer, and the training loop. The only library
+//! stoke-train: the models, their parameters and optimizer, and the training loop. The only library
 //! crate that links libtorch.
 //!
 //! ```no_run
@@ -21,7 +21,7 @@ mod executor;
 mod find_batch;
 mod host_memory;
 mod kernels;
-mod model;
+mod models;
 mod omp;
 mod optim;
 mod optimizers;
@@ -34,8 +34,8 @@ mod trainer;
 pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};
 pub use clock::StepClock;
 pub use config::{
-    AttentionPrecision, CkptConfig, EvalConfig, FusedCrossEntropy, GptShape, HostMemory, LossScaleConfig, LrScaling,
-    LrShape, ModelConfig, OptimizerKind, Precision, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB,
+    AttentionPrecision, CkptConfig, EvalConfig, ExecutorKind, FusedCrossEntropy, GptShape, HostMemory, LossScaleConfig, LrScaling,
+    LrShape, ModelConfig, OptimizerKind, Precision, Recompute, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB,
 };
 pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{
@@ -43,14 +43,14 @@ pub use dist::{
     ZeroConfig,
 };
 pub use error::TrainError;
-pub use executor::{Executor, ExecutorKind, MicroBatch, NoHooks, Recompute, StepHooks};
+pub use executor::{Executor, MicroBatch, NoHooks, StepHooks};
 pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use host_memory::retain_env;
 pub use kernels::{
     bias_gelu_bf16, bias_gelu_bf16_backward, causal_softmax_backward_bf16, causal_softmax_bf16, cross_entropy_bf16,
     layer_norm_bf16, layer_norm_bf16_backward, CausalBlock, CrossEntropy, LayerNormStats,
 };
-pub use model::Gpt;
+pub use models::{build_model, Branch, BranchBackward, ByHand, CoreBackward, Gpt, HeadBackward, HeadLoss, Model, Norm};
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};

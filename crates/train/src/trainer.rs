@@ -14,9 +14,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::adaptive::{AdaptiveConfig, NoiseScale};
 use crate::clock::StepClock;
-use crate::config::{CkptConfig, EvalConfig, GptShape, ModelConfig, Precision, TrainConfig};
-use crate::executor::{Executor, NoHooks, Recompute, StepHooks};
-use crate::model::Gpt;
+use crate::config::{CkptConfig, EvalConfig, GptShape, ModelConfig, Precision, Recompute, TrainConfig};
+use crate::executor::{Executor, NoHooks, StepHooks};
+use crate::models::{build_model, Model};
 use crate::optim::UpdateKernel;
 use crate::optimizers::{Hyper, Optimizer};
 use crate::params::FlatParams;
@@ -178,7 +178,7 @@ pub struct CheckpointTarget {
 pub struct Trainer {
     train: TrainConfig,
     ckpt: CkptConfig,
-    model: Gpt,
+    model: Box<dyn Model>,
     optimizer: Optimizer,
     executor: Executor,
     /// fp16 only.
@@ -263,22 +263,16 @@ impl Trainer {
         device: Device,
     ) -> Result<Trainer, TrainError> {
         train.validate()?;
-        let shape = model.shape()?;
+        // A bad shape is refused before libtorch's global state is touched.
+        model.shape()?;
         if train.threads > 0 {
             tch::set_num_threads(train.threads as i32);
         }
         crate::host_memory::apply(train.host_memory);
         tch::manual_seed(train.seed as i64);
-        let mut model = Gpt::new(shape, train.precision, train.attention, device);
-        let fused_cross_entropy = train.fused_cross_entropy.enabled(shape.vocab_size);
         // The Rust kernels split their work over libtorch's threads.
         let kernel_threads = tch::get_num_threads().max(1) as usize;
-        model.set_fused_cross_entropy(fused_cross_entropy, kernel_threads);
-        model.set_fused_layer_norm(train.fused_layer_norm, kernel_threads);
-        model.set_causal_block_rows(train.causal_block_rows);
-        model.set_fused_softmax(train.fused_softmax, kernel_threads);
-        model.set_fused_bias_gelu(train.fused_bias_gelu, kernel_threads);
-        model.set_unit_casts(train.unit_casts);
+        let model = build_model(model, train, kernel_threads, device)?;
         let optimizer = Optimizer::for_config(train, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;
         let scaler = (train.precision == Precision::Fp16).then(|| LossScaler::new(train.loss_scale()));
@@ -466,8 +460,8 @@ impl Trainer {
         Ok(())
     }
 
-    pub fn model(&self) -> &Gpt {
-        &self.model
+    pub fn model(&self) -> &dyn Model {
+        self.model.as_ref()
     }
 
     pub fn step(&self) -> u64 {
@@ -702,7 +696,7 @@ impl Trainer {
         let tokens_per_step = (self.train.micro_batch * shape.seq_len * self.grad_accum) as u64;
         let info = RunInfo {
             shape,
-            n_params: shape.n_params(),
+            n_params: self.model.n_params(),
             precision: self.train.precision,
             device: self.device,
             micro_batch: self.train.micro_batch,
@@ -1000,7 +994,7 @@ impl Trainer {
             let before = measure.then(crate::peak::host_bytes_in_use).flatten();
             let last = micro_idx + 1 == n_micro;
             let result = self.executor.run_micro_batch(
-                &self.model,
+                self.model.as_ref(),
                 &inputs,
                 &targets,
                 loss_multiplier,
