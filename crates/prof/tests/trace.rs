@@ -104,7 +104,8 @@ fn fixtures_agree_with_hta() {
 /// Both sampled ranks of the HTA filter fixture load as one two-rank analysis.
 #[test]
 fn fixture_ranks_align() {
-    let pair = vec![fixture("hta_trace_filter_sampled_rank-0.json.gz"), fixture("hta_trace_filter_sampled_rank-1.json.gz")];
+    let pair =
+        vec![fixture("hta_trace_filter_sampled_rank-0.json.gz"), fixture("hta_trace_filter_sampled_rank-1.json.gz")];
     let a = analyze_paths(&pair, &AnalyzeOptions::default()).unwrap();
     assert_eq!(a.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(), vec![0, 1]);
     let cross = a.cross_rank.expect("two ranks");
