@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compressed gradient averaging (issue 13's compression part): bytes on the wire and time of one
+# Compressed gradient averaging: bytes on the wire and time of one
 # all-reduce (average) of a gradient-sized fp32 buffer (default 6,553,600 values = 25 MiB, DDP's bucket)
 # on 2 processes over the shm backend: the communicator's fp32 all-reduce against the compressor's int8
 # (block 256 and 64, error feedback), bf16 and fp32 payloads, with a one-thread memcpy of the buffer

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12's data-parallel benchmarks, interleaved in one run (each pair runs every variant once):
+# The data-parallel benchmarks, interleaved in one run (each pair runs every variant once):
 #
 #   scaling   tokens/s of `stoke launch --nproc 2` (2 processes x 1 thread, the global batch twice
 #             one process's) against twice the tokens/s of one 1-thread `stoke train`;

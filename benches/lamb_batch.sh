@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Large-batch training (issue 15): LAMB at 4x the batch with the linearly scaled learning rate
+# Large-batch training: LAMB at 4x the batch with the linearly scaled learning rate
 # against AdamW at the base batch, and AdamW at 4x with the same rule, on the built-in corpus.
 # AdamW at the base batch runs base_steps; the 4x runs may take up to cap x its tokens (their
 # cosine schedules span the whole cap), since reaching the same loss does not require the same
@@ -11,7 +11,8 @@
 #
 # LAMB moves each adapted tensor by lr x its norm per step, a different scale from AdamW's, so its
 # reference rate (at the base batch, before the rule's 4x) is its own: lamb_lr (0.0075 was the best
-# of 0.0025, 0.0035, 0.005, 0.0075 and 0.01 measured on 2026-12-01, tied with 0.01; see the README).
+# of 0.0025, 0.0035, 0.005, 0.0075 and 0.01 measured on 2026-12-01, tied with 0.01).
+# Current figures: benches/RESULTS.md, "Large batches".
 #
 #   benches/lamb_batch.sh [base_steps] [binary] [lamb_lr] [runs] [cap]
 #       (defaults: 600 target/release/stoke 0.0075 "adamw-1x lamb-4x adamw-4x" 2)

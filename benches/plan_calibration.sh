@@ -14,15 +14,9 @@
 #        SKIP_TRAIN=1 benches/plan_calibration.sh  # reuse the runs/plan-cal-*-<round> already there
 #        benches/plan_calibration.sh --json        # extra arguments go to `stoke plan`
 #
-# Result on the development machine (2026-11-29, code of commit 60e63a1: retained host memory, the AVX2 fused
-# optimizer, bf16-math attention), 3 rounds of 40 steps, fp32: compute 1.0, memory 0.20, optimizer 0.51 of
-# peak, 0.17 ms per block pass, 2.5 ms per step; calibration shapes within 7.2%, leave-one-out 6.4%; held
-# out: g +2.9%, h +5.0%, i -7.7%, n +7.8%, o +6.1%, small preset -0.8% (worst 7.8%). PRECISION=bf16
-# ROUNDS=3: compute 1.0, memory 0.16, optimizer 0.77, 1.35 ms per block pass; leave-one-out 4.9%; held
-# out -2.1%, +5.0%, -2.2%, +1.9%, -8.3%, small preset +3.7% (worst 8.3%). The same with ROUNDS=2 just
-# before gave a worst of -17.4% (shape h measured 244 ms there, 168 ms here): two rounds do not outvote a
-# busy spell. (The 2026-11-28 code, with fp32 SDPA under bf16: fp32 worst 12.6%, bf16 6.5%.) One shape's step
-# time moved by up to 45% between quiet and busy spells of the machine, which is why rounds and medians.
+# Current figures on the development machine: benches/RESULTS.md, "Planner". Use 3 rounds or more: one
+# shape's step time moved by up to 45% between quiet and busy spells of the machine, and two rounds did not
+# outvote a busy spell.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

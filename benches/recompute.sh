@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The block executor's benchmark (issue 11): activation memory saved and step time added by each
+# The block executor's benchmark: activation memory saved and step time added by each
 # recomputation policy, stoke against PyTorch with torch.utils.checkpoint on the same parts
 # (benches/peers/recompute_gpt.py), and the block executor against the single-graph step.
 # Runs are interleaved (stoke, peer, stoke, peer, ...); step times are medians of each run's steps

@@ -5,12 +5,12 @@
 #
 # usage: benches/trace_vs_hta.sh            (fixtures + a ~2 GB synthetic trace)
 #        SYNTH_MB=0 benches/trace_vs_hta.sh (fixtures only)
-# env:   FIXTURES (default ../shared/fixtures/traces; a missing folder skips them), SYNTH_MB
+# env:   FIXTURES (default crates/prof/tests/fixtures/traces), SYNTH_MB
 #        (default 2000), SYNTH_KERNELS_PER_STEP (default 50000),
 #        WORK (default target/trace-bench; the synthetic trace is deleted afterwards).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-FIXTURES=${FIXTURES:-../shared/fixtures/traces}
+FIXTURES=${FIXTURES:-crates/prof/tests/fixtures/traces}
 [ -d "$FIXTURES" ] && FIXTURES=$(cd "$FIXTURES" && pwd)
 SYNTH_MB=${SYNTH_MB:-2000}
 WORK=${WORK:-target/trace-bench}
@@ -61,7 +61,8 @@ if [ -d "$FIXTURES" ]; then
     done
     "$PY" benches/peers/hta_analyze.py "$FIXTURES"/*.json.gz >"$WORK/hta_fixtures.json" 2>/dev/null
 else
-    echo "skipped fixtures: $FIXTURES absent" >&2
+    echo "fixtures missing: $FIXTURES" >&2
+    exit 1
 fi
 
 if [ "$SYNTH_MB" -gt 0 ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13's ZeRO benchmarks, interleaved in one run (each pair runs every variant once):
+# The ZeRO benchmarks, interleaved in one run (each pair runs every variant once):
 #
 #   memory    per-rank peak resident set of `stoke launch --nproc W -- train --set dist.zero=S` for S in
 #             0..3 and W in 2, 4, against the formula (`stoke plan --zero-table`, the function the run's
@@ -28,11 +28,7 @@
 # off, keeps only its backward prefetch).
 # Needs a release build (cargo build --release --bin stoke) and `cargo xtask peers` (torch 2.11.0).
 #
-# Results on the development machine: README.md, "Sharded training". Latest runs: 2026-12-01, commit
-# 887b0a6, release build, quiet machine: `PARTS=stoke benches/zero.sh 10 3`: every stage's saving within 5%
-# of the formula (median) on 2 and 4 processes; step over stage 0, stages 1/2/3: 1.00/1.07/1.31 on 2
-# processes, 1.00/1.06/1.33 on 4; `MICRO_BATCH=8 WORLDS=2 STAGES="0 3" benches/zero.sh 10 3`: stage 3 over
-# stage 0 1.111, FSDP FULL_SHARD 1.491, SHARD_GRAD_OP 1.405.
+# Current figures on the development machine: benches/RESULTS.md, "ZeRO against FSDP".
 set -euo pipefail
 # Its own scheduling group at nice -20 when allowed (see benches/dp_scaling.sh).
 if [ -z "${ZERO_SETSID:-}" ] && command -v setsid >/dev/null; then
