@@ -6,9 +6,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
-/// Exit code of a run stopped by a signal after writing its checkpoint: "preempted, resumable"
-/// (`--resume` continues it). 75 is sysexits' EX_TEMPFAIL, "try again later".
-pub const EXIT_PREEMPTED: u8 = 75;
+pub use crate::exit::EXIT_PREEMPTED;
 
 const SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGUSR1];
 

@@ -7,10 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 
-use super::UsageError;
-
-/// Exit code of a comparison that found B worse than A (as `stoke trace diff`'s regression).
-pub const EXIT_WORSE: u8 = 3;
+use crate::exit::UsageError;
 
 #[derive(Debug, clap::Args)]
 pub struct CompareArgs {
@@ -96,5 +93,5 @@ pub fn run(args: CompareArgs) -> anyhow::Result<ExitCode> {
         print!("{}", comparison.render_text());
         println!("  curves: {}", page.display());
     }
-    Ok(if comparison.regressed { ExitCode::from(EXIT_WORSE) } else { ExitCode::SUCCESS })
+    Ok(if comparison.regressed { ExitCode::from(crate::exit::EXIT_REGRESSION) } else { ExitCode::SUCCESS })
 }

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use super::train::ConfigArgs;
+use super::args::ConfigArgs;
 
 #[derive(Debug, clap::Args)]
 pub struct ConfigCmdArgs {

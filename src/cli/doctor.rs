@@ -8,8 +8,9 @@ use std::sync::atomic::AtomicBool;
 use anyhow::Context;
 use stoke_prof::{format_bound, RunReport};
 
-use super::train::{prepare_run_dir, timestamp, train_probed, ConfigArgs};
-use super::UsageError;
+use super::args::ConfigArgs;
+use crate::exit::UsageError;
+use crate::run::{timestamp, RunSpec};
 
 #[derive(Debug, clap::Args)]
 pub struct DoctorArgs {
@@ -60,9 +61,13 @@ fn profile(args: &DoctorArgs, extra: &[String], name: &str, stop: &AtomicBool) -
     if config.run.name.is_empty() {
         config.run.name = name.to_string();
     }
-    let run_dir = prepare_run_dir(&mut config, false)?;
-    let (_, report, overhead) = train_probed(&config, &run_dir, None, args.progress, stop, args.overhead, None)?;
-    if let Some(o) = overhead {
+    let mut spec = RunSpec::fresh(config)?;
+    spec.progress = args.progress;
+    spec.overhead_block = args.overhead;
+    let (run_dir, run_name) = (spec.run_dir.clone(), spec.config.run.name.clone());
+    let outcome = spec.train(stop, None)?;
+    outcome.print_report();
+    if let Some(o) = outcome.overhead {
         println!(
             "profiler overhead, on vs off in this run: {:.3} vs {:.3} ms/step, median of {} block pairs {:+.2}%",
             o.on_ms_per_step,
@@ -74,10 +79,10 @@ fn profile(args: &DoctorArgs, extra: &[String], name: &str, stop: &AtomicBool) -
         std::fs::write(&path, serde_json::to_string_pretty(&o)? + "\n")
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    let report = report.ok_or_else(|| {
+    let report = outcome.report.ok_or_else(|| {
         UsageError("no step was profiled: set prof.enabled=true and --steps above prof.skip_steps".into())
     })?;
-    Ok((config.run.name, report))
+    Ok((run_name, report))
 }
 
 pub fn run(args: DoctorArgs) -> anyhow::Result<ExitCode> {

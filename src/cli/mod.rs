@@ -1,13 +1,16 @@
-//! Subcommands. Each lives in its own module with its clap `Args` and a `run` function.
+//! Subcommands. Each lives in its own module with its clap `Args` and a `run` function that
+//! turns them into a call of the module that does the work (`crate::run`, `crate::launch`,
+//! `crate::gate`, `crate::bench`, `crate::planning` or a library crate).
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod args;
 mod bench;
 mod bench_ckpt;
 mod ckpt;
-mod compare;
+pub mod compare;
 mod config;
 mod corpus;
 mod doctor;
@@ -19,12 +22,10 @@ mod prep;
 mod sched;
 mod sched_serve;
 mod trace;
-pub mod train;
+mod train;
 
-/// A bad command line or configuration: exit code 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
+/// The usage error (exit code 2) under the name `trace.rs` uses in both binaries that build it.
+pub use crate::exit::UsageError;
 
 #[derive(Debug, Parser)]
 #[command(name = "stoke", version, about = "Train neural networks and see where every millisecond goes.")]

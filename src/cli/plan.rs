@@ -1,20 +1,15 @@
 //! `stoke plan`: rank parallel layouts of a model on a cluster by predicted memory and step time,
 //! or (`--calibrate`) fit this machine's efficiencies from measured runs.
 
-use std::fmt::Write as _;
-use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use stoke_plan::{
-    calibrate, compare, merge_repeats, model_states, model_units, optimizer_state_buffers, render_table, search,
-    zero_rank_bytes, ClusterConfig, Efficiency, MeasuredRun, ModelConfig, PlanConfig, PlanError, Precision, Recompute,
-    RunFit, SearchConfig, Slices, ZeroInFlight, ZeroStage, ZERO_FIGURE_1, ZERO_FIGURE_1_DEVICES, ZERO_FIGURE_1_PARAMS,
-};
+use stoke_plan::{ClusterConfig, Efficiency, ModelConfig, PlanConfig, Precision, Recompute, SearchConfig, ZeroStage};
 
-use super::UsageError;
+use crate::exit::{plan_error, usage};
+use crate::planning::{Calibration, ZeroTable};
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
@@ -129,30 +124,16 @@ pub struct PlanArgs {
     pub zero_gathered_units: usize,
 }
 
-fn usage(message: String) -> anyhow::Error {
-    anyhow::Error::new(UsageError(message))
-}
-
-/// Preset and configuration mistakes are the user's: exit 2.
-fn usage_if_config(err: PlanError) -> anyhow::Error {
-    match err {
-        PlanError::UnknownPreset { .. } | PlanError::InvalidConfig { .. } | PlanError::TooFewRuns { .. } => {
-            usage(err.to_string())
-        }
-        other => anyhow::Error::new(other),
-    }
-}
-
 fn read_efficiency(path: &PathBuf) -> anyhow::Result<Efficiency> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let efficiency: Efficiency = serde_json::from_str(&text)
         .map_err(|err| usage(format!("{}: not an efficiency file: {err}", path.display())))?;
-    efficiency.validate().map_err(usage_if_config)?;
+    efficiency.validate().map_err(plan_error)?;
     Ok(efficiency)
 }
 
 fn cluster_from_args(args: &PlanArgs, precision: Precision) -> anyhow::Result<ClusterConfig> {
-    let mut cluster = ClusterConfig::preset(&args.cluster, args.devices).map_err(usage_if_config)?;
+    let mut cluster = ClusterConfig::preset(&args.cluster, args.devices).map_err(plan_error)?;
     if let Some(per_node) = args.devices_per_node {
         cluster.devices_per_node = per_node;
     }
@@ -180,12 +161,12 @@ fn cluster_from_args(args: &PlanArgs, precision: Precision) -> anyhow::Result<Cl
     if let Some(path) = &args.efficiency {
         cluster.efficiency = read_efficiency(path)?;
     }
-    cluster.validate().map_err(usage_if_config)?;
+    cluster.validate().map_err(plan_error)?;
     Ok(cluster)
 }
 
 fn model_from_args(args: &PlanArgs) -> anyhow::Result<ModelConfig> {
-    let mut model = ModelConfig::preset(&args.model).map_err(usage_if_config)?;
+    let mut model = ModelConfig::preset(&args.model).map_err(plan_error)?;
     let overrides = [
         (&mut model.n_layer, args.layers),
         (&mut model.d_model, args.hidden),
@@ -198,7 +179,7 @@ fn model_from_args(args: &PlanArgs) -> anyhow::Result<ModelConfig> {
             *field = value;
         }
     }
-    model.validate().map_err(usage_if_config)?;
+    model.validate().map_err(plan_error)?;
     Ok(model)
 }
 
@@ -230,12 +211,27 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
         if !args.calibrate.is_empty() {
             return Err(usage("--zero-table and --calibrate are separate uses of stoke plan".into()));
         }
-        return run_zero_table(&args);
+        return crate::planning::run_zero_table(&ZeroTable {
+            model: model_from_args(&args)?,
+            devices: args.devices,
+            optimizer: args.optimizer,
+            zero_slices: args.zero_slices,
+            zero_gradient_units: args.zero_gradient_units,
+            zero_gathered_units: args.zero_gathered_units,
+            json: args.json,
+        });
     }
-    let precision = Precision::parse(&args.precision).map_err(usage_if_config)?;
+    let precision = Precision::parse(&args.precision).map_err(plan_error)?;
     let cluster = cluster_from_args(&args, precision)?;
     if !args.calibrate.is_empty() {
-        return run_calibration(&args, &cluster);
+        let calibration = Calibration {
+            calibrate: args.calibrate,
+            holdout: args.holdout,
+            merge_repeats: args.merge_repeats,
+            save: args.save,
+            json: args.json,
+        };
+        return crate::planning::run_calibration(&calibration, &cluster);
     }
     if !args.holdout.is_empty() || args.save.is_some() || args.merge_repeats {
         return Err(usage("--holdout, --save and --merge-repeats go with --calibrate".into()));
@@ -247,277 +243,5 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
         global_batch: args.global_batch,
         search: search_from_args(&args)?,
     };
-    let outcome = match search(&config) {
-        Ok(outcome) => outcome,
-        Err(err @ PlanError::NoFeasibleLayout { .. }) => {
-            eprintln!("error: {err}");
-            return Ok(ExitCode::from(1));
-        }
-        Err(err) => return Err(usage_if_config(err)),
-    };
-    let mut out = String::new();
-    if args.json {
-        let plans: Vec<_> = outcome.plans.iter().take(args.top).collect();
-        let json = serde_json::json!({
-            "config": config,
-            "n_considered": outcome.n_considered,
-            "n_pruned_by_memory": outcome.n_pruned_by_memory,
-            "plans": plans,
-        });
-        writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
-        return emit(&out);
-    }
-    let model = &config.model;
-    writeln!(
-        out,
-        "model: {} layers, d {}, {} heads, seq {}, vocab {} ({:.3}B parameters); global batch {}",
-        model.n_layer,
-        model.d_model,
-        model.n_head,
-        model.seq_len,
-        model.vocab_size,
-        model.n_params() as f64 / 1e9,
-        config.global_batch
-    )?;
-    writeln!(
-        out,
-        "cluster: {} x {} ({} per node, {:.0} GiB, {:.1} TFLOP/s {}); efficiency: compute {:.2}, memory {:.2}, comm {:.2}",
-        config.cluster.n_devices,
-        config.cluster.name,
-        config.cluster.devices_per_node,
-        config.cluster.memory_bytes / (1024.0 * 1024.0 * 1024.0),
-        config.cluster.peak_flops(precision) / 1e12,
-        args.precision,
-        config.cluster.efficiency.compute,
-        config.cluster.efficiency.memory,
-        config.cluster.efficiency.comm
-    )?;
-    writeln!(
-        out,
-        "{} layouts considered, {} pruned by memory, {} fit; the fastest {}:",
-        outcome.n_considered,
-        outcome.n_pruned_by_memory,
-        outcome.plans.len(),
-        args.top.min(outcome.plans.len())
-    )?;
-    write!(out, "{}", render_table(&outcome.plans, args.top))?;
-    writeln!(out, "layout: d data x t tensor (+sp sequence parallel) x p pipeline (xv interleaved chunks), z ZeRO stage, recomputation, b micro-batch x micro-batches")?;
-    emit(&out)
-}
-
-fn load_runs(paths: &[PathBuf], cluster: &ClusterConfig) -> anyhow::Result<Vec<MeasuredRun>> {
-    paths
-        .iter()
-        .map(|path| {
-            MeasuredRun::from_report_file(path, cluster).map_err(|err| match err {
-                PlanError::ReadReport { .. } => anyhow::Error::new(err),
-                other => usage(other.to_string()),
-            })
-        })
-        .collect()
-}
-
-fn write_fits(out: &mut String, title: &str, fits: &[RunFit]) -> std::fmt::Result {
-    writeln!(out, "{title}")?;
-    writeln!(out, "  {:<24} {:>12} {:>12} {:>8}", "run", "measured", "predicted", "error")?;
-    for fit in fits {
-        writeln!(
-            out,
-            "  {:<24} {:>9.1} ms {:>9.1} ms {:>+7.1}%",
-            fit.name,
-            fit.measured_step_s * 1e3,
-            fit.predicted_step_s * 1e3,
-            100.0 * fit.relative_error
-        )?;
-    }
-    Ok(())
-}
-
-fn run_calibration(args: &PlanArgs, cluster: &ClusterConfig) -> anyhow::Result<ExitCode> {
-    let mut runs = load_runs(&args.calibrate, cluster)?;
-    let mut held_out = load_runs(&args.holdout, cluster)?;
-    if args.merge_repeats {
-        runs = merge_repeats(runs);
-        held_out = merge_repeats(held_out);
-    }
-    let calibration = calibrate(&runs, &cluster.efficiency).map_err(usage_if_config)?;
-    let held_out_fits = compare(&held_out, &calibration.efficiency);
-    let worst_held_out = held_out_fits.iter().map(|fit| fit.relative_error.abs()).fold(0.0, f64::max);
-    let mut out = String::new();
-    if let Some(path) = &args.save {
-        let text = serde_json::to_string_pretty(&calibration.efficiency)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-    }
-    if args.json {
-        let json = serde_json::json!({
-            "efficiency": calibration.efficiency,
-            "calibration": calibration.fits,
-            "held_out": held_out_fits,
-            "worst_held_out_error": if held_out_fits.is_empty() { None } else { Some(worst_held_out) },
-        });
-        writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
-        return emit(&out);
-    }
-    let eff = &calibration.efficiency;
-    writeln!(
-        out,
-        "fitted on {} runs: compute {:.3}, memory {:.3}, optimizer {:.3} of peak; {:.3} ms per block pass, {:.2} ms per step; leave-one-out error {:.1}%",
-        runs.len(),
-        eff.compute,
-        eff.memory,
-        eff.optimizer,
-        eff.layer_overhead_s * 1e3,
-        eff.step_overhead_s * 1e3,
-        100.0 * eff.relative_error
-    )?;
-    write_fits(&mut out, "calibration runs:", &calibration.fits)?;
-    if !held_out_fits.is_empty() {
-        write_fits(&mut out, "held-out runs:", &held_out_fits)?;
-        writeln!(out, "worst held-out error: {:.1}%", 100.0 * worst_held_out)?;
-    }
-    if let Some(path) = &args.save {
-        writeln!(out, "efficiency written to {} (use with --efficiency)", path.display())?;
-    }
-    emit(&out)
-}
-
-/// Bytes as MiB below a GiB, else GiB.
-fn format_bytes(bytes: u64) -> String {
-    const MIB: f64 = 1024.0 * 1024.0;
-    if (bytes as f64) < 1024.0 * MIB {
-        format!("{:.2} MiB", bytes as f64 / MIB)
-    } else {
-        format!("{:.2} GiB", bytes as f64 / (1024.0 * MIB))
-    }
-}
-
-/// `--zero-table`: stoke's model states per rank at each ZeRO stage, then Figure 1 of the ZeRO paper.
-fn run_zero_table(args: &PlanArgs) -> anyhow::Result<ExitCode> {
-    let model = model_from_args(args)?;
-    let world = args.devices;
-    let optimizer_buffers = optimizer_state_buffers(&args.optimizer)
-        .ok_or_else(|| usage(format!("--optimizer must be adamw, lamb or sgd; got {:?}", args.optimizer)))?;
-    let slices = Slices::parse(&args.zero_slices)
-        .ok_or_else(|| usage(format!("--zero-slices must be mapped or copied; got {:?}", args.zero_slices)))?;
-    let units = model_units(&model);
-    let n_params: u64 = units.iter().sum();
-    let in_flight = ZeroInFlight { gradient_units: args.zero_gradient_units, gathered_units: args.zero_gathered_units };
-    let mut stages = Vec::new();
-    for stage in ZeroStage::ALL {
-        let mut ranks = Vec::new();
-        for rank in 0..world {
-            let peak = zero_rank_bytes(&units, world, rank, stage, optimizer_buffers, slices, in_flight)
-                .map_err(usage_if_config)?;
-            let between_steps =
-                zero_rank_bytes(&units, world, rank, stage, optimizer_buffers, slices, ZeroInFlight::NONE)
-                    .map_err(usage_if_config)?;
-            ranks.push((rank, peak, between_steps));
-        }
-        stages.push((stage, ranks));
-    }
-    let mut out = String::new();
-    if args.json {
-        let json = serde_json::json!({
-            "model": model,
-            "world": world,
-            "optimizer": args.optimizer,
-            "optimizer_buffers": optimizer_buffers,
-            "slices": slices,
-            "in_flight": in_flight,
-            "units": units,
-            "n_params": n_params,
-            "stages": stages.iter().map(|(stage, ranks)| serde_json::json!({
-                "stage": stage,
-                "ranks": ranks.iter().map(|(rank, peak, between)| serde_json::json!({
-                    "rank": rank,
-                    "parameters": peak.parameters,
-                    "gradients": peak.gradients,
-                    "optimizer": peak.optimizer,
-                    "comm_buffers": peak.comm_buffers,
-                    "total": peak.total(),
-                    "between_steps": between,
-                    "between_steps_total": between.total(),
-                })).collect::<Vec<_>>(),
-                "paper_model_states_fp32_adamw": model_states(n_params as f64, world, *stage, Precision::Fp32),
-            })).collect::<Vec<_>>(),
-            "zero_figure_1": ZERO_FIGURE_1.iter().map(|bar| serde_json::json!({
-                "stage": bar.stage,
-                "published_gb": bar.published_gb,
-                "computed_gb": bar.computed_gb(),
-                "agrees": bar.agrees(),
-            })).collect::<Vec<_>>(),
-        });
-        writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
-        return emit(&out);
-    }
-    writeln!(
-        out,
-        "stoke's model states per rank, fp32, {} (state buffers: {}): {} layers, d {}, vocab {}, seq {} ({} parameters) on {} ranks;",
-        args.optimizer, optimizer_buffers, model.n_layer, model.d_model, model.vocab_size, model.seq_len, n_params, world
-    )?;
-    writeln!(
-        out,
-        "optimizer slices {}; in flight at the peak: {} full gradient units (stages 2, 3), the embedding and {} more gathered units (stage 3)",
-        args.zero_slices, in_flight.gradient_units, in_flight.gathered_units
-    )?;
-    let header =
-        ["stage", "rank", "parameters", "gradients", "optimizer", "comm", "peak", "between steps", "paper (fp32)"];
-    let mut rows = vec![header.map(String::from)];
-    for (stage, ranks) in &stages {
-        // The paper's fp32 model states with K = 4 bytes per state buffer (its Fp32 K counts AdamW's two).
-        let states = model_states(n_params as f64, world, *stage, Precision::Fp32);
-        let paper = (states.parameters + states.gradients + states.optimizer * optimizer_buffers as f64 / 2.0) as u64;
-        for (rank, peak, between) in ranks {
-            rows.push([
-                stage.number().to_string(),
-                rank.to_string(),
-                format_bytes(peak.parameters),
-                format_bytes(peak.gradients),
-                format_bytes(peak.optimizer),
-                format_bytes(peak.comm_buffers),
-                format_bytes(peak.total()),
-                format_bytes(between.total()),
-                format_bytes(paper),
-            ]);
-        }
-    }
-    let widths: Vec<usize> =
-        (0..header.len()).map(|col| rows.iter().map(|row| row[col].chars().count()).max().unwrap_or(0)).collect();
-    for row in &rows {
-        let cells: Vec<String> = row.iter().zip(&widths).map(|(cell, width)| format!("{cell:>width$}")).collect();
-        writeln!(out, "{}", cells.join("  "))?;
-    }
-    writeln!(
-        out,
-        "paper (fp32): Rajbhandari et al.'s model states with 4-byte weights and gradients, K = {}",
-        4 * optimizer_buffers
-    )?;
-    writeln!(
-        out,
-        "\nZeRO paper, Figure 1 (Ψ = {}B parameters, N_d = {}, mixed-precision Adam, K = 12), from the same model_states:",
-        ZERO_FIGURE_1_PARAMS / 1e9,
-        ZERO_FIGURE_1_DEVICES
-    )?;
-    writeln!(out, "  {:>5}  {:>10}  {:>10}", "stage", "computed", "published")?;
-    for bar in ZERO_FIGURE_1 {
-        writeln!(
-            out,
-            "  {:>5}  {:>7.1} GB  {:>7} GB{}",
-            bar.stage.number(),
-            bar.computed_gb(),
-            format!("{:.*}", bar.published_decimals as usize, bar.published_gb),
-            if bar.agrees() { "" } else { "  (disagrees)" }
-        )?;
-    }
-    emit(&out)
-}
-
-/// Writes the output in one go; a reader that went away (`stoke plan | head`) is not an error.
-fn emit(text: &str) -> anyhow::Result<ExitCode> {
-    let mut stdout = std::io::stdout().lock();
-    match stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()) {
-        Ok(()) => Ok(ExitCode::SUCCESS),
-        Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(ExitCode::SUCCESS),
-        Err(err) => Err(anyhow::Error::new(err).context("writing to stdout")),
-    }
+    crate::planning::print_search(&config, &args.precision, args.top, args.json)
 }

@@ -14,6 +14,7 @@ mod launch;
 mod mirror;
 mod plan;
 mod prep;
+mod resume_keys;
 mod sched;
 mod sched_serve;
 mod train;

@@ -1,0 +1,103 @@
+//! The run folder, `<run.dir>/<run.name>/`: naming a run, finding the most recent one, and the
+//! rule that a fresh run must not find checkpoints there while a resume must.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use stoke_ckpt::CheckpointStore;
+
+use crate::config::StokeConfig;
+use crate::exit::UsageError;
+
+/// Picks a fresh run's name and folder, and writes the resolved config there.
+pub fn prepare_run_dir(config: &mut StokeConfig) -> anyhow::Result<PathBuf> {
+    let run_dir = locate_run(config, false)?;
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run folder {}", run_dir.display()))?;
+    write_config(config, &run_dir)?;
+    Ok(run_dir)
+}
+
+/// Writes the resolved config into the run folder as `config.toml`.
+pub fn write_config(config: &StokeConfig, run_dir: &Path) -> anyhow::Result<()> {
+    let config_path = run_dir.join("config.toml");
+    std::fs::write(&config_path, config.to_toml()).with_context(|| format!("cannot write {}", config_path.display()))
+}
+
+/// The run's folder: named by run.name (made up for a fresh run, the most recent run with a
+/// checkpoint for a resume); a fresh run must not find checkpoints there, a resume must.
+pub fn locate_run(config: &mut StokeConfig, resume: bool) -> anyhow::Result<PathBuf> {
+    let runs = PathBuf::from(&config.run.dir);
+    if config.run.name.is_empty() {
+        config.run.name = if resume {
+            most_recent_run(&runs)?.ok_or_else(|| {
+                UsageError(format!(
+                    "--resume: no run with a checkpoint in {}; name one with --set run.name=NAME",
+                    runs.display()
+                ))
+            })?
+        } else {
+            format!("{}-{}", config.model.preset, timestamp())
+        };
+    }
+    let run_dir = runs.join(&config.run.name);
+    let store = CheckpointStore::new(run_dir.join("checkpoints"));
+    let latest = store.latest()?;
+    match (resume, latest) {
+        (true, None) if config.ckpt.mirror.is_empty() => {
+            return Err(UsageError(format!("--resume: run {} has no checkpoint to resume from", run_dir.display())).into())
+        }
+        (false, Some(step)) => {
+            return Err(UsageError(format!(
+                "run {} already has checkpoints (latest step {step}); pass --resume to continue it, or choose another run.name",
+                run_dir.display()
+            ))
+            .into())
+        }
+        _ => {}
+    }
+    Ok(run_dir)
+}
+
+/// Keys a resume may change: they leave the sequence of losses as it was. `train.steps` extends
+/// or shortens the run (the schedule's horizon is kept unless `train.lr_horizon` is set too), as
+/// early stopping's settings may; `train.debug_poison_step` may be cleared to continue past it;
+/// run placement, logging, profiling, checkpointing, loader threads and the cache are not part
+
+
+fn most_recent_run(runs: &Path) -> anyhow::Result<Option<String>> {
+    let Ok(entries) = std::fs::read_dir(runs) else { return Ok(None) };
+    let mut best: Option<(std::time::SystemTime, String)> = None;
+    for entry in entries.flatten() {
+        let store = CheckpointStore::new(entry.path().join("checkpoints"));
+        let Some(step) = store.latest()? else { continue };
+        let manifest = store.step_dir(step).join(stoke_ckpt::MANIFEST);
+        let modified = std::fs::metadata(&manifest).and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH);
+        if best.as_ref().is_none_or(|(t, _)| modified > *t) {
+            best = Some((modified, entry.file_name().to_string_lossy().into_owned()));
+        }
+    }
+    Ok(best.map(|(_, name)| name))
+}
+
+/// `YYYYmmdd-HHMMSS` in UTC, from the civil-from-days algorithm (Howard Hinnant).
+pub fn timestamp() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+
+/// The step of the newest committed checkpoint in `run_dir`, if any (an unreadable folder counts
+/// as none).
+pub fn latest_checkpoint(run_dir: &Path) -> Option<u64> {
+    CheckpointStore::new(run_dir.join("checkpoints")).latest().ok().flatten()
+}

@@ -1,0 +1,99 @@
+//! `RunSpec`: one run to train, as every subcommand that trains describes it (`train`, `doctor`,
+//! `bench gate`), and how its folder and configuration are prepared.
+
+use std::path::PathBuf;
+
+use stoke_train::Observer;
+
+use super::folder::prepare_run_dir;
+use super::heartbeat::Heartbeat;
+use super::job::{metrics_port, Job};
+use super::resume::{prepare_resume, Resume};
+use super::source::ConfigSource;
+use crate::config::StokeConfig;
+use crate::profiler::Overhead;
+
+/// How a run starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// In a new folder, which must hold no checkpoint.
+    Fresh,
+    /// From the run's newest checkpoint; with `fallback`, from the newest one that passes its
+    /// checks when the latest does not.
+    Resume { fallback: bool },
+}
+
+/// One run to train: its resolved configuration, its folder, the checkpoint it continues from,
+/// and who watches it besides the metrics file and the profiler.
+pub struct RunSpec<'a> {
+    pub config: StokeConfig,
+    /// `<run.dir>/<run.name>`, created with the resolved `config.toml` by the rank that writes it.
+    pub run_dir: PathBuf,
+    /// The checkpoint to continue from, loaded and verified; none for a fresh run.
+    pub resume: Option<Resume>,
+    /// Draw the progress bar (default: no).
+    pub progress: bool,
+    /// Also measure the profiler's own cost: it observes alternate blocks of this many steps
+    /// (`OverheadProbe`; default: none).
+    pub overhead_block: Option<u64>,
+    /// One more observer beside the usual ones (default: none).
+    pub extra: Option<&'a mut dyn Observer>,
+}
+
+/// What a run ended with.
+pub struct RunOutcome {
+    pub summary: stoke_train::Summary,
+    /// The step report, on the rank that writes the run folder when the profiler saw a step.
+    pub report: Option<stoke_prof::RunReport>,
+    /// The profiler's own cost, with `RunSpec::overhead_block`.
+    pub overhead: Option<Overhead>,
+}
+
+impl RunOutcome {
+    /// Prints the step report, when there is one.
+    pub fn print_report(&self) {
+        if let Some(report) = &self.report {
+            println!("\n{}", report.render_text());
+        }
+    }
+}
+
+impl RunSpec<'_> {
+    /// A fresh run of `config` in a new folder: names it (`run.name`, made up when empty), refuses
+    /// a folder that holds checkpoints, and writes the resolved config there.
+    pub fn fresh<'a>(mut config: StokeConfig) -> anyhow::Result<RunSpec<'a>> {
+        let run_dir = prepare_run_dir(&mut config)?;
+        Ok(RunSpec::new(config, None, run_dir))
+    }
+
+    /// The command line's run on this process of `job`: fresh or resumed, its folder prepared by
+    /// the rank that writes it (and named to the launcher), its `/metrics` port offset by the
+    /// local rank.
+    pub fn for_job<'a>(source: &ConfigSource, job: &Job, start: Start) -> anyhow::Result<RunSpec<'a>> {
+        let writer = job.is_writer();
+        let (mut config, run_dir, resume) = match start {
+            Start::Resume { fallback } => {
+                let (config, run_dir, loaded) = prepare_resume(source, fallback, writer)?;
+                (config, run_dir, Some(loaded))
+            }
+            Start::Fresh => {
+                let mut config = source.load()?;
+                let run_dir = if writer {
+                    prepare_run_dir(&mut config)?
+                } else {
+                    PathBuf::from(&config.run.dir).join(&config.run.name)
+                };
+                (config, run_dir, None)
+            }
+        };
+        if writer {
+            Heartbeat::name_run(&run_dir)?;
+        }
+        config.prof.prometheus_port = metrics_port(config.prof.prometheus_port, job.local_rank())?;
+        Ok(RunSpec::new(config, resume, run_dir))
+    }
+
+    fn new<'a>(config: StokeConfig, resume: Option<Resume>, run_dir: PathBuf) -> RunSpec<'a> {
+        RunSpec { config, run_dir, resume, progress: false, overhead_block: None, extra: None }
+    }
+}
