@@ -1,15 +1,16 @@
 //! `stoke sched`: `simulate` compares scheduling policies on a job list (`--jobs FILE`, the CSV of
 //! `stoke_sched::workload`) or on generated workloads (`--seeds`), and writes a timeline per
-//! policy as HTML; `serve` (in `sched_serve.rs`) runs jobs for real, and `submit`, `status`,
-//! `cancel`, `slots` and `report` talk to it through its database.
+//! policy as HTML; `submit` queues a job for a server and `report` compares the simulator with
+//! what a server ran. `serve` (the server is `stoke_sched::serve`), `status`, `cancel` and `slots`
+//! are in `sched_serve.rs`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use stoke_sched::{report, JobRow, JobState, NewJob, Policy, SimConfig, Store};
+use stoke_sched::{report, NewJob, Policy, SimConfig, Store};
 
-use super::sched_serve::{last_step, Layout};
+use super::sched_serve::{self, open_store, sched_error, CancelArgs, ServeArgs, SlotsArgs, StatusArgs};
 use super::UsageError;
 
 #[derive(Debug, clap::Args)]
@@ -25,7 +26,7 @@ pub enum SchedCommand {
     Simulate(SimulateArgs),
     /// Run submitted jobs on this machine's slots as `stoke launch` process groups, resizing them
     /// through checkpoint and restart; state in DIR/sched.db.
-    Serve(super::sched_serve::ServeArgs),
+    Serve(ServeArgs),
     /// Queue a training job (a config file plus `--set` overrides) for `serve`.
     Submit(SubmitArgs),
     /// The jobs: state, workers, progress, throughput (a table, or `--json` with the decisions
@@ -65,38 +66,6 @@ pub struct SubmitArgs {
 }
 
 #[derive(Debug, clap::Args)]
-pub struct StatusArgs {
-    /// The scheduler's state folder.
-    #[arg(long)]
-    pub dir: PathBuf,
-    /// JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(Debug, clap::Args)]
-pub struct CancelArgs {
-    /// The scheduler's state folder.
-    #[arg(long)]
-    pub dir: PathBuf,
-    /// The job's name or number.
-    pub job: String,
-}
-
-#[derive(Debug, clap::Args)]
-pub struct SlotsArgs {
-    /// The scheduler's state folder.
-    #[arg(long)]
-    pub dir: PathBuf,
-    /// The job's name or number.
-    #[arg(long)]
-    pub job: String,
-    /// Exit 0 when this slot (0-based, within the job) is allocated, 1 when not.
-    #[arg(long)]
-    pub slot: Option<usize>,
-}
-
-#[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
     /// Jobs CSV (`submit_s,name,work,min_workers,max_workers,scaling[,resize_s[,priority[,noise_scale,batch_per_worker]]]`);
     /// without it, generated workloads, one per seed.
@@ -128,11 +97,11 @@ pub struct SimulateArgs {
 pub fn run(args: SchedArgs) -> anyhow::Result<ExitCode> {
     match args.command {
         SchedCommand::Simulate(args) => simulate(args),
-        SchedCommand::Serve(args) => super::sched_serve::run(args),
+        SchedCommand::Serve(args) => sched_serve::run(args),
         SchedCommand::Submit(args) => submit(args),
-        SchedCommand::Status(args) => status(args),
-        SchedCommand::Cancel(args) => cancel(args),
-        SchedCommand::Slots(args) => slots(args),
+        SchedCommand::Status(args) => sched_serve::status(args),
+        SchedCommand::Cancel(args) => sched_serve::cancel(args),
+        SchedCommand::Slots(args) => sched_serve::slots(args),
         SchedCommand::Report(args) => report_run(args),
     }
 }
@@ -223,19 +192,6 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// An existing state folder's database (status, cancel and report do not create one).
-fn open_store(dir: &Path) -> anyhow::Result<Store> {
-    if !dir.join(stoke_sched::store::DB_FILE).is_file() {
-        return Err(UsageError(format!(
-            "{} holds no scheduler database (sched.db); start `stoke sched serve --dir {}`",
-            dir.display(),
-            dir.display()
-        ))
-        .into());
-    }
-    Ok(Store::open(dir)?)
-}
-
 fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     let config = (args.config.as_os_str() != "-").then(|| args.config.clone());
     let config = match config {
@@ -284,7 +240,7 @@ fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         batch_per_worker: resolved.train.micro_batch * resolved.train.grad_accum.max(1),
         batch_grows: resolved.train.global_batch == 0,
     };
-    let id = store.submit(&job, super::sched_serve::unix_now()).map_err(|e| match e {
+    let id = store.submit(&job, stoke_sched::serve::unix_now()).map_err(|e| match e {
         stoke_sched::SchedError::BadJob { .. } => anyhow::Error::new(UsageError(e.to_string())),
         e => e.into(),
     })?;
@@ -292,181 +248,23 @@ fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn job_json(layout: &Layout, job: &JobRow, throughput: &[(usize, f64, usize)]) -> serde_json::Value {
-    serde_json::json!({
-        "id": job.id,
-        "name": job.job.name,
-        "state": job.state.name(),
-        "workers": job.alloc,
-        "min_workers": job.job.min_workers,
-        "max_workers": job.job.max_workers,
-        "priority": job.job.priority,
-        "step": last_step(&layout.run_dir(job)),
-        "steps": job.job.steps,
-        "submit_s": job.submit_s,
-        "start_s": job.start_s,
-        "finish_s": job.finish_s,
-        "resizes": job.resizes,
-        "launches": job.launches,
-        "pid": job.pid.map(|p| p.0),
-        "pid_start": job.pid.map(|p| p.1),
-        "exit_code": job.exit_code,
-        "cancel_requested": job.cancel_requested,
-        "detail": job.detail,
-        "run_dir": layout.run_dir(job),
-        "slots": job.slots,
-        "noise_scale": super::sched_serve::noise_scale(&layout.run_dir(job)),
-        "throughput": throughput.iter().map(|&(w, t, n)| serde_json::json!({"workers": w, "steps_per_s": t, "steps": n})).collect::<Vec<_>>(),
-    })
-}
-
-fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
-    let store = open_store(&args.dir)?;
-    let layout = Layout { dir: std::fs::canonicalize(&args.dir)? };
-    let jobs = store.jobs()?;
-    if args.json {
-        let mut out = Vec::new();
-        for job in &jobs {
-            out.push(job_json(&layout, job, &store.throughput(job.id)?));
-        }
-        let value = serde_json::json!({
-            "slots": store.meta("slots")?.and_then(|s| s.parse::<usize>().ok()),
-            "cores": store.meta("cores")?,
-            "policy": store.meta("policy")?,
-            "prometheus_addr": store.meta("prometheus_addr")?,
-            "jobs": out,
-            "decisions": store.decisions()?,
-            "history": store.history()?,
-        });
-        println!("{}", serde_json::to_string_pretty(&value)?);
-        return Ok(ExitCode::SUCCESS);
-    }
-    println!(
-        "{:>3} {:<16} {:<10} {:>7} {:>7} {:>11} {:>9} {:>7} {:>8}  {}",
-        "id", "name", "state", "workers", "min:max", "step", "steps/s", "resizes", "launches", "detail"
-    );
-    for job in &jobs {
-        let points = store.throughput(job.id)?;
-        let rate =
-            points.iter().find(|p| p.0 == job.alloc).or(points.last()).map_or("-".into(), |p| format!("{:.2}", p.1));
-        println!(
-            "{:>3} {:<16} {:<10} {:>7} {:>7} {:>11} {:>9} {:>7} {:>8}  {}",
-            job.id,
-            job.job.name,
-            job.state.name(),
-            job.alloc,
-            format!("{}:{}", job.job.min_workers, job.job.max_workers),
-            format!("{}/{}", last_step(&layout.run_dir(job)), job.job.steps),
-            rate,
-            job.resizes,
-            job.launches,
-            job.detail
-        );
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-fn cancel(args: CancelArgs) -> anyhow::Result<ExitCode> {
-    let mut store = open_store(&args.dir)?;
-    let job =
-        store.job(&args.job)?.ok_or_else(|| UsageError(format!("no job `{}` in {}", args.job, args.dir.display())))?;
-    if !job.state.is_active() {
-        println!("job {}: already {}", job.job.name, job.state.name());
-        return Ok(ExitCode::SUCCESS);
-    }
-    match store.request_cancel(job.id, super::sched_serve::unix_now())? {
-        JobState::Cancelled => println!("job {}: cancelled", job.job.name),
-        _ => println!("job {}: cancel requested; the server stops it with a checkpoint", job.job.name),
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-fn slots(args: SlotsArgs) -> anyhow::Result<ExitCode> {
-    let store = open_store(&args.dir)?;
-    let job =
-        store.job(&args.job)?.ok_or_else(|| UsageError(format!("no job `{}` in {}", args.job, args.dir.display())))?;
-    match args.slot {
-        Some(slot) => Ok(if slot < job.alloc { ExitCode::SUCCESS } else { ExitCode::from(1) }),
-        None => {
-            println!("{}", job.alloc);
-            Ok(ExitCode::SUCCESS)
-        }
-    }
-}
-
 /// Predicted (the simulator, on the jobs' measured throughput, submission times and resize
 /// cost, under the server's policy and settings) against measured completion times.
 fn report_run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let store = open_store(&args.dir)?;
-    let jobs: Vec<JobRow> = store.jobs()?.into_iter().filter(|j| j.state == JobState::Finished).collect();
-    if jobs.is_empty() {
-        return Err(UsageError(format!("{}: no finished job to compare", args.dir.display())).into());
-    }
-    let meta = |key: &str, default: f64| -> anyhow::Result<f64> {
-        Ok(store.meta(key)?.and_then(|v| v.parse().ok()).unwrap_or(default))
-    };
-    let slots = meta("slots", 1.0)? as usize;
-    let policy: Policy = store.meta("policy")?.unwrap_or_else(|| "goodput".into()).parse()?;
-    let history = store.history()?;
-    let resize_s = super::sched_serve::resize_cost(&history);
-    let t0 = jobs.iter().map(|j| j.submit_s).fold(f64::INFINITY, f64::min);
-    let layout = Layout { dir: std::fs::canonicalize(&args.dir)? };
-    let mut specs = Vec::new();
-    let mut profile_costs = Vec::new();
-    for job in &jobs {
-        // A start-up profile's cost (the slower steps on one worker while two slots were held, and
-        // its resize) is charged to the job's start.
-        let profile_s = history
-            .iter()
-            .filter(|h| h.job == job.id && h.event == "profiled")
-            .filter_map(|h| serde_json::from_str::<serde_json::Value>(&h.detail).ok()?["cost_s"].as_f64())
-            .fold(0.0, |sum, cost| sum + cost);
-        profile_costs.push(profile_s);
-        let start_s = super::sched_serve::startup_cost(&history, job.id) + profile_s;
-        let noise = super::sched_serve::noise_scale(&layout.run_dir(job));
-        specs.push(super::sched_serve::job_spec(job, &store.throughput(job.id)?, noise, resize_s, start_s, t0));
-    }
-    let config = SimConfig {
-        tick_s: meta("tick_s", 10.0)?,
-        min_resize_interval_s: meta("min_resize_interval_s", 30.0)?,
-        ..SimConfig::new(slots, policy)
-    };
-    let sim = stoke_sched::simulate(&specs, &config)?;
-    let mut rows = Vec::new();
-    for (((job, spec), predicted), profile_s) in jobs.iter().zip(&specs).zip(&sim.jobs).zip(&profile_costs) {
-        let measured = job.finish_s.unwrap_or(f64::NAN) - job.submit_s;
-        let predicted_s = predicted.completion_s();
-        rows.push(serde_json::json!({
-            "job": job.job.name,
-            "submit_s": job.submit_s - t0,
-            "steps": job.job.steps,
-            "scaling": format!("{:?}", spec.scaling),
-            "start_s": spec.start_s,
-            "profile_s": profile_s,
-            "measured_s": measured,
-            "predicted_s": predicted_s,
-            "error": (predicted_s - measured) / measured,
-            "measured_resizes": job.resizes,
-            "predicted_resizes": predicted.resizes,
-        }));
-    }
-    let mean = |key: &str| rows.iter().map(|r| r[key].as_f64().unwrap_or(f64::NAN)).sum::<f64>() / rows.len() as f64;
-    let (measured_mean, predicted_mean) = (mean("measured_s"), mean("predicted_s"));
-    let mean_abs_error =
-        rows.iter().map(|r| r["error"].as_f64().unwrap_or(f64::NAN).abs()).sum::<f64>() / rows.len() as f64;
+    let prediction = stoke_sched::serve::predict(&store, &args.dir).map_err(sched_error)?;
     if args.json {
-        let value = serde_json::json!({
-            "policy": policy.name(), "slots": slots, "resize_s": resize_s, "jobs": rows,
-            "mean_measured_s": measured_mean, "mean_predicted_s": predicted_mean, "mean_abs_error": mean_abs_error,
-        });
-        println!("{}", serde_json::to_string_pretty(&value)?);
+        println!("{}", serde_json::to_string_pretty(&prediction.to_json())?);
         return Ok(ExitCode::SUCCESS);
     }
+    let (measured_mean, predicted_mean) = (prediction.mean_measured_s, prediction.mean_predicted_s);
+    let (mean_abs_error, policy, slots, resize_s) =
+        (prediction.mean_abs_error, prediction.policy, prediction.slots, prediction.resize_s);
     println!(
         "{:<16} {:>9} {:>6} {:>8} {:>10} {:>12} {:>13} {:>8} {:>9}",
         "job", "submit s", "steps", "start s", "profile s", "measured s", "predicted s", "error", "resizes"
     );
-    for r in &rows {
+    for r in &prediction.rows {
         println!(
             "{:<16} {:>9.1} {:>6} {:>8.1} {:>10.1} {:>12.1} {:>13.1} {:>+7.1}% {:>4}/{:<4}",
             r["job"].as_str().unwrap_or(""),

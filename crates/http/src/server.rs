@@ -198,7 +198,10 @@ async fn serve(
 }
 
 /// Runs the handler on a worker thread and turns its answer into hyper's.
-async fn answer(handler: Arc<Handler>, request: hyper::Request<Incoming>) -> Result<hyper::Response<Full<Bytes>>, Infallible> {
+async fn answer(
+    handler: Arc<Handler>,
+    request: hyper::Request<Incoming>,
+) -> Result<hyper::Response<Full<Bytes>>, Infallible> {
     let request = Request {
         method: request.method().as_str().to_string(),
         path: request.uri().path().to_string(),

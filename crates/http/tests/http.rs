@@ -62,7 +62,9 @@ fn a_scrape_succeeds_beside_twenty_idle_connections() {
 #[test]
 fn a_malformed_request_is_answered_400_and_the_server_still_serves() {
     let server = server();
-    for garbage in [&b"THIS IS NOT HTTP\r\n\r\n"[..], b"GET /metrics HTTP/1.1\r\nNo colon here\r\n\r\n", b"\x00\x01\x02\r\n\r\n"] {
+    for garbage in
+        [&b"THIS IS NOT HTTP\r\n\r\n"[..], b"GET /metrics HTTP/1.1\r\nNo colon here\r\n\r\n", b"\x00\x01\x02\r\n\r\n"]
+    {
         let answer = raw(server.addr(), garbage);
         assert!(answer.starts_with("HTTP/1.1 400"), "{garbage:?}: {answer:?}");
         check_scrape(server.addr());

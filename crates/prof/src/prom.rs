@@ -1,5 +1,5 @@
 //! Live metrics: a `prometheus-client` registry updated every step, served as Prometheus text
-//! (exposition format 0.0.4) at `GET /metrics` by a small HTTP responder on its own thread.
+//! (exposition format 0.0.4) at `GET /metrics` by stoke-http's server.
 //!
 //! Metric names (the Grafana dashboard in `dashboards/stoke-grafana.json` plots these):
 //! `stoke_steps_total`, `stoke_tokens_total`, `stoke_phase_seconds_total{phase}` (additive phases),
@@ -9,10 +9,9 @@
 //! data-parallel run each rank serves its own endpoint, and a scraper that reads them all keeps the
 //! ranks apart by these labels.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::encoding::prometheus_text;
@@ -134,77 +133,33 @@ impl LiveMetrics {
     }
 }
 
-/// Serves `GET /metrics` on a background thread until dropped.
+/// Serves `GET /metrics` (stoke-http's server) until stopped or dropped.
 pub struct MetricsServer {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-fn respond(mut stream: TcpStream, metrics: &Mutex<Arc<LiveMetrics>>) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let line = String::from_utf8_lossy(&head);
-    let mut parts = line.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let (status, content_type, body) = if method == "GET" && (target == "/metrics" || target.starts_with("/metrics?")) {
-        let body = metrics.lock().expect("metrics lock").encode();
-        ("200 OK", prometheus_text::CONTENT_TYPE, body)
-    } else {
-        ("404 Not Found", "text/plain; charset=utf-8", "only /metrics is served here\n".to_string())
-    };
-    write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    stream.flush()
+    server: stoke_http::HttpServer,
 }
 
 impl MetricsServer {
     /// Binds `host:port` (port 0 picks a free one) and serves `metrics`.
     pub fn start(host: &str, port: u16, metrics: Arc<LiveMetrics>) -> std::io::Result<MetricsServer> {
-        let listener = TcpListener::bind((host, port))?;
-        let addr = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop_flag = Arc::clone(&stop);
-        let metrics = Mutex::new(metrics);
-        let thread = std::thread::Builder::new().name("stoke-metrics".into()).spawn(move || {
-            for stream in listener.incoming() {
-                if stop_flag.load(Ordering::SeqCst) {
-                    break;
-                }
-                // A client that misbehaves gets dropped; the server keeps serving the others.
-                if let Ok(stream) = stream {
-                    let _ = respond(stream, &metrics);
-                }
+        let server = stoke_http::HttpServer::start(host, port, stoke_http::ServerConfig::default(), move |request| {
+            if request.method() == "GET" && request.path() == "/metrics" {
+                stoke_http::Response::new(200, prometheus_text::CONTENT_TYPE, metrics.encode())
+            } else {
+                stoke_http::Response::new(404, "text/plain; charset=utf-8", "only /metrics is served here\n")
             }
-        })?;
-        Ok(MetricsServer { addr, stop, thread: Some(thread) })
+        })
+        .map_err(std::io::Error::other)?;
+        Ok(MetricsServer { server })
     }
 
     /// The address it listens on (with the port the system picked when asked for 0).
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.server.addr()
     }
-}
 
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        // Wake the accept loop so that it sees the flag.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+    /// Stops serving; returns once the port is released (dropping it does the same).
+    pub fn stop(self) {
+        self.server.stop();
     }
 }
 
@@ -281,20 +236,12 @@ fn check_exposition(text: &str) -> Result<usize, String> {
 }
 
 /// Fetches `http://addr/metrics` with a plain HTTP/1.1 GET and returns the body (for tests and
-/// `stoke doctor`'s self-check).
+/// `stoke doctor`'s self-check); any status but 200 is an error.
 pub fn scrape(addr: SocketAddr) -> std::io::Result<String> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(stream, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "no end of HTTP head"))?;
-    if !head.starts_with("HTTP/1.1 200") {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("status: {head}")));
+    match stoke_http::get(addr, "/metrics", Duration::from_secs(5)).map_err(std::io::Error::other)? {
+        (200, body) => Ok(body),
+        (status, _) => Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("status: {status}"))),
     }
-    Ok(body.to_string())
 }
 
 #[cfg(test)]

@@ -7,10 +7,12 @@
 //! (`workload`: a documented CSV format and a seeded generator), and its report (`report`: the
 //! figures and an HTML timeline of which job held which slots). Behind `stoke sched simulate`.
 //!
-//! For the real executor (`stoke sched serve`, which runs jobs through `stoke launch`): the
-//! policies' one allocation function (`policy::allocate`, called by the simulator and the server
-//! alike), the server's state in SQLite (`store`), and each job's throughput model fitted from its
-//! own `metrics.jsonl` and `events.jsonl` (`observe`).
+//! The real executor (`serve`, behind `stoke sched serve`, which runs jobs through `stoke launch`):
+//! the server's loop, its cost estimators and process helpers, and what `status` and `report` show
+//! of its folder; the policies' one allocation function (`policy::allocate`, called by the
+//! simulator and the server alike), the server's state in SQLite (`store`), and each job's
+//! throughput model fitted from its own `metrics.jsonl` and `events.jsonl` (`observe`). It links
+//! no libtorch: the jobs run in processes of the `stoke` binary.
 //!
 //! ```
 //! use stoke_sched::{allocate, Efficiency, JobSpec, JobView, Policy, PolicyConfig, Scaling};
@@ -32,12 +34,14 @@ pub mod model;
 pub mod observe;
 pub mod policy;
 pub mod report;
+pub mod serve;
 pub mod sim;
 pub mod store;
 pub mod workload;
 
 pub use model::{Efficiency, JobSpec, Scaling};
 pub use policy::{allocate, Allocation, JobView, Policy, PolicyConfig};
+pub use serve::{serve, Launcher, ServeConfig};
 pub use sim::{simulate, JobResult, SimConfig, SimResult};
 pub use store::{Change, Decision, HistoryEntry, JobRow, JobState, NewJob, Store};
 pub use workload::{generate, parse_csv, to_csv, WorkloadSpec};
@@ -57,4 +61,35 @@ pub enum SchedError {
     Store { path: std::path::PathBuf, what: &'static str, source: rusqlite::Error },
     #[error("{path}: {source}")]
     Io { path: std::path::PathBuf, source: std::io::Error },
+    #[error("cannot {what} {path}: {source}")]
+    File { path: std::path::PathBuf, what: &'static str, source: std::io::Error },
+    #[error("--slots must be at least 1")]
+    NoSlots,
+    #[error("--cpus `{text}`: expected CPU numbers and ranges like 0,2,4-7")]
+    BadCpuList { text: String },
+    #[error("no CPU to pin the slots to (--cpus, or this process's affinity, is empty)")]
+    NoCpu,
+    #[error("another `stoke sched serve` runs on {} (pid {holder}); one server per folder", dir.display())]
+    FolderLocked { dir: std::path::PathBuf, holder: String },
+    #[error("cannot start the launcher of {job}: {source}")]
+    Launch { job: String, source: std::io::Error },
+    #[error("cannot serve /metrics: {source}")]
+    Metrics { source: stoke_http::HttpError },
+    #[error("{}: no finished job to compare", dir.display())]
+    NothingFinished { dir: std::path::PathBuf },
+}
+
+impl SchedError {
+    /// A mistake in what the server or the report was asked to do (its settings, a folder another
+    /// server holds, a folder with nothing to compare), as opposed to a failure while doing it.
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            SchedError::NoSlots
+                | SchedError::BadCpuList { .. }
+                | SchedError::NoCpu
+                | SchedError::FolderLocked { .. }
+                | SchedError::NothingFinished { .. }
+        )
+    }
 }
