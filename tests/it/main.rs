@@ -13,6 +13,9 @@ mod launch;
 mod mirror;
 mod plan;
 mod prep;
+#[cfg(feature = "remote")]
+mod remote_data;
+mod s3;
 mod sched;
 mod sched_serve;
 mod train;
