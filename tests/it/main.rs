@@ -14,6 +14,9 @@ mod launch;
 mod mirror;
 mod plan;
 mod prep;
+#[cfg(feature = "remote")]
+mod remote_data;
+mod s3;
 mod resume_keys;
 mod sched;
 mod sched_serve;

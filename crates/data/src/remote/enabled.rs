@@ -1,12 +1,14 @@
 //! Remote shards through `object_store` (S3, GCS, HTTP, local files), driven by a small tokio
-//! runtime owned by the source.
+//! runtime owned by the source. Endpoints and credentials come from the variables the cloud tools
+//! read (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ..., `GOOGLE_SERVICE_ACCOUNT`, ...), as the
+//! checkpoint mirror takes them.
 
 use std::io::Write;
 use std::sync::Arc;
 
 use futures::StreamExt;
 use object_store::path::Path as StorePath;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::ObjectStore;
 
 use crate::cache::ShardSource;
 use crate::DataError;
@@ -24,7 +26,7 @@ impl ShardSource for ObjectStoreSource {
     }
 
     fn fetch(&self, name: &str, out: &mut dyn Write) -> Result<u64, DataError> {
-        let location = self.prefix.clone().join(name);
+        let location = self.prefix.child(name);
         let remote = |detail: String| DataError::Remote { url: self.describe(name), detail };
         self.runtime.block_on(async {
             let result = self.store.get(&location).await.map_err(|err| remote(err.to_string()))?;
@@ -43,12 +45,21 @@ impl ShardSource for ObjectStoreSource {
 pub(super) fn object_store_source(location: &str) -> Result<Arc<dyn ShardSource>, DataError> {
     let remote = |detail: String| DataError::Remote { url: location.to_string(), detail };
     let url = url::Url::parse(location).map_err(|err| remote(err.to_string()))?;
-    let (store, prefix) = object_store::parse_url(&url).map_err(|err| remote(err.to_string()))?;
+    let (store, prefix) = object_store::parse_url_opts(&url, store_options_from_env(std::env::vars()))
+        .map_err(|err| remote(err.to_string()))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|err| remote(format!("cannot start the I/O runtime: {err}")))?;
     Ok(Arc::new(ObjectStoreSource { url: location.to_string(), store, prefix, runtime }))
+}
+
+/// The `AWS_*` and `GOOGLE_*` variables as object_store's configuration keys (`aws_endpoint_url`,
+/// ...); the builders ignore keys they do not know.
+fn store_options_from_env(vars: impl Iterator<Item = (String, String)>) -> Vec<(String, String)> {
+    vars.filter(|(key, _)| key.starts_with("AWS_") || key.starts_with("GOOGLE_"))
+        .map(|(key, value)| (key.to_ascii_lowercase(), value))
+        .collect()
 }
 
 #[cfg(test)]
@@ -75,5 +86,14 @@ mod tests {
         assert!(!cache.contains("a") && cache.contains("b"), "a was evicted for b");
         assert!(cache.get("a", Some(0)).is_err(), "a checksum mismatch is an error");
         assert!(cache.get("missing", None).is_err());
+    }
+
+    /// Only the cloud tools' variables become options, under object_store's lower-case keys.
+    #[test]
+    fn store_options_are_the_cloud_variables_in_lower_case() {
+        let vars = [("AWS_ENDPOINT_URL", "http://127.0.0.1:9000"), ("HOME", "/root"), ("GOOGLE_BUCKET", "b")];
+        let options = super::store_options_from_env(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        let expected = [("aws_endpoint_url", "http://127.0.0.1:9000"), ("google_bucket", "b")];
+        assert_eq!(options, expected.map(|(k, v)| (k.to_string(), v.to_string())));
     }
 }
