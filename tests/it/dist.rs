@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::{free_port, losses, run_ok, stoke};
+use crate::{free_port, losses, run_ok, stoke, FAMILIES};
 
 /// A small fp32 model; the global batch is 6 rows (micro_batch x world size).
 pub(crate) const MODEL: &[&str] = &[
@@ -42,9 +42,16 @@ pub(crate) const SMALL_BUCKETS: &[&str] = &["dist.first_bucket_mb=0.03", "dist.b
 /// One process on the global batch of 6 rows for 20 steps: the trajectory every data-parallel
 /// run of these tests must follow.
 pub(crate) fn reference_losses(dir: &Path) -> Vec<(u64, f64)> {
-    let one = overrides(dir, "one", &["train.steps=20", "train.micro_batch=6"]);
+    family_reference_losses(dir, FAMILIES[0])
+}
+
+/// `reference_losses` of the model family `(tag, override)` (one of `FAMILIES`), run as
+/// `one-<tag>`.
+pub(crate) fn family_reference_losses(dir: &Path, (tag, family): (&str, &str)) -> Vec<(u64, f64)> {
+    let name = format!("one-{tag}");
+    let one = overrides(dir, &name, &[family, "train.steps=20", "train.micro_batch=6"]);
     run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
-    let reference = losses(&dir.join("one"));
+    let reference = losses(&dir.join(&name));
     assert_eq!(reference.len(), 20, "{reference:?}");
     reference
 }
@@ -84,18 +91,21 @@ fn buckets_reported(stdout: &[u8]) -> usize {
 #[test]
 fn one_two_and_three_ranks_give_the_same_losses() {
     let dir = tempfile::tempdir().unwrap();
-    let reference = reference_losses(dir.path());
-    // Two ranks with the default buckets (one bucket for this model), three with several.
-    for (nproc, micro_batch, name, buckets) in
-        [("2", "train.micro_batch=3", "two", &[][..]), ("3", "train.micro_batch=2", "three", SMALL_BUCKETS)]
-    {
-        let mut extra = vec!["train.steps=20", micro_batch];
-        extra.extend_from_slice(buckets);
-        let args = overrides(dir.path(), name, &extra);
-        let out = run_ok(&mut stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)));
-        assert_same_trajectory(&reference, &dir.path().join(name), &format!("{nproc} ranks"), &out);
-        let n_buckets = buckets_reported(&out.stdout);
-        assert_eq!(n_buckets > 1, !buckets.is_empty(), "{nproc} ranks: {n_buckets} buckets");
+    for &(tag, family) in FAMILIES {
+        let reference = family_reference_losses(dir.path(), (tag, family));
+        // Two ranks with the default buckets (one bucket for this model), three with several.
+        for (nproc, micro_batch, name, buckets) in
+            [("2", "train.micro_batch=3", "two", &[][..]), ("3", "train.micro_batch=2", "three", SMALL_BUCKETS)]
+        {
+            let name = format!("{name}-{tag}");
+            let mut extra = vec![family, "train.steps=20", micro_batch];
+            extra.extend_from_slice(buckets);
+            let args = overrides(dir.path(), &name, &extra);
+            let out = run_ok(&mut stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)));
+            assert_same_trajectory(&reference, &dir.path().join(&name), &format!("{tag}, {nproc} ranks"), &out);
+            let n_buckets = buckets_reported(&out.stdout);
+            assert_eq!(n_buckets > 1, !buckets.is_empty(), "{tag}, {nproc} ranks: {n_buckets} buckets");
+        }
     }
 }
 

@@ -39,6 +39,10 @@ pub const SMALL: &[&str] = &[
     "data.builtin_bytes=200000",
 ];
 
+/// Every model family, by a short tag for run names and the override that selects it: the tests
+/// of training, data parallelism, ZeRO and resuming run each.
+pub const FAMILIES: &[(&str, &str)] = &[("gpt", "model.family=\"gpt\""), ("gpt-rms", "model.family=\"gpt-rms\"")];
+
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::{losses, run_ok, stoke, SMALL};
+use crate::{losses, run_ok, stoke, FAMILIES, SMALL};
 
 fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     SMALL.iter().copied().chain(extra.iter().copied()).collect()
@@ -65,14 +65,21 @@ fn host_memory_and_optimizer_kernels_leave_the_losses_alone() {
 
 #[test]
 fn interrupt_then_resume_gives_the_uninterrupted_losses() {
+    for &(tag, family) in FAMILIES {
+        interrupt_then_resume(tag, family);
+    }
+}
+
+/// `interrupt_then_resume_gives_the_uninterrupted_losses` for the model family `family`.
+fn interrupt_then_resume(tag: &str, family: &str) {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = format!("run.dir={}", dir.path().display());
     let steps = "train.steps=40";
-    run_ok(&mut stoke(&["train", "--quiet"], &with(&[&run_dir, "run.name=straight", steps, "ckpt.every=0"])));
+    run_ok(&mut stoke(&["train", "--quiet"], &with(&[&run_dir, family, "run.name=straight", steps, "ckpt.every=0"])));
     let expected = losses(&dir.path().join("straight"));
 
     // Ctrl-C once a few steps are logged: the run stops after the current step and checkpoints.
-    let mut child = stoke(&["train", "--quiet"], &with(&[&run_dir, "run.name=cut", steps, "ckpt.every=0"]))
+    let mut child = stoke(&["train", "--quiet"], &with(&[&run_dir, family, "run.name=cut", steps, "ckpt.every=0"]))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -80,18 +87,19 @@ fn interrupt_then_resume_gives_the_uninterrupted_losses() {
     let metrics = dir.path().join("cut/metrics.jsonl");
     let start = Instant::now();
     while std::fs::read_to_string(&metrics).map(|t| t.lines().count()).unwrap_or(0) < 5 {
-        assert!(start.elapsed() < Duration::from_secs(300), "the run never logged 5 steps");
+        assert!(start.elapsed() < Duration::from_secs(300), "{tag}: the run never logged 5 steps");
         std::thread::sleep(Duration::from_millis(20));
     }
     // SAFETY: kill only sends a signal to the child we spawned.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    assert_eq!(child.wait().unwrap().code(), Some(75), "preempted, resumable");
+    assert_eq!(child.wait().unwrap().code(), Some(75), "{tag}: preempted, resumable");
     let cut = losses(&dir.path().join("cut"));
-    assert!(cut.len() < 40, "the interrupt landed after the run finished; make the run longer");
-    assert_eq!(cut[..], expected[..cut.len()], "what was written before the interrupt is kept");
+    assert!(cut.len() < 40, "{tag}: the interrupt landed after the run finished; make the run longer");
+    assert_eq!(cut[..], expected[..cut.len()], "{tag}: what was written before the interrupt is kept");
 
-    run_ok(&mut stoke(&["train", "--quiet", "--resume"], &with(&[&run_dir, "run.name=cut", steps, "ckpt.every=0"])));
-    assert_eq!(losses(&dir.path().join("cut")), expected, "resumed losses equal the uninterrupted run's");
+    let resume = with(&[&run_dir, family, "run.name=cut", steps, "ckpt.every=0"]);
+    run_ok(&mut stoke(&["train", "--quiet", "--resume"], &resume));
+    assert_eq!(losses(&dir.path().join("cut")), expected, "{tag}: resumed losses equal the uninterrupted run's");
 }
 
 #[test]

@@ -10,8 +10,8 @@
 
 use std::path::Path;
 
-use crate::dist::{assert_same_trajectory, overrides, reference_losses, refs, SMALL_BUCKETS};
-use crate::{losses, run_ok, stoke};
+use crate::dist::{assert_same_trajectory, family_reference_losses, overrides, reference_losses, refs, SMALL_BUCKETS};
+use crate::{losses, run_ok, stoke, FAMILIES};
 
 /// Launches run `name` on `nproc` ranks at ZeRO `stage` with `more` overrides; it must say so and
 /// follow `reference`'s losses (`what` names it in a failure).
@@ -34,20 +34,23 @@ fn launch_follows(
 #[test]
 fn zero_stages_follow_one_process() {
     let dir = tempfile::tempdir().unwrap();
-    let reference = reference_losses(dir.path());
-    for stage in ["1", "2", "3"] {
-        // Two ranks with the default buckets; three with several buckets and a deeper prefetch.
-        for (nproc, micro_batch, extra) in
-            [("2", "train.micro_batch=3", &[][..]), ("3", "train.micro_batch=2", &["dist.prefetch_blocks=2"][..])]
-        {
-            let name = format!("z{stage}-{nproc}");
-            let zero = format!("dist.zero={stage}");
-            let mut more = vec!["train.steps=20", micro_batch, zero.as_str()];
-            more.extend_from_slice(extra);
-            if nproc == "3" {
-                more.extend_from_slice(SMALL_BUCKETS);
+    for &(tag, family) in FAMILIES {
+        let reference = family_reference_losses(dir.path(), (tag, family));
+        for stage in ["1", "2", "3"] {
+            // Two ranks with the default buckets; three with several buckets and a deeper prefetch.
+            for (nproc, micro_batch, extra) in
+                [("2", "train.micro_batch=3", &[][..]), ("3", "train.micro_batch=2", &["dist.prefetch_blocks=2"][..])]
+            {
+                let name = format!("z{stage}-{nproc}-{tag}");
+                let zero = format!("dist.zero={stage}");
+                let mut more = vec![family, "train.steps=20", micro_batch, zero.as_str()];
+                more.extend_from_slice(extra);
+                if nproc == "3" {
+                    more.extend_from_slice(SMALL_BUCKETS);
+                }
+                let what = format!("{tag}, ZeRO {stage}, {nproc} ranks");
+                launch_follows(dir.path(), &name, nproc, stage, &more, &reference, &what);
             }
-            launch_follows(dir.path(), &name, nproc, stage, &more, &reference, &format!("ZeRO {stage}, {nproc} ranks"));
         }
     }
 }

@@ -3,93 +3,14 @@
 //! Every field's default is stated in its doc; `validate` names the key of any value out of range.
 
 mod executor;
+mod model;
 
 use serde::{Deserialize, Serialize};
 
 pub use executor::{ExecutorKind, Recompute};
+pub use model::{GptShape, ModelConfig, MODEL_FAMILIES};
 
 use crate::TrainError;
-
-/// `[model]`: the GPT's shape. Sizes left at 0 come from the preset.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelConfig {
-    /// Named shape: "tiny" (4 layers, d 256), "small" (6 layers, d 384), "gpt2-124m". Default "tiny".
-    pub preset: String,
-    /// Transformer blocks; 0 takes the preset's. Default 0.
-    pub n_layer: usize,
-    /// Attention heads; 0 takes the preset's. Default 0.
-    pub n_head: usize,
-    /// Model width; 0 takes the preset's. Default 0.
-    pub d_model: usize,
-    /// Context length in tokens; 0 takes the preset's. Default 0.
-    pub seq_len: usize,
-    /// Vocabulary size; 0 takes the preset's (256 byte tokens for tiny and small). Default 0.
-    pub vocab_size: usize,
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig { preset: "tiny".into(), n_layer: 0, n_head: 0, d_model: 0, seq_len: 0, vocab_size: 0 }
-    }
-}
-
-/// The resolved shape of a GPT.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GptShape {
-    pub n_layer: usize,
-    pub n_head: usize,
-    pub d_model: usize,
-    pub seq_len: usize,
-    pub vocab_size: usize,
-}
-
-impl GptShape {
-    /// Parameters, counting the tied embedding once.
-    pub fn n_params(&self) -> usize {
-        let d = self.d_model;
-        let per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
-        self.vocab_size * d + self.seq_len * d + self.n_layer * per_block + 2 * d
-    }
-
-    /// Training FLOPs per token: 6N for the matrix multiplies plus 12·L·d·T for attention
-    /// (PaLM, appendix B), with N excluding the position embedding.
-    pub fn flops_per_token(&self) -> f64 {
-        let n = (self.n_params() - self.seq_len * self.d_model) as f64;
-        6.0 * n + 12.0 * (self.n_layer * self.d_model * self.seq_len) as f64
-    }
-}
-
-impl ModelConfig {
-    pub fn shape(&self) -> Result<GptShape, TrainError> {
-        let preset = match self.preset.as_str() {
-            "tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab_size: 256 },
-            "small" => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 256, vocab_size: 256 },
-            "gpt2-124m" => GptShape { n_layer: 12, n_head: 12, d_model: 768, seq_len: 1024, vocab_size: 50304 },
-            other => {
-                return Err(TrainError::InvalidConfig {
-                    key: "model.preset",
-                    message: format!("must be one of tiny, small, gpt2-124m; got {other:?}"),
-                })
-            }
-        };
-        let pick = |value: usize, preset: usize| if value == 0 { preset } else { value };
-        let shape = GptShape {
-            n_layer: pick(self.n_layer, preset.n_layer),
-            n_head: pick(self.n_head, preset.n_head),
-            d_model: pick(self.d_model, preset.d_model),
-            seq_len: pick(self.seq_len, preset.seq_len),
-            vocab_size: pick(self.vocab_size, preset.vocab_size),
-        };
-        if shape.d_model % shape.n_head != 0 {
-            return Err(TrainError::InvalidConfig {
-                key: "model.n_head",
-                message: format!("must divide model.d_model = {}; got {}", shape.d_model, shape.n_head),
-            });
-        }
-        Ok(shape)
-    }
-}
 
 /// Arithmetic precision of the matrix multiplies. Master weights, optimizer state, layer norms and
 /// the loss stay fp32 either way.

@@ -35,7 +35,7 @@ pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};
 pub use clock::StepClock;
 pub use config::{
     AttentionPrecision, CkptConfig, EvalConfig, ExecutorKind, FusedCrossEntropy, GptShape, HostMemory, LossScaleConfig, LrScaling,
-    LrShape, ModelConfig, OptimizerKind, Precision, Recompute, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB,
+    LrShape, ModelConfig, OptimizerKind, Precision, Recompute, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB, MODEL_FAMILIES,
 };
 pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{
@@ -50,7 +50,9 @@ pub use kernels::{
     bias_gelu_bf16, bias_gelu_bf16_backward, causal_softmax_backward_bf16, causal_softmax_bf16, cross_entropy_bf16,
     layer_norm_bf16, layer_norm_bf16_backward, CausalBlock, CrossEntropy, LayerNormStats,
 };
-pub use models::{build_model, Branch, BranchBackward, ByHand, CoreBackward, Gpt, HeadBackward, HeadLoss, Model, Norm};
+pub use models::{
+    build_model, Branch, BranchBackward, ByHand, CoreBackward, Gpt, GptRms, HeadBackward, HeadLoss, Model, Norm,
+};
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};

@@ -93,17 +93,3 @@ fn batch_scaling_rules_scale_rate_and_warmup() {
         assert_eq!(at_reference.lr_at(step).to_bits(), base.lr_at(step).to_bits(), "factor 1 at the reference");
     }
 }
-
-#[test]
-fn gpt2_shape_has_124m_parameters() {
-    let cfg = ModelConfig { preset: "gpt2-124m".into(), vocab_size: 50257, ..ModelConfig::default() };
-    let n = cfg.shape().unwrap().n_params();
-    assert_eq!(n, 124_439_808, "nanoGPT reports 124.44M with the position embedding");
-}
-
-#[test]
-fn bad_head_count_names_the_key() {
-    let cfg = ModelConfig { n_head: 5, ..ModelConfig::default() };
-    let err = cfg.shape().unwrap_err().to_string();
-    assert!(err.contains("model.n_head"), "{err}");
-}

@@ -9,15 +9,17 @@
 //! Families live in folders beside this file; [`build_model`] makes the one `model.family` names.
 
 mod gpt;
+mod gpt_rms;
 
 use tch::{Device, Tensor};
 
-use crate::config::{GptShape, ModelConfig, TrainConfig};
+use crate::config::{GptShape, ModelConfig, TrainConfig, MODEL_FAMILIES};
 use crate::kernels::LayerNormStats;
 use crate::params::FlatParams;
 use crate::TrainError;
 
 pub use gpt::Gpt;
+pub use gpt_rms::GptRms;
 
 /// One of a block's two residual branches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,5 +206,12 @@ pub fn build_model(
     device: Device,
 ) -> Result<Box<dyn Model>, TrainError> {
     let shape = model.shape()?;
-    Ok(Box::new(Gpt::for_training(shape, train, kernel_threads, device)))
+    match model.family.as_str() {
+        "gpt" => Ok(Box::new(Gpt::for_training(shape, train, kernel_threads, device))),
+        "gpt-rms" => Ok(Box::new(GptRms::new(shape, train.precision, device))),
+        other => Err(TrainError::InvalidConfig {
+            key: "model.family",
+            message: format!("must be one of {}; got {other:?}", MODEL_FAMILIES.join(", ")),
+        }),
+    }
 }

@@ -3,7 +3,8 @@
 use std::ops::Range;
 
 use stoke_train::{
-    AttentionPrecision, Executor, ExecutorKind, Gpt, GptShape, Precision, Recompute, StepClock, StepHooks, TrainError,
+    AttentionPrecision, Executor, ExecutorKind, Gpt, GptRms, GptShape, Model, Precision, Recompute, StepClock,
+    StepHooks, TrainError,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -14,6 +15,16 @@ fn model(precision: Precision) -> Gpt {
     Gpt::new(SHAPE, precision, AttentionPrecision::Auto, Device::Cpu)
 }
 
+/// Every model family, fresh from the same seed: the tests of the executor's mechanics
+/// (single graph, recomputation, accumulation) run each.
+fn families(precision: Precision) -> Vec<(&'static str, Box<dyn Model>)> {
+    tch::manual_seed(7);
+    let gpt: Box<dyn Model> = Box::new(Gpt::new(SHAPE, precision, AttentionPrecision::Auto, Device::Cpu));
+    tch::manual_seed(7);
+    let rms: Box<dyn Model> = Box::new(GptRms::new(SHAPE, precision, Device::Cpu));
+    vec![("gpt", gpt), ("gpt-rms", rms)]
+}
+
 fn batch(rows: i64, seed: i64) -> (Tensor, Tensor) {
     tch::manual_seed(seed);
     let tokens = Tensor::randint(SHAPE.vocab_size as i64, [rows, SHAPE.seq_len as i64 + 1], (Kind::Int64, Device::Cpu));
@@ -21,13 +32,13 @@ fn batch(rows: i64, seed: i64) -> (Tensor, Tensor) {
 }
 
 /// The flat gradient after `micro_batches` run through `executor` (the loss averaged over them).
-fn gradients(model: &Gpt, executor: &Executor, micro_batches: &[(Tensor, Tensor)]) -> Vec<f32> {
+fn gradients(model: &dyn Model, executor: &Executor, micro_batches: &[(Tensor, Tensor)]) -> Vec<f32> {
     gradients_with(model, executor, micro_batches, &mut stoke_train::NoHooks)
 }
 
 /// `gradients` with `hooks` between the units.
 fn gradients_with(
-    model: &Gpt,
+    model: &dyn Model,
     executor: &Executor,
     micro_batches: &[(Tensor, Tensor)],
     hooks: &mut dyn StepHooks,
@@ -72,13 +83,14 @@ fn relative_difference(a: &[f32], b: &[f32]) -> f64 {
 fn executor_gradients_equal_the_single_graph_gradients() {
     let _rng = super::rng_lock();
     let data = [batch(4, 1)];
-    let reference =
-        gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::SingleGraph, Recompute::None).unwrap(), &data);
-    let blocks =
-        gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
-    assert!(reference.iter().any(|&g| g != 0.0));
-    let diff = relative_difference(&blocks, &reference);
-    assert!(diff <= 1e-6, "block executor vs single graph: relative difference {diff:e}");
+    for ((family, single), (_, blocks)) in families(Precision::Fp32).into_iter().zip(families(Precision::Fp32)) {
+        let reference =
+            gradients(single.as_ref(), &Executor::new(ExecutorKind::SingleGraph, Recompute::None).unwrap(), &data);
+        let blocks = gradients(blocks.as_ref(), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
+        assert!(reference.iter().any(|&g| g != 0.0), "{family}");
+        let diff = relative_difference(&blocks, &reference);
+        assert!(diff <= 1e-6, "{family}: block executor vs single graph: relative difference {diff:e}");
+    }
 }
 
 /// Hooks that act between blocks (they do nothing, but say so): the executor cuts the graph at
@@ -109,13 +121,16 @@ fn chained_whole_blocks_give_the_same_bits_as_blocks_cut_apart() {
 fn recomputation_is_bit_identical_in_fp32() {
     let _rng = super::rng_lock();
     let data = [batch(4, 2)];
-    let none =
-        gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
-    for policy in [Recompute::Mlp, Recompute::Attention, Recompute::Block, Recompute::Every(2)] {
-        let recomputed =
-            gradients(&model(Precision::Fp32), &Executor::new(ExecutorKind::Blocks, policy).unwrap(), &data);
-        let differing = none.iter().zip(&recomputed).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-        assert_eq!(differing, 0, "recompute {policy}: {differing} gradient elements differ from \"none\"");
+    for (family, model) in families(Precision::Fp32) {
+        let none = gradients(model.as_ref(), &Executor::new(ExecutorKind::Blocks, Recompute::None).unwrap(), &data);
+        for policy in [Recompute::Mlp, Recompute::Attention, Recompute::Block, Recompute::Every(2)] {
+            let recomputed = gradients(model.as_ref(), &Executor::new(ExecutorKind::Blocks, policy).unwrap(), &data);
+            let differing = none.iter().zip(&recomputed).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(
+                differing, 0,
+                "{family}, recompute {policy}: {differing} gradient elements differ from \"none\""
+            );
+        }
     }
 }
 
@@ -128,10 +143,12 @@ fn accumulated_micro_batches_equal_one_large_batch() {
     let parts: Vec<(Tensor, Tensor)> =
         (0..k).map(|i| (inputs.narrow(0, 2 * i, 2), targets.narrow(0, 2 * i, 2))).collect();
     let executor = Executor::new(ExecutorKind::Blocks, Recompute::Mlp).unwrap();
-    let one = gradients(&model(Precision::Fp32), &executor, &whole);
-    let accumulated = gradients(&model(Precision::Fp32), &executor, &parts);
-    let diff = relative_difference(&accumulated, &one);
-    assert!(diff <= 1e-6, "{k} accumulated micro-batches vs one batch: relative difference {diff:e}");
+    for (family, model) in families(Precision::Fp32) {
+        let one = gradients(model.as_ref(), &executor, &whole);
+        let accumulated = gradients(model.as_ref(), &executor, &parts);
+        let diff = relative_difference(&accumulated, &one);
+        assert!(diff <= 1e-6, "{family}: {k} accumulated micro-batches vs one batch: relative difference {diff:e}");
+    }
 }
 
 /// Records every callback.

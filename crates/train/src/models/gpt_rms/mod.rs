@@ -1,0 +1,279 @@
+//! The GPT with RMSNorm and no biases (`model.family = "gpt-rms"`): the GPT's token and position
+//! embeddings, pre-norm blocks of causal self-attention (libtorch's scaled_dot_product_attention)
+//! and a GELU MLP, a final norm and a head tied to the token embedding, but every norm an RMSNorm
+//! with a scale and no shift, and no linear layer with a bias. Everything runs in libtorch's
+//! graph: this family has no part by hand and keeps no casts across micro-batches. Parameter
+//! names follow nanoGPT's with `bias=False` (an RMSNorm's scale is its `ln_*.weight`).
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::{GptShape, Precision};
+use crate::models::{Branch, HeadLoss, Model, Norm};
+use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
+use crate::precision::compute_kind;
+
+/// The epsilon of LLaMA's and T5's RMSNorm.
+const RMS_NORM_EPS: f64 = 1e-6;
+
+pub struct GptRms {
+    shape: GptShape,
+    params: FlatParams,
+    /// Element type of the matrix multiplies (see `precision::compute_kind`).
+    compute: Kind,
+    /// Handles to the parameters, resolved once from `params` (they share its storage).
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: Vec<BlockParams>,
+    ln_f: Tensor,
+}
+
+/// One block's parameters.
+struct BlockParams {
+    ln_1: Tensor,
+    attn_w: Tensor,
+    attn_proj_w: Tensor,
+    ln_2: Tensor,
+    fc_w: Tensor,
+    mlp_proj_w: Tensor,
+}
+
+fn block_names(layer_idx: usize) -> [String; 6] {
+    let p = format!("transformer.h.{layer_idx}");
+    [
+        format!("{p}.ln_1.weight"),
+        format!("{p}.attn.c_attn.weight"),
+        format!("{p}.attn.c_proj.weight"),
+        format!("{p}.ln_2.weight"),
+        format!("{p}.mlp.c_fc.weight"),
+        format!("{p}.mlp.c_proj.weight"),
+    ]
+}
+
+impl GptRms {
+    /// A freshly initialized model (the GPT's init: N(0, 0.02), residual projections scaled by
+    /// 1/sqrt(2·n_layer), norm scales at one). Seed libtorch first for a reproducible init. The
+    /// flat buffers are laid out unit by unit: the embedding (wte, wpe), each block, then the
+    /// final norm.
+    pub fn new(shape: GptShape, precision: Precision, device: Device) -> GptRms {
+        let d = shape.d_model as i64;
+        let std = 0.02;
+        let proj_std = 0.02 / (2.0 * shape.n_layer as f64).sqrt();
+        let spec = |name: String, shape: &[i64], init: Init, decay: bool| ParamSpec {
+            name,
+            shape: shape.to_vec(),
+            init,
+            decay,
+        };
+        let mut units = vec![UnitSpec {
+            name: "embedding".into(),
+            params: vec![
+                spec("transformer.wte.weight".into(), &[shape.vocab_size as i64, d], Init::Normal { std }, true),
+                spec("transformer.wpe.weight".into(), &[shape.seq_len as i64, d], Init::Normal { std }, true),
+            ],
+        }];
+        for layer_idx in 0..shape.n_layer {
+            let [ln_1, attn_w, attn_proj_w, ln_2, fc_w, mlp_proj_w] = block_names(layer_idx);
+            units.push(UnitSpec {
+                name: format!("transformer.h.{layer_idx}"),
+                params: vec![
+                    spec(ln_1, &[d], Init::Ones, false),
+                    spec(attn_w, &[3 * d, d], Init::Normal { std }, true),
+                    spec(attn_proj_w, &[d, d], Init::Normal { std: proj_std }, true),
+                    spec(ln_2, &[d], Init::Ones, false),
+                    spec(fc_w, &[4 * d, d], Init::Normal { std }, true),
+                    spec(mlp_proj_w, &[d, 4 * d], Init::Normal { std: proj_std }, true),
+                ],
+            });
+        }
+        units.push(UnitSpec {
+            name: "head".into(),
+            params: vec![spec("transformer.ln_f.weight".into(), &[d], Init::Ones, false)],
+        });
+        let params = FlatParams::new(units, device);
+        let get = |name: &str| params.get(name).shallow_clone();
+        let blocks = (0..shape.n_layer)
+            .map(|layer_idx| {
+                let n = block_names(layer_idx);
+                BlockParams {
+                    ln_1: get(&n[0]),
+                    attn_w: get(&n[1]),
+                    attn_proj_w: get(&n[2]),
+                    ln_2: get(&n[3]),
+                    fc_w: get(&n[4]),
+                    mlp_proj_w: get(&n[5]),
+                }
+            })
+            .collect();
+        GptRms {
+            shape,
+            wte: get("transformer.wte.weight"),
+            wpe: get("transformer.wpe.weight"),
+            ln_f: get("transformer.ln_f.weight"),
+            blocks,
+            params,
+            compute: compute_kind(precision),
+        }
+    }
+
+    /// A linear layer without bias in the compute type: under 16-bit precision the input and
+    /// the weight are cast for the multiply (what autocast does), and the result stays 16-bit.
+    fn linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        if self.compute == Kind::Float {
+            return x.linear(weight, None::<&Tensor>);
+        }
+        x.to_kind(self.compute).linear(&weight.to_kind(self.compute), None::<&Tensor>)
+    }
+
+    /// RMSNorm in fp32: `x / sqrt(mean(x^2) + eps) * scale` over the last dimension.
+    fn rms_norm(&self, x: &Tensor, scale: &Tensor) -> Tensor {
+        let x = x.to_kind(Kind::Float);
+        let mean_square = x.square().mean_dim([-1i64].as_slice(), true, Kind::Float);
+        x * (mean_square + RMS_NORM_EPS).rsqrt() * scale
+    }
+
+    fn attention(&self, layer_idx: usize, h: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
+        let n_head = self.shape.n_head as i64;
+        let head_dim = d / n_head;
+        let qkv = self.linear(h, &block.attn_w);
+        let parts = qkv.split(d, 2);
+        let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2);
+        let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
+        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false);
+        let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
+        self.linear(&y, &block.attn_proj_w)
+    }
+
+    fn mlp(&self, layer_idx: usize, h: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        self.linear(&self.linear(h, &block.fc_w).gelu("none"), &block.mlp_proj_w)
+    }
+
+    fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
+        let logits = self.linear(&self.rms_norm(x, &self.ln_f), &self.wte);
+        let vocab = self.shape.vocab_size as i64;
+        logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    }
+
+    fn trunk(&self, inputs: &Tensor) -> Tensor {
+        let mut x = self.embed(inputs);
+        for layer_idx in 0..self.shape.n_layer {
+            x = self.residual(layer_idx, Branch::Attention, &x);
+            x = self.residual(layer_idx, Branch::Mlp, &x);
+        }
+        x
+    }
+}
+
+impl Model for GptRms {
+    fn shape(&self) -> GptShape {
+        self.shape
+    }
+
+    fn params(&self) -> &FlatParams {
+        &self.params
+    }
+
+    fn params_mut(&mut self) -> &mut FlatParams {
+        &mut self.params
+    }
+
+    fn n_params(&self) -> usize {
+        let (d, n_layer) = (self.shape.d_model, self.shape.n_layer);
+        let per_block = 2 * d + 3 * d * d + d * d + 4 * d * d + 4 * d * d;
+        self.shape.vocab_size * d + self.shape.seq_len * d + n_layer * per_block + d
+    }
+
+    /// 6N for the matrix multiplies plus 12·L·d·T for attention (PaLM, appendix B), with N
+    /// excluding the position embedding, as the GPT's.
+    fn flops_per_token(&self) -> f64 {
+        let shape = self.shape;
+        let n = (self.n_params() - shape.seq_len * shape.d_model) as f64;
+        6.0 * n + 12.0 * (shape.n_layer * shape.d_model * shape.seq_len) as f64
+    }
+
+    fn embed(&self, inputs: &Tensor) -> Tensor {
+        let seq = inputs.size()[1];
+        let positions = Tensor::arange(seq, (Kind::Int64, inputs.device()));
+        Tensor::embedding(&self.wte, inputs, -1, false, false)
+            + Tensor::embedding(&self.wpe, &positions, -1, false, false)
+    }
+
+    fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
+        let scale = match which {
+            Norm::Attention(layer_idx) => &self.blocks[layer_idx].ln_1,
+            Norm::Mlp(layer_idx) => &self.blocks[layer_idx].ln_2,
+            Norm::Final => &self.ln_f,
+        };
+        self.rms_norm(x, scale)
+    }
+
+    fn branch(&self, layer_idx: usize, branch: Branch, normed: &Tensor) -> Tensor {
+        match branch {
+            Branch::Attention => self.attention(layer_idx, normed),
+            Branch::Mlp => self.mlp(layer_idx, normed),
+        }
+    }
+
+    fn head_loss_for_backward(
+        &self,
+        x: &Tensor,
+        normed: bool,
+        targets: &Tensor,
+        _loss_multiplier: f64,
+    ) -> HeadLoss<'_> {
+        debug_assert!(!normed, "gpt-rms runs no norm by hand");
+        HeadLoss { loss: self.head_loss(x, targets), by_hand: None }
+    }
+
+    fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
+        self.head_loss(&self.trunk(inputs), targets)
+    }
+
+    fn forward(&self, inputs: &Tensor) -> Tensor {
+        self.linear(&self.rms_norm(&self.trunk(inputs), &self.ln_f), &self.wte)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> GptShape {
+        GptShape { n_layer: 2, n_head: 4, d_model: 32, seq_len: 16, vocab_size: 48 }
+    }
+
+    #[test]
+    fn parameters_have_no_biases_and_count_as_declared() {
+        let model = GptRms::new(shape(), Precision::Fp32, Device::Cpu);
+        assert_eq!(model.params().n_elements() as usize, model.n_params());
+        assert!(model.params().entries().iter().all(|e| !e.name.ends_with(".bias")), "a bias was declared");
+        let names: Vec<&str> = model.params().units().iter().map(|u| u.name.as_str()).collect();
+        assert_eq!(names, ["embedding", "transformer.h.0", "transformer.h.1", "head"]);
+    }
+
+    #[test]
+    fn the_norm_is_rms_with_unit_scale() {
+        let model = GptRms::new(shape(), Precision::Fp32, Device::Cpu);
+        let x = Tensor::from_slice(&[3.0f32, -4.0]).view([1, 1, 2]);
+        let scale = Tensor::ones([2], (Kind::Float, Device::Cpu));
+        let normed = Vec::<f32>::try_from(model.rms_norm(&x, &scale).view([-1])).unwrap();
+        // mean square 12.5: 3 / sqrt(12.5) and -4 / sqrt(12.5).
+        let expected = [3.0 / 12.5f32.sqrt(), -4.0 / 12.5f32.sqrt()];
+        for (got, want) in normed.iter().zip(expected) {
+            assert!((got - want).abs() < 1e-5, "{got} against {want}");
+        }
+    }
+
+    #[test]
+    fn a_later_token_leaves_earlier_logits_alone() {
+        let model = GptRms::new(shape(), Precision::Fp32, Device::Cpu);
+        let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
+        let changed = inputs.copy();
+        let _ = changed.narrow(1, 15, 1).fill_(7);
+        let (a, b) = tch::no_grad(|| (model.forward(&inputs), model.forward(&changed)));
+        let earlier = (a.narrow(1, 0, 15) - b.narrow(1, 0, 15)).abs().max().double_value(&[]);
+        assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
+    }
+}
