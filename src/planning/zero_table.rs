@@ -48,7 +48,7 @@ pub fn run_zero_table(args: &ZeroTable) -> anyhow::Result<ExitCode> {
         .ok_or_else(|| crate::exit::usage(format!("--optimizer must be adamw, lamb or sgd; got {:?}", args.optimizer)))?;
     let slices = Slices::parse(&args.zero_slices)
         .ok_or_else(|| crate::exit::usage(format!("--zero-slices must be mapped or copied; got {:?}", args.zero_slices)))?;
-    let units = model_units(&model);
+    let units = model_units(model);
     let n_params: u64 = units.iter().sum();
     let in_flight = ZeroInFlight { gradient_units: args.zero_gradient_units, gathered_units: args.zero_gathered_units };
     let mut stages = Vec::new();

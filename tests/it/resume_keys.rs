@@ -3,7 +3,7 @@
 //! classified both ways.
 
 #[allow(dead_code)]
-#[path = "../../../src/run/resume_keys.rs"]
+#[path = "../../src/run/resume_keys.rs"]
 mod resume_keys;
 
 use std::collections::BTreeSet;
