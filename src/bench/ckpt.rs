@@ -16,7 +16,7 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use stoke_prof::median;
 
-use super::ckpt_runs::{run_peer, run_resume, run_train, warm_cost, wall_excess, CkptBench, RunFigures, Saves};
+use super::ckpt_runs::{run_peer, run_resume, run_train, wall_excess, warm_cost, CkptBench, RunFigures, Saves};
 use super::limits::{copy_bandwidth, direct_write_bandwidth, disk_bandwidth};
 
 /// (median, min, max); NaN for all three when empty.
@@ -236,10 +236,7 @@ pub fn ckpt(args: &CkptBench) -> anyhow::Result<ExitCode> {
     let ratios: Vec<f64> = save_tput.iter().zip(&raw_tput).map(|(s, r)| s / r).collect();
     rows.push(row("store save / raw write, per round", "ratio", &ratios));
     let (write_path_ratio, _, _) = spread(&ratios);
-    println!(
-        "store save / raw disk write, same bytes, interleaved: {:.0}% (reference: 70%)",
-        100.0 * write_path_ratio
-    );
+    println!("store save / raw disk write, same bytes, interleaved: {:.0}% (reference: 70%)", 100.0 * write_path_ratio);
 
     let mut peer = Value::Null;
     if !args.no_peers {
@@ -273,4 +270,3 @@ pub fn ckpt(args: &CkptBench) -> anyhow::Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
-

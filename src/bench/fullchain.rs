@@ -327,4 +327,3 @@ pub fn fullchain(args: &Fullchain) -> anyhow::Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
-

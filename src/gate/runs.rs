@@ -10,12 +10,13 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use stoke_prof::{median, Phase};
 
-use super::baseline::{build_profile, comparable, compare, load, machine_fingerprint, tolerance, Baseline, Check, Recorded};
+use super::baseline::{
+    build_profile, comparable, compare, load, machine_fingerprint, tolerance, Baseline, Check, Recorded,
+};
 use super::reference::{run_figures, PairedReference};
 use crate::config::StokeConfig;
 use crate::exit::EXIT_GATE_REGRESSION;
 use crate::run::RunSpec;
-
 
 /// The gate's model and run: small and fixed. One thread for libtorch and none for the loader
 /// (batches are assembled on the training thread), so that a core taken away by another process
@@ -36,7 +37,6 @@ const GATE_OVERRIDES: &[&str] = &[
     "prof.trace=false",
     "prof.html=false",
 ];
-
 
 /// Runs `--update` records, at the least.
 const UPDATE_REPEATS: usize = 9;
@@ -94,7 +94,6 @@ fn gate_run(dir: &Path, name: &str, settings: &[String]) -> anyhow::Result<BTree
 fn settings(args: &GateSpec) -> Vec<String> {
     GATE_OVERRIDES.iter().map(|s| s.to_string()).chain(args.overrides.iter().cloned()).collect()
 }
-
 
 /// Runs the gate: records a baseline (`update`) or compares with it (exit 4 on a regression).
 pub fn gate(args: &GateSpec) -> anyhow::Result<ExitCode> {
@@ -168,4 +167,3 @@ fn check(args: &GateSpec, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> any
         Ok(ExitCode::from(EXIT_GATE_REGRESSION))
     }
 }
-
