@@ -16,7 +16,7 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use stoke_prof::median;
 
-use super::ckpt_runs::{run_peer, run_resume, run_train, warm_cost, wall_excess, CkptBench, RunFigures, Saves};
+use super::ckpt_runs::{run_peer, run_resume, run_train, wall_excess, warm_cost, CkptBench, RunFigures, Saves};
 use super::limits::{copy_bandwidth, direct_write_bandwidth, disk_bandwidth};
 
 /// (median, min, max); NaN for all three when empty.
@@ -49,11 +49,11 @@ pub fn ckpt(args: &CkptBench) -> anyhow::Result<ExitCode> {
         bail!("--checkpoints must be at least 4: the first two are cold, the last is cut off by the run's end");
     }
     for pair in 0..args.pairs {
-        let a = run_train(&args, &format!("async-{pair}"), Saves::Background)?;
-        let b = run_train(&args, &format!("sync-{pair}"), Saves::Synchronous)?;
-        let none = run_train(&args, &format!("none-{pair}"), Saves::None)?;
+        let a = run_train(args, &format!("async-{pair}"), Saves::Background)?;
+        let b = run_train(args, &format!("sync-{pair}"), Saves::Synchronous)?;
+        let none = run_train(args, &format!("none-{pair}"), Saves::None)?;
         state_bytes = b.bytes_written / b.commits.max(1);
-        let raw = run_train(&args, &format!("raw-{pair}"), Saves::RawWrites(state_bytes as usize))?;
+        let raw = run_train(args, &format!("raw-{pair}"), Saves::RawWrites(state_bytes as usize))?;
         let per_checkpoint = |run: &RunFigures| (run.total_ms - none.total_ms) / args.checkpoints as f64;
         async_run.push(per_checkpoint(&a));
         sync_run.push(per_checkpoint(&b));
@@ -82,7 +82,7 @@ pub fn ckpt(args: &CkptBench) -> anyhow::Result<ExitCode> {
         async_tput.push(a.bytes_written as f64 / a.write_s / 1e9);
         host_bytes = a.host_bytes;
         waits.push(a.wait_s * 1e3);
-        let (load, restore) = run_resume(&args, &format!("sync-{pair}"))?;
+        let (load, restore) = run_resume(args, &format!("sync-{pair}"))?;
         load_s.push(load);
         restore_s.push(restore);
         // Each run keeps a checkpoint of the whole state: keep only the last one (the peers' input).
@@ -236,14 +236,11 @@ pub fn ckpt(args: &CkptBench) -> anyhow::Result<ExitCode> {
     let ratios: Vec<f64> = save_tput.iter().zip(&raw_tput).map(|(s, r)| s / r).collect();
     rows.push(row("store save / raw write, per round", "ratio", &ratios));
     let (write_path_ratio, _, _) = spread(&ratios);
-    println!(
-        "store save / raw disk write, same bytes, interleaved: {:.0}% (reference: 70%)",
-        100.0 * write_path_ratio
-    );
+    println!("store save / raw disk write, same bytes, interleaved: {:.0}% (reference: 70%)", 100.0 * write_path_ratio);
 
     let mut peer = Value::Null;
     if !args.no_peers {
-        peer = run_peer(&args, &last.join(format!("step-{latest}")))?;
+        peer = run_peer(args, &last.join(format!("step-{latest}")))?;
         let seconds = |key: &str| -> Vec<f64> {
             peer[key].as_array().map(|a| a.iter().filter_map(Value::as_f64).collect()).unwrap_or_default()
         };
@@ -273,4 +270,3 @@ pub fn ckpt(args: &CkptBench) -> anyhow::Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
-

@@ -258,4 +258,3 @@ pub fn run_peer(args: &CkptBench, state: &Path) -> anyhow::Result<Value> {
     let line = stdout.lines().rev().find(|l| l.starts_with('{')).context("the peer printed no JSON line")?;
     Ok(serde_json::from_str(line)?)
 }
-

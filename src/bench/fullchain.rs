@@ -237,7 +237,7 @@ pub fn fullchain(args: &Fullchain) -> anyhow::Result<ExitCode> {
     let mut peers = Vec::new();
     if !args.no_peers {
         for pipeline in ["naive", "tuned"] {
-            let v = run_peer(&args, &corpus, pipeline, tokens)?;
+            let v = run_peer(args, &corpus, pipeline, tokens)?;
             rows.push(peer_row(&v));
             peers.push(v);
         }
@@ -327,4 +327,3 @@ pub fn fullchain(args: &Fullchain) -> anyhow::Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
-

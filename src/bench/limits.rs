@@ -116,7 +116,6 @@ pub fn disk_bandwidth(dir: &Path, bytes: usize) -> anyhow::Result<(f64, f64)> {
     Ok((write, read))
 }
 
-
 /// The disk's limit without the page cache: `bytes` written with `O_DIRECT` from one page-aligned
 /// buffer in 32 MiB blocks, then fsynced (the way the checkpoint writer writes). Bytes per second.
 pub fn direct_write_bandwidth(dir: &Path, bytes: usize) -> anyhow::Result<f64> {
@@ -165,4 +164,3 @@ pub fn copy_bandwidth(bytes: usize) -> (f64, f64) {
     std::hint::black_box(&dst);
     (stream, plain)
 }
-

@@ -87,4 +87,3 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
-

@@ -76,7 +76,6 @@ pub struct Baseline {
     pub figures: BTreeMap<String, Recorded>,
 }
 
-
 /// The processor and the cores this process may use, as the ratios depend on them: vendor,
 /// family, model, stepping, name and cache from `/proc/cpuinfo` (the name alone is often generic
 /// in a virtual machine), then the logical cores.
@@ -129,7 +128,6 @@ pub fn load(path: &Path) -> anyhow::Result<Baseline> {
     serde_json::from_str(&text)
         .with_context(|| format!("{} is not a gate baseline; record one with --update", path.display()))
 }
-
 
 /// An error when the baseline was recorded with other settings, another build profile or on
 /// another machine.
@@ -274,4 +272,3 @@ mod tests {
         assert!(err.contains("recorded on another machine (test machine; this is another machine)"), "{err}");
     }
 }
-

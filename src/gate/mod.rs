@@ -33,4 +33,4 @@ mod reference;
 mod runs;
 
 pub use reference::GemmReference;
-pub use runs::{gate, GateSpec, GATE_OVERRIDES, UPDATE_REPEATS};
+pub use runs::{gate, GateSpec};

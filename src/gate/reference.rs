@@ -172,4 +172,3 @@ pub fn run_figures(pairs: &[Pair], report: &RunReport) -> BTreeMap<String, (Chec
     }
     figures
 }
-

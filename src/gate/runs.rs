@@ -10,18 +10,19 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use stoke_prof::{median, Phase};
 
-use super::baseline::{build_profile, comparable, compare, load, machine_fingerprint, tolerance, Baseline, Check, Recorded};
+use super::baseline::{
+    build_profile, comparable, compare, load, machine_fingerprint, tolerance, Baseline, Check, Recorded,
+};
 use super::reference::{run_figures, PairedReference};
 use crate::config::StokeConfig;
 use crate::exit::EXIT_GATE_REGRESSION;
 use crate::run::RunSpec;
 
-
 /// The gate's model and run: small and fixed. One thread for libtorch and none for the loader
 /// (batches are assembled on the training thread), so that a core taken away by another process
 /// delays the step as a whole instead of leaving a thread spinning at a barrier; the gate then
 /// measures the code, not the machine's load.
-pub const GATE_OVERRIDES: &[&str] = &[
+const GATE_OVERRIDES: &[&str] = &[
     "model.n_layer=2",
     "model.d_model=128",
     "model.n_head=4",
@@ -37,6 +38,8 @@ pub const GATE_OVERRIDES: &[&str] = &[
     "prof.html=false",
 ];
 
+/// Runs `--update` records, at the least.
+const UPDATE_REPEATS: usize = 9;
 
 /// One invocation of the gate.
 #[derive(Debug, Clone)]
@@ -92,20 +95,19 @@ fn settings(args: &GateSpec) -> Vec<String> {
     GATE_OVERRIDES.iter().map(|s| s.to_string()).chain(args.overrides.iter().cloned()).collect()
 }
 
-
 /// Runs the gate: records a baseline (`update`) or compares with it (exit 4 on a regression).
 pub fn gate(args: &GateSpec) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     std::fs::create_dir_all(&args.dir).with_context(|| format!("cannot create {}", args.dir.display()))?;
     if !args.update {
         // Refused before the runs, not after them.
-        comparable(&load(&args.baseline)?, &settings(&args), &machine_fingerprint())
+        comparable(&load(&args.baseline)?, &settings(args), &machine_fingerprint())
             .with_context(|| format!("baseline {}", args.baseline.display()))?;
     }
     let repeats = if args.update { args.repeats.max(UPDATE_REPEATS) } else { args.repeats.max(1) };
     let mut runs = Vec::with_capacity(repeats);
     for rep in 0..repeats {
-        runs.push(gate_run(&args.dir, &format!("gate-{rep}"), &settings(&args))?);
+        runs.push(gate_run(&args.dir, &format!("gate-{rep}"), &settings(args))?);
     }
     let mut measured: BTreeMap<String, (Check, Vec<f64>)> = BTreeMap::new();
     for run in &runs {
@@ -113,7 +115,7 @@ pub fn gate(args: &GateSpec) -> anyhow::Result<ExitCode> {
             measured.entry(key.clone()).or_insert((check, Vec::new())).1.push(value);
         }
     }
-    let result = if args.update { record(&args, &measured) } else { check(&args, &measured) };
+    let result = if args.update { record(args, &measured) } else { check(args, &measured) };
     println!("gate: {repeats} runs in {:.1} s", started.elapsed().as_secs_f64());
     result
 }
@@ -165,4 +167,3 @@ fn check(args: &GateSpec, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> any
         Ok(ExitCode::from(EXIT_GATE_REGRESSION))
     }
 }
-

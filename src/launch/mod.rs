@@ -17,12 +17,15 @@
 //! `--cpus-file`, each start pins worker RANK to the RANK-th CPU the file lists (how
 //! `stoke sched serve` keeps jobs on their own cores).
 //!
-//! `supervisor` is the loop over starts of the job; `slots` says which slots may run a worker
-//! and pins workers to CPUs; `workers` starts one start's workers and watches them until they
-//! end. The worker side (the heartbeat, naming the run folder) is `crate::run`'s.
+//! `spec` is what to run; `supervisor` is the loop over starts of the job; `slots` says which
+//! slots may run a worker and pins workers to CPUs; `workers` starts one start's workers and
+//! watches them until they end. The worker side (the heartbeat, naming the run folder) is
+//! `crate::run`'s.
 
 mod slots;
+mod spec;
 mod supervisor;
 mod workers;
 
-pub use supervisor::{launch, Launch};
+pub use spec::Launch;
+pub use supervisor::launch;

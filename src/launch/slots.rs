@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use super::supervisor::Launch;
+use super::spec::Launch;
 
 /// The slots that may run a worker now, at most `max` of them; waits up to `--slot-wait-s` for
 /// `min`.
@@ -83,4 +83,3 @@ pub fn pin_to(cmd: &mut Command, cpu: usize) {
         });
     }
 }
-

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context;
 
 use super::slots::{available_slots, pin_to, read_cpus};
-use super::supervisor::Launch;
+use super::spec::Launch;
 use crate::exit::EXIT_PREEMPTED;
 use crate::run::{heartbeat_path, LAUNCH_DIR_VAR};
 
@@ -261,4 +261,3 @@ fn pump(stream: impl std::io::Read, rank: usize, to_stderr: bool) {
         }
     }
 }
-

@@ -101,4 +101,3 @@ pub fn run_calibration(args: &Calibration, cluster: &ClusterConfig) -> anyhow::R
     }
     emit(&out)
 }
-

@@ -68,4 +68,3 @@ pub fn print_search(config: &PlanConfig, precision_name: &str, top: usize, json:
     writeln!(out, "layout: d data x t tensor (+sp sequence parallel) x p pipeline (xv interleaved chunks), z ZeRO stage, recomputation, b micro-batch x micro-batches")?;
     emit(&out)
 }
-

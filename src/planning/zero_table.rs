@@ -6,8 +6,7 @@ use std::process::ExitCode;
 
 use stoke_plan::{
     model_states, model_units, optimizer_state_buffers, zero_rank_bytes, ModelConfig, Precision, Slices, ZeroInFlight,
-    ZeroStage,
-    ZERO_FIGURE_1, ZERO_FIGURE_1_DEVICES, ZERO_FIGURE_1_PARAMS,
+    ZeroStage, ZERO_FIGURE_1, ZERO_FIGURE_1_DEVICES, ZERO_FIGURE_1_PARAMS,
 };
 
 use super::output::emit;
@@ -44,11 +43,13 @@ fn format_bytes(bytes: u64) -> String {
 pub fn run_zero_table(args: &ZeroTable) -> anyhow::Result<ExitCode> {
     let model = &args.model;
     let world = args.devices;
-    let optimizer_buffers = optimizer_state_buffers(&args.optimizer)
-        .ok_or_else(|| crate::exit::usage(format!("--optimizer must be adamw, lamb or sgd; got {:?}", args.optimizer)))?;
-    let slices = Slices::parse(&args.zero_slices)
-        .ok_or_else(|| crate::exit::usage(format!("--zero-slices must be mapped or copied; got {:?}", args.zero_slices)))?;
-    let units = model_units(&model);
+    let optimizer_buffers = optimizer_state_buffers(&args.optimizer).ok_or_else(|| {
+        crate::exit::usage(format!("--optimizer must be adamw, lamb or sgd; got {:?}", args.optimizer))
+    })?;
+    let slices = Slices::parse(&args.zero_slices).ok_or_else(|| {
+        crate::exit::usage(format!("--zero-slices must be mapped or copied; got {:?}", args.zero_slices))
+    })?;
+    let units = model_units(model);
     let n_params: u64 = units.iter().sum();
     let in_flight = ZeroInFlight { gradient_units: args.zero_gradient_units, gathered_units: args.zero_gathered_units };
     let mut stages = Vec::new();
@@ -160,4 +161,3 @@ pub fn run_zero_table(args: &ZeroTable) -> anyhow::Result<ExitCode> {
     }
     emit(&out)
 }
-

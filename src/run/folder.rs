@@ -63,7 +63,6 @@ pub fn locate_run(config: &mut StokeConfig, resume: bool) -> anyhow::Result<Path
 /// early stopping's settings may; `train.debug_poison_step` may be cleared to continue past it;
 /// run placement, logging, profiling, checkpointing, loader threads and the cache are not part
 
-
 fn most_recent_run(runs: &Path) -> anyhow::Result<Option<String>> {
     let Ok(entries) = std::fs::read_dir(runs) else { return Ok(None) };
     let mut best: Option<(std::time::SystemTime, String)> = None;
@@ -94,7 +93,6 @@ pub fn timestamp() -> String {
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}{month:02}{day:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
-
 
 /// The step of the newest committed checkpoint in `run_dir`, if any (an unreadable folder counts
 /// as none).

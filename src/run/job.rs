@@ -95,11 +95,7 @@ pub fn metrics_port(base: u16, local_rank: usize) -> anyhow::Result<u16> {
 }
 
 /// The run name all ranks use: rank 0's (made up there when run.name is empty), broadcast.
-fn agree_run_name(
-    dist: &mut DataParallel,
-    source: &ConfigSource,
-    resume: bool,
-) -> anyhow::Result<String> {
+fn agree_run_name(dist: &mut DataParallel, source: &ConfigSource, resume: bool) -> anyhow::Result<String> {
     const MAX: usize = 1024;
     let mut buf = vec![0u8; MAX + 2];
     if dist.rank() == 0 {

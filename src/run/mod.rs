@@ -33,4 +33,4 @@ pub use heartbeat::{heartbeat_path, read_run_dir, LAUNCH_DIR_VAR};
 pub use job::Job;
 pub use resume::restart_command;
 pub use source::ConfigSource;
-pub use spec::{RunOutcome, RunSpec, Start};
+pub use spec::{RunSpec, Start};

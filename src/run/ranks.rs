@@ -130,4 +130,3 @@ pub fn gather_rank_reports(dist: &DataParallel) -> anyhow::Result<Vec<stoke_prof
         dist.gather_bytes_at_rank0(&[], "receive the step reports").context("rank 0: receiving the step reports")?;
     (1..).zip(received).map(|(from, bytes)| Ok(stoke_prof::RankStepReport::from_bytes(from, &bytes)?)).collect()
 }
-

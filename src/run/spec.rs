@@ -58,10 +58,10 @@ impl RunOutcome {
     }
 }
 
-impl RunSpec<'_> {
+impl<'a> RunSpec<'a> {
     /// A fresh run of `config` in a new folder: names it (`run.name`, made up when empty), refuses
     /// a folder that holds checkpoints, and writes the resolved config there.
-    pub fn fresh<'a>(mut config: StokeConfig) -> anyhow::Result<RunSpec<'a>> {
+    pub fn fresh(mut config: StokeConfig) -> anyhow::Result<RunSpec<'a>> {
         let run_dir = prepare_run_dir(&mut config)?;
         Ok(RunSpec::new(config, None, run_dir))
     }
@@ -69,7 +69,7 @@ impl RunSpec<'_> {
     /// The command line's run on this process of `job`: fresh or resumed, its folder prepared by
     /// the rank that writes it (and named to the launcher), its `/metrics` port offset by the
     /// local rank.
-    pub fn for_job<'a>(source: &ConfigSource, job: &Job, start: Start) -> anyhow::Result<RunSpec<'a>> {
+    pub fn for_job(source: &ConfigSource, job: &Job, start: Start) -> anyhow::Result<RunSpec<'a>> {
         let writer = job.is_writer();
         let (mut config, run_dir, resume) = match start {
             Start::Resume { fallback } => {
@@ -93,7 +93,7 @@ impl RunSpec<'_> {
         Ok(RunSpec::new(config, resume, run_dir))
     }
 
-    fn new<'a>(config: StokeConfig, resume: Option<Resume>, run_dir: PathBuf) -> RunSpec<'a> {
+    fn new(config: StokeConfig, resume: Option<Resume>, run_dir: PathBuf) -> RunSpec<'a> {
         RunSpec { config, run_dir, resume, progress: false, overhead_block: None, extra: None }
     }
 }

@@ -3,7 +3,7 @@
 //! classified both ways.
 
 #[allow(dead_code)]
-#[path = "../../../src/run/resume_keys.rs"]
+#[path = "../../src/run/resume_keys.rs"]
 mod resume_keys;
 
 use std::collections::BTreeSet;
@@ -57,8 +57,7 @@ fn no_key_is_classified_both_ways() {
     let may_change = |key: &str| {
         MAY_CHANGE_SECTIONS.contains(&key.split('.').next().unwrap_or("")) || MAY_CHANGE_KEYS.contains(&key)
     };
-    let fixed =
-        |key: &str| FIXED_SECTIONS.contains(&key.split('.').next().unwrap_or("")) || FIXED_KEYS.contains(&key);
+    let fixed = |key: &str| FIXED_SECTIONS.contains(&key.split('.').next().unwrap_or("")) || FIXED_KEYS.contains(&key);
     let both: Vec<String> = default_keys().into_iter().filter(|key| may_change(key) && fixed(key)).collect();
     assert!(both.is_empty(), "keys classified both as changeable and as fixed: {both:?}");
     assert_eq!(classify("train.steps"), Some(ResumeKey::MayChange));
