@@ -27,10 +27,7 @@ pub const EXIT_GATE_REGRESSION: u8 = 4;
 /// continues it). 75 is sysexits' EX_TEMPFAIL, "try again later".
 pub const EXIT_PREEMPTED: u8 = 75;
 
-/// A bad command line or configuration: exit code 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
+pub use crate::usage::UsageError;
 
 /// `message` as a usage error (exit code 2).
 pub fn usage(message: String) -> anyhow::Error {

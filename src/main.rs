@@ -13,6 +13,7 @@ mod planning;
 mod profiler;
 mod run;
 mod signals;
+mod usage;
 
 use std::process::ExitCode;
 

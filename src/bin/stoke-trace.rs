@@ -7,15 +7,15 @@
 
 #[path = "../cli/trace.rs"]
 mod trace;
+#[path = "../usage.rs"]
+mod usage;
 
 use std::process::ExitCode;
 
 use clap::Parser;
 
-/// A bad command line: exit code 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
+pub use usage::UsageError;
+
 
 #[derive(Debug, Parser)]
 #[command(name = "stoke-trace", version, about = "Analyze PyTorch profiler (Kineto) traces, or diff two runs.")]
