@@ -16,7 +16,6 @@ use clap::Parser;
 
 pub use usage::UsageError;
 
-
 #[derive(Debug, Parser)]
 #[command(name = "stoke-trace", version, about = "Analyze PyTorch profiler (Kineto) traces, or diff two runs.")]
 struct Cli {
