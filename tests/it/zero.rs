@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use crate::dist::{assert_same_trajectory, family_reference_losses, overrides, reference_losses, refs, SMALL_BUCKETS};
+use crate::dist::{assert_same_trajectory, family_reference_losses, overrides, refs, SMALL_BUCKETS};
 use crate::{losses, run_ok, stoke, FAMILIES};
 
 /// Launches run `name` on `nproc` ranks at ZeRO `stage` with `more` overrides; it must say so and

@@ -1,0 +1,202 @@
+//! The loop's guards and monitors: non-finite values (the NaN dump, poisoning on purpose), loss
+//! spikes, and per-unit gradient norms and update ratios.
+
+use tch::{Kind, Tensor};
+
+use super::state::Trainer;
+
+/// JSON has no NaN: a non-finite number is written as null.
+pub(super) fn finite_or_null(x: f64) -> Option<f64> {
+    x.is_finite().then_some(x)
+}
+
+/// `nan-dump.json`: why and where a run stopped on a non-finite value.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct NanDump {
+    /// The step (1-based) whose loss or gradients were not finite; it was not applied.
+    pub step: u64,
+    /// "loss" or "gradients": which check fired.
+    pub detected_at: String,
+    /// The step's loss (null when not finite).
+    pub loss: Option<f64>,
+    pub grad_norm: Option<f64>,
+    /// The loss of the last step whose loss was finite (null when there was none).
+    pub last_finite_loss: Option<f64>,
+    /// The data source's position before and after the step's batches: the step read the
+    /// samples in between (the loader's global sample positions; for the in-memory windows, the
+    /// batch numbers).
+    pub data_position_before: u64,
+    pub data_position_after: u64,
+    pub micro_batch: usize,
+    pub grad_accum: usize,
+    pub seq_len: usize,
+    /// Every parameter or gradient tensor holding a NaN or an inf.
+    pub offending: Vec<OffendingTensor>,
+    /// The newest committed checkpoint (left as it was), if any.
+    pub latest_checkpoint: Option<u64>,
+    /// True when `train.debug_poison_step` caused it.
+    pub poisoned_on_purpose: bool,
+}
+
+/// A tensor of `NanDump::offending`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct OffendingTensor {
+    pub name: String,
+    /// "parameter" or "gradient".
+    pub kind: String,
+    pub stats: TensorStats,
+}
+
+/// Statistics of a tensor's values.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TensorStats {
+    pub numel: i64,
+    pub nan: i64,
+    pub inf: i64,
+    /// Over the finite values (null when there are none).
+    pub finite_min: Option<f64>,
+    pub finite_max: Option<f64>,
+    pub finite_abs_mean: Option<f64>,
+}
+
+impl TensorStats {
+    fn of(t: &Tensor) -> TensorStats {
+        let t = t.detach().to_kind(Kind::Double);
+        let nan = t.isnan().sum(Kind::Int64).int64_value(&[]);
+        let inf = t.isinf().sum(Kind::Int64).int64_value(&[]);
+        let finite = t.masked_select(&t.isfinite());
+        let n_finite = finite.numel();
+        let stat = |x: Tensor| (n_finite > 0).then(|| x.double_value(&[]));
+        TensorStats {
+            numel: t.numel() as i64,
+            nan,
+            inf,
+            finite_min: stat(if n_finite > 0 { finite.min() } else { Tensor::from(0.0) }),
+            finite_max: stat(if n_finite > 0 { finite.max() } else { Tensor::from(0.0) }),
+            finite_abs_mean: stat(finite.abs().mean(Kind::Double)),
+        }
+    }
+}
+
+/// How many standard deviations `loss` lies above the mean of `window` (None until it holds 10
+/// losses, or when they do not vary).
+pub(super) fn spike_z(window: &std::collections::VecDeque<f64>, loss: f64) -> Option<f64> {
+    if window.len() < 10 {
+        return None;
+    }
+    let n = window.len() as f64;
+    let mean = window.iter().sum::<f64>() / n;
+    let var = window.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (var > 0.0).then(|| (loss - mean) / var.sqrt())
+}
+
+impl Trainer {
+    /// `train.debug_poison_step`: a NaN written into the first block's first parameter, so this
+    /// step's loss and gradients are not finite, as a diverged run's would be.
+    pub(super) fn poison(&self) {
+        let params = self.model.params();
+        let units = params.units();
+        let unit = units.get(1).unwrap_or(&units[0]);
+        tch::no_grad(|| {
+            let _ = params.flat().narrow(0, unit.range.start, 1).fill_(f64::NAN);
+        });
+    }
+
+    /// Each unit's gradient norm (divided by the loss scale), and (`copy`) a copy of the parameters
+    /// before the update, for `update_ratios`.
+    pub(super) fn block_grad_norms(&self, scale: f64, copy: bool) -> (Vec<f64>, Option<Tensor>) {
+        let params = self.model.params();
+        let kernel = self.kernel();
+        let norms = params
+            .units()
+            .iter()
+            .map(|u| self.optimizer.grad_sq_sum(params, u.range.clone(), kernel, self.n_threads).sqrt() / scale)
+            .collect();
+        (norms, copy.then(|| params.flat().detach().copy()))
+    }
+
+    /// Each unit's ||Δw|| / ||w|| from the per-parameter squared norms a measured update found
+    /// (`Optimizer::take_update_norms`); no update (a skipped step): 0 for every unit, as the copy's
+    /// way gives.
+    pub(super) fn unit_update_ratios(&self, norms: Option<&[(f64, f64)]>) -> Vec<f64> {
+        self.model
+            .params()
+            .units()
+            .iter()
+            .map(|u| {
+                let (change, weight) = norms.map_or((0.0, 0.0), |n| {
+                    n[u.entries.clone()].iter().fold((0.0, 0.0), |(c, w), &(dc, dw)| (c + dc, w + dw))
+                });
+                if weight > 0.0 {
+                    (change / weight).sqrt()
+                } else {
+                    0.0
+                }
+            })
+            .collect()
+    }
+
+    /// ||w_after - w_before|| / ||w_before|| per unit.
+    pub(super) fn update_ratios(&self, before: &Tensor) -> Vec<f64> {
+        let params = self.model.params();
+        tch::no_grad(|| {
+            let delta = params.flat() - before;
+            params
+                .units()
+                .iter()
+                .map(|u| {
+                    let len = u.range.end - u.range.start;
+                    let d = crate::optim::tensor_sq_sum(&delta.narrow(0, u.range.start, len), u.range.start);
+                    let w = crate::optim::tensor_sq_sum(&before.narrow(0, u.range.start, len), u.range.start);
+                    if w > 0.0 {
+                        (d / w).sqrt()
+                    } else {
+                        0.0
+                    }
+                })
+                .collect()
+        })
+    }
+
+    /// What `nan-dump.json` holds: the step, its samples, every parameter or gradient tensor that
+    /// holds a NaN or an inf with its statistics, and the last finite loss.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn nan_dump(
+        &self,
+        step: u64,
+        what: &str,
+        loss: f64,
+        grad_norm: f64,
+        last_finite_loss: f64,
+        position_before: u64,
+        position_after: u64,
+    ) -> NanDump {
+        let params = self.model.params();
+        let mut offending = Vec::new();
+        for entry in params.entries() {
+            let grad = params.flat_grad().narrow(0, entry.offset, entry.numel);
+            let value = params.flat().narrow(0, entry.offset, entry.numel);
+            for (kind, t) in [("parameter", &value), ("gradient", &grad)] {
+                let stats = TensorStats::of(t);
+                if stats.nan > 0 || stats.inf > 0 {
+                    offending.push(OffendingTensor { name: entry.name.clone(), kind: kind.into(), stats });
+                }
+            }
+        }
+        NanDump {
+            step,
+            detected_at: what.into(),
+            loss: finite_or_null(loss),
+            grad_norm: finite_or_null(grad_norm),
+            last_finite_loss: finite_or_null(last_finite_loss),
+            data_position_before: position_before,
+            data_position_after: position_after,
+            micro_batch: self.train.micro_batch,
+            grad_accum: self.train.grad_accum,
+            seq_len: self.model.shape().seq_len,
+            offending,
+            latest_checkpoint: None,
+            poisoned_on_purpose: self.train.debug_poison_step == step,
+        }
+    }
+}

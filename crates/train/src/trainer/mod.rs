@@ -1,0 +1,489 @@
+//! The training loop and the events it emits.
+//!
+//! `Trainer::run` reads top to bottom: take a batch, move it to the device, forward, backward,
+//! clip, step, tell the observers, maybe checkpoint. Metrics, progress, profiling and reports are
+//! observers of `TrainEvent`; none of them is woven into the loop.
+
+mod checkpoint;
+mod eval;
+mod events;
+mod guards;
+mod state;
+mod step;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use stoke_ckpt::DType;
+use stoke_data::BatchSource;
+use tch::Device;
+
+use crate::adaptive::{AdaptiveConfig, NoiseScale};
+use crate::clock::StepClock;
+use crate::config::{CkptConfig, ModelConfig, Precision, TrainConfig};
+use crate::executor::{Executor, NoHooks, StepHooks};
+use crate::models::{build_model, Model};
+use crate::optim::UpdateKernel;
+use crate::optimizers::Optimizer;
+use crate::params::FlatParams;
+use crate::precision::LossScaler;
+use crate::snapcopy::PendingCopy;
+use crate::TrainError;
+
+pub use checkpoint::CheckpointTarget;
+pub use events::{
+    BatchChange, BlockMonitors, EvalRecord, MemoryReport, Observer, ObserverError, RunInfo, StepRecord, Summary,
+    TrainEvent,
+};
+pub use guards::NanDump;
+pub use state::Trainer;
+pub use stoke_prof::{Phase, PhaseTimes};
+
+use checkpoint::{submit, submit_pending};
+use events::notify;
+use guards::spike_z;
+use state::AdaptiveState;
+
+/// Picks the device: "cpu", "cuda" (the first GPU) or "auto" (a GPU when libtorch sees one).
+pub fn parse_device(name: &str) -> Result<Device, TrainError> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" if tch::Cuda::is_available() => Ok(Device::Cuda(0)),
+        "cuda" => Err(TrainError::InvalidConfig {
+            key: "run.device",
+            message: "is \"cuda\" but libtorch sees no CUDA device".into(),
+        }),
+        "auto" => Ok(Device::cuda_if_available()),
+        other => Err(TrainError::InvalidConfig {
+            key: "run.device",
+            message: format!("must be one of auto, cpu, cuda; got {other:?}"),
+        }),
+    }
+}
+
+impl Trainer {
+    /// A fresh model and optimizer, initialized from `train.seed`.
+    pub fn new(
+        model: &ModelConfig,
+        train: &TrainConfig,
+        ckpt: &CkptConfig,
+        device: Device,
+    ) -> Result<Trainer, TrainError> {
+        train.validate()?;
+        // A bad shape is refused before libtorch's global state is touched.
+        model.shape()?;
+        if train.threads > 0 {
+            tch::set_num_threads(train.threads as i32);
+        }
+        crate::host_memory::apply(train.host_memory);
+        tch::manual_seed(train.seed as i64);
+        // The Rust kernels split their work over libtorch's threads.
+        let kernel_threads = tch::get_num_threads().max(1) as usize;
+        let model = build_model(model, train, kernel_threads, device)?;
+        let optimizer = Optimizer::for_config(train, model.params());
+        let executor = Executor::new(train.executor, train.recompute)?;
+        let scaler = (train.precision == Precision::Fp16).then(|| LossScaler::new(train.loss_scale()));
+        Ok(Trainer {
+            train: train.clone(),
+            ckpt: ckpt.clone(),
+            model,
+            optimizer,
+            executor,
+            scaler,
+            inject_overflow_at: None,
+            device,
+            step: 0,
+            resumed_from: None,
+            sync_every: 1,
+            n_threads: tch::get_num_threads().max(1) as usize,
+            eval: None,
+            grad_accum: train.grad_accum,
+            adaptive: None,
+            sharded: false,
+        })
+    }
+
+    /// Turns on the adaptive batch size (one process only: a data-parallel step reduces the
+    /// gradients while the last micro-batch's backward runs, so its own gradient is not readable).
+    pub fn set_adaptive(&mut self, config: &AdaptiveConfig) -> Result<(), TrainError> {
+        config.validate(self.train.grad_accum)?;
+        if !config.enabled {
+            self.adaptive = None;
+            return Ok(());
+        }
+        if self.train.world_size > 1 {
+            return Err(TrainError::InvalidConfig {
+                key: "adaptive.enabled",
+                message: "is not available on data-parallel runs yet (one process only)".into(),
+            });
+        }
+        let start = self.train.batch_sequences();
+        let max_batch = if config.max_batch == 0 { 8 * start } else { config.max_batch };
+        if max_batch < start {
+            return Err(TrainError::InvalidConfig {
+                key: "adaptive.max_batch",
+                message: format!("is {max_batch}, below the starting global batch of {start} sequences"),
+            });
+        }
+        let previous_grad = self.model.params().flat_grad().zeros_like();
+        self.adaptive = Some(AdaptiveState {
+            config: config.clone(),
+            max_batch,
+            noise: NoiseScale::default(),
+            previous_grad,
+            unstable: false,
+        });
+        Ok(())
+    }
+
+    /// Sequences per optimizer step now, over all processes.
+    fn global_batch(&self) -> usize {
+        self.train.micro_batch * self.grad_accum * self.train.world_size.max(1)
+    }
+
+    /// Buffers of optimizer state, each as large as the parameters it covers (AdamW and LAMB 2,
+    /// SGD 1).
+    pub fn optimizer_buffers(&self) -> usize {
+        self.optimizer.buffers().len()
+    }
+
+    /// The optimizer runs the fused CPU kernel (`train.fused_optimizer` on a CPU).
+    pub fn fused_cpu_optimizer(&self) -> bool {
+        self.kernel() == UpdateKernel::Fused && self.device == Device::Cpu
+    }
+
+    /// The model's parameters, for moving their buffers (ZeRO).
+    pub fn params_mut(&mut self) -> &mut FlatParams {
+        self.model.params_mut()
+    }
+
+    /// Whether this run's settings allow ZeRO `stage`; the reason when not.
+    pub fn check_shardable(&self, stage: u8) -> Result<(), String> {
+        if stage >= 3 && self.executor.kind() == crate::ExecutorKind::SingleGraph {
+            return Err("3 gathers each unit's parameters around the unit; train.executor = \"single-graph\" runs \
+                        the model as one graph: use the block executor"
+                .into());
+        }
+        Ok(())
+    }
+
+    /// Replaces the optimizer with one over `shard` (a ZeRO rank's slices of the parameters),
+    /// carrying over the state: `starts[name]` is where the shard's piece of parameter `name`
+    /// begins inside that parameter.
+    pub fn shard_optimizer(
+        &mut self,
+        shard: &FlatParams,
+        starts: &std::collections::HashMap<String, i64>,
+    ) -> Result<(), String> {
+        let full = self.optimizer.state_tensors(self.model.params());
+        let mut sharded = Optimizer::for_config(&self.train, shard);
+        sharded.load_state(shard, self.optimizer.n_steps(), |name| {
+            let (param, _) = name.rsplit_once('.')?;
+            let piece = shard.entries().iter().find(|e| e.name == param)?;
+            let whole = full.iter().find(|s| s.name == name)?;
+            let values = whole.tensor.reshape([-1]).narrow(0, *starts.get(param)?, piece.numel);
+            Some((piece.shape.clone(), values))
+        })?;
+        self.optimizer = sharded;
+        self.sharded = true;
+        Ok(())
+    }
+
+    pub fn model(&self) -> &dyn Model {
+        self.model.as_ref()
+    }
+
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Test hook: put an inf into the gradients of step `step` (1-based), as an fp16 overflow
+    /// would, so the loss scaler's skip and back-off can be tested end to end.
+    #[doc(hidden)]
+    pub fn inject_overflow_at(&mut self, step: u64) {
+        self.inject_overflow_at = Some(step);
+    }
+
+    /// On a GPU, synchronize at phase boundaries only every `every` steps (1, the default: every
+    /// step; 0: never): the other steps' phases are host-side launch times, their wall time is
+    /// still right on average. The CPU is always exact.
+    pub fn set_sync_every(&mut self, every: u64) {
+        self.sync_every = every;
+    }
+
+    /// Trains until `train.steps` optimizer steps are done or `stop` is raised (then it finishes
+    /// the current step, checkpoints, and returns with `interrupted`).
+    pub fn run(
+        &mut self,
+        source: &mut dyn BatchSource,
+        observers: &mut [&mut dyn Observer],
+        checkpoints: Option<&mut CheckpointTarget>,
+        stop: &AtomicBool,
+    ) -> Result<Summary, TrainError> {
+        self.run_with_hooks(source, observers, checkpoints, stop, &mut NoHooks)
+    }
+
+    /// `run`, with `hooks` called between the units of every step (see `executor`).
+    pub fn run_with_hooks(
+        &mut self,
+        source: &mut dyn BatchSource,
+        observers: &mut [&mut dyn Observer],
+        mut checkpoints: Option<&mut CheckpointTarget>,
+        stop: &AtomicBool,
+        hooks: &mut dyn StepHooks,
+    ) -> Result<Summary, TrainError> {
+        let shape = self.model.shape();
+        let tokens_per_step = (self.train.micro_batch * shape.seq_len * self.grad_accum) as u64;
+        let info = RunInfo {
+            shape,
+            n_params: self.model.n_params(),
+            precision: self.train.precision,
+            device: self.device,
+            micro_batch: self.train.micro_batch,
+            grad_accum: self.grad_accum,
+            tokens_per_step,
+            start_step: self.step,
+            total_steps: self.train.steps,
+            resumed_from: self.resumed_from.clone(),
+            recompute: self.executor.recompute(),
+            units: self.model.params().units().iter().map(|u| u.name.clone()).collect(),
+            global_batch: self.global_batch(),
+        };
+        let mut tokens = 0u64;
+        notify(observers, &TrainEvent::Started(&info))?;
+        if let (Some(target), Some(best)) = (checkpoints.as_deref_mut(), self.best_eval_step()) {
+            target.writer.protect(Some(best));
+        }
+        let first_step = self.step + 1;
+        let run_start = Instant::now();
+        let (mut first_loss, mut final_loss, mut best_loss) = (f64::NAN, f64::NAN, f64::INFINITY);
+        let mut interrupted = false;
+        let mut memory = None;
+        let mut losses = std::collections::VecDeque::with_capacity(self.train.spike_window);
+        let mut last_finite_loss = f64::NAN;
+        let mut early_stopped = false;
+        // A checkpoint's copy running beside this step, finished before its optimizer step.
+        let mut pending: Option<PendingCopy> = None;
+        while self.step < self.train.steps {
+            let step_number = self.step + 1;
+            let logged = step_number % self.train.log_every == 0
+                || step_number == self.train.steps
+                || self.eval_due(step_number);
+            let timed = !self.device.is_cuda() || (self.sync_every > 0 && step_number % self.sync_every == 0);
+            let mut clock = StepClock::start(self.device, timed).slow_forward(self.train.test_slow_forward);
+            let measure_memory = step_number == first_step;
+            let position_before = source.position();
+            if self.train.debug_poison_step == step_number {
+                submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
+                self.poison();
+            }
+            let (loss_sum, step_memory, micro_sq) =
+                self.forward_backward(source, step_number, measure_memory, &mut clock, hooks)?;
+            if memory.is_none() {
+                memory = step_memory;
+            }
+            hooks.before_optimizer(&mut clock)?;
+            if let Some(copy) = &pending {
+                match copy.save_map() {
+                    // The update saves the state it overwrites.
+                    Some(save) => self.optimizer.save_in_next_update(Some(save)),
+                    None => {
+                        // The optimizer writes what the copy reads: the rest of the copy is this
+                        // step's stall.
+                        clock.lap(Phase::Other);
+                        submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
+                        clock.lap(Phase::CkptStall);
+                    }
+                }
+            }
+            // The global batch of this step (the adaptive batch size may have grown it).
+            let lr = self.train.lr_at_batch(self.step, self.global_batch());
+            let step_tokens = (self.train.micro_batch * shape.seq_len * self.grad_accum) as u64;
+            let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
+            // The NaN guard: a non-finite loss (read every step: the gradient norm below
+            // synchronizes anyway) or gradient norm stops the run before the update.
+            let local_loss = loss_sum.double_value(&[]);
+            let monitored = logged && self.train.monitor_every > 0 && step_number % self.train.monitor_every == 0;
+            // The fused AdamW measures the update ratios as it updates; other paths copy the
+            // weights first.
+            let measured_in_update =
+                monitored && !self.sharded && self.optimizer.is_fused_adamw(self.model.params(), self.kernel());
+            let before_update = (monitored && !self.sharded)
+                .then(|| self.block_grad_norms(loss_scale.unwrap_or(1.0), !measured_in_update));
+            if measured_in_update {
+                self.optimizer.measure_next_update();
+            }
+            let outcome = self.optimizer_step(lr, local_loss.is_finite(), hooks, &mut clock);
+            if pending.is_some() {
+                // An update that ran saved the snapshot; one that did not (skipped, not finite, an
+                // error) left the state as it was, and `finish` copies it now.
+                self.optimizer.save_in_next_update(None);
+                clock.lap(Phase::Optimizer);
+                submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
+                clock.lap(Phase::CkptStall);
+            }
+            let outcome = outcome?;
+            let outcome = match outcome {
+                Ok(outcome) => outcome,
+                Err(grad_norm) => {
+                    let what = if local_loss.is_finite() { "gradients" } else { "loss" };
+                    let dump = self.nan_dump(
+                        step_number,
+                        what,
+                        local_loss,
+                        grad_norm,
+                        last_finite_loss,
+                        position_before,
+                        source.position(),
+                    );
+                    // Checkpoints of earlier steps are committed before the run stops; this step
+                    // writes none.
+                    let mut latest = None;
+                    if let Some(target) = checkpoints.as_deref_mut() {
+                        for saved in target.writer.finish()? {
+                            notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
+                        }
+                        latest = target.writer.store().latest()?;
+                    }
+                    return Err(TrainError::NonFinite(Box::new(NanDump { latest_checkpoint: latest, ..dump })));
+                }
+            };
+            let update_norms = self.optimizer.take_update_norms();
+            let monitors = before_update.map(|(grad_norm, params_before)| BlockMonitors {
+                grad_norm,
+                update_ratio: match params_before {
+                    Some(before) => self.update_ratios(&before),
+                    None => self.unit_update_ratios(update_norms.as_deref()),
+                },
+            });
+            clock.lap(Phase::Optimizer);
+            self.step = step_number;
+            let loss = if logged { hooks.reduce_loss(local_loss)? } else { f64::NAN };
+            if logged && !loss.is_finite() {
+                return Err(TrainError::NonFiniteLoss { step: step_number, value: loss });
+            }
+            last_finite_loss = local_loss;
+            let mut loss_z = None;
+            if logged {
+                if first_loss.is_nan() {
+                    first_loss = loss;
+                }
+                final_loss = loss;
+                best_loss = best_loss.min(loss);
+                loss_z = spike_z(&losses, loss);
+                if losses.len() == self.train.spike_window {
+                    losses.pop_front();
+                }
+                losses.push_back(loss);
+            }
+            let batch_change = self.adapt_batch(step_number, &outcome, micro_sq, loss_z);
+            tokens += step_tokens;
+            let eval = self.maybe_evaluate(step_number, hooks)?;
+            if let Some(eval) = &eval {
+                clock.lap(Phase::Other);
+                early_stopped = eval.stop;
+            }
+            interrupted = hooks.agree_stop(stop.load(Ordering::Relaxed))?;
+            let due = self.ckpt.every > 0 && step_number % self.ckpt.every == 0;
+            let at_end = (step_number == self.train.steps || early_stopped) && self.ckpt.at_end;
+            let best_eval = eval.as_ref().is_some_and(|e| e.best) && self.eval_keeps_best();
+            let checkpoint_now = due || at_end || interrupted || best_eval;
+            // A sharded run: every rank writes its own pieces and residuals (a sharded writer).
+            let extras = if checkpoint_now { hooks.checkpoint_extras(self.sharded)? } else { Vec::new() };
+            if let Some(target) = checkpoints.as_deref_mut().filter(|_| checkpoint_now) {
+                clock.lap(Phase::Other);
+                if self.sharded && target.writer.store().shard_role().is_none() {
+                    return Err(TrainError::InvalidConfig {
+                        key: "dist.zero",
+                        message:
+                            "a sharded optimizer's checkpoint needs a sharded writer (CheckpointStore::with_shard)"
+                                .into(),
+                    });
+                }
+                // Blocks only while every host buffer is still being written (back-pressure).
+                let mut snapshot = target.writer.begin(self.step)?;
+                let shard = if self.sharded { hooks.optimizer_params() } else { None };
+                // The copy goes beside the next step when there is one and the writer is a
+                // background one (a synchronous save is the step's stall anyway).
+                let last = step_number == self.train.steps || interrupted || early_stopped;
+                let defer = self.ckpt.overlap && target.writer.config().background && !last;
+                let deferred = self.snapshot_into(&mut snapshot, &target.meta, source.position(), shard, defer);
+                for (name, values) in &extras {
+                    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    snapshot.tensor("dist", name, DType::F32, &[values.len()]).copy_from_slice(&bytes);
+                }
+                if deferred.is_empty() {
+                    submit(&mut target.writer, snapshot, best_eval)?;
+                } else if self.optimizer.is_fused_adamw(self.model.params(), self.kernel())
+                    && std::env::var_os("STOKE_CKPT_SAVE_IN_UPDATE").is_none_or(|v| v != "0")
+                {
+                    pending = Some(PendingCopy::for_optimizer(snapshot, deferred, best_eval));
+                } else {
+                    pending = Some(PendingCopy::start(snapshot, deferred, best_eval));
+                }
+                clock.lap(Phase::CkptStall);
+            }
+            let (phases, wall_ms) = clock.finish();
+            let ended = std::time::Instant::now();
+            let record = StepRecord {
+                step: step_number,
+                loss,
+                lr,
+                grad_norm: outcome.grad_norm,
+                tokens: step_tokens,
+                wall_ms,
+                ended,
+                phases,
+                logged,
+                timed,
+                comm_total_ms: hooks.take_comm_ms(),
+                loss_scale,
+                skipped: outcome.skipped,
+                monitors,
+                loss_z,
+                eval,
+                noise_scale: self.adaptive.as_ref().and_then(|a| a.noise.estimate()),
+                batch_change,
+            };
+            notify(observers, &TrainEvent::Step(&record))?;
+            if let Some(target) = checkpoints.as_deref_mut() {
+                // The step is recorded: its checkpoint may now be published.
+                target.writer.release(step_number)?;
+                for saved in target.writer.committed()? {
+                    notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
+                }
+            }
+            if interrupted || early_stopped {
+                break;
+            }
+        }
+        submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
+        if let Some(target) = checkpoints {
+            for saved in target.writer.finish()? {
+                notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
+            }
+        }
+        let wall_s = run_start.elapsed().as_secs_f64();
+        let steps_run = self.step + 1 - first_step;
+        let _ = tokens_per_step;
+        let summary = Summary {
+            first_step,
+            last_step: self.step,
+            steps_run,
+            tokens,
+            wall_s,
+            tokens_per_s: tokens as f64 / wall_s.max(1e-9),
+            first_loss,
+            final_loss,
+            best_loss,
+            interrupted,
+            skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped_steps),
+            loss_scale: self.scaler.as_ref().map(LossScaler::scale),
+            memory,
+            early_stopped,
+            best_eval: self.eval.as_ref().and_then(|e| e.best_step.map(|step| (step, e.best))),
+        };
+        notify(observers, &TrainEvent::Finished(&summary))?;
+        Ok(summary)
+    }
+}
