@@ -206,7 +206,7 @@ impl Profiler {
                 seq_len: shape.seq_len,
                 vocab_size: shape.vocab_size,
                 n_params: info.n_params,
-                flops_per_token: shape.flops_per_token(),
+                flops_per_token: info.flops_per_token,
             },
             train: TrainFacts {
                 micro_batch: info.micro_batch,

@@ -1,6 +1,6 @@
 //! The seam between a model and what drives it. The block executor, recomputation, ZeRO's units
 //! and checkpoints see a model only through [`Model`]: a sequence of units (the embedding, the
-//! blocks, the head with the loss) over one pair of flat parameter buffers ([`FlatParams`], whose
+//! blocks, the head with the loss) over one pair of flat parameter buffers ([`FlatParams`](crate::FlatParams), whose
 //! units and entries give ZeRO its ranges and checkpoints their names and shapes). A block is two
 //! residual branches, each `x + branch(norm(x))`; the executor cuts the autograd graph around a
 //! block or a branch to run it, recompute it, or hook between units. Parts a family runs
@@ -10,191 +10,16 @@
 
 mod gpt;
 mod gpt_rms;
+mod seam;
 
-use tch::{Device, Tensor};
+use tch::Device;
 
-use crate::config::{GptShape, ModelConfig, TrainConfig, MODEL_FAMILIES};
-use crate::kernels::LayerNormStats;
-use crate::params::FlatParams;
+use crate::config::{ModelConfig, TrainConfig, MODEL_FAMILIES};
 use crate::TrainError;
 
 pub use gpt::Gpt;
 pub use gpt_rms::GptRms;
-
-/// One of a block's two residual branches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Branch {
-    /// Causal self-attention, the block's first branch.
-    Attention,
-    /// The feed-forward network, its second.
-    Mlp,
-}
-
-/// One of the model's norms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Norm {
-    /// Block `layer_idx`'s norm before its attention.
-    Attention(usize),
-    /// Block `layer_idx`'s norm before its MLP.
-    Mlp(usize),
-    /// The final norm, before the head.
-    Final,
-}
-
-impl Norm {
-    /// The norm at the start of block `layer_idx`'s `branch`.
-    pub fn before(layer_idx: usize, branch: Branch) -> Norm {
-        match branch {
-            Branch::Attention => Norm::Attention(layer_idx),
-            Branch::Mlp => Norm::Mlp(layer_idx),
-        }
-    }
-}
-
-/// The head's loss, ready for its backward ([`Model::head_loss_for_backward`]).
-pub struct HeadLoss<'m> {
-    /// The mean loss, fp32; part of the autograd graph when `by_hand` is `None`.
-    pub loss: Tensor,
-    /// A head whose matrix multiplies are backward-ed by hand (the gradient of the logits came
-    /// with the loss).
-    pub by_hand: Option<Box<dyn HeadBackward + 'm>>,
-}
-
-/// The backward by hand of a head ([`HeadLoss::by_hand`]).
-pub trait HeadBackward {
-    /// Adds the head's parameter gradients into the flat gradient buffer and returns the head's
-    /// input in the compute type with its gradient, for the caller to backward from.
-    fn backward(self: Box<Self>) -> (Tensor, Tensor);
-}
-
-/// A whole branch run outside libtorch's graph, from its norm's output ([`ByHand::branch_whole`]).
-pub trait BranchBackward {
-    /// From the gradient of the residual's output (fp32), adds every parameter's gradient into
-    /// the flat gradient buffer and returns the gradient of the branch's normed input.
-    fn backward(&self, grad_output: &Tensor) -> Tensor;
-}
-
-/// The core of a branch run outside libtorch's graph between two of its graphs
-/// ([`ByHand::branch_core`]).
-pub trait CoreBackward {
-    /// Once the graph after the core has run its backward: the tensor where the graph before the
-    /// core ends, and its gradient, for the caller to backward from.
-    fn backward(&self) -> (Tensor, Tensor);
-}
-
-/// The parts of a model it runs by hand, outside libtorch's graph, with their backward.
-pub trait ByHand {
-    /// Whether the norms inside blocks run by hand ([`ByHand::norm`] gives `Some`).
-    fn norms(&self) -> bool;
-
-    /// Whether `branch` runs by hand: with the norm by hand the whole branch
-    /// ([`ByHand::branch_whole`]), otherwise its core ([`ByHand::branch_core`]).
-    fn branch(&self, branch: Branch) -> bool;
-
-    /// Norm `which` of `x` (fp32) by hand, in the compute type, with what its backward needs;
-    /// `None` when this norm is not run by hand (the caller runs [`Model::norm`]).
-    fn norm(&self, which: Norm, x: &Tensor) -> Option<(Tensor, LayerNormStats)>;
-
-    /// The backward of a [`ByHand::norm`]: the gradient with respect to `x` given the normed
-    /// output's `grad`, added in place to `residual` when given; the norm's parameter gradients
-    /// go into the flat gradient buffer.
-    fn norm_backward(
-        &self,
-        which: Norm,
-        grad: &Tensor,
-        x: &Tensor,
-        stats: &LayerNormStats,
-        residual: Option<Tensor>,
-    ) -> Tensor;
-
-    /// Block `layer_idx`'s `branch` on `normed` (its norm's output, part of libtorch's graph)
-    /// with its core by hand: the branch's output and the core's backward.
-    fn branch_core<'m>(
-        &'m self,
-        layer_idx: usize,
-        branch: Branch,
-        normed: &Tensor,
-    ) -> (Tensor, Box<dyn CoreBackward + 'm>);
-
-    /// Block `layer_idx`'s whole `branch` by hand from [`ByHand::norm`]'s output: the branch's
-    /// output (no graph) and its backward.
-    fn branch_whole<'m>(
-        &'m self,
-        layer_idx: usize,
-        branch: Branch,
-        normed: &Tensor,
-    ) -> (Tensor, Box<dyn BranchBackward + 'm>);
-}
-
-/// A model as the executor, ZeRO and checkpoints see it; see the module doc.
-///
-/// Units: 0 is the embedding, `1..=n_layer` the blocks, `n_layer + 1` the head; the parameter
-/// buffers are laid out in the same units, in the same order.
-pub trait Model {
-    /// The decoder's dimensions (layers, heads, width, context, vocabulary).
-    fn shape(&self) -> GptShape;
-
-    /// The parameters and their gradients.
-    fn params(&self) -> &FlatParams;
-
-    /// For moving the buffers (ZeRO's releasable memory).
-    fn params_mut(&mut self) -> &mut FlatParams;
-
-    /// Parameters, counting tied ones once.
-    fn n_params(&self) -> usize;
-
-    /// Training FLOPs per token (forward and backward), the MFU's numerator.
-    fn flops_per_token(&self) -> f64;
-
-    /// The number of units the executor runs: the embedding, each block, the head.
-    fn n_units(&self) -> usize {
-        self.shape().n_layer + 2
-    }
-
-    /// Starts a step's casts of the weights to the compute type; with `reuse` a cast made with
-    /// autograd may be kept for the step's later micro-batches.
-    fn begin_step_casts(&mut self, _reuse: bool) {}
-
-    /// Drops the step's kept casts (before the optimizer changes the weights).
-    fn end_step_casts(&mut self) {}
-
-    /// After a backward that reached block `layer_idx` (or with `None` the head): adds any
-    /// gradients the model keeps outside the flat gradient buffer into it.
-    fn add_cast_grads(&self, _layer_idx: Option<usize>) {}
-
-    /// `add_cast_grads` for every block and the head.
-    fn add_all_cast_grads(&self) {}
-
-    /// The embedding unit: `[batch, seq, d]` fp32 from `inputs` `[batch, seq]` int64.
-    fn embed(&self, inputs: &Tensor) -> Tensor;
-
-    /// Norm `which` of `x`, fp32.
-    fn norm(&self, which: Norm, x: &Tensor) -> Tensor;
-
-    /// Block `layer_idx`'s `branch` on its normed input, in the compute type.
-    fn branch(&self, layer_idx: usize, branch: Branch, normed: &Tensor) -> Tensor;
-
-    /// `x + branch(norm(x))` for block `layer_idx`'s `branch`.
-    fn residual(&self, layer_idx: usize, branch: Branch, x: &Tensor) -> Tensor {
-        x + self.branch(layer_idx, branch, &self.norm(Norm::before(layer_idx, branch), x))
-    }
-
-    /// The head's loss for the block executor's backward, which starts from `loss x
-    /// loss_multiplier`. `normed`: `x` is already the final norm's output (by hand).
-    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, targets: &Tensor, loss_multiplier: f64) -> HeadLoss<'_>;
-
-    /// Mean cross-entropy of predicting `targets` from `inputs`, both `[batch, seq]` int64, as
-    /// one autograd graph (the executor runs the same functions unit by unit).
-    fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor;
-
-    /// Logits `[batch, seq, vocab]` (16-bit under 16-bit precision), as one graph.
-    fn forward(&self, inputs: &Tensor) -> Tensor;
-
-    /// The parts this model runs by hand; `None` runs everything in libtorch's graph.
-    fn by_hand(&self) -> Option<&dyn ByHand> {
-        None
-    }
-}
+pub use seam::{Branch, BranchBackward, ByHand, CoreBackward, HeadBackward, HeadLoss, Model, Norm};
 
 /// A freshly initialized model of the family `model.family` names, with the kernels and casts
 /// `train` asks for (their Rust kernels split over `kernel_threads`). Seed libtorch first for a

@@ -8,6 +8,7 @@ mod checkpoint;
 mod eval;
 mod events;
 mod guards;
+mod nan_dump;
 mod state;
 mod step;
 
@@ -35,7 +36,7 @@ pub use events::{
     BatchChange, BlockMonitors, EvalRecord, MemoryReport, Observer, ObserverError, RunInfo, StepRecord, Summary,
     TrainEvent,
 };
-pub use guards::NanDump;
+pub use nan_dump::NanDump;
 pub use state::Trainer;
 pub use stoke_prof::{Phase, PhaseTimes};
 
@@ -237,6 +238,7 @@ impl Trainer {
         let info = RunInfo {
             shape,
             n_params: self.model.n_params(),
+            flops_per_token: self.model.flops_per_token(),
             precision: self.train.precision,
             device: self.device,
             micro_batch: self.train.micro_batch,

@@ -3,8 +3,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::casts::Slot;
-use super::Gpt;
+use super::parts::{Attention, Gpt, Slot};
 use crate::config::{AttentionPrecision, GptShape, Precision};
 
 /// q, k and v of the math attention from the projection `qkv` `[batch, seq, 3d]`, into head-major
@@ -18,16 +17,6 @@ pub(super) fn math_heads(qkv: &Tensor, kind: Kind, n_head: i64) -> Tensor {
         seq,
         head_dim,
     ])
-}
-
-/// How a block computes causal self-attention.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(super) enum Attention {
-    /// libtorch's scaled_dot_product_attention, q, k and v cast to this element type.
-    Sdpa(Kind),
-    /// Explicit batched matrix multiplies in this 16-bit type: scores (with an additive causal
-    /// mask), softmax (fp32 inside, 16-bit out), probabilities times v.
-    Math(Kind),
 }
 
 /// The longest context "auto" runs as bf16-math on a CPU: the probabilities it keeps for the

@@ -5,8 +5,7 @@
 use tch::{Kind, Tensor};
 
 use super::attention::math_heads;
-use super::casts::Slot;
-use super::{Gpt, LAYER_NORM_EPS};
+use super::parts::{Gpt, Slot, LAYER_NORM_EPS};
 use crate::kernels::{attention_core, attention_core_backward, AttentionCore, LayerNormStats};
 use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, HeadBackward, HeadLoss, Norm};
 

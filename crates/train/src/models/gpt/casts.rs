@@ -3,46 +3,8 @@
 
 use tch::{Kind, Tensor};
 
-use super::Gpt;
+use super::parts::{Gpt, Slot};
 use crate::params::{ParamEntry, UnitRange};
-
-/// Where a cast weight or bias is kept in `Gpt::casts`: block `layer_idx`'s linear layers in
-/// forward order, a weight then its bias (8 per block), then the head's tied embedding.
-#[derive(Clone, Copy)]
-pub(super) struct Slot(usize);
-
-impl Slot {
-    pub(super) const PER_BLOCK: usize = 8;
-    pub(super) const ATTN: usize = 0;
-    pub(super) const ATTN_PROJ: usize = 2;
-    pub(super) const FC: usize = 4;
-    pub(super) const MLP_PROJ: usize = 6;
-
-    /// The weight of linear layer `layer` (one of the constants) of block `layer_idx`.
-    pub(super) fn weight(layer_idx: usize, layer: usize) -> Slot {
-        Slot(layer_idx * Slot::PER_BLOCK + layer)
-    }
-
-    pub(super) fn bias(self) -> Slot {
-        Slot(self.0 + 1)
-    }
-
-    pub(super) fn head(n_layer: usize) -> Slot {
-        Slot(n_layer * Slot::PER_BLOCK)
-    }
-
-    /// The block of a block's slot; `None` for the head's.
-    pub(super) fn layer(self, n_layer: usize) -> Option<usize> {
-        (self.0 < n_layer * Slot::PER_BLOCK).then_some(self.0 / Slot::PER_BLOCK)
-    }
-
-    /// The index of the slot's parameter among its block's, in `block_names` order.
-    pub(super) fn param_in_block(self) -> usize {
-        // ln_1's two parameters come first, and ln_2's two sit between the attention's and the MLP's.
-        const PARAM: [usize; Slot::PER_BLOCK] = [2, 3, 4, 5, 8, 9, 10, 11];
-        PARAM[self.0 % Slot::PER_BLOCK]
-    }
-}
 
 impl Gpt {
     /// Starts a step's casts of the weights to the compute type: drops the previous step's

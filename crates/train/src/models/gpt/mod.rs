@@ -6,6 +6,7 @@
 mod attention;
 mod by_hand;
 mod casts;
+mod parts;
 
 use std::cell::RefCell;
 
@@ -16,69 +17,9 @@ use crate::models::{Branch, ByHand, HeadLoss, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
-use attention::{choose_attention, Attention};
-use casts::Slot;
-
-pub struct Gpt {
-    shape: GptShape,
-    params: FlatParams,
-    /// Element type of the matrix multiplies (see `precision::compute_kind`).
-    compute: Kind,
-    attention: Attention,
-    /// Handles to the parameters, resolved once from `params` (they share its storage).
-    wte: Tensor,
-    wpe: Tensor,
-    blocks: Vec<BlockParams>,
-    ln_f: (Tensor, Tensor),
-    /// `[seq_len, seq_len]` additive causal mask in the compute type, for `Attention::Math`.
-    causal_mask: Option<Tensor>,
-    /// Threads of the fused cross-entropy kernel; 0 leaves the loss to libtorch's ops (see
-    /// `set_fused_cross_entropy`).
-    fused_cross_entropy_threads: usize,
-    /// Threads of the fused LayerNorm kernels; 0 leaves the norms to libtorch's ops (see
-    /// `set_fused_layer_norm`).
-    fused_layer_norm_threads: usize,
-    /// Query rows per block of `Attention::Math`; 0 takes the whole context at once (see
-    /// `set_causal_block_rows`).
-    causal_block_rows: usize,
-    /// Threads of the causal softmax kernel; 0 leaves the attention's core to libtorch's ops and
-    /// autograd (see `set_fused_softmax`).
-    fused_softmax_threads: usize,
-    /// Threads of the bias + GELU kernels; 0 leaves the MLP's first bias and GELU to libtorch's
-    /// ops and autograd (see `set_fused_bias_gelu`).
-    fused_bias_gelu_threads: usize,
-    /// The weights and biases cast to the compute type, made at their first use in a step and
-    /// reused by its later micro-batches (see `begin_step_casts`); indexed by `Slot`.
-    casts: RefCell<Vec<Option<Tensor>>>,
-    /// Whether this step keeps its casts for reuse.
-    reuse_casts: bool,
-    /// Whether the linear layers take 16-bit leaves cut from one cast of their block (see
-    /// `set_unit_casts`).
-    unit_casts: bool,
-    /// With `unit_casts`: each block's parameters in the compute type, cast in one op at the
-    /// block's first forward with autograd in a step; indexed by layer.
-    block_casts: RefCell<Vec<Option<Tensor>>>,
-    /// With `unit_casts`: the 16-bit leaves a forward with autograd handed the linear layers,
-    /// until `add_cast_grads` adds their gradients into the fp32 buffer; indexed by `Slot`.
-    leaves: RefCell<Vec<Option<Tensor>>>,
-}
-
-/// libtorch's default, nanoGPT's and GPT-2's.
-const LAYER_NORM_EPS: f64 = 1e-5;
-
-/// One block's parameters.
-struct BlockParams {
-    ln_1: (Tensor, Tensor),
-    attn_w: Tensor,
-    attn_b: Tensor,
-    attn_proj_w: Tensor,
-    attn_proj_b: Tensor,
-    ln_2: (Tensor, Tensor),
-    fc_w: Tensor,
-    fc_b: Tensor,
-    mlp_proj_w: Tensor,
-    mlp_proj_b: Tensor,
-}
+use attention::choose_attention;
+pub use parts::Gpt;
+use parts::{Attention, BlockParams, Slot, LAYER_NORM_EPS};
 
 fn block_names(layer_idx: usize) -> [String; 12] {
     let p = format!("transformer.h.{layer_idx}");
