@@ -1,7 +1,7 @@
 //! The loop's guards and monitors: non-finite values (the NaN dump, poisoning on purpose), loss
 //! spikes, and per-unit gradient norms and update ratios.
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use super::nan_dump::{finite_or_null, NanDump, OffendingTensor, TensorStats};
 use super::state::Trainer;

@@ -58,7 +58,7 @@ pub struct TensorStats {
 }
 
 impl TensorStats {
-    fn of(t: &Tensor) -> TensorStats {
+    pub(super) fn of(t: &Tensor) -> TensorStats {
         let t = t.detach().to_kind(Kind::Double);
         let nan = t.isnan().sum(Kind::Int64).int64_value(&[]);
         let inf = t.isinf().sum(Kind::Int64).int64_value(&[]);
