@@ -463,7 +463,7 @@ impl<'a> OverheadProbe<'a> {
             let v: Vec<f64> = blocks.iter().filter(|b| b.0 == on).map(|b| b.1).collect();
             v.iter().sum::<f64>() / v.len().max(1) as f64
         };
-        let mut ratios: Vec<f64> = blocks
+        let ratios: Vec<f64> = blocks
             .windows(2)
             .filter(|w| w[0].0 != w[1].0)
             .map(|w| if w[0].0 { w[0].1 / w[1].1 } else { w[1].1 / w[0].1 } - 1.0)
@@ -471,11 +471,10 @@ impl<'a> OverheadProbe<'a> {
         if ratios.is_empty() {
             return None;
         }
-        ratios.sort_by(f64::total_cmp);
         Some(Overhead {
             on_ms_per_step: mean(true),
             off_ms_per_step: mean(false),
-            overhead_fraction: ratios[ratios.len() / 2],
+            overhead_fraction: stoke_prof::median(&ratios),
             n_block_pairs: ratios.len(),
         })
     }

@@ -166,9 +166,9 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
     if let (Some(fifo), Some(good)) = (by_policy.get("fifo"), by_policy.get("goodput")) {
         let ratio = |f: fn(&report::Figures) -> f64| {
             let r: Vec<f64> = fifo.iter().zip(good).map(|(a, b)| f(b) / f(a)).collect();
-            let mut sorted = r.clone();
-            sorted.sort_by(f64::total_cmp);
-            (sorted[sorted.len() / 2], sorted[0], sorted[sorted.len() - 1])
+            let lowest = r.iter().copied().fold(f64::INFINITY, f64::min);
+            let highest = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            (stoke_prof::median(&r), lowest, highest)
         };
         let (jct, jct_lo, jct_hi) = ratio(|f| f.mean_completion_s);
         let (p99, ..) = ratio(|f| f.p99_completion_s);
