@@ -16,6 +16,9 @@ pub struct PlanArgs {
     /// Model preset: tiny, small, gpt2-124m, gpt3-175b, llama-7b, llama-13b, llama-70b.
     #[arg(long, default_value = "tiny")]
     pub model: String,
+    /// Model family (`model.family`) of stoke's own presets (tiny, small, gpt2-124m): gpt, gpt-rms.
+    #[arg(long, default_value = "gpt")]
+    pub family: String,
     /// Override the preset's transformer blocks.
     #[arg(long)]
     pub layers: Option<usize>,
@@ -166,7 +169,17 @@ fn cluster_from_args(args: &PlanArgs, precision: Precision) -> anyhow::Result<Cl
 }
 
 fn model_from_args(args: &PlanArgs) -> anyhow::Result<ModelConfig> {
-    let mut model = ModelConfig::preset(&args.model).map_err(plan_error)?;
+    // stoke's own shapes are described by their family, from the model config `stoke train`
+    // builds them from; the published shapes come from the planner's presets.
+    let mut model = if stoke_train::ModelConfig::PRESETS.contains(&args.model.as_str()) {
+        let trained =
+            stoke_train::ModelConfig { family: args.family.clone(), preset: args.model.clone(), ..Default::default() };
+        stoke_train::plan_model(&trained).map_err(|err| usage(err.to_string()))?
+    } else if args.family != "gpt" {
+        return Err(usage(format!("--family applies to stoke's own presets; {} is a published shape", args.model)));
+    } else {
+        ModelConfig::preset(&args.model).map_err(plan_error)?
+    };
     let overrides = [
         (&mut model.n_layer, args.layers),
         (&mut model.d_model, args.hidden),

@@ -861,3 +861,33 @@ fn every_lib_rs_reexports_by_name() {
     }
     assert!(globs.is_empty(), "glob re-exports in a lib.rs (list the names):\n{}", globs.join("\n"));
 }
+
+/// The three documents keep their jobs: the guide short, the map short, the figures in the
+/// results book.
+const DOC_LIMITS: [(&str, usize); 2] = [("README.md", 300), ("ARCHITECTURE.md", 400)];
+
+#[test]
+fn the_guide_and_the_map_stay_short_and_name_files_that_exist() {
+    let root = workspace_root();
+    let mut wrong = Vec::new();
+    for (doc, limit) in DOC_LIMITS {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap_or_else(|e| panic!("{doc}: {e}"));
+        let lines = text.lines().count();
+        if lines > limit {
+            wrong.push(format!("  {doc}: {lines} lines (at most {limit})"));
+        }
+        // Every path in backticks that starts at the repository's top-level folders must exist,
+        // so a moved file cannot leave the map pointing at nothing.
+        for span in text.split('`').skip(1).step_by(2) {
+            let path = span.trim_end_matches(',');
+            let rooted = ["src/", "crates/", "tests/", "benches/", "xtask/", "scripts/", "dashboards/"]
+                .iter()
+                .any(|top| path.starts_with(top));
+            let plain = path.chars().all(|c| c.is_ascii_alphanumeric() || "/_.-".contains(c));
+            if rooted && plain && !root.join(path).exists() {
+                wrong.push(format!("  {doc} names `{path}`, which does not exist"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "documents out of step with the tree:\n{}", wrong.join("\n"));
+}

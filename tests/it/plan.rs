@@ -56,6 +56,39 @@ fn zero_table_prints_the_formula_for_every_rank_and_stage() {
 }
 
 #[test]
+fn the_zero_table_of_a_family_is_the_family_as_built() {
+    // gpt-rms has no biases and scale-only norms: the table holds its own units, not the GPT's.
+    let args = ["plan", "--zero-table", "--json", "--devices", "2", "--layers", "2", "--hidden", "64", "--heads", "2"];
+    let mut with_family = args.to_vec();
+    with_family.extend(["--family", "gpt-rms"]);
+    let out = run_ok(&mut stoke(&with_family, &[]));
+    let table: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
+    let config = stoke_train::ModelConfig {
+        family: "gpt-rms".into(),
+        n_layer: 2,
+        d_model: 64,
+        n_head: 2,
+        ..stoke_train::ModelConfig::default()
+    };
+    let units = model_units(&stoke_train::plan_model(&config).unwrap());
+    let expected = zero_rank_bytes(&units, 2, 0, ZeroStage::ALL[0], 2, Slices::Mapped, ZeroInFlight::NONE).unwrap();
+    let printed = &table["stages"][0]["ranks"][0];
+    assert_eq!(printed["between_steps_total"].as_u64(), Some(expected.total()), "{printed}");
+    let gpt: Value = serde_json::from_slice(&run_ok(&mut stoke(&args, &[])).stdout).unwrap();
+    assert!(
+        gpt["stages"][0]["ranks"][0]["between_steps_total"].as_u64() > printed["between_steps_total"].as_u64(),
+        "the GPT's biases and norm shifts count"
+    );
+
+    let bad = stoke(&["plan", "--model", "llama-7b", "--family", "gpt-rms"], &[]).output().expect("stoke runs");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--family"), "{}", String::from_utf8_lossy(&bad.stderr));
+    let unknown = stoke(&["plan", "--family", "nosuch"], &[]).output().expect("stoke runs");
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("model.family"));
+}
+
+#[test]
 fn report_json_memory_is_the_formula_at_every_stage() {
     let dir = tempfile::tempdir().unwrap();
     // SMALL's shape: 2 blocks of width 64, 32 tokens, the tiny preset's 256-token vocabulary.

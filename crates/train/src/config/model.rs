@@ -70,6 +70,9 @@ impl GptShape {
 pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms"];
 
 impl ModelConfig {
+    /// The names `model.preset` accepts.
+    pub const PRESETS: &'static [&'static str] = &["tiny", "small", "gpt2-124m"];
+
     /// The resolved shape, after checking the section (`model.family` too).
     pub fn shape(&self) -> Result<GptShape, TrainError> {
         if !MODEL_FAMILIES.contains(&self.family.as_str()) {
@@ -85,7 +88,7 @@ impl ModelConfig {
             other => {
                 return Err(TrainError::InvalidConfig {
                     key: "model.preset",
-                    message: format!("must be one of tiny, small, gpt2-124m; got {other:?}"),
+                    message: format!("must be one of {}; got {other:?}", ModelConfig::PRESETS.join(", ")),
                 })
             }
         };

@@ -34,9 +34,50 @@ pub fn build_model(
     match model.family.as_str() {
         "gpt" => Ok(Box::new(Gpt::for_training(shape, train, kernel_threads, device))),
         "gpt-rms" => Ok(Box::new(GptRms::new(shape, train.precision, device))),
-        other => Err(TrainError::InvalidConfig {
-            key: "model.family",
-            message: format!("must be one of {}; got {other:?}", MODEL_FAMILIES.join(", ")),
-        }),
+        other => Err(unknown_family(other)),
+    }
+}
+
+/// The planner's description of the model `model` names: the plain data `stoke plan` computes
+/// memory and time from (parameters per unit, FLOPs, activations). A pure function of the config,
+/// so a plan never builds the model; each family describes itself beside its code.
+pub fn plan_model(model: &ModelConfig) -> Result<stoke_plan::ModelConfig, TrainError> {
+    let shape = model.shape()?;
+    match model.family.as_str() {
+        "gpt" => Ok(gpt::plan_model(shape)),
+        "gpt-rms" => Ok(gpt_rms::plan_model(shape)),
+        other => Err(unknown_family(other)),
+    }
+}
+
+fn unknown_family(name: &str) -> TrainError {
+    TrainError::InvalidConfig {
+        key: "model.family",
+        message: format!("must be one of {}; got {name:?}", MODEL_FAMILIES.join(", ")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The planner's description of every family holds the parameters the built model holds, unit
+    /// by unit, so a plan's memory and FLOPs are the trained model's.
+    #[test]
+    fn every_family_describes_itself_to_the_planner_as_it_is_built() {
+        let train = TrainConfig { precision: crate::config::Precision::Fp32, ..TrainConfig::default() };
+        let overrides = [(0, 0, 0), (3, 64, 2), (2, 96, 3)];
+        for family in MODEL_FAMILIES {
+            for (n_layer, d_model, n_head) in overrides {
+                let config = ModelConfig { family: family.to_string(), n_layer, d_model, n_head, ..ModelConfig::default() };
+                let plan = plan_model(&config).unwrap();
+                let model = build_model(&config, &train, 1, Device::Cpu).unwrap();
+                assert_eq!(plan.n_params(), model.n_params(), "{family} {n_layer}x{d_model}: parameters");
+                let built: Vec<u64> = model.params().units().iter().map(|u| (u.range.end - u.range.start) as u64).collect();
+                assert_eq!(stoke_plan::model_units(&plan), built, "{family} {n_layer}x{d_model}: units");
+            }
+        }
+        let unknown = ModelConfig { family: "nosuch".into(), ..ModelConfig::default() };
+        assert!(plan_model(&unknown).unwrap_err().to_string().contains("model.family"));
     }
 }

@@ -21,6 +21,14 @@ use attention::choose_attention;
 pub use parts::Gpt;
 use parts::{Attention, BlockParams, Slot, LAYER_NORM_EPS};
 
+/// The planner's description of a GPT of `shape` (`models::plan_model`): Megatron-LM's GPT
+/// (biases, LayerNorms, a 4h GELU MLP, learned positions, a tied head) with fused attention, since
+/// the model keeps no whole `s x s` score matrix for its backward.
+pub(crate) fn plan_model(shape: GptShape) -> stoke_plan::ModelConfig {
+    let gpt = stoke_plan::ModelConfig::gpt(shape.n_layer, shape.d_model, shape.n_head, shape.seq_len, shape.vocab_size);
+    stoke_plan::ModelConfig { flash_attention: true, ..gpt }
+}
+
 fn block_names(layer_idx: usize) -> [String; 12] {
     let p = format!("transformer.h.{layer_idx}");
     [

@@ -15,6 +15,13 @@ use crate::precision::compute_kind;
 /// The epsilon of LLaMA's and T5's RMSNorm.
 const RMS_NORM_EPS: f64 = 1e-6;
 
+/// The planner's description of this family at `shape` (`models::plan_model`): the GPT's, with
+/// no biases and norms that hold a scale only.
+pub(crate) fn plan_model(shape: GptShape) -> stoke_plan::ModelConfig {
+    let gpt = stoke_plan::ModelConfig::gpt(shape.n_layer, shape.d_model, shape.n_head, shape.seq_len, shape.vocab_size);
+    stoke_plan::ModelConfig { flash_attention: true, biases: false, ..gpt }
+}
+
 pub struct GptRms {
     shape: GptShape,
     params: FlatParams,
