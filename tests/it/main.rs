@@ -16,8 +16,8 @@ mod plan;
 mod prep;
 #[cfg(feature = "remote")]
 mod remote_data;
-mod s3;
 mod resume_keys;
+mod s3;
 mod sched;
 mod sched_serve;
 mod train;

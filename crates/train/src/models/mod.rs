@@ -69,11 +69,13 @@ mod tests {
         let overrides = [(0, 0, 0), (3, 64, 2), (2, 96, 3)];
         for family in MODEL_FAMILIES {
             for (n_layer, d_model, n_head) in overrides {
-                let config = ModelConfig { family: family.to_string(), n_layer, d_model, n_head, ..ModelConfig::default() };
+                let config =
+                    ModelConfig { family: family.to_string(), n_layer, d_model, n_head, ..ModelConfig::default() };
                 let plan = plan_model(&config).unwrap();
                 let model = build_model(&config, &train, 1, Device::Cpu).unwrap();
                 assert_eq!(plan.n_params(), model.n_params(), "{family} {n_layer}x{d_model}: parameters");
-                let built: Vec<u64> = model.params().units().iter().map(|u| (u.range.end - u.range.start) as u64).collect();
+                let built: Vec<u64> =
+                    model.params().units().iter().map(|u| (u.range.end - u.range.start) as u64).collect();
                 assert_eq!(stoke_plan::model_units(&plan), built, "{family} {n_layer}x{d_model}: units");
             }
         }
