@@ -8,6 +8,7 @@
 //!
 //! Families live in folders beside this file; [`build_model`] makes the one `model.family` names.
 
+mod embedding;
 mod gpt;
 mod gpt_rms;
 mod seam;

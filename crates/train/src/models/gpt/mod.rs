@@ -13,6 +13,7 @@ use std::cell::RefCell;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{AttentionPrecision, GptShape, Precision, TrainConfig};
+use crate::models::embedding::{embed, embedding_unit};
 use crate::models::{Branch, ByHand, HeadLoss, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
@@ -61,13 +62,7 @@ impl Gpt {
             init,
             decay,
         };
-        let mut units = vec![UnitSpec {
-            name: "embedding".into(),
-            params: vec![
-                spec("transformer.wte.weight".into(), &[shape.vocab_size as i64, d], Init::Normal { std }, true),
-                spec("transformer.wpe.weight".into(), &[shape.seq_len as i64, d], Init::Normal { std }, true),
-            ],
-        }];
+        let mut units = vec![embedding_unit(shape, std)];
         for layer_idx in 0..shape.n_layer {
             let [ln1_w, ln1_b, attn_w, attn_b, attn_proj_w, attn_proj_b, ln2_w, ln2_b, fc_w, fc_b, mlp_proj_w, mlp_proj_b] =
                 block_names(layer_idx);
@@ -285,10 +280,7 @@ impl Gpt {
 
     /// The embedding unit: token plus position embeddings, `[batch, seq, d]` fp32.
     pub fn embed(&self, inputs: &Tensor) -> Tensor {
-        let seq = inputs.size()[1];
-        let positions = Tensor::arange(seq, (Kind::Int64, inputs.device()));
-        Tensor::embedding(&self.wte, inputs, -1, false, false)
-            + Tensor::embedding(&self.wpe, &positions, -1, false, false)
+        embed(&self.wte, &self.wpe, inputs)
     }
 
     /// The first half of block `layer_idx`: `x + attention(ln_1(x))`.

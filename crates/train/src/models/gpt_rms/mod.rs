@@ -8,6 +8,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{GptShape, Precision};
+use crate::models::embedding::{embed, embedding_unit};
 use crate::models::{Branch, HeadLoss, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
@@ -71,13 +72,7 @@ impl GptRms {
             init,
             decay,
         };
-        let mut units = vec![UnitSpec {
-            name: "embedding".into(),
-            params: vec![
-                spec("transformer.wte.weight".into(), &[shape.vocab_size as i64, d], Init::Normal { std }, true),
-                spec("transformer.wpe.weight".into(), &[shape.seq_len as i64, d], Init::Normal { std }, true),
-            ],
-        }];
+        let mut units = vec![embedding_unit(shape, std)];
         for layer_idx in 0..shape.n_layer {
             let [ln_1, attn_w, attn_proj_w, ln_2, fc_w, mlp_proj_w] = block_names(layer_idx);
             units.push(UnitSpec {
@@ -201,10 +196,7 @@ impl Model for GptRms {
     }
 
     fn embed(&self, inputs: &Tensor) -> Tensor {
-        let seq = inputs.size()[1];
-        let positions = Tensor::arange(seq, (Kind::Int64, inputs.device()));
-        Tensor::embedding(&self.wte, inputs, -1, false, false)
-            + Tensor::embedding(&self.wpe, &positions, -1, false, false)
+        embed(&self.wte, &self.wpe, inputs)
     }
 
     fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
