@@ -291,9 +291,29 @@ fn parse_override(arg: &str) -> Result<(Vec<String>, toml::Value), ConfigError> 
     }
     let value = match format!("v = {raw}").parse::<toml::Table>() {
         Ok(mut table) => table.remove("v").expect("the key we just wrote"),
+        // A run of digits that TOML refuses is an integer out of range, not a string.
+        Err(_) if is_integer_literal(raw.trim()) => {
+            return Err(ConfigError::Invalid {
+                key: path.join("."),
+                message: format!(
+                    "{} does not fit in a 64-bit integer (from {} to {})",
+                    stoke_fsio::clip(raw.trim()),
+                    i64::MIN,
+                    i64::MAX
+                ),
+            })
+        }
         Err(_) => toml::Value::String(raw.to_string()),
     };
     Ok((path, value))
+}
+
+/// An optional sign, then digits (with TOML's underscores between them).
+fn is_integer_literal(text: &str) -> bool {
+    let digits = text.strip_prefix(['+', '-']).unwrap_or(text);
+    !digits.is_empty()
+        && digits.starts_with(|c: char| c.is_ascii_digit())
+        && digits.chars().all(|c| c.is_ascii_digit() || c == '_')
 }
 
 /// Deep-merges `user` into `base`: tables merge key by key, any other value replaces.
@@ -375,8 +395,8 @@ impl StokeConfig {
     fn load_over(mut base: toml::Table, file: Option<&Path>, overrides: &[String]) -> Result<StokeConfig, ConfigError> {
         let mut user = match file {
             Some(path) => {
-                let text =
-                    std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+                let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::CONFIG_CAP)
+                    .map_err(|source| ConfigError::Read { path: path.into(), source })?;
                 text.parse::<toml::Table>()
                     .map_err(|e| ConfigError::Parse { path: path.into(), message: e.to_string() })?
             }
@@ -409,6 +429,7 @@ impl StokeConfig {
             other => ConfigError::Invalid { key: "?".into(), message: other.to_string() },
         };
         self.train.validate().map_err(invalid)?;
+        self.eval.validate().map_err(invalid)?;
         self.prof.validate().map_err(|e| match e {
             stoke_prof::ProfError::InvalidConfig { key, message } => {
                 ConfigError::Invalid { key: format!("prof.{key}"), message }
@@ -420,11 +441,10 @@ impl StokeConfig {
         if self.run.dir.is_empty() {
             return Err(ConfigError::Invalid { key: "run.dir".into(), message: "must not be empty".into() });
         }
-        if self.run.name.contains(['/', '\\']) || self.run.name == "." || self.run.name == ".." {
-            return Err(ConfigError::Invalid {
-                key: "run.name".into(),
-                message: format!("must be a plain folder name; got {:?}", self.run.name),
-            });
+        // Empty means "made up from the preset and the time".
+        if !self.run.name.is_empty() {
+            stoke_fsio::check_name(&self.run.name)
+                .map_err(|message| ConfigError::Invalid { key: "run.name".into(), message })?;
         }
         let blend = self.data.blend.iter().map(|p| ("data.blend", p));
         let data_paths = std::iter::once(("data.path", &self.data.path)).chain(blend);

@@ -29,6 +29,9 @@ pub const EXIT_PREEMPTED: u8 = 75;
 
 pub use crate::usage::UsageError;
 
+/// Characters of one line of an error message quoting user input.
+const ERROR_LINE_CHARS: usize = 400;
+
 /// `message` as a usage error (exit code 2).
 pub fn usage(message: String) -> anyhow::Error {
     anyhow::Error::new(UsageError(message))
@@ -37,11 +40,13 @@ pub fn usage(message: String) -> anyhow::Error {
 /// The process's exit code for an error that ended a subcommand, after printing it: a usage
 /// error prints its message alone, any other error its whole chain of context.
 pub fn report(err: &anyhow::Error) -> ExitCode {
+    // A value quoted in a message can be megabytes long (a config line, a name): each line is
+    // clipped, so the message names it without echoing it whole.
     if let Some(usage) = err.downcast_ref::<UsageError>() {
-        eprintln!("error: {usage}");
+        eprintln!("error: {}", stoke_fsio::clip_lines(&usage.to_string(), ERROR_LINE_CHARS));
         return ExitCode::from(EXIT_USAGE);
     }
-    eprintln!("error: {err:#}");
+    eprintln!("error: {}", stoke_fsio::clip_lines(&format!("{err:#}"), ERROR_LINE_CHARS));
     ExitCode::from(EXIT_RUNTIME)
 }
 

@@ -48,7 +48,8 @@ pub fn metrics_path(spec: &str, runs: &Path) -> anyhow::Result<PathBuf> {
 /// Loads a run's curves.
 pub fn load_curves(spec: &str, runs: &Path) -> anyhow::Result<(stoke_prof::RunCurves, PathBuf)> {
     let path = metrics_path(spec, runs)?;
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = stoke_fsio::read_to_string_capped(&path, stoke_fsio::LOG_CAP)
+        .with_context(|| format!("cannot read {}", path.display()))?;
     let name =
         path.parent().and_then(Path::file_name).map_or_else(|| spec.to_string(), |n| n.to_string_lossy().into_owned());
     Ok((stoke_prof::RunCurves::from_metrics(&name, &text)?, path))

@@ -16,16 +16,34 @@ pub fn run(config: &StokeConfig, budget: Option<&str>) -> anyhow::Result<ExitCod
         ))
         .into());
     }
-    let budget_bytes = match budget {
-        Some(text) => parse_bytes(text).ok_or_else(|| {
+    let asked = match budget {
+        Some(text) => Some(parse_bytes(text).ok_or_else(|| {
             UsageError(format!("--memory-budget: {text:?} is not a byte count (e.g. 8000000000, 512M, 16G)"))
-        })?,
-        None => {
-            let available = stoke_train::memory_available_bytes()
-                .ok_or_else(|| anyhow::anyhow!("cannot read MemAvailable from /proc/meminfo; pass --memory-budget"))?;
-            available / 5 * 4
-        }
+        })?),
+        None => None,
     };
+    // A budget beyond what this process can have would let the probes grow until the kernel
+    // kills the process: it is clamped to 80% of the limit (the default budget's share, leaving
+    // room for the probes' own overshoot), and the model must fit at micro-batch 1.
+    let limit = stoke_train::memory_limit(tch::Device::Cpu, 1)
+        .ok_or_else(|| anyhow::anyhow!("cannot read this machine's available memory from /proc/meminfo"))?;
+    let ceiling = limit.bytes / 5 * 4;
+    let budget_bytes = match asked {
+        None => ceiling,
+        Some(asked) if asked > ceiling => {
+            eprintln!(
+                "note: --memory-budget {asked} bytes is more than 80% of what this process can have ({} bytes, {}); \
+             using {ceiling}",
+                limit.bytes, limit.source
+            );
+            ceiling
+        }
+        Some(asked) => asked,
+    };
+    let one = stoke_train::TrainConfig { micro_batch: 1, ..config.train.clone() };
+    let estimate = stoke_train::estimate_step_memory(&config.model, &one, 1, 0)?;
+    stoke_train::check_fits(&estimate, &stoke_train::MemoryLimit { bytes: budget_bytes, source: "the budget" })
+        .map_err(|err| UsageError(err.to_string().replace(", or pass --force to try anyway", "")))?;
     let fit = stoke_train::find_micro_batch(&config.model, &config.train, budget_bytes, MAX_MICRO_BATCH)?;
     for (micro_batch, bytes) in &fit.probes {
         println!("probe: micro_batch {micro_batch:>5} peaks at {:>8.1} MiB", *bytes as f64 / (1 << 20) as f64);

@@ -128,7 +128,8 @@ pub struct PlanArgs {
 }
 
 fn read_efficiency(path: &PathBuf) -> anyhow::Result<Efficiency> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::TABLE_CAP)
+        .with_context(|| format!("reading {}", path.display()))?;
     let efficiency: Efficiency = serde_json::from_str(&text)
         .map_err(|err| usage(format!("{}: not an efficiency file: {err}", path.display())))?;
     efficiency.validate().map_err(plan_error)?;

@@ -130,8 +130,8 @@ fn records(args: PrepRecordsArgs) -> anyhow::Result<ExitCode> {
 
 fn verify(args: PrepVerifyArgs) -> anyhow::Result<ExitCode> {
     let manifest_path = args.dir.join("manifest.json");
-    let manifest =
-        std::fs::read_to_string(&manifest_path).with_context(|| format!("reading {}", manifest_path.display()))?;
+    let manifest = stoke_fsio::read_to_string_capped(&manifest_path, stoke_fsio::MANIFEST_CAP)
+        .with_context(|| format!("reading {}", manifest_path.display()))?;
     if manifest.contains("\"stoke-records\"") {
         let store = RecordStore::open(&args.dir, true)?;
         for record_idx in 0..store.len() {

@@ -49,10 +49,10 @@ pub struct SubmitArgs {
     /// The training config (TOML); `-` for the defaults.
     pub config: PathBuf,
     /// Fewest workers the job runs on.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     pub min: usize,
     /// Most workers it can use (default: --min).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub max: Option<usize>,
     /// Job name (default: the config's file name and the job's number).
     #[arg(long)]
@@ -117,7 +117,8 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
     }
     let workloads: Vec<(String, Vec<stoke_sched::JobSpec>)> = match &args.jobs {
         Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+            let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::TABLE_CAP)
+                .with_context(|| format!("cannot read {}", path.display()))?;
             let jobs = stoke_sched::parse_csv(&text).map_err(|e| UsageError(format!("{}: {e}", path.display())))?;
             vec![(path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(), jobs)]
         }
@@ -225,9 +226,7 @@ fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             format!("{stem}-{}", store.jobs()?.len() + 1)
         }
     };
-    if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
-        return Err(UsageError(format!("job name `{name}`: needs a plain file name")).into());
-    }
+    stoke_fsio::check_name(&name).map_err(|why| UsageError(format!("--name: the job name {why}")))?;
     let job = NewJob {
         name: name.clone(),
         config,

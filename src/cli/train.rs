@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use super::args::ConfigArgs;
 use crate::exit::EXIT_PREEMPTED;
-use crate::run::{Job, RunSpec, Start};
+use crate::run::{Job, MemoryCheck, RunSpec, Start};
 
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
@@ -35,6 +35,10 @@ pub struct TrainArgs {
     /// 80% of the memory available now.
     #[arg(long, value_name = "BYTES", requires = "find_batch")]
     pub memory_budget: Option<String>,
+    /// Build the model even when its step is estimated beyond this machine's memory (the
+    /// planner's formula against MemAvailable, the cgroup's limit, ulimit -v or free device memory).
+    #[arg(long)]
+    pub force: bool,
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
@@ -50,7 +54,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut job = Job::join(&mut source, args.resume)?;
     let writer = job.is_writer();
     let start = if args.resume { Start::Resume { fallback: args.fallback } } else { Start::Fresh };
-    let mut spec = RunSpec::for_job(&source, &job, start)?;
+    let memory = if args.force { MemoryCheck::Skip } else { MemoryCheck::Enforce };
+    let mut spec = RunSpec::for_job(&source, &job, start, memory)?;
     spec.progress = !args.quiet && writer;
     let (run_dir, run_name) = (spec.run_dir.clone(), spec.config.run.name.clone());
     let outcome = spec.train(stop, job.dist_mut())?;

@@ -124,7 +124,8 @@ pub fn tolerance(key: &str, check: Check, value: f64, mad: f64) -> f64 {
 
 /// The baseline recorded at `path`.
 pub fn load(path: &Path) -> anyhow::Result<Baseline> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read the baseline {}", path.display()))?;
+    let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::TABLE_CAP)
+        .with_context(|| format!("cannot read the baseline {}", path.display()))?;
     serde_json::from_str(&text)
         .with_context(|| format!("{} is not a gate baseline; record one with --update", path.display()))
 }

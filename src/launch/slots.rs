@@ -54,7 +54,8 @@ pub fn available_slots(args: &Launch, max: usize) -> Vec<usize> {
 
 /// The CPUs listed in `path` (numbers separated by commas, spaces or lines).
 pub fn read_cpus(path: &Path) -> anyhow::Result<Vec<usize>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --cpus-file {}", path.display()))?;
+    let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::TABLE_CAP)
+        .with_context(|| format!("cannot read --cpus-file {}", path.display()))?;
     text.split(|c: char| c == ',' || c.is_whitespace())
         .filter(|s| !s.is_empty())
         .map(|s| {

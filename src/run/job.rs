@@ -50,6 +50,11 @@ impl Job {
         self.env.local_rank
     }
 
+    /// Ranks of this job in all, and on this machine.
+    pub fn world_sizes(&self) -> (usize, usize) {
+        (self.env.world_size.max(1), self.env.local_world_size.max(1))
+    }
+
     /// The data-parallel group, in a job of more than one rank.
     pub fn dist_mut(&mut self) -> Option<&mut DataParallel> {
         self.dist.as_mut()

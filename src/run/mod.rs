@@ -9,7 +9,7 @@
 //! ```text
 //! let mut source = ConfigSource { file: None, overrides: vec!["train.steps=20".into()] };
 //! let mut job = Job::join(&mut source, false)?;
-//! let mut spec = RunSpec::for_job(&source, &job, Start::Fresh)?;
+//! let mut spec = RunSpec::for_job(&source, &job, Start::Fresh, MemoryCheck::Enforce)?;
 //! spec.progress = true;
 //! let outcome = spec.train(stop, job.dist_mut())?;
 //! outcome.print_report();
@@ -21,6 +21,7 @@ mod data;
 mod folder;
 mod heartbeat;
 mod job;
+mod memory;
 mod ranks;
 mod resume;
 mod resume_keys;
@@ -31,6 +32,7 @@ mod train;
 pub use folder::{latest_checkpoint, timestamp};
 pub use heartbeat::{heartbeat_path, read_run_dir, LAUNCH_DIR_VAR};
 pub use job::Job;
+pub use memory::MemoryCheck;
 pub use resume::restart_command;
 pub use source::ConfigSource;
 pub use spec::{RunSpec, Start};

@@ -8,6 +8,7 @@ use stoke_train::Observer;
 use super::folder::prepare_run_dir;
 use super::heartbeat::Heartbeat;
 use super::job::{metrics_port, Job};
+use super::memory::{check_memory, MemoryCheck};
 use super::resume::{prepare_resume, Resume};
 use super::source::ConfigSource;
 use crate::config::StokeConfig;
@@ -60,24 +61,34 @@ impl RunOutcome {
 
 impl<'a> RunSpec<'a> {
     /// A fresh run of `config` in a new folder: names it (`run.name`, made up when empty), refuses
-    /// a folder that holds checkpoints, and writes the resolved config there.
+    /// a folder that holds checkpoints, and writes the resolved config there. A step estimated
+    /// beyond this machine's memory is refused first.
     pub fn fresh(mut config: StokeConfig) -> anyhow::Result<RunSpec<'a>> {
+        check_memory(&config, 1, 1)?;
         let run_dir = prepare_run_dir(&mut config)?;
         Ok(RunSpec::new(config, None, run_dir))
     }
 
     /// The command line's run on this process of `job`: fresh or resumed, its folder prepared by
     /// the rank that writes it (and named to the launcher), its `/metrics` port offset by the
-    /// local rank.
-    pub fn for_job(source: &ConfigSource, job: &Job, start: Start) -> anyhow::Result<RunSpec<'a>> {
+    /// local rank. With `MemoryCheck::Enforce`, a step estimated beyond this machine's memory is
+    /// refused before the folder is made.
+    pub fn for_job(source: &ConfigSource, job: &Job, start: Start, memory: MemoryCheck) -> anyhow::Result<RunSpec<'a>> {
         let writer = job.is_writer();
+        let (world_size, local_ranks) = job.world_sizes();
         let (mut config, run_dir, resume) = match start {
             Start::Resume { fallback } => {
                 let (config, run_dir, loaded) = prepare_resume(source, fallback, writer)?;
+                if memory == MemoryCheck::Enforce {
+                    check_memory(&config, world_size, local_ranks)?;
+                }
                 (config, run_dir, Some(loaded))
             }
             Start::Fresh => {
                 let mut config = source.load()?;
+                if memory == MemoryCheck::Enforce {
+                    check_memory(&config, world_size, local_ranks)?;
+                }
                 let run_dir = if writer {
                     prepare_run_dir(&mut config)?
                 } else {

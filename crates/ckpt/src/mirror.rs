@@ -93,7 +93,8 @@ impl MirrorStore {
     /// `step`: its files, then its manifest. Returns the bytes uploaded.
     pub fn upload(&self, step: u64, dir: &Path) -> Result<u64, CkptError> {
         let manifest_path = dir.join(MANIFEST);
-        let manifest_bytes = std::fs::read(&manifest_path).map_err(io("read", &manifest_path))?;
+        let manifest_bytes =
+            stoke_fsio::read_capped(&manifest_path, stoke_fsio::MANIFEST_CAP).map_err(io("read", &manifest_path))?;
         let manifest: Manifest = serde_json::from_slice(&manifest_bytes)
             .map_err(|e| CkptError::BadManifest { path: manifest_path.clone(), message: e.to_string() })?;
         let target = self.step_prefix(step);

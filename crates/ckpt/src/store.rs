@@ -306,7 +306,7 @@ impl CheckpointStore {
             }
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        let text = std::fs::read(&path).map_err(io("read", &path))?;
+        let text = stoke_fsio::read_capped(&path, stoke_fsio::MANIFEST_CAP).map_err(io("read", &path))?;
         let part: Part = serde_json::from_slice(&text)
             .map_err(|e| CkptError::BadManifest { path: path.clone(), message: e.to_string() })?;
         if (part.step, part.rank, part.world_size) != (step, rank, role.world) {
@@ -488,7 +488,7 @@ fn plain_name(name: &str) -> bool {
 /// `step`, also that the manifest names that step.
 pub(crate) fn inspect(path: &Path, step: Option<u64>) -> Result<Manifest, CkptError> {
     let manifest_path = path.join(MANIFEST);
-    let text = std::fs::read(&manifest_path).map_err(io("read", &manifest_path))?;
+    let text = stoke_fsio::read_capped(&manifest_path, stoke_fsio::MANIFEST_CAP).map_err(io("read", &manifest_path))?;
     let manifest: Manifest = serde_json::from_slice(&text)
         .map_err(|e| CkptError::BadManifest { path: manifest_path.clone(), message: e.to_string() })?;
     if manifest.format_version != FORMAT_VERSION {

@@ -263,7 +263,8 @@ impl RecordStore {
     /// Opens a record directory; with `verify`, checks every file's crc32 first (reads everything).
     pub fn open(dir: &Path, verify: bool) -> Result<RecordStore, DataError> {
         let manifest_path = dir.join("manifest.json");
-        let bytes = std::fs::read(&manifest_path).map_err(DataError::read(&manifest_path))?;
+        let bytes = stoke_fsio::read_capped(&manifest_path, stoke_fsio::MANIFEST_CAP)
+            .map_err(DataError::read(&manifest_path))?;
         let manifest: RecordManifest = serde_json::from_slice(&bytes)
             .map_err(|source| DataError::Manifest { path: manifest_path.clone(), source })?;
         if manifest.format != RECORD_FORMAT {

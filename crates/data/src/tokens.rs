@@ -80,7 +80,7 @@ impl std::fmt::Debug for TokenStore {
 }
 
 fn read_small(path: &Path) -> Result<Vec<u8>, DataError> {
-    let bytes = std::fs::read(path).map_err(DataError::read(path))?;
+    let bytes = stoke_fsio::read_capped(path, stoke_fsio::MANIFEST_CAP).map_err(DataError::read(path))?;
     count_read(bytes.len());
     Ok(bytes)
 }

@@ -89,7 +89,7 @@ impl MeasuredRun {
     /// Reads `path` (a `runs/<name>/report.json`) and places the run on `cluster`, whose peak for
     /// the run's precision becomes the report's.
     pub fn from_report_file(path: &Path, cluster: &ClusterConfig) -> Result<MeasuredRun, PlanError> {
-        let text = std::fs::read_to_string(path)
+        let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::TABLE_CAP)
             .map_err(|source| PlanError::ReadReport { path: path.to_path_buf(), source })?;
         let report: RunReport = serde_json::from_str(&text)
             .map_err(|source| PlanError::ParseReport { path: path.to_path_buf(), source })?;

@@ -317,6 +317,9 @@ impl Store {
 
     /// Adds a queued job; its id. A name already used is refused.
     pub fn submit(&mut self, job: &NewJob, now_s: f64) -> Result<i64, SchedError> {
+        // The name becomes the job's run folder and log file.
+        stoke_fsio::check_name(&job.name)
+            .map_err(|why| SchedError::BadJob { name: stoke_fsio::clip(&job.name).into_owned(), why })?;
         if self.job(&job.name)?.is_some() {
             return Err(SchedError::BadJob { name: job.name.clone(), why: "a job of that name exists".into() });
         }

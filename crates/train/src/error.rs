@@ -42,6 +42,8 @@ pub enum TrainError {
     RanksDisagree { rank: usize, world_size: usize, differences: crate::dist::Disagreement },
     #[error("compression residual `{name}`: {message}")]
     CompressState { name: String, message: String },
+    #[error("model too large for this machine: {message}")]
+    TooLarge { message: String },
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
 }

@@ -21,6 +21,7 @@ mod executor;
 mod find_batch;
 mod host_memory;
 mod kernels;
+mod memory_fit;
 mod models;
 mod omp;
 mod optim;
@@ -51,6 +52,7 @@ pub use kernels::{
     bias_gelu_bf16, bias_gelu_bf16_backward, causal_softmax_backward_bf16, causal_softmax_bf16, cross_entropy_bf16,
     layer_norm_bf16, layer_norm_bf16_backward, CausalBlock, CrossEntropy, LayerNormStats,
 };
+pub use memory_fit::{check_fits, estimate_step_memory, memory_limit, MemoryEstimate, MemoryLimit};
 pub use models::{
     build_model, plan_model, Branch, BranchBackward, ByHand, CoreBackward, Gpt, GptRms, HeadBackward, HeadLoss, Model,
     Norm,

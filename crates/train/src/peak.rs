@@ -128,7 +128,7 @@ fn proc_kib(path: &str, field: &str) -> Option<u64> {
 
 /// (free, total) bytes of the current CUDA device, through `cudaMemGetInfo` of the CUDA runtime
 /// that libtorch already loaded (tch has no binding for it).
-fn cuda_mem_info() -> Option<(u64, u64)> {
+pub(crate) fn cuda_mem_info() -> Option<(u64, u64)> {
     type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
     // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only looks a symbol up.
     let symbol = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"cudaMemGetInfo".as_ptr()) };
