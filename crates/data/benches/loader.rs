@@ -128,11 +128,11 @@ fn assembly_rate(store: &TokenStore, config: &LoaderConfig, steps: usize) -> (f6
     let mut checksum = 0u64;
     // Warm-up: map the pages of the rows the timed loop reads (as a long run has).
     for step in 0..steps as u64 {
-        loader.assemble(step * global_batch, &mut buffer);
+        loader.assemble(step * global_batch, &mut buffer).unwrap();
     }
     let start = thread_cpu_seconds();
     for step in 0..steps as u64 {
-        loader.assemble(step * global_batch, &mut buffer);
+        loader.assemble(step * global_batch, &mut buffer).unwrap();
         checksum = checksum.wrapping_add(buffer[0] as u64 ^ buffer[buffer.len() - 1] as u64);
     }
     let seconds = thread_cpu_seconds() - start;

@@ -112,11 +112,15 @@ struct Done {
     generation: u64,
     start: u64,
     buffer: Vec<i64>,
+    /// Why the batch could not be filled (a shard whose CRC-32 does not match its manifest).
+    error: Option<DataError>,
 }
 
 impl Shared {
     /// Fills `buffer` with this rank's rows of the global batch starting at stream position `start`.
-    fn fill(&self, start: u64, buffer: &mut Vec<i64>) {
+    /// Refuses a row from a shard whose CRC-32 differs from the manifest's (each shard is hashed
+    /// once, by the store's background check or its first reader).
+    fn fill(&self, start: u64, buffer: &mut Vec<i64>) -> Result<(), DataError> {
         let width = self.seq_len + 1;
         buffer.resize(self.micro_batch * width, 0);
         let first = start + (self.rank * self.micro_batch) as u64;
@@ -133,8 +137,13 @@ impl Shared {
                 next = locate(row_idx + 1);
                 self.stores[next.0].prefetch(next.1, width);
             }
-            self.stores[dataset_idx].read(token, row);
+            let store = &self.stores[dataset_idx];
+            // A row may run over the end of one shard into the next.
+            store.verify_at(token)?;
+            store.verify_at(token + width as u64 - 1)?;
+            store.read(token, row);
         }
+        Ok(())
     }
 }
 
@@ -243,8 +252,9 @@ impl Loader {
                     .name(format!("stoke-data-{worker_idx}"))
                     .spawn(move || {
                         for mut job in job_rx {
-                            shared.fill(job.start, &mut job.buffer);
-                            let done = Done { generation: job.generation, start: job.start, buffer: job.buffer };
+                            let error = shared.fill(job.start, &mut job.buffer).err();
+                            let done =
+                                Done { generation: job.generation, start: job.start, buffer: job.buffer, error };
                             if done_tx.send(done).is_err() {
                                 return;
                             }
@@ -298,8 +308,8 @@ impl Loader {
 
     /// Fills `buffer` on the calling thread with this rank's rows of the global batch that starts at
     /// stream position `start` (what a worker does for one job; for benchmarks and tools).
-    pub fn assemble(&self, start: u64, buffer: &mut Vec<i64>) {
-        self.shared.fill(start, buffer);
+    pub fn assemble(&self, start: u64, buffer: &mut Vec<i64>) -> Result<(), DataError> {
+        self.shared.fill(start, buffer)
     }
 
     /// The resume state (seed, epoch, samples consumed).
@@ -333,21 +343,21 @@ impl Loader {
     }
 
     /// `next_batch` without workers: the whole batch is assembled now, on this thread.
-    fn next_batch_synchronous(&mut self) -> Batch {
+    fn next_batch_synchronous(&mut self) -> Result<Batch, DataError> {
         let start = self.align(self.position);
         let mut buffer = self.take_buffer();
-        self.shared.fill(start, &mut buffer);
+        self.shared.fill(start, &mut buffer)?;
         self.stats.batches += 1;
         self.stats.waited += 1;
         self.position = start + self.global_batch;
-        Batch { micro_batch: self.config.micro_batch, seq_len: self.config.seq_len, tokens: buffer }
+        Ok(Batch { micro_batch: self.config.micro_batch, seq_len: self.config.seq_len, tokens: buffer })
     }
 }
 
 impl BatchSource for Loader {
     fn next_batch(&mut self) -> Result<Batch, DataError> {
         if self.workers.is_empty() {
-            return Ok(self.next_batch_synchronous());
+            return self.next_batch_synchronous();
         }
         let start = *self.in_flight.front().expect("top_up keeps batches in flight");
         let mut waited = false;
@@ -363,6 +373,9 @@ impl BatchSource for Loader {
                     self.done_rx.recv().map_err(|_| DataError::WorkerGone)?
                 }
             };
+            if let (Some(error), true) = (done.error, done.generation == self.generation) {
+                return Err(error);
+            }
             if done.generation == self.generation {
                 self.finished.insert(done.start, done.buffer);
             } else {

@@ -6,7 +6,7 @@ use std::cell::Cell;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use memmap2::Mmap;
 
@@ -52,6 +52,23 @@ struct Segment {
     n_tokens: u64,
     /// The file the tokens come from, or a description for in-memory data.
     path: PathBuf,
+    /// The manifest's CRC-32 of the whole file, for prepared shards; none for formats without one.
+    expected_crc: Option<u32>,
+    /// The CRC-32 as computed, once: by the background check started at open, or by the first
+    /// reader that gets there before it (which then waits for it).
+    computed_crc: OnceLock<u32>,
+}
+
+impl Segment {
+    /// Whether the bytes match the manifest's CRC-32; the first call hashes the whole file.
+    fn verify(&self) -> Result<(), DataError> {
+        let Some(expected) = self.expected_crc else { return Ok(()) };
+        let actual = *self.computed_crc.get_or_init(|| crc32fast::hash(self.bytes.as_slice()));
+        if actual != expected {
+            return Err(DataError::ChecksumMismatch { path: self.path.clone(), expected, actual });
+        }
+        Ok(())
+    }
 }
 
 /// A read-only token stream over one or more segments; cheap to clone (shared by loader workers).
@@ -134,6 +151,8 @@ impl TokenStore {
             dtype: Dtype::U8,
             n_tokens,
             path: PathBuf::from(label),
+            expected_crc: None,
+            computed_crc: OnceLock::new(),
         };
         TokenStore::from_segments(vec![segment], 1, Some(256), label.to_string())
     }
@@ -148,6 +167,8 @@ impl TokenStore {
             dtype: Dtype::U32,
             n_tokens,
             path: PathBuf::from(label),
+            expected_crc: None,
+            computed_crc: OnceLock::new(),
         };
         TokenStore::from_segments(vec![segment], 1, None, label.to_string())
     }
@@ -233,9 +254,41 @@ impl TokenStore {
                 dtype: manifest.dtype,
                 n_tokens: shard.n_tokens,
                 path: bin_path,
+                expected_crc: Some(shard.bin_crc32),
+                computed_crc: OnceLock::new(),
             });
         }
-        Ok(TokenStore::from_segments(segments, manifest.n_documents, Some(manifest.vocab_size), label.to_string()))
+        let store =
+            TokenStore::from_segments(segments, manifest.n_documents, Some(manifest.vocab_size), label.to_string());
+        store.start_verifying();
+        Ok(store)
+    }
+
+    /// Hashes every shard that has a CRC in the manifest on a background thread, in stream order,
+    /// so that a flipped bit is found without reading the whole dataset before the first batch.
+    /// A reader that reaches a shard first hashes it itself ([`TokenStore::verify_at`]).
+    fn start_verifying(&self) {
+        if self.segments.iter().all(|segment| segment.expected_crc.is_none()) {
+            return;
+        }
+        let segments = Arc::clone(&self.segments);
+        let spawned = std::thread::Builder::new().name("stoke-shard-crc".into()).spawn(move || {
+            for segment in segments.iter() {
+                // A mismatch is reported to the reader of that shard; here the hash is only made.
+                let _ = segment.verify();
+            }
+        });
+        // Without a thread, every shard is hashed by its first reader instead.
+        drop(spawned);
+    }
+
+    /// Checks the CRC-32 of the shard holding stream offset `token` (relative to this store's
+    /// window), hashing it now if no one has yet: a shard whose bytes differ from the manifest is
+    /// never read into a batch. After the first call per shard it costs an atomic load.
+    pub fn verify_at(&self, token: u64) -> Result<(), DataError> {
+        let token = (token + self.base).min(self.starts[self.segments.len()].saturating_sub(1));
+        let segment_idx = self.starts.partition_point(|&s| s <= token).saturating_sub(1);
+        self.segments[segment_idx.min(self.segments.len() - 1)].verify()
     }
 
     /// Opens a Megatron-LM dataset by its `.bin` path (the `.idx` sits next to it).
@@ -260,6 +313,8 @@ impl TokenStore {
             dtype: index.dtype,
             n_tokens: len / size,
             path: bin_path.into(),
+            expected_crc: None,
+            computed_crc: OnceLock::new(),
         };
         Ok(TokenStore::from_segments(vec![segment], index.n_sequences, None, bin_path.display().to_string()))
     }
@@ -275,6 +330,8 @@ impl TokenStore {
             dtype: layout.dtype,
             n_tokens: layout.n_tokens,
             path: path.into(),
+            expected_crc: None,
+            computed_crc: OnceLock::new(),
         };
         Ok(TokenStore::from_segments(vec![segment], 1, None, path.display().to_string()))
     }
@@ -439,6 +496,8 @@ mod split_tests {
             dtype: Dtype::U32,
             n_tokens: 100,
             path: PathBuf::from(format!("shard-{first}")),
+            expected_crc: None,
+            computed_crc: OnceLock::new(),
         };
         let store = TokenStore::from_segments(vec![seg(0), seg(1000), seg(2000), seg(3000)], 4, None, "s".into());
         let (head, tail) = store.split_tail(0.2, 1).unwrap();

@@ -5,9 +5,11 @@ use std::path::PathBuf;
 pub enum TrainError {
     #[error("config key `{key}`: {message}")]
     InvalidConfig { key: &'static str, message: String },
-    #[error("data: {0}")]
+    // Transparent: the data error names its file, and a chain printed whole (`{:#}`) would
+    // otherwise say it twice.
+    #[error(transparent)]
     Data(#[from] stoke_data::DataError),
-    #[error("checkpoint: {0}")]
+    #[error(transparent)]
     Checkpoint(#[from] stoke_ckpt::CkptError),
     #[error("loss is {value} at step {step}: training diverged (lower train.lr, raise train.warmup_steps, or check the data)")]
     NonFiniteLoss { step: u64, value: f64 },
