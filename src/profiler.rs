@@ -27,16 +27,35 @@ pub struct Peaks {
 }
 
 impl Peaks {
-    /// Measures (once per machine, device and thread count; cached in `runs_dir`) both peaks.
-    pub fn measure(device: tch::Device, runs_dir: &Path) -> anyhow::Result<Peaks> {
-        let fp32 = stoke_train::matmul_peak_flops_cached(Precision::Fp32, device, runs_dir)?;
-        let bf16 = stoke_train::matmul_peak_flops_cached(Precision::Bf16, device, runs_dir)?;
+    /// Measures (once per machine, device and thread count; cached in [`cache_dir`], outside
+    /// any run folder) both peaks.
+    pub fn measure(device: tch::Device) -> anyhow::Result<Peaks> {
+        let dir = cache_dir();
+        let fp32 = stoke_train::matmul_peak_flops_cached(Precision::Fp32, device, &dir)?;
+        let bf16 = stoke_train::matmul_peak_flops_cached(Precision::Bf16, device, &dir)?;
         Ok(Peaks { fp32, bf16 })
     }
 
     /// No measurement (0): a data-parallel rank other than 0 reports no MFU, only its times.
     pub fn unmeasured() -> Peaks {
         Peaks { fp32: 0.0, bf16: 0.0 }
+    }
+}
+
+/// Where stoke keeps what it measured about this machine: `$STOKE_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/stoke`, else `~/.cache/stoke`, else a folder under the system's temporary
+/// one. Never inside `run.dir`, where every entry is a run.
+pub fn cache_dir() -> std::path::PathBuf {
+    let var = |name: &str| std::env::var_os(name).filter(|value| !value.is_empty()).map(std::path::PathBuf::from);
+    if let Some(dir) = var("STOKE_CACHE_DIR") {
+        return dir;
+    }
+    if let Some(dir) = var("XDG_CACHE_HOME") {
+        return dir.join("stoke");
+    }
+    match var("HOME") {
+        Some(home) => home.join(".cache/stoke"),
+        None => std::env::temp_dir().join("stoke-cache"),
     }
 }
 

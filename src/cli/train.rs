@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use super::args::ConfigArgs;
 use crate::exit::EXIT_PREEMPTED;
-use crate::run::{Job, MemoryCheck, RunSpec, Start};
+use crate::run::{AlreadyDone, Job, MemoryCheck, RunSpec, Start};
 
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
@@ -55,7 +55,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let writer = job.is_writer();
     let start = if args.resume { Start::Resume { fallback: args.fallback } } else { Start::Fresh };
     let memory = if args.force { MemoryCheck::Skip } else { MemoryCheck::Enforce };
-    let mut spec = RunSpec::for_job(&source, &job, start, memory)?;
+    let mut spec = match RunSpec::for_job(&source, &job, start, memory) {
+        Err(err) if err.downcast_ref::<AlreadyDone>().is_some() => {
+            println!("{err}");
+            return Ok(ExitCode::SUCCESS);
+        }
+        other => other?,
+    };
     spec.progress = !args.quiet && writer;
     let (run_dir, run_name) = (spec.run_dir.clone(), spec.config.run.name.clone());
     let outcome = spec.train(stop, job.dist_mut())?;

@@ -41,7 +41,8 @@ pub fn locate_run(config: &mut StokeConfig, resume: bool) -> anyhow::Result<Path
     }
     let run_dir = runs.join(&config.run.name);
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
-    let latest = store.latest()?;
+    // Damaged checkpoints count: a resume must name them, a fresh run must not write beside them.
+    let latest = store.all_steps()?.last().copied();
     match (resume, latest) {
         (true, None) if config.ckpt.mirror.is_empty() => {
             return Err(UsageError(format!("--resume: run {} has no checkpoint to resume from", run_dir.display())).into())
@@ -67,8 +68,12 @@ fn most_recent_run(runs: &Path) -> anyhow::Result<Option<String>> {
     let Ok(entries) = std::fs::read_dir(runs) else { return Ok(None) };
     let mut best: Option<(std::time::SystemTime, String)> = None;
     for entry in entries.flatten() {
+        // Only folders are runs (a stray file is not).
+        if !entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+            continue;
+        }
         let store = CheckpointStore::new(entry.path().join("checkpoints"));
-        let Some(step) = store.latest()? else { continue };
+        let Some(&step) = store.all_steps()?.last() else { continue };
         let manifest = store.step_dir(step).join(stoke_ckpt::MANIFEST);
         let modified = std::fs::metadata(&manifest).and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH);
         if best.as_ref().is_none_or(|(t, _)| modified > *t) {

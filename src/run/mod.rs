@@ -33,6 +33,6 @@ pub use folder::{latest_checkpoint, timestamp};
 pub use heartbeat::{heartbeat_path, read_run_dir, LAUNCH_DIR_VAR};
 pub use job::Job;
 pub use memory::MemoryCheck;
-pub use resume::restart_command;
+pub use resume::{restart_command, AlreadyDone};
 pub use source::ConfigSource;
 pub use spec::{RunSpec, Start};

@@ -59,6 +59,10 @@ pub fn prepare_resume(
         ))
         .into());
     }
+    if config.train.steps <= step {
+        // Nothing to train: the run folder (config, trace, metrics) stays as it is.
+        return Err(AlreadyDone { step, steps: config.train.steps, run_dir: run_dir.clone() }.into());
+    }
     if config.train.steps != saved.train.steps && config.train.lr_horizon == saved.train.lr_horizon {
         // An extension keeps the schedule of the steps already run.
         config.train.lr_horizon = saved.train.horizon();
@@ -68,6 +72,30 @@ pub fn prepare_resume(
     }
     Ok((config, run_dir, Resume { loaded, load_s, tier, fetch_s }))
 }
+
+/// A resume whose newest checkpoint is already at or past `train.steps`: there is nothing to
+/// train, and nothing in the run folder is changed.
+#[derive(Debug)]
+pub struct AlreadyDone {
+    pub step: u64,
+    pub steps: u64,
+    pub run_dir: PathBuf,
+}
+
+impl std::fmt::Display for AlreadyDone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "nothing to do: the newest checkpoint of {} is at step {}, and train.steps is {}; \
+             raise train.steps (--set train.steps=N) to train further",
+            self.run_dir.display(),
+            self.step,
+            self.steps
+        )
+    }
+}
+
+impl std::error::Error for AlreadyDone {}
 
 /// With a mirror (`ckpt.mirror`): when it holds a newer complete checkpoint than the local folder
 /// (or the local folder has none), downloads it into the local folder (committed with the local
@@ -106,22 +134,34 @@ pub struct Resume {
     pub fetch_s: f64,
 }
 
-/// The newest checkpoint that loads and verifies; with `fallback`, older ones when it does not.
+/// The newest checkpoint, which must load and verify: its manifest present and parsed, every
+/// file of the listed size and CRC-32. One rule for any damage: without `fallback` it is refused
+/// and named; with it, older checkpoints are tried, each one skipped named with its reason.
 fn pick_checkpoint(store: &CheckpointStore, fallback: bool) -> anyhow::Result<Loaded> {
-    let steps = store.list()?;
+    let steps = store.all_steps()?;
+    let mut skipped = Vec::new();
     for &step in steps.iter().rev() {
         match store.load(step) {
             Ok(loaded) => return Ok(loaded),
-            Err(e) if fallback => eprintln!("stoke: skipping checkpoint step {step}: {e}"),
+            Err(e) if fallback => {
+                eprintln!("stoke: --fallback: skipping the damaged checkpoint step {step}: {e}");
+                skipped.push(format!("step {step}: {e}"));
+            }
             Err(e) => {
                 return Err(anyhow::Error::new(e).context(format!(
-                    "cannot resume from the latest checkpoint (step {step}); \
-                     `--resume --fallback` resumes from the newest good one before it"
+                    "cannot resume: the latest checkpoint (step {step} in {}) is damaged; \
+                     `--resume --fallback` resumes from the newest good one before it",
+                    store.dir().display()
                 )))
             }
         }
     }
-    anyhow::bail!("--fallback: none of the {} checkpoints in {} passes its checks", steps.len(), store.dir().display())
+    anyhow::bail!(
+        "--fallback: none of the {} checkpoints in {} passes its checks: {}",
+        steps.len(),
+        store.dir().display(),
+        skipped.join("; ")
+    )
 }
 
 /// What restoring a checkpoint left for the rest of the run: the figures for

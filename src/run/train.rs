@@ -83,7 +83,7 @@ impl Rank0 {
         let mut extra = MaybeObserver(extra);
         let (rank, world_size) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world_size()));
         // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
-        let peaks = Peaks::measure(device, Path::new(&config.run.dir))?;
+        let peaks = Peaks::measure(device)?;
         let meta = serde_json::json!({ "config_toml": config.to_toml(), "world_size": world_size });
         let store = checkpoint_store(config, run_dir, rank, world_size)?;
         let mirror = start_mirror(config, &store)?;

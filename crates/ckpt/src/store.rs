@@ -380,6 +380,13 @@ impl CheckpointStore {
         Ok(steps)
     }
 
+    /// Steps of every `step-<n>` folder, oldest first, damaged or not. A folder gets that name
+    /// only by the commit's rename, once complete, so one that fails its checks is damage (a
+    /// truncated file, a lost manifest), never a checkpoint still being written: a resume names it.
+    pub fn all_steps(&self) -> Result<Vec<u64>, CkptError> {
+        Ok(self.step_folders()?.into_iter().map(|(step, _)| step).collect())
+    }
+
     /// Every folder named `step-<n>`, committed or not, oldest first.
     fn step_folders(&self) -> Result<Vec<(u64, PathBuf)>, CkptError> {
         let read = match std::fs::read_dir(&self.dir) {

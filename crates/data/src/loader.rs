@@ -253,8 +253,7 @@ impl Loader {
                     .spawn(move || {
                         for mut job in job_rx {
                             let error = shared.fill(job.start, &mut job.buffer).err();
-                            let done =
-                                Done { generation: job.generation, start: job.start, buffer: job.buffer, error };
+                            let done = Done { generation: job.generation, start: job.start, buffer: job.buffer, error };
                             if done_tx.send(done).is_err() {
                                 return;
                             }

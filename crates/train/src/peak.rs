@@ -3,7 +3,7 @@
 //! MFU is only as honest as its denominator, so the peak is measured on the machine itself, with
 //! the run's precision, device and thread count: a large square matmul through libtorch, the median
 //! of a few timed repetitions after a warm-up. The result is cached in a small JSON file (for
-//! example `runs/.machine-peak.json`) keyed by precision, device and threads, so a machine pays the
+//! example `~/.cache/stoke/.machine-peak.json`) keyed by precision, device and threads, so a machine pays the
 //! measurement once.
 
 use std::collections::BTreeMap;
