@@ -177,7 +177,8 @@ fn run_diff(d: DiffArgs) -> anyhow::Result<ExitCode> {
     let opts = AnalyzeOptions::default();
     let base = analyze_paths(std::slice::from_ref(&d.base), &opts)?;
     let new = analyze_paths(std::slice::from_ref(&d.new), &opts)?;
-    let result = diff(&base, &new, &DiffOptions { tolerance: d.tolerance, top: d.top });
+    let result = diff(&base, &new, &DiffOptions { tolerance: d.tolerance, top: d.top })
+        .map_err(|err| UsageError(format!("trace diff: {err}")))?;
     let json = || serde_json::to_string_pretty(&result).expect("the diff serializes");
     match d.format {
         Format::Json => println!("{}", json()),

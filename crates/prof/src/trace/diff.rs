@@ -5,7 +5,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use serde::Serialize;
 
-use super::Analysis;
+use super::{Analysis, TraceError};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct DiffOptions {
@@ -121,8 +121,35 @@ fn name_diffs(
     (rows, added, removed)
 }
 
-pub fn diff(base: &Analysis, new: &Analysis, opts: &DiffOptions) -> TraceDiff {
+/// Why `analysis` gives no step time to compare (no rank, no step, or steps of no duration),
+/// naming its files and the events dropped on the way in; none when it can be measured.
+fn unmeasurable(analysis: &Analysis, stats: &StepStats) -> Option<String> {
+    if stats.n_steps > 0 && stats.mean_ns > 0.0 && stats.mean_ns.is_finite() {
+        return None;
+    }
+    let files: Vec<String> = analysis
+        .ranks
+        .iter()
+        .map(|r| {
+            let dropped = r.ingest.dropped_reasons();
+            let dropped = if dropped.is_empty() { String::new() } else { format!("; dropped {dropped}") };
+            format!("{} ({} events kept of {} entries{dropped})", r.file, r.ingest.n_events, r.ingest.n_entries)
+        })
+        .collect();
+    let what = if stats.n_steps == 0 { "no step with timed events" } else { "steps of zero duration" };
+    Some(format!("{what}: {}", if files.is_empty() { "no trace".to_string() } else { files.join(", ") }))
+}
+
+/// Compares `new` against `base`. Refuses (naming the side and why) a side that gives no step
+/// time: an empty trace, one whose events all lack numeric timestamps, or whose durations are all
+/// negative would otherwise read as a 100% speed-up.
+pub fn diff(base: &Analysis, new: &Analysis, opts: &DiffOptions) -> Result<TraceDiff, TraceError> {
     let (b, n) = (StepStats::of(base), StepStats::of(new));
+    for (side, analysis, stats) in [("OLD", base, &b), ("NEW", new, &n)] {
+        if let Some(why) = unmeasurable(analysis, stats) {
+            return Err(TraceError::Unmeasurable { side, why });
+        }
+    }
     let step_change = if b.mean_ns > 0.0 { (n.mean_ns - b.mean_ns) / b.mean_ns } else { 0.0 };
     let stderr = if b.n_steps > 0 && n.n_steps > 0 && b.mean_ns > 0.0 {
         (b.std_ns.powi(2) / b.n_steps as f64 + n.std_ns.powi(2) / n.n_steps as f64).sqrt() / b.mean_ns
@@ -133,7 +160,7 @@ pub fn diff(base: &Analysis, new: &Analysis, opts: &DiffOptions) -> TraceDiff {
     let (ops, n_ops_added, n_ops_removed) = name_diffs(&merged(base, |r| &r.ops), &merged(new, |r| &r.ops), opts.top);
     let (kernels, n_kernels_added, n_kernels_removed) =
         name_diffs(&merged(base, |r| &r.kernels), &merged(new, |r| &r.kernels), opts.top);
-    TraceDiff {
+    Ok(TraceDiff {
         regression: step_change > allowed_change,
         base: b,
         new: n,
@@ -145,5 +172,5 @@ pub fn diff(base: &Analysis, new: &Analysis, opts: &DiffOptions) -> TraceDiff {
         n_kernels_removed,
         ops,
         kernels,
-    }
+    })
 }

@@ -22,6 +22,8 @@ pub enum TraceError {
     NotATrace { path: PathBuf },
     #[error("{path}: no trace files (*.json, *.json.gz) found")]
     NoTraces { path: PathBuf },
+    #[error("{side} cannot be measured: {why}")]
+    Unmeasurable { side: &'static str, why: String },
     #[error("rank {rank} appears twice: {first} and {second}")]
     DuplicateRank { rank: u32, first: PathBuf, second: PathBuf },
     #[error("{path}: {what}")]

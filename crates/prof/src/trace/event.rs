@@ -113,8 +113,30 @@ pub struct IngestStats {
     pub n_events: u64,
     /// Flow (`s`, `f`), metadata (`M`) and other entries read but not kept.
     pub n_skipped: u64,
-    /// Complete events without a usable `ts` or `dur`.
+    /// Complete events dropped: without a usable `ts` or `dur` (absent, or not a number).
     pub n_without_time: u64,
+    /// Complete events dropped: a negative `dur` (a broken clock or writer; never clamped to 0).
+    pub n_negative_duration: u64,
+}
+
+impl IngestStats {
+    /// Complete events read but not analyzed, for any reason.
+    pub fn n_dropped(&self) -> u64 {
+        self.n_without_time + self.n_negative_duration
+    }
+
+    /// Why events were dropped, "" when none were: "12 without a numeric ts/dur, 3 with a
+    /// negative dur".
+    pub fn dropped_reasons(&self) -> String {
+        let mut reasons = Vec::new();
+        if self.n_without_time > 0 {
+            reasons.push(format!("{} without a numeric ts/dur", self.n_without_time));
+        }
+        if self.n_negative_duration > 0 {
+            reasons.push(format!("{} with a negative dur", self.n_negative_duration));
+        }
+        reasons.join(", ")
+    }
 }
 
 /// One rank's trace, ready for analysis.

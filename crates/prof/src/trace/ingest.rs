@@ -484,6 +484,10 @@ impl<R: Read> Parser<R> {
             trace.stats.n_without_time += 1;
             return;
         };
+        if dur < 0 {
+            trace.stats.n_negative_duration += 1;
+            return;
+        }
         let kind = f.kind.unwrap_or(Kind::Other);
         let name = if f.has_name { self.names.intern(&self.name) } else { self.names.intern(b"") };
         let pid = f.pid.unwrap_or(-1);
@@ -502,7 +506,7 @@ impl<R: Read> Parser<R> {
             };
         trace.events.push(Event {
             ts,
-            dur: dur.max(0),
+            dur,
             correlation: f.correlation,
             bytes: f.bytes,
             name,

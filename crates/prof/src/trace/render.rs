@@ -68,6 +68,9 @@ pub fn table(a: &Analysis) -> String {
             r.ingest.n_events,
             r.ingest.bytes as f64 / 1e6
         );
+        if r.ingest.n_dropped() > 0 {
+            let _ = writeln!(o, "  dropped {} events: {}", r.ingest.n_dropped(), r.ingest.dropped_reasons());
+        }
         let _ = write!(o, "  {:>8} {:>10}", "step", "wall ms");
         for h in HEADERS {
             let _ = write!(o, " {h:>7}");

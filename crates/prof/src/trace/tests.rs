@@ -232,11 +232,11 @@ fn synthetic_traces_diagnose_and_diff() {
     assert!(!ids(&a).iter().any(|id| id == "dataloader"), "{:?}", ids(&a));
     let has = |an: &Analysis, id: &str| ids(an).iter().any(|i| i == id);
     assert!(has(&b, "dataloader") && has(&b, "data_wait"), "{:?}", ids(&b));
-    let same = diff(&a, &a, &DiffOptions::default());
+    let same = diff(&a, &a, &DiffOptions::default()).unwrap();
     assert!(!same.regression && same.ops.is_empty());
-    let worse = diff(&a, &b, &DiffOptions::default());
+    let worse = diff(&a, &b, &DiffOptions::default()).unwrap();
     assert!(worse.regression, "{}", diff_table(&worse));
-    assert!(!diff(&b, &a, &DiffOptions::default()).regression);
+    assert!(!diff(&b, &a, &DiffOptions::default()).unwrap().regression);
 
     // Two ranks, rank 1 slower: a straggler across ranks.
     let r0 = write(
@@ -355,4 +355,37 @@ fn memory_tensor_cores_outliers_and_mfu() {
     let tc = json.replace("volta_sgemm_128x64_nn", "sm80_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize96x128x32");
     let (_, ids) = rank_findings(&tc, &opts);
     assert!(!ids.iter().any(|i| i == "no_tensor_cores"), "{ids:?}");
+}
+
+/// Traces that give no step time are refused by `diff` on either side, naming the side and why,
+/// and the events dropped on the way in are counted by reason instead of clamped or lost.
+#[test]
+fn diff_refuses_traces_it_cannot_measure() {
+    let analysis = |json: &str| {
+        let trace = parse(json).unwrap();
+        analyze(&[trace], &AnalyzeOptions::default())
+    };
+    let good = analysis(&format!(
+        r#"{{"traceEvents": [{}, {}]}}"#,
+        x("user_annotation", "ProfilerStep#1", 0.0, 100.0, ""),
+        x("cpu_op", "aten::mm", 10.0, 50.0, "")
+    ));
+    let negative = format!(
+        r#"{{"traceEvents": [{}, {}]}}"#,
+        x("user_annotation", "ProfilerStep#1", 0.0, -100.0, ""),
+        x("cpu_op", "aten::mm", 10.0, -50.0, "")
+    );
+    let no_numbers = r#"{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": "soon", "dur": "long"}]}"#;
+    let negative = analysis(&negative);
+    assert_eq!(negative.ranks[0].ingest.n_negative_duration, 2);
+    assert!(table(&negative).contains("dropped 2 events: 2 with a negative dur"), "{}", table(&negative));
+    let no_numbers = analysis(no_numbers);
+    assert_eq!(no_numbers.ranks[0].ingest.n_without_time, 1);
+    for bad in [analysis(r#"{"traceEvents": []}"#), negative, no_numbers] {
+        let err = diff(&good, &bad, &DiffOptions::default()).unwrap_err().to_string();
+        assert!(err.starts_with("NEW cannot be measured"), "{err}");
+        let err = diff(&bad, &good, &DiffOptions::default()).unwrap_err().to_string();
+        assert!(err.starts_with("OLD cannot be measured"), "{err}");
+    }
+    assert!(!diff(&good, &good, &DiffOptions::default()).unwrap().regression);
 }
