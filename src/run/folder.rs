@@ -9,12 +9,65 @@ use stoke_ckpt::CheckpointStore;
 use crate::config::StokeConfig;
 use crate::exit::UsageError;
 
-/// Picks a fresh run's name and folder, and writes the resolved config there.
-pub fn prepare_run_dir(config: &mut StokeConfig) -> anyhow::Result<PathBuf> {
+/// Picks a fresh run's name and folder, locks it, and writes the resolved config there.
+pub fn prepare_run_dir(config: &mut StokeConfig) -> anyhow::Result<(PathBuf, RunLock)> {
     let run_dir = locate_run(config, false)?;
     std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run folder {}", run_dir.display()))?;
+    let lock = RunLock::acquire(&run_dir)?;
+    // A run that took the lock between our look for checkpoints and the lock may have written one.
+    locate_run(config, false)?;
     write_config(config, &run_dir)?;
-    Ok(run_dir)
+    Ok((run_dir, lock))
+}
+
+/// The file whose lock marks a run folder as in use.
+const LOCK_FILE: &str = ".lock";
+
+/// An advisory lock (`flock`) on a run folder, held by the process that writes it for the life of
+/// the run: a second `stoke train` of the same `run.name`, or a second `--resume` of a live run,
+/// is refused naming the holder's PID. The kernel releases it when the process ends however it
+/// ends, so a killed run never leaves its folder locked.
+#[derive(Debug)]
+pub struct RunLock {
+    // Held open: closing it releases the lock.
+    _file: std::fs::File,
+}
+
+impl RunLock {
+    pub fn acquire(run_dir: &Path) -> anyhow::Result<RunLock> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        let path = run_dir.join(LOCK_FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("cannot open the run's lock file {}", path.display()))?;
+        // SAFETY: flock on a descriptor this function owns; it neither reads nor writes memory.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(anyhow::Error::new(err).context(format!("cannot lock {}", path.display())));
+            }
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            let holder = if holder.is_empty() { "another process".to_string() } else { format!("process {holder}") };
+            return Err(UsageError(format!(
+                "run folder {} is in use by {holder} (a run or resume of it is live); wait for it to end, \
+                 stop it, or choose another run.name",
+                run_dir.display()
+            ))
+            .into());
+        }
+        file.set_len(0)
+            .and_then(|()| file.rewind())
+            .and_then(|()| writeln!(file, "{}", std::process::id()))
+            .with_context(|| format!("cannot write the run's lock file {}", path.display()))?;
+        Ok(RunLock { _file: file })
+    }
 }
 
 /// Writes the resolved config into the run folder as `config.toml`.

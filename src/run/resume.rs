@@ -9,22 +9,24 @@ use stoke_ckpt::{CheckpointStore, Loaded};
 use stoke_data::BatchSource;
 use stoke_train::Trainer;
 
-use super::folder::{latest_checkpoint, locate_run, write_config};
+use super::folder::{latest_checkpoint, locate_run, write_config, RunLock};
 use super::resume_keys::resume_may_change;
 use super::source::ConfigSource;
 use crate::config::StokeConfig;
 use crate::exit::UsageError;
 
 /// `--resume`: the run's newest good checkpoint, and the config saved in it with the command
-/// line's changes, which may touch only `resume_may_change` keys.
+/// line's changes, which may touch only `resume_may_change` keys. The process that writes the
+/// folder locks it first (a live run of it is refused).
 pub fn prepare_resume(
     source: &ConfigSource,
     fallback: bool,
     writer: bool,
-) -> anyhow::Result<(StokeConfig, PathBuf, Resume)> {
+) -> anyhow::Result<(StokeConfig, PathBuf, Resume, Option<RunLock>)> {
     // The command line names the run (run.dir, run.name); the checkpoint holds its config.
     let mut located = source.load()?;
     let run_dir = locate_run(&mut located, true)?;
+    let lock = if writer { Some(RunLock::acquire(&run_dir)?) } else { None };
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
     let (tier, fetch_s) = fetch_from_mirror(&store, &located.ckpt.mirror)?;
     let start = std::time::Instant::now();
@@ -70,7 +72,7 @@ pub fn prepare_resume(
     if writer {
         write_config(&config, &run_dir)?;
     }
-    Ok((config, run_dir, Resume { loaded, load_s, tier, fetch_s }))
+    Ok((config, run_dir, Resume { loaded, load_s, tier, fetch_s }, lock))
 }
 
 /// A resume whose newest checkpoint is already at or past `train.steps`: there is nothing to

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use stoke_train::Observer;
 
-use super::folder::prepare_run_dir;
+use super::folder::{prepare_run_dir, RunLock};
 use super::heartbeat::Heartbeat;
 use super::job::{metrics_port, Job};
 use super::memory::{check_memory, MemoryCheck};
@@ -39,6 +39,8 @@ pub struct RunSpec<'a> {
     pub overhead_block: Option<u64>,
     /// One more observer beside the usual ones (default: none).
     pub extra: Option<&'a mut dyn Observer>,
+    /// The run folder's lock, held until the run ends (by the process that writes the folder).
+    pub lock: Option<RunLock>,
 }
 
 /// What a run ended with.
@@ -65,8 +67,8 @@ impl<'a> RunSpec<'a> {
     /// beyond this machine's memory is refused first.
     pub fn fresh(mut config: StokeConfig) -> anyhow::Result<RunSpec<'a>> {
         check_memory(&config, 1, 1)?;
-        let run_dir = prepare_run_dir(&mut config)?;
-        Ok(RunSpec::new(config, None, run_dir))
+        let (run_dir, lock) = prepare_run_dir(&mut config)?;
+        Ok(RunSpec::new(config, None, run_dir, Some(lock)))
     }
 
     /// The command line's run on this process of `job`: fresh or resumed, its folder prepared by
@@ -76,35 +78,36 @@ impl<'a> RunSpec<'a> {
     pub fn for_job(source: &ConfigSource, job: &Job, start: Start, memory: MemoryCheck) -> anyhow::Result<RunSpec<'a>> {
         let writer = job.is_writer();
         let (world_size, local_ranks) = job.world_sizes();
-        let (mut config, run_dir, resume) = match start {
+        let (mut config, run_dir, resume, lock) = match start {
             Start::Resume { fallback } => {
-                let (config, run_dir, loaded) = prepare_resume(source, fallback, writer)?;
+                let (config, run_dir, loaded, lock) = prepare_resume(source, fallback, writer)?;
                 if memory == MemoryCheck::Enforce {
                     check_memory(&config, world_size, local_ranks)?;
                 }
-                (config, run_dir, Some(loaded))
+                (config, run_dir, Some(loaded), lock)
             }
             Start::Fresh => {
                 let mut config = source.load()?;
                 if memory == MemoryCheck::Enforce {
                     check_memory(&config, world_size, local_ranks)?;
                 }
-                let run_dir = if writer {
-                    prepare_run_dir(&mut config)?
+                let (run_dir, lock) = if writer {
+                    let (run_dir, lock) = prepare_run_dir(&mut config)?;
+                    (run_dir, Some(lock))
                 } else {
-                    PathBuf::from(&config.run.dir).join(&config.run.name)
+                    (PathBuf::from(&config.run.dir).join(&config.run.name), None)
                 };
-                (config, run_dir, None)
+                (config, run_dir, None, lock)
             }
         };
         if writer {
             Heartbeat::name_run(&run_dir)?;
         }
         config.prof.prometheus_port = metrics_port(config.prof.prometheus_port, job.local_rank())?;
-        Ok(RunSpec::new(config, resume, run_dir))
+        Ok(RunSpec::new(config, resume, run_dir, lock))
     }
 
-    fn new(config: StokeConfig, resume: Option<Resume>, run_dir: PathBuf) -> RunSpec<'a> {
-        RunSpec { config, run_dir, resume, progress: false, overhead_block: None, extra: None }
+    fn new(config: StokeConfig, resume: Option<Resume>, run_dir: PathBuf, lock: Option<RunLock>) -> RunSpec<'a> {
+        RunSpec { config, run_dir, resume, progress: false, overhead_block: None, extra: None, lock }
     }
 }

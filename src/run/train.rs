@@ -42,7 +42,8 @@ impl RunSpec<'_> {
         }
         let mut source = batch_source_for(config, rank, world_size)?;
         let resumed_step = self.resume.as_ref().map(|r| r.loaded.manifest.step);
-        let RunSpec { config, run_dir, resume, progress, overhead_block, extra } = self;
+        // `_lock` keeps the run folder locked until training returns.
+        let RunSpec { config, run_dir, resume, progress, overhead_block, extra, lock: _lock } = self;
         let restored = restore(&config, resume, &mut trainer, source.as_mut(), rank, world_size)?;
         if let Some(dist) = dist.as_deref_mut() {
             set_up(&config, dist, &mut trainer, restored.residuals)?;
