@@ -1,5 +1,6 @@
-//! Preemption: SIGTERM (what Slurm and Kubernetes send before they stop a job), SIGINT (Ctrl-C)
-//! and SIGUSR1 (Slurm's `--signal` choice) raise one stop flag; the trainer finishes its current
+//! Preemption: SIGTERM (what Slurm and Kubernetes send before they stop a job), SIGINT (Ctrl-C),
+//! SIGUSR1 (Slurm's `--signal` choice) and SIGHUP (a closed terminal or SSH connection) raise one
+//! stop flag; the trainer finishes its current
 //! step, writes a checkpoint and returns, and the binary exits with `EXIT_PREEMPTED`. A second
 //! signal exits at once with 128 + the signal's number (committed checkpoints stay intact: the
 //! commit protocol survives any kill).
@@ -8,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 pub use crate::exit::EXIT_PREEMPTED;
 
-const SIGNALS: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGUSR1];
+const SIGNALS: [libc::c_int; 4] = [libc::SIGTERM, libc::SIGINT, libc::SIGUSR1, libc::SIGHUP];
 
 static STOP: AtomicBool = AtomicBool::new(false);
 static RECEIVED: AtomicI32 = AtomicI32::new(0);
@@ -25,7 +26,7 @@ extern "C" fn on_signal(signal: libc::c_int) {
     unsafe { libc::write(2, message.as_ptr().cast(), message.len()) };
 }
 
-/// Installs the handler for SIGTERM, SIGINT and SIGUSR1 and returns the stop flag it raises.
+/// Installs the handler for SIGTERM, SIGINT, SIGUSR1 and SIGHUP and returns the stop flag it raises.
 pub fn install() -> &'static AtomicBool {
     for signal in SIGNALS {
         // SAFETY: a zeroed sigaction is a valid starting value; we set the handler to a function

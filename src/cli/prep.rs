@@ -2,7 +2,7 @@
 //! `records` decodes samples into record shards, `verify` reads a prepared directory completely
 //! and checks every checksum and index.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -37,9 +37,13 @@ pub struct PrepTextArgs {
     /// A HuggingFace tokenizer.json, or "bytes" for byte-level tokens.
     #[arg(long, default_value = "bytes")]
     pub tokenizer: String,
-    /// Output directory (created if missing).
+    /// Output directory (created if missing; one that holds anything is refused without --force).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace a non-empty --out: the new dataset is written beside it and swapped in whole, so
+    /// no file of the old one is left behind and a failure leaves the old one as it was.
+    #[arg(long)]
+    pub force: bool,
     /// A token appended after every document, by its text (e.g. "<|endoftext|>").
     #[arg(long, default_value = "")]
     pub eos: String,
@@ -56,9 +60,13 @@ pub struct PrepRecordsArgs {
     /// Input directories (root/<class>/<file>) or files.
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
-    /// Output directory (created if missing).
+    /// Output directory (created if missing; one that holds anything is refused without --force).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace a non-empty --out: the new dataset is written beside it and swapped in whole, so
+    /// no file of the old one is left behind and a failure leaves the old one as it was.
+    #[arg(long)]
+    pub force: bool,
     /// Payload bytes per shard.
     #[arg(long, default_value_t = 256 << 20)]
     pub shard_bytes: u64,
@@ -97,8 +105,7 @@ fn text(args: PrepTextArgs) -> anyhow::Result<ExitCode> {
         n_threads: args.threads,
         ..PrepTextConfig::default()
     };
-    let manifest =
-        prepare_text(&args.inputs, &config, &args.out).with_context(|| format!("preparing {}", args.out.display()))?;
+    let manifest = into_fresh_dir(&args.out, args.force, |dir| prepare_text(&args.inputs, &config, dir))?;
     println!(
         "{}: {} tokens ({}) in {} documents, {} shards, vocabulary {}",
         args.out.display(),
@@ -116,8 +123,7 @@ fn records(args: PrepRecordsArgs) -> anyhow::Result<ExitCode> {
         return Err(anyhow::Error::new(UsageError("--threads and --shard-bytes must be at least 1".into())));
     }
     let config = PrepRecordsConfig { shard_bytes: args.shard_bytes, n_threads: args.threads };
-    let manifest = prepare_records(&args.inputs, &config, &args.out)
-        .with_context(|| format!("preparing {}", args.out.display()))?;
+    let manifest = into_fresh_dir(&args.out, args.force, |dir| prepare_records(&args.inputs, &config, dir))?;
     println!(
         "{}: {} records, {} classes, {} shards",
         args.out.display(),
@@ -126,6 +132,51 @@ fn records(args: PrepRecordsArgs) -> anyhow::Result<ExitCode> {
         manifest.shards.len()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `prepare` into a new folder beside `out` and puts it in `out`'s place only once it has
+/// succeeded: a folder that holds anything is refused without `force`, and with it the old
+/// dataset is swapped out whole (one atomic exchange of names) and removed, so none of its shards
+/// is left among the new ones. A failure removes the new folder and leaves `out` untouched.
+fn into_fresh_dir<T, E>(out: &Path, force: bool, prepare: impl FnOnce(&Path) -> Result<T, E>) -> anyhow::Result<T>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let existing = match std::fs::read_dir(out) {
+        Ok(entries) => Some(entries.count()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(anyhow::Error::new(e).context(format!("--out {}", out.display()))),
+    };
+    if existing.is_some_and(|n| n > 0) && !force {
+        return Err(UsageError(format!(
+            "--out {} already holds {} entries; pass --force to replace it whole, or choose another folder",
+            out.display(),
+            existing.unwrap_or(0)
+        ))
+        .into());
+    }
+    let name = out.file_name().map_or("out".into(), |n| n.to_string_lossy().into_owned());
+    let fresh = out.with_file_name(format!(".{name}.prep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&fresh);
+    let result = prepare(&fresh).with_context(|| format!("preparing {}", out.display()));
+    let value = match result {
+        Ok(value) => value,
+        Err(err) => {
+            let _ = std::fs::remove_dir_all(&fresh);
+            return Err(err);
+        }
+    };
+    match existing {
+        None => std::fs::rename(&fresh, out).with_context(|| format!("moving the dataset into {}", out.display()))?,
+        Some(_) => {
+            stoke_ckpt::rename_exchange(&fresh, out)
+                .with_context(|| format!("swapping the new dataset into {}", out.display()))?;
+            // `fresh` now names the old dataset.
+            std::fs::remove_dir_all(&fresh)
+                .with_context(|| format!("removing the replaced dataset (now {})", fresh.display()))?;
+        }
+    }
+    Ok(value)
 }
 
 fn verify(args: PrepVerifyArgs) -> anyhow::Result<ExitCode> {

@@ -23,7 +23,7 @@ pub(crate) fn sync_dir(path: &Path) -> Result<(), CkptError> {
 /// Swaps the names `a` and `b` (both must exist) in one atomic step: there is no moment at which
 /// either name is missing. Linux's `renameat2(RENAME_EXCHANGE)`.
 #[cfg(target_os = "linux")]
-pub(crate) fn rename_exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+pub fn rename_exchange(a: &Path, b: &Path) -> std::io::Result<()> {
     use std::ffi::CString;
     use std::os::unix::ffi::OsStrExt;
     let to_c = |p: &Path| {
@@ -50,7 +50,7 @@ pub(crate) fn rename_exchange(a: &Path, b: &Path) -> std::io::Result<()> {
 }
 
 #[cfg(not(target_os = "linux"))]
-pub(crate) fn rename_exchange(_a: &Path, _b: &Path) -> std::io::Result<()> {
+pub fn rename_exchange(_a: &Path, _b: &Path) -> std::io::Result<()> {
     Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "atomic rename exchange is implemented for Linux only"))
 }
 
