@@ -14,6 +14,7 @@ mod launch;
 mod mirror;
 mod plan;
 mod prep;
+mod regression;
 #[cfg(feature = "remote")]
 mod remote_data;
 mod resume_keys;

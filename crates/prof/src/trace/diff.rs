@@ -136,7 +136,11 @@ fn unmeasurable(analysis: &Analysis, stats: &StepStats) -> Option<String> {
             format!("{} ({} events kept of {} entries{dropped})", r.file, r.ingest.n_events, r.ingest.n_entries)
         })
         .collect();
-    let what = if stats.n_steps == 0 { "no step with timed events" } else { "steps of zero duration" };
+    let what = if stats.n_steps == 0 || analysis.ranks.iter().all(|r| r.ingest.n_events == 0) {
+        "no timed events"
+    } else {
+        "steps of zero duration"
+    };
     Some(format!("{what}: {}", if files.is_empty() { "no trace".to_string() } else { files.join(", ") }))
 }
 
