@@ -622,3 +622,44 @@ mod tests {
         assert_eq!(config.run.name, "x");
     }
 }
+
+/// Config files and `--set` values come from users: any mutation or truncation of a valid config,
+/// and any override text, loads or is refused with an error, never a panic, and the error names
+/// a key or the file. Failing cases are kept by proptest in `proptest-regressions/`.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        #[test]
+        fn fuzz_mutated_config_files(
+            cuts in proptest::collection::vec((0usize..20_000, any::<u8>()), 1..6),
+            truncate in proptest::option::of(0usize..20_000),
+        ) {
+            let mut bytes = StokeConfig::default().to_toml().into_bytes();
+            for (at, byte) in &cuts {
+                let i = at % bytes.len();
+                bytes[i] = *byte;
+            }
+            if let Some(len) = truncate {
+                bytes.truncate(len % (bytes.len() + 1));
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("fuzzed.toml");
+            std::fs::write(&path, &bytes).unwrap();
+            if let Err(err) = StokeConfig::load(Some(&path), &[]) {
+                prop_assert!(!err.to_string().is_empty());
+            }
+        }
+
+        #[test]
+        fn fuzz_overrides(key in "[a-z_.]{0,24}", value in "\\PC{0,40}") {
+            let _ = StokeConfig::load(None, &[format!("{key}={value}")]);
+            let _ = StokeConfig::load(None, &[value]);
+        }
+    }
+}
