@@ -25,6 +25,9 @@ pub enum PrepCommand {
     Text(PrepTextArgs),
     /// Decode images (ImageFolder layout: root/<class>/<file>) or files into record shards.
     Records(PrepRecordsArgs),
+    /// Robot episodes (JSON lines: episode, t, instruction, state, action, one image per camera)
+    /// into frames, state/action statistics and instruction tokens.
+    Episodes(PrepEpisodesArgs),
     /// Read a prepared directory (tokens or records) completely and check checksums and indexes.
     Verify(PrepVerifyArgs),
 }
@@ -53,6 +56,27 @@ pub struct PrepTextArgs {
     /// Tokenizer threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct PrepEpisodesArgs {
+    /// A JSON-lines file, or a folder of `*.jsonl` files (image paths are relative to each file).
+    pub source: PathBuf,
+    /// Output directory (created if missing; one that holds anything is refused without --force).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace a non-empty --out whole.
+    #[arg(long)]
+    pub force: bool,
+    /// Side of the square frames decoded frames are resized to.
+    #[arg(long, default_value_t = 64)]
+    pub resolution: u32,
+    /// Keep each frame's JPEG/PNG bytes, to decode (and augment) at training time.
+    #[arg(long)]
+    pub keep_encoded: bool,
+    /// A HuggingFace tokenizer.json for the instructions, or "bytes".
+    #[arg(long, default_value = "bytes")]
+    pub tokenizer: String,
 }
 
 #[derive(Debug, Args)]
@@ -85,6 +109,7 @@ pub fn run(args: PrepArgs) -> anyhow::Result<ExitCode> {
     match args.command {
         PrepCommand::Text(args) => text(args),
         PrepCommand::Records(args) => records(args),
+        PrepCommand::Episodes(args) => episodes(args),
         PrepCommand::Verify(args) => verify(args),
     }
 }
@@ -179,11 +204,39 @@ where
     Ok(value)
 }
 
+fn episodes(args: PrepEpisodesArgs) -> anyhow::Result<ExitCode> {
+    let config = stoke_data::PrepEpisodesConfig {
+        resolution: args.resolution,
+        keep_encoded: args.keep_encoded,
+        tokenizer: args.tokenizer,
+        ..stoke_data::PrepEpisodesConfig::default()
+    };
+    let manifest =
+        into_fresh_dir(&args.out, args.force, |dir| stoke_data::prepare_episodes(&args.source, &config, dir))?;
+    println!(
+        "{}: {} episodes, {} steps, state {}, action {}, cameras {}, frames {}",
+        args.out.display(),
+        manifest.n_episodes,
+        manifest.n_steps,
+        manifest.state_dim,
+        manifest.action_dim,
+        manifest.cameras.join(","),
+        if args.keep_encoded { "encoded".to_string() } else { format!("{0}x{0} rgb", manifest.resolution) }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 fn verify(args: PrepVerifyArgs) -> anyhow::Result<ExitCode> {
     let manifest_path = args.dir.join("manifest.json");
     let manifest = stoke_fsio::read_to_string_capped(&manifest_path, stoke_fsio::MANIFEST_CAP)
         .with_context(|| format!("reading {}", manifest_path.display()))?;
-    if manifest.contains("\"stoke-records\"") {
+    if manifest.contains(&format!("\"{}\"", stoke_data::EPISODES_FORMAT)) {
+        let store = stoke_data::EpisodeStore::open(&args.dir, true)?;
+        for step_idx in 0..store.n_steps() {
+            store.step(step_idx)?;
+        }
+        println!("{}: ok, {} episodes, {} steps", args.dir.display(), store.episodes().len(), store.n_steps());
+    } else if manifest.contains("\"stoke-records\"") {
         let store = RecordStore::open(&args.dir, true)?;
         for record_idx in 0..store.len() {
             store.get(record_idx)?;

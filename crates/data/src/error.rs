@@ -28,6 +28,8 @@ pub enum DataError {
     Tokenizer { path: PathBuf, detail: String },
     #[error("{path}: cannot tokenize: {detail}")]
     Tokenize { path: PathBuf, detail: String },
+    #[error("{path}:{line}: {message}")]
+    Episode { path: PathBuf, line: u64, message: String },
     #[error("{path}: cannot decode image: {detail}")]
     Image { path: PathBuf, detail: String },
     #[error(

@@ -27,6 +27,7 @@
 mod batch;
 mod cache;
 mod corpus;
+mod episodes;
 mod error;
 mod format;
 mod loader;
@@ -40,6 +41,10 @@ mod tokens;
 pub use batch::{Batch, BatchSource, RandomWindows};
 pub use cache::{CacheConfig, CacheStats, LocalDirSource, ShardCache, ShardSource};
 pub use corpus::{builtin_corpus, unigram_entropy_nats};
+pub use episodes::{
+    prepare_episodes, read_episodes, write_synthetic_episodes, CheckedFile, Episode, EpisodeEntry, EpisodeManifest,
+    EpisodeStore, Episodes, FrameEncoding, PrepEpisodesConfig, Step, StepView, SyntheticEpisodes, EPISODES_FORMAT,
+};
 pub use error::DataError;
 pub use format::{
     encode_megatron_index, encode_token_index, raw_layout, Dtype, MegatronIndex, RawLayout, TokenIndexHeader,

@@ -46,13 +46,13 @@ impl Default for PrepTextConfig {
     }
 }
 
-enum Encoder {
+pub(crate) enum Encoder {
     Bytes,
     Hf(Box<tokenizers::Tokenizer>),
 }
 
 impl Encoder {
-    fn load(spec: &str) -> Result<Encoder, DataError> {
+    pub(crate) fn load(spec: &str) -> Result<Encoder, DataError> {
         if spec == "bytes" {
             return Ok(Encoder::Bytes);
         }
@@ -61,7 +61,7 @@ impl Encoder {
         Ok(Encoder::Hf(Box::new(tokenizer)))
     }
 
-    fn vocab_size(&self) -> u64 {
+    pub(crate) fn vocab_size(&self) -> u64 {
         match self {
             Encoder::Bytes => 256,
             Encoder::Hf(tokenizer) => tokenizer.get_vocab_size(true) as u64,
@@ -77,12 +77,17 @@ impl Encoder {
     }
 
     fn encode(&self, document: &Document) -> Result<Vec<u32>, DataError> {
+        self.encode_text(&document.text, &document.source)
+    }
+
+    /// `text`'s tokens; `source` names it in an error.
+    pub(crate) fn encode_text(&self, text: &str, source: &Path) -> Result<Vec<u32>, DataError> {
         match self {
-            Encoder::Bytes => Ok(document.text.bytes().map(u32::from).collect()),
+            Encoder::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Encoder::Hf(tokenizer) => tokenizer
-                .encode(document.text.as_str(), false)
+                .encode(text, false)
                 .map(|encoding| encoding.get_ids().to_vec())
-                .map_err(|err| DataError::Tokenize { path: document.source.clone(), detail: err.to_string() }),
+                .map_err(|err| DataError::Tokenize { path: source.to_path_buf(), detail: err.to_string() }),
         }
     }
 }

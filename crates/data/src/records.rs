@@ -141,48 +141,76 @@ pub fn prepare_records(
     out_dir: &Path,
 ) -> Result<RecordManifest, DataError> {
     let (inputs, classes) = list_inputs(inputs)?;
-    std::fs::create_dir_all(out_dir).map_err(DataError::write(out_dir))?;
-    let mut shards = Vec::new();
-    let mut writer: Option<OpenRecordShard> = None;
+    let mut writer = RecordWriter::create(out_dir, config.shard_bytes)?;
     let n_threads = config.n_threads.max(1);
     // Decode in parallel in windows of inputs, write in input order.
     for window in inputs.chunks(64 * n_threads) {
         let decoded = decode_parallel(window, n_threads)?;
         for (input, (shape, bytes)) in window.iter().zip(decoded) {
-            if writer.is_none() {
-                let path = out_dir.join(format!("records-{:05}.rec.tmp", shards.len()));
-                let file = File::create(&path).map_err(DataError::write(&path))?;
-                let mut index = RECORD_INDEX_MAGIC.to_vec();
-                index.extend_from_slice(&0u64.to_le_bytes());
-                writer = Some((BufWriter::new(file), path, crc32fast::Hasher::new(), index, 0, 0));
-            }
-            let (file, path, crc, index, offset, n_records) = writer.as_mut().expect("opened above");
-            file.write_all(&bytes).map_err(DataError::write(path))?;
-            crc.update(&bytes);
-            index.extend_from_slice(&offset.to_le_bytes());
-            index.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-            index.extend_from_slice(&input.label.to_le_bytes());
-            shape.iter().for_each(|s| index.extend_from_slice(&s.to_le_bytes()));
-            index.extend_from_slice(&0u32.to_le_bytes());
-            *offset += bytes.len() as u64;
-            *n_records += 1;
-            if *offset >= config.shard_bytes {
-                shards.push(finish_records_shard(out_dir, shards.len(), writer.take().expect("open"))?);
-            }
+            writer.push(input.label, shape, &bytes)?;
         }
     }
-    if let Some(open) = writer.take() {
-        shards.push(finish_records_shard(out_dir, shards.len(), open)?);
+    writer.finish(classes)
+}
+
+/// Writes records in order into `records-NNNNN.rec` shards of about `shard_bytes` with their
+/// indexes, then the directory's manifest: what `prepare_records` and the episode preparation
+/// both write frames with.
+pub(crate) struct RecordWriter {
+    out_dir: PathBuf,
+    shard_bytes: u64,
+    shards: Vec<RecordShardEntry>,
+    open: Option<OpenRecordShard>,
+}
+
+impl RecordWriter {
+    pub(crate) fn create(out_dir: &Path, shard_bytes: u64) -> Result<RecordWriter, DataError> {
+        std::fs::create_dir_all(out_dir).map_err(DataError::write(out_dir))?;
+        Ok(RecordWriter { out_dir: out_dir.to_path_buf(), shard_bytes, shards: Vec::new(), open: None })
     }
-    let manifest = RecordManifest {
-        format: RECORD_FORMAT.into(),
-        version: 1,
-        n_records: shards.iter().map(|s| s.n_records).sum(),
-        classes,
-        shards,
-    };
-    write_atomically(&out_dir.join("manifest.json"), &serde_json::to_vec_pretty(&manifest).expect("serializes"))?;
-    Ok(manifest)
+
+    /// Appends one record; a record never straddles shards.
+    pub(crate) fn push(&mut self, label: i64, shape: [u32; 3], bytes: &[u8]) -> Result<(), DataError> {
+        if self.open.is_none() {
+            let path = self.out_dir.join(format!("records-{:05}.rec.tmp", self.shards.len()));
+            let file = File::create(&path).map_err(DataError::write(&path))?;
+            let mut index = RECORD_INDEX_MAGIC.to_vec();
+            index.extend_from_slice(&0u64.to_le_bytes());
+            self.open = Some((BufWriter::new(file), path, crc32fast::Hasher::new(), index, 0, 0));
+        }
+        let (file, path, crc, index, offset, n_records) = self.open.as_mut().expect("opened above");
+        file.write_all(bytes).map_err(DataError::write(path))?;
+        crc.update(bytes);
+        index.extend_from_slice(&offset.to_le_bytes());
+        index.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        index.extend_from_slice(&label.to_le_bytes());
+        shape.iter().for_each(|s| index.extend_from_slice(&s.to_le_bytes()));
+        index.extend_from_slice(&0u32.to_le_bytes());
+        *offset += bytes.len() as u64;
+        *n_records += 1;
+        if *offset >= self.shard_bytes {
+            let open = self.open.take().expect("open");
+            self.shards.push(finish_records_shard(&self.out_dir, self.shards.len(), open)?);
+        }
+        Ok(())
+    }
+
+    /// Closes the last shard and writes `manifest.json`.
+    pub(crate) fn finish(mut self, classes: Vec<String>) -> Result<RecordManifest, DataError> {
+        if let Some(open) = self.open.take() {
+            self.shards.push(finish_records_shard(&self.out_dir, self.shards.len(), open)?);
+        }
+        let manifest = RecordManifest {
+            format: RECORD_FORMAT.into(),
+            version: 1,
+            n_records: self.shards.iter().map(|s| s.n_records).sum(),
+            classes,
+            shards: self.shards,
+        };
+        let json = serde_json::to_vec_pretty(&manifest).expect("serializes");
+        write_atomically(&self.out_dir.join("manifest.json"), &json)?;
+        Ok(manifest)
+    }
 }
 
 fn finish_records_shard(
