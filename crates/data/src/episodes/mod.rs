@@ -2,14 +2,20 @@
 //! time step. `layout` reads the documented JSON-lines layout, `prep` turns it into a prepared
 //! directory (frames decoded and resized once, or kept encoded; state and action statistics;
 //! instruction tokens; CRC-32s), `store` reads one back, and `synthetic` writes the built-in
-//! dataset in the same layout.
+//! dataset in the same layout; `loader` cuts training batches from a prepared directory (frames
+//! decoded and augmented by worker threads, action chunks, exact resume) with `augment`'s crops
+//! and colour jitter.
 
+mod augment;
 mod layout;
+mod loader;
 mod prep;
 mod store;
 mod synthetic;
 
+pub use augment::{AugmentConfig, Draw};
 pub use layout::{Episode, Episodes, Step};
+pub use loader::{EpisodeBatch, EpisodeLoader, EpisodeLoaderConfig, EpisodeLoaderStats};
 pub use prep::{
     prepare_episodes, read_episodes, CheckedFile, EpisodeEntry, EpisodeManifest, FrameEncoding, PrepEpisodesConfig,
     EPISODES_FORMAT,

@@ -98,6 +98,11 @@ impl EpisodeStore {
         Ok(EpisodeStore { dir: dir.to_path_buf(), manifest, episodes, steps, frames })
     }
 
+    /// The directory it was opened from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     pub fn manifest(&self) -> &EpisodeManifest {
         &self.manifest
     }
@@ -112,27 +117,50 @@ impl EpisodeStore {
 
     /// Step `step_idx` (over all episodes), normalized.
     pub fn step(&self, step_idx: u64) -> Result<StepView<'_>, DataError> {
+        let (state, action) = self.state_action(step_idx)?;
+        let n_cameras = self.manifest.cameras.len();
+        let frames = (0..n_cameras).map(|camera| self.frame(step_idx, camera)).collect::<Result<_, _>>()?;
+        Ok(StepView { state, action, frames })
+    }
+
+    /// The normalized state and action of step `step_idx`.
+    pub fn state_action(&self, step_idx: u64) -> Result<(Vec<f32>, Vec<f32>), DataError> {
         let m = &self.manifest;
-        if step_idx >= m.n_steps {
-            return Err(DataError::Corrupt {
-                path: self.dir.clone(),
-                what: "step index",
-                offset: step_idx,
-                detail: format!("the directory holds {} steps", m.n_steps),
-            });
-        }
+        self.check_step(step_idx)?;
         let width = m.state_dim + m.action_dim;
         let row = &self.steps[step_idx as usize * width..(step_idx as usize + 1) * width];
         let normalize = |values: &[f32], mean: &[f32], std: &[f32]| -> Vec<f32> {
             values.iter().zip(mean).zip(std).map(|((v, m), s)| (v - m) / s).collect()
         };
-        let n_cameras = m.cameras.len() as u64;
-        let frames = (0..n_cameras).map(|c| self.frames.get(step_idx * n_cameras + c)).collect::<Result<_, _>>()?;
-        Ok(StepView {
-            state: normalize(&row[..m.state_dim], &m.state_mean, &m.state_std),
-            action: normalize(&row[m.state_dim..], &m.action_mean, &m.action_std),
-            frames,
-        })
+        Ok((
+            normalize(&row[..m.state_dim], &m.state_mean, &m.state_std),
+            normalize(&row[m.state_dim..], &m.action_mean, &m.action_std),
+        ))
+    }
+
+    /// Camera `camera`'s frame of step `step_idx`, as stored (decoded RGB or encoded bytes).
+    pub fn frame(&self, step_idx: u64, camera: usize) -> Result<Record<'_>, DataError> {
+        self.check_step(step_idx)?;
+        self.frames.get(step_idx * self.manifest.cameras.len() as u64 + camera as u64)
+    }
+
+    /// The episode holding step `step_idx`, and the step's time within it.
+    pub fn locate(&self, step_idx: u64) -> (&EpisodeEntry, u64) {
+        let episode_idx = self.episodes.partition_point(|e| e.first_step <= step_idx).saturating_sub(1);
+        let episode = &self.episodes[episode_idx];
+        (episode, step_idx - episode.first_step)
+    }
+
+    fn check_step(&self, step_idx: u64) -> Result<(), DataError> {
+        if step_idx >= self.manifest.n_steps {
+            return Err(DataError::Corrupt {
+                path: self.dir.clone(),
+                what: "step index",
+                offset: step_idx,
+                detail: format!("the directory holds {} steps", self.manifest.n_steps),
+            });
+        }
+        Ok(())
     }
 
     /// A normalized action back in the recorded units (what a policy's output is turned into).
