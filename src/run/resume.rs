@@ -26,7 +26,13 @@ pub fn prepare_resume(
     // The command line names the run (run.dir, run.name); the checkpoint holds its config.
     let mut located = source.load()?;
     let run_dir = locate_run(&mut located, true)?;
-    let lock = if writer { Some(RunLock::acquire(&run_dir)?) } else { None };
+    let lock = if writer {
+        // A resume from the mirror alone may find no local folder yet.
+        std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run folder {}", run_dir.display()))?;
+        Some(RunLock::acquire(&run_dir)?)
+    } else {
+        None
+    };
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
     let (tier, fetch_s) = fetch_from_mirror(&store, &located.ckpt.mirror)?;
     let start = std::time::Instant::now();

@@ -131,7 +131,7 @@ fn flipped_byte_is_named_by_verify_and_resume_and_fallback_skips_it() {
 
     let out = run_ok(&mut stoke(&["train", "--quiet", "--resume", "--fallback"], &refs(&args("a", "train.steps=8"))));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("skipping checkpoint step 6"), "{stderr}");
+    assert!(stderr.contains("skipping the damaged checkpoint step 6"), "{stderr}");
     let mut reference = args("ref", "train.steps=8");
     reference.push("train.lr_horizon=6".into());
     run_ok(&mut stoke(&["train", "--quiet"], &refs(&reference)));
