@@ -8,7 +8,7 @@ mod model;
 use serde::{Deserialize, Serialize};
 
 pub use executor::{ExecutorKind, Recompute};
-pub use model::{GptShape, ModelConfig, MODEL_FAMILIES};
+pub use model::{GptShape, LlamaShape, ModelConfig, RopeScaling, MODEL_FAMILIES};
 
 use crate::TrainError;
 

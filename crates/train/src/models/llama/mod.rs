@@ -1,0 +1,362 @@
+//! The Llama family (`model.family = "llama"`): a token embedding without positions, pre-norm
+//! blocks of causal self-attention with rotary position embeddings and grouped-query attention
+//! (`n_kv_head` key/value heads shared by groups of query heads) and a SwiGLU MLP (gate, up and
+//! down projections), RMSNorms with a scale only, no biases anywhere, a final norm and a head tied
+//! to the embedding or not. Everything runs in libtorch's graph.
+//!
+//! Parameter names are Hugging Face's `LlamaForCausalLM` names (`model.layers.0.self_attn.q_proj.
+//! weight`, ...), so checkpoints, adapters and exports need no renaming, and LoRA target globs
+//! written for transformers' models match stoke's.
+
+mod rope;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::{GptShape, LlamaShape, Precision};
+use crate::models::{Branch, HeadLoss, Model, Norm};
+use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
+use crate::precision::compute_kind;
+
+/// The planner's description of this family at `shape` (`models::plan_model`).
+pub(crate) fn plan_model(shape: &LlamaShape) -> stoke_plan::ModelConfig {
+    let base = shape.base;
+    stoke_plan::ModelConfig {
+        n_layer: base.n_layer,
+        d_model: base.d_model,
+        n_head: base.n_head,
+        n_kv_head: shape.n_kv_head,
+        seq_len: base.seq_len,
+        vocab_size: base.vocab_size,
+        ffn_hidden: shape.ffn_hidden,
+        gated_mlp: true,
+        learned_positions: false,
+        tied_embeddings: shape.tie_head,
+        biases: false,
+        flash_attention: true,
+    }
+}
+
+/// The token embedding's name; the head's matrix when tied.
+const EMBED: &str = "model.embed_tokens.weight";
+const FINAL_NORM: &str = "model.norm.weight";
+const HEAD: &str = "lm_head.weight";
+
+pub struct Llama {
+    shape: LlamaShape,
+    params: FlatParams,
+    /// Element type of the matrix multiplies (see `precision::compute_kind`).
+    compute: Kind,
+    /// Handles to the parameters, resolved once from `params` (they share its storage).
+    embed_tokens: Tensor,
+    blocks: Vec<BlockParams>,
+    norm: Tensor,
+    /// The head's matrix: `embed_tokens` itself when tied.
+    lm_head: Tensor,
+    /// The rotary tables `[seq_len, head_dim]`, fp32 (constants, not parameters).
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// One block's parameters.
+struct BlockParams {
+    input_layernorm: Tensor,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    post_attention_layernorm: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+/// Block `layer_idx`'s parameter names, in the order `BlockParams` holds them.
+fn block_names(layer_idx: usize) -> [String; 9] {
+    let p = format!("model.layers.{layer_idx}");
+    [
+        format!("{p}.input_layernorm.weight"),
+        format!("{p}.self_attn.q_proj.weight"),
+        format!("{p}.self_attn.k_proj.weight"),
+        format!("{p}.self_attn.v_proj.weight"),
+        format!("{p}.self_attn.o_proj.weight"),
+        format!("{p}.post_attention_layernorm.weight"),
+        format!("{p}.mlp.gate_proj.weight"),
+        format!("{p}.mlp.up_proj.weight"),
+        format!("{p}.mlp.down_proj.weight"),
+    ]
+}
+
+impl Llama {
+    /// A freshly initialized model (transformers' init: N(0, 0.02) for matrices and the
+    /// embedding, the residual projections `o_proj` and `down_proj` scaled by 1/sqrt(2·n_layer) as
+    /// the GPT's, norm scales at one). Seed libtorch first for a reproducible init. The flat
+    /// buffers are laid out unit by unit: the embedding, each block, then the final norm and an
+    /// untied head.
+    pub fn new(shape: LlamaShape, precision: Precision, device: Device) -> Llama {
+        let base = shape.base;
+        let (d, kv, ffn, vocab) =
+            (base.d_model as i64, shape.kv_dim() as i64, shape.ffn_hidden as i64, base.vocab_size as i64);
+        let std = 0.02;
+        let proj_std = 0.02 / (2.0 * base.n_layer.max(1) as f64).sqrt();
+        let spec = |name: String, shape: &[i64], init: Init, decay: bool| ParamSpec {
+            name,
+            shape: shape.to_vec(),
+            init,
+            decay,
+        };
+        let mut units = vec![UnitSpec {
+            name: "embedding".into(),
+            params: vec![spec(EMBED.into(), &[vocab, d], Init::Normal { std }, true)],
+        }];
+        for layer_idx in 0..base.n_layer {
+            let [ln_1, q, k, v, o, ln_2, gate, up, down] = block_names(layer_idx);
+            units.push(UnitSpec {
+                name: format!("model.layers.{layer_idx}"),
+                params: vec![
+                    spec(ln_1, &[d], Init::Ones, false),
+                    spec(q, &[d, d], Init::Normal { std }, true),
+                    spec(k, &[kv, d], Init::Normal { std }, true),
+                    spec(v, &[kv, d], Init::Normal { std }, true),
+                    spec(o, &[d, d], Init::Normal { std: proj_std }, true),
+                    spec(ln_2, &[d], Init::Ones, false),
+                    spec(gate, &[ffn, d], Init::Normal { std }, true),
+                    spec(up, &[ffn, d], Init::Normal { std }, true),
+                    spec(down, &[d, ffn], Init::Normal { std: proj_std }, true),
+                ],
+            });
+        }
+        let mut head = vec![spec(FINAL_NORM.into(), &[d], Init::Ones, false)];
+        if !shape.tie_head {
+            head.push(spec(HEAD.into(), &[vocab, d], Init::Normal { std }, true));
+        }
+        units.push(UnitSpec { name: "head".into(), params: head });
+        let params = FlatParams::new(units, device);
+        let get = |name: &str| params.get(name).shallow_clone();
+        let blocks = (0..base.n_layer)
+            .map(|layer_idx| {
+                let n = block_names(layer_idx);
+                BlockParams {
+                    input_layernorm: get(&n[0]),
+                    q_proj: get(&n[1]),
+                    k_proj: get(&n[2]),
+                    v_proj: get(&n[3]),
+                    o_proj: get(&n[4]),
+                    post_attention_layernorm: get(&n[5]),
+                    gate_proj: get(&n[6]),
+                    up_proj: get(&n[7]),
+                    down_proj: get(&n[8]),
+                }
+            })
+            .collect();
+        let (cos, sin) = rope::tables(&shape, device);
+        Llama {
+            shape,
+            embed_tokens: get(EMBED),
+            norm: get(FINAL_NORM),
+            lm_head: get(if shape.tie_head { EMBED } else { HEAD }),
+            blocks,
+            params,
+            compute: compute_kind(precision),
+            cos,
+            sin,
+        }
+    }
+
+    /// The llama-specific shape (key/value heads, MLP width, rotary settings).
+    pub fn llama_shape(&self) -> LlamaShape {
+        self.shape
+    }
+
+    /// A linear layer without bias in the compute type: under 16-bit precision the input and
+    /// the weight are cast for the multiply (what autocast does), and the result stays 16-bit.
+    fn linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        if self.compute == Kind::Float {
+            return x.linear(weight, None::<&Tensor>);
+        }
+        x.to_kind(self.compute).linear(&weight.to_kind(self.compute), None::<&Tensor>)
+    }
+
+    /// RMSNorm in fp32: `x / sqrt(mean(x^2) + eps) * scale` over the last dimension.
+    fn rms_norm(&self, x: &Tensor, scale: &Tensor) -> Tensor {
+        let x = x.to_kind(Kind::Float);
+        let mean_square = x.square().mean_dim([-1i64].as_slice(), true, Kind::Float);
+        x * (mean_square + self.shape.norm_eps).rsqrt() * scale
+    }
+
+    /// Causal self-attention with rotary positions; each key/value head serves `n_head /
+    /// n_kv_head` query heads (repeated before the product, as transformers' `repeat_kv`).
+    fn attention(&self, layer_idx: usize, h: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
+        let (n_head, n_kv_head) = (self.shape.base.n_head as i64, self.shape.n_kv_head as i64);
+        let head_dim = d / n_head;
+        let heads = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]).transpose(1, 2);
+        let q = rope::apply(&heads(self.linear(h, &block.q_proj), n_head), &self.cos, &self.sin);
+        let k = rope::apply(&heads(self.linear(h, &block.k_proj), n_kv_head), &self.cos, &self.sin);
+        let v = heads(self.linear(h, &block.v_proj), n_kv_head);
+        let (k, v) = if n_kv_head == n_head {
+            (k, v)
+        } else {
+            let group = n_head / n_kv_head;
+            (k.repeat_interleave_self_int(group, 1, None), v.repeat_interleave_self_int(group, 1, None))
+        };
+        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false);
+        let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
+        self.linear(&y, &block.o_proj)
+    }
+
+    /// SwiGLU: `down(silu(gate(h)) * up(h))`.
+    fn mlp(&self, layer_idx: usize, h: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        let gated = self.linear(h, &block.gate_proj).silu() * self.linear(h, &block.up_proj);
+        self.linear(&gated, &block.down_proj)
+    }
+
+    fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
+        let logits = self.linear(&self.rms_norm(x, &self.norm), &self.lm_head);
+        let vocab = self.shape.base.vocab_size as i64;
+        logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    }
+
+    fn trunk(&self, inputs: &Tensor) -> Tensor {
+        let mut x = self.embed(inputs);
+        for layer_idx in 0..self.shape.base.n_layer {
+            x = self.residual(layer_idx, Branch::Attention, &x);
+            x = self.residual(layer_idx, Branch::Mlp, &x);
+        }
+        x
+    }
+}
+
+impl Model for Llama {
+    fn shape(&self) -> GptShape {
+        self.shape.base
+    }
+
+    fn params(&self) -> &FlatParams {
+        &self.params
+    }
+
+    fn params_mut(&mut self) -> &mut FlatParams {
+        &mut self.params
+    }
+
+    fn n_params(&self) -> usize {
+        self.shape.n_params()
+    }
+
+    /// 6N for the matrix multiplies plus 12·L·d·T for attention (PaLM, appendix B), with N
+    /// excluding the input embedding when the head has its own matrix (a lookup multiplies
+    /// nothing).
+    fn flops_per_token(&self) -> f64 {
+        let base = self.shape.base;
+        let lookup = if self.shape.tie_head { 0 } else { base.vocab_size * base.d_model };
+        let n = (self.n_params() - lookup) as f64;
+        6.0 * n + 12.0 * (base.n_layer * base.d_model * base.seq_len) as f64
+    }
+
+    fn embed(&self, inputs: &Tensor) -> Tensor {
+        Tensor::embedding(&self.embed_tokens, inputs, -1, false, false)
+    }
+
+    fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
+        let scale = match which {
+            Norm::Attention(layer_idx) => &self.blocks[layer_idx].input_layernorm,
+            Norm::Mlp(layer_idx) => &self.blocks[layer_idx].post_attention_layernorm,
+            Norm::Final => &self.norm,
+        };
+        self.rms_norm(x, scale)
+    }
+
+    fn branch(&self, layer_idx: usize, branch: Branch, normed: &Tensor) -> Tensor {
+        match branch {
+            Branch::Attention => self.attention(layer_idx, normed),
+            Branch::Mlp => self.mlp(layer_idx, normed),
+        }
+    }
+
+    fn head_loss_for_backward(
+        &self,
+        x: &Tensor,
+        normed: bool,
+        targets: &Tensor,
+        _loss_multiplier: f64,
+    ) -> HeadLoss<'_> {
+        debug_assert!(!normed, "llama runs no norm by hand");
+        HeadLoss { loss: self.head_loss(x, targets), by_hand: None }
+    }
+
+    fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
+        self.head_loss(&self.trunk(inputs), targets)
+    }
+
+    fn forward(&self, inputs: &Tensor) -> Tensor {
+        self.linear(&self.rms_norm(&self.trunk(inputs), &self.norm), &self.lm_head)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(n_kv_head: usize, tie_head: bool) -> LlamaShape {
+        LlamaShape {
+            base: GptShape { n_layer: 2, n_head: 4, d_model: 32, seq_len: 16, vocab_size: 48 },
+            n_kv_head,
+            ffn_hidden: 40,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+            tie_head,
+            rope_scaling: None,
+        }
+    }
+
+    #[test]
+    fn parameters_count_as_declared_tied_or_not() {
+        for tie_head in [false, true] {
+            let model = Llama::new(shape(2, tie_head), Precision::Fp32, Device::Cpu);
+            assert_eq!(model.params().n_elements() as usize, model.n_params());
+            assert!(model.params().entries().iter().all(|e| !e.name.ends_with(".bias")), "a bias was declared");
+            assert_eq!(model.params().entries().iter().any(|e| e.name == HEAD), !tie_head);
+        }
+        let model = Llama::new(shape(2, false), Precision::Fp32, Device::Cpu);
+        let k = model.params().entries().iter().find(|e| e.name == "model.layers.1.self_attn.k_proj.weight").unwrap();
+        assert_eq!(k.shape, [16, 32], "2 key/value heads of width 8");
+    }
+
+    /// Grouped-query attention with every key/value head repeated is multi-head attention with
+    /// those heads' weights copied: the same logits.
+    #[test]
+    fn grouped_query_attention_equals_attention_with_repeated_heads() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap();
+        tch::manual_seed(3);
+        let grouped = Llama::new(shape(2, false), Precision::Fp32, Device::Cpu);
+        let full = Llama::new(shape(4, false), Precision::Fp32, Device::Cpu);
+        tch::no_grad(|| {
+            for (g, f) in grouped.params().entries().iter().zip(full.params().entries()) {
+                if g.shape == f.shape {
+                    f.tensor.detach().copy_(&g.tensor);
+                } else {
+                    // [kv heads * head_dim, d] -> each head's rows twice, in order.
+                    let rows = g.tensor.view([2, 1, 8, 32]).expand([2, 2, 8, 32], false).reshape([32, 32]);
+                    f.tensor.detach().copy_(&rows);
+                }
+            }
+        });
+        let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
+        let (a, b) = tch::no_grad(|| (grouped.forward(&inputs), full.forward(&inputs)));
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "{diff}");
+    }
+
+    #[test]
+    fn a_later_token_leaves_earlier_logits_alone() {
+        let model = Llama::new(shape(2, true), Precision::Fp32, Device::Cpu);
+        let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
+        let changed = inputs.copy();
+        let _ = changed.narrow(1, 15, 1).fill_(7);
+        let (a, b) = tch::no_grad(|| (model.forward(&inputs), model.forward(&changed)));
+        let earlier = (a.narrow(1, 0, 15) - b.narrow(1, 0, 15)).abs().max().double_value(&[]);
+        assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
+    }
+}
