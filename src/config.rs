@@ -397,6 +397,14 @@ impl StokeConfig {
         })?;
         let mut config = config;
         config.train.test_slow_forward = test_slow_forward()?;
+        // A checkpoint made elsewhere fixes the family and shape: they are read from its
+        // config.json here, so the run folder's config.toml and every rank hold them explicitly.
+        config.model = stoke_train::resolve_from(&config.model).map_err(|e| match e {
+            stoke_train::TrainError::InvalidConfig { key, message } => {
+                ConfigError::Invalid { key: key.into(), message }
+            }
+            other => ConfigError::Invalid { key: "model.from".into(), message: other.to_string() },
+        })?;
         config.validate()?;
         Ok(config)
     }

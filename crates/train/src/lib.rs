@@ -52,8 +52,8 @@ pub use kernels::{
     layer_norm_bf16, layer_norm_bf16_backward, CausalBlock, CrossEntropy, LayerNormStats,
 };
 pub use models::{
-    build_model, plan_model, Branch, BranchBackward, ByHand, CoreBackward, Gpt, GptRms, HeadBackward, HeadLoss, Llama,
-    Model, Norm,
+    build_model, export_hf, plan_model, resolve_from, Branch, BranchBackward, ByHand, CoreBackward, Gpt, GptRms,
+    HeadBackward, HeadLoss, Llama, Model, Norm,
 };
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};

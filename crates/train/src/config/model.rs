@@ -27,6 +27,10 @@ pub struct ModelConfig {
     pub seq_len: usize,
     /// Vocabulary size; 0 takes the preset's (256 byte tokens for tiny and small). Default 0.
     pub vocab_size: usize,
+    /// The GELU of the gpt families' MLP: "exact" (erf, nanoGPT's) or "tanh" (the tanh
+    /// approximation, GPT-2's own `gelu_new`, which imported GPT-2 checkpoints need; the fused
+    /// bias-GELU kernel computes the exact one, so "tanh" runs libtorch's). Default "exact".
+    pub gelu: String,
     /// Key/value heads of grouped-query attention (llama only); 0 takes the preset's (every head
     /// when the preset has no grouping). Must divide `n_head`. Default 0.
     pub n_kv_head: usize,
@@ -69,6 +73,7 @@ impl Default for ModelConfig {
             d_model: 0,
             seq_len: 0,
             vocab_size: 0,
+            gelu: "exact".into(),
             n_kv_head: 0,
             ffn_hidden: 0,
             rope_theta: 0.0,
@@ -230,6 +235,21 @@ impl ModelConfig {
                     key,
                     message: format!("applies to model.family = \"llama\" only; this model is {:?}", self.family),
                 });
+            }
+        }
+        match (self.family.as_str(), self.gelu.as_str()) {
+            ("llama", "exact") | ("gpt" | "gpt-rms", "exact" | "tanh") => {}
+            ("llama", _) => {
+                return Err(TrainError::InvalidConfig {
+                    key: "model.gelu",
+                    message: "applies to the gpt families only (llama's MLP is SwiGLU); leave it \"exact\"".into(),
+                })
+            }
+            (_, other) => {
+                return Err(TrainError::InvalidConfig {
+                    key: "model.gelu",
+                    message: format!("must be \"exact\" or \"tanh\"; got {other:?}"),
+                })
             }
         }
         if self.family == "llama" {

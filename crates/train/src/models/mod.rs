@@ -11,6 +11,7 @@
 mod embedding;
 mod gpt;
 mod gpt_rms;
+mod hf;
 mod llama;
 mod seam;
 
@@ -21,13 +22,26 @@ use crate::TrainError;
 
 pub use gpt::Gpt;
 pub use gpt_rms::GptRms;
+pub use hf::{export_hf, resolve_from};
 pub use llama::Llama;
 pub use seam::{Branch, BranchBackward, ByHand, CoreBackward, HeadBackward, HeadLoss, Model, Norm};
 
-/// A freshly initialized model of the family `model.family` names, with the kernels and casts
-/// `train` asks for (their Rust kernels split over `kernel_threads`). Seed libtorch first for a
-/// reproducible init.
+/// A model of the family `model.family` names, with the kernels and casts `train` asks for (their
+/// Rust kernels split over `kernel_threads`): freshly initialized (seed libtorch first for a
+/// reproducible init), or with the weights of the checkpoint `model.from` names (`model` resolved
+/// by [`resolve_from`] first).
 pub fn build_model(
+    model: &ModelConfig,
+    train: &TrainConfig,
+    kernel_threads: usize,
+    device: Device,
+) -> Result<Box<dyn Model>, TrainError> {
+    let built = build_initialized(model, train, kernel_threads, device)?;
+    hf::load_weights(built.params(), model)?;
+    Ok(built)
+}
+
+fn build_initialized(
     model: &ModelConfig,
     train: &TrainConfig,
     kernel_threads: usize,
@@ -35,8 +49,16 @@ pub fn build_model(
 ) -> Result<Box<dyn Model>, TrainError> {
     let shape = model.shape()?;
     match model.family.as_str() {
-        "gpt" => Ok(Box::new(Gpt::for_training(shape, train, kernel_threads, device))),
-        "gpt-rms" => Ok(Box::new(GptRms::new(shape, train.precision, device))),
+        "gpt" => {
+            let mut gpt = Gpt::for_training(shape, train, kernel_threads, device);
+            gpt.set_tanh_gelu(model.gelu == "tanh");
+            Ok(Box::new(gpt))
+        }
+        "gpt-rms" => {
+            let mut gpt_rms = GptRms::new(shape, train.precision, device);
+            gpt_rms.set_tanh_gelu(model.gelu == "tanh");
+            Ok(Box::new(gpt_rms))
+        }
         "llama" => Ok(Box::new(Llama::new(model.llama_shape()?, train.precision, device))),
         other => Err(unknown_family(other)),
     }

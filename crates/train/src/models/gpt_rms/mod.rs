@@ -33,6 +33,8 @@ pub struct GptRms {
     wpe: Tensor,
     blocks: Vec<BlockParams>,
     ln_f: Tensor,
+    /// The MLP's GELU is the tanh approximation (`model.gelu = "tanh"`).
+    tanh_gelu: bool,
 }
 
 /// One block's parameters.
@@ -114,7 +116,13 @@ impl GptRms {
             blocks,
             params,
             compute: compute_kind(precision),
+            tanh_gelu: false,
         }
+    }
+
+    /// The MLP's GELU as the tanh approximation (`model.gelu = "tanh"`) instead of the exact one.
+    pub fn set_tanh_gelu(&mut self, enabled: bool) {
+        self.tanh_gelu = enabled;
     }
 
     /// A linear layer without bias in the compute type: under 16-bit precision the input and
@@ -149,7 +157,7 @@ impl GptRms {
 
     fn mlp(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
-        self.linear(&self.linear(h, &block.fc_w).gelu("none"), &block.mlp_proj_w)
+        self.linear(&self.linear(h, &block.fc_w).gelu(if self.tanh_gelu { "tanh" } else { "none" }), &block.mlp_proj_w)
     }
 
     fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {

@@ -1,0 +1,156 @@
+//! Hugging Face checkpoints in and out, against transformers itself: `hf_models.py` writes
+//! random-init GPT-2 and Llama checkpoints with `save_pretrained` (no download) and their logits on
+//! fixed tokens; stoke's forward from `model.from = "hf:DIR"` must give those logits, and a run
+//! `stoke export hf` writes must load in transformers with the logits stoke computes.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+use stoke_train::{build_model, resolve_from, CkptConfig, ModelConfig, Precision, TrainConfig, Trainer};
+use tch::{Device, Kind, Tensor};
+
+use crate::{run_ok, stoke};
+
+/// The project's Python with transformers and peft (`cargo xtask test` installs them).
+pub(crate) fn python() -> PathBuf {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".stoke/venv/bin/python");
+    let ok = Command::new(&python).args(["-c", "import transformers, peft"]).output();
+    assert!(
+        ok.is_ok_and(|o| o.status.success()),
+        "{} cannot import transformers and peft: run `cargo xtask test` once to install them",
+        python.display()
+    );
+    python
+}
+
+pub(crate) fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/it/hf_models.py")
+}
+
+/// Writes the three checkpoints of `hf_models.py make` under `dir`.
+pub(crate) fn make_checkpoints(dir: &Path) {
+    let out = Command::new(python()).arg(script()).arg("make").arg(dir).output().expect("python runs");
+    assert!(out.status.success(), "hf_models.py make: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn fp32() -> TrainConfig {
+    TrainConfig { precision: Precision::Fp32, threads: 1, ..TrainConfig::default() }
+}
+
+fn tokens_tensor(tokens: &Value) -> Tensor {
+    let rows: Vec<Vec<i64>> = serde_json::from_value(tokens.clone()).expect("tokens are rows of integers");
+    let flat: Vec<i64> = rows.iter().flatten().copied().collect();
+    Tensor::from_slice(&flat).view([rows.len() as i64, -1])
+}
+
+fn floats(value: &Value) -> Vec<f32> {
+    value.as_array().expect("a list").iter().map(|v| v.as_f64().expect("a number") as f32).collect()
+}
+
+/// Asserts `got` equals `want` within `tolerance` (absolute) at every element.
+fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let (worst, at) =
+        got.iter().zip(want).map(|(a, b)| (a - b).abs()).zip(0..).fold(
+            (0.0f32, 0),
+            |m, (d, i)| {
+                if d > m.0 {
+                    (d, i)
+                } else {
+                    m
+                }
+            },
+        );
+    assert!(worst <= tolerance, "{what}: logit {at} is {} against {} (difference {worst:e})", got[at], want[at]);
+}
+
+/// stoke's fp32 logits of `tokens` for the model `model` describes.
+fn stoke_logits(model: &ModelConfig, tokens: &Tensor) -> Vec<f32> {
+    let built = build_model(model, &fp32(), 1, Device::Cpu).expect("the checkpoint loads");
+    let logits = tch::no_grad(|| built.forward(tokens));
+    Vec::<f32>::try_from(logits.to_kind(Kind::Float).reshape([-1])).unwrap()
+}
+
+#[test]
+fn hugging_face_checkpoints_give_transformers_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    make_checkpoints(dir.path());
+    for (name, family) in [("gpt2", "gpt"), ("llama", "llama"), ("llama-tied", "llama")] {
+        let folder = dir.path().join(name);
+        let asked = ModelConfig { from: format!("hf:{}", folder.display()), ..ModelConfig::default() };
+        let model = resolve_from(&asked).unwrap();
+        assert_eq!(model.family, family, "{name}");
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(folder.join("expected.json")).unwrap()).unwrap();
+        let got = stoke_logits(&model, &tokens_tensor(&expected["tokens"]));
+        assert_close(&got, &floats(&expected["logits"]), 1e-5, name);
+    }
+}
+
+#[test]
+fn a_checkpoint_that_does_not_fit_names_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    make_checkpoints(dir.path());
+    let folder = dir.path().join("llama");
+    let model =
+        resolve_from(&ModelConfig { from: format!("hf:{}", folder.display()), ..ModelConfig::default() }).unwrap();
+    // The MLP one wider than the file's: the first tensor that disagrees is named with its file.
+    let wider = ModelConfig { ffn_hidden: 97, ..model.clone() };
+    let err = build_model(&wider, &fp32(), 1, Device::Cpu).err().expect("a shape mismatch is refused").to_string();
+    assert!(err.contains("model.layers.0.mlp.gate_proj.weight") && err.contains("model.safetensors"), "{err}");
+    assert!(err.contains("[96, 64]") && err.contains("[97, 64]"), "{err}");
+    // A size the run sets that the checkpoint's config.json contradicts is a config error.
+    let asked = ModelConfig { n_layer: 3, from: format!("hf:{}", folder.display()), ..ModelConfig::default() };
+    let err = resolve_from(&asked).unwrap_err().to_string();
+    assert!(err.contains("model.n_layer is 3") && err.contains("config.json"), "{err}");
+}
+
+#[test]
+fn an_exported_run_loads_in_transformers_with_stokes_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    make_checkpoints(dir.path());
+    for name in ["gpt2", "llama"] {
+        let from = format!("model.from=\"hf:{}\"", dir.path().join(name).display());
+        let run_dir = format!("run.dir={}", dir.path().display());
+        let run_name = format!("run.name=tuned-{name}");
+        let sets = [
+            from.as_str(),
+            &run_dir,
+            &run_name,
+            "train.steps=3",
+            "train.micro_batch=2",
+            "train.precision=\"fp32\"",
+            "train.threads=1",
+            "data.builtin_bytes=100000",
+            "prof.enabled=false",
+        ];
+        run_ok(&mut stoke(&["train", "--quiet"], &sets));
+        let run = dir.path().join(format!("tuned-{name}"));
+        let out = dir.path().join(format!("exported-{name}"));
+        run_ok(&mut stoke(&["export", "hf", run.to_str().unwrap(), "--out", out.to_str().unwrap()], &[]));
+
+        // stoke's own forward of the checkpoint the export read.
+        let model = resolve_from(&ModelConfig {
+            from: format!("hf:{}", dir.path().join(name).display()),
+            ..ModelConfig::default()
+        })
+        .unwrap();
+        let mut trainer = Trainer::new(&model, &fp32(), &CkptConfig::default(), Device::Cpu).unwrap();
+        let store = stoke_ckpt::CheckpointStore::new(run.join("checkpoints"));
+        trainer.restore(&store, store.latest().unwrap().expect("the run checkpointed")).unwrap();
+        let tokens = "[[1, 2, 3, 90, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 95]]";
+        let tokens_json: Value = serde_json::from_str(tokens).unwrap();
+        let ours = tch::no_grad(|| trainer.model().forward(&tokens_tensor(&tokens_json)));
+        let ours = Vec::<f32>::try_from(ours.reshape([-1])).unwrap();
+
+        let theirs = Command::new(python()).arg(script()).arg("logits").arg(&out).arg(tokens).output().unwrap();
+        assert!(
+            theirs.status.success(),
+            "{name}: transformers cannot load the export: {}",
+            String::from_utf8_lossy(&theirs.stderr)
+        );
+        let theirs: Value = serde_json::from_slice(&theirs.stdout).expect("the script prints JSON");
+        assert_close(&ours, &floats(&theirs), 1e-5, &format!("exported {name}"));
+    }
+}
