@@ -154,3 +154,126 @@ fn an_exported_run_loads_in_transformers_with_stokes_logits() {
         assert_close(&ours, &floats(&theirs), 1e-5, &format!("exported {name}"));
     }
 }
+
+/// Trains `run_name` from the checkpoint `from` with `extra` settings (fp32, a few steps at a rate
+/// that moves the weights) and returns the run folder.
+fn fine_tune(dir: &Path, from: &Path, run_name: &str, extra: &[&str]) -> PathBuf {
+    let from = format!("model.from=\"hf:{}\"", from.display());
+    let run_dir = format!("run.dir={}", dir.display());
+    let name = format!("run.name={run_name}");
+    let mut sets = vec![
+        from.as_str(),
+        &run_dir,
+        &name,
+        "train.steps=5",
+        "train.micro_batch=2",
+        "train.lr=0.01",
+        "train.warmup_steps=1",
+        "train.precision=\"fp32\"",
+        "train.threads=1",
+        "data.builtin_bytes=100000",
+    ];
+    sets.extend_from_slice(extra);
+    run_ok(&mut stoke(&["train", "--quiet"], &sets));
+    dir.join(run_name)
+}
+
+/// stoke's logits of `tokens` after restoring the newest checkpoint of `run`, built as the run
+/// built it (`model`, `train`).
+fn restored_logits(run: &Path, model: &ModelConfig, train: &TrainConfig, tokens: &Value) -> Vec<f32> {
+    let mut trainer = Trainer::new(model, train, &CkptConfig::default(), Device::Cpu).unwrap();
+    let store = stoke_ckpt::CheckpointStore::new(run.join("checkpoints"));
+    trainer.restore(&store, store.latest().unwrap().expect("the run checkpointed")).unwrap();
+    let logits = tch::no_grad(|| trainer.model().forward(&tokens_tensor(tokens)));
+    Vec::<f32>::try_from(logits.reshape([-1])).unwrap()
+}
+
+fn python_logits(args: &[&std::ffi::OsStr], what: &str) -> Vec<f32> {
+    let out = Command::new(python()).arg(script()).args(args).output().unwrap();
+    assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
+    floats(&serde_json::from_slice(&out.stdout).expect("the script prints JSON"))
+}
+
+fn trainable_params(run: &Path) -> u64 {
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(run.join("report.json")).unwrap()).unwrap();
+    report["model"]["n_trainable_params"].as_u64().expect("report.json counts trainable parameters")
+}
+
+#[test]
+fn lora_adapters_load_in_peft_and_merge_on_export() {
+    let dir = tempfile::tempdir().unwrap();
+    make_checkpoints(dir.path());
+    let base = dir.path().join("llama");
+    let targets = "train.lora.targets=[\"q_proj\", \"v_proj\", \"model.layers.*.mlp.down_proj\"]";
+    let run = fine_tune(dir.path(), &base, "lora", &["train.lora.rank=4", "train.lora.alpha=8", targets]);
+    // Per block: q [64, 64] gets A [4, 64] and B [64, 4]; v [32, 64] A [4, 64], B [32, 4]; down
+    // [64, 96] A [4, 96], B [64, 4]. Nothing else trains.
+    assert_eq!(trainable_params(&run), 2 * (512 + 384 + 640));
+
+    let model =
+        resolve_from(&ModelConfig { from: format!("hf:{}", base.display()), ..ModelConfig::default() }).unwrap();
+    let lora = stoke_train::LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        targets: vec!["q_proj".into(), "v_proj".into(), "model.layers.*.mlp.down_proj".into()],
+        ..stoke_train::LoraConfig::default()
+    };
+    let train = TrainConfig { lora, ..fp32() };
+    let tokens: Value = serde_json::from_str("[[1, 2, 3, 90, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 95]]").unwrap();
+    let ours = restored_logits(&run, &model, &train, &tokens);
+    let untuned = stoke_logits(&model, &tokens_tensor(&tokens));
+    assert!(ours.iter().zip(&untuned).any(|(a, b)| (a - b).abs() > 1e-3), "the adapters did not train");
+
+    let adapter = dir.path().join("adapter");
+    run_ok(&mut stoke(&["export", "peft", run.to_str().unwrap(), "--out", adapter.to_str().unwrap()], &[]));
+    let tokens_arg = tokens.to_string();
+    let peft = python_logits(&["peft".as_ref(), base.as_os_str(), adapter.as_os_str(), tokens_arg.as_ref()], "peft");
+    assert_close(&ours, &peft, 1e-5, "peft over the base");
+
+    let merged = dir.path().join("merged");
+    run_ok(&mut stoke(&["export", "hf", run.to_str().unwrap(), "--out", merged.to_str().unwrap()], &[]));
+    let theirs = python_logits(&["logits".as_ref(), merged.as_os_str(), tokens_arg.as_ref()], "merged export");
+    assert_close(&ours, &theirs, 1e-5, "the merged export");
+}
+
+/// Reads every tensor of a safetensors file as (name, bytes).
+fn tensors_of(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let bytes = std::fs::read(path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors().into_iter().map(|(name, view)| (name, view.data().to_vec())).collect()
+}
+
+#[test]
+fn frozen_parameters_are_bit_for_bit_unchanged_after_training() {
+    let dir = tempfile::tempdir().unwrap();
+    make_checkpoints(dir.path());
+    let base = dir.path().join("llama");
+    let freeze = "train.freeze=[\"model.embed_tokens.*\", \"model.layers.0.*\"]";
+    let run = fine_tune(dir.path(), &base, "frozen", &[freeze]);
+    let exported = dir.path().join("exported");
+    run_ok(&mut stoke(&["export", "hf", run.to_str().unwrap(), "--out", exported.to_str().unwrap()], &[]));
+
+    let before = tensors_of(&base.join("model.safetensors"));
+    let after = tensors_of(&exported.join("model.safetensors"));
+    assert_eq!(before.keys().collect::<Vec<_>>(), after.keys().collect::<Vec<_>>());
+    let frozen = |name: &str| name.starts_with("model.embed_tokens.") || name.starts_with("model.layers.0.");
+    let mut frozen_elements = 0;
+    for (name, values) in &before {
+        if frozen(name) {
+            assert!(after[name] == *values, "{name} changed though frozen");
+            frozen_elements += values.len() as u64 / 4;
+        } else {
+            assert!(after[name] != *values, "{name} did not train");
+        }
+    }
+    let total: u64 = before.values().map(|v| v.len() as u64 / 4).sum();
+    assert_eq!(trainable_params(&run), total - frozen_elements);
+    // The checkpoint holds what trains, not the frozen tensors.
+    let step = stoke_ckpt::CheckpointStore::new(run.join("checkpoints")).latest().unwrap().unwrap();
+    let checkpoint = tensors_of(&run.join(format!("checkpoints/step-{step}/model.safetensors")));
+    assert!(
+        checkpoint.keys().all(|name| !frozen(name)) && checkpoint.len() == before.len() - 10,
+        "{:?}",
+        checkpoint.keys()
+    );
+}

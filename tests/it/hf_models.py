@@ -6,6 +6,8 @@ grouped-query attention and an untied head) and OUT/llama-tied (tied head, Llama
 scaling, saved in shards with an index). Each folder gets expected.json: the tokens and logits.
 
 logits DIR TOKENS_JSON: loads DIR with from_pretrained and prints the logits of the tokens as JSON.
+
+peft BASE ADAPTER TOKENS_JSON: the same for the base model with peft's adapter loaded over it.
 """
 
 import json
@@ -70,6 +72,12 @@ def main():
         loaded = model.from_pretrained(sys.argv[2], dtype=torch.float32)
         tokens = json.loads(sys.argv[3])
         print(json.dumps(logits(loaded, tokens).reshape(-1).tolist()))
+    elif sys.argv[1] == "peft":
+        from peft import PeftModel
+        base = LlamaForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32)
+        adapted = PeftModel.from_pretrained(base, sys.argv[3])
+        tokens = json.loads(sys.argv[4])
+        print(json.dumps(logits(adapted, tokens).reshape(-1).tolist()))
     else:
         raise SystemExit(f"unknown command {sys.argv[1]}")
 

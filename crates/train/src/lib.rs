@@ -34,9 +34,9 @@ mod trainer;
 pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};
 pub use clock::StepClock;
 pub use config::{
-    AttentionPrecision, CkptConfig, EvalConfig, ExecutorKind, FusedCrossEntropy, GptShape, HostMemory, LlamaShape,
-    LossScaleConfig, LrScaling, LrShape, ModelConfig, OptimizerKind, Precision, Recompute, RopeScaling, TrainConfig,
-    FUSED_CROSS_ENTROPY_MIN_VOCAB, MODEL_FAMILIES,
+    glob_match, AttentionPrecision, CkptConfig, EvalConfig, ExecutorKind, FusedCrossEntropy, GptShape, HostMemory,
+    LlamaShape, LoraConfig, LossScaleConfig, LrScaling, LrShape, ModelConfig, OptimizerKind, Precision, Recompute,
+    RopeScaling, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB, MODEL_FAMILIES,
 };
 pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{
@@ -52,8 +52,8 @@ pub use kernels::{
     layer_norm_bf16, layer_norm_bf16_backward, CausalBlock, CrossEntropy, LayerNormStats,
 };
 pub use models::{
-    build_model, export_hf, plan_model, resolve_from, Branch, BranchBackward, ByHand, CoreBackward, Gpt, GptRms,
-    HeadBackward, HeadLoss, Llama, Model, Norm,
+    build_model, export_hf, export_peft, merged_parameters, plan_model, resolve_from, Branch, BranchBackward, ByHand,
+    CoreBackward, Gpt, GptRms, HeadBackward, HeadLoss, Llama, Model, Norm,
 };
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};

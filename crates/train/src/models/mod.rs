@@ -9,6 +9,7 @@
 //! Families live in folders beside this file; [`build_model`] makes the one `model.family` names.
 
 mod embedding;
+mod finetune;
 mod gpt;
 mod gpt_rms;
 mod hf;
@@ -20,6 +21,7 @@ use tch::Device;
 use crate::config::{ModelConfig, TrainConfig, MODEL_FAMILIES};
 use crate::TrainError;
 
+pub use finetune::{export_peft, merged_parameters};
 pub use gpt::Gpt;
 pub use gpt_rms::GptRms;
 pub use hf::{export_hf, resolve_from};
@@ -36,8 +38,9 @@ pub fn build_model(
     kernel_threads: usize,
     device: Device,
 ) -> Result<Box<dyn Model>, TrainError> {
-    let built = build_initialized(model, train, kernel_threads, device)?;
+    let mut built = build_initialized(model, train, kernel_threads, device)?;
     hf::load_weights(built.params(), model)?;
+    finetune::freeze(built.as_mut(), &model.family, train)?;
     Ok(built)
 }
 
@@ -59,7 +62,7 @@ fn build_initialized(
             gpt_rms.set_tanh_gelu(model.gelu == "tanh");
             Ok(Box::new(gpt_rms))
         }
-        "llama" => Ok(Box::new(Llama::new(model.llama_shape()?, train.precision, device))),
+        "llama" => Ok(Box::new(Llama::with_lora(model.llama_shape()?, train.precision, &train.lora, device))),
         other => Err(unknown_family(other)),
     }
 }

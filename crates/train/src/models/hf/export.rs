@@ -13,6 +13,26 @@ use super::{config, conv1d, error};
 use crate::config::ModelConfig;
 use crate::TrainError;
 
+/// Writes fp32 `tensors` (name, shape, little-endian bytes) as one safetensors file at `path`,
+/// saying it was written for PyTorch (transformers and peft check that).
+pub(crate) fn write_safetensors<'a>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (&'a str, &'a [usize], &'a [u8])>,
+) -> Result<(), TrainError> {
+    let mut views = Vec::new();
+    for (name, shape, data) in tensors {
+        let view = TensorView::new(Dtype::F32, shape.to_vec(), data).map_err(|e| TrainError::HfTensor {
+            path: path.to_path_buf(),
+            tensor: name.into(),
+            message: e.to_string(),
+        })?;
+        views.push((name, view));
+    }
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::tensor::serialize_to_file(views, Some(metadata), path)
+        .map_err(|e| error(path, format!("cannot write: {e}")))
+}
+
 /// `[rows, cols]` fp32 little-endian bytes transposed to `[cols, rows]`.
 fn transposed(data: &[u8], rows: usize, cols: usize) -> Vec<u8> {
     let mut out = vec![0u8; data.len()];
@@ -54,20 +74,8 @@ pub fn export_hf(model: &ModelConfig, tensors: &[TensorRecord], out: &Path) -> R
         }
     }
     std::fs::create_dir_all(out).map_err(io(out))?;
-    let mut views = Vec::with_capacity(prepared.len());
-    for (name, shape, data) in &prepared {
-        let view = TensorView::new(Dtype::F32, shape.clone(), data).map_err(|e| TrainError::HfTensor {
-            path: out.to_path_buf(),
-            tensor: name.clone(),
-            message: e.to_string(),
-        })?;
-        views.push((name.as_str(), view));
-    }
     let file = out.join("model.safetensors");
-    // transformers checks that the file says which framework wrote it.
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::tensor::serialize_to_file(views, Some(metadata), &file)
-        .map_err(|e| error(&file, format!("cannot write: {e}")))?;
+    write_safetensors(&file, prepared.iter().map(|(name, shape, data)| (name.as_str(), shape.as_slice(), &data[..])))?;
     let text = serde_json::to_string_pretty(&json).expect("a JSON value serializes");
     let config_path = out.join("config.json");
     std::fs::write(&config_path, text + "\n").map_err(io(&config_path))?;

@@ -22,6 +22,7 @@ use crate::params::FlatParams;
 use crate::TrainError;
 
 pub use export::export_hf;
+pub(crate) use export::write_safetensors;
 
 /// The folder `model.from` names, when it names a Hugging Face checkpoint.
 fn hf_dir(model: &ModelConfig) -> Result<Option<PathBuf>, TrainError> {
@@ -128,6 +129,8 @@ pub(crate) fn load_weights(params: &FlatParams, model: &ModelConfig) -> Result<(
     let mut parsed = Vec::with_capacity(shards.len());
     // Where each tensor is: its shard's index.
     let mut location: BTreeMap<String, usize> = BTreeMap::new();
+    // LoRA adapters are stoke's own; the base checkpoint has none.
+    let entries = params.entries().iter().filter(|e| !super::llama::is_adapter(&e.name));
     for (idx, shard) in shards.iter().enumerate() {
         let tensors =
             SafeTensors::deserialize(&shard.map).map_err(|e| error(&shard.path, format!("not safetensors: {e}")))?;
@@ -138,7 +141,7 @@ pub(crate) fn load_weights(params: &FlatParams, model: &ModelConfig) -> Result<(
     }
     let mut used = BTreeSet::new();
     tch::no_grad(|| -> Result<(), TrainError> {
-        for entry in params.entries() {
+        for entry in entries {
             // GPT2Model (no head) saves its names without the `transformer.` prefix.
             let stripped = entry.name.strip_prefix("transformer.").unwrap_or(&entry.name);
             let name = [entry.name.as_str(), stripped].into_iter().find(|n| location.contains_key(*n));

@@ -6,13 +6,14 @@
 //!
 //! Parameter names are Hugging Face's `LlamaForCausalLM` names (`model.layers.0.self_attn.q_proj.
 //! weight`, ...), so checkpoints, adapters and exports need no renaming, and LoRA target globs
-//! written for transformers' models match stoke's.
+//! written for transformers' models match stoke's. LoRA adapters (`[train.lora]`) sit beside the
+//! linear layers they target under PEFT's names (`...q_proj.lora_A.weight`), in the same unit.
 
 mod rope;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::config::{GptShape, LlamaShape, Precision};
+use crate::config::{GptShape, LlamaShape, LoraConfig, Precision};
 use crate::models::{Branch, HeadLoss, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
@@ -55,19 +56,39 @@ pub struct Llama {
     /// The rotary tables `[seq_len, head_dim]`, fp32 (constants, not parameters).
     cos: Tensor,
     sin: Tensor,
+    /// The LoRA adapters' scale, alpha / rank.
+    lora_scale: f64,
+}
+
+/// A linear layer without bias, with its LoRA adapter when it has one.
+struct Linear {
+    weight: Tensor,
+    /// `A` `[rank, in]` and `B` `[out, rank]`.
+    lora: Option<(Tensor, Tensor)>,
 }
 
 /// One block's parameters.
 struct BlockParams {
     input_layernorm: Tensor,
-    q_proj: Tensor,
-    k_proj: Tensor,
-    v_proj: Tensor,
-    o_proj: Tensor,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
     post_attention_layernorm: Tensor,
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+/// The names of the adapter of the linear layer whose weight is `weight_name`.
+pub(crate) fn adapter_names(weight_name: &str) -> (String, String) {
+    let module = weight_name.strip_suffix(".weight").unwrap_or(weight_name);
+    (format!("{module}.lora_A.weight"), format!("{module}.lora_B.weight"))
+}
+
+/// Whether `name` is a LoRA adapter's parameter.
+pub(crate) fn is_adapter(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
 }
 
 /// Block `layer_idx`'s parameter names, in the order `BlockParams` holds them.
@@ -93,6 +114,12 @@ impl Llama {
     /// buffers are laid out unit by unit: the embedding, each block, then the final norm and an
     /// untied head.
     pub fn new(shape: LlamaShape, precision: Precision, device: Device) -> Llama {
+        Llama::with_lora(shape, precision, &LoraConfig::default(), device)
+    }
+
+    /// `new` with the LoRA adapters `lora` asks for (none when its rank is 0) beside the block
+    /// linear layers it targets; the caller freezes the base (`models::build_model`).
+    pub fn with_lora(shape: LlamaShape, precision: Precision, lora: &LoraConfig, device: Device) -> Llama {
         let base = shape.base;
         let (d, kv, ffn, vocab) =
             (base.d_model as i64, shape.kv_dim() as i64, shape.ffn_hidden as i64, base.vocab_size as i64);
@@ -110,20 +137,32 @@ impl Llama {
         }];
         for layer_idx in 0..base.n_layer {
             let [ln_1, q, k, v, o, ln_2, gate, up, down] = block_names(layer_idx);
-            units.push(UnitSpec {
-                name: format!("model.layers.{layer_idx}"),
-                params: vec![
-                    spec(ln_1, &[d], Init::Ones, false),
-                    spec(q, &[d, d], Init::Normal { std }, true),
-                    spec(k, &[kv, d], Init::Normal { std }, true),
-                    spec(v, &[kv, d], Init::Normal { std }, true),
-                    spec(o, &[d, d], Init::Normal { std: proj_std }, true),
-                    spec(ln_2, &[d], Init::Ones, false),
-                    spec(gate, &[ffn, d], Init::Normal { std }, true),
-                    spec(up, &[ffn, d], Init::Normal { std }, true),
-                    spec(down, &[d, ffn], Init::Normal { std: proj_std }, true),
-                ],
-            });
+            let mut params = vec![
+                spec(ln_1, &[d], Init::Ones, false),
+                spec(q, &[d, d], Init::Normal { std }, true),
+                spec(k, &[kv, d], Init::Normal { std }, true),
+                spec(v, &[kv, d], Init::Normal { std }, true),
+                spec(o, &[d, d], Init::Normal { std: proj_std }, true),
+                spec(ln_2, &[d], Init::Ones, false),
+                spec(gate, &[ffn, d], Init::Normal { std }, true),
+                spec(up, &[ffn, d], Init::Normal { std }, true),
+                spec(down, &[d, ffn], Init::Normal { std: proj_std }, true),
+            ];
+            if lora.enabled() {
+                let rank = lora.rank as i64;
+                let targeted: Vec<(String, i64, i64)> = params
+                    .iter()
+                    .filter(|p| p.shape.len() == 2 && lora.targets_weight(&p.name))
+                    .map(|p| (p.name.clone(), p.shape[0], p.shape[1]))
+                    .collect();
+                for (name, out, inp) in targeted {
+                    let (a, b) = adapter_names(&name);
+                    let bound = 1.0 / (inp as f64).sqrt();
+                    params.push(spec(a, &[rank, inp], Init::Uniform { bound }, true));
+                    params.push(spec(b, &[out, rank], Init::Zeros, true));
+                }
+            }
+            units.push(UnitSpec { name: format!("model.layers.{layer_idx}"), params });
         }
         let mut head = vec![spec(FINAL_NORM.into(), &[d], Init::Ones, false)];
         if !shape.tie_head {
@@ -132,19 +171,24 @@ impl Llama {
         units.push(UnitSpec { name: "head".into(), params: head });
         let params = FlatParams::new(units, device);
         let get = |name: &str| params.get(name).shallow_clone();
+        let declared = |name: &str| params.entries().iter().any(|e| e.name == name);
+        let linear = |name: &str| {
+            let (a, b) = adapter_names(name);
+            Linear { weight: get(name), lora: declared(&a).then(|| (get(&a), get(&b))) }
+        };
         let blocks = (0..base.n_layer)
             .map(|layer_idx| {
                 let n = block_names(layer_idx);
                 BlockParams {
                     input_layernorm: get(&n[0]),
-                    q_proj: get(&n[1]),
-                    k_proj: get(&n[2]),
-                    v_proj: get(&n[3]),
-                    o_proj: get(&n[4]),
+                    q_proj: linear(&n[1]),
+                    k_proj: linear(&n[2]),
+                    v_proj: linear(&n[3]),
+                    o_proj: linear(&n[4]),
                     post_attention_layernorm: get(&n[5]),
-                    gate_proj: get(&n[6]),
-                    up_proj: get(&n[7]),
-                    down_proj: get(&n[8]),
+                    gate_proj: linear(&n[6]),
+                    up_proj: linear(&n[7]),
+                    down_proj: linear(&n[8]),
                 }
             })
             .collect();
@@ -159,6 +203,7 @@ impl Llama {
             compute: compute_kind(precision),
             cos,
             sin,
+            lora_scale: if lora.enabled() { lora.scale() } else { 0.0 },
         }
     }
 
@@ -169,11 +214,20 @@ impl Llama {
 
     /// A linear layer without bias in the compute type: under 16-bit precision the input and
     /// the weight are cast for the multiply (what autocast does), and the result stays 16-bit.
-    fn linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+    fn matmul(&self, x: &Tensor, weight: &Tensor) -> Tensor {
         if self.compute == Kind::Float {
             return x.linear(weight, None::<&Tensor>);
         }
         x.to_kind(self.compute).linear(&weight.to_kind(self.compute), None::<&Tensor>)
+    }
+
+    /// `layer` on `x`: `W x`, plus `scale B A x` when it has an adapter.
+    fn linear(&self, x: &Tensor, layer: &Linear) -> Tensor {
+        let base = self.matmul(x, &layer.weight);
+        match &layer.lora {
+            None => base,
+            Some((a, b)) => base + self.matmul(&self.matmul(x, a), b) * self.lora_scale,
+        }
     }
 
     /// RMSNorm in fp32: `x / sqrt(mean(x^2) + eps) * scale` over the last dimension.
@@ -213,7 +267,7 @@ impl Llama {
     }
 
     fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
-        let logits = self.linear(&self.rms_norm(x, &self.norm), &self.lm_head);
+        let logits = self.matmul(&self.rms_norm(x, &self.norm), &self.lm_head);
         let vocab = self.shape.base.vocab_size as i64;
         logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
     }
@@ -291,7 +345,7 @@ impl Model for Llama {
     }
 
     fn forward(&self, inputs: &Tensor) -> Tensor {
-        self.linear(&self.rms_norm(&self.trunk(inputs), &self.norm), &self.lm_head)
+        self.matmul(&self.rms_norm(&self.trunk(inputs), &self.norm), &self.lm_head)
     }
 }
 
