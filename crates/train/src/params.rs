@@ -654,4 +654,31 @@ mod tests {
         assert!(params.grads_are_bound());
         assert_eq!(params.flat_grad().abs().sum(Kind::Float).double_value(&[]), 0.0);
     }
+
+    /// Frozen parameters keep their values and handles, get no gradient, and leave the flat
+    /// buffers; the others keep theirs, bound to the new buffers, unit by unit.
+    #[test]
+    fn freezing_moves_the_frozen_out_of_the_flat_buffers() {
+        let mut params = FlatParams::new(
+            vec![
+                UnitSpec { name: "a".into(), params: vec![spec("w", vec![3, 2], true), spec("b", vec![2], false)] },
+                UnitSpec { name: "c".into(), params: vec![spec("v", vec![4], true)] },
+            ],
+            Device::Cpu,
+        );
+        let handle = params.get("w").shallow_clone();
+        let (w, v) = (handle.detach().copy(), params.get("v").detach().copy());
+        assert_eq!(params.freeze(&|name| name == "w"), 1);
+        assert_eq!(params.n_elements(), 6);
+        assert_eq!(params.units()[0].range, 0..2);
+        assert_eq!(params.units()[1].range, 2..6);
+        assert!(params.grads_are_bound());
+        assert!(!handle.requires_grad() && handle.equal(&w), "the old handle still reads the frozen values");
+        assert!(params.get("v").equal(&v));
+        assert_eq!(params.frozen_entries().len(), 1);
+        let loss = (params.get("w").sum(Kind::Float) + params.get("v").sum(Kind::Float)) * 2.0;
+        loss.backward();
+        let grad = Vec::<f32>::try_from(params.flat_grad()).unwrap();
+        assert_eq!(grad, [0.0, 0.0, 2.0, 2.0, 2.0, 2.0]);
+    }
 }
