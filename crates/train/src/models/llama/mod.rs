@@ -238,7 +238,7 @@ impl Llama {
     }
 
     /// Causal self-attention with rotary positions; each key/value head serves `n_head /
-    /// n_kv_head` query heads (repeated before the product, as transformers' `repeat_kv`).
+    /// n_kv_head` query heads.
     fn attention(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
         let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
@@ -248,13 +248,9 @@ impl Llama {
         let q = rope::apply(&heads(self.linear(h, &block.q_proj), n_head), &self.cos, &self.sin);
         let k = rope::apply(&heads(self.linear(h, &block.k_proj), n_kv_head), &self.cos, &self.sin);
         let v = heads(self.linear(h, &block.v_proj), n_kv_head);
-        let (k, v) = if n_kv_head == n_head {
-            (k, v)
-        } else {
-            let group = n_head / n_kv_head;
-            (k.repeat_interleave_self_int(group, 1, None), v.repeat_interleave_self_int(group, 1, None))
-        };
-        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false);
+        // Each key/value head serves a group of query heads: SDPA's own grouping, which reads the
+        // shared heads in place instead of repeating them (transformers' `repeat_kv`).
+        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, n_kv_head != n_head);
         let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
         self.linear(&y, &block.o_proj)
     }
