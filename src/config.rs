@@ -177,6 +177,13 @@ pub struct DataConfig {
     pub blend: Vec<String>,
     /// One weight per dataset, `path` first, then `blend`; [] weighs them equally. Default [].
     pub weights: Vec<f64>,
+    /// How a `.jsonl` file of instructions (`{"prompt", "response"}` per line; the loss counts
+    /// the response only) is tokenized: "bytes" or the path of a Hugging Face `tokenizer.json`.
+    /// Default "bytes".
+    pub tokenizer: String,
+    /// The token (by its text, e.g. "<|eot_id|>") appended to each instruction's response; ""
+    /// for none. Default "".
+    pub eos: String,
 }
 
 impl Default for DataConfig {
@@ -191,6 +198,8 @@ impl Default for DataConfig {
             cache_budget_bytes: 16 << 30,
             blend: Vec::new(),
             weights: Vec::new(),
+            tokenizer: "bytes".into(),
+            eos: String::new(),
         }
     }
 }

@@ -72,6 +72,8 @@ pub const FIXED_KEYS: &[&str] = &[
     "train.recompute",
     "train.executor",
     "train.freeze",
+    "data.tokenizer",
+    "data.eos",
     "train.lora.rank",
     "train.lora.alpha",
     "train.lora.dropout",

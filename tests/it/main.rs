@@ -11,6 +11,7 @@ mod dynamics;
 mod elastic;
 mod hf;
 mod house;
+mod instructions;
 mod launch;
 mod mirror;
 mod plan;

@@ -46,13 +46,13 @@ impl Default for PrepTextConfig {
     }
 }
 
-enum Encoder {
+pub(crate) enum Encoder {
     Bytes,
     Hf(Box<tokenizers::Tokenizer>),
 }
 
 impl Encoder {
-    fn load(spec: &str) -> Result<Encoder, DataError> {
+    pub(crate) fn load(spec: &str) -> Result<Encoder, DataError> {
         if spec == "bytes" {
             return Ok(Encoder::Bytes);
         }
@@ -68,12 +68,17 @@ impl Encoder {
         }
     }
 
-    fn token_id(&self, text: &str, spec: &str) -> Result<u32, DataError> {
+    pub(crate) fn token_id(&self, text: &str, spec: &str) -> Result<u32, DataError> {
         let id = match self {
             Encoder::Bytes => text.parse::<u8>().ok().map(u32::from),
             Encoder::Hf(tokenizer) => tokenizer.token_to_id(text),
         };
         id.ok_or_else(|| DataError::Tokenizer { path: spec.into(), detail: format!("no token {text:?} for --eos") })
+    }
+
+    /// `text` (from `source`, for errors) as tokens.
+    pub(crate) fn encode_text(&self, text: &str, source: &Path) -> Result<Vec<u32>, DataError> {
+        self.encode(&Document { source: source.to_path_buf(), text: text.to_string() })
     }
 
     fn encode(&self, document: &Document) -> Result<Vec<u32>, DataError> {
