@@ -196,11 +196,19 @@ impl Model for GptRms {
     }
 
     /// 6N for the matrix multiplies plus 12·L·d·T for attention (PaLM, appendix B), with N
-    /// excluding the position embedding, as the GPT's.
+    /// excluding the position embedding, as the GPT's; a frozen matrix (`train.freeze`) costs 4
+    /// per weight, not 6 (no gradient of its own in the backward).
     fn flops_per_token(&self) -> f64 {
         let shape = self.shape;
         let n = (self.n_params() - shape.seq_len * shape.d_model) as f64;
-        6.0 * n + 12.0 * (shape.n_layer * shape.d_model * shape.seq_len) as f64
+        let frozen_matmul: i64 = self
+            .params
+            .frozen_entries()
+            .iter()
+            .filter(|e| e.shape.len() == 2 && e.name != "transformer.wpe.weight")
+            .map(|e| e.numel)
+            .sum();
+        6.0 * n - 2.0 * frozen_matmul as f64 + 12.0 * (shape.n_layer * shape.d_model * shape.seq_len) as f64
     }
 
     fn embed(&self, inputs: &Tensor) -> Tensor {

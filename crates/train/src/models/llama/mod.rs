@@ -291,18 +291,28 @@ impl Model for Llama {
         &mut self.params
     }
 
+    /// The model's parameters and its LoRA adapters'.
     fn n_params(&self) -> usize {
-        self.shape.n_params()
+        let adapters: i64 = self.params.entries().iter().filter(|e| is_adapter(&e.name)).map(|e| e.numel).sum();
+        self.shape.n_params() + adapters as usize
     }
 
     /// 6N for the matrix multiplies plus 12·L·d·T for attention (PaLM, appendix B), with N
     /// excluding the input embedding when the head has its own matrix (a lookup multiplies
-    /// nothing).
+    /// nothing). A frozen matrix costs 4 per weight, not 6: the backward still carries the
+    /// gradient through it but computes none for it (LoRA's base).
     fn flops_per_token(&self) -> f64 {
         let base = self.shape.base;
         let lookup = if self.shape.tie_head { 0 } else { base.vocab_size * base.d_model };
         let n = (self.n_params() - lookup) as f64;
-        6.0 * n + 12.0 * (base.n_layer * base.d_model * base.seq_len) as f64
+        let frozen_matmul: i64 = self
+            .params
+            .frozen_entries()
+            .iter()
+            .filter(|e| e.shape.len() == 2 && (self.shape.tie_head || e.name != EMBED))
+            .map(|e| e.numel)
+            .sum();
+        6.0 * n - 2.0 * frozen_matmul as f64 + 12.0 * (base.n_layer * base.d_model * base.seq_len) as f64
     }
 
     fn embed(&self, inputs: &Tensor) -> Tensor {
@@ -397,6 +407,31 @@ mod tests {
         let (a, b) = tch::no_grad(|| (grouped.forward(&inputs), full.forward(&inputs)));
         let diff = (a - b).abs().max().double_value(&[]);
         assert!(diff < 1e-5, "{diff}");
+    }
+
+    /// PEFT's init: B starts at zero, so adapters change nothing until they train; freezing the
+    /// base leaves only the adapters trainable and takes the base's weight gradients off the FLOPs.
+    #[test]
+    fn a_fresh_adapter_changes_nothing_and_a_frozen_base_costs_less() {
+        let lora = LoraConfig { rank: 4, ..LoraConfig::default() };
+        let mut adapted = Llama::with_lora(shape(2, false), Precision::Fp32, &lora, Device::Cpu);
+        let plain = Llama::new(shape(2, false), Precision::Fp32, Device::Cpu);
+        tch::no_grad(|| {
+            for entry in plain.params().entries() {
+                entry.tensor.detach().copy_(adapted.params().get(&entry.name));
+            }
+        });
+        let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
+        let (a, b) = tch::no_grad(|| (adapted.forward(&inputs), plain.forward(&inputs)));
+        assert_eq!((a - b).abs().max().double_value(&[]), 0.0);
+        // q [32, 32] and v [16, 32] per block: A [4, 32] each, B [32, 4] and [16, 4].
+        let adapters = 2 * (128 + 128 + 128 + 64);
+        assert_eq!(adapted.n_params(), plain.n_params() + adapters);
+        let before = adapted.flops_per_token();
+        adapted.params_mut().freeze(&|name| !is_adapter(name));
+        assert_eq!(adapted.params().n_elements() as usize, adapters);
+        let frozen_matrices = (adapted.n_params() - adapters - 48 * 32) as f64 - (2.0 * 2.0 * 32.0 + 32.0);
+        assert_eq!(before - adapted.flops_per_token(), 2.0 * frozen_matrices);
     }
 
     #[test]
