@@ -277,3 +277,33 @@ fn frozen_parameters_are_bit_for_bit_unchanged_after_training() {
         checkpoint.keys()
     );
 }
+
+/// Frozen parameters sit outside the flat buffers, so whole units (the embedding, the head) are
+/// empty under LoRA: two ZeRO-3 ranks still follow one process.
+#[test]
+fn a_lora_run_under_zero_follows_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    make_checkpoints(dir.path());
+    let from = format!("model.from=\"hf:{}\"", dir.path().join("llama").display());
+    let run_dir = format!("run.dir={}", dir.path().display());
+    let common = [
+        from.as_str(),
+        &run_dir,
+        "train.lora.rank=4",
+        "train.lr=0.01",
+        "train.steps=8",
+        "train.precision=\"fp32\"",
+        "train.threads=1",
+        "data.builtin_bytes=100000",
+        "prof.enabled=false",
+    ];
+    let one = [&common[..], &["run.name=one", "train.micro_batch=4"]].concat();
+    run_ok(&mut stoke(&["train", "--quiet"], &one));
+    let sharded = [&common[..], &["run.name=z3", "train.micro_batch=2", "dist.zero=3"]].concat();
+    run_ok(&mut stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &sharded));
+    let (a, b) = (crate::losses(&dir.path().join("one")), crate::losses(&dir.path().join("z3")));
+    assert_eq!(a.len(), 8);
+    for ((step, x), (_, y)) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "step {step}: one process {x}, ZeRO-3 on 2 ranks {y}");
+    }
+}
