@@ -177,6 +177,13 @@ pub struct DataConfig {
     pub blend: Vec<String>,
     /// One weight per dataset, `path` first, then `blend`; [] weighs them equally. Default [].
     pub weights: Vec<f64>,
+    /// How a `.jsonl` file of instructions (`{"prompt", "response"}` per line; the loss counts
+    /// the response only) is tokenized: "bytes" or the path of a Hugging Face `tokenizer.json`.
+    /// Default "bytes".
+    pub tokenizer: String,
+    /// The token (by its text, e.g. "<|eot_id|>") appended to each instruction's response; ""
+    /// for none. Default "".
+    pub eos: String,
 }
 
 impl Default for DataConfig {
@@ -191,6 +198,8 @@ impl Default for DataConfig {
             cache_budget_bytes: 16 << 30,
             blend: Vec::new(),
             weights: Vec::new(),
+            tokenizer: "bytes".into(),
+            eos: String::new(),
         }
     }
 }
@@ -417,6 +426,14 @@ impl StokeConfig {
         })?;
         let mut config = config;
         config.train.test_slow_forward = test_slow_forward()?;
+        // A checkpoint made elsewhere fixes the family and shape: they are read from its
+        // config.json here, so the run folder's config.toml and every rank hold them explicitly.
+        config.model = stoke_train::resolve_from(&config.model).map_err(|e| match e {
+            stoke_train::TrainError::InvalidConfig { key, message } => {
+                ConfigError::Invalid { key: key.into(), message }
+            }
+            other => ConfigError::Invalid { key: "model.from".into(), message: other.to_string() },
+        })?;
         config.validate()?;
         Ok(config)
     }

@@ -225,6 +225,7 @@ impl Profiler {
                 seq_len: shape.seq_len,
                 vocab_size: shape.vocab_size,
                 n_params: info.n_params,
+                n_trainable_params: info.n_trainable_params,
                 flops_per_token: info.flops_per_token,
             },
             train: TrainFacts {

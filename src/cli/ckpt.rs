@@ -36,16 +36,21 @@ pub fn run(args: CkptArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn consolidate(dir: &Path, out: &Path) -> anyhow::Result<ExitCode> {
+/// The checkpoint `dir` names, verified: a run folder or its `checkpoints/` folder (the latest
+/// checkpoint) or one `step-<n>/` folder.
+pub(super) fn load_named(dir: &Path) -> anyhow::Result<stoke_ckpt::Loaded> {
     let run_checkpoints = dir.join("checkpoints");
     let folder = if run_checkpoints.is_dir() { run_checkpoints } else { dir.to_path_buf() };
-    let loaded = if folder.join("manifest.json").is_file() {
-        stoke_ckpt::load_dir(&folder)?
-    } else {
-        let store = stoke_ckpt::CheckpointStore::new(&folder);
-        let step = store.latest()?.ok_or_else(|| anyhow::anyhow!("no checkpoint in {}", folder.display()))?;
-        store.load(step)?
-    };
+    if folder.join("manifest.json").is_file() {
+        return Ok(stoke_ckpt::load_dir(&folder)?);
+    }
+    let store = stoke_ckpt::CheckpointStore::new(&folder);
+    let step = store.latest()?.ok_or_else(|| anyhow::anyhow!("no checkpoint in {}", folder.display()))?;
+    Ok(store.load(step)?)
+}
+
+fn consolidate(dir: &Path, out: &Path) -> anyhow::Result<ExitCode> {
+    let loaded = load_named(dir)?;
     let model = loaded
         .files
         .get("model")

@@ -14,6 +14,7 @@ pub mod compare;
 mod config;
 mod corpus;
 mod doctor;
+mod export;
 mod find_batch;
 mod gate;
 mod launch;
@@ -57,6 +58,9 @@ pub enum Command {
     Prep(prep::PrepArgs),
     /// Checkpoints: `verify` checks every file's size and checksum (exit 1 on damage).
     Ckpt(ckpt::CkptArgs),
+    /// Write a run's model in another tool's format: `hf` (config.json + model.safetensors that
+    /// transformers' `from_pretrained` loads).
+    Export(export::ExportArgs),
     /// Scheduling of elastic jobs: `simulate` compares policies on a job list or generated workloads.
     Sched(sched::SchedArgs),
     /// Compare two runs' loss curves by tokens seen; exit 3 when B's final loss is worse than A's
@@ -76,6 +80,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Prep(args) => prep::run(args),
         Command::Launch(args) => launch::run(args),
         Command::Ckpt(args) => ckpt::run(args),
+        Command::Export(args) => export::run(args),
         Command::Sched(args) => sched::run(args),
         Command::Compare(args) => compare::run(args),
     }

@@ -13,12 +13,14 @@ use crate::planning::{Calibration, ZeroTable};
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
-    /// Model preset: tiny, small, gpt2-124m, gpt3-175b, llama-7b, llama-13b, llama-70b.
+    /// Model preset: tiny, small, gpt2-124m, llama-tiny, llama3-8b, llama3-70b (stoke's own), gpt3-175b,
+    /// llama-7b, llama-13b, llama-70b (published shapes).
     #[arg(long, default_value = "tiny")]
     pub model: String,
-    /// Model family (`model.family`) of stoke's own presets (tiny, small, gpt2-124m): gpt, gpt-rms.
-    #[arg(long, default_value = "gpt")]
-    pub family: String,
+    /// Model family (`model.family`) of stoke's own presets (tiny, small, gpt2-124m, llama-tiny,
+    /// llama3-8b, llama3-70b): gpt, gpt-rms, llama. Default: llama for the llama presets, else gpt.
+    #[arg(long)]
+    pub family: Option<String>,
     /// Override the preset's transformer blocks.
     #[arg(long)]
     pub layers: Option<usize>,
@@ -172,11 +174,15 @@ fn cluster_from_args(args: &PlanArgs, precision: Precision) -> anyhow::Result<Cl
 fn model_from_args(args: &PlanArgs) -> anyhow::Result<ModelConfig> {
     // stoke's own shapes are described by their family, from the model config `stoke train`
     // builds them from; the published shapes come from the planner's presets.
+    let family = match &args.family {
+        Some(family) => family.clone(),
+        None if args.model.starts_with("llama-") || args.model.starts_with("llama3-") => "llama".into(),
+        None => "gpt".into(),
+    };
     let mut model = if stoke_train::ModelConfig::PRESETS.contains(&args.model.as_str()) {
-        let trained =
-            stoke_train::ModelConfig { family: args.family.clone(), preset: args.model.clone(), ..Default::default() };
+        let trained = stoke_train::ModelConfig { family, preset: args.model.clone(), ..Default::default() };
         stoke_train::plan_model(&trained).map_err(|err| usage(err.to_string()))?
-    } else if args.family != "gpt" {
+    } else if args.family.is_some() {
         return Err(usage(format!("--family applies to stoke's own presets; {} is a published shape", args.model)));
     } else {
         ModelConfig::preset(&args.model).map_err(plan_error)?

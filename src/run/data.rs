@@ -39,6 +39,9 @@ fn sources_for(
 ) -> anyhow::Result<Option<Box<dyn BatchSource>>> {
     let shape = config.model.shape()?;
     let data = &config.data;
+    if data.path.ends_with(".jsonl") {
+        return instructions_for(config, rank, world_size, held_out);
+    }
     let mut datasets = Vec::with_capacity(1 + data.blend.len());
     for (dataset_idx, spec) in std::iter::once(&data.path).chain(&data.blend).enumerate() {
         let store = open_store(config, spec)?;
@@ -75,6 +78,44 @@ fn sources_for(
         drop_last: data.drop_last,
     };
     Ok(Some(Box::new(stoke_data::Loader::blend(datasets, loader)?)))
+}
+
+/// Instruction data (`data.path` ending in `.jsonl`): one example per row, the loss on responses.
+fn instructions_for(
+    config: &StokeConfig,
+    rank: usize,
+    world_size: usize,
+    held_out: bool,
+) -> anyhow::Result<Option<Box<dyn BatchSource>>> {
+    let usage = |message: String| anyhow::Error::new(UsageError(message));
+    if held_out || !config.data.blend.is_empty() {
+        return Err(usage("instruction data (data.path *.jsonl) takes no data.blend and no eval.every yet".into()));
+    }
+    let shape = config.model.shape()?;
+    if config.model.family == "gpt" && config.train.fused_cross_entropy.enabled(shape.vocab_size) {
+        return Err(usage(
+            "instruction data skips the prompt's targets, which the fused cross-entropy kernel cannot: \
+             set train.fused_cross_entropy = \"off\" or use gpt-rms or llama"
+                .into(),
+        ));
+    }
+    let path = Path::new(&config.data.path);
+    let examples = stoke_data::read_instructions(path, &config.data.tokenizer, &config.data.eos, shape.seq_len)?;
+    if let Some(token) = examples.iter().flat_map(|e| &e.tokens).find(|&&t| t as usize >= shape.vocab_size) {
+        return Err(usage(format!(
+            "data {} holds token {token}, outside the model's vocabulary of {} (model.vocab_size)",
+            config.data.path, shape.vocab_size
+        )));
+    }
+    let source = stoke_data::InstructionSource::new(
+        std::sync::Arc::new(examples),
+        shape.seq_len,
+        config.train.micro_batch,
+        config.train.seed,
+        rank,
+        world_size,
+    );
+    Ok(Some(Box::new(source)))
 }
 
 /// One dataset as a token store: "" is the built-in corpus.

@@ -47,9 +47,11 @@ pub(crate) fn reference_losses(dir: &Path) -> Vec<(u64, f64)> {
 
 /// `reference_losses` of the model family `(tag, override)` (one of `FAMILIES`), run as
 /// `one-<tag>`.
-pub(crate) fn family_reference_losses(dir: &Path, (tag, family): (&str, &str)) -> Vec<(u64, f64)> {
+pub(crate) fn family_reference_losses(dir: &Path, (tag, family): (&str, &[&str])) -> Vec<(u64, f64)> {
     let name = format!("one-{tag}");
-    let one = overrides(dir, &name, &[family, "train.steps=20", "train.micro_batch=6"]);
+    let mut extra = family.to_vec();
+    extra.extend(["train.steps=20", "train.micro_batch=6"]);
+    let one = overrides(dir, &name, &extra);
     run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
     let reference = losses(&dir.join(&name));
     assert_eq!(reference.len(), 20, "{reference:?}");
@@ -98,7 +100,8 @@ fn one_two_and_three_ranks_give_the_same_losses() {
             [("2", "train.micro_batch=3", "two", &[][..]), ("3", "train.micro_batch=2", "three", SMALL_BUCKETS)]
         {
             let name = format!("{name}-{tag}");
-            let mut extra = vec![family, "train.steps=20", micro_batch];
+            let mut extra = family.to_vec();
+            extra.extend(["train.steps=20", micro_batch]);
             extra.extend_from_slice(buckets);
             let args = overrides(dir.path(), &name, &extra);
             let out = run_ok(&mut stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)));

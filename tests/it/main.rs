@@ -9,7 +9,9 @@ mod dist_report;
 mod doctor;
 mod dynamics;
 mod elastic;
+mod hf;
 mod house;
+mod instructions;
 mod launch;
 mod mirror;
 mod plan;
@@ -40,9 +42,14 @@ pub const SMALL: &[&str] = &[
     "data.builtin_bytes=200000",
 ];
 
-/// Every model family, by a short tag for run names and the override that selects it: the tests
-/// of training, data parallelism, ZeRO and resuming run each.
-pub const FAMILIES: &[(&str, &str)] = &[("gpt", "model.family=\"gpt\""), ("gpt-rms", "model.family=\"gpt-rms\"")];
+/// Every model family, by a short tag for run names and the overrides that select it: the tests
+/// of training, data parallelism, ZeRO and resuming run each. llama runs with grouped-query
+/// attention (half as many key/value heads as the tests' models have heads).
+pub const FAMILIES: &[(&str, &[&str])] = &[
+    ("gpt", &["model.family=\"gpt\""]),
+    ("gpt-rms", &["model.family=\"gpt-rms\""]),
+    ("llama", &["model.family=\"llama\"", "model.n_kv_head=1"]),
+];
 
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {

@@ -71,19 +71,25 @@ fn interrupt_then_resume_gives_the_uninterrupted_losses() {
 }
 
 /// `interrupt_then_resume_gives_the_uninterrupted_losses` for the model family `family`.
-fn interrupt_then_resume(tag: &str, family: &str) {
+fn interrupt_then_resume(tag: &str, family: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = format!("run.dir={}", dir.path().display());
     let steps = "train.steps=40";
-    run_ok(&mut stoke(&["train", "--quiet"], &with(&[&run_dir, family, "run.name=straight", steps, "ckpt.every=0"])));
+    run_ok(&mut stoke(
+        &["train", "--quiet"],
+        &with(&[&[run_dir.as_str(), "run.name=straight", steps, "ckpt.every=0"], family].concat()),
+    ));
     let expected = losses(&dir.path().join("straight"));
 
     // Ctrl-C once a few steps are logged: the run stops after the current step and checkpoints.
-    let mut child = stoke(&["train", "--quiet"], &with(&[&run_dir, family, "run.name=cut", steps, "ckpt.every=0"]))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = stoke(
+        &["train", "--quiet"],
+        &with(&[&[run_dir.as_str(), "run.name=cut", steps, "ckpt.every=0"], family].concat()),
+    )
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .unwrap();
     let metrics = dir.path().join("cut/metrics.jsonl");
     let start = Instant::now();
     while std::fs::read_to_string(&metrics).map(|t| t.lines().count()).unwrap_or(0) < 5 {
@@ -97,7 +103,7 @@ fn interrupt_then_resume(tag: &str, family: &str) {
     assert!(cut.len() < 40, "{tag}: the interrupt landed after the run finished; make the run longer");
     assert_eq!(cut[..], expected[..cut.len()], "{tag}: what was written before the interrupt is kept");
 
-    let resume = with(&[&run_dir, family, "run.name=cut", steps, "ckpt.every=0"]);
+    let resume = with(&[&[run_dir.as_str(), "run.name=cut", steps, "ckpt.every=0"], family].concat());
     run_ok(&mut stoke(&["train", "--quiet", "--resume"], &resume));
     assert_eq!(losses(&dir.path().join("cut")), expected, "{tag}: resumed losses equal the uninterrupted run's");
 }

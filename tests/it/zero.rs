@@ -43,7 +43,8 @@ fn zero_stages_follow_one_process() {
             {
                 let name = format!("z{stage}-{nproc}-{tag}");
                 let zero = format!("dist.zero={stage}");
-                let mut more = vec![family, "train.steps=20", micro_batch, zero.as_str()];
+                let mut more = family.to_vec();
+                more.extend(["train.steps=20", micro_batch, zero.as_str()]);
                 more.extend_from_slice(extra);
                 if nproc == "3" {
                     more.extend_from_slice(SMALL_BUCKETS);

@@ -18,6 +18,9 @@
 //!   between invocations. (The Slurm test installs Slurm itself.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
+//!
+//! `test` also installs what the Hugging Face tests import (transformers, peft, torch's CUDA
+//! wheels: Python's `import torch` needs them) when Python cannot import them yet.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -40,6 +43,11 @@ const PEER_DEPS: &[&str] = &[
     // makes `import torch` load (the lean install lacks libcudnn and friends).
     "mosaicml-streaming",
 ];
+/// What the Hugging Face tests (`tests/it/hf.rs`, `tests/it/hf_models.py`) import: transformers
+/// writes and reads the checkpoints, peft the adapters. Pinned to the versions the tests were
+/// written against; importing torch from Python also needs the wheel's CUDA dependencies, which
+/// the lean install leaves out, so TORCH is installed with its dependencies beside them.
+const HF_DEPS: &[&str] = &["transformers==5.25.0", "peft==0.21.2", "safetensors==0.8.0"];
 /// Bump when the set-up changes, so existing checkouts redo it.
 const SETUP_STAMP: &str = "torch 2.11.0 lean v1";
 
@@ -62,7 +70,7 @@ fn main() -> ExitCode {
             cmd.args(["run", "--release", "--quiet", "--bin", "stoke", "--"]).args(rest);
             status(cmd)
         }),
-        "test" => setup(&root).and_then(|_| ensure_open_mpi()).and_then(|_| {
+        "test" => setup(&root).and_then(|_| ensure_open_mpi()).and_then(|_| ensure_hf_deps(&root)).and_then(|_| {
             let mut cmd = cargo(&root);
             cmd.args(["test", "--workspace", "--features", "stoke-comm/mpi,stoke-comm/nccl"]).args(rest);
             let code = status(cmd)?;
@@ -228,6 +236,23 @@ fn ensure_open_mpi() -> Result<(), String> {
             .args(OPEN_MPI_PACKAGES)
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )
+}
+
+/// Installs `HF_DEPS` (and torch's own dependencies) when Python cannot import them yet.
+fn ensure_hf_deps(root: &Path) -> Result<(), String> {
+    let python = venv_python(root);
+    let check = "import torch, transformers, peft, safetensors; print(transformers.__version__, peft.__version__)";
+    let wanted = "5.25.0 0.21.2";
+    if python_output(&python, check).is_ok_and(|v| v.trim() == wanted) {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask: installing what the Hugging Face tests import ({}, about 3 GB with torch's CUDA wheels)",
+        HF_DEPS.join(" ")
+    );
+    let mut pip = Command::new(&python);
+    pip.args(["-m", "pip", "install", "--quiet", "--no-input", TORCH]).args(HF_DEPS);
+    run_checked(&mut pip)
 }
 
 fn install_peer_deps(root: &Path) -> Result<(), String> {

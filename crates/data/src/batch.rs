@@ -10,6 +10,9 @@ pub struct Batch {
     pub micro_batch: usize,
     pub seq_len: usize,
     pub tokens: Vec<i64>,
+    /// Laid out like `tokens`: true where a token is no target of the loss (an instruction's
+    /// prompt and padding; the first token of a row is never one). Empty: every token counts.
+    pub loss_mask: Vec<bool>,
 }
 
 impl Batch {
@@ -74,7 +77,7 @@ impl BatchSource for RandomWindows {
             tokens.extend(self.tokens[start..start + width].iter().map(|&t| t as i64));
         }
         self.position += 1;
-        Ok(Batch { micro_batch: self.micro_batch, seq_len: self.seq_len, tokens })
+        Ok(Batch { micro_batch: self.micro_batch, seq_len: self.seq_len, tokens, loss_mask: Vec::new() })
     }
 
     fn position(&self) -> u64 {

@@ -36,6 +36,8 @@ pub enum DataError {
         "{path}: not a dataset stoke can read (expected a prepared directory, Megatron .bin/.idx, or a raw token file)"
     )]
     UnknownFormat { path: PathBuf },
+    #[error("{path}, line {line}: {detail}")]
+    Instruction { path: PathBuf, line: usize, detail: String },
     #[error("invalid data config: {field}: {reason}")]
     Config { field: &'static str, reason: String },
     #[error("remote shard {url}: {detail}")]

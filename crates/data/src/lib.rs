@@ -30,6 +30,7 @@ mod corpus;
 mod episodes;
 mod error;
 mod format;
+mod instructions;
 mod loader;
 mod order;
 mod prep;
@@ -51,6 +52,7 @@ pub use format::{
     encode_megatron_index, encode_token_index, raw_layout, Dtype, MegatronIndex, RawLayout, TokenIndexHeader,
     TokenManifest, TokenShardEntry, LLMC_HEADER, LLMC_MAGIC, TOKEN_MANIFEST,
 };
+pub use instructions::{read_instructions, Instruction, InstructionSource};
 pub use loader::{Loader, LoaderConfig, LoaderState, LoaderStats, WeightedStore};
 pub use order::{Permutation, SampleStream};
 pub use prep::{prepare_text, PrepTextConfig};

@@ -349,7 +349,12 @@ impl Loader {
         self.stats.batches += 1;
         self.stats.waited += 1;
         self.position = start + self.global_batch;
-        Ok(Batch { micro_batch: self.config.micro_batch, seq_len: self.config.seq_len, tokens: buffer })
+        Ok(Batch {
+            micro_batch: self.config.micro_batch,
+            seq_len: self.config.seq_len,
+            tokens: buffer,
+            loss_mask: Vec::new(),
+        })
     }
 }
 
@@ -386,7 +391,12 @@ impl BatchSource for Loader {
         self.stats.waited += waited as u64;
         self.position = start + self.global_batch;
         self.top_up()?;
-        Ok(Batch { micro_batch: self.config.micro_batch, seq_len: self.config.seq_len, tokens: buffer })
+        Ok(Batch {
+            micro_batch: self.config.micro_batch,
+            seq_len: self.config.seq_len,
+            tokens: buffer,
+            loss_mask: Vec::new(),
+        })
     }
 
     /// The global stream position of the next batch (samples consumed by all ranks).

@@ -68,7 +68,7 @@ impl Encoder {
         }
     }
 
-    fn token_id(&self, text: &str, spec: &str) -> Result<u32, DataError> {
+    pub(crate) fn token_id(&self, text: &str, spec: &str) -> Result<u32, DataError> {
         let id = match self {
             Encoder::Bytes => text.parse::<u8>().ok().map(u32::from),
             Encoder::Hf(tokenizer) => tokenizer.token_to_id(text),

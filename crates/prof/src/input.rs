@@ -37,6 +37,10 @@ pub struct ModelFacts {
     pub seq_len: usize,
     pub vocab_size: usize,
     pub n_params: usize,
+    /// Parameters that train (all of them unless `train.freeze` or LoRA froze some; with LoRA
+    /// the adapters). Reports written before it existed read as 0.
+    #[serde(default)]
+    pub n_trainable_params: usize,
     /// Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM, appendix B).
     pub flops_per_token: f64,
 }

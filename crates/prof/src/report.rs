@@ -277,6 +277,7 @@ pub(crate) mod tests {
                 seq_len: 32,
                 vocab_size: 256,
                 n_params: 100_000,
+                n_trainable_params: 100_000,
                 flops_per_token: 6e5,
             },
             train: TrainFacts {

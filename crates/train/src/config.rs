@@ -3,12 +3,14 @@
 //! Every field's default is stated in its doc; `validate` names the key of any value out of range.
 
 mod executor;
+mod finetune;
 mod model;
 
 use serde::{Deserialize, Serialize};
 
 pub use executor::{ExecutorKind, Recompute};
-pub use model::{GptShape, ModelConfig, MODEL_FAMILIES};
+pub use finetune::{glob_match, LoraConfig};
+pub use model::{GptShape, LlamaShape, ModelConfig, RopeScaling, MODEL_FAMILIES};
 
 use crate::TrainError;
 
@@ -178,6 +180,13 @@ pub struct TrainConfig {
     pub monitor_every: u64,
     /// Monitors: logged losses the spike z-score is computed over. Default 50.
     pub spike_window: usize,
+    /// Parameters that do not train: globs over parameter names (`*` any run of characters, `?`
+    /// one), e.g. "model.embed_tokens.*". A frozen parameter gets no gradient, no optimizer state,
+    /// no data-parallel reduction and no checkpoint (its values come from the seed's init or
+    /// `model.from`). Needs a family that runs in libtorch's graph (gpt-rms, llama). Default [].
+    pub freeze: Vec<String>,
+    /// LoRA adapters (see `LoraConfig`); llama only. Default off (rank 0).
+    pub lora: LoraConfig,
     /// Processes the global batch is split over (set by the launcher's environment, not a
     /// config key). Default 1.
     #[serde(skip)]
@@ -293,6 +302,8 @@ impl Default for TrainConfig {
             debug_poison_step: 0,
             monitor_every: 10,
             spike_window: 50,
+            freeze: Vec::new(),
+            lora: LoraConfig::default(),
             world_size: 1,
             test_slow_forward: 0.0,
         }
@@ -322,6 +333,7 @@ impl TrainConfig {
 
     pub fn validate(&self) -> Result<(), TrainError> {
         let bad = |key: &'static str, message: String| Err(TrainError::InvalidConfig { key, message });
+        self.lora.validate()?;
         if self.steps == 0 {
             return bad("train.steps", "must be at least 1; got 0".into());
         }

@@ -24,6 +24,10 @@ pub enum TrainError {
     TokenOutOfVocab { step: u64, token: i64, vocab_size: usize },
     #[error("checkpoint {path} does not match this model: {message}")]
     CheckpointMismatch { path: PathBuf, message: String },
+    #[error("Hugging Face checkpoint {path}: {message}")]
+    HfCheckpoint { path: PathBuf, message: String },
+    #[error("Hugging Face checkpoint {path}: tensor {tensor:?} {message}")]
+    HfTensor { path: PathBuf, tensor: String, message: String },
     #[error("observer: {0}")]
     Observer(String),
     #[error("{path}: {source}")]

@@ -35,9 +35,9 @@ mod trainer;
 pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};
 pub use clock::StepClock;
 pub use config::{
-    AttentionPrecision, CkptConfig, EvalConfig, ExecutorKind, FusedCrossEntropy, GptShape, HostMemory, LossScaleConfig,
-    LrScaling, LrShape, ModelConfig, OptimizerKind, Precision, Recompute, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB,
-    MODEL_FAMILIES,
+    glob_match, AttentionPrecision, CkptConfig, EvalConfig, ExecutorKind, FusedCrossEntropy, GptShape, HostMemory,
+    LlamaShape, LoraConfig, LossScaleConfig, LrScaling, LrShape, ModelConfig, OptimizerKind, Precision, Recompute,
+    RopeScaling, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB, MODEL_FAMILIES,
 };
 pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{
@@ -54,8 +54,8 @@ pub use kernels::{
 };
 pub use memory_fit::{check_fits, estimate_step_memory, memory_limit, MemoryEstimate, MemoryLimit};
 pub use models::{
-    build_model, plan_model, Branch, BranchBackward, ByHand, CoreBackward, Gpt, GptRms, HeadBackward, HeadLoss, Model,
-    Norm,
+    build_model, export_hf, export_peft, merged_parameters, plan_model, resolve_from, Branch, BranchBackward, ByHand,
+    CoreBackward, Gpt, GptRms, HeadBackward, HeadLoss, Llama, Model, Norm,
 };
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};

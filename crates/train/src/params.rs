@@ -15,7 +15,14 @@ use tch::{Device, Kind, Tensor};
 /// How a parameter starts.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Init {
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
+    /// U(-bound, bound): PEFT's LoRA A matrices (PyTorch's `kaiming_uniform_(a=sqrt(5))`, whose
+    /// bound is 1/sqrt(fan_in)).
+    Uniform {
+        bound: f64,
+    },
     Zeros,
     Ones,
 }
@@ -85,6 +92,12 @@ pub struct FlatParams {
     /// them: entries' elements are at `source` there (`FlatParams::shard`).
     mapped_params: Option<Tensor>,
     mapped_grads: Option<Tensor>,
+    /// Parameters `freeze` took out of training: no gradient, no optimizer state, no reduction,
+    /// no checkpoint (their values are a function of the config: the seed's init or
+    /// `model.from`). Their `offset` is into `frozen_flat`.
+    frozen: Vec<ParamEntry>,
+    /// The buffer the frozen parameters still live in (the model's first `flat`).
+    frozen_flat: Option<Tensor>,
 }
 
 /// Which of a shard's buffers are the model's own memory (`FlatParams::shard`).
@@ -279,6 +292,9 @@ impl FlatParams {
                     Init::Normal { std } => {
                         let _ = view.normal_(0.0, std);
                     }
+                    Init::Uniform { bound } => {
+                        let _ = view.uniform_(-bound, bound);
+                    }
                     Init::Zeros => {
                         let _ = view.zero_();
                     }
@@ -319,9 +335,70 @@ impl FlatParams {
             len: total,
             mapped_params: None,
             mapped_grads: None,
+            frozen: Vec::new(),
+            frozen_flat: None,
         };
         params.bind_grads();
         params
+    }
+
+    /// Takes the parameters `frozen` names out of training (`train.freeze`, a LoRA's base): they
+    /// stop requiring gradients and stay where they are, in the old buffer, while the others move
+    /// to new flat buffers, laid out unit by unit as before (a unit may end up empty). So the
+    /// optimizer, data-parallel reductions, ZeRO and checkpoints, which walk the flat buffers,
+    /// never see a frozen parameter. Handles to a parameter taken before keep working (the
+    /// parameter's data is rebound in place). Returns the number of parameters frozen.
+    pub fn freeze(&mut self, frozen: &dyn Fn(&str) -> bool) -> usize {
+        assert!(
+            self.mapped_params.is_none() && self.released_params.is_none() && self.frozen_flat.is_none(),
+            "freeze a model's own buffers, once, before sharding them"
+        );
+        let (frozen, kept): (Vec<ParamEntry>, Vec<ParamEntry>) =
+            std::mem::take(&mut self.entries).into_iter().partition(|e| frozen(&e.name));
+        let n_frozen = frozen.len();
+        let total: i64 = kept.iter().map(|e| e.numel).sum();
+        let device = self.flat.device();
+        let flat = Tensor::zeros([total], (Kind::Float, device));
+        let flat_grad = Tensor::zeros([total], (Kind::Float, device));
+        let mut offset = 0i64;
+        let mut units = Vec::with_capacity(self.units.len());
+        let mut kept = kept.into_iter().peekable();
+        for (unit_idx, unit) in self.units.iter().enumerate() {
+            let (first_offset, first_entry) = (offset, self.entries.len());
+            while let Some(mut entry) = kept.next_if(|e| e.unit == unit_idx) {
+                let view = flat.narrow(0, offset, entry.numel).view(entry.shape.as_slice());
+                tch::no_grad(|| view.shallow_clone().copy_(&entry.tensor));
+                entry.tensor.set_data(&view.detach());
+                (entry.offset, entry.source) = (offset, offset);
+                offset += entry.numel;
+                self.entries.push(entry);
+            }
+            units.push(UnitRange {
+                name: unit.name.clone(),
+                range: first_offset..offset,
+                entries: first_entry..self.entries.len(),
+            });
+        }
+        for entry in &frozen {
+            let _ = entry.tensor.set_requires_grad(false);
+            // Its gradient was a view of the old gradient buffer, which would stay alive for it.
+            let mut grad = entry.tensor.grad();
+            if grad.defined() {
+                grad.set_data(&Tensor::zeros([0], (Kind::Float, device)));
+            }
+        }
+        self.frozen_flat = Some(std::mem::replace(&mut self.flat, flat));
+        self.flat_grad = flat_grad;
+        self.units = units;
+        self.len = total;
+        self.frozen = frozen;
+        self.bind_grads();
+        n_frozen
+    }
+
+    /// The parameters `freeze` took out of training (offsets into their own buffer).
+    pub fn frozen_entries(&self) -> &[ParamEntry] {
+        &self.frozen
     }
 
     /// Moves `buffer` into memory whose ranges `release` can give back to the kernel (a CPU only;
@@ -441,6 +518,8 @@ impl FlatParams {
             len: total,
             mapped_params: map.params.then(|| self.flat.shallow_clone()),
             mapped_grads: map.grads.then(|| self.flat_grad.shallow_clone()),
+            frozen: Vec::new(),
+            frozen_flat: None,
         }
     }
 
@@ -518,7 +597,7 @@ impl FlatParams {
 
     /// The parameter called `name`: resolved once when a model is built, not on every use.
     pub fn get(&self, name: &str) -> &Tensor {
-        match self.entries.iter().find(|e| e.name == name) {
+        match self.entries.iter().chain(&self.frozen).find(|e| e.name == name) {
             Some(entry) => &entry.tensor,
             None => panic!("model asked for parameter {name:?}, which it never declared"),
         }
@@ -574,5 +653,32 @@ mod tests {
         params.zero_grad();
         assert!(params.grads_are_bound());
         assert_eq!(params.flat_grad().abs().sum(Kind::Float).double_value(&[]), 0.0);
+    }
+
+    /// Frozen parameters keep their values and handles, get no gradient, and leave the flat
+    /// buffers; the others keep theirs, bound to the new buffers, unit by unit.
+    #[test]
+    fn freezing_moves_the_frozen_out_of_the_flat_buffers() {
+        let mut params = FlatParams::new(
+            vec![
+                UnitSpec { name: "a".into(), params: vec![spec("w", vec![3, 2], true), spec("b", vec![2], false)] },
+                UnitSpec { name: "c".into(), params: vec![spec("v", vec![4], true)] },
+            ],
+            Device::Cpu,
+        );
+        let handle = params.get("w").shallow_clone();
+        let (w, v) = (handle.detach().copy(), params.get("v").detach().copy());
+        assert_eq!(params.freeze(&|name| name == "w"), 1);
+        assert_eq!(params.n_elements(), 6);
+        assert_eq!(params.units()[0].range, 0..2);
+        assert_eq!(params.units()[1].range, 2..6);
+        assert!(params.grads_are_bound());
+        assert!(!handle.requires_grad() && handle.equal(&w), "the old handle still reads the frozen values");
+        assert!(params.get("v").equal(&v));
+        assert_eq!(params.frozen_entries().len(), 1);
+        let loss = (params.get("w").sum(Kind::Float) + params.get("v").sum(Kind::Float)) * 2.0;
+        loss.backward();
+        let grad = Vec::<f32>::try_from(params.flat_grad()).unwrap();
+        assert_eq!(grad, [0.0, 0.0, 2.0, 2.0, 2.0, 2.0]);
     }
 }

@@ -8,11 +8,14 @@ use crate::TrainError;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// The kind of model: "gpt" (nanoGPT's GPT-2: LayerNorm, biases) or "gpt-rms" (the same
-    /// decoder with RMSNorm and no biases; runs every op in libtorch's graph, so the
-    /// `train.fused_*` kernels do not apply to it). Default "gpt".
+    /// The kind of model: "gpt" (nanoGPT's GPT-2: LayerNorm, biases), "gpt-rms" (the same
+    /// decoder with RMSNorm and no biases) or "llama" (RMSNorm, rotary positions, SwiGLU MLP,
+    /// grouped-query attention, Hugging Face's parameter names). gpt-rms and llama run every op in
+    /// libtorch's graph, so the `train.fused_*` kernels do not apply to them. Default "gpt".
     pub family: String,
-    /// Named shape: "tiny" (4 layers, d 256), "small" (6 layers, d 384), "gpt2-124m". Default "tiny".
+    /// Named shape: "tiny" (4 layers, d 256), "small" (6 layers, d 384), "gpt2-124m", and for
+    /// llama also "llama-tiny" (4 layers, d 256, 2 key/value heads), "llama3-8b", "llama3-70b".
+    /// Default "tiny".
     pub preset: String,
     /// Transformer blocks; 0 takes the preset's. Default 0.
     pub n_layer: usize,
@@ -24,6 +27,40 @@ pub struct ModelConfig {
     pub seq_len: usize,
     /// Vocabulary size; 0 takes the preset's (256 byte tokens for tiny and small). Default 0.
     pub vocab_size: usize,
+    /// The GELU of the gpt families' MLP: "exact" (erf, nanoGPT's) or "tanh" (the tanh
+    /// approximation, GPT-2's own `gelu_new`, which imported GPT-2 checkpoints need; the fused
+    /// bias-GELU kernel computes the exact one, so "tanh" runs libtorch's). Default "exact".
+    pub gelu: String,
+    /// Key/value heads of grouped-query attention (llama only); 0 takes the preset's (every head
+    /// when the preset has no grouping). Must divide `n_head`. Default 0.
+    pub n_kv_head: usize,
+    /// Hidden width of the SwiGLU MLP (llama only); 0 takes the preset's, or Llama's rule (8d/3
+    /// rounded up to a multiple of 256) for a preset without one. Default 0.
+    pub ffn_hidden: usize,
+    /// Base of the rotary embedding's frequencies (llama only); 0 takes the preset's (500000 for
+    /// the Llama 3 shapes, 10000 otherwise). Default 0.
+    pub rope_theta: f64,
+    /// The RMSNorm's epsilon (llama only); 0 takes 1e-5, Llama 3's. Default 0.
+    pub norm_eps: f64,
+    /// The head shares the token embedding's matrix (llama only: Llama 3.2 1B and 3B tie it,
+    /// 8B and 70B do not; the gpt families always tie). Default false.
+    pub tie_head: bool,
+    /// Llama 3.1's long-context rescaling of the rotary frequencies (llama only): "none" or
+    /// "llama3" with the factors below. Default "none".
+    pub rope_scaling: String,
+    /// With `rope_scaling = "llama3"`: how much longer the context is than the one trained on. Default 8.
+    pub rope_factor: f64,
+    /// With `rope_scaling = "llama3"`: wavelengths above original context / this are divided by
+    /// `rope_factor`. Default 1.
+    pub rope_low_freq_factor: f64,
+    /// With `rope_scaling = "llama3"`: wavelengths below original context / this are kept. Default 4.
+    pub rope_high_freq_factor: f64,
+    /// With `rope_scaling = "llama3"`: the context the frequencies were trained for. Default 8192.
+    pub rope_original_context: usize,
+    /// Weights to start from instead of a random init: "" (none) or "hf:DIR", a Hugging Face
+    /// checkpoint folder (`config.json` and `*.safetensors`, GPT-2 or Llama). The shape keys are
+    /// then read from its config.json when the run starts. Default "".
+    pub from: String,
 }
 
 impl Default for ModelConfig {
@@ -36,6 +73,18 @@ impl Default for ModelConfig {
             d_model: 0,
             seq_len: 0,
             vocab_size: 0,
+            gelu: "exact".into(),
+            n_kv_head: 0,
+            ffn_hidden: 0,
+            rope_theta: 0.0,
+            norm_eps: 0.0,
+            tie_head: false,
+            rope_scaling: "none".into(),
+            rope_factor: 8.0,
+            rope_low_freq_factor: 1.0,
+            rope_high_freq_factor: 4.0,
+            rope_original_context: 8192,
+            from: String::new(),
         }
     }
 }
@@ -66,12 +115,65 @@ impl GptShape {
     }
 }
 
+/// What the llama family adds to a [`GptShape`], resolved from the preset and `[model]`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LlamaShape {
+    pub base: GptShape,
+    /// Key/value heads; divides `base.n_head`.
+    pub n_kv_head: usize,
+    /// Hidden width of the SwiGLU MLP.
+    pub ffn_hidden: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+    pub tie_head: bool,
+    /// Llama 3.1's rescaling of the rotary frequencies, when on.
+    pub rope_scaling: Option<RopeScaling>,
+}
+
+/// Llama 3.1's rescaling of the rotary frequencies (`rope_scaling` of type "llama3" in a Hugging
+/// Face config.json).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_context: usize,
+}
+
+impl LlamaShape {
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.base.d_model / self.base.n_head
+    }
+
+    /// Width of the key and of the value projection.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_head * self.head_dim()
+    }
+
+    /// Parameters, counting a tied head once.
+    pub fn n_params(&self) -> usize {
+        let (d, v) = (self.base.d_model, self.base.vocab_size);
+        let per_block = 2 * d + d * d + 2 * self.kv_dim() * d + d * d + 3 * d * self.ffn_hidden;
+        let head = if self.tie_head { 0 } else { v * d };
+        v * d + self.base.n_layer * per_block + d + head
+    }
+}
+
 /// The values `model.family` takes.
-pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms"];
+pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama"];
+
+/// What a preset fixes beyond the GPT's shape (llama's keys), for the presets that fix them.
+struct LlamaPreset {
+    n_kv_head: usize,
+    ffn_hidden: usize,
+    rope_theta: f64,
+}
 
 impl ModelConfig {
     /// The names `model.preset` accepts.
-    pub const PRESETS: &'static [&'static str] = &["tiny", "small", "gpt2-124m"];
+    pub const PRESETS: &'static [&'static str] =
+        &["tiny", "small", "gpt2-124m", "llama-tiny", "llama3-8b", "llama3-70b"];
 
     /// The resolved shape, after checking the section (`model.family` too).
     pub fn shape(&self) -> Result<GptShape, TrainError> {
@@ -85,6 +187,10 @@ impl ModelConfig {
             "tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab_size: 256 },
             "small" => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 256, vocab_size: 256 },
             "gpt2-124m" => GptShape { n_layer: 12, n_head: 12, d_model: 768, seq_len: 1024, vocab_size: 50304 },
+            "llama-tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab_size: 256 },
+            // Meta's Llama 3 8B and 70B (their params.json and Hugging Face config.json).
+            "llama3-8b" => GptShape { n_layer: 32, n_head: 32, d_model: 4096, seq_len: 8192, vocab_size: 128256 },
+            "llama3-70b" => GptShape { n_layer: 80, n_head: 64, d_model: 8192, seq_len: 8192, vocab_size: 128256 },
             other => {
                 return Err(TrainError::InvalidConfig {
                     key: "model.preset",
@@ -92,6 +198,15 @@ impl ModelConfig {
                 })
             }
         };
+        if self.preset.starts_with("llama") && self.family != "llama" {
+            return Err(TrainError::InvalidConfig {
+                key: "model.preset",
+                message: format!(
+                    "{:?} is a llama shape; set model.family = \"llama\" (got {:?})",
+                    self.preset, self.family
+                ),
+            });
+        }
         let pick = |value: usize, preset: usize| if value == 0 { preset } else { value };
         let shape = GptShape {
             n_layer: pick(self.n_layer, preset.n_layer),
@@ -106,7 +221,114 @@ impl ModelConfig {
                 message: format!("must divide model.d_model = {}; got {}", shape.d_model, shape.n_head),
             });
         }
+        if self.family != "llama" {
+            let llama_only = [
+                ("model.n_kv_head", self.n_kv_head != 0),
+                ("model.ffn_hidden", self.ffn_hidden != 0),
+                ("model.rope_theta", self.rope_theta != 0.0),
+                ("model.norm_eps", self.norm_eps != 0.0),
+                ("model.tie_head", self.tie_head),
+                ("model.rope_scaling", self.rope_scaling != "none"),
+            ];
+            if let Some((key, _)) = llama_only.iter().find(|(_, set)| *set) {
+                return Err(TrainError::InvalidConfig {
+                    key,
+                    message: format!("applies to model.family = \"llama\" only; this model is {:?}", self.family),
+                });
+            }
+        }
+        match (self.family.as_str(), self.gelu.as_str()) {
+            ("llama", "exact") | ("gpt" | "gpt-rms", "exact" | "tanh") => {}
+            ("llama", _) => {
+                return Err(TrainError::InvalidConfig {
+                    key: "model.gelu",
+                    message: "applies to the gpt families only (llama's MLP is SwiGLU); leave it \"exact\"".into(),
+                })
+            }
+            (_, other) => {
+                return Err(TrainError::InvalidConfig {
+                    key: "model.gelu",
+                    message: format!("must be \"exact\" or \"tanh\"; got {other:?}"),
+                })
+            }
+        }
+        if self.family == "llama" {
+            self.llama_shape_of(shape)?;
+        }
         Ok(shape)
+    }
+
+    /// The llama family's resolved shape (see [`ModelConfig::shape`] for the checks).
+    pub fn llama_shape(&self) -> Result<LlamaShape, TrainError> {
+        let base = self.shape()?;
+        self.llama_shape_of(base)
+    }
+
+    fn llama_shape_of(&self, base: GptShape) -> Result<LlamaShape, TrainError> {
+        let preset = match self.preset.as_str() {
+            "llama-tiny" => Some(LlamaPreset { n_kv_head: 2, ffn_hidden: 768, rope_theta: 10000.0 }),
+            "llama3-8b" => Some(LlamaPreset { n_kv_head: 8, ffn_hidden: 14336, rope_theta: 500000.0 }),
+            "llama3-70b" => Some(LlamaPreset { n_kv_head: 8, ffn_hidden: 28672, rope_theta: 500000.0 }),
+            _ => None,
+        };
+        // A preset's key/value heads hold only for its own head count.
+        let preset_kv = preset.as_ref().filter(|_| self.n_head == 0).map_or(base.n_head, |p| p.n_kv_head);
+        let n_kv_head = if self.n_kv_head == 0 { preset_kv } else { self.n_kv_head };
+        // Llama's rule: two thirds of 4d, rounded up to a multiple of 256.
+        let llama_rule = (8 * base.d_model / 3).div_ceil(256) * 256;
+        let preset_ffn = preset.as_ref().filter(|_| self.d_model == 0).map_or(llama_rule, |p| p.ffn_hidden);
+        let ffn_hidden = if self.ffn_hidden == 0 { preset_ffn } else { self.ffn_hidden };
+        let rope_theta =
+            if self.rope_theta != 0.0 { self.rope_theta } else { preset.as_ref().map_or(10000.0, |p| p.rope_theta) };
+        if n_kv_head == 0 || base.n_head % n_kv_head != 0 {
+            return Err(TrainError::InvalidConfig {
+                key: "model.n_kv_head",
+                message: format!("must divide model.n_head = {}; got {n_kv_head}", base.n_head),
+            });
+        }
+        if (base.d_model / base.n_head) % 2 != 0 {
+            return Err(TrainError::InvalidConfig {
+                key: "model.n_head",
+                message: format!(
+                    "must leave an even head width for the rotary embedding; d_model {} / n_head {} is odd",
+                    base.d_model, base.n_head
+                ),
+            });
+        }
+        if !(rope_theta > 1.0) || self.norm_eps < 0.0 {
+            let key = if self.norm_eps < 0.0 { "model.norm_eps" } else { "model.rope_theta" };
+            return Err(TrainError::InvalidConfig { key, message: "out of range".into() });
+        }
+        let rope_scaling = match self.rope_scaling.as_str() {
+            "none" => None,
+            "llama3" => {
+                if !(self.rope_factor >= 1.0 && self.rope_high_freq_factor > self.rope_low_freq_factor)
+                    || self.rope_low_freq_factor <= 0.0
+                    || self.rope_original_context == 0
+                {
+                    return Err(TrainError::InvalidConfig {
+                        key: "model.rope_scaling",
+                        message: "\"llama3\" needs rope_factor >= 1, 0 < rope_low_freq_factor < \
+                                  rope_high_freq_factor and rope_original_context > 0"
+                            .into(),
+                    });
+                }
+                Some(RopeScaling {
+                    factor: self.rope_factor,
+                    low_freq_factor: self.rope_low_freq_factor,
+                    high_freq_factor: self.rope_high_freq_factor,
+                    original_context: self.rope_original_context,
+                })
+            }
+            other => {
+                return Err(TrainError::InvalidConfig {
+                    key: "model.rope_scaling",
+                    message: format!("must be \"none\" or \"llama3\"; got {other:?}"),
+                })
+            }
+        };
+        let norm_eps = if self.norm_eps == 0.0 { 1e-5 } else { self.norm_eps };
+        Ok(LlamaShape { base, n_kv_head, ffn_hidden, rope_theta, norm_eps, tie_head: self.tie_head, rope_scaling })
     }
 }
 
@@ -130,8 +352,35 @@ mod tests {
 
     #[test]
     fn unknown_family_names_the_key_and_the_families() {
-        let cfg = ModelConfig { family: "llama".into(), ..ModelConfig::default() };
+        let cfg = ModelConfig { family: "mamba".into(), ..ModelConfig::default() };
         let err = cfg.shape().unwrap_err().to_string();
-        assert!(err.contains("model.family") && err.contains("gpt, gpt-rms") && err.contains("\"llama\""), "{err}");
+        assert!(
+            err.contains("model.family") && err.contains("gpt, gpt-rms, llama") && err.contains("\"mamba\""),
+            "{err}"
+        );
+    }
+
+    /// Llama 3 8B holds 8.03 billion parameters and 70B 70.55 billion (Meta's model cards).
+    #[test]
+    fn llama3_presets_have_the_published_parameter_counts() {
+        let count = |preset: &str| {
+            let cfg = ModelConfig { family: "llama".into(), preset: preset.into(), ..ModelConfig::default() };
+            cfg.llama_shape().unwrap().n_params()
+        };
+        assert_eq!(count("llama3-8b"), 8_030_261_248);
+        assert_eq!(count("llama3-70b"), 70_553_706_496);
+    }
+
+    #[test]
+    fn llama_keys_are_refused_elsewhere_and_checked() {
+        let gpt = ModelConfig { n_kv_head: 2, ..ModelConfig::default() };
+        assert!(gpt.shape().unwrap_err().to_string().contains("model.n_kv_head"));
+        let bad = ModelConfig { family: "llama".into(), n_kv_head: 3, ..ModelConfig::default() };
+        assert!(bad.shape().unwrap_err().to_string().contains("model.n_kv_head"));
+        let tiny = ModelConfig { family: "llama".into(), preset: "llama-tiny".into(), ..ModelConfig::default() };
+        let shape = tiny.llama_shape().unwrap();
+        assert_eq!((shape.n_kv_head, shape.ffn_hidden, shape.tie_head), (2, 768, false));
+        let regrouped = ModelConfig { n_head: 8, ..tiny };
+        assert_eq!(regrouped.llama_shape().unwrap().n_kv_head, 8, "a preset's grouping is for its own heads");
     }
 }

@@ -9,8 +9,11 @@
 //! Families live in folders beside this file; [`build_model`] makes the one `model.family` names.
 
 mod embedding;
+mod finetune;
 mod gpt;
 mod gpt_rms;
+mod hf;
+mod llama;
 mod seam;
 
 use tch::Device;
@@ -18,14 +21,30 @@ use tch::Device;
 use crate::config::{ModelConfig, TrainConfig, MODEL_FAMILIES};
 use crate::TrainError;
 
+pub use finetune::{export_peft, merged_parameters};
 pub use gpt::Gpt;
 pub use gpt_rms::GptRms;
+pub use hf::{export_hf, resolve_from};
+pub use llama::Llama;
 pub use seam::{Branch, BranchBackward, ByHand, CoreBackward, HeadBackward, HeadLoss, Model, Norm};
 
-/// A freshly initialized model of the family `model.family` names, with the kernels and casts
-/// `train` asks for (their Rust kernels split over `kernel_threads`). Seed libtorch first for a
-/// reproducible init.
+/// A model of the family `model.family` names, with the kernels and casts `train` asks for (their
+/// Rust kernels split over `kernel_threads`): freshly initialized (seed libtorch first for a
+/// reproducible init), or with the weights of the checkpoint `model.from` names (`model` resolved
+/// by [`resolve_from`] first).
 pub fn build_model(
+    model: &ModelConfig,
+    train: &TrainConfig,
+    kernel_threads: usize,
+    device: Device,
+) -> Result<Box<dyn Model>, TrainError> {
+    let mut built = build_initialized(model, train, kernel_threads, device)?;
+    hf::load_weights(built.params(), model)?;
+    finetune::freeze(built.as_mut(), &model.family, train)?;
+    Ok(built)
+}
+
+fn build_initialized(
     model: &ModelConfig,
     train: &TrainConfig,
     kernel_threads: usize,
@@ -33,8 +52,17 @@ pub fn build_model(
 ) -> Result<Box<dyn Model>, TrainError> {
     let shape = model.shape()?;
     match model.family.as_str() {
-        "gpt" => Ok(Box::new(Gpt::for_training(shape, train, kernel_threads, device))),
-        "gpt-rms" => Ok(Box::new(GptRms::new(shape, train.precision, device))),
+        "gpt" => {
+            let mut gpt = Gpt::for_training(shape, train, kernel_threads, device);
+            gpt.set_tanh_gelu(model.gelu == "tanh");
+            Ok(Box::new(gpt))
+        }
+        "gpt-rms" => {
+            let mut gpt_rms = GptRms::new(shape, train.precision, device);
+            gpt_rms.set_tanh_gelu(model.gelu == "tanh");
+            Ok(Box::new(gpt_rms))
+        }
+        "llama" => Ok(Box::new(Llama::with_lora(model.llama_shape()?, train.precision, &train.lora, device))),
         other => Err(unknown_family(other)),
     }
 }
@@ -47,6 +75,7 @@ pub fn plan_model(model: &ModelConfig) -> Result<stoke_plan::ModelConfig, TrainE
     match model.family.as_str() {
         "gpt" => Ok(gpt::plan_model(shape)),
         "gpt-rms" => Ok(gpt_rms::plan_model(shape)),
+        "llama" => Ok(llama::plan_model(&model.llama_shape()?)),
         other => Err(unknown_family(other)),
     }
 }
@@ -67,11 +96,20 @@ mod tests {
     #[test]
     fn every_family_describes_itself_to_the_planner_as_it_is_built() {
         let train = TrainConfig { precision: crate::config::Precision::Fp32, ..TrainConfig::default() };
-        let overrides = [(0, 0, 0), (3, 64, 2), (2, 96, 3)];
+        let overrides = [("tiny", 0, 0, 0), ("tiny", 3, 64, 2), ("tiny", 2, 96, 3), ("llama-tiny", 2, 0, 0)];
         for family in MODEL_FAMILIES {
-            for (n_layer, d_model, n_head) in overrides {
-                let config =
-                    ModelConfig { family: family.to_string(), n_layer, d_model, n_head, ..ModelConfig::default() };
+            for (preset, n_layer, d_model, n_head) in overrides {
+                if preset.starts_with("llama") && *family != "llama" {
+                    continue;
+                }
+                let config = ModelConfig {
+                    family: family.to_string(),
+                    preset: preset.into(),
+                    n_layer,
+                    d_model,
+                    n_head,
+                    ..ModelConfig::default()
+                };
                 let plan = plan_model(&config).unwrap();
                 let model = build_model(&config, &train, 1, Device::Cpu).unwrap();
                 assert_eq!(plan.n_params(), model.n_params(), "{family} {n_layer}x{d_model}: parameters");
@@ -80,6 +118,10 @@ mod tests {
                 assert_eq!(stoke_plan::model_units(&plan), built, "{family} {n_layer}x{d_model}: units");
             }
         }
+        // Llama 3's shapes, planned without building them: grouped-query attention and an untied head.
+        let llama3 = ModelConfig { family: "llama".into(), preset: "llama3-8b".into(), ..ModelConfig::default() };
+        let plan = plan_model(&llama3).unwrap();
+        assert_eq!((plan.n_kv_head, plan.tied_embeddings, plan.n_params()), (8, false, 8_030_261_248));
         let unknown = ModelConfig { family: "nosuch".into(), ..ModelConfig::default() };
         assert!(plan_model(&unknown).unwrap_err().to_string().contains("model.family"));
     }

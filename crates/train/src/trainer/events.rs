@@ -115,6 +115,8 @@ pub struct MemoryReport {
 pub struct RunInfo {
     pub shape: GptShape,
     pub n_params: usize,
+    /// Parameters that train: the flat buffers' elements (frozen ones are outside them).
+    pub n_trainable_params: usize,
     /// Training FLOPs per token, the model's own count (`Model::flops_per_token`): MFU's numerator.
     pub flops_per_token: f64,
     pub precision: Precision,

@@ -238,6 +238,7 @@ impl Trainer {
         let info = RunInfo {
             shape,
             n_params: self.model.n_params(),
+            n_trainable_params: self.model.params().n_elements() as usize,
             flops_per_token: self.model.flops_per_token(),
             precision: self.train.precision,
             device: self.device,

@@ -13,6 +13,10 @@ use crate::precision::LossScaler;
 use crate::TrainError;
 
 use super::events::{BatchChange, MemoryReport};
+
+/// The target cross-entropy skips: libtorch's `nll_loss` default `ignore_index`, which every
+/// family's loss in libtorch's graph uses.
+const IGNORED_TARGET: i64 = -100;
 use super::state::Trainer;
 
 impl Trainer {
@@ -53,11 +57,19 @@ impl Trainer {
                 return Err(TrainError::TokenOutOfVocab { step: step_number, token, vocab_size: shape.vocab_size });
             }
             let rows = Tensor::from_slice(&batch.tokens).view([micro_batch as i64, seq_len as i64 + 1]);
+            // Targets the loss skips (an instruction's prompt, padding) take cross-entropy's
+            // ignored index, so the mean runs over the counted ones.
+            let ignored = (!batch.loss_mask.is_empty())
+                .then(|| Tensor::from_slice(&batch.loss_mask).view([micro_batch as i64, seq_len as i64 + 1]));
             // from_slice copied the tokens: the buffer goes back to the source for a later batch.
             source.recycle(batch);
             let rows = rows.to_device(self.device);
             let inputs = rows.narrow(1, 0, seq_len as i64).contiguous();
-            let targets = rows.narrow(1, 1, seq_len as i64).contiguous();
+            let mut targets = rows.narrow(1, 1, seq_len as i64).contiguous();
+            if let Some(ignored) = ignored {
+                let ignored = ignored.narrow(1, 1, seq_len as i64).to_device(self.device);
+                targets = targets.masked_fill(&ignored, IGNORED_TARGET);
+            }
             clock.lap(Phase::H2d);
             let measure = measure_memory && micro_idx == 0;
             let before = measure.then(crate::peak::host_bytes_in_use).flatten();

@@ -3,8 +3,8 @@
 use std::ops::Range;
 
 use stoke_train::{
-    AttentionPrecision, Executor, ExecutorKind, Gpt, GptRms, GptShape, Model, Precision, Recompute, StepClock,
-    StepHooks, TrainError,
+    AttentionPrecision, Executor, ExecutorKind, Gpt, GptRms, GptShape, Llama, LlamaShape, LoraConfig, Model, Precision,
+    Recompute, StepClock, StepHooks, TrainError,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -22,7 +22,24 @@ fn families(precision: Precision) -> Vec<(&'static str, Box<dyn Model>)> {
     let gpt: Box<dyn Model> = Box::new(Gpt::new(SHAPE, precision, AttentionPrecision::Auto, Device::Cpu));
     tch::manual_seed(7);
     let rms: Box<dyn Model> = Box::new(GptRms::new(SHAPE, precision, Device::Cpu));
-    vec![("gpt", gpt), ("gpt-rms", rms)]
+    let llama_shape = LlamaShape {
+        base: SHAPE,
+        n_kv_head: SHAPE.n_head / 2,
+        ffn_hidden: 3 * SHAPE.d_model,
+        rope_theta: 10000.0,
+        norm_eps: 1e-5,
+        tie_head: false,
+        rope_scaling: None,
+    };
+    tch::manual_seed(7);
+    let llama: Box<dyn Model> = Box::new(Llama::new(llama_shape, precision, Device::Cpu));
+    // LoRA with its base frozen: the embedding and head units hold no trained parameter.
+    tch::manual_seed(7);
+    let lora_config =
+        LoraConfig { rank: 4, targets: vec!["q_proj".into(), "down_proj".into()], ..LoraConfig::default() };
+    let mut lora = Llama::with_lora(llama_shape, precision, &lora_config, Device::Cpu);
+    lora.params_mut().freeze(&|name| !name.contains(".lora_"));
+    vec![("gpt", gpt), ("gpt-rms", rms), ("llama", llama), ("llama-lora", Box::new(lora))]
 }
 
 fn batch(rows: i64, seed: i64) -> (Tensor, Tensor) {

@@ -133,6 +133,7 @@ impl Gpt {
             causal_block_rows: 0,
             fused_softmax_threads: 0,
             fused_bias_gelu_threads: 0,
+            tanh_gelu: false,
             casts: RefCell::new((0..shape.n_layer * Slot::PER_BLOCK + 1).map(|_| None).collect()),
             reuse_casts: false,
             unit_casts: false,
@@ -217,7 +218,17 @@ impl Gpt {
     /// linear layer's two matrix multiplies. `false` (the default of `new`) keeps libtorch's
     /// `addmm`, `gelu` and autograd.
     pub fn set_fused_bias_gelu(&mut self, enabled: bool, n_threads: usize) {
-        self.fused_bias_gelu_threads = if enabled { n_threads.max(1) } else { 0 };
+        self.fused_bias_gelu_threads = if enabled && !self.tanh_gelu { n_threads.max(1) } else { 0 };
+    }
+
+    /// The MLP's GELU as the tanh approximation (`model.gelu = "tanh"`, GPT-2's `gelu_new`, so
+    /// imported GPT-2 weights give GPT-2's outputs) instead of the exact one. The bias-GELU
+    /// kernel computes the exact GELU, so this turns it off.
+    pub fn set_tanh_gelu(&mut self, enabled: bool) {
+        self.tanh_gelu = enabled;
+        if enabled {
+            self.fused_bias_gelu_threads = 0;
+        }
     }
 
     /// Whether the executor runs the MLP's bias and GELU by hand (see `set_fused_bias_gelu`).
@@ -296,7 +307,9 @@ impl Gpt {
     /// The MLP of block `layer_idx` on `h`, its input already normed, in the compute type.
     pub(crate) fn mlp_branch(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
-        let h = self.linear(h, Slot::weight(layer_idx, Slot::FC), &block.fc_w, Some(&block.fc_b)).gelu("none");
+        let h = self
+            .linear(h, Slot::weight(layer_idx, Slot::FC), &block.fc_w, Some(&block.fc_b))
+            .gelu(if self.tanh_gelu { "tanh" } else { "none" });
         self.linear(&h, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, Some(&block.mlp_proj_b))
     }
 

@@ -38,6 +38,8 @@ pub struct Gpt {
     /// Threads of the bias + GELU kernels; 0 leaves the MLP's first bias and GELU to libtorch's
     /// ops and autograd (see `set_fused_bias_gelu`).
     pub(super) fused_bias_gelu_threads: usize,
+    /// The MLP's GELU is the tanh approximation (GPT-2's `gelu_new`; see `set_tanh_gelu`).
+    pub(super) tanh_gelu: bool,
     /// The weights and biases cast to the compute type, made at their first use in a step and
     /// reused by its later micro-batches (see `begin_step_casts`); indexed by `Slot`.
     pub(super) casts: RefCell<Vec<Option<Tensor>>>,

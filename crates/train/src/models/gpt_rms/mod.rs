@@ -33,6 +33,8 @@ pub struct GptRms {
     wpe: Tensor,
     blocks: Vec<BlockParams>,
     ln_f: Tensor,
+    /// The MLP's GELU is the tanh approximation (`model.gelu = "tanh"`).
+    tanh_gelu: bool,
 }
 
 /// One block's parameters.
@@ -114,7 +116,13 @@ impl GptRms {
             blocks,
             params,
             compute: compute_kind(precision),
+            tanh_gelu: false,
         }
+    }
+
+    /// The MLP's GELU as the tanh approximation (`model.gelu = "tanh"`) instead of the exact one.
+    pub fn set_tanh_gelu(&mut self, enabled: bool) {
+        self.tanh_gelu = enabled;
     }
 
     /// A linear layer without bias in the compute type: under 16-bit precision the input and
@@ -149,7 +157,7 @@ impl GptRms {
 
     fn mlp(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
-        self.linear(&self.linear(h, &block.fc_w).gelu("none"), &block.mlp_proj_w)
+        self.linear(&self.linear(h, &block.fc_w).gelu(if self.tanh_gelu { "tanh" } else { "none" }), &block.mlp_proj_w)
     }
 
     fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
@@ -188,11 +196,19 @@ impl Model for GptRms {
     }
 
     /// 6N for the matrix multiplies plus 12·L·d·T for attention (PaLM, appendix B), with N
-    /// excluding the position embedding, as the GPT's.
+    /// excluding the position embedding, as the GPT's; a frozen matrix (`train.freeze`) costs 4
+    /// per weight, not 6 (no gradient of its own in the backward).
     fn flops_per_token(&self) -> f64 {
         let shape = self.shape;
         let n = (self.n_params() - shape.seq_len * shape.d_model) as f64;
-        6.0 * n + 12.0 * (shape.n_layer * shape.d_model * shape.seq_len) as f64
+        let frozen_matmul: i64 = self
+            .params
+            .frozen_entries()
+            .iter()
+            .filter(|e| e.shape.len() == 2 && e.name != "transformer.wpe.weight")
+            .map(|e| e.numel)
+            .sum();
+        6.0 * n - 2.0 * frozen_matmul as f64 + 12.0 * (shape.n_layer * shape.d_model * shape.seq_len) as f64
     }
 
     fn embed(&self, inputs: &Tensor) -> Tensor {

@@ -1,0 +1,447 @@
+//! The Llama family (`model.family = "llama"`): a token embedding without positions, pre-norm
+//! blocks of causal self-attention with rotary position embeddings and grouped-query attention
+//! (`n_kv_head` key/value heads shared by groups of query heads) and a SwiGLU MLP (gate, up and
+//! down projections), RMSNorms with a scale only, no biases anywhere, a final norm and a head tied
+//! to the embedding or not. Everything runs in libtorch's graph.
+//!
+//! Parameter names are Hugging Face's `LlamaForCausalLM` names (`model.layers.0.self_attn.q_proj.
+//! weight`, ...), so checkpoints, adapters and exports need no renaming, and LoRA target globs
+//! written for transformers' models match stoke's. LoRA adapters (`[train.lora]`) sit beside the
+//! linear layers they target under PEFT's names (`...q_proj.lora_A.weight`), in the same unit.
+
+mod rope;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::{GptShape, LlamaShape, LoraConfig, Precision};
+use crate::models::{Branch, HeadLoss, Model, Norm};
+use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
+use crate::precision::compute_kind;
+
+/// The planner's description of this family at `shape` (`models::plan_model`).
+pub(crate) fn plan_model(shape: &LlamaShape) -> stoke_plan::ModelConfig {
+    let base = shape.base;
+    stoke_plan::ModelConfig {
+        n_layer: base.n_layer,
+        d_model: base.d_model,
+        n_head: base.n_head,
+        n_kv_head: shape.n_kv_head,
+        seq_len: base.seq_len,
+        vocab_size: base.vocab_size,
+        ffn_hidden: shape.ffn_hidden,
+        gated_mlp: true,
+        learned_positions: false,
+        tied_embeddings: shape.tie_head,
+        biases: false,
+        flash_attention: true,
+    }
+}
+
+/// The token embedding's name; the head's matrix when tied.
+const EMBED: &str = "model.embed_tokens.weight";
+const FINAL_NORM: &str = "model.norm.weight";
+const HEAD: &str = "lm_head.weight";
+
+pub struct Llama {
+    shape: LlamaShape,
+    params: FlatParams,
+    /// Element type of the matrix multiplies (see `precision::compute_kind`).
+    compute: Kind,
+    /// Handles to the parameters, resolved once from `params` (they share its storage).
+    embed_tokens: Tensor,
+    blocks: Vec<BlockParams>,
+    norm: Tensor,
+    /// The head's matrix: `embed_tokens` itself when tied.
+    lm_head: Tensor,
+    /// The rotary tables `[seq_len, head_dim]`, fp32 (constants, not parameters).
+    cos: Tensor,
+    sin: Tensor,
+    /// The LoRA adapters' scale, alpha / rank.
+    lora_scale: f64,
+}
+
+/// A linear layer without bias, with its LoRA adapter when it has one.
+struct Linear {
+    weight: Tensor,
+    /// `A` `[rank, in]` and `B` `[out, rank]`.
+    lora: Option<(Tensor, Tensor)>,
+}
+
+/// One block's parameters.
+struct BlockParams {
+    input_layernorm: Tensor,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_layernorm: Tensor,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+/// The names of the adapter of the linear layer whose weight is `weight_name`.
+pub(crate) fn adapter_names(weight_name: &str) -> (String, String) {
+    let module = weight_name.strip_suffix(".weight").unwrap_or(weight_name);
+    (format!("{module}.lora_A.weight"), format!("{module}.lora_B.weight"))
+}
+
+/// Whether `name` is a LoRA adapter's parameter.
+pub(crate) fn is_adapter(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
+/// Block `layer_idx`'s parameter names, in the order `BlockParams` holds them.
+fn block_names(layer_idx: usize) -> [String; 9] {
+    let p = format!("model.layers.{layer_idx}");
+    [
+        format!("{p}.input_layernorm.weight"),
+        format!("{p}.self_attn.q_proj.weight"),
+        format!("{p}.self_attn.k_proj.weight"),
+        format!("{p}.self_attn.v_proj.weight"),
+        format!("{p}.self_attn.o_proj.weight"),
+        format!("{p}.post_attention_layernorm.weight"),
+        format!("{p}.mlp.gate_proj.weight"),
+        format!("{p}.mlp.up_proj.weight"),
+        format!("{p}.mlp.down_proj.weight"),
+    ]
+}
+
+impl Llama {
+    /// A freshly initialized model (transformers' init: N(0, 0.02) for matrices and the
+    /// embedding, the residual projections `o_proj` and `down_proj` scaled by 1/sqrt(2·n_layer) as
+    /// the GPT's, norm scales at one). Seed libtorch first for a reproducible init. The flat
+    /// buffers are laid out unit by unit: the embedding, each block, then the final norm and an
+    /// untied head.
+    pub fn new(shape: LlamaShape, precision: Precision, device: Device) -> Llama {
+        Llama::with_lora(shape, precision, &LoraConfig::default(), device)
+    }
+
+    /// `new` with the LoRA adapters `lora` asks for (none when its rank is 0) beside the block
+    /// linear layers it targets; the caller freezes the base (`models::build_model`).
+    pub fn with_lora(shape: LlamaShape, precision: Precision, lora: &LoraConfig, device: Device) -> Llama {
+        let base = shape.base;
+        let (d, kv, ffn, vocab) =
+            (base.d_model as i64, shape.kv_dim() as i64, shape.ffn_hidden as i64, base.vocab_size as i64);
+        let std = 0.02;
+        let proj_std = 0.02 / (2.0 * base.n_layer.max(1) as f64).sqrt();
+        let spec = |name: String, shape: &[i64], init: Init, decay: bool| ParamSpec {
+            name,
+            shape: shape.to_vec(),
+            init,
+            decay,
+        };
+        let mut units = vec![UnitSpec {
+            name: "embedding".into(),
+            params: vec![spec(EMBED.into(), &[vocab, d], Init::Normal { std }, true)],
+        }];
+        for layer_idx in 0..base.n_layer {
+            let [ln_1, q, k, v, o, ln_2, gate, up, down] = block_names(layer_idx);
+            let mut params = vec![
+                spec(ln_1, &[d], Init::Ones, false),
+                spec(q, &[d, d], Init::Normal { std }, true),
+                spec(k, &[kv, d], Init::Normal { std }, true),
+                spec(v, &[kv, d], Init::Normal { std }, true),
+                spec(o, &[d, d], Init::Normal { std: proj_std }, true),
+                spec(ln_2, &[d], Init::Ones, false),
+                spec(gate, &[ffn, d], Init::Normal { std }, true),
+                spec(up, &[ffn, d], Init::Normal { std }, true),
+                spec(down, &[d, ffn], Init::Normal { std: proj_std }, true),
+            ];
+            if lora.enabled() {
+                let rank = lora.rank as i64;
+                let targeted: Vec<(String, i64, i64)> = params
+                    .iter()
+                    .filter(|p| p.shape.len() == 2 && lora.targets_weight(&p.name))
+                    .map(|p| (p.name.clone(), p.shape[0], p.shape[1]))
+                    .collect();
+                for (name, out, inp) in targeted {
+                    let (a, b) = adapter_names(&name);
+                    let bound = 1.0 / (inp as f64).sqrt();
+                    params.push(spec(a, &[rank, inp], Init::Uniform { bound }, true));
+                    params.push(spec(b, &[out, rank], Init::Zeros, true));
+                }
+            }
+            units.push(UnitSpec { name: format!("model.layers.{layer_idx}"), params });
+        }
+        let mut head = vec![spec(FINAL_NORM.into(), &[d], Init::Ones, false)];
+        if !shape.tie_head {
+            head.push(spec(HEAD.into(), &[vocab, d], Init::Normal { std }, true));
+        }
+        units.push(UnitSpec { name: "head".into(), params: head });
+        let params = FlatParams::new(units, device);
+        let get = |name: &str| params.get(name).shallow_clone();
+        let declared = |name: &str| params.entries().iter().any(|e| e.name == name);
+        let linear = |name: &str| {
+            let (a, b) = adapter_names(name);
+            Linear { weight: get(name), lora: declared(&a).then(|| (get(&a), get(&b))) }
+        };
+        let blocks = (0..base.n_layer)
+            .map(|layer_idx| {
+                let n = block_names(layer_idx);
+                BlockParams {
+                    input_layernorm: get(&n[0]),
+                    q_proj: linear(&n[1]),
+                    k_proj: linear(&n[2]),
+                    v_proj: linear(&n[3]),
+                    o_proj: linear(&n[4]),
+                    post_attention_layernorm: get(&n[5]),
+                    gate_proj: linear(&n[6]),
+                    up_proj: linear(&n[7]),
+                    down_proj: linear(&n[8]),
+                }
+            })
+            .collect();
+        let (cos, sin) = rope::tables(&shape, device);
+        Llama {
+            shape,
+            embed_tokens: get(EMBED),
+            norm: get(FINAL_NORM),
+            lm_head: get(if shape.tie_head { EMBED } else { HEAD }),
+            blocks,
+            params,
+            compute: compute_kind(precision),
+            cos,
+            sin,
+            lora_scale: if lora.enabled() { lora.scale() } else { 0.0 },
+        }
+    }
+
+    /// The llama-specific shape (key/value heads, MLP width, rotary settings).
+    pub fn llama_shape(&self) -> LlamaShape {
+        self.shape
+    }
+
+    /// A linear layer without bias in the compute type: under 16-bit precision the input and
+    /// the weight are cast for the multiply (what autocast does), and the result stays 16-bit.
+    fn matmul(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        if self.compute == Kind::Float {
+            return x.linear(weight, None::<&Tensor>);
+        }
+        x.to_kind(self.compute).linear(&weight.to_kind(self.compute), None::<&Tensor>)
+    }
+
+    /// `layer` on `x`: `W x`, plus `scale B A x` when it has an adapter.
+    fn linear(&self, x: &Tensor, layer: &Linear) -> Tensor {
+        let base = self.matmul(x, &layer.weight);
+        match &layer.lora {
+            None => base,
+            Some((a, b)) => base + self.matmul(&self.matmul(x, a), b) * self.lora_scale,
+        }
+    }
+
+    /// RMSNorm in fp32: `x / sqrt(mean(x^2) + eps) * scale` over the last dimension.
+    fn rms_norm(&self, x: &Tensor, scale: &Tensor) -> Tensor {
+        let x = x.to_kind(Kind::Float);
+        let mean_square = x.square().mean_dim([-1i64].as_slice(), true, Kind::Float);
+        x * (mean_square + self.shape.norm_eps).rsqrt() * scale
+    }
+
+    /// Causal self-attention with rotary positions; each key/value head serves `n_head /
+    /// n_kv_head` query heads.
+    fn attention(&self, layer_idx: usize, h: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
+        let (n_head, n_kv_head) = (self.shape.base.n_head as i64, self.shape.n_kv_head as i64);
+        let head_dim = d / n_head;
+        let heads = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]).transpose(1, 2);
+        let q = rope::apply(&heads(self.linear(h, &block.q_proj), n_head), &self.cos, &self.sin);
+        let k = rope::apply(&heads(self.linear(h, &block.k_proj), n_kv_head), &self.cos, &self.sin);
+        let v = heads(self.linear(h, &block.v_proj), n_kv_head);
+        // Each key/value head serves a group of query heads: SDPA's own grouping, which reads the
+        // shared heads in place instead of repeating them (transformers' `repeat_kv`).
+        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, n_kv_head != n_head);
+        let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
+        self.linear(&y, &block.o_proj)
+    }
+
+    /// SwiGLU: `down(silu(gate(h)) * up(h))`.
+    fn mlp(&self, layer_idx: usize, h: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        let gated = self.linear(h, &block.gate_proj).silu() * self.linear(h, &block.up_proj);
+        self.linear(&gated, &block.down_proj)
+    }
+
+    fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
+        let logits = self.matmul(&self.rms_norm(x, &self.norm), &self.lm_head);
+        let vocab = self.shape.base.vocab_size as i64;
+        logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+    }
+
+    fn trunk(&self, inputs: &Tensor) -> Tensor {
+        let mut x = self.embed(inputs);
+        for layer_idx in 0..self.shape.base.n_layer {
+            x = self.residual(layer_idx, Branch::Attention, &x);
+            x = self.residual(layer_idx, Branch::Mlp, &x);
+        }
+        x
+    }
+}
+
+impl Model for Llama {
+    fn shape(&self) -> GptShape {
+        self.shape.base
+    }
+
+    fn params(&self) -> &FlatParams {
+        &self.params
+    }
+
+    fn params_mut(&mut self) -> &mut FlatParams {
+        &mut self.params
+    }
+
+    /// The model's parameters and its LoRA adapters'.
+    fn n_params(&self) -> usize {
+        let adapters: i64 = self.params.entries().iter().filter(|e| is_adapter(&e.name)).map(|e| e.numel).sum();
+        self.shape.n_params() + adapters as usize
+    }
+
+    /// 6N for the matrix multiplies plus 12·L·d·T for attention (PaLM, appendix B), with N
+    /// excluding the input embedding when the head has its own matrix (a lookup multiplies
+    /// nothing). A frozen matrix costs 4 per weight, not 6: the backward still carries the
+    /// gradient through it but computes none for it (LoRA's base).
+    fn flops_per_token(&self) -> f64 {
+        let base = self.shape.base;
+        let lookup = if self.shape.tie_head { 0 } else { base.vocab_size * base.d_model };
+        let n = (self.n_params() - lookup) as f64;
+        let frozen_matmul: i64 = self
+            .params
+            .frozen_entries()
+            .iter()
+            .filter(|e| e.shape.len() == 2 && (self.shape.tie_head || e.name != EMBED))
+            .map(|e| e.numel)
+            .sum();
+        6.0 * n - 2.0 * frozen_matmul as f64 + 12.0 * (base.n_layer * base.d_model * base.seq_len) as f64
+    }
+
+    fn embed(&self, inputs: &Tensor) -> Tensor {
+        Tensor::embedding(&self.embed_tokens, inputs, -1, false, false)
+    }
+
+    fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
+        let scale = match which {
+            Norm::Attention(layer_idx) => &self.blocks[layer_idx].input_layernorm,
+            Norm::Mlp(layer_idx) => &self.blocks[layer_idx].post_attention_layernorm,
+            Norm::Final => &self.norm,
+        };
+        self.rms_norm(x, scale)
+    }
+
+    fn branch(&self, layer_idx: usize, branch: Branch, normed: &Tensor) -> Tensor {
+        match branch {
+            Branch::Attention => self.attention(layer_idx, normed),
+            Branch::Mlp => self.mlp(layer_idx, normed),
+        }
+    }
+
+    fn head_loss_for_backward(
+        &self,
+        x: &Tensor,
+        normed: bool,
+        targets: &Tensor,
+        _loss_multiplier: f64,
+    ) -> HeadLoss<'_> {
+        debug_assert!(!normed, "llama runs no norm by hand");
+        HeadLoss { loss: self.head_loss(x, targets), by_hand: None }
+    }
+
+    fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
+        self.head_loss(&self.trunk(inputs), targets)
+    }
+
+    fn forward(&self, inputs: &Tensor) -> Tensor {
+        self.matmul(&self.rms_norm(&self.trunk(inputs), &self.norm), &self.lm_head)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(n_kv_head: usize, tie_head: bool) -> LlamaShape {
+        LlamaShape {
+            base: GptShape { n_layer: 2, n_head: 4, d_model: 32, seq_len: 16, vocab_size: 48 },
+            n_kv_head,
+            ffn_hidden: 40,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+            tie_head,
+            rope_scaling: None,
+        }
+    }
+
+    #[test]
+    fn parameters_count_as_declared_tied_or_not() {
+        for tie_head in [false, true] {
+            let model = Llama::new(shape(2, tie_head), Precision::Fp32, Device::Cpu);
+            assert_eq!(model.params().n_elements() as usize, model.n_params());
+            assert!(model.params().entries().iter().all(|e| !e.name.ends_with(".bias")), "a bias was declared");
+            assert_eq!(model.params().entries().iter().any(|e| e.name == HEAD), !tie_head);
+        }
+        let model = Llama::new(shape(2, false), Precision::Fp32, Device::Cpu);
+        let k = model.params().entries().iter().find(|e| e.name == "model.layers.1.self_attn.k_proj.weight").unwrap();
+        assert_eq!(k.shape, [16, 32], "2 key/value heads of width 8");
+    }
+
+    /// Grouped-query attention with every key/value head repeated is multi-head attention with
+    /// those heads' weights copied: the same logits.
+    #[test]
+    fn grouped_query_attention_equals_attention_with_repeated_heads() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap();
+        tch::manual_seed(3);
+        let grouped = Llama::new(shape(2, false), Precision::Fp32, Device::Cpu);
+        let full = Llama::new(shape(4, false), Precision::Fp32, Device::Cpu);
+        tch::no_grad(|| {
+            for (g, f) in grouped.params().entries().iter().zip(full.params().entries()) {
+                if g.shape == f.shape {
+                    f.tensor.detach().copy_(&g.tensor);
+                } else {
+                    // [kv heads * head_dim, d] -> each head's rows twice, in order.
+                    let rows = g.tensor.view([2, 1, 8, 32]).expand([2, 2, 8, 32], false).reshape([32, 32]);
+                    f.tensor.detach().copy_(&rows);
+                }
+            }
+        });
+        let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
+        let (a, b) = tch::no_grad(|| (grouped.forward(&inputs), full.forward(&inputs)));
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "{diff}");
+    }
+
+    /// PEFT's init: B starts at zero, so adapters change nothing until they train; freezing the
+    /// base leaves only the adapters trainable and takes the base's weight gradients off the FLOPs.
+    #[test]
+    fn a_fresh_adapter_changes_nothing_and_a_frozen_base_costs_less() {
+        let lora = LoraConfig { rank: 4, ..LoraConfig::default() };
+        let mut adapted = Llama::with_lora(shape(2, false), Precision::Fp32, &lora, Device::Cpu);
+        let plain = Llama::new(shape(2, false), Precision::Fp32, Device::Cpu);
+        tch::no_grad(|| {
+            for entry in plain.params().entries() {
+                entry.tensor.detach().copy_(adapted.params().get(&entry.name));
+            }
+        });
+        let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
+        let (a, b) = tch::no_grad(|| (adapted.forward(&inputs), plain.forward(&inputs)));
+        assert_eq!((a - b).abs().max().double_value(&[]), 0.0);
+        // q [32, 32] and v [16, 32] per block: A [4, 32] each, B [32, 4] and [16, 4].
+        let adapters = 2 * (128 + 128 + 128 + 64);
+        assert_eq!(adapted.n_params(), plain.n_params() + adapters);
+        let before = adapted.flops_per_token();
+        adapted.params_mut().freeze(&|name| !is_adapter(name));
+        assert_eq!(adapted.params().n_elements() as usize, adapters);
+        let frozen_matrices = (adapted.n_params() - adapters - 48 * 32) as f64 - (2.0 * 2.0 * 32.0 + 32.0);
+        assert_eq!(before - adapted.flops_per_token(), 2.0 * frozen_matrices);
+    }
+
+    #[test]
+    fn a_later_token_leaves_earlier_logits_alone() {
+        let model = Llama::new(shape(2, true), Precision::Fp32, Device::Cpu);
+        let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
+        let changed = inputs.copy();
+        let _ = changed.narrow(1, 15, 1).fill_(7);
+        let (a, b) = tch::no_grad(|| (model.forward(&inputs), model.forward(&changed)));
+        let earlier = (a.narrow(1, 0, 15) - b.narrow(1, 0, 15)).abs().max().double_value(&[]);
+        assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
+    }
+}
