@@ -89,7 +89,8 @@ pub struct SimulateArgs {
     /// The least seconds between two resizes of one job (goodput policy).
     #[arg(long, default_value_t = 300.0)]
     pub min_resize_interval_s: f64,
-    /// Folder for the timelines (`timeline-<workload>-<policy>.html`) and `figures.json`.
+    /// Folder for the timelines (`timeline-<workload>-<policy>.html`), each job's course
+    /// (`jobs-<workload>-<policy>.json`: start, finish, every allocation) and `figures.json`.
     #[arg(long, default_value = "runs/sched")]
     pub out: PathBuf,
 }
@@ -159,6 +160,9 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             let html = args.out.join(format!("timeline-{name}-{label}.html"));
             std::fs::write(&html, report::timeline_html(&format!("{name}, {label}, {} slots", args.slots), &result))
                 .with_context(|| format!("cannot write {}", html.display()))?;
+            let per_job = args.out.join(format!("jobs-{name}-{label}.json"));
+            std::fs::write(&per_job, serde_json::to_string(&report::jobs_json(&result))? + "\n")
+                .with_context(|| format!("cannot write {}", per_job.display()))?;
             all.push(serde_json::json!({ "workload": name, "policy": label, "figures": f }));
             by_policy.entry(label).or_default().push(f);
         }

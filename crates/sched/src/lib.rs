@@ -63,6 +63,10 @@ pub enum SchedError {
     Io { path: std::path::PathBuf, source: std::io::Error },
     #[error("cannot {what} {path}: {source}")]
     File { path: std::path::PathBuf, what: &'static str, source: std::io::Error },
+    #[error("{flag} {value}: out of range; needs {range}")]
+    BadFlag { flag: &'static str, value: String, range: String },
+    #[error("the simulation stopped at {at_s:.1} s: {why}")]
+    Stalled { at_s: f64, why: String },
     #[error("--slots must be at least 1")]
     NoSlots,
     #[error("--cpus `{text}`: expected CPU numbers and ranges like 0,2,4-7")]
@@ -86,6 +90,7 @@ impl SchedError {
         matches!(
             self,
             SchedError::NoSlots
+                | SchedError::BadFlag { .. }
                 | SchedError::BadCpuList { .. }
                 | SchedError::NoCpu
                 | SchedError::FolderLocked { .. }

@@ -2,6 +2,13 @@
 
 use crate::SchedError;
 
+/// The least and the most samples per second a throughput may be: outside these a simulation's
+/// times overflow or its steps vanish below the clock's resolution.
+pub const MIN_RATE: f64 = 1e-6;
+pub const MAX_RATE: f64 = 1e12;
+/// The most workers a job or a cluster may have.
+pub const MAX_WORKERS: usize = 1_000_000;
+
 /// Samples per second on `w` workers.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Scaling {
@@ -43,15 +50,18 @@ impl Scaling {
         Ok(scaling)
     }
 
-    fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), String> {
         match self {
-            Scaling::Amdahl { t1, p } if !(*t1 > 0.0 && t1.is_finite() && (0.0..=1.0).contains(p)) => {
-                Err("needs T1 > 0 and 0 <= P <= 1".into())
+            Scaling::Amdahl { t1, p } if !((MIN_RATE..=MAX_RATE).contains(t1) && (0.0..=1.0).contains(p)) => {
+                Err(format!("needs {MIN_RATE:e} <= T1 <= {MAX_RATE:e} and 0 <= P <= 1"))
             }
             Scaling::Points(points)
-                if points.is_empty() || points.iter().any(|&(w, t)| w == 0 || t.is_nan() || t <= 0.0) =>
+                if points.is_empty()
+                    || points.iter().any(|&(w, t)| !(1..=MAX_WORKERS).contains(&w) || !(MIN_RATE..=MAX_RATE).contains(&t)) =>
             {
-                Err("needs at least one point, each with workers >= 1 and throughput > 0".into())
+                Err(format!(
+                    "needs at least one point, each with 1 <= workers <= {MAX_WORKERS} and {MIN_RATE:e} <= throughput <= {MAX_RATE:e}"
+                ))
             }
             Scaling::Points(points) if points.windows(2).any(|p| p[0].0 == p[1].0) => {
                 Err("one point per worker count".into())
@@ -130,6 +140,17 @@ pub struct Efficiency {
 impl Efficiency {
     pub const FIXED_BATCH: Efficiency = Efficiency { b0: 1.0, batch_grows: false, noise: 0.0 };
 
+    /// Refuses an efficiency that is not a fraction: a batch below 1 or a negative noise scale.
+    pub fn check(&self) -> Result<(), String> {
+        if self.batch_grows && !(self.b0.is_finite() && self.b0 >= 1.0 && self.noise.is_finite() && self.noise >= 0.0) {
+            return Err(format!(
+                "noise_scale {} batch_per_worker {}: needs noise_scale >= 0 and batch_per_worker >= 1",
+                self.noise, self.b0
+            ));
+        }
+        Ok(())
+    }
+
     pub fn at(&self, workers: usize) -> f64 {
         if !self.batch_grows || workers <= 1 {
             return 1.0;
@@ -162,6 +183,49 @@ pub struct JobSpec {
 }
 
 impl JobSpec {
+    /// Refuses a job no simulation could finish, or whose figures are out of their ranges (the
+    /// jobs CSV checks the same per field, naming the line).
+    pub fn check(&self, slots: usize) -> Result<(), String> {
+        use crate::workload::{MAX_PRIORITY, MAX_RESIZE_S, MAX_SUBMIT_S, MAX_WORK};
+        let within = |v: f64, lo: f64, hi: f64| v.is_finite() && (lo..=hi).contains(&v);
+        if self.name.is_empty() {
+            return Err("needs a name".into());
+        }
+        if !(1 <= self.min_workers && self.min_workers <= self.max_workers && self.max_workers <= MAX_WORKERS) {
+            return Err(format!(
+                "min_workers {} max_workers {}: needs 1 <= min_workers <= max_workers <= {MAX_WORKERS}",
+                self.min_workers, self.max_workers
+            ));
+        }
+        if self.min_workers > slots {
+            return Err(format!("min_workers {} is more than the {slots} slots", self.min_workers));
+        }
+        if !(within(self.work, 0.0, MAX_WORK) && self.work > 0.0) {
+            return Err(format!("work {}: needs 0 < work <= {MAX_WORK:e}", self.work));
+        }
+        if !within(self.submit_s, 0.0, MAX_SUBMIT_S) {
+            return Err(format!("submit_s {}: needs 0 <= submit_s <= {MAX_SUBMIT_S:e}", self.submit_s));
+        }
+        if !within(self.resize_s, 0.0, MAX_RESIZE_S) || !within(self.start_s, 0.0, MAX_RESIZE_S) {
+            return Err(format!(
+                "resize_s {} start_s {}: needs 0 <= each <= {MAX_RESIZE_S:e}",
+                self.resize_s, self.start_s
+            ));
+        }
+        if !(within(self.priority, 0.0, MAX_PRIORITY) && self.priority > 0.0) {
+            return Err(format!("priority {}: needs 0 < priority <= {MAX_PRIORITY:e}", self.priority));
+        }
+        self.scaling.check()?;
+        self.efficiency.check()?;
+        for w in [self.min_workers, self.max_workers.min(slots)] {
+            let rate = self.goodput(w);
+            if !(rate.is_finite() && rate >= MIN_RATE * 1e-6) {
+                return Err(format!("goodput {rate} on {w} workers; needs a positive, finite rate"));
+            }
+        }
+        Ok(())
+    }
+
     /// Useful samples per second on `workers`: throughput x statistical efficiency.
     pub fn goodput(&self, workers: usize) -> f64 {
         self.scaling.throughput(workers) * self.efficiency.at(workers)

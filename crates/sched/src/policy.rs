@@ -24,6 +24,13 @@ pub enum Policy {
 }
 
 impl Policy {
+    pub const ALL: &'static [Policy] = &[Policy::Fifo, Policy::Fair, Policy::Goodput];
+
+    /// Whether the policy reallocates on its own clock as well as at arrivals and completions.
+    pub fn ticks(self) -> bool {
+        matches!(self, Policy::Goodput)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Policy::Fifo => "fifo",

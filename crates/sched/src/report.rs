@@ -24,6 +24,32 @@ pub fn figures(result: &SimResult) -> Figures {
     }
 }
 
+/// Each job's course, machine-readable: submission, start, finish, completion time, resizes,
+/// and every change of its workers as `{"at_s", "workers"}` (0 at its finish).
+pub fn jobs_json(result: &SimResult) -> serde_json::Value {
+    let jobs: Vec<serde_json::Value> = result
+        .jobs
+        .iter()
+        .map(|j| {
+            let allocations: Vec<serde_json::Value> = j
+                .allocations
+                .iter()
+                .map(|&(at_s, workers)| serde_json::json!({ "at_s": at_s, "workers": workers }))
+                .collect();
+            serde_json::json!({
+                "name": j.name,
+                "submit_s": j.submit_s,
+                "start_s": j.start_s,
+                "finish_s": j.finish_s,
+                "completion_s": j.completion_s(),
+                "resizes": j.resizes,
+                "allocations": allocations,
+            })
+        })
+        .collect();
+    serde_json::json!({ "slots": result.slots, "jobs": jobs })
+}
+
 fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
