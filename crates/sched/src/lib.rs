@@ -19,17 +19,21 @@
 //! let job = |name: &str| JobSpec {
 //!     name: name.into(), submit_s: 0.0, work: 100.0, min_workers: 1, max_workers: 2,
 //!     scaling: Scaling::Amdahl { t1: 1.0, p: 0.9 }, efficiency: Efficiency::FIXED_BATCH,
-//!     resize_s: 5.0, start_s: 0.0, priority: 1.0,
+//!     resize_s: 5.0, start_s: 0.0, priority: 1.0, batch: None,
 //! };
 //! let (a, b) = (job("a"), job("b"));
-//! let config = PolicyConfig { slots: 2, policy: Policy::Fair, min_resize_interval_s: 30.0 };
+//! let config = PolicyConfig { min_resize_interval_s: 30.0, ..PolicyConfig::new(2, Policy::Fair) };
 //! // a holds both slots; b arrives: a shrinks to admit it.
-//! let views = [JobView { spec: &a, workers: 2, last_resize_s: 0.0 }, JobView { spec: &b, workers: 0, last_resize_s: f64::NEG_INFINITY }];
+//! let views = [JobView { spec: &a, workers: 2, last_resize_s: 0.0, done: 0.0, attained_slot_s: 0.0 }, JobView { spec: &b, workers: 0, last_resize_s: f64::NEG_INFINITY, done: 0.0, attained_slot_s: 0.0 }];
 //! let plan = allocate(&views, &config, 10.0);
 //! assert_eq!((plan[0].workers, plan[1].workers), (1, 1));
 //! assert!(plan[0].reason.contains("shrunk from 2 to 1"));
 //! ```
 
+mod baselines;
+pub mod batch;
+mod goodput;
+pub mod limits;
 pub mod model;
 pub mod observe;
 pub mod policy;
@@ -37,9 +41,11 @@ pub mod report;
 pub mod serve;
 pub mod sim;
 pub mod store;
+pub mod view;
 pub mod workload;
 
-pub use model::{Efficiency, JobSpec, Scaling};
+pub use batch::{BatchModel, StepTable};
+pub use model::{BatchChoice, Efficiency, JobSpec, Scaling};
 pub use policy::{allocate, Allocation, JobView, Policy, PolicyConfig};
 pub use serve::{serve, Launcher, ServeConfig};
 pub use sim::{simulate, JobResult, SimConfig, SimResult};
@@ -55,7 +61,7 @@ pub enum SchedError {
     BadCsv { line: usize, why: String },
     #[error("job {name}: {why}")]
     BadJob { name: String, why: String },
-    #[error("unknown policy `{name}`; policies: fifo, fair, goodput")]
+    #[error("unknown policy `{name}`; policies: fifo, fair, goodput, tiresias, optimus")]
     BadPolicy { name: String },
     #[error("scheduler database {path}: cannot {what}: {source}")]
     Store { path: std::path::PathBuf, what: &'static str, source: rusqlite::Error },

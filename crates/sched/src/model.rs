@@ -1,13 +1,8 @@
 //! The job model: throughput as a function of workers, statistical efficiency, goodput.
 
+use crate::batch::BatchModel;
+use crate::limits::{MAX_PRIORITY, MAX_RATE, MAX_RESIZE_S, MAX_SUBMIT_S, MAX_WORK, MAX_WORKERS, MIN_RATE};
 use crate::SchedError;
-
-/// The least and the most samples per second a throughput may be: outside these a simulation's
-/// times overflow or its steps vanish below the clock's resolution.
-pub const MIN_RATE: f64 = 1e-6;
-pub const MAX_RATE: f64 = 1e12;
-/// The most workers a job or a cluster may have.
-pub const MAX_WORKERS: usize = 1_000_000;
 
 /// Samples per second on `w` workers.
 #[derive(Debug, Clone, PartialEq)]
@@ -180,13 +175,23 @@ pub struct JobSpec {
     pub start_s: f64,
     /// Weight in the goodput policy's sum (1 = normal).
     pub priority: f64,
+    /// A batch the scheduler may choose: then the step table, not `scaling` and `efficiency`,
+    /// gives its goodput.
+    pub batch: Option<BatchModel>,
+}
+
+/// Which global batch a job runs: the one it asks for, or the best one it accepts for its
+/// workers and progress (the goodput policy's choice, as Pollux makes it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchChoice {
+    Asked,
+    Best,
 }
 
 impl JobSpec {
     /// Refuses a job no simulation could finish, or whose figures are out of their ranges (the
     /// jobs CSV checks the same per field, naming the line).
     pub fn check(&self, slots: usize) -> Result<(), String> {
-        use crate::workload::{MAX_PRIORITY, MAX_RESIZE_S, MAX_SUBMIT_S, MAX_WORK};
         let within = |v: f64, lo: f64, hi: f64| v.is_finite() && (lo..=hi).contains(&v);
         if self.name.is_empty() {
             return Err("needs a name".into());
@@ -217,6 +222,9 @@ impl JobSpec {
         }
         self.scaling.check()?;
         self.efficiency.check()?;
+        if let Some(model) = &self.batch {
+            model.check()?;
+        }
         for w in [self.min_workers, self.max_workers.min(slots)] {
             let rate = self.goodput(w);
             if !(rate.is_finite() && rate >= MIN_RATE * 1e-6) {
@@ -226,9 +234,42 @@ impl JobSpec {
         Ok(())
     }
 
-    /// Useful samples per second on `workers`: throughput x statistical efficiency.
+    /// Useful samples per second on `workers` at the start: throughput x statistical efficiency.
     pub fn goodput(&self, workers: usize) -> f64 {
-        self.scaling.throughput(workers) * self.efficiency.at(workers)
+        self.goodput_at(workers, 0.0, BatchChoice::Asked)
+    }
+
+    /// Useful samples per second on `workers` with `done` of the work done, at the batch `choice`
+    /// gives.
+    pub fn goodput_at(&self, workers: usize, done: f64, choice: BatchChoice) -> f64 {
+        match (&self.batch, choice) {
+            (None, _) => self.scaling.throughput(workers) * self.efficiency.at(workers),
+            (Some(model), BatchChoice::Asked) => {
+                model.goodput(model.workers_for_asked(workers), model.batch, done / self.work)
+            }
+            (Some(model), BatchChoice::Best) => model.best(workers, done / self.work).0,
+        }
+    }
+
+    /// The most workers that speed it up at all at `choice`'s batch: `max_workers`, less where
+    /// its batch cannot be spread over more (the local batch would fall below the micro-batches
+    /// measured).
+    pub fn max_useful_workers(&self, choice: BatchChoice) -> usize {
+        match (&self.batch, choice) {
+            (None, _) => self.max_workers,
+            (Some(model), BatchChoice::Asked) => model.workers_for_asked(self.max_workers),
+            (Some(model), BatchChoice::Best) => {
+                let most = (model.batch_max / model.table.micro_min()).floor().max(1.0) as usize;
+                self.max_workers.min(most)
+            }
+        }
+        .max(self.min_workers)
+    }
+
+    /// The work done (after `done`) at which its goodput changes without a change of workers
+    /// (its noise scale's next step), if any.
+    pub fn next_change(&self, done: f64) -> Option<f64> {
+        self.batch.as_ref()?.next_change(done / self.work).map(|f| f * self.work)
     }
 
     /// Goodput on `workers` over goodput on `min_workers` (what the goodput policy sums).

@@ -6,8 +6,10 @@
 //! at those events; a running job never drops below its minimum, and only a job's first start is
 //! free.
 
-use crate::model::{JobSpec, MAX_WORKERS};
+use crate::limits::{HORIZON_S, MAX_WORKERS, MIN_TICK_S};
+use crate::model::JobSpec;
 use crate::policy::{allocate, JobView, Policy, PolicyConfig};
+use crate::view::DEFAULT_FAIRNESS_P;
 use crate::SchedError;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -18,19 +20,23 @@ pub struct SimConfig {
     /// completions).
     pub tick_s: f64,
     pub min_resize_interval_s: f64,
+    /// The goodput policy's fairness p (`PolicyConfig::fairness_p`).
+    pub fairness_p: f64,
     /// The most events (arrivals, completions, resizes' ends, ticks) a simulation may take before
     /// it stops with an error instead of running on (a tick far shorter than the jobs).
     pub max_events: u64,
 }
 
-/// The simulated clock's end: past it an f64 second no longer resolves a millisecond tick.
-pub const HORIZON_S: f64 = 1e12;
-/// The shortest tick: with `HORIZON_S`, every tick moves the clock.
-pub const MIN_TICK_S: f64 = 1e-3;
-
 impl SimConfig {
     pub fn new(slots: usize, policy: Policy) -> SimConfig {
-        SimConfig { slots, policy, tick_s: 60.0, min_resize_interval_s: 300.0, max_events: 20_000_000 }
+        SimConfig {
+            slots,
+            policy,
+            tick_s: 60.0,
+            min_resize_interval_s: 300.0,
+            fairness_p: DEFAULT_FAIRNESS_P,
+            max_events: 20_000_000,
+        }
     }
 
     /// Refuses settings under which a simulation could not move forward, naming the flag and its
@@ -50,6 +56,9 @@ impl SimConfig {
                 format!("0 <= min_resize_interval_s <= {HORIZON_S:e}"),
             );
         }
+        if !(-10.0..=1.0).contains(&self.fairness_p) {
+            return flag("--fairness-p", self.fairness_p.to_string(), "-10 <= p <= 1".into());
+        }
         if self.max_events == 0 {
             return flag("max_events", "0".into(), "at least 1".into());
         }
@@ -57,7 +66,12 @@ impl SimConfig {
     }
 
     pub fn policy_config(&self) -> PolicyConfig {
-        PolicyConfig { slots: self.slots, policy: self.policy, min_resize_interval_s: self.min_resize_interval_s }
+        PolicyConfig {
+            slots: self.slots,
+            policy: self.policy,
+            min_resize_interval_s: self.min_resize_interval_s,
+            fairness_p: self.fairness_p,
+        }
     }
 }
 
@@ -139,6 +153,8 @@ struct State {
     start: Option<f64>,
     finish: Option<f64>,
     resizes: usize,
+    /// Slot-seconds held so far (Tiresias's attained service).
+    attained_slot_s: f64,
 }
 
 /// Runs `jobs` (any order) under `config` to completion.
@@ -163,6 +179,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
             start: None,
             finish: None,
             resizes: 0,
+            attained_slot_s: 0.0,
         })
         .collect();
     let mut timeline: Vec<Segment> = Vec::new();
@@ -171,6 +188,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
     let mut next_tick = config.tick_s;
     let mut events = 0u64;
     let mut still = 0usize;
+    let choice = config.policy.batch_choice();
     loop {
         let active: Vec<usize> =
             order.iter().copied().filter(|&j| jobs[j].submit_s <= t && state[j].finish.is_none()).collect();
@@ -228,9 +246,13 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
             if resume > t {
                 next = next.min(resume);
             }
-            let rate = jobs[j].goodput(s.workers);
+            let rate = jobs[j].goodput_at(s.workers, s.progress, choice);
             finish_at[j] = resume + (jobs[j].work - s.progress).max(0.0) / rate;
             next = next.min(finish_at[j]);
+            // Its noise scale's next step changes its rate: an event.
+            if let Some(change) = jobs[j].next_change(s.progress) {
+                next = next.min(resume + (change - s.progress).max(0.0) / rate);
+            }
         }
         if !next.is_finite() {
             // Nothing runs and nothing arrives: a job that can never start.
@@ -265,7 +287,14 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
                 continue;
             }
             let run = (next - s.paused_until.max(t)).max(0.0);
-            s.progress += jobs[j].goodput(s.workers) * run;
+            s.attained_slot_s += (next - t) * s.workers as f64;
+            s.progress += jobs[j].goodput_at(s.workers, s.progress, choice) * run;
+            if let Some(change) = jobs[j].next_change(s.progress - 1e-9 * jobs[j].work) {
+                // Rounding must not leave it a hair before the step it just reached.
+                if s.progress >= change * (1.0 - 1e-12) {
+                    s.progress = s.progress.max(change);
+                }
+            }
             if finish_at[j] <= next || s.progress >= jobs[j].work {
                 s.progress = jobs[j].work;
                 s.finish = Some(next);
@@ -309,7 +338,13 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
 fn plan(jobs: &[JobSpec], state: &[State], active: &[usize], config: &SimConfig, t: f64) -> Vec<usize> {
     let views: Vec<JobView<'_>> = active
         .iter()
-        .map(|&j| JobView { spec: &jobs[j], workers: state[j].workers, last_resize_s: state[j].last_resize })
+        .map(|&j| JobView {
+            spec: &jobs[j],
+            workers: state[j].workers,
+            last_resize_s: state[j].last_resize,
+            done: state[j].progress,
+            attained_slot_s: state[j].attained_slot_s,
+        })
         .collect();
     allocate(&views, &config.policy_config(), t).into_iter().map(|a| a.workers).collect()
 }
@@ -331,6 +366,7 @@ mod tests {
             resize_s: 10.0,
             start_s: 0.0,
             priority: 1.0,
+            batch: None,
         }
     }
 

@@ -13,8 +13,19 @@
 //! with `noise_scale` > 0 the global batch grows with the workers (`batch_per_worker` each) and
 //! statistical efficiency falls as McCandlish et al. (2018) model it; without it the global batch
 //! is fixed (stoke's `train.global_batch`) and efficiency is 1.
+//!
+//! With a header, five more columns describe a job whose batch the goodput policy may choose
+//! (`batch::BatchModel`): `step_table` (`WxM=STEP/SYNC;...`: seconds per step of micro-batch M on
+//! W workers, and the synchronisation part), `batch` (the global batch it asks for, which the
+//! other policies run), `batch_range` (`MIN-MAX`, the batches it accepts; MIN is the reference of
+//! its efficiency and `work` counts samples at it), `micro_max` (the largest micro-batch; more
+//! accumulates) and `noise_schedule` (`F=N;...`: noise scale N once fraction F of the work is
+//! done). `scaling` may then be left empty.
 
-use crate::model::{Efficiency, JobSpec, Scaling, MAX_WORKERS};
+use crate::batch::{BatchModel, StepTable};
+use crate::limits::MIN_RATE;
+use crate::limits::{MAX_NOISE_SCALE, MAX_PRIORITY, MAX_RESIZE_S, MAX_SUBMIT_S, MAX_WORK, MAX_WORKERS};
+use crate::model::{Efficiency, JobSpec, Scaling};
 use crate::SchedError;
 
 /// The columns of the jobs CSV, in their positional order (a file without a header line lists
@@ -30,16 +41,18 @@ pub const COLUMNS: &[&str] = &[
     "priority",
     "noise_scale",
     "batch_per_worker",
+    "batch",
+    "batch_range",
+    "micro_max",
+    "step_table",
+    "noise_schedule",
 ];
+/// Columns 0..REQUIRED are required, except `scaling` when a `step_table` is given; columns past
+/// `POSITIONAL` need a header.
 const REQUIRED: usize = 6;
-
-/// The latest submission time and the most work a job may have: past them a simulation's clock
-/// loses the resolution to take a step.
-pub const MAX_SUBMIT_S: f64 = 1e9;
-pub const MAX_WORK: f64 = 1e15;
-pub const MAX_RESIZE_S: f64 = 1e7;
-pub const MAX_PRIORITY: f64 = 1e6;
-pub const MAX_NOISE_SCALE: f64 = 1e12;
+const POSITIONAL: usize = 10;
+const SCALING: usize = 5;
+const STEP_TABLE: usize = 13;
 
 /// A numeric field's allowed range, in words, with its test.
 struct Range {
@@ -80,7 +93,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
             }
         }
         // column index (into COLUMNS) -> field text
-        let mut by_column: [Option<&str>; 10] = [None; 10];
+        let mut by_column: [Option<&str>; COLUMNS.len()] = [None; COLUMNS.len()];
         match &header {
             Some(columns) => {
                 if fields.len() > columns.len() {
@@ -91,7 +104,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
                 }
             }
             None => {
-                if !(REQUIRED..=COLUMNS.len()).contains(&fields.len()) || fields.len() == COLUMNS.len() - 1 {
+                if !(REQUIRED..=POSITIONAL).contains(&fields.len()) || fields.len() == POSITIONAL - 1 {
                     return Err(bad(format!(
                         "{} fields; expected submit_s,name,work,min_workers,max_workers,scaling[,resize_s[,priority[,noise_scale,batch_per_worker]]]",
                         fields.len()
@@ -124,7 +137,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
             }
             Ok(value)
         };
-        for required in 0..REQUIRED {
+        for required in (0..REQUIRED).filter(|&c| c != SCALING || field(STEP_TABLE).is_none()) {
             if field(required).is_none() {
                 return Err(bad(format!("{} is missing", COLUMNS[required])));
             }
@@ -140,8 +153,20 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
                 "min_workers {min_workers} > max_workers {max_workers}; needs min_workers <= max_workers"
             )));
         }
-        let scaling_text = field(5).unwrap_or_default();
-        let scaling = Scaling::parse(scaling_text).map_err(|e| bad(format!("scaling: {e}")))?;
+        let batch = match field(STEP_TABLE) {
+            Some(_) => Some(batch_model(&field, &float).map_err(|why| bad(why))?),
+            None => None,
+        };
+        let scaling = match (field(SCALING), &batch) {
+            (Some(text), _) => Scaling::parse(text).map_err(|e| bad(format!("scaling: {e}")))?,
+            // The asked batch's throughput per worker count, for what reads `scaling`.
+            (None, Some(model)) => Scaling::Points(
+                (1..=max_workers.min(256))
+                    .map(|w| (w, model.throughput(model.workers_for_asked(w), model.batch).unwrap_or(MIN_RATE)))
+                    .collect(),
+            ),
+            (None, None) => return Err(bad("scaling is missing".into())),
+        };
         let noise = float(8, &NOISE, 0.0)?;
         let efficiency = if noise > 0.0 {
             if field(9).is_none() {
@@ -162,9 +187,41 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
             start_s: 0.0,
             priority: float(7, &PRIORITY, 1.0)?,
             efficiency,
+            batch,
         });
     }
     Ok(jobs)
+}
+
+/// The batch model of a row with a `step_table`: `batch` (asked, required), `batch_range`
+/// `MIN-MAX` (default: the asked batch alone), `micro_max` (default: the largest micro-batch in
+/// the table), `noise_schedule` `F=N;...` (default: `noise_scale` throughout).
+fn batch_model<'a>(
+    field: &dyn Fn(usize) -> Option<&'a str>,
+    float: &dyn Fn(usize, &Range, f64) -> Result<f64, SchedError>,
+) -> Result<BatchModel, String> {
+    let table = StepTable::parse(field(STEP_TABLE).unwrap_or_default())?;
+    let asked = field(10).ok_or("batch is missing; a step_table needs the global batch the job asks for")?;
+    let batch: f64 = asked.parse().map_err(|_| format!("batch `{asked}` is not a number; needs 1 <= batch <= 1e9"))?;
+    let (batch_min, batch_max) = match field(11) {
+        Some(range) => {
+            let bad = || format!("batch_range `{range}`: expected MIN-MAX with 1 <= MIN <= batch <= MAX <= 1e9");
+            let (lo, hi) = range.split_once('-').ok_or_else(bad)?;
+            (lo.trim().parse::<f64>().map_err(|_| bad())?, hi.trim().parse::<f64>().map_err(|_| bad())?)
+        }
+        None => (batch, batch),
+    };
+    let micro_max = match field(12) {
+        Some(text) => text.parse::<f64>().map_err(|_| format!("micro_max `{text}` is not a number; needs >= 1"))?,
+        None => table.max_micro(),
+    };
+    let noise = match field(14) {
+        Some(text) => BatchModel::parse_noise(text)?,
+        None => vec![(0.0, float(8, &NOISE, 0.0).map_err(|e| e.to_string())?)],
+    };
+    let model = BatchModel { table, batch, batch_min, batch_max, micro_max, noise };
+    model.check()?;
+    Ok(model)
 }
 
 fn parse_header(fields: &[&str]) -> Result<Vec<usize>, String> {
@@ -195,8 +252,20 @@ pub fn to_csv(jobs: &[JobSpec]) -> String {
             }
         };
         let (noise, batch) = if j.efficiency.batch_grows { (j.efficiency.noise, j.efficiency.b0) } else { (0.0, 1.0) };
+        let model = match &j.batch {
+            Some(m) => format!(
+                "{},{}-{},{},{},{}",
+                m.batch,
+                m.batch_min,
+                m.batch_max,
+                m.micro_max,
+                m.table.to_text(),
+                m.noise_text()
+            ),
+            None => ",,,,".into(),
+        };
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{},{},{},{model}\n",
             j.submit_s, j.name, j.work, j.min_workers, j.max_workers, scaling, j.resize_s, j.priority, noise, batch
         ));
     }
@@ -290,6 +359,7 @@ pub fn generate(spec: &WorkloadSpec, seed: u64) -> Vec<JobSpec> {
                 resize_s: spec.resize_s,
                 start_s: 0.0,
                 priority: 1.0,
+                batch: None,
             }
         })
         .collect()

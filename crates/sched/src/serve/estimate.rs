@@ -82,5 +82,6 @@ pub fn job_spec(
         resize_s,
         start_s,
         priority: job.job.priority,
+        batch: None,
     }
 }

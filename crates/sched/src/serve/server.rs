@@ -99,7 +99,10 @@ pub fn serve(settings: &ServeConfig) -> Result<(), SchedError> {
     }
     let cores = slot_cores(settings.cpus.as_deref(), settings.slots)?;
     store.set_meta("cores", &cores.iter().map(usize::to_string).collect::<Vec<_>>().join(","))?;
-    let config = PolicyConfig { slots: settings.slots, policy, min_resize_interval_s: settings.min_resize_interval_s };
+    let config = PolicyConfig {
+        min_resize_interval_s: settings.min_resize_interval_s,
+        ..PolicyConfig::new(settings.slots, policy)
+    };
     let mut server = Server { settings, layout, store, config, cores, live: HashMap::new() };
     server.recover()?;
     let mut known_active: Vec<i64> = Vec::new();
@@ -378,6 +381,10 @@ impl Server<'_> {
                 spec,
                 workers: job.alloc,
                 last_resize_s: job.last_resize_s.map_or(f64::NEG_INFINITY, |t| t - t0),
+                // Work is in steps here: the last step its run reported. Attained service is not
+                // kept by the server (Tiresias then orders by submission alone).
+                done: self.live.get(&job.id).map_or(0.0, |l| l.last_step as f64).min(spec.work),
+                attained_slot_s: 0.0,
             });
             placed.push(job);
         }

@@ -49,6 +49,7 @@ fn job(work: f64) -> JobSpec {
         resize_s: 10.0,
         start_s: 0.0,
         priority: 1.0,
+        batch: None,
     }
 }
 

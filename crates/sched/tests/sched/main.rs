@@ -3,4 +3,5 @@
 //! (`props`).
 
 mod input;
+mod policies;
 mod props;

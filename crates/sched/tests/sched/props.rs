@@ -29,6 +29,7 @@ fn job(index: usize) -> impl Strategy<Value = JobSpec> {
             resize_s,
             start_s: 0.0,
             priority,
+            batch: None,
         })
 }
 

@@ -1,0 +1,267 @@
+//! Jobs whose global batch the scheduler may choose, as Pollux models them: step times measured
+//! per (workers, micro-batch), the global batches the job accepts, and its gradient noise scale
+//! as training goes (a schedule over the fraction of its work done).
+//!
+//! A global batch `B` on `w` workers is `w` local batches of `B / w`; a local batch larger than
+//! the job's largest micro-batch is split into `a + 1` micro-batches (gradient accumulation), and
+//! a step then takes `step + a * (step - sync)`: the synchronisation is paid once. Statistical
+//! efficiency is McCandlish et al.'s `(noise + b0) / (noise + B)` with `b0` the least batch the
+//! job accepts (its work is counted in samples at that batch's efficiency).
+
+/// Seconds of one step per (workers, micro-batch per worker): the whole step, and the part spent
+/// synchronising gradients.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepTable {
+    /// (workers, micro-batch, step_s, sync_s), sorted by workers then micro-batch.
+    rows: Vec<(usize, f64, f64, f64)>,
+}
+
+impl StepTable {
+    /// Parses `WxM=STEP/SYNC;...` (workers x micro-batch = step seconds / sync seconds).
+    pub fn parse(text: &str) -> Result<StepTable, String> {
+        let mut rows = Vec::new();
+        for entry in text.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+            let bad = || format!("step_table entry `{entry}`: expected WxM=STEP/SYNC with 0 <= SYNC < STEP");
+            let (key, times) = entry.split_once('=').ok_or_else(bad)?;
+            let (w, m) = key.split_once('x').ok_or_else(bad)?;
+            let (step, sync) = times.split_once('/').ok_or_else(bad)?;
+            let w: usize = w.trim().parse().map_err(|_| bad())?;
+            let m: f64 = m.trim().parse().map_err(|_| bad())?;
+            let (step, sync): (f64, f64) =
+                (step.trim().parse().map_err(|_| bad())?, sync.trim().parse().map_err(|_| bad())?);
+            let ok = (1..=crate::limits::MAX_WORKERS).contains(&w)
+                && m.is_finite()
+                && m >= 1.0
+                && step.is_finite()
+                && step > 0.0
+                && step <= 1e6
+                && sync.is_finite()
+                && sync >= 0.0
+                && sync < step;
+            if !ok {
+                return Err(bad());
+            }
+            rows.push((w, m, step, sync));
+        }
+        if rows.is_empty() {
+            return Err("step_table: no entry; expected WxM=STEP/SYNC;...".into());
+        }
+        rows.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+        if rows.windows(2).any(|p| p[0].0 == p[1].0 && p[0].1 == p[1].1) {
+            return Err("step_table: one entry per (workers, micro-batch)".into());
+        }
+        Ok(StepTable { rows })
+    }
+
+    pub fn to_text(&self) -> String {
+        self.rows.iter().map(|(w, m, s, y)| format!("{w}x{m}={s}/{y}")).collect::<Vec<_>>().join(";")
+    }
+
+    /// The least micro-batch measured on every worker count (smaller ones are not modelled).
+    pub fn micro_min(&self) -> f64 {
+        self.by_workers().map(|(_, rows)| rows[0].1).fold(0.0, f64::max)
+    }
+
+    /// The largest micro-batch measured.
+    pub fn max_micro(&self) -> f64 {
+        self.rows.iter().map(|r| r.1).fold(1.0, f64::max)
+    }
+
+    fn by_workers(&self) -> impl Iterator<Item = (usize, &[(usize, f64, f64, f64)])> {
+        self.rows.chunk_by(|a, b| a.0 == b.0).map(|rows| (rows[0].0, rows))
+    }
+
+    /// (step_s, sync_s) of one micro-batch `micro` on `workers`: linear between measured
+    /// micro-batches, then between measured worker counts (the nearest one outside them); `None`
+    /// outside the micro-batches measured.
+    pub fn step(&self, workers: usize, micro: f64) -> Option<(f64, f64)> {
+        let at = |rows: &[(usize, f64, f64, f64)]| -> Option<(f64, f64)> {
+            let first = rows[0];
+            if micro < first.1 * (1.0 - 1e-9) {
+                return None;
+            }
+            if rows.len() == 1 || micro <= first.1 {
+                return (micro <= first.1 * (1.0 + 1e-9)).then_some((first.2, first.3));
+            }
+            let pair = rows.windows(2).find(|p| micro <= p[1].1 * (1.0 + 1e-9))?;
+            let (a, b) = (pair[0], pair[1]);
+            let f = ((micro - a.1) / (b.1 - a.1)).clamp(0.0, 1.0);
+            Some((a.2 + f * (b.2 - a.2), a.3 + f * (b.3 - a.3)))
+        };
+        let groups: Vec<(usize, &[(usize, f64, f64, f64)])> = self.by_workers().collect();
+        let upper = groups.iter().position(|g| g.0 >= workers);
+        match upper {
+            None => at(groups[groups.len() - 1].1),
+            Some(0) => at(groups[0].1),
+            Some(i) if groups[i].0 == workers => at(groups[i].1),
+            Some(i) => {
+                let ((wa, ra), (wb, rb)) = (groups[i - 1], groups[i]);
+                let (a, b) = (at(ra)?, at(rb)?);
+                let f = (workers - wa) as f64 / (wb - wa) as f64;
+                Some((a.0 + f * (b.0 - a.0), a.1 + f * (b.1 - a.1)))
+            }
+        }
+    }
+}
+
+/// Candidate global batches tried per worker count when the scheduler chooses the batch.
+const BATCH_CANDIDATES: usize = 24;
+
+/// A job whose batch may be chosen: its step table, the batches it accepts and asks for, its
+/// largest micro-batch and its noise-scale schedule.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchModel {
+    pub table: StepTable,
+    /// The global batch the job asks for (policies that do not choose batches run it).
+    pub batch: f64,
+    /// The global batches it accepts; `batch_min` is also the reference `b0` of its efficiency.
+    pub batch_min: f64,
+    pub batch_max: f64,
+    /// The largest micro-batch per worker; a larger local batch accumulates.
+    pub micro_max: f64,
+    /// (fraction of the work done, noise scale from there on), sorted, the first at 0.
+    pub noise: Vec<(f64, f64)>,
+}
+
+impl BatchModel {
+    /// Parses a noise schedule `F=N;F=N;...` (from fraction F of the work done, noise scale N).
+    pub fn parse_noise(text: &str) -> Result<Vec<(f64, f64)>, String> {
+        let mut out = Vec::new();
+        for entry in text.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+            let bad = || format!("noise_schedule entry `{entry}`: expected F=N with 0 <= F < 1 and 0 <= N <= 1e12");
+            let (f, n) = entry.split_once('=').ok_or_else(bad)?;
+            let (f, n): (f64, f64) = (f.trim().parse().map_err(|_| bad())?, n.trim().parse().map_err(|_| bad())?);
+            if !((0.0..1.0).contains(&f) && (0.0..=1e12).contains(&n)) {
+                return Err(bad());
+            }
+            out.push((f, n));
+        }
+        out.sort_by(|a, b| a.0.total_cmp(&b.0));
+        if out.first().map(|e| e.0) != Some(0.0) {
+            return Err("noise_schedule: needs an entry at fraction 0".into());
+        }
+        if out.windows(2).any(|p| p[0].0 == p[1].0) {
+            return Err("noise_schedule: one entry per fraction".into());
+        }
+        Ok(out)
+    }
+
+    pub fn noise_text(&self) -> String {
+        self.noise.iter().map(|(f, n)| format!("{f}={n}")).collect::<Vec<_>>().join(";")
+    }
+
+    /// Refuses batches out of order or that no worker count can run.
+    pub fn check(&self) -> Result<(), String> {
+        let (lo, hi) = (self.batch_min, self.batch_max);
+        if !(lo.is_finite() && hi.is_finite() && 1.0 <= lo && lo <= self.batch && self.batch <= hi && hi <= 1e9) {
+            return Err(format!("batch {} in {lo}-{hi}: needs 1 <= min <= batch <= max <= 1e9", self.batch));
+        }
+        if !(self.micro_max.is_finite() && self.micro_max >= self.table.micro_min()) {
+            return Err(format!(
+                "micro_max {}: needs at least the least micro-batch measured on every worker count, {}",
+                self.micro_max,
+                self.table.micro_min()
+            ));
+        }
+        if self.throughput(1, self.batch).is_none() {
+            return Err(format!("batch {} on one worker is outside the step table's micro-batches", self.batch));
+        }
+        Ok(())
+    }
+
+    /// The noise scale once `fraction` of the work is done.
+    pub fn noise_at(&self, fraction: f64) -> f64 {
+        self.noise.iter().rev().find(|e| e.0 <= fraction).map_or(self.noise[0].1, |e| e.1)
+    }
+
+    /// The next fraction of the work at which the noise scale changes, after `fraction`.
+    pub fn next_change(&self, fraction: f64) -> Option<f64> {
+        self.noise.iter().map(|e| e.0).find(|&f| f > fraction)
+    }
+
+    /// Samples per second of global batch `batch` on `workers`; `None` when the local batch is
+    /// below the micro-batches measured.
+    pub fn throughput(&self, workers: usize, batch: f64) -> Option<f64> {
+        let local = batch / workers as f64;
+        let accum = ((local / self.micro_max) - 1e-9).ceil().max(1.0) - 1.0;
+        let micro = local / (accum + 1.0);
+        let (step, sync) = self.table.step(workers, micro)?;
+        Some(batch / (step + accum * (step - sync)))
+    }
+
+    pub fn efficiency(&self, batch: f64, fraction: f64) -> f64 {
+        let noise = self.noise_at(fraction);
+        (noise + self.batch_min) / (noise + batch)
+    }
+
+    /// Useful samples per second of `batch` on `workers` (0 when it cannot run there).
+    pub fn goodput(&self, workers: usize, batch: f64, fraction: f64) -> f64 {
+        self.throughput(workers, batch).map_or(0.0, |t| t * self.efficiency(batch, fraction))
+    }
+
+    /// The most workers the asked batch spreads over (more would leave a local batch below the
+    /// measured micro-batches): extra workers beyond it sit idle.
+    pub fn workers_for_asked(&self, workers: usize) -> usize {
+        let most = (self.batch / self.table.micro_min()).floor().max(1.0) as usize;
+        workers.min(most)
+    }
+
+    /// The best goodput on `workers` over the batches the job accepts, and that batch.
+    pub fn best(&self, workers: usize, fraction: f64) -> (f64, f64) {
+        let lo = self.batch_min.max(workers as f64 * self.table.micro_min());
+        let hi = self.batch_max;
+        if lo > hi {
+            return (0.0, self.batch);
+        }
+        let mut best = (0.0, lo);
+        for k in 0..=BATCH_CANDIDATES {
+            let batch = lo * (hi / lo).powf(k as f64 / BATCH_CANDIDATES as f64);
+            let rate = self.goodput(workers, batch, fraction);
+            if rate > best.0 {
+                best = (rate, batch);
+            }
+        }
+        best
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> BatchModel {
+        BatchModel {
+            table: StepTable::parse("1x32=0.1/0;1x64=0.15/0;2x32=0.12/0.02;2x64=0.17/0.02;4x32=0.2/0.1;4x64=0.25/0.1")
+                .unwrap(),
+            batch: 64.0,
+            batch_min: 32.0,
+            batch_max: 512.0,
+            micro_max: 64.0,
+            noise: BatchModel::parse_noise("0=100;0.5=1000").unwrap(),
+        }
+    }
+
+    #[test]
+    fn steps_interpolate_and_accumulate() {
+        let m = model();
+        assert_eq!(m.table.step(1, 48.0), Some((0.125, 0.0)));
+        assert_eq!(m.table.step(1, 16.0), None);
+        let (s, y) = m.table.step(3, 32.0).unwrap();
+        assert!((s - 0.16).abs() < 1e-12 && (y - 0.06).abs() < 1e-12);
+        // 256 on 2 workers: local 128, two micro-batches of 64: 0.17 + 0.15 s.
+        assert!((m.throughput(2, 256.0).unwrap() - 256.0 / 0.32).abs() < 1e-9);
+        assert!(m.check().is_ok());
+    }
+
+    #[test]
+    fn the_best_batch_grows_as_the_noise_does() {
+        let m = model();
+        let (early, late) = (m.best(4, 0.0).1, m.best(4, 0.9).1);
+        assert!(late > early, "{early} {late}");
+        assert_eq!(m.noise_at(0.7), 1000.0);
+        assert_eq!(m.next_change(0.1), Some(0.5));
+        assert_eq!(m.workers_for_asked(8), 2);
+        assert!(BatchModel::parse_noise("0.5=1").is_err());
+        assert!(StepTable::parse("1x32=0.1/0.2").is_err());
+    }
+}
