@@ -6,7 +6,8 @@ use crate::model::BatchChoice;
 use crate::view::{JobView, Plan, PolicyConfig, LAS_THRESHOLD_SLOT_S};
 
 /// Tiresias: the first queue (under `LAS_THRESHOLD_SLOT_S` slot-seconds of service) before the
-/// second, submission order within each; a job runs on all the workers it asks for or none.
+/// second, submission order within each; a job runs on all the workers it asks for
+/// (`JobSpec::asked`) or none.
 pub(crate) fn tiresias(jobs: &[JobView<'_>], config: &PolicyConfig) -> Plan {
     let n = jobs.len();
     let mut out = vec![0; n];
@@ -15,7 +16,7 @@ pub(crate) fn tiresias(jobs: &[JobView<'_>], config: &PolicyConfig) -> Plan {
     let first = |i: &usize| jobs[*i].attained_slot_s < LAS_THRESHOLD_SLOT_S;
     let order: Vec<usize> = (0..n).filter(first).chain((0..n).filter(|i| !first(i))).collect();
     for i in order {
-        let want = jobs[i].spec.max_useful_workers(BatchChoice::Asked).min(config.slots);
+        let want = jobs[i].spec.asked().min(jobs[i].spec.max_useful_workers(BatchChoice::Asked)).min(config.slots);
         let queue = if first(&i) { 1 } else { 2 };
         if want <= free {
             out[i] = want;

@@ -5,8 +5,8 @@
 //! A global batch `B` on `w` workers is `w` local batches of `B / w`; a local batch larger than
 //! the job's largest micro-batch is split into `a + 1` micro-batches (gradient accumulation), and
 //! a step then takes `step + a * (step - sync)`: the synchronisation is paid once. Statistical
-//! efficiency is McCandlish et al.'s `(noise + b0) / (noise + B)` with `b0` the least batch the
-//! job accepts (its work is counted in samples at that batch's efficiency).
+//! efficiency is McCandlish et al.'s `(noise + b0) / (noise + B)` with `b0` the job's reference
+//! batch (its work is counted in samples at that batch's efficiency).
 
 /// Seconds of one step per (workers, micro-batch per worker): the whole step, and the part spent
 /// synchronising gradients.
@@ -114,9 +114,11 @@ pub struct BatchModel {
     pub table: StepTable,
     /// The global batch the job asks for (policies that do not choose batches run it).
     pub batch: f64,
-    /// The global batches it accepts; `batch_min` is also the reference `b0` of its efficiency.
+    /// The global batches it accepts.
     pub batch_min: f64,
     pub batch_max: f64,
+    /// The batch whose efficiency is 1: its work counts samples at this batch's efficiency.
+    pub b0: f64,
     /// The largest micro-batch per worker; a larger local batch accumulates.
     pub micro_max: f64,
     /// (fraction of the work done, noise scale from there on), sorted, the first at 0.
@@ -156,6 +158,9 @@ impl BatchModel {
         if !(lo.is_finite() && hi.is_finite() && 1.0 <= lo && lo <= self.batch && self.batch <= hi && hi <= 1e9) {
             return Err(format!("batch {} in {lo}-{hi}: needs 1 <= min <= batch <= max <= 1e9", self.batch));
         }
+        if !(self.b0.is_finite() && (1.0..=1e9).contains(&self.b0)) {
+            return Err(format!("b0 {}: needs 1 <= b0 <= 1e9", self.b0));
+        }
         if !(self.micro_max.is_finite() && self.micro_max >= self.table.micro_min()) {
             return Err(format!(
                 "micro_max {}: needs at least the least micro-batch measured on every worker count, {}",
@@ -191,7 +196,7 @@ impl BatchModel {
 
     pub fn efficiency(&self, batch: f64, fraction: f64) -> f64 {
         let noise = self.noise_at(fraction);
-        (noise + self.batch_min) / (noise + batch)
+        (noise + self.b0) / (noise + batch)
     }
 
     /// Useful samples per second of `batch` on `workers` (0 when it cannot run there).
@@ -235,6 +240,7 @@ mod tests {
                 .unwrap(),
             batch: 64.0,
             batch_min: 32.0,
+            b0: 32.0,
             batch_max: 512.0,
             micro_max: 64.0,
             noise: BatchModel::parse_noise("0=100;0.5=1000").unwrap(),

@@ -19,7 +19,7 @@
 //! let job = |name: &str| JobSpec {
 //!     name: name.into(), submit_s: 0.0, work: 100.0, min_workers: 1, max_workers: 2,
 //!     scaling: Scaling::Amdahl { t1: 1.0, p: 0.9 }, efficiency: Efficiency::FIXED_BATCH,
-//!     resize_s: 5.0, start_s: 0.0, priority: 1.0, batch: None,
+//!     resize_s: 5.0, start_s: 0.0, priority: 1.0, batch: None, asked_workers: None,
 //! };
 //! let (a, b) = (job("a"), job("b"));
 //! let config = PolicyConfig { min_resize_interval_s: 30.0, ..PolicyConfig::new(2, Policy::Fair) };

@@ -178,6 +178,8 @@ pub struct JobSpec {
     /// A batch the scheduler may choose: then the step table, not `scaling` and `efficiency`,
     /// gives its goodput.
     pub batch: Option<BatchModel>,
+    /// The workers it asks for, which FIFO and Tiresias run it on (`None`: `max_workers`).
+    pub asked_workers: Option<usize>,
 }
 
 /// Which global batch a job runs: the one it asks for, or the best one it accepts for its
@@ -249,6 +251,11 @@ impl JobSpec {
             }
             (Some(model), BatchChoice::Best) => model.best(workers, done / self.work).0,
         }
+    }
+
+    /// The workers it asks for (FIFO's and Tiresias's allocation), within its limits.
+    pub fn asked(&self) -> usize {
+        self.asked_workers.unwrap_or(self.max_workers).clamp(self.min_workers, self.max_workers)
     }
 
     /// The most workers that speed it up at all at `choice`'s batch: `max_workers`, less where

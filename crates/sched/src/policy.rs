@@ -7,6 +7,7 @@
 
 use crate::baselines::{optimus, tiresias};
 use crate::goodput::goodput;
+use crate::model::BatchChoice;
 use crate::view::Plan;
 pub use crate::view::{Allocation, JobView, Policy, PolicyConfig};
 
@@ -40,7 +41,7 @@ fn fifo(jobs: &[JobView<'_>], config: &PolicyConfig) -> Plan {
         if out[i] > 0 {
             continue;
         }
-        let want = job.spec.max_workers.min(config.slots);
+        let want = job.spec.asked().min(config.slots);
         if want > free {
             break; // the head of the queue blocks the rest
         }
@@ -67,7 +68,7 @@ fn fair(jobs: &[JobView<'_>], config: &PolicyConfig) -> Plan {
     loop {
         let mut gave = false;
         for i in 0..n {
-            if free > 0 && out[i] > 0 && out[i] < jobs[i].spec.max_workers {
+            if free > 0 && out[i] > 0 && out[i] < jobs[i].spec.max_useful_workers(BatchChoice::Asked) {
                 out[i] += 1;
                 free -= 1;
                 gave = true;
@@ -112,6 +113,7 @@ mod tests {
             start_s: 0.0,
             priority: 1.0,
             batch: None,
+            asked_workers: None,
         }
     }
 

@@ -367,6 +367,7 @@ mod tests {
             start_s: 0.0,
             priority: 1.0,
             batch: None,
+            asked_workers: None,
         }
     }
 

@@ -6,7 +6,7 @@ use crate::model::{BatchChoice, JobSpec};
 /// How slots are shared.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
-    /// First come, first served, static: a job gets its `max_workers` or waits (the head of the
+    /// First come, first served, static: a job gets the workers it asks for or waits (the head of the
     /// queue blocks the rest); never resized.
     Fifo,
     /// Every active job gets an equal share (within its min/max), recomputed at arrivals and
@@ -21,7 +21,7 @@ pub enum Policy {
     /// to admit a waiting job; free slots go to any job they speed up.
     Goodput,
     /// Tiresias (Gu et al., NSDI 2019), discretised two-queue least-attained-service: jobs run on
-    /// the workers they ask for (`max_workers`), those with under `LAS_THRESHOLD_SLOT_S`
+    /// the workers they ask for (`JobSpec::asked`), those with under `LAS_THRESHOLD_SLOT_S`
     /// slot-seconds first, in submission order within a queue; a job that no longer fits is
     /// preempted (its restart costs a resize). No queue head blocks the jobs behind it.
     Tiresias,

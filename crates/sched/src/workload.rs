@@ -20,7 +20,9 @@
 //! other policies run), `batch_range` (`MIN-MAX`, the batches it accepts; MIN is the reference of
 //! its efficiency and `work` counts samples at it), `micro_max` (the largest micro-batch; more
 //! accumulates) and `noise_schedule` (`F=N;...`: noise scale N once fraction F of the work is
-//! done). `scaling` may then be left empty.
+//! done), `b0` (the batch whose efficiency is 1, at which `work` counts samples; default MIN).
+//! `scaling` may then be left empty. `workers` (any job) is what it asks for, which FIFO and
+//! Tiresias run it on (default `max_workers`).
 
 use crate::batch::{BatchModel, StepTable};
 use crate::limits::MIN_RATE;
@@ -46,6 +48,8 @@ pub const COLUMNS: &[&str] = &[
     "micro_max",
     "step_table",
     "noise_schedule",
+    "b0",
+    "workers",
 ];
 /// Columns 0..REQUIRED are required, except `scaling` when a `step_table` is given; columns past
 /// `POSITIONAL` need a header.
@@ -148,6 +152,14 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
         }
         first_line_of.insert(name.clone(), line_no);
         let (min_workers, max_workers) = (workers(3)?, workers(4)?);
+        if let Some(asked) = field(16) {
+            let asked: usize = asked.parse().unwrap_or(0);
+            if !(min_workers..=max_workers).contains(&asked) {
+                return Err(bad(format!(
+                    "workers `{asked}` is out of range; needs min_workers <= workers <= max_workers"
+                )));
+            }
+        }
         if min_workers > max_workers {
             return Err(bad(format!(
                 "min_workers {min_workers} > max_workers {max_workers}; needs min_workers <= max_workers"
@@ -188,6 +200,10 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
             priority: float(7, &PRIORITY, 1.0)?,
             efficiency,
             batch,
+            asked_workers: match field(16) {
+                Some(_) => Some(workers(16)?),
+                None => None,
+            },
         });
     }
     Ok(jobs)
@@ -219,7 +235,11 @@ fn batch_model<'a>(
         Some(text) => BatchModel::parse_noise(text)?,
         None => vec![(0.0, float(8, &NOISE, 0.0).map_err(|e| e.to_string())?)],
     };
-    let model = BatchModel { table, batch, batch_min, batch_max, micro_max, noise };
+    let b0 = match field(15) {
+        Some(text) => text.parse::<f64>().map_err(|_| format!("b0 `{text}` is not a number; needs 1 <= b0 <= 1e9"))?,
+        None => batch_min,
+    };
+    let model = BatchModel { table, batch, batch_min, batch_max, b0, micro_max, noise };
     model.check()?;
     Ok(model)
 }
@@ -254,18 +274,20 @@ pub fn to_csv(jobs: &[JobSpec]) -> String {
         let (noise, batch) = if j.efficiency.batch_grows { (j.efficiency.noise, j.efficiency.b0) } else { (0.0, 1.0) };
         let model = match &j.batch {
             Some(m) => format!(
-                "{},{}-{},{},{},{}",
+                "{},{}-{},{},{},{},{}",
                 m.batch,
                 m.batch_min,
                 m.batch_max,
                 m.micro_max,
                 m.table.to_text(),
-                m.noise_text()
+                m.noise_text(),
+                m.b0
             ),
-            None => ",,,,".into(),
+            None => ",,,,,".into(),
         };
+        let asked = j.asked_workers.map_or(String::new(), |w| w.to_string());
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{},{model}\n",
+            "{},{},{},{},{},{},{},{},{},{},{model},{asked}\n",
             j.submit_s, j.name, j.work, j.min_workers, j.max_workers, scaling, j.resize_s, j.priority, noise, batch
         ));
     }
@@ -360,6 +382,7 @@ pub fn generate(spec: &WorkloadSpec, seed: u64) -> Vec<JobSpec> {
                 start_s: 0.0,
                 priority: 1.0,
                 batch: None,
+                asked_workers: None,
             }
         })
         .collect()

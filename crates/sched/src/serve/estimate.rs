@@ -83,5 +83,6 @@ pub fn job_spec(
         start_s,
         priority: job.job.priority,
         batch: None,
+        asked_workers: None,
     }
 }

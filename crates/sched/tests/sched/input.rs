@@ -50,6 +50,7 @@ fn job(work: f64) -> JobSpec {
         start_s: 0.0,
         priority: 1.0,
         batch: None,
+        asked_workers: None,
     }
 }
 

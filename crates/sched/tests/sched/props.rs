@@ -30,6 +30,7 @@ fn job(index: usize) -> impl Strategy<Value = JobSpec> {
             start_s: 0.0,
             priority,
             batch: None,
+            asked_workers: None,
         })
 }
 
