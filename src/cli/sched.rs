@@ -67,8 +67,8 @@ pub struct SubmitArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
-    /// Jobs CSV (`submit_s,name,work,min_workers,max_workers,scaling[,resize_s[,priority[,noise_scale,batch_per_worker]]]`);
-    /// without it, generated workloads, one per seed.
+    /// Jobs CSV (`submit_s,name,work,min_workers,max_workers,scaling[,resize_s[,priority[,noise_scale,batch_per_worker]]]`,
+    /// more columns behind a header: see stoke_sched::workload); without it, generated workloads.
     #[arg(long)]
     pub jobs: Option<PathBuf>,
     /// Seeds of the generated workloads.
@@ -80,8 +80,8 @@ pub struct SimulateArgs {
     /// Slots (devices or cores) to share.
     #[arg(long, default_value_t = 16)]
     pub slots: usize,
-    /// Policies to compare: fifo, fair, goodput (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "fifo,fair,goodput")]
+    /// Policies to compare: fifo, fair, goodput, tiresias, optimus (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "fifo,fair,goodput,tiresias,optimus")]
     pub policy: Vec<String>,
     /// Seconds between the goodput policy's reallocations.
     #[arg(long, default_value_t = 60.0)]
@@ -89,6 +89,9 @@ pub struct SimulateArgs {
     /// The least seconds between two resizes of one job (goodput policy).
     #[arg(long, default_value_t = 300.0)]
     pub min_resize_interval_s: f64,
+    /// The goodput policy's fairness: the p of its p-norm of speed-ups (1: most total goodput).
+    #[arg(long, default_value_t = stoke_sched::view::DEFAULT_FAIRNESS_P, allow_hyphen_values = true)]
+    pub fairness_p: f64,
     /// Folder for the timelines (`timeline-<workload>-<policy>.html`), each job's course
     /// (`jobs-<workload>-<policy>.json`: start, finish, every allocation) and `figures.json`.
     #[arg(long, default_value = "runs/sched")]
@@ -113,9 +116,6 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|p| p.parse().map_err(|e: stoke_sched::SchedError| anyhow::Error::new(UsageError(e.to_string()))))
         .collect::<Result<_, _>>()?;
-    if args.slots == 0 {
-        return Err(UsageError("--slots must be at least 1".into()).into());
-    }
     let workloads: Vec<(String, Vec<stoke_sched::JobSpec>)> = match &args.jobs {
         Some(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
@@ -143,6 +143,7 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             let config = SimConfig {
                 tick_s: args.tick_s,
                 min_resize_interval_s: args.min_resize_interval_s,
+                fairness_p: args.fairness_p,
                 ..SimConfig::new(args.slots, policy)
             };
             let result = stoke_sched::simulate(jobs, &config).map_err(|e| UsageError(format!("{name}: {e}")))?;

@@ -219,8 +219,8 @@ impl BatchModel {
             return (0.0, self.batch);
         }
         let mut best = (0.0, lo);
-        for k in 0..=BATCH_CANDIDATES {
-            let batch = lo * (hi / lo).powf(k as f64 / BATCH_CANDIDATES as f64);
+        let grid = (0..=BATCH_CANDIDATES).map(|k| lo * (hi / lo).powf(k as f64 / BATCH_CANDIDATES as f64));
+        for batch in grid.chain([self.batch].into_iter().filter(|&b| (lo..=hi).contains(&b))) {
             let rate = self.goodput(workers, batch, fraction);
             if rate > best.0 {
                 best = (rate, batch);

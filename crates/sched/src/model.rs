@@ -275,8 +275,10 @@ impl JobSpec {
 
     /// The work done (after `done`) at which its goodput changes without a change of workers
     /// (its noise scale's next step), if any.
+    /// Steps closer than a billionth of the work count as reached: rounding in the progress then
+    /// never schedules an event the clock cannot resolve.
     pub fn next_change(&self, done: f64) -> Option<f64> {
-        self.batch.as_ref()?.next_change(done / self.work).map(|f| f * self.work)
+        self.batch.as_ref()?.next_change(done / self.work + 1e-9).map(|f| f * self.work)
     }
 
     /// Goodput on `workers` over goodput on `min_workers` (what the goodput policy sums).

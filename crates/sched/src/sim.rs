@@ -289,12 +289,6 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
             let run = (next - s.paused_until.max(t)).max(0.0);
             s.attained_slot_s += (next - t) * s.workers as f64;
             s.progress += jobs[j].goodput_at(s.workers, s.progress, choice) * run;
-            if let Some(change) = jobs[j].next_change(s.progress - 1e-9 * jobs[j].work) {
-                // Rounding must not leave it a hair before the step it just reached.
-                if s.progress >= change * (1.0 - 1e-12) {
-                    s.progress = s.progress.max(change);
-                }
-            }
             if finish_at[j] <= next || s.progress >= jobs[j].work {
                 s.progress = jobs[j].work;
                 s.finish = Some(next);

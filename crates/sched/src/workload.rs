@@ -22,7 +22,8 @@
 //! accumulates) and `noise_schedule` (`F=N;...`: noise scale N once fraction F of the work is
 //! done), `b0` (the batch whose efficiency is 1, at which `work` counts samples; default MIN).
 //! `scaling` may then be left empty. `workers` (any job) is what it asks for, which FIFO and
-//! Tiresias run it on (default `max_workers`).
+//! Tiresias run it on (default `max_workers`); `start_s` the seconds its first start costs
+//! (default 0).
 
 use crate::batch::{BatchModel, StepTable};
 use crate::limits::MIN_RATE;
@@ -50,6 +51,7 @@ pub const COLUMNS: &[&str] = &[
     "noise_schedule",
     "b0",
     "workers",
+    "start_s",
 ];
 /// Columns 0..REQUIRED are required, except `scaling` when a `step_table` is given; columns past
 /// `POSITIONAL` need a header.
@@ -67,6 +69,7 @@ struct Range {
 const SUBMIT: Range = Range { words: "0 <= submit_s <= 1e9", ok: |v| (0.0..=MAX_SUBMIT_S).contains(&v) };
 const WORK: Range = Range { words: "0 < work <= 1e15", ok: |v| v > 0.0 && v <= MAX_WORK };
 const RESIZE: Range = Range { words: "0 <= resize_s <= 1e7", ok: |v| (0.0..=MAX_RESIZE_S).contains(&v) };
+const START: Range = Range { words: "0 <= start_s <= 1e7", ok: |v| (0.0..=MAX_RESIZE_S).contains(&v) };
 const PRIORITY: Range = Range { words: "0 < priority <= 1e6", ok: |v| v > 0.0 && v <= MAX_PRIORITY };
 const NOISE: Range =
     Range { words: "0 <= noise_scale <= 1e12 (0: a fixed global batch)", ok: |v| (0.0..=MAX_NOISE_SCALE).contains(&v) };
@@ -196,7 +199,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
             max_workers,
             scaling,
             resize_s: float(6, &RESIZE, 30.0)?,
-            start_s: 0.0,
+            start_s: float(17, &START, 0.0)?,
             priority: float(7, &PRIORITY, 1.0)?,
             efficiency,
             batch,
@@ -286,8 +289,9 @@ pub fn to_csv(jobs: &[JobSpec]) -> String {
             None => ",,,,,".into(),
         };
         let asked = j.asked_workers.map_or(String::new(), |w| w.to_string());
+        let start = j.start_s;
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{},{model},{asked}\n",
+            "{},{},{},{},{},{},{},{},{},{},{model},{asked},{start}\n",
             j.submit_s, j.name, j.work, j.min_workers, j.max_workers, scaling, j.resize_s, j.priority, noise, batch
         ));
     }
