@@ -92,6 +92,9 @@ pub struct SimulateArgs {
     /// The goodput policy's fairness: the p of its p-norm of speed-ups (1: most total goodput).
     #[arg(long, default_value_t = stoke_sched::view::DEFAULT_FAIRNESS_P, allow_hyphen_values = true)]
     pub fairness_p: f64,
+    /// Allocate only every --tick-s (as Pollux's simulator does), not also at arrivals and ends.
+    #[arg(long)]
+    pub on_ticks_only: bool,
     /// Folder for the timelines (`timeline-<workload>-<policy>.html`), each job's course
     /// (`jobs-<workload>-<policy>.json`: start, finish, every allocation) and `figures.json`.
     #[arg(long, default_value = "runs/sched")]
@@ -144,6 +147,7 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
                 tick_s: args.tick_s,
                 min_resize_interval_s: args.min_resize_interval_s,
                 fairness_p: args.fairness_p,
+                on_ticks_only: args.on_ticks_only,
                 ..SimConfig::new(args.slots, policy)
             };
             let result = stoke_sched::simulate(jobs, &config).map_err(|e| UsageError(format!("{name}: {e}")))?;

@@ -20,6 +20,9 @@ pub struct SimConfig {
     /// completions).
     pub tick_s: f64,
     pub min_resize_interval_s: f64,
+    /// Allocate only on ticks (every `tick_s`), as Pollux's simulator does, instead of also at
+    /// every arrival and completion.
+    pub on_ticks_only: bool,
     /// The goodput policy's fairness p (`PolicyConfig::fairness_p`).
     pub fairness_p: f64,
     /// The most events (arrivals, completions, resizes' ends, ticks) a simulation may take before
@@ -35,6 +38,7 @@ impl SimConfig {
             tick_s: 60.0,
             min_resize_interval_s: 300.0,
             fairness_p: DEFAULT_FAIRNESS_P,
+            on_ticks_only: false,
             max_events: 20_000_000,
         }
     }
@@ -189,6 +193,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
     let mut events = 0u64;
     let mut still = 0usize;
     let choice = config.policy.batch_choice();
+    let mut at_tick = true;
     loop {
         let active: Vec<usize> =
             order.iter().copied().filter(|&j| jobs[j].submit_s <= t && state[j].finish.is_none()).collect();
@@ -206,7 +211,13 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
             });
         }
         // Allocate.
-        let targets = plan(jobs, &state, &active, config, t);
+        // On ticks only (as Pollux's simulator runs), arrivals wait for the next tick and slots a
+        // finished job frees stay free until then.
+        let targets = if config.on_ticks_only && !at_tick {
+            active.iter().map(|&j| state[j].workers).collect()
+        } else {
+            plan(jobs, &state, &active, config, t)
+        };
         debug_assert!(targets.iter().sum::<usize>() <= config.slots);
         for (&j, &target) in active.iter().zip(&targets) {
             let s = &mut state[j];
@@ -233,7 +244,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
         }
         // The next event: an arrival, a tick, a resize's end or a completion.
         let mut next = order.iter().map(|&j| jobs[j].submit_s).filter(|&s| s > t).fold(f64::INFINITY, f64::min);
-        if config.policy.ticks() {
+        if config.policy.ticks() || config.on_ticks_only {
             next = next.min(next_tick);
         }
         let mut finish_at = vec![f64::INFINITY; jobs.len()];
@@ -306,7 +317,8 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
                 return Err(SchedError::Stalled { at_s: t, why: "the clock does not move".into() });
             }
         }
-        if next >= next_tick {
+        at_tick = next >= next_tick;
+        if at_tick {
             next_tick = next + config.tick_s;
         }
         t = next;

@@ -2,7 +2,7 @@
 //! out more slots than the cluster has, and no job runs outside its limits.
 
 use proptest::prelude::*;
-use stoke_sched::{simulate, Efficiency, JobSpec, Policy, Scaling, SimConfig};
+use stoke_sched::{simulate, BatchModel, Efficiency, JobSpec, Policy, Scaling, SimConfig, StepTable};
 
 fn scaling() -> impl Strategy<Value = Scaling> {
     prop_oneof![
@@ -34,8 +34,36 @@ fn job(index: usize) -> impl Strategy<Value = JobSpec> {
         })
 }
 
+/// A job whose batch the goodput policy chooses: a step table on 1, 2, 4 and 8 workers, a noise
+/// schedule of two steps.
+fn adaptive(index: usize) -> impl Strategy<Value = JobSpec> {
+    (job(index), 0.01f64..0.5, 0.0f64..0.9, 1.0f64..5000.0, 1.0f64..5000.0, 1u32..4).prop_map(
+        |(base, step_s, sync_share, noise_a, noise_b, range)| {
+            let rows: Vec<String> = [1usize, 2, 4, 8]
+                .iter()
+                .flat_map(|&w| {
+                    [16.0, 64.0].map(move |m: f64| {
+                        let step = step_s * (1.0 + m / 64.0) * (1.0 + 0.1 * w as f64);
+                        format!("{w}x{m}={step}/{}", step * sync_share * (w > 1) as u8 as f64)
+                    })
+                })
+                .collect();
+            let model = BatchModel {
+                table: StepTable::parse(&rows.join(";")).unwrap(),
+                batch: 32.0,
+                batch_min: 16.0,
+                batch_max: 16.0 * 4f64.powi(range as i32),
+                b0: 16.0,
+                micro_max: 64.0,
+                noise: vec![(0.0, noise_a), (0.4, noise_b)],
+            };
+            JobSpec { batch: Some(model), ..base }
+        },
+    )
+}
+
 fn jobs() -> impl Strategy<Value = Vec<JobSpec>> {
-    (1usize..=10).prop_flat_map(|n| (0..n).map(job).collect::<Vec<_>>())
+    (1usize..=10).prop_flat_map(|n| (0..n).map(|i| prop_oneof![job(i), adaptive(i)].boxed()).collect::<Vec<_>>())
 }
 
 fn policy() -> impl Strategy<Value = Policy> {
@@ -52,8 +80,17 @@ proptest! {
         policy in policy(),
         tick_s in 1.0f64..600.0,
         interval in 0.0f64..600.0,
+        on_ticks_only in any::<bool>(),
+        fairness_p in -2.0f64..=1.0,
     ) {
-        let config = SimConfig { tick_s, min_resize_interval_s: interval, max_events: 200_000, ..SimConfig::new(slots, policy) };
+        let config = SimConfig {
+            tick_s,
+            min_resize_interval_s: interval,
+            max_events: 200_000,
+            on_ticks_only,
+            fairness_p,
+            ..SimConfig::new(slots, policy)
+        };
         let result = simulate(&jobs, &config).unwrap();
         for segment in &result.timeline {
             let held: usize = segment.held.iter().map(|h| h.1).sum();
