@@ -8,12 +8,15 @@
 //! efficiency is McCandlish et al.'s `(noise + b0) / (noise + B)` with `b0` the job's reference
 //! batch (its work is counted in samples at that batch's efficiency).
 
+/// One measured step: (workers, micro-batch, step_s, sync_s).
+type Row = (usize, f64, f64, f64);
+
 /// Seconds of one step per (workers, micro-batch per worker): the whole step, and the part spent
 /// synchronising gradients.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepTable {
     /// (workers, micro-batch, step_s, sync_s), sorted by workers then micro-batch.
-    rows: Vec<(usize, f64, f64, f64)>,
+    rows: Vec<Row>,
 }
 
 impl StepTable {
@@ -67,7 +70,7 @@ impl StepTable {
         self.rows.iter().map(|r| r.1).fold(1.0, f64::max)
     }
 
-    fn by_workers(&self) -> impl Iterator<Item = (usize, &[(usize, f64, f64, f64)])> {
+    fn by_workers(&self) -> impl Iterator<Item = (usize, &[Row])> {
         self.rows.chunk_by(|a, b| a.0 == b.0).map(|rows| (rows[0].0, rows))
     }
 
@@ -75,7 +78,7 @@ impl StepTable {
     /// micro-batches, then between measured worker counts (the nearest one outside them); `None`
     /// outside the micro-batches measured.
     pub fn step(&self, workers: usize, micro: f64) -> Option<(f64, f64)> {
-        let at = |rows: &[(usize, f64, f64, f64)]| -> Option<(f64, f64)> {
+        let at = |rows: &[Row]| -> Option<(f64, f64)> {
             let first = rows[0];
             if micro < first.1 * (1.0 - 1e-9) {
                 return None;
@@ -88,7 +91,7 @@ impl StepTable {
             let f = ((micro - a.1) / (b.1 - a.1)).clamp(0.0, 1.0);
             Some((a.2 + f * (b.2 - a.2), a.3 + f * (b.3 - a.3)))
         };
-        let groups: Vec<(usize, &[(usize, f64, f64, f64)])> = self.by_workers().collect();
+        let groups: Vec<(usize, &[Row])> = self.by_workers().collect();
         let upper = groups.iter().position(|g| g.0 >= workers);
         match upper {
             None => at(groups[groups.len() - 1].1),

@@ -169,7 +169,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<JobSpec>, SchedError> {
             )));
         }
         let batch = match field(STEP_TABLE) {
-            Some(_) => Some(batch_model(&field, &float).map_err(|why| bad(why))?),
+            Some(_) => Some(batch_model(&field, &float).map_err(bad)?),
             None => None,
         };
         let scaling = match (field(SCALING), &batch) {

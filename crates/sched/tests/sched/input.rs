@@ -86,7 +86,7 @@ fn jobs_built_in_code_are_checked_as_the_csv_is() {
         (JobSpec { min_workers: 8, max_workers: 8, ..job(100.0) }, "more than the 4 slots"),
     ];
     for (spec, word) in cases {
-        let err = simulate(&[spec.clone()], &config).unwrap_err().to_string();
+        let err = simulate(std::slice::from_ref(&spec), &config).unwrap_err().to_string();
         assert!(err.contains("job a") && err.contains(word), "{spec:?}: {err}");
     }
     let twice = simulate(&[job(100.0), job(50.0)], &config).unwrap_err().to_string();
