@@ -23,7 +23,8 @@ fraction of work where e starts, is b0 x var / sqr of the statistics at the job'
 (linear between the measured batches), which turns the trace's gain (var + sqr) / (var / s + sqr)
 into McCandlish's efficiency; the step table holds the packed placement (GPUs filling 4 per node)
 of 1..16 GPUs and of 24, 32, 48 and 64 (the scalability rows with that many nodes), at every local
-batch measured; batches accepted run from the least to the largest measured (ncf: 32768 alone, as
+batch measured, and as many spread placements (more nodes than the GPUs need) as the traces
+measure, for `--slots-per-node`; batches accepted run from the least to the largest measured (ncf: 32768 alone, as
 the artifact fixes it), micro-batches up to the largest measured (yolov3: 8); at most 64 GPUs and
 never a local batch below the least measured (ncf: one GPU, as the artifact has it); 30 s for
 every start and resize, as the artifact charges.
@@ -128,15 +129,45 @@ class App:
         return min(64, MAX_GPUS.get(self.name, 64), int(self.batch_max // self.locals[0]))
 
 
+def spread_rows(app, gpus, nodes):
+    """(local, step, sync) rows of `gpus` GPUs on `nodes` nodes (more than they fit on): on up to 4
+    nodes the placement filling the first nodes, one GPU on each of the rest; on more, the
+    scalability rows of that many nodes and GPUs; None where not measured."""
+    if nodes <= 4:
+        placement = [1] * nodes
+        for i in range(nodes):
+            add = min(GPUS_PER_NODE - 1, gpus - sum(placement))
+            placement[i] += add
+        rotations = [placement[i:] + placement[:i] for i in range(len(placement))]
+        return app.steps.get("".join(map(str, min(rotations))))
+    return app.scalability.get((nodes, gpus))
+
+
+def rows_text(app, w, rows, at):
+    entries = []
+    xs = [r[0] for r in rows]
+    for m in app.locals:
+        step = interp(xs, [r[1] for r in rows], m)
+        sync = interp(xs, [r[2] for r in rows], m)
+        if step is not None:
+            entries.append(f"{w}x{m:g}{at}={step:.6g}/{min(sync, step * 0.999):.6g}")
+    return entries
+
+
 def step_table(app):
     entries = []
     for w in WORKERS:
         if w > app.max_gpus():
             break
-        for m in app.locals:
-            s = app.step(w, m)
-            if s is not None:
-                entries.append(f"{w}x{m:g}={s[0]:.6g}/{s[1]:.6g}")
+        rows = app.packed_rows(w)
+        if rows is not None:
+            entries += rows_text(app, w, rows, "")
+    # Spread placements: the same GPUs on more nodes than they fit on.
+    for w in range(2, app.max_gpus() + 1):
+        for nodes in range(-(-w // GPUS_PER_NODE) + 1, min(w, 16) + 1):
+            rows = spread_rows(app, w, nodes)
+            if rows is not None:
+                entries += rows_text(app, w, rows, f"@{nodes}")
     return ";".join(entries)
 
 

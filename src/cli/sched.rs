@@ -95,6 +95,10 @@ pub struct SimulateArgs {
     /// Allocate only every --tick-s (as Pollux's simulator does), not also at arrivals and ends.
     #[arg(long)]
     pub on_ticks_only: bool,
+    /// Slots per node: jobs are placed on nodes, and a spread placement runs at the step table's
+    /// spread speed (default: one node).
+    #[arg(long)]
+    pub slots_per_node: Option<usize>,
     /// Folder for the timelines (`timeline-<workload>-<policy>.html`), each job's course
     /// (`jobs-<workload>-<policy>.json`: start, finish, every allocation) and `figures.json`.
     #[arg(long, default_value = "runs/sched")]
@@ -148,6 +152,7 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
                 min_resize_interval_s: args.min_resize_interval_s,
                 fairness_p: args.fairness_p,
                 on_ticks_only: args.on_ticks_only,
+                slots_per_node: args.slots_per_node,
                 ..SimConfig::new(args.slots, policy)
             };
             let result = stoke_sched::simulate(jobs, &config).map_err(|e| UsageError(format!("{name}: {e}")))?;
@@ -173,26 +178,7 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         }
     }
     if let (Some(fifo), Some(good)) = (by_policy.get("fifo"), by_policy.get("goodput")) {
-        let ratio = |f: fn(&report::Figures) -> f64| {
-            let r: Vec<f64> = fifo.iter().zip(good).map(|(a, b)| f(b) / f(a)).collect();
-            let lowest = r.iter().copied().fold(f64::INFINITY, f64::min);
-            let highest = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            (stoke_prof::median(&r), lowest, highest)
-        };
-        let (jct, jct_lo, jct_hi) = ratio(|f| f.mean_completion_s);
-        let (p99, ..) = ratio(|f| f.p99_completion_s);
-        let (span, ..) = ratio(|f| f.makespan_s);
-        println!(
-            "goodput / fifo over {} workload(s): mean completion time {:.2}x (min {:.2}, max {:.2}; {:.0}% lower), p99 {:.2}x, makespan {:.2}x (throughput {:.2}x)",
-            fifo.len(),
-            jct,
-            jct_lo,
-            jct_hi,
-            100.0 * (1.0 - jct),
-            p99,
-            span,
-            1.0 / span
-        );
+        println!("{}", report::against_fifo(fifo, good));
     }
     let path = args.out.join("figures.json");
     std::fs::write(&path, serde_json::to_string_pretty(&all)? + "\n")

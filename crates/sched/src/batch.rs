@@ -12,20 +12,32 @@
 type Row = (usize, f64, f64, f64);
 
 /// Seconds of one step per (workers, micro-batch per worker): the whole step, and the part spent
-/// synchronising gradients.
+/// synchronising gradients; on the fewest nodes the workers fit (packed), and optionally on more
+/// nodes (spread), where synchronisation crosses more of the network.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepTable {
-    /// (workers, micro-batch, step_s, sync_s), sorted by workers then micro-batch.
-    rows: Vec<Row>,
+    packed: Grid,
+    /// (nodes, the steps of workers spread over that many nodes), sorted by nodes.
+    spread: Vec<(usize, Grid)>,
 }
 
+/// Rows sorted by workers then micro-batch.
+#[derive(Debug, Clone, PartialEq)]
+struct Grid(Vec<Row>);
+
 impl StepTable {
-    /// Parses `WxM=STEP/SYNC;...` (workers x micro-batch = step seconds / sync seconds).
+    /// Parses `WxM=STEP/SYNC;...` (workers x micro-batch = step seconds / sync seconds, packed)
+    /// and `WxM@N=STEP/SYNC` (the same workers spread over N nodes).
     pub fn parse(text: &str) -> Result<StepTable, String> {
-        let mut rows = Vec::new();
+        let mut packed = Vec::new();
+        let mut spread: std::collections::BTreeMap<usize, Vec<Row>> = Default::default();
         for entry in text.split(';').map(str::trim).filter(|e| !e.is_empty()) {
-            let bad = || format!("step_table entry `{entry}`: expected WxM=STEP/SYNC with 0 <= SYNC < STEP");
+            let bad = || format!("step_table entry `{entry}`: expected WxM[@N]=STEP/SYNC with 0 <= SYNC < STEP");
             let (key, times) = entry.split_once('=').ok_or_else(bad)?;
+            let (key, nodes) = match key.split_once('@') {
+                Some((key, nodes)) => (key, Some(nodes.trim().parse::<usize>().map_err(|_| bad())?)),
+                None => (key, None),
+            };
             let (w, m) = key.split_once('x').ok_or_else(bad)?;
             let (step, sync) = times.split_once('/').ok_or_else(bad)?;
             let w: usize = w.trim().parse().map_err(|_| bad())?;
@@ -33,6 +45,7 @@ impl StepTable {
             let (step, sync): (f64, f64) =
                 (step.trim().parse().map_err(|_| bad())?, sync.trim().parse().map_err(|_| bad())?);
             let ok = (1..=crate::limits::MAX_WORKERS).contains(&w)
+                && nodes.is_none_or(|n| (1..=w).contains(&n))
                 && m.is_finite()
                 && m >= 1.0
                 && step.is_finite()
@@ -44,40 +57,68 @@ impl StepTable {
             if !ok {
                 return Err(bad());
             }
-            rows.push((w, m, step, sync));
+            match nodes {
+                Some(n) => spread.entry(n).or_default().push((w, m, step, sync)),
+                None => packed.push((w, m, step, sync)),
+            }
         }
-        if rows.is_empty() {
-            return Err("step_table: no entry; expected WxM=STEP/SYNC;...".into());
+        if packed.is_empty() {
+            return Err("step_table: no packed entry; expected WxM=STEP/SYNC;...".into());
         }
-        rows.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
-        if rows.windows(2).any(|p| p[0].0 == p[1].0 && p[0].1 == p[1].1) {
-            return Err("step_table: one entry per (workers, micro-batch)".into());
-        }
-        Ok(StepTable { rows })
+        let packed = Grid::new(packed)?;
+        let spread = spread.into_iter().map(|(n, rows)| Ok((n, Grid::new(rows)?))).collect::<Result<_, String>>()?;
+        Ok(StepTable { packed, spread })
     }
 
     pub fn to_text(&self) -> String {
-        self.rows.iter().map(|(w, m, s, y)| format!("{w}x{m}={s}/{y}")).collect::<Vec<_>>().join(";")
+        let row = |(w, m, s, y): &Row, at: String| format!("{w}x{m}{at}={s}/{y}");
+        let packed = self.packed.0.iter().map(|r| row(r, String::new()));
+        let spread = self.spread.iter().flat_map(|(n, g)| g.0.iter().map(move |r| row(r, format!("@{n}"))));
+        packed.chain(spread).collect::<Vec<_>>().join(";")
     }
 
     /// The least micro-batch measured on every worker count (smaller ones are not modelled).
     pub fn micro_min(&self) -> f64 {
-        self.by_workers().map(|(_, rows)| rows[0].1).fold(0.0, f64::max)
+        self.packed.by_workers().map(|(_, rows)| rows[0].1).fold(0.0, f64::max)
     }
 
     /// The largest micro-batch measured.
     pub fn max_micro(&self) -> f64 {
-        self.rows.iter().map(|r| r.1).fold(1.0, f64::max)
+        self.packed.0.iter().map(|r| r.1).fold(1.0, f64::max)
+    }
+
+    /// Whether it has steps measured on spread placements.
+    pub fn knows_spread(&self) -> bool {
+        !self.spread.is_empty()
+    }
+
+    /// (step_s, sync_s) of one micro-batch `micro` on `workers`, packed (`spread_over` None) or
+    /// spread over that many nodes: the spread measurements of the nearest node count (the larger
+    /// on a tie), the packed ones where none covers it. Linear between measured micro-batches,
+    /// then between measured worker counts (the nearest one outside them); `None` outside the
+    /// micro-batches measured.
+    pub fn step(&self, workers: usize, micro: f64, spread_over: Option<usize>) -> Option<(f64, f64)> {
+        let spread = spread_over.and_then(|n| {
+            self.spread.iter().min_by_key(|(k, _)| (k.abs_diff(n), std::cmp::Reverse(*k))).map(|(_, grid)| grid)
+        });
+        spread.and_then(|grid| grid.step(workers, micro)).or_else(|| self.packed.step(workers, micro))
+    }
+}
+
+impl Grid {
+    fn new(mut rows: Vec<Row>) -> Result<Grid, String> {
+        rows.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
+        if rows.windows(2).any(|p| p[0].0 == p[1].0 && p[0].1 == p[1].1) {
+            return Err("step_table: one entry per (workers, micro-batch, nodes)".into());
+        }
+        Ok(Grid(rows))
     }
 
     fn by_workers(&self) -> impl Iterator<Item = (usize, &[Row])> {
-        self.rows.chunk_by(|a, b| a.0 == b.0).map(|rows| (rows[0].0, rows))
+        self.0.chunk_by(|a, b| a.0 == b.0).map(|rows| (rows[0].0, rows))
     }
 
-    /// (step_s, sync_s) of one micro-batch `micro` on `workers`: linear between measured
-    /// micro-batches, then between measured worker counts (the nearest one outside them); `None`
-    /// outside the micro-batches measured.
-    pub fn step(&self, workers: usize, micro: f64) -> Option<(f64, f64)> {
+    fn step(&self, workers: usize, micro: f64) -> Option<(f64, f64)> {
         let at = |rows: &[Row]| -> Option<(f64, f64)> {
             let first = rows[0];
             if micro < first.1 * (1.0 - 1e-9) {
@@ -187,13 +228,18 @@ impl BatchModel {
         self.noise.iter().map(|e| e.0).find(|&f| f > fraction)
     }
 
-    /// Samples per second of global batch `batch` on `workers`; `None` when the local batch is
-    /// below the micro-batches measured.
+    /// Samples per second of global batch `batch` on `workers`, packed; `None` when the local
+    /// batch is below the micro-batches measured.
     pub fn throughput(&self, workers: usize, batch: f64) -> Option<f64> {
+        self.throughput_placed(workers, batch, None)
+    }
+
+    /// The same, spread over `spread_over` nodes where that is given.
+    pub fn throughput_placed(&self, workers: usize, batch: f64, spread_over: Option<usize>) -> Option<f64> {
         let local = batch / workers as f64;
         let accum = ((local / self.micro_max) - 1e-9).ceil().max(1.0) - 1.0;
         let micro = local / (accum + 1.0);
-        let (step, sync) = self.table.step(workers, micro)?;
+        let (step, sync) = self.table.step(workers, micro, spread_over)?;
         Some(batch / (step + accum * (step - sync)))
     }
 
@@ -202,9 +248,10 @@ impl BatchModel {
         (noise + self.b0) / (noise + batch)
     }
 
-    /// Useful samples per second of `batch` on `workers` (0 when it cannot run there).
-    pub fn goodput(&self, workers: usize, batch: f64, fraction: f64) -> f64 {
-        self.throughput(workers, batch).map_or(0.0, |t| t * self.efficiency(batch, fraction))
+    /// Useful samples per second of `batch` on `workers` (0 when it cannot run there), packed or
+    /// spread over `spread_over` nodes.
+    pub fn goodput(&self, workers: usize, batch: f64, fraction: f64, spread_over: Option<usize>) -> f64 {
+        self.throughput_placed(workers, batch, spread_over).map_or(0.0, |t| t * self.efficiency(batch, fraction))
     }
 
     /// The most workers the asked batch spreads over (more would leave a local batch below the
@@ -214,8 +261,13 @@ impl BatchModel {
         workers.min(most)
     }
 
-    /// The best goodput on `workers` over the batches the job accepts, and that batch.
+    /// The best goodput on `workers` (packed or spread) over the batches the job accepts, and
+    /// that batch.
     pub fn best(&self, workers: usize, fraction: f64) -> (f64, f64) {
+        self.best_placed(workers, fraction, None)
+    }
+
+    pub fn best_placed(&self, workers: usize, fraction: f64, spread_over: Option<usize>) -> (f64, f64) {
         let lo = self.batch_min.max(workers as f64 * self.table.micro_min());
         let hi = self.batch_max;
         if lo > hi {
@@ -224,7 +276,7 @@ impl BatchModel {
         let mut best = (0.0, lo);
         let grid = (0..=BATCH_CANDIDATES).map(|k| lo * (hi / lo).powf(k as f64 / BATCH_CANDIDATES as f64));
         for batch in grid.chain([self.batch].into_iter().filter(|&b| (lo..=hi).contains(&b))) {
-            let rate = self.goodput(workers, batch, fraction);
+            let rate = self.goodput(workers, batch, fraction, spread_over);
             if rate > best.0 {
                 best = (rate, batch);
             }
@@ -253,9 +305,9 @@ mod tests {
     #[test]
     fn steps_interpolate_and_accumulate() {
         let m = model();
-        assert_eq!(m.table.step(1, 48.0), Some((0.125, 0.0)));
-        assert_eq!(m.table.step(1, 16.0), None);
-        let (s, y) = m.table.step(3, 32.0).unwrap();
+        assert_eq!(m.table.step(1, 48.0, None), Some((0.125, 0.0)));
+        assert_eq!(m.table.step(1, 16.0, None), None);
+        let (s, y) = m.table.step(3, 32.0, None).unwrap();
         assert!((s - 0.16).abs() < 1e-12 && (y - 0.06).abs() < 1e-12);
         // 256 on 2 workers: local 128, two micro-batches of 64: 0.17 + 0.15 s.
         assert!((m.throughput(2, 256.0).unwrap() - 256.0 / 0.32).abs() < 1e-9);
@@ -272,5 +324,11 @@ mod tests {
         assert_eq!(m.workers_for_asked(8), 2);
         assert!(BatchModel::parse_noise("0.5=1").is_err());
         assert!(StepTable::parse("1x32=0.1/0.2").is_err());
+        // Spread over 2 nodes, 2 workers sync slower; 4 workers on 3 nodes read the nearest, 2.
+        let t = StepTable::parse("2x32=0.12/0.02;2x32@2=0.2/0.1;4x32@2=0.3/0.2;4x32=0.2/0.1").unwrap();
+        assert_eq!(t.step(2, 32.0, Some(2)), Some((0.2, 0.1)));
+        assert_eq!(t.step(4, 32.0, Some(3)), Some((0.3, 0.2)));
+        assert_eq!(t.step(4, 32.0, None), Some((0.2, 0.1)));
+        assert_eq!(StepTable::parse(&t.to_text()).unwrap(), t);
     }
 }

@@ -35,6 +35,7 @@ pub mod batch;
 mod goodput;
 pub mod limits;
 pub mod model;
+pub mod nodes;
 pub mod observe;
 pub mod policy;
 pub mod report;

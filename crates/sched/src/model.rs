@@ -244,12 +244,19 @@ impl JobSpec {
     /// Useful samples per second on `workers` with `done` of the work done, at the batch `choice`
     /// gives.
     pub fn goodput_at(&self, workers: usize, done: f64, choice: BatchChoice) -> f64 {
+        self.goodput_placed(workers, done, choice, None)
+    }
+
+    /// The same, with its workers spread over `spread_over` nodes (more than the fewest they fit
+    /// on) where that is given: only a step table with spread measurements tells the difference.
+    pub fn goodput_placed(&self, workers: usize, done: f64, choice: BatchChoice, spread_over: Option<usize>) -> f64 {
         match (&self.batch, choice) {
             (None, _) => self.scaling.throughput(workers) * self.efficiency.at(workers),
             (Some(model), BatchChoice::Asked) => {
-                model.goodput(model.workers_for_asked(workers), model.batch, done / self.work)
+                let used = model.workers_for_asked(workers);
+                model.goodput(used, model.batch, done / self.work, spread_over.filter(|_| used == workers))
             }
-            (Some(model), BatchChoice::Best) => model.best(workers, done / self.work).0,
+            (Some(model), BatchChoice::Best) => model.best_placed(workers, done / self.work, spread_over).0,
         }
     }
 

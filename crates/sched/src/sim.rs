@@ -8,6 +8,7 @@
 
 use crate::limits::{HORIZON_S, MAX_WORKERS, MIN_TICK_S};
 use crate::model::JobSpec;
+use crate::nodes::Nodes;
 use crate::policy::{allocate, JobView, Policy, PolicyConfig};
 use crate::view::DEFAULT_FAIRNESS_P;
 use crate::SchedError;
@@ -23,6 +24,9 @@ pub struct SimConfig {
     /// Allocate only on ticks (every `tick_s`), as Pollux's simulator does, instead of also at
     /// every arrival and completion.
     pub on_ticks_only: bool,
+    /// Slots per node (`None`: one node holds them all). With nodes, a job's workers are placed
+    /// (`nodes::Nodes`) and a step table's spread measurements price a spread placement.
+    pub slots_per_node: Option<usize>,
     /// The goodput policy's fairness p (`PolicyConfig::fairness_p`).
     pub fairness_p: f64,
     /// The most events (arrivals, completions, resizes' ends, ticks) a simulation may take before
@@ -39,6 +43,7 @@ impl SimConfig {
             min_resize_interval_s: 300.0,
             fairness_p: DEFAULT_FAIRNESS_P,
             on_ticks_only: false,
+            slots_per_node: None,
             max_events: 20_000_000,
         }
     }
@@ -62,6 +67,9 @@ impl SimConfig {
         }
         if !(-10.0..=1.0).contains(&self.fairness_p) {
             return flag("--fairness-p", self.fairness_p.to_string(), "-10 <= p <= 1".into());
+        }
+        if let Some(per_node) = self.slots_per_node.filter(|&p| !(1..=self.slots).contains(&p)) {
+            return flag("--slots-per-node", per_node.to_string(), format!("1 <= slots_per_node <= {}", self.slots));
         }
         if self.max_events == 0 {
             return flag("max_events", "0".into(), "at least 1".into());
@@ -194,6 +202,8 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
     let mut still = 0usize;
     let choice = config.policy.batch_choice();
     let mut at_tick = true;
+    let mut nodes = config.slots_per_node.map(|per_node| Nodes::new(config.slots, per_node, jobs.len()));
+    let spread = |nodes: &Option<Nodes>, j: usize| nodes.as_ref().and_then(|n| n.spread(j));
     loop {
         let active: Vec<usize> =
             order.iter().copied().filter(|&j| jobs[j].submit_s <= t && state[j].finish.is_none()).collect();
@@ -219,6 +229,14 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
             plan(jobs, &state, &active, config, t)
         };
         debug_assert!(targets.iter().sum::<usize>() <= config.slots);
+        if let Some(nodes) = &mut nodes {
+            // Shrinks first: the slots they free are what the grows take.
+            let mut changes: Vec<(usize, usize)> = active.iter().copied().zip(targets.iter().copied()).collect();
+            changes.sort_by_key(|&(j, target)| target > state[j].workers);
+            for (j, target) in changes {
+                nodes.resize(j, target);
+            }
+        }
         for (&j, &target) in active.iter().zip(&targets) {
             let s = &mut state[j];
             if target == s.workers {
@@ -257,7 +275,7 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
             if resume > t {
                 next = next.min(resume);
             }
-            let rate = jobs[j].goodput_at(s.workers, s.progress, choice);
+            let rate = jobs[j].goodput_placed(s.workers, s.progress, choice, spread(&nodes, j));
             finish_at[j] = resume + (jobs[j].work - s.progress).max(0.0) / rate;
             next = next.min(finish_at[j]);
             // Its noise scale's next step changes its rate: an event.
@@ -299,11 +317,14 @@ pub fn simulate(jobs: &[JobSpec], config: &SimConfig) -> Result<SimResult, Sched
             }
             let run = (next - s.paused_until.max(t)).max(0.0);
             s.attained_slot_s += (next - t) * s.workers as f64;
-            s.progress += jobs[j].goodput_at(s.workers, s.progress, choice) * run;
+            s.progress += jobs[j].goodput_placed(s.workers, s.progress, choice, spread(&nodes, j)) * run;
             if finish_at[j] <= next || s.progress >= jobs[j].work {
                 s.progress = jobs[j].work;
                 s.finish = Some(next);
                 s.workers = 0;
+                if let Some(nodes) = &mut nodes {
+                    nodes.resize(j, 0);
+                }
                 allocations[j].push((next, 0));
                 finished += 1;
             }

@@ -4,7 +4,7 @@
 
 use stoke_sched::{parse_csv, simulate, BatchChoice, JobSpec, Policy, SimConfig};
 
-const HEADER: &str = "submit_s,name,work,min_workers,max_workers,scaling,resize_s,priority,noise_scale,batch_per_worker,batch,batch_range,micro_max,step_table,noise_schedule\n";
+const HEADER: &str = "submit_s,name,work,min_workers,max_workers,scaling,resize_s,priority,noise_scale,batch_per_worker,batch,batch_range,micro_max,step_table,noise_schedule,b0,workers\n";
 
 fn jobs(rows: &str) -> Vec<JobSpec> {
     parse_csv(&format!("{HEADER}{rows}")).unwrap()
@@ -48,4 +48,18 @@ fn the_batch_grows_with_the_workers_and_the_noise_scale() {
     let fair = means.iter().find(|m| m.0 == Policy::Fair).unwrap().1;
     let good = means.iter().find(|m| m.0 == Policy::Goodput).unwrap().1;
     assert!(good < fair, "{means:?}");
+}
+
+#[test]
+fn a_spread_placement_runs_at_the_spread_speed() {
+    // 3 slots a node: a and c (2 workers each) take one node each, so b (2) straddles both.
+    let list = jobs(
+        "0,a,1e4,2,2,linear:10,0\n0,c,1e4,2,2,linear:10,0\n\
+         0,b,1e3,2,2,,0,1,,,32,32-32,16,2x16=0.1/0.01;2x16@2=0.4/0.3,0=100\n",
+    );
+    let packed = simulate(&list, &SimConfig::new(6, Policy::Fifo)).unwrap();
+    let nodes = simulate(&list, &SimConfig { slots_per_node: Some(3), ..SimConfig::new(6, Policy::Fifo) }).unwrap();
+    let ratio = nodes.jobs[2].completion_s() / packed.jobs[2].completion_s();
+    assert!((ratio - 4.0).abs() < 1e-9, "{ratio}: {:?} {:?}", nodes.jobs[2], packed.jobs[2]);
+    assert_eq!(nodes.jobs[0].completion_s(), packed.jobs[0].completion_s());
 }

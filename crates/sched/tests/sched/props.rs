@@ -39,7 +39,7 @@ fn job(index: usize) -> impl Strategy<Value = JobSpec> {
 fn adaptive(index: usize) -> impl Strategy<Value = JobSpec> {
     (job(index), 0.01f64..0.5, 0.0f64..0.9, 1.0f64..5000.0, 1.0f64..5000.0, 1u32..4).prop_map(
         |(base, step_s, sync_share, noise_a, noise_b, range)| {
-            let rows: Vec<String> = [1usize, 2, 4, 8]
+            let mut rows: Vec<String> = [1usize, 2, 4, 8]
                 .iter()
                 .flat_map(|&w| {
                     [16.0, 64.0].map(move |m: f64| {
@@ -48,6 +48,8 @@ fn adaptive(index: usize) -> impl Strategy<Value = JobSpec> {
                     })
                 })
                 .collect();
+            rows.push(format!("2x16@2={}/{}", 2.0 * step_s, step_s));
+            rows.push(format!("4x64@3={}/{}", 3.0 * step_s, 2.0 * step_s));
             let model = BatchModel {
                 table: StepTable::parse(&rows.join(";")).unwrap(),
                 batch: 32.0,
@@ -82,6 +84,7 @@ proptest! {
         interval in 0.0f64..600.0,
         on_ticks_only in any::<bool>(),
         fairness_p in -2.0f64..=1.0,
+        per_node in prop::option::of(1usize..=8),
     ) {
         let config = SimConfig {
             tick_s,
@@ -89,6 +92,7 @@ proptest! {
             max_events: 200_000,
             on_ticks_only,
             fairness_p,
+            slots_per_node: per_node.map(|p| p.min(slots)),
             ..SimConfig::new(slots, policy)
         };
         let result = simulate(&jobs, &config).unwrap();
