@@ -55,4 +55,26 @@ fn simulate_compares_policies_on_a_job_list_and_names_a_bad_line() {
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--tick-s 0") && stderr.contains("tick_s"), "{stderr}");
+    let out = stoke(
+        &[
+            "sched",
+            "simulate",
+            "--slots",
+            "4",
+            "--slots-per-node",
+            "8",
+            "--seeds",
+            "1",
+            "--n-jobs",
+            "3",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ],
+        &[],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--slots-per-node 8") && stderr.contains("<= 4"), "{stderr}");
 }
