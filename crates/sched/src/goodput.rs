@@ -104,6 +104,10 @@ fn values(job: &JobView<'_>, config: &PolicyConfig) -> Vec<f64> {
     let p = config.fairness_p;
     let mut out = vec![f64::NEG_INFINITY; top + 1];
     for (w, value) in out.iter_mut().enumerate().skip(spec.min_workers) {
+        let whole = config.slots_per_node.is_none_or(|per| w <= per || w % per == 0);
+        if !whole && w != job.workers {
+            continue;
+        }
         let g = rate(w);
         let effective = if job.workers > 0 && w != job.workers && g > 0.0 {
             remaining / (spec.resize_s + remaining / g)

@@ -1,6 +1,6 @@
 //! Where a simulated job's workers sit when the cluster is made of nodes (`--slots-per-node`):
-//! a job that grows fills the nodes it holds first, then those with the most free slots; one that
-//! shrinks leaves the nodes it holds fewest on first. A job on more nodes than its workers need
+//! a job that grows fills the nodes it holds first, then whole free nodes, then the fullest node
+//! that holds the rest (best fit); one that shrinks leaves the nodes it holds fewest on first. A job on more nodes than its workers need
 //! is spread, and a step table with spread measurements makes it slower there.
 
 #[derive(Debug, Clone)]
@@ -30,13 +30,23 @@ impl Nodes {
             now -= 1;
         }
         while now < target {
-            let node = (0..held.len())
-                .filter(|&i| self.free[i] > 0)
-                .max_by_key(|&i| (held[i] > 0, self.free[i], std::cmp::Reverse(i)))
+            let need = target - now;
+            let free = &self.free;
+            let open = || (0..held.len()).filter(|&i| free[i] > 0);
+            // Its own nodes first; then a whole free node for each full node's worth it needs; then
+            // the fullest node that still holds the rest (best fit), so whole nodes stay whole for
+            // the jobs that need them; else the freest (it must spread).
+            let node = open()
+                .filter(|&i| held[i] > 0)
+                .max_by_key(|&i| free[i])
+                .or_else(|| open().find(|&i| need >= self.per_node && free[i] == self.per_node))
+                .or_else(|| open().filter(|&i| free[i] >= need).min_by_key(|&i| (free[i], i)))
+                .or_else(|| open().max_by_key(|&i| (free[i], std::cmp::Reverse(i))))
                 .expect("a grow never takes more slots than are free");
-            held[node] += 1;
-            self.free[node] -= 1;
-            now += 1;
+            let take = need.min(self.free[node]);
+            held[node] += take;
+            self.free[node] -= take;
+            now += take;
         }
         // Invariant: a node never hands out more slots than it has.
         debug_assert!(self.free.iter().all(|&f| f <= self.per_node));
@@ -63,6 +73,12 @@ mod tests {
         // 2 left: one on each node.
         nodes.resize(2, 2);
         assert_eq!(nodes.spread(2), Some(2));
+        // Best fit: a job of 1 takes the fuller node, and a job of 4 then finds a whole one.
+        let mut fit = Nodes::new(8, 4, 3);
+        fit.resize(0, 3);
+        fit.resize(1, 1);
+        fit.resize(2, 4);
+        assert_eq!((fit.held[1].clone(), fit.spread(2)), (vec![1, 0], None));
         nodes.resize(0, 1);
         nodes.resize(2, 4);
         assert_eq!(nodes.held[2].iter().sum::<usize>(), 4);

@@ -83,6 +83,7 @@ impl SimConfig {
             policy: self.policy,
             min_resize_interval_s: self.min_resize_interval_s,
             fairness_p: self.fairness_p,
+            slots_per_node: self.slots_per_node,
         }
     }
 }

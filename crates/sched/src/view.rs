@@ -90,11 +90,20 @@ pub struct PolicyConfig {
     /// speed-ups `S` (`ln S` at p = 0): 1 is the most total goodput, lower values favour the jobs
     /// that have least (Pollux's p; its default is -1).
     pub fairness_p: f64,
+    /// Slots per node where the cluster has nodes: the goodput policy then gives a job more than
+    /// a node only in whole nodes, so that it is not spread over the remnants of others.
+    pub slots_per_node: Option<usize>,
 }
 
 impl PolicyConfig {
     pub fn new(slots: usize, policy: Policy) -> PolicyConfig {
-        PolicyConfig { slots, policy, min_resize_interval_s: 300.0, fairness_p: DEFAULT_FAIRNESS_P }
+        PolicyConfig {
+            slots,
+            policy,
+            min_resize_interval_s: 300.0,
+            fairness_p: DEFAULT_FAIRNESS_P,
+            slots_per_node: None,
+        }
     }
 }
 
