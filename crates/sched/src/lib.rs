@@ -1,11 +1,14 @@
 //! stoke-sched: sharing a machine or cluster among elastic training jobs.
 //!
 //! Built so far: the job model (`model`: throughput as a function of workers, measured points or
-//! Amdahl's law, fitted from measurements; statistical efficiency of the global batch; goodput),
-//! three policies (`sim::Policy`: static FIFO, fair share, goodput-maximizing reallocation with a
-//! minimum interval and the resize cost charged), an event-driven simulator over job lists
-//! (`workload`: a documented CSV format and a seeded generator), and its report (`report`: the
-//! figures and an HTML timeline of which job held which slots). Behind `stoke sched simulate`.
+//! Amdahl's law, fitted from measurements; statistical efficiency of the global batch; goodput;
+//! `batch`: Pollux's model, a step table per workers and micro-batch, the batches a job accepts
+//! and a noise-scale schedule), five policies (`view::Policy`: static FIFO, fair share, goodput as
+//! Pollux defines it with workers and batch chosen together, Tiresias, Optimus), an event-driven
+//! simulator over job lists that places jobs on nodes where the cluster has them (`sim`, `nodes`;
+//! `workload`: a CSV format checked field by field, and a seeded generator), and its report
+//! (`report`: the figures, each job's course as JSON, and an HTML timeline of which job held which
+//! slots). Behind `stoke sched simulate`.
 //!
 //! The real executor (`serve`, behind `stoke sched serve`, which runs jobs through `stoke launch`):
 //! the server's loop, its cost estimators and process helpers, and what `status` and `report` show

@@ -18,7 +18,8 @@ pub enum Policy {
     /// jumps in workers (past a dip in a throughput curve) to the largest gain in a p-norm of
     /// speed-ups (`PolicyConfig::fairness_p`), a resize's cost amortised over the job's expected
     /// remaining time. A job resized less than `min_resize_interval_s` ago is not shrunk, except
-    /// to admit a waiting job; free slots go to any job they speed up.
+    /// to admit a waiting job; free slots go to any job they speed up. Where the cluster has
+    /// nodes, a job gets more than a node only in whole nodes.
     Goodput,
     /// Tiresias (Gu et al., NSDI 2019), discretised two-queue least-attained-service: jobs run on
     /// the workers they ask for (`JobSpec::asked`), those with under `LAS_THRESHOLD_SLOT_S`
