@@ -18,16 +18,17 @@ What is read (the artifact's data, not its code):
 
 How a job becomes a stoke job (stoke's model, batch.rs): work = least batch x the progress at the
 end of the application's last epoch (its epoch counts: bert 2, cifar10 100, ncf 10, imagenet 90,
-deepspeech2 80, yolov3 50, as the paper trains them); the noise scale of epoch e, from the
-fraction of work where e starts, is b0 x var / sqr of the statistics at the job's asked batch
-(linear between the measured batches), which turns the trace's gain (var + sqr) / (var / s + sqr)
-into McCandlish's efficiency; the step table holds the packed placement (GPUs filling 4 per node)
-of 1..16 GPUs and of 24, 32, 48 and 64 (the scalability rows with that many nodes), at every local
-batch measured, and as many spread placements (more nodes than the GPUs need) as the traces
-measure, for `--slots-per-node`; batches accepted run from the least to the largest measured (ncf: 32768 alone, as
-the artifact fixes it), micro-batches up to the largest measured (yolov3: 8); at most 64 GPUs and
-never a local batch below the least measured (ncf: one GPU, as the artifact has it); 30 s for
-every start and resize, as the artifact charges.
+deepspeech2 80, yolov3 50, as the paper trains them); the noise scale of epoch e at each measured
+batch, from the fraction of work where e starts, is b0 x var / sqr of that batch's statistics, which
+turns the trace's gain (var + sqr) / (var / s + sqr) into McCandlish's efficiency (stoke
+interpolates the noise scale between measured batches, where the artifact interpolates var and sqr);
+the step table holds the packed placement (GPUs filling 4 per node) of 1..16 GPUs and of 24, 32, 48
+and 64 (the scalability rows with that many nodes), at every local batch measured, and as many
+spread placements (more nodes than the GPUs need) as the traces measure, for `--slots-per-node`;
+batches accepted run from the least to the largest measured (ncf: 32768 alone, as the artifact fixes
+it), micro-batches up to the largest measured (yolov3: 8); at most 64 GPUs and never a local batch
+below the least measured (ncf: one GPU, as the artifact has it); 30 s for every start and resize, as
+the artifact charges.
 """
 
 import csv
@@ -172,14 +173,17 @@ def step_table(app):
 
 
 def noise_schedule(app, batch):
+    """Per measured batch, per epoch: `B@F=N` (stoke interpolates between batches). A job whose
+    batch is fixed gets the schedule at its batch alone."""
     target = app.progress(app.epochs)
     entries = []
-    for e in range(app.epochs):
-        sqr, var = app.grad_stats(batch, e)
-        noise = 1e12 if sqr <= 0 else min(1e12, max(0.0, app.b0 * var / sqr))
-        fraction = app.progress(e) / target
-        if fraction < 1:
-            entries.append(f"{fraction:.9g}={noise:.6g}")
+    for b in ([batch] if app.name in FIXED_BATCH else app.batches):
+        for e in range(app.epochs):
+            sqr, var = app.grad_stats(b, e)
+            noise = 1e12 if sqr <= 0 else min(1e12, max(0.0, app.b0 * var / sqr))
+            fraction = app.progress(e) / target
+            if fraction < 1:
+                entries.append(f"{b}@{fraction:.9g}={noise:.6g}")
     return ";".join(entries)
 
 

@@ -148,6 +148,11 @@ impl Grid {
     }
 }
 
+/// The value of a schedule `(fraction, value)` (sorted, the first at 0) at `fraction`.
+fn at_fraction(schedule: &[(f64, f64)], fraction: f64) -> f64 {
+    schedule.iter().rev().find(|e| e.0 <= fraction).map_or(schedule[0].1, |e| e.1)
+}
+
 /// Candidate global batches tried per worker count when the scheduler chooses the batch.
 const BATCH_CANDIDATES: usize = 24;
 
@@ -167,9 +172,40 @@ pub struct BatchModel {
     pub micro_max: f64,
     /// (fraction of the work done, noise scale from there on), sorted, the first at 0.
     pub noise: Vec<(f64, f64)>,
+    /// Where gradient statistics were measured at several batches: (batch, its schedule), sorted
+    /// by batch; the noise scale at a batch between two is linear between theirs (outside them,
+    /// the nearest). Empty: `noise` at every batch.
+    pub noise_by_batch: Vec<(f64, Vec<(f64, f64)>)>,
 }
 
 impl BatchModel {
+    /// Parses a noise schedule at several batches, `B@F=N;...` (at batch B, from fraction F of
+    /// the work done, noise scale N): the schedules by batch, sorted.
+    pub fn parse_noise_by_batch(text: &str) -> Result<Vec<(f64, Vec<(f64, f64)>)>, String> {
+        let mut by_batch: Vec<(f64, String)> = Vec::new();
+        for entry in text.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+            let (batch, rest) = entry
+                .split_once('@')
+                .ok_or_else(|| format!("noise_schedule entry `{entry}`: expected B@F=N in a schedule by batch"))?;
+            let batch: f64 = batch
+                .trim()
+                .parse()
+                .ok()
+                .filter(|b: &f64| (1.0..=1e9).contains(b))
+                .ok_or_else(|| format!("noise_schedule entry `{entry}`: batch `{batch}` needs 1 <= B <= 1e9"))?;
+            match by_batch.iter_mut().find(|(b, _)| *b == batch) {
+                Some((_, text)) => text.push_str(&format!(";{rest}")),
+                None => by_batch.push((batch, rest.to_string())),
+            }
+        }
+        let mut out = by_batch
+            .into_iter()
+            .map(|(b, text)| Ok((b, Self::parse_noise(&text)?)))
+            .collect::<Result<Vec<_>, String>>()?;
+        out.sort_by(|a, b| a.0.total_cmp(&b.0));
+        Ok(out)
+    }
+
     /// Parses a noise schedule `F=N;F=N;...` (from fraction F of the work done, noise scale N).
     pub fn parse_noise(text: &str) -> Result<Vec<(f64, f64)>, String> {
         let mut out = Vec::new();
@@ -193,6 +229,11 @@ impl BatchModel {
     }
 
     pub fn noise_text(&self) -> String {
+        if !self.noise_by_batch.is_empty() {
+            let entries =
+                self.noise_by_batch.iter().flat_map(|(b, s)| s.iter().map(move |(f, n)| format!("{b}@{f}={n}")));
+            return entries.collect::<Vec<_>>().join(";");
+        }
         self.noise.iter().map(|(f, n)| format!("{f}={n}")).collect::<Vec<_>>().join(";")
     }
 
@@ -218,14 +259,31 @@ impl BatchModel {
         Ok(())
     }
 
-    /// The noise scale once `fraction` of the work is done.
+    /// The noise scale once `fraction` of the work is done (at the asked batch's statistics
+    /// where there is one schedule).
     pub fn noise_at(&self, fraction: f64) -> f64 {
-        self.noise.iter().rev().find(|e| e.0 <= fraction).map_or(self.noise[0].1, |e| e.1)
+        at_fraction(&self.noise, fraction)
+    }
+
+    /// The noise scale at `batch` once `fraction` of the work is done.
+    pub fn noise_at_batch(&self, batch: f64, fraction: f64) -> f64 {
+        let by = &self.noise_by_batch;
+        match by.iter().position(|(b, _)| *b >= batch) {
+            None if by.is_empty() => self.noise_at(fraction),
+            None => at_fraction(&by[by.len() - 1].1, fraction),
+            Some(0) => at_fraction(&by[0].1, fraction),
+            Some(i) => {
+                let ((ba, sa), (bb, sb)) = (&by[i - 1], &by[i]);
+                let (na, nb) = (at_fraction(sa, fraction), at_fraction(sb, fraction));
+                na + (nb - na) * (batch - ba) / (bb - ba)
+            }
+        }
     }
 
     /// The next fraction of the work at which the noise scale changes, after `fraction`.
     pub fn next_change(&self, fraction: f64) -> Option<f64> {
-        self.noise.iter().map(|e| e.0).find(|&f| f > fraction)
+        let all = self.noise.iter().chain(self.noise_by_batch.iter().flat_map(|(_, s)| s.iter()));
+        all.map(|e| e.0).filter(|&f| f > fraction).min_by(f64::total_cmp)
     }
 
     /// Samples per second of global batch `batch` on `workers`, packed; `None` when the local
@@ -244,7 +302,7 @@ impl BatchModel {
     }
 
     pub fn efficiency(&self, batch: f64, fraction: f64) -> f64 {
-        let noise = self.noise_at(fraction);
+        let noise = self.noise_at_batch(batch, fraction);
         (noise + self.b0) / (noise + batch)
     }
 
@@ -299,6 +357,7 @@ mod tests {
             batch_max: 512.0,
             micro_max: 64.0,
             noise: BatchModel::parse_noise("0=100;0.5=1000").unwrap(),
+            noise_by_batch: Vec::new(),
         }
     }
 
@@ -323,6 +382,13 @@ mod tests {
         assert_eq!(m.next_change(0.1), Some(0.5));
         assert_eq!(m.workers_for_asked(8), 2);
         assert!(BatchModel::parse_noise("0.5=1").is_err());
+        // Measured at 32 and 128: 64 lies between, a third of the way.
+        let by = BatchModel::parse_noise_by_batch("32@0=100;128@0=400;32@0.5=1000;128@0.5=1000").unwrap();
+        let m = BatchModel { noise_by_batch: by, ..m };
+        assert!((m.noise_at_batch(64.0, 0.1) - 200.0).abs() < 1e-9);
+        assert_eq!(m.noise_at_batch(1000.0, 0.1), 400.0);
+        assert_eq!(m.noise_at_batch(64.0, 0.6), 1000.0);
+        assert_eq!(BatchModel::parse_noise_by_batch(&m.noise_text()).unwrap(), m.noise_by_batch);
         assert!(StepTable::parse("1x32=0.1/0.2").is_err());
         // Spread over 2 nodes, 2 workers sync slower; 4 workers on 3 nodes read the nearest, 2.
         let t = StepTable::parse("2x32=0.12/0.02;2x32@2=0.2/0.1;4x32@2=0.3/0.2;4x32=0.2/0.1").unwrap();

@@ -20,7 +20,7 @@
 //! other policies run), `batch_range` (`MIN-MAX`, the batches it accepts; MIN is the reference of
 //! its efficiency and `work` counts samples at it), `micro_max` (the largest micro-batch; more
 //! accumulates) and `noise_schedule` (`F=N;...`: noise scale N once fraction F of the work is
-//! done), `b0` (the batch whose efficiency is 1, at which `work` counts samples; default MIN).
+//! done; or `B@F=N;...`, schedules measured at several batches B, linear between them), `b0` (the batch whose efficiency is 1, at which `work` counts samples; default MIN).
 //! `scaling` may then be left empty. `workers` (any job) is what it asks for, which FIFO and
 //! Tiresias run it on (default `max_workers`); `start_s` the seconds its first start costs
 //! (default 0).
@@ -234,15 +234,21 @@ fn batch_model<'a>(
         Some(text) => text.parse::<f64>().map_err(|_| format!("micro_max `{text}` is not a number; needs >= 1"))?,
         None => table.max_micro(),
     };
-    let noise = match field(14) {
-        Some(text) => BatchModel::parse_noise(text)?,
-        None => vec![(0.0, float(8, &NOISE, 0.0).map_err(|e| e.to_string())?)],
+    let (noise, noise_by_batch) = match field(14) {
+        Some(text) if text.contains('@') => {
+            let by_batch = BatchModel::parse_noise_by_batch(text)?;
+            // The asked batch's schedule, for what reads one: the nearest batch measured.
+            let nearest = by_batch.iter().min_by(|a, b| (a.0 - batch).abs().total_cmp(&(b.0 - batch).abs()));
+            (nearest.map(|n| n.1.clone()).unwrap_or_default(), by_batch)
+        }
+        Some(text) => (BatchModel::parse_noise(text)?, Vec::new()),
+        None => (vec![(0.0, float(8, &NOISE, 0.0).map_err(|e| e.to_string())?)], Vec::new()),
     };
     let b0 = match field(15) {
         Some(text) => text.parse::<f64>().map_err(|_| format!("b0 `{text}` is not a number; needs 1 <= b0 <= 1e9"))?,
         None => batch_min,
     };
-    let model = BatchModel { table, batch, batch_min, batch_max, b0, micro_max, noise };
+    let model = BatchModel { table, batch, batch_min, batch_max, b0, micro_max, noise, noise_by_batch };
     model.check()?;
     Ok(model)
 }

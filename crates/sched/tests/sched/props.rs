@@ -58,6 +58,11 @@ fn adaptive(index: usize) -> impl Strategy<Value = JobSpec> {
                 b0: 16.0,
                 micro_max: 64.0,
                 noise: vec![(0.0, noise_a), (0.4, noise_b)],
+                noise_by_batch: if range > 2 {
+                    vec![(16.0, vec![(0.0, noise_a), (0.3, noise_b)]), (64.0, vec![(0.0, noise_b), (0.6, noise_a)])]
+                } else {
+                    Vec::new()
+                },
             };
             JobSpec { batch: Some(model), ..base }
         },
