@@ -11,6 +11,9 @@
 /// One measured step: (workers, micro-batch, step_s, sync_s).
 type Row = (usize, f64, f64, f64);
 
+/// A schedule over the fraction of the work done: (from this fraction, the value), sorted.
+pub type Schedule = Vec<(f64, f64)>;
+
 /// Seconds of one step per (workers, micro-batch per worker): the whole step, and the part spent
 /// synchronising gradients; on the fewest nodes the workers fit (packed), and optionally on more
 /// nodes (spread), where synchronisation crosses more of the network.
@@ -175,13 +178,13 @@ pub struct BatchModel {
     /// Where gradient statistics were measured at several batches: (batch, its schedule), sorted
     /// by batch; the noise scale at a batch between two is linear between theirs (outside them,
     /// the nearest). Empty: `noise` at every batch.
-    pub noise_by_batch: Vec<(f64, Vec<(f64, f64)>)>,
+    pub noise_by_batch: Vec<(f64, Schedule)>,
 }
 
 impl BatchModel {
     /// Parses a noise schedule at several batches, `B@F=N;...` (at batch B, from fraction F of
     /// the work done, noise scale N): the schedules by batch, sorted.
-    pub fn parse_noise_by_batch(text: &str) -> Result<Vec<(f64, Vec<(f64, f64)>)>, String> {
+    pub fn parse_noise_by_batch(text: &str) -> Result<Vec<(f64, Schedule)>, String> {
         let mut by_batch: Vec<(f64, String)> = Vec::new();
         for entry in text.split(';').map(str::trim).filter(|e| !e.is_empty()) {
             let (batch, rest) = entry
