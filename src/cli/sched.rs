@@ -67,8 +67,8 @@ pub struct SubmitArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct SimulateArgs {
-    /// Jobs CSV (`submit_s,name,work,min_workers,max_workers,scaling[,resize_s[,priority[,noise_scale,batch_per_worker]]]`);
-    /// without it, generated workloads, one per seed.
+    /// Jobs CSV (`submit_s,name,work,min_workers,max_workers,scaling[,resize_s[,priority[,noise_scale,batch_per_worker]]]`,
+    /// more columns behind a header: see stoke_sched::workload); without it, generated workloads.
     #[arg(long)]
     pub jobs: Option<PathBuf>,
     /// Seeds of the generated workloads.
@@ -80,8 +80,8 @@ pub struct SimulateArgs {
     /// Slots (devices or cores) to share.
     #[arg(long, default_value_t = 16)]
     pub slots: usize,
-    /// Policies to compare: fifo, fair, goodput (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "fifo,fair,goodput")]
+    /// Policies to compare: fifo, fair, goodput, tiresias, optimus (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "fifo,fair,goodput,tiresias,optimus")]
     pub policy: Vec<String>,
     /// Seconds between the goodput policy's reallocations.
     #[arg(long, default_value_t = 60.0)]
@@ -89,7 +89,18 @@ pub struct SimulateArgs {
     /// The least seconds between two resizes of one job (goodput policy).
     #[arg(long, default_value_t = 300.0)]
     pub min_resize_interval_s: f64,
-    /// Folder for the timelines (`timeline-<workload>-<policy>.html`) and `figures.json`.
+    /// The goodput policy's fairness: the p of its p-norm of speed-ups (1: most total goodput).
+    #[arg(long, default_value_t = stoke_sched::view::DEFAULT_FAIRNESS_P, allow_hyphen_values = true)]
+    pub fairness_p: f64,
+    /// Allocate only every --tick-s (as Pollux's simulator does), not also at arrivals and ends.
+    #[arg(long)]
+    pub on_ticks_only: bool,
+    /// Slots per node: jobs are placed on nodes, and a spread placement runs at the step table's
+    /// spread speed (default: one node).
+    #[arg(long)]
+    pub slots_per_node: Option<usize>,
+    /// Folder for the timelines (`timeline-<workload>-<policy>.html`), each job's course
+    /// (`jobs-<workload>-<policy>.json`: start, finish, every allocation) and `figures.json`.
     #[arg(long, default_value = "runs/sched")]
     pub out: PathBuf,
 }
@@ -112,9 +123,6 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|p| p.parse().map_err(|e: stoke_sched::SchedError| anyhow::Error::new(UsageError(e.to_string()))))
         .collect::<Result<_, _>>()?;
-    if args.slots == 0 {
-        return Err(UsageError("--slots must be at least 1".into()).into());
-    }
     let workloads: Vec<(String, Vec<stoke_sched::JobSpec>)> = match &args.jobs {
         Some(path) => {
             let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::TABLE_CAP)
@@ -143,6 +151,9 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             let config = SimConfig {
                 tick_s: args.tick_s,
                 min_resize_interval_s: args.min_resize_interval_s,
+                fairness_p: args.fairness_p,
+                on_ticks_only: args.on_ticks_only,
+                slots_per_node: args.slots_per_node,
                 ..SimConfig::new(args.slots, policy)
             };
             let result = stoke_sched::simulate(jobs, &config).map_err(|e| UsageError(format!("{name}: {e}")))?;
@@ -160,31 +171,15 @@ fn simulate(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             let html = args.out.join(format!("timeline-{name}-{label}.html"));
             std::fs::write(&html, report::timeline_html(&format!("{name}, {label}, {} slots", args.slots), &result))
                 .with_context(|| format!("cannot write {}", html.display()))?;
+            let per_job = args.out.join(format!("jobs-{name}-{label}.json"));
+            std::fs::write(&per_job, serde_json::to_string(&report::jobs_json(&result))? + "\n")
+                .with_context(|| format!("cannot write {}", per_job.display()))?;
             all.push(serde_json::json!({ "workload": name, "policy": label, "figures": f }));
             by_policy.entry(label).or_default().push(f);
         }
     }
     if let (Some(fifo), Some(good)) = (by_policy.get("fifo"), by_policy.get("goodput")) {
-        let ratio = |f: fn(&report::Figures) -> f64| {
-            let r: Vec<f64> = fifo.iter().zip(good).map(|(a, b)| f(b) / f(a)).collect();
-            let lowest = r.iter().copied().fold(f64::INFINITY, f64::min);
-            let highest = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            (stoke_prof::median(&r), lowest, highest)
-        };
-        let (jct, jct_lo, jct_hi) = ratio(|f| f.mean_completion_s);
-        let (p99, ..) = ratio(|f| f.p99_completion_s);
-        let (span, ..) = ratio(|f| f.makespan_s);
-        println!(
-            "goodput / fifo over {} workload(s): mean completion time {:.2}x (min {:.2}, max {:.2}; {:.0}% lower), p99 {:.2}x, makespan {:.2}x (throughput {:.2}x)",
-            fifo.len(),
-            jct,
-            jct_lo,
-            jct_hi,
-            100.0 * (1.0 - jct),
-            p99,
-            span,
-            1.0 / span
-        );
+        println!("{}", report::against_fifo(fifo, good));
     }
     let path = args.out.join("figures.json");
     std::fs::write(&path, serde_json::to_string_pretty(&all)? + "\n")

@@ -30,6 +30,11 @@ fn simulate_compares_policies_on_a_job_list_and_names_a_bad_line() {
             .as_f64()
             .unwrap()
     };
+    let per_job: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("jobs-jobs-fair.json")).unwrap()).unwrap();
+    let big = &per_job["jobs"][0];
+    assert_eq!(big["name"], "big");
+    assert!(big["finish_s"].as_f64().unwrap() > 0.0 && big["allocations"][0]["workers"] == 4, "{per_job}");
     // Under FIFO the small job waits for the big one; the goodput policy shrinks the big job.
     assert!(mean("goodput") < mean("fifo"), "{figures}");
 
@@ -40,4 +45,36 @@ fn simulate_compares_policies_on_a_job_list_and_names_a_bad_line() {
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("jobs.csv") && stderr.contains("line 2") && stderr.contains("amdahl:1"), "{stderr}");
+
+    let out = stoke(
+        &["sched", "simulate", "--tick-s", "0", "--seeds", "1", "--n-jobs", "3", "--out", out_dir.to_str().unwrap()],
+        &[],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--tick-s 0") && stderr.contains("tick_s"), "{stderr}");
+    let out = stoke(
+        &[
+            "sched",
+            "simulate",
+            "--slots",
+            "4",
+            "--slots-per-node",
+            "8",
+            "--seeds",
+            "1",
+            "--n-jobs",
+            "3",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ],
+        &[],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--slots-per-node 8") && stderr.contains("<= 4"), "{stderr}");
 }

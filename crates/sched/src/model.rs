@@ -1,5 +1,7 @@
 //! The job model: throughput as a function of workers, statistical efficiency, goodput.
 
+use crate::batch::BatchModel;
+use crate::limits::{MAX_PRIORITY, MAX_RATE, MAX_RESIZE_S, MAX_SUBMIT_S, MAX_WORK, MAX_WORKERS, MIN_RATE};
 use crate::SchedError;
 
 /// Samples per second on `w` workers.
@@ -43,15 +45,18 @@ impl Scaling {
         Ok(scaling)
     }
 
-    fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), String> {
         match self {
-            Scaling::Amdahl { t1, p } if !(*t1 > 0.0 && t1.is_finite() && (0.0..=1.0).contains(p)) => {
-                Err("needs T1 > 0 and 0 <= P <= 1".into())
+            Scaling::Amdahl { t1, p } if !((MIN_RATE..=MAX_RATE).contains(t1) && (0.0..=1.0).contains(p)) => {
+                Err(format!("needs {MIN_RATE:e} <= T1 <= {MAX_RATE:e} and 0 <= P <= 1"))
             }
             Scaling::Points(points)
-                if points.is_empty() || points.iter().any(|&(w, t)| w == 0 || t.is_nan() || t <= 0.0) =>
+                if points.is_empty()
+                    || points.iter().any(|&(w, t)| !(1..=MAX_WORKERS).contains(&w) || !(MIN_RATE..=MAX_RATE).contains(&t)) =>
             {
-                Err("needs at least one point, each with workers >= 1 and throughput > 0".into())
+                Err(format!(
+                    "needs at least one point, each with 1 <= workers <= {MAX_WORKERS} and {MIN_RATE:e} <= throughput <= {MAX_RATE:e}"
+                ))
             }
             Scaling::Points(points) if points.windows(2).any(|p| p[0].0 == p[1].0) => {
                 Err("one point per worker count".into())
@@ -130,6 +135,17 @@ pub struct Efficiency {
 impl Efficiency {
     pub const FIXED_BATCH: Efficiency = Efficiency { b0: 1.0, batch_grows: false, noise: 0.0 };
 
+    /// Refuses an efficiency that is not a fraction: a batch below 1 or a negative noise scale.
+    pub fn check(&self) -> Result<(), String> {
+        if self.batch_grows && !(self.b0.is_finite() && self.b0 >= 1.0 && self.noise.is_finite() && self.noise >= 0.0) {
+            return Err(format!(
+                "noise_scale {} batch_per_worker {}: needs noise_scale >= 0 and batch_per_worker >= 1",
+                self.noise, self.b0
+            ));
+        }
+        Ok(())
+    }
+
     pub fn at(&self, workers: usize) -> f64 {
         if !self.batch_grows || workers <= 1 {
             return 1.0;
@@ -159,12 +175,117 @@ pub struct JobSpec {
     pub start_s: f64,
     /// Weight in the goodput policy's sum (1 = normal).
     pub priority: f64,
+    /// A batch the scheduler may choose: then the step table, not `scaling` and `efficiency`,
+    /// gives its goodput.
+    pub batch: Option<BatchModel>,
+    /// The workers it asks for, which FIFO and Tiresias run it on (`None`: `max_workers`).
+    pub asked_workers: Option<usize>,
+}
+
+/// Which global batch a job runs: the one it asks for, or the best one it accepts for its
+/// workers and progress (the goodput policy's choice, as Pollux makes it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchChoice {
+    Asked,
+    Best,
 }
 
 impl JobSpec {
-    /// Useful samples per second on `workers`: throughput x statistical efficiency.
+    /// Refuses a job no simulation could finish, or whose figures are out of their ranges (the
+    /// jobs CSV checks the same per field, naming the line).
+    pub fn check(&self, slots: usize) -> Result<(), String> {
+        let within = |v: f64, lo: f64, hi: f64| v.is_finite() && (lo..=hi).contains(&v);
+        if self.name.is_empty() {
+            return Err("needs a name".into());
+        }
+        if !(1 <= self.min_workers && self.min_workers <= self.max_workers && self.max_workers <= MAX_WORKERS) {
+            return Err(format!(
+                "min_workers {} max_workers {}: needs 1 <= min_workers <= max_workers <= {MAX_WORKERS}",
+                self.min_workers, self.max_workers
+            ));
+        }
+        if self.min_workers > slots {
+            return Err(format!("min_workers {} is more than the {slots} slots", self.min_workers));
+        }
+        if !(within(self.work, 0.0, MAX_WORK) && self.work > 0.0) {
+            return Err(format!("work {}: needs 0 < work <= {MAX_WORK:e}", self.work));
+        }
+        if !within(self.submit_s, 0.0, MAX_SUBMIT_S) {
+            return Err(format!("submit_s {}: needs 0 <= submit_s <= {MAX_SUBMIT_S:e}", self.submit_s));
+        }
+        if !within(self.resize_s, 0.0, MAX_RESIZE_S) || !within(self.start_s, 0.0, MAX_RESIZE_S) {
+            return Err(format!(
+                "resize_s {} start_s {}: needs 0 <= each <= {MAX_RESIZE_S:e}",
+                self.resize_s, self.start_s
+            ));
+        }
+        if !(within(self.priority, 0.0, MAX_PRIORITY) && self.priority > 0.0) {
+            return Err(format!("priority {}: needs 0 < priority <= {MAX_PRIORITY:e}", self.priority));
+        }
+        self.scaling.check()?;
+        self.efficiency.check()?;
+        if let Some(model) = &self.batch {
+            model.check()?;
+        }
+        for w in [self.min_workers, self.max_workers.min(slots)] {
+            let rate = self.goodput(w);
+            if !(rate.is_finite() && rate >= MIN_RATE * 1e-6) {
+                return Err(format!("goodput {rate} on {w} workers; needs a positive, finite rate"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Useful samples per second on `workers` at the start: throughput x statistical efficiency.
     pub fn goodput(&self, workers: usize) -> f64 {
-        self.scaling.throughput(workers) * self.efficiency.at(workers)
+        self.goodput_at(workers, 0.0, BatchChoice::Asked)
+    }
+
+    /// Useful samples per second on `workers` with `done` of the work done, at the batch `choice`
+    /// gives.
+    pub fn goodput_at(&self, workers: usize, done: f64, choice: BatchChoice) -> f64 {
+        self.goodput_placed(workers, done, choice, None)
+    }
+
+    /// The same, with its workers spread over `spread_over` nodes (more than the fewest they fit
+    /// on) where that is given: only a step table with spread measurements tells the difference.
+    pub fn goodput_placed(&self, workers: usize, done: f64, choice: BatchChoice, spread_over: Option<usize>) -> f64 {
+        match (&self.batch, choice) {
+            (None, _) => self.scaling.throughput(workers) * self.efficiency.at(workers),
+            (Some(model), BatchChoice::Asked) => {
+                let used = model.workers_for_asked(workers);
+                model.goodput(used, model.batch, done / self.work, spread_over.filter(|_| used == workers))
+            }
+            (Some(model), BatchChoice::Best) => model.best_placed(workers, done / self.work, spread_over).0,
+        }
+    }
+
+    /// The workers it asks for (FIFO's and Tiresias's allocation), within its limits.
+    pub fn asked(&self) -> usize {
+        self.asked_workers.unwrap_or(self.max_workers).clamp(self.min_workers, self.max_workers)
+    }
+
+    /// The most workers that speed it up at all at `choice`'s batch: `max_workers`, less where
+    /// its batch cannot be spread over more (the local batch would fall below the micro-batches
+    /// measured).
+    pub fn max_useful_workers(&self, choice: BatchChoice) -> usize {
+        match (&self.batch, choice) {
+            (None, _) => self.max_workers,
+            (Some(model), BatchChoice::Asked) => model.workers_for_asked(self.max_workers),
+            (Some(model), BatchChoice::Best) => {
+                let most = (model.batch_max / model.table.micro_min()).floor().max(1.0) as usize;
+                self.max_workers.min(most)
+            }
+        }
+        .max(self.min_workers)
+    }
+
+    /// The work done (after `done`) at which its goodput changes without a change of workers
+    /// (its noise scale's next step), if any.
+    /// Steps closer than a billionth of the work count as reached: rounding in the progress then
+    /// never schedules an event the clock cannot resolve.
+    pub fn next_change(&self, done: f64) -> Option<f64> {
+        self.batch.as_ref()?.next_change(done / self.work + 1e-9).map(|f| f * self.work)
     }
 
     /// Goodput on `workers` over goodput on `min_workers` (what the goodput policy sums).

@@ -5,73 +5,11 @@
 //! workers it holds now and when it was last resized, and returns each one's workers with the
 //! reason, in words, for every change.
 
-use crate::model::JobSpec;
-
-/// How slots are shared.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Policy {
-    /// First come, first served, static: a job gets its `max_workers` or waits (the head of the
-    /// queue blocks the rest); never resized.
-    Fifo,
-    /// Every active job gets an equal share (within its min/max), recomputed at arrivals and
-    /// completions.
-    Fair,
-    /// Goodput-maximizing: jobs are admitted at their minimum (shrinking others to their minimum
-    /// if needed), and the remaining slots go one by one to the largest weighted gain in speedup;
-    /// a running job is resized at most once per `min_resize_interval_s`, and grown only when the
-    /// gain over that interval pays for the resize.
-    Goodput,
-}
-
-impl Policy {
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::Fifo => "fifo",
-            Policy::Fair => "fair",
-            Policy::Goodput => "goodput",
-        }
-    }
-}
-
-impl std::str::FromStr for Policy {
-    type Err = crate::SchedError;
-    fn from_str(s: &str) -> Result<Policy, crate::SchedError> {
-        match s {
-            "fifo" => Ok(Policy::Fifo),
-            "fair" => Ok(Policy::Fair),
-            "goodput" => Ok(Policy::Goodput),
-            other => Err(crate::SchedError::BadPolicy { name: other.into() }),
-        }
-    }
-}
-
-/// What a policy needs to know: the slots, the policy, and the goodput policy's minimum interval
-/// between two resizes of one job.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PolicyConfig {
-    pub slots: usize,
-    pub policy: Policy,
-    /// Seconds a running job keeps its allocation after a resize or its start (goodput policy),
-    /// unless it must shrink to admit a waiting job. Default 300 in the simulator.
-    pub min_resize_interval_s: f64,
-}
-
-/// One active job as the policy sees it.
-#[derive(Debug, Clone, Copy)]
-pub struct JobView<'a> {
-    pub spec: &'a JobSpec,
-    /// Workers it holds now (0: waiting).
-    pub workers: usize,
-    /// When it last started or was resized (the policy's clock; `-inf` never).
-    pub last_resize_s: f64,
-}
-
-/// A job's workers after `allocate`, and why they changed (empty when they did not).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Allocation {
-    pub workers: usize,
-    pub reason: String,
-}
+use crate::baselines::{optimus, tiresias};
+use crate::goodput::goodput;
+use crate::model::BatchChoice;
+use crate::view::Plan;
+pub use crate::view::{Allocation, JobView, Policy, PolicyConfig};
 
 /// The policy's allocation for `jobs` (active, in submission order) at time `now`. A running job
 /// never drops below its minimum; the sum never exceeds `config.slots`.
@@ -81,6 +19,8 @@ pub fn allocate(jobs: &[JobView<'_>], config: &PolicyConfig, now: f64) -> Vec<Al
         Policy::Fifo => fifo(jobs, config),
         Policy::Fair => fair(jobs, config),
         Policy::Goodput => goodput(jobs, config, now),
+        Policy::Tiresias => tiresias(jobs, config),
+        Policy::Optimus => optimus(jobs, config),
     };
     debug_assert!(out.iter().sum::<usize>() <= config.slots);
     out.into_iter()
@@ -93,8 +33,6 @@ pub fn allocate(jobs: &[JobView<'_>], config: &PolicyConfig, now: f64) -> Vec<Al
         .collect()
 }
 
-type Plan = (Vec<usize>, Vec<String>);
-
 fn fifo(jobs: &[JobView<'_>], config: &PolicyConfig) -> Plan {
     let mut out: Vec<usize> = jobs.iter().map(|j| j.workers).collect();
     let mut notes = vec![String::new(); jobs.len()];
@@ -103,7 +41,7 @@ fn fifo(jobs: &[JobView<'_>], config: &PolicyConfig) -> Plan {
         if out[i] > 0 {
             continue;
         }
-        let want = job.spec.max_workers.min(config.slots);
+        let want = job.spec.asked().min(config.slots);
         if want > free {
             break; // the head of the queue blocks the rest
         }
@@ -130,7 +68,7 @@ fn fair(jobs: &[JobView<'_>], config: &PolicyConfig) -> Plan {
     loop {
         let mut gave = false;
         for i in 0..n {
-            if free > 0 && out[i] > 0 && out[i] < jobs[i].spec.max_workers {
+            if free > 0 && out[i] > 0 && out[i] < jobs[i].spec.max_useful_workers(BatchChoice::Asked) {
                 out[i] += 1;
                 free -= 1;
                 gave = true;
@@ -157,100 +95,10 @@ fn fair(jobs: &[JobView<'_>], config: &PolicyConfig) -> Plan {
     (out, notes)
 }
 
-fn goodput(jobs: &[JobView<'_>], config: &PolicyConfig, now: f64) -> Plan {
-    let n = jobs.len();
-    let current: Vec<usize> = jobs.iter().map(|j| j.workers).collect();
-    let mut notes = vec![String::new(); n];
-    // Running jobs resized less than min_resize_interval_s ago keep their allocation, unless it
-    // must shrink to admit a waiting job (to the job's minimum, no lower).
-    let pinned: Vec<bool> =
-        (0..n).map(|i| current[i] > 0 && now - jobs[i].last_resize_s < config.min_resize_interval_s).collect();
-    let mut out: Vec<usize> = (0..n).map(|i| if current[i] > 0 { jobs[i].spec.min_workers } else { 0 }).collect();
-    let mut free = config.slots - out.iter().sum::<usize>();
-    let mut admitted = Vec::new();
-    for i in 0..n {
-        if current[i] == 0 && jobs[i].spec.min_workers <= free {
-            out[i] = jobs[i].spec.min_workers;
-            free -= out[i];
-            admitted.push(jobs[i].spec.name.as_str());
-            notes[i] = format!("goodput: admitted at its minimum {}", out[i]);
-        } else if current[i] == 0 {
-            notes[i] =
-                format!("goodput: waits, its minimum {} is more than the {free} slots left", jobs[i].spec.min_workers);
-        }
-    }
-    // Pinned jobs get back what they hold, as far as the admissions leave room.
-    for i in 0..n {
-        if pinned[i] {
-            let extra = (current[i] - out[i]).min(free);
-            out[i] += extra;
-            free -= extra;
-            if out[i] < current[i] {
-                notes[i] = format!(
-                    "goodput: shrunk from {} to {} to admit {} (resized {:.0} s ago, within the minimum interval)",
-                    current[i],
-                    out[i],
-                    admitted.join(", "),
-                    now - jobs[i].last_resize_s
-                );
-            }
-        }
-    }
-    let gain = |i: usize, w: usize| {
-        let job = jobs[i].spec;
-        job.priority * (job.speedup(w + 1) - job.speedup(w))
-    };
-    while free > 0 {
-        let best = (0..n)
-            .filter(|&i| out[i] > 0 && !pinned[i] && out[i] < jobs[i].spec.max_workers.min(config.slots))
-            .map(|i| (i, gain(i, out[i])))
-            .filter(|&(_, g)| g > 1e-12)
-            .max_by(|a, b| a.1.total_cmp(&b.1));
-        let Some((i, _)) = best else { break };
-        out[i] += 1;
-        free -= 1;
-    }
-    // A running job grows only when the gain over the interval pays for the resize; it keeps
-    // what it has when the plan would shrink it for nothing (slots left free).
-    for i in 0..n {
-        let job = jobs[i].spec;
-        if current[i] > 0 && out[i] != current[i] && !pinned[i] {
-            let horizon = config.min_resize_interval_s.max(job.resize_s);
-            let (new, old) = (job.goodput(out[i]) * (horizon - job.resize_s), job.goodput(current[i]) * horizon);
-            if out[i] > current[i] && new <= old {
-                free += out[i] - current[i];
-                out[i] = current[i];
-            } else if out[i] < current[i] && free >= current[i] - out[i] {
-                free -= current[i] - out[i];
-                out[i] = current[i];
-            } else if out[i] > current[i] {
-                notes[i] = format!(
-                    "goodput: grown from {} to {}: over {horizon:.0} s it trains {new:.1} units against {old:.1}, \
-                     the resize's {:.1} s paid",
-                    current[i], out[i], job.resize_s
-                );
-            } else {
-                notes[i] =
-                    format!("goodput: shrunk from {} to {} to admit {}", current[i], out[i], admitted.join(", "));
-            }
-        }
-    }
-    // Newly admitted jobs grown past their minimum say so.
-    for i in 0..n {
-        if current[i] == 0 && out[i] > jobs[i].spec.min_workers {
-            notes[i] = format!(
-                "goodput: admitted on {} (minimum {}, the rest by the largest gain in speedup)",
-                out[i], jobs[i].spec.min_workers
-            );
-        }
-    }
-    (out, notes)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Efficiency, Scaling};
+    use crate::model::{Efficiency, JobSpec, Scaling};
 
     fn spec(name: &str, max: usize, p: f64) -> JobSpec {
         JobSpec {
@@ -264,15 +112,23 @@ mod tests {
             resize_s: 5.0,
             start_s: 0.0,
             priority: 1.0,
+            batch: None,
+            asked_workers: None,
         }
     }
 
     fn check(policy: Policy, jobs: &[(JobSpec, usize, f64)], now: f64, expected: &[usize]) -> Vec<Allocation> {
         let views: Vec<JobView<'_>> = jobs
             .iter()
-            .map(|(spec, workers, last)| JobView { spec, workers: *workers, last_resize_s: *last })
+            .map(|(spec, workers, last)| JobView {
+                spec,
+                workers: *workers,
+                last_resize_s: *last,
+                done: 0.0,
+                attained_slot_s: 0.0,
+            })
             .collect();
-        let config = PolicyConfig { slots: 2, policy, min_resize_interval_s: 30.0 };
+        let config = PolicyConfig { min_resize_interval_s: 30.0, ..PolicyConfig::new(2, policy) };
         let got = allocate(&views, &config, now);
         assert_eq!(got.iter().map(|a| a.workers).collect::<Vec<_>>(), expected, "{policy:?}: {got:?}");
         for (a, (_, was, _)) in got.iter().zip(jobs) {
@@ -291,8 +147,9 @@ mod tests {
             // b done: a grows back (the goodput policy once the interval has passed).
             check(policy, &[(a.clone(), 1, 10.0)], 100.0, &[2]);
         }
-        // Within the interval the goodput policy keeps a's size; fair does not look at time.
-        check(Policy::Goodput, &[(a.clone(), 1, 10.0)], 20.0, &[1]);
+        // Within the interval the goodput policy does not shrink a job, but a free slot that
+        // speeds it up is offered at once.
+        check(Policy::Goodput, &[(a.clone(), 1, 10.0)], 20.0, &[2]);
         check(Policy::Fair, &[(a.clone(), 1, 10.0)], 20.0, &[2]);
         // FIFO never resizes: b waits behind a.
         let waits = check(Policy::Fifo, &[(a.clone(), 2, 0.0), (b, 0, f64::NEG_INFINITY)], 10.0, &[2, 0]);

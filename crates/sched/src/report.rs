@@ -24,6 +24,58 @@ pub fn figures(result: &SimResult) -> Figures {
     }
 }
 
+/// Each job's course, machine-readable: submission, start, finish, completion time, resizes,
+/// and every change of its workers as `{"at_s", "workers"}` (0 at its finish).
+pub fn jobs_json(result: &SimResult) -> serde_json::Value {
+    let jobs: Vec<serde_json::Value> = result
+        .jobs
+        .iter()
+        .map(|j| {
+            let allocations: Vec<serde_json::Value> = j
+                .allocations
+                .iter()
+                .map(|&(at_s, workers)| serde_json::json!({ "at_s": at_s, "workers": workers }))
+                .collect();
+            serde_json::json!({
+                "name": j.name,
+                "submit_s": j.submit_s,
+                "start_s": j.start_s,
+                "finish_s": j.finish_s,
+                "completion_s": j.completion_s(),
+                "resizes": j.resizes,
+                "allocations": allocations,
+            })
+        })
+        .collect();
+    serde_json::json!({ "slots": result.slots, "jobs": jobs })
+}
+
+/// One line: the goodput policy's figures over FIFO's on the same workloads (median ratio, and the
+/// least and most of mean completion time).
+pub fn against_fifo(fifo: &[Figures], good: &[Figures]) -> String {
+    let ratio = |f: fn(&Figures) -> f64| {
+        let r: Vec<f64> = fifo.iter().zip(good).map(|(a, b)| f(b) / f(a)).collect();
+        let lowest = r.iter().copied().fold(f64::INFINITY, f64::min);
+        let highest = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (stoke_stats::median(&r), lowest, highest)
+    };
+    let (jct, jct_lo, jct_hi) = ratio(|f| f.mean_completion_s);
+    let (p99, ..) = ratio(|f| f.p99_completion_s);
+    let (span, ..) = ratio(|f| f.makespan_s);
+    format!(
+        "goodput / fifo over {} workload(s): mean completion time {:.2}x (min {:.2}, max {:.2}; {:.0}% lower), p99 \
+         {:.2}x, makespan {:.2}x (throughput {:.2}x)",
+        fifo.len(),
+        jct,
+        jct_lo,
+        jct_hi,
+        100.0 * (1.0 - jct),
+        p99,
+        span,
+        1.0 / span
+    )
+}
+
 fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }

@@ -3,7 +3,7 @@
 
 use crate::model::{Efficiency, JobSpec, Scaling};
 use crate::observe::{self, Segment};
-use crate::store::{HistoryEntry, JobRow};
+use crate::store::{Decision, HistoryEntry, JobRow};
 
 /// Seconds a resize is assumed to cost before one has been measured.
 pub const DEFAULT_RESIZE_S: f64 = 5.0;
@@ -45,6 +45,19 @@ pub fn startup_cost(history: &[HistoryEntry], job: i64) -> f64 {
     all.get(all.len() / 2).copied().unwrap_or(0.0)
 }
 
+/// Slot-seconds the policy has given `job` up to `now` (Tiresias's attained service): each
+/// decision's workers from its time to the job's next decision.
+pub fn attained_slot_s(decisions: &[Decision], job: i64, now: f64) -> f64 {
+    let own: Vec<&Decision> = decisions.iter().filter(|d| d.job == job).collect();
+    own.iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let until = own.get(i + 1).map_or(now, |next| next.time_s);
+            d.to_workers as f64 * (until - d.time_s).max(0.0)
+        })
+        .sum()
+}
+
 /// The job's statistical efficiency: from the gradient noise scale its run reported, when its
 /// global batch grows with its workers (`train.global_batch` unset); 1 on every size otherwise (a
 /// fixed global batch, or no noise scale reported).
@@ -82,5 +95,27 @@ pub fn job_spec(
         resize_s,
         start_s,
         priority: job.job.priority,
+        batch: None,
+        asked_workers: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attained_service_sums_each_allocation_over_its_time() {
+        let d = |time_s: f64, job: i64, to_workers: usize| Decision {
+            time_s,
+            job,
+            policy: "tiresias".into(),
+            from_workers: 0,
+            to_workers,
+            reason: String::new(),
+        };
+        let decisions = [d(0.0, 1, 2), d(5.0, 2, 1), d(10.0, 1, 1), d(20.0, 1, 0)];
+        assert_eq!(attained_slot_s(&decisions, 1, 100.0), 2.0 * 10.0 + 10.0);
+        assert_eq!(attained_slot_s(&decisions, 2, 100.0), 95.0);
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use super::config::ServeConfig;
 use super::cpus::slot_cores;
 use super::endpoint::MetricsEndpoint;
-use super::estimate::{job_spec, resize_cost, segments, startup_cost};
+use super::estimate::{attained_slot_s, job_spec, resize_cost, segments, startup_cost};
 use super::layout::{last_step, launch_events, noise_scale, unix_now, Layout};
 use super::process::{alive, find_tagged, lock_folder, ProcessState};
 use crate::observe;
@@ -99,7 +99,10 @@ pub fn serve(settings: &ServeConfig) -> Result<(), SchedError> {
     }
     let cores = slot_cores(settings.cpus.as_deref(), settings.slots)?;
     store.set_meta("cores", &cores.iter().map(usize::to_string).collect::<Vec<_>>().join(","))?;
-    let config = PolicyConfig { slots: settings.slots, policy, min_resize_interval_s: settings.min_resize_interval_s };
+    let config = PolicyConfig {
+        min_resize_interval_s: settings.min_resize_interval_s,
+        ..PolicyConfig::new(settings.slots, policy)
+    };
     let mut server = Server { settings, layout, store, config, cores, live: HashMap::new() };
     server.recover()?;
     let mut known_active: Vec<i64> = Vec::new();
@@ -353,6 +356,7 @@ impl Server<'_> {
     fn plan(&mut self, now: f64) -> Result<(), SchedError> {
         let jobs: Vec<JobRow> = self.store.jobs()?.into_iter().filter(|j| j.state.is_active()).collect();
         let history = self.store.history()?;
+        let decisions = self.store.decisions()?;
         let resize_s = resize_cost(&history);
         let t0 = jobs.iter().map(|j| j.submit_s).fold(now, f64::min);
         let mut specs = Vec::new();
@@ -378,6 +382,9 @@ impl Server<'_> {
                 spec,
                 workers: job.alloc,
                 last_resize_s: job.last_resize_s.map_or(f64::NEG_INFINITY, |t| t - t0),
+                // Work is in steps here: the last step its run reported.
+                done: self.live.get(&job.id).map_or(0.0, |l| l.last_step as f64).min(spec.work),
+                attained_slot_s: attained_slot_s(&decisions, job.id, now),
             });
             placed.push(job);
         }
