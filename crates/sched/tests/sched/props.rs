@@ -114,3 +114,29 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The job CSV comes from users: any mutation or truncation of a valid list parses or is
+    /// refused with an error, never a panic; what parses simulates to an end or an error.
+    #[test]
+    fn fuzz_mutated_job_csv(
+        jobs in jobs(),
+        cuts in proptest::collection::vec((0usize..4000, any::<u8>()), 1..6),
+        truncate in proptest::option::of(0usize..4000),
+    ) {
+        let mut bytes = stoke_sched::to_csv(&jobs).into_bytes();
+        for (at, byte) in &cuts {
+            let i = at % bytes.len();
+            bytes[i] = *byte;
+        }
+        if let Some(len) = truncate {
+            bytes.truncate(len % (bytes.len() + 1));
+        }
+        if let Ok(parsed) = stoke_sched::parse_csv(&String::from_utf8_lossy(&bytes)) {
+            let config = SimConfig { max_events: 50_000, ..SimConfig::new(8, Policy::Goodput) };
+            let _ = simulate(&parsed, &config);
+        }
+    }
+}
