@@ -25,6 +25,32 @@ pub enum BenchCommand {
     /// Checkpoints: the step's stall in the background vs a synchronous save, save throughput vs
     /// the disk, resume time, torch.save and DCP async_save as peers.
     Ckpt(super::bench_ckpt::CkptBenchArgs),
+    /// The episode loader alone: frames per second through decoding and augmentation (one JSON
+    /// line; `benches/episodes_vs_torch.sh` runs it against PyTorch's DataLoader).
+    Episodes(EpisodesArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EpisodesArgs {
+    /// A prepared episode folder (`stoke prep episodes`).
+    pub data: PathBuf,
+    #[arg(long, default_value_t = 50)]
+    pub batches: usize,
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 32)]
+    pub micro_batch: usize,
+    /// Loader threads (0: on the caller's thread).
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Side of the batch's frames (0: the prepared resolution).
+    #[arg(long, default_value_t = 0)]
+    pub resolution: u32,
+    #[arg(long, default_value_t = 0)]
+    pub history: usize,
+    /// Whole frames, colours kept (no random resized crop or jitter).
+    #[arg(long)]
+    pub no_augment: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -91,5 +117,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         }),
         BenchCommand::Gate(args) => super::gate::run(args),
         BenchCommand::Ckpt(args) => super::bench_ckpt::run(args),
+        BenchCommand::Episodes(args) => crate::bench::episodes(&crate::bench::EpisodesBench {
+            data: args.data,
+            batches: args.batches,
+            warmup: args.warmup,
+            micro_batch: args.micro_batch,
+            workers: args.workers,
+            resolution: args.resolution,
+            history: args.history,
+            augment: !args.no_augment,
+        }),
     }
 }

@@ -54,40 +54,100 @@ impl Draw {
         Draw { crop: [x, y, w, h], brightness: factor(), contrast: factor(), saturation: factor() }
     }
 
-    /// `frame` cropped, resized to `side` x `side` and jittered, as HWC uint8 appended to `out`.
+    /// `frame` cropped, resized to `side` x `side` (bilinear, pixel centres aligned as
+    /// torchvision's `antialias=False` resize) and jittered, as HWC uint8 appended to `out`. The
+    /// three colour adjustments are one linear map per pixel (brightness, then contrast toward the
+    /// crop's mean grey, then saturation toward each pixel's grey, torchvision's order), clamped
+    /// once at the end.
     pub fn apply(&self, frame: &RgbImage, side: u32, out: &mut Vec<u8>) {
         let (fw, fh) = (frame.width() as f64, frame.height() as f64);
         let [x, y, w, h] = self.crop;
         let (cx, cy) = ((x * fw) as u32, (y * fh) as u32);
         let cw = ((w * fw).round() as u32).clamp(1, frame.width() - cx);
         let ch = ((h * fh).round() as u32).clamp(1, frame.height() - cy);
-        let cropped = image::imageops::crop_imm(frame, cx, cy, cw, ch).to_image();
-        let resized = if (cw, ch) == (side, side) {
-            cropped
-        } else {
-            image::imageops::resize(&cropped, side, side, image::imageops::FilterType::Triangle)
-        };
         let start = out.len();
-        out.extend_from_slice(resized.as_raw());
+        out.resize(start + (side * side * 3) as usize, 0);
+        let pixels = &mut out[start..];
+        resize_bilinear(frame, [cx, cy, cw, ch], side, pixels);
         if (self.brightness, self.contrast, self.saturation) == (1.0, 1.0, 1.0) {
             return;
         }
-        let pixels = &mut out[start..];
-        // Contrast blends toward the frame's mean grey, saturation toward each pixel's grey
-        // (torchvision's order: brightness, contrast, saturation).
-        let grey = |p: &[f32; 3]| 0.299 * p[0] + 0.587 * p[1] + 0.114 * p[2];
-        let n = (pixels.len() / 3) as f32;
-        let mean_grey: f32 =
-            pixels.chunks_exact(3).map(|p| grey(&[p[0] as f32, p[1] as f32, p[2] as f32])).sum::<f32>() / n;
+        let (b, c, s) = (self.brightness, self.contrast, self.saturation);
+        const GREY: [f32; 3] = [0.299, 0.587, 0.114];
+        let sum: f32 =
+            pixels.chunks_exact(3).map(|p| GREY[0] * p[0] as f32 + GREY[1] * p[1] as f32 + GREY[2] * p[2] as f32).sum();
+        let mean_grey = b * sum / (pixels.len() / 3) as f32;
+        // out_k = s*c*b*v_k + (1-s)*c*b*grey(v) + mean_grey*(1-c): a 3x3 matrix and an offset.
+        let (own, mix, offset) = (s * c * b, (1.0 - s) * c * b, mean_grey * (1.0 - c));
+        let matrix: [[f32; 3]; 3] =
+            std::array::from_fn(|row| std::array::from_fn(|col| mix * GREY[col] + if row == col { own } else { 0.0 }));
         for p in pixels.chunks_exact_mut(3) {
-            let mut v = [p[0] as f32, p[1] as f32, p[2] as f32].map(|c| c * self.brightness);
-            let m = mean_grey * self.brightness;
-            v = v.map(|c| m + (c - m) * self.contrast);
-            let g = grey(&v);
-            v = v.map(|c| g + (c - g) * self.saturation);
-            for (dst, c) in p.iter_mut().zip(v) {
-                *dst = c.round().clamp(0.0, 255.0) as u8;
+            let v = [p[0] as f32, p[1] as f32, p[2] as f32];
+            for (dst, row) in p.iter_mut().zip(&matrix) {
+                let value = row[0] * v[0] + row[1] * v[1] + row[2] * v[2] + offset;
+                // Clamped to [0, 255], then rounded half up by the cast (no libm call per value).
+                *dst = (value.clamp(0.0, 255.0) + 0.5) as u8;
             }
+        }
+    }
+}
+
+/// Bilinear resize of the `[x, y, w, h]` window of `frame` to `side` x `side` RGB into `out`,
+/// separably: each source row the output needs is interpolated across once (kept while the next
+/// output row still needs it), then output rows blend two of those.
+fn resize_bilinear(frame: &RgbImage, [x0, y0, w, h]: [u32; 4], side: u32, out: &mut [u8]) {
+    let (raw, stride) = (frame.as_raw(), frame.width() as usize * 3);
+    if (w, h) == (side, side) {
+        // Same size: the window's rows as they are.
+        for (row_idx, row_out) in out.chunks_exact_mut(side as usize * 3).enumerate() {
+            let begin = (y0 as usize + row_idx) * stride + x0 as usize * 3;
+            row_out.copy_from_slice(&raw[begin..begin + side as usize * 3]);
+        }
+        return;
+    }
+    // Source coordinate of each output index along one axis: (low, high, weight of high), pixel
+    // centres aligned, clamped at the window's edges.
+    let taps = |len: u32| -> Vec<(usize, usize, f32)> {
+        let scale = len as f32 / side as f32;
+        (0..side)
+            .map(|i| {
+                let src = ((i as f32 + 0.5) * scale - 0.5).clamp(0.0, (len - 1) as f32);
+                let low = src.floor() as u32;
+                (low as usize, (low + 1).min(len - 1) as usize, src - low as f32)
+            })
+            .collect()
+    };
+    let (columns, rows) = (taps(w), taps(h));
+    let width = side as usize * 3;
+    let across = |source_row: usize, dst: &mut [f32]| {
+        let begin = (y0 as usize + source_row) * stride + x0 as usize * 3;
+        let src = &raw[begin..begin + w as usize * 3];
+        for (pixel, &(left, right, wx)) in dst.chunks_exact_mut(3).zip(&columns) {
+            for k in 0..3 {
+                let (l, r) = (src[left * 3 + k] as f32, src[right * 3 + k] as f32);
+                pixel[k] = l + (r - l) * wx;
+            }
+        }
+    };
+    // Two interpolated source rows and which they are.
+    let (mut upper, mut lower) = (vec![0f32; width], vec![0f32; width]);
+    let (mut upper_row, mut lower_row) = (usize::MAX, usize::MAX);
+    for (row_out, &(top, bottom, wy)) in out.chunks_exact_mut(width).zip(&rows) {
+        if upper_row != top {
+            if lower_row == top {
+                std::mem::swap(&mut upper, &mut lower);
+                lower_row = usize::MAX;
+            } else {
+                across(top, &mut upper);
+            }
+            upper_row = top;
+        }
+        if lower_row != bottom {
+            across(bottom, &mut lower);
+            lower_row = bottom;
+        }
+        for ((dst, &a), &b) in row_out.iter_mut().zip(&upper).zip(&lower) {
+            *dst = (a + (b - a) * wy + 0.5) as u8;
         }
     }
 }
