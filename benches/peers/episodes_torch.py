@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.io import decode_jpeg, read_file
 from torchvision.transforms import v2
 
+from _measure import forever
+
 
 class Episodes(Dataset):
     def __init__(self, root, side, chunk):
@@ -77,7 +79,7 @@ def main():
         prefetch_factor=4 if args.workers > 0 else None,
         drop_last=True,
     )
-    batches = iter(_forever(loader))
+    batches = forever(loader)
     for _ in range(args.warmup):
         next(batches)
     frames = 0
@@ -88,11 +90,6 @@ def main():
     wall = time.perf_counter() - start
     print(json.dumps({"loader": "torch", "workers": args.workers, "batches": args.batches, "frames": frames,
                       "wall_s": wall, "frames_per_s": frames / wall}))
-
-
-def _forever(loader):
-    while True:
-        yield from loader
 
 
 if __name__ == "__main__":

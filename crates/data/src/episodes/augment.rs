@@ -4,7 +4,9 @@
 //! what an action means. Every draw comes from the generator it is given, so a sample's
 //! augmentation is a pure function of (seed, epoch, sample, camera).
 
-use image::RgbImage;
+use std::ops::Deref;
+
+use image::{ImageBuffer, Rgb};
 
 use crate::rng::SplitMix64;
 
@@ -59,7 +61,8 @@ impl Draw {
     /// three colour adjustments are one linear map per pixel (brightness, then contrast toward the
     /// crop's mean grey, then saturation toward each pixel's grey, torchvision's order), clamped
     /// once at the end.
-    pub fn apply(&self, frame: &RgbImage, side: u32, out: &mut Vec<u8>) {
+    /// The frame may borrow its pixels (a decoded frame straight from a memory-mapped shard).
+    pub fn apply<C: Deref<Target = [u8]>>(&self, frame: &ImageBuffer<Rgb<u8>, C>, side: u32, out: &mut Vec<u8>) {
         let (fw, fh) = (frame.width() as f64, frame.height() as f64);
         let [x, y, w, h] = self.crop;
         let (cx, cy) = ((x * fw) as u32, (y * fh) as u32);
@@ -95,8 +98,13 @@ impl Draw {
 /// Bilinear resize of the `[x, y, w, h]` window of `frame` to `side` x `side` RGB into `out`,
 /// separably: each source row the output needs is interpolated across once (kept while the next
 /// output row still needs it), then output rows blend two of those.
-fn resize_bilinear(frame: &RgbImage, [x0, y0, w, h]: [u32; 4], side: u32, out: &mut [u8]) {
-    let (raw, stride) = (frame.as_raw(), frame.width() as usize * 3);
+fn resize_bilinear<C: Deref<Target = [u8]>>(
+    frame: &ImageBuffer<Rgb<u8>, C>,
+    [x0, y0, w, h]: [u32; 4],
+    side: u32,
+    out: &mut [u8],
+) {
+    let (raw, stride): (&[u8], usize) = (frame.as_raw(), frame.width() as usize * 3);
     if (w, h) == (side, side) {
         // Same size: the window's rows as they are.
         for (row_idx, row_out) in out.chunks_exact_mut(side as usize * 3).enumerate() {
@@ -158,7 +166,7 @@ mod tests {
 
     #[test]
     fn the_identity_keeps_a_frame_and_draws_are_reproducible() {
-        let frame = RgbImage::from_fn(16, 16, |x, y| image::Rgb([x as u8 * 10, y as u8 * 10, 77]));
+        let frame = image::RgbImage::from_fn(16, 16, |x, y| image::Rgb([x as u8 * 10, y as u8 * 10, 77]));
         let mut out = Vec::new();
         Draw::IDENTITY.apply(&frame, 16, &mut out);
         assert_eq!(out, frame.as_raw().as_slice());

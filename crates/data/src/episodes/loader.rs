@@ -137,25 +137,32 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
                 let frame_step = episode_first + t.saturating_sub(back);
                 let record = store.frame(frame_step, camera)?;
                 let decode_start = Instant::now();
-                let image = if store.frames_decoded() {
-                    let [h, w, _] = record.shape;
-                    image::RgbImage::from_raw(w, h, record.bytes.to_vec()).ok_or_else(|| DataError::Corrupt {
-                        path: manifest_path(store),
-                        what: "frame",
-                        offset: frame_step,
-                        detail: format!("{} bytes for a {w}x{h} RGB frame", record.bytes.len()),
-                    })?
-                } else {
-                    image::load_from_memory(record.bytes)
-                        .map_err(|err| DataError::Image {
-                            path: manifest_path(store),
-                            detail: format!("frame of step {frame_step}, camera {camera}: {err}"),
-                        })?
-                        .into_rgb8()
-                };
-                let augment_start = Instant::now();
+                // A decoded frame is augmented straight from the mapped shard, without a copy.
+                let augment_start =
+                    if store.frames_decoded() {
+                        let [h, w, _] = record.shape;
+                        let image = image::ImageBuffer::<image::Rgb<u8>, &[u8]>::from_raw(w, h, record.bytes)
+                            .ok_or_else(|| DataError::Corrupt {
+                                path: manifest_path(store),
+                                what: "frame",
+                                offset: frame_step,
+                                detail: format!("{} bytes for a {w}x{h} RGB frame", record.bytes.len()),
+                            })?;
+                        let augment_start = Instant::now();
+                        draw.apply(&image, shared.side, &mut batch.frames);
+                        augment_start
+                    } else {
+                        let image = image::load_from_memory(record.bytes)
+                            .map_err(|err| DataError::Image {
+                                path: manifest_path(store),
+                                detail: format!("frame of step {frame_step}, camera {camera}: {err}"),
+                            })?
+                            .into_rgb8();
+                        let augment_start = Instant::now();
+                        draw.apply(&image, shared.side, &mut batch.frames);
+                        augment_start
+                    };
                 stats.decode_ns += (augment_start - decode_start).as_nanos() as u64;
-                draw.apply(&image, shared.side, &mut batch.frames);
                 stats.augment_ns += augment_start.elapsed().as_nanos() as u64;
                 stats.frames += 1;
             }
