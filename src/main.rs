@@ -5,6 +5,7 @@
 mod bench;
 mod cli;
 mod config;
+mod environment;
 mod exit;
 mod gate;
 mod launch;

@@ -104,6 +104,8 @@ pub struct Profiler {
     dynamics: stoke_prof::Dynamics,
     /// Tokens seen before the run's first step (a resumed run's steps so far).
     tokens_before: u64,
+    /// What the run ran on, for report.json (`set_environment`).
+    environment: Option<serde_json::Value>,
 }
 
 impl Profiler {
@@ -190,6 +192,7 @@ impl Profiler {
                 ..stoke_prof::Dynamics::default()
             },
             tokens_before: 0,
+            environment: None,
         })
     }
 
@@ -333,7 +336,13 @@ impl Profiler {
             report.findings.extend(d.findings());
             report.dynamics = Some(d.clone());
         }
+        report.environment = self.environment.clone();
         Some(report)
+    }
+
+    /// The run's environment (`crate::environment`), written into report.json.
+    pub fn set_environment(&mut self, environment: serde_json::Value) {
+        self.environment = Some(environment);
     }
 
     /// What this rank sends rank 0 at the end of a data-parallel run: its own report's summary, and

@@ -14,6 +14,7 @@ pub mod compare;
 mod config;
 mod corpus;
 mod doctor;
+mod env;
 mod export;
 mod find_batch;
 mod gate;
@@ -63,6 +64,9 @@ pub enum Command {
     Export(export::ExportArgs),
     /// Scheduling of elastic jobs: `simulate` compares policies on a job list or generated workloads.
     Sched(sched::SchedArgs),
+    /// The versions (stoke, libtorch, CUDA, NCCL, Open MPI, kernel, CPU/GPU) and the environment
+    /// variables that change performance; every run records the same in environment.json.
+    Env(env::EnvArgs),
     /// Compare two runs' loss curves by tokens seen; exit 3 when B's final loss is worse than A's
     /// beyond --tolerance (default 2%).
     Compare(compare::CompareArgs),
@@ -83,5 +87,6 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Export(args) => export::run(args),
         Command::Sched(args) => sched::run(args),
         Command::Compare(args) => compare::run(args),
+        Command::Env(args) => env::run(args),
     }
 }

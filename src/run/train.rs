@@ -85,7 +85,16 @@ impl Rank0 {
         let (rank, world_size) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world_size()));
         // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
         let peaks = Peaks::measure(device)?;
-        let meta = serde_json::json!({ "config_toml": config.to_toml(), "world_size": world_size });
+        let environment = crate::environment::Environment::capture().to_json();
+        let environment_path = run_dir.join("environment.json");
+        let text = serde_json::to_string_pretty(&environment).expect("the environment serializes") + "\n";
+        std::fs::write(&environment_path, text)
+            .with_context(|| format!("cannot write {}", environment_path.display()))?;
+        let meta = serde_json::json!({
+            "config_toml": config.to_toml(),
+            "world_size": world_size,
+            "environment": environment,
+        });
         let store = checkpoint_store(config, run_dir, rank, world_size)?;
         let mirror = start_mirror(config, &store)?;
         let mut writer = CheckpointWriter::with_mirror(store, writer_config(config), mirror.clone())?;
@@ -96,6 +105,7 @@ impl Rank0 {
         let mut target = CheckpointTarget { writer, meta };
         let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resumed_step)?;
         let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks, rank, world_size)?;
+        profiler.set_environment(environment);
         let mut bar = Progress::new(progress);
         let mut heartbeat = Heartbeat::from_env(rank);
         let mut no_hooks = NoHooks;

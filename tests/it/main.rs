@@ -9,6 +9,7 @@ mod dist_report;
 mod doctor;
 mod dynamics;
 mod elastic;
+mod environment;
 mod hf;
 mod house;
 mod instructions;

@@ -15,15 +15,25 @@
 //!   from the code as it is, a check of the same code against it (exit 0 expected) and one with
 //!   the forward made 10% slower by its hidden test switch (exit 4 expected); either check that
 //!   goes the wrong way is repeated once against a baseline recorded anew, as the ratios drift
-//!   between invocations. (The Slurm test installs Slurm itself.)
+//!   between invocations. Between the two, `image --check` over the binaries the tests built.
+//!   (The Slurm test installs Slurm itself.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
+//! - `install --prefix DIR`: a release build laid out as DIR/bin and DIR/lib that runs with no
+//!   checkout (see `install.rs`).
+//! - `image [--check]`: the `Containerfile`'s image, built with buildah (see `image.rs`).
 //!
 //! `test` also installs what the Hugging Face tests import (transformers, peft, torch's CUDA
 //! wheels: Python's `import torch` needs them) when Python cannot import them yet.
 
+mod image;
+mod install;
+mod process;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+
+use process::{apt_install, cargo, run_checked, status};
 
 const TORCH: &str = "torch==2.11.0";
 /// `libtorch_cpu.so` links libcudart and libcupti even in CPU use; these wheels hold them.
@@ -54,7 +64,7 @@ const SETUP_STAMP: &str = "torch 2.11.0 lean v1";
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((task, rest)) = args.split_first() else {
-        eprintln!("usage: cargo xtask <setup|train|test|stoke|peers> [ARGS]");
+        eprintln!("usage: cargo xtask <setup|train|test|stoke|peers|install|image> [ARGS]");
         return ExitCode::from(2);
     };
     let root = project_root();
@@ -77,6 +87,17 @@ fn main() -> ExitCode {
             if code != 0 || !rest.is_empty() {
                 return Ok(code);
             }
+            // The installed binary and the container image, from the binaries the tests just
+            // built: an install that runs with no checkout, and an image that trains as its
+            // non-root user and records its environment.
+            let image_args = image::ImageArgs {
+                check: true,
+                debug: true,
+                features: None,
+                no_build: true,
+                tag: "localhost/stoke:check".into(),
+            };
+            image::image(&root, &image_args)?;
             // The regression gate's own test. Its ratios (never absolute times) are the code's on
             // one machine, so the committed benches/baseline.json, recorded on the development
             // machine, is for checks there; here a baseline is recorded on this machine from this
@@ -143,7 +164,13 @@ fn main() -> ExitCode {
             }
         }),
         "peers" => setup(&root).and_then(|_| install_peer_deps(&root)).map(|_| 0),
-        other => Err(format!("unknown task `{other}`; tasks: setup, train, test, stoke, peers")),
+        "install" => install::InstallArgs::parse(rest)
+            .and_then(|args| setup(&root).and_then(|_| install::install(&root, &args)))
+            .map(|_| 0),
+        "image" => image::ImageArgs::parse(rest)
+            .and_then(|args| setup(&root).and_then(|_| image::image(&root, &args)))
+            .map(|_| 0),
+        other => Err(format!("unknown task `{other}`; tasks: setup, train, test, stoke, peers, install, image")),
     };
     match result {
         Ok(0) => ExitCode::SUCCESS,
@@ -157,17 +184,6 @@ fn main() -> ExitCode {
 
 fn project_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the project root").to_path_buf()
-}
-
-fn cargo(root: &Path) -> Command {
-    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.current_dir(root);
-    cmd
-}
-
-fn status(mut cmd: Command) -> Result<i32, String> {
-    let status = cmd.status().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-    Ok(status.code().unwrap_or(1))
 }
 
 fn venv_python(root: &Path) -> PathBuf {
@@ -221,21 +237,7 @@ fn ensure_open_mpi() -> Result<(), String> {
     if present("mpirun") && present("mpicc") && has_libclang {
         return Ok(());
     }
-    let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
-    if !is_root {
-        return Err(format!(
-            "the tests need Open MPI; install it as root: apt-get install -y {}",
-            OPEN_MPI_PACKAGES.join(" ")
-        ));
-    }
-    eprintln!("xtask: installing Open MPI ({})", OPEN_MPI_PACKAGES.join(" "));
-    run_checked(Command::new("apt-get").args(["update", "-q"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
-    run_checked(
-        Command::new("apt-get")
-            .args(["install", "-y", "-q"])
-            .args(OPEN_MPI_PACKAGES)
-            .env("DEBIAN_FRONTEND", "noninteractive"),
-    )
+    apt_install(OPEN_MPI_PACKAGES, "the tests need Open MPI")
 }
 
 /// Installs `HF_DEPS` (and torch's own dependencies) when Python cannot import them yet.
@@ -285,13 +287,4 @@ fn python_output(python: &Path, code: &str) -> Result<String, String> {
         return Err(format!("{} failed: {}", python.display(), String::from_utf8_lossy(&out.stderr)));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn run_checked(cmd: &mut Command) -> Result<(), String> {
-    let status = cmd.status().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{cmd:?} failed with {status}"))
-    }
 }

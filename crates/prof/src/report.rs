@@ -71,6 +71,10 @@ pub struct RunReport {
     pub model: ModelFacts,
     pub train: TrainFacts,
     pub machine: MachineFacts,
+    /// What the run ran on (versions, performance-relevant variables), as the binary that ran it
+    /// captured it; the profiler carries it through unread.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<serde_json::Value>,
 }
 
 /// The steps after the first `skip` (all of them when the run was shorter), and of those the
@@ -165,6 +169,7 @@ pub(crate) fn measure_report(
         model: facts.model.clone(),
         train: facts.train.clone(),
         machine: facts.machine.clone(),
+        environment: None,
     }
 }
 
