@@ -82,7 +82,7 @@ pub fn image(root: &Path, args: &ImageArgs) -> Result<(), String> {
     copy_wheels(root, &prefix)?;
     let commit = git_commit(root);
     let mut bud = Command::new("buildah");
-    bud.args(["bud", "--isolation", "chroot", "--network", "host", "--layers"])
+    bud.args(["bud", "--isolation", "chroot", "--network", "host"])
         .arg("--build-context")
         .arg(format!("build={}", dist.display()))
         .args(["--build-arg", &format!("BASE={base}"), "--build-arg", &format!("STOKE_COMMIT={commit}")])
