@@ -36,6 +36,13 @@ pub struct PlanArgs {
     /// Override the preset's vocabulary size.
     #[arg(long)]
     pub vocab: Option<usize>,
+    /// Fine-tune with LoRA adapters of this rank, every other weight frozen (`train.lora.rank`).
+    #[arg(long)]
+    pub lora_rank: Option<usize>,
+    /// With --lora-rank: the matrices with adapters (q_proj, k_proj, v_proj, o_proj, gate_proj,
+    /// up_proj, down_proj); default q_proj,v_proj.
+    #[arg(long, value_delimiter = ',')]
+    pub lora_targets: Vec<String>,
     /// Sequences per optimizer step over all replicas.
     #[arg(long, default_value_t = 16)]
     pub global_batch: usize,
@@ -198,6 +205,14 @@ fn model_from_args(args: &PlanArgs) -> anyhow::Result<ModelConfig> {
         if let Some(value) = value {
             *field = value;
         }
+    }
+    if let Some(rank) = args.lora_rank {
+        model.lora_rank = rank;
+        if !args.lora_targets.is_empty() {
+            model.lora_targets = args.lora_targets.clone();
+        }
+    } else if !args.lora_targets.is_empty() {
+        return Err(usage("--lora-targets needs --lora-rank".to_string()));
     }
     model.validate().map_err(plan_error)?;
     Ok(model)

@@ -130,3 +130,24 @@ fn report_json_memory_is_the_formula_at_every_stage() {
         }
     }
 }
+
+#[test]
+fn lora_plans_hold_gradients_and_optimizer_state_for_the_adapters_alone() {
+    let plan = |extra: &[&str]| -> Value {
+        let mut args =
+            vec!["plan", "--json", "--model", "llama-7b", "--cluster", "h100", "--devices", "8", "--top", "1"];
+        args.extend_from_slice(extra);
+        let out = run_ok(&mut stoke(&args, &[]));
+        serde_json::from_slice::<Value>(&out.stdout).expect("--json prints JSON")["plans"][0].clone()
+    };
+    let full = plan(&["--zero", "1", "--micro-batch", "1"]);
+    let lora = plan(&["--zero", "1", "--micro-batch", "1", "--lora-rank", "16"]);
+    let adapters = 8_388_608.0; // r 16 on q_proj and v_proj of Llama 7B, PEFT's count
+    assert_eq!(lora["memory"]["gradients"].as_f64().unwrap(), 2.0 * adapters, "{lora}");
+    assert_eq!(lora["memory"]["optimizer"].as_f64().unwrap(), 12.0 * adapters / 8.0, "{lora}");
+    assert!(lora["time"]["compute_s"].as_f64().unwrap() < 0.75 * full["time"]["compute_s"].as_f64().unwrap());
+    let out =
+        stoke(&["plan", "--model", "llama-7b", "--lora-rank", "16", "--lora-targets", "w_q"], &[]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("w_q"));
+}

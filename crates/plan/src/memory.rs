@@ -30,9 +30,21 @@ impl ModelStates {
 /// and Figure 1: (2 + 2 + K)·Ψ for the baseline, 2Ψ + 2Ψ + K·Ψ/N_d for P_os, 2Ψ + (2 + K)·Ψ/N_d
 /// for P_os+g and (2 + 2 + K)·Ψ/N_d for P_os+g+p, with K = 12 under mixed precision.
 pub fn model_states(n_params: f64, n_data: usize, zero: ZeroStage, precision: Precision) -> ModelStates {
+    fine_tune_states(n_params, n_params, n_data, zero, precision)
+}
+
+/// [`model_states`] when only `n_trainable` of the `n_params` train (LoRA, frozen weights): every
+/// weight is held, gradients and optimizer state only for those that train.
+pub fn fine_tune_states(
+    n_params: f64,
+    n_trainable: f64,
+    n_data: usize,
+    zero: ZeroStage,
+    precision: Precision,
+) -> ModelStates {
     let weight = precision.element_bytes() * n_params;
-    let gradient = precision.element_bytes() * n_params;
-    let optimizer = precision.optimizer_bytes() * n_params;
+    let gradient = precision.element_bytes() * n_trainable;
+    let optimizer = precision.optimizer_bytes() * n_trainable;
     let shard = |bytes: f64| bytes / n_data as f64;
     match zero {
         ZeroStage::None => ModelStates { parameters: weight, gradients: gradient, optimizer },
@@ -61,7 +73,7 @@ pub enum Stage {
 pub fn stage_params(model: &ModelConfig, layout: &Layout, stage: Stage) -> f64 {
     let t = layout.tensor as f64;
     let layers = (model.n_layer / layout.pipeline) as f64;
-    let blocks = layers * model.params_per_layer() as f64 / t;
+    let blocks = layers * (model.params_per_layer() + model.lora_params_per_layer()) as f64 / t;
     let h = model.d_model as f64;
     let token_embedding = model.vocab_size as f64 * h / t;
     let positions = if model.learned_positions { model.seq_len as f64 * h } else { 0.0 };
@@ -75,6 +87,15 @@ pub fn stage_params(model: &ModelConfig, layout: &Layout, stage: Stage) -> f64 {
         Stage::First => blocks + embedding,
         Stage::Last => blocks + head,
     }
+}
+
+/// The parameters of [`stage_params`] that train: all of them, or under LoRA the stage's adapters.
+pub fn stage_trainable_params(model: &ModelConfig, layout: &Layout, stage: Stage) -> f64 {
+    if model.lora_rank == 0 {
+        return stage_params(model, layout, stage);
+    }
+    let layers = (model.n_layer / layout.pipeline) as f64;
+    layers * model.lora_params_per_layer() as f64 / layout.tensor as f64
 }
 
 /// Activation bytes of one block for one micro-batch kept until its backward, on one rank, at
@@ -163,7 +184,8 @@ fn stage_memory(
     stage: Stage,
 ) -> MemoryBreakdown {
     let params = stage_params(model, layout, stage);
-    let states = model_states(params, layout.data, layout.zero, precision);
+    let trainable = stage_trainable_params(model, layout, stage);
+    let states = fine_tune_states(params, trainable, layout.data, layout.zero, precision);
     let precision_scale = precision.element_bytes() / 2.0;
     let per_layer = layer_activation_bytes(model, layout, layout.recompute) * precision_scale;
     let mut activations = per_layer * layers_in_flight(model, layout, stage);
@@ -229,6 +251,20 @@ mod tests {
         check(Recompute::Selective, 4, true, 34.0 / 4.0);
         check(Recompute::Full, 4, false, 2.0);
         check(Recompute::Full, 4, true, 2.0 / 4.0);
+    }
+
+    #[test]
+    fn lora_holds_every_weight_but_gradients_and_optimizer_state_of_the_adapters_alone() {
+        let mut model = ModelConfig::preset("llama-7b").unwrap();
+        model.lora_rank = 16;
+        let cluster = ClusterConfig::preset("h100", 4).unwrap();
+        let layout = Layout { data: 4, zero: ZeroStage::Optimizer, ..Layout::single(1) };
+        let memory = memory_per_device(&model, &cluster, Precision::Bf16, &layout);
+        let full = memory_per_device(&ModelConfig::preset("llama-7b").unwrap(), &cluster, Precision::Bf16, &layout);
+        let adapters = 8_388_608.0;
+        assert_eq!(memory.parameters - full.parameters, 2.0 * adapters);
+        assert_eq!(memory.gradients, 2.0 * adapters);
+        assert_eq!(memory.optimizer, 12.0 * adapters / 4.0);
     }
 
     #[test]

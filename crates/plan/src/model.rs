@@ -38,12 +38,27 @@ pub struct ModelConfig {
     /// backward. False is Korthikanti et al.'s accounting, Megatron-LM's unfused attention.
     /// Default false; true in the presets.
     pub flash_attention: bool,
+    /// Fine-tuning with LoRA adapters of this rank (Hu et al., 2021) on the block matrices
+    /// `lora_targets` names; every other weight is frozen: no gradient, no optimizer state, and in
+    /// the backward only the gradient of its input. 0 trains every weight. Default 0.
+    pub lora_rank: usize,
+    /// The matrices that carry adapters, by Hugging Face's Llama names: `q_proj`, `k_proj`,
+    /// `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj` (`gate_proj` only in a gated MLP).
+    /// Default q_proj and v_proj (PEFT's choice for Llama).
+    pub lora_targets: Vec<String>,
 }
+
+/// The block matrices LoRA can target, by Hugging Face's Llama names.
+pub const LORA_TARGETS: &[&str] = &["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
 
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig::gpt(4, 256, 4, 128, 256)
     }
+}
+
+fn default_lora_targets() -> Vec<String> {
+    vec!["q_proj".into(), "v_proj".into()]
 }
 
 /// Names accepted by [`ModelConfig::preset`].
@@ -65,6 +80,8 @@ impl ModelConfig {
             tied_embeddings: true,
             biases: true,
             flash_attention: false,
+            lora_rank: 0,
+            lora_targets: default_lora_targets(),
         }
     }
 
@@ -89,6 +106,8 @@ impl ModelConfig {
             tied_embeddings: false,
             biases: false,
             flash_attention: true,
+            lora_rank: 0,
+            lora_targets: default_lora_targets(),
         }
     }
 
@@ -142,6 +161,28 @@ impl ModelConfig {
                 message: format!("must divide n_head = {}; got {}", self.n_head, self.n_kv_head),
             });
         }
+        if self.lora_rank > 0 {
+            if let Some(bad) = self.lora_targets.iter().find(|name| self.matrix_dims(name).is_none()) {
+                return Err(PlanError::InvalidConfig {
+                    key: "model.lora_targets",
+                    message: format!(
+                        "{bad:?} is not a block matrix of this model; one of {}",
+                        LORA_TARGETS
+                            .iter()
+                            .filter(|n| self.matrix_dims(n).is_some())
+                            .copied()
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                });
+            }
+            if self.lora_targets.is_empty() {
+                return Err(PlanError::InvalidConfig {
+                    key: "model.lora_targets",
+                    message: "LoRA needs at least one target matrix".into(),
+                });
+            }
+        }
         Ok(())
     }
 
@@ -189,16 +230,35 @@ impl ModelConfig {
         self.vocab_size * h + positions + head + final_norm
     }
 
-    /// All parameters, a tied embedding counted once.
+    /// All parameters, a tied embedding counted once, adapters included.
     pub fn n_params(&self) -> usize {
-        self.n_layer * self.params_per_layer() + self.embedding_params()
+        self.n_layer * (self.params_per_layer() + self.lora_params_per_layer()) + self.embedding_params()
     }
 
     /// Forward FLOPs of one block for `micro_batch` sequences: 2 per weight per token plus the two
     /// attention products, 4·b·s²·h (Megatron counts the full square, not the causal half).
     pub fn layer_forward_flops(&self, micro_batch: usize) -> f64 {
         let tokens = (micro_batch * self.seq_len) as f64;
-        2.0 * tokens * self.matmul_params_per_layer() as f64 + self.attention_core_forward_flops(micro_batch)
+        let weights = self.matmul_params_per_layer() + self.lora_params_per_layer();
+        2.0 * tokens * weights as f64 + self.attention_core_forward_flops(micro_batch)
+    }
+
+    /// FLOPs of one block's training step for `micro_batch` sequences, without recomputation:
+    /// forward, and a backward of twice the forward, less the weight gradients frozen matrices do
+    /// not need under LoRA (their backward computes only the gradient of their input).
+    pub fn layer_training_flops(&self, micro_batch: usize) -> f64 {
+        let frozen_weight_grads = if self.lora_rank == 0 {
+            0.0
+        } else {
+            2.0 * (micro_batch * self.seq_len) as f64 * self.matmul_params_per_layer() as f64
+        };
+        3.0 * self.layer_forward_flops(micro_batch) - frozen_weight_grads
+    }
+
+    /// FLOPs of the head's training step: three forwards, two under LoRA (the head is frozen).
+    pub fn head_training_flops(&self, micro_batch: usize) -> f64 {
+        let passes = if self.lora_rank == 0 { 3.0 } else { 2.0 };
+        passes * self.head_forward_flops(micro_batch)
     }
 
     /// Forward FLOPs of the attention products alone (what selective recomputation repeats).
@@ -211,12 +271,42 @@ impl ModelConfig {
         2.0 * (micro_batch * self.seq_len) as f64 * (self.d_model * self.vocab_size) as f64
     }
 
+    /// The (input, output) widths of block matrix `name` (one of [`LORA_TARGETS`]).
+    fn matrix_dims(&self, name: &str) -> Option<(usize, usize)> {
+        let (h, kv, f) = (self.d_model, self.kv_dim(), self.ffn());
+        Some(match name {
+            "q_proj" | "o_proj" => (h, h),
+            "k_proj" | "v_proj" => (h, kv),
+            "gate_proj" if self.gated_mlp => (h, f),
+            "up_proj" => (h, f),
+            "down_proj" => (f, h),
+            _ => return None,
+        })
+    }
+
+    /// Adapter weights of one block: r·(in + out) per targeted matrix; 0 without LoRA.
+    pub fn lora_params_per_layer(&self) -> usize {
+        if self.lora_rank == 0 {
+            return 0;
+        }
+        self.lora_targets.iter().filter_map(|name| self.matrix_dims(name)).map(|(i, o)| self.lora_rank * (i + o)).sum()
+    }
+
+    /// The parameters that train: all of them, or under LoRA the adapters alone.
+    pub fn trainable_params(&self) -> usize {
+        if self.lora_rank == 0 {
+            self.n_params()
+        } else {
+            self.n_layer * self.lora_params_per_layer()
+        }
+    }
+
     /// Model FLOPs per token of one training step (forward and backward, no recomputation): 6 per
     /// matmul weight plus 12·L·h·s for attention, PaLM's accounting (Chowdhery et al., 2022,
     /// appendix B), which is also what `stoke train` reports as `flops_per_token`.
     pub fn model_flops_per_token(&self) -> f64 {
-        let per_layer = 3.0 * self.layer_forward_flops(1) / self.seq_len as f64;
-        let head = 3.0 * self.head_forward_flops(1) / self.seq_len as f64;
+        let per_layer = self.layer_training_flops(1) / self.seq_len as f64;
+        let head = self.head_training_flops(1) / self.seq_len as f64;
         self.n_layer as f64 * per_layer + head
     }
 }
@@ -284,6 +374,23 @@ mod tests {
         let mut original = ModelConfig::preset("gpt2-124m").unwrap();
         original.vocab_size = 50257;
         check(&original, 124_439_808);
+    }
+
+    #[test]
+    fn lora_on_llama_7b_trains_peft_s_count_and_skips_the_frozen_weight_gradients() {
+        let mut model = ModelConfig::preset("llama-7b").unwrap();
+        let full_flops = model.model_flops_per_token();
+        model.lora_rank = 16;
+        model.validate().unwrap();
+        // PEFT's print_trainable_parameters for r = 16 on q_proj and v_proj of Llama 7B.
+        assert_eq!(model.trainable_params(), 8_388_608);
+        assert_eq!(model.n_params(), 6_738_415_616 + 8_388_608);
+        // Frozen matrices run forward and input gradient only: about 4 of the 6 FLOPs per weight.
+        let ratio = model.model_flops_per_token() / full_flops;
+        assert!((0.66..0.70).contains(&ratio), "{ratio}");
+        model.lora_targets = vec!["gate_proj".into(), "w_q".into()];
+        let err = model.validate().unwrap_err().to_string();
+        assert!(err.contains("w_q") && err.contains("q_proj"), "{err}");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cluster::{ClusterConfig, Precision};
 use crate::layout::{Layout, Recompute, ZeroStage};
-use crate::memory::{layer_activation_bytes, logits_bytes, stage_params, Stage};
+use crate::memory::{layer_activation_bytes, logits_bytes, stage_params, stage_trainable_params, Stage};
 use crate::model::ModelConfig;
 
 /// Bytes the optimizer moves per parameter it updates: Adam reads the weight (or fp32 master),
@@ -112,6 +112,7 @@ pub fn stage_flops_per_micro_batch(model: &ModelConfig, layout: &Layout, stage: 
     let b = layout.micro_batch;
     let layers = (model.n_layer / layout.pipeline) as f64;
     let forward = model.layer_forward_flops(b);
+    let training = model.layer_training_flops(b);
     // Fused attention recomputes the scores in its backward, whatever the policy; selective
     // recomputation of unfused attention does the same by hand.
     let core = model.attention_core_forward_flops(b);
@@ -121,9 +122,9 @@ pub fn stage_flops_per_micro_batch(model: &ModelConfig, layout: &Layout, stage: 
         Recompute::Selective => core,
         Recompute::Full => forward + fused,
     };
-    let mut flops = layers * (3.0 * forward + recompute);
+    let mut flops = layers * (training + recompute);
     if stage == Stage::Last || layout.pipeline == 1 {
-        flops += 3.0 * model.head_forward_flops(b);
+        flops += model.head_training_flops(b);
     }
     flops / layout.tensor as f64
 }
@@ -235,13 +236,18 @@ pub fn step_time(model: &ModelConfig, cluster: &ClusterConfig, precision: Precis
     let bubble_units = (p - 1.0) / layout.virtual_stages as f64;
     let bubble_s = bubble_units * slow.total();
     // The backward's share of a micro-batch, the window gradients' reduction can hide in.
-    let flops_forward =
-        stage_flops_per_micro_batch(model, &Layout { recompute: Recompute::None, ..*layout }, stage) / 3.0;
+    let layers = (model.n_layer / layout.pipeline) as f64;
+    let mut flops_forward = layers * model.layer_forward_flops(layout.micro_batch);
+    if stage == Stage::Last || layout.pipeline == 1 {
+        flops_forward += model.head_forward_flops(layout.micro_batch);
+    }
+    let flops_forward = flops_forward / layout.tensor as f64;
     let flops_all = stage_flops_per_micro_batch(model, layout, stage);
     let backward_s = slow.total() * (flops_all - flops_forward) / flops_all;
 
     let params = stage_params(model, layout, stage);
-    let grad_bytes = params * precision.element_bytes();
+    // Only the parameters that train have gradients to reduce.
+    let grad_bytes = stage_trainable_params(model, layout, stage) * precision.element_bytes();
     let weight_bytes = params * precision.element_bytes();
     let d = layout.data;
     let link = Link::for_group(cluster, layout.tensor * layout.data);

@@ -63,7 +63,19 @@ pub fn estimate_step_memory(
             activations: 4.0 * rough_logits,
         });
     }
-    let plan = crate::models::plan_model(model)?;
+    let mut plan = crate::models::plan_model(model)?;
+    if train.lora.enabled() {
+        // The block matrices the adapters' globs pick, by the names the llama family gives them.
+        plan.lora_rank = train.lora.rank;
+        plan.lora_targets = stoke_plan::LORA_TARGETS
+            .iter()
+            .filter(|name| {
+                let part = if ["gate_proj", "up_proj", "down_proj"].contains(name) { "mlp" } else { "self_attn" };
+                train.lora.targets_weight(&format!("model.layers.0.{part}.{name}.weight"))
+            })
+            .map(|name| name.to_string())
+            .collect();
+    }
     let data = world_size.max(1);
     let zero = match zero_stage {
         0 => stoke_plan::ZeroStage::None,
@@ -184,6 +196,23 @@ mod tests {
         let estimate = estimate_step_memory(&huge, &train, 1, 0).unwrap();
         let err = check_fits(&estimate, &limit).unwrap_err().to_string();
         assert!(err.contains("GiB") && err.contains("a test") && err.contains("--force"), "{err}");
+    }
+
+    #[test]
+    fn lora_counts_optimizer_state_and_gradients_for_the_adapters_alone() {
+        let model = ModelConfig { family: "llama".into(), preset: "llama3-8b".into(), ..ModelConfig::default() };
+        let full = estimate_step_memory(&model, &TrainConfig::default(), 1, 0).unwrap();
+        let mut train = TrainConfig::default();
+        train.lora.rank = 16;
+        let lora = estimate_step_memory(&model, &train, 1, 0).unwrap();
+        // Llama 3 8B: 32 blocks, q_proj 4096 x 4096, v_proj 4096 x 1024: 16 · (8192 + 5120) per block.
+        let adapters = 32.0 * 16.0 * (8192.0 + 5120.0);
+        assert_eq!(lora.optimizer, 12.0 * adapters, "{lora:?}");
+        assert_eq!(lora.gradients, 2.0 * adapters, "{lora:?}");
+        assert!(lora.parameters > full.parameters, "the adapters' weights come on top: {lora:?} {full:?}");
+        let states = |m: &MemoryEstimate| m.parameters + m.gradients + m.optimizer;
+        assert!(states(&lora) < 0.2 * states(&full), "{lora:?} {full:?}");
+        assert_eq!(lora.activations, full.activations);
     }
 
     #[test]

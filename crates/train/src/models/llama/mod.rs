@@ -34,6 +34,7 @@ pub(crate) fn plan_model(shape: &LlamaShape) -> stoke_plan::ModelConfig {
         tied_embeddings: shape.tie_head,
         biases: false,
         flash_attention: true,
+        ..stoke_plan::ModelConfig::default()
     }
 }
 
