@@ -141,7 +141,8 @@ pub struct RunConfig {
     pub name: String,
     /// Folder that holds the runs. Default "runs".
     pub dir: String,
-    /// "auto" (a GPU when libtorch sees one), "cpu" or "cuda". Default "auto".
+    /// "auto" (a GPU when libtorch sees one), "cpu", "cuda" (each rank of a job on cuda:LOCAL_RANK of
+    /// the devices CUDA_VISIBLE_DEVICES leaves) or "cuda:K". Default "auto".
     pub device: String,
 }
 

@@ -41,6 +41,9 @@ pub struct RunSpec<'a> {
     pub extra: Option<&'a mut dyn Observer>,
     /// The run folder's lock, held until the run ends (by the process that writes the folder).
     pub lock: Option<RunLock>,
+    /// This process's rank among the ranks on its machine, and their number: `run.device = "cuda"`
+    /// is `cuda:LOCAL_RANK` (default: 0 of 1).
+    pub local: (usize, usize),
 }
 
 /// What a run ended with.
@@ -104,10 +107,12 @@ impl<'a> RunSpec<'a> {
             Heartbeat::name_run(&run_dir)?;
         }
         config.prof.prometheus_port = metrics_port(config.prof.prometheus_port, job.local_rank())?;
-        Ok(RunSpec::new(config, resume, run_dir, lock))
+        let mut spec = RunSpec::new(config, resume, run_dir, lock);
+        spec.local = (job.local_rank(), local_ranks);
+        Ok(spec)
     }
 
     fn new(config: StokeConfig, resume: Option<Resume>, run_dir: PathBuf, lock: Option<RunLock>) -> RunSpec<'a> {
-        RunSpec { config, run_dir, resume, progress: false, overhead_block: None, extra: None, lock }
+        RunSpec { config, run_dir, resume, progress: false, overhead_block: None, extra: None, lock, local: (0, 1) }
     }
 }

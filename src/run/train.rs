@@ -30,7 +30,7 @@ impl RunSpec<'_> {
     /// their parts of sharded checkpoints and send their step reports to rank 0.
     pub fn train(self, stop: &AtomicBool, mut dist: Option<&mut DataParallel>) -> anyhow::Result<RunOutcome> {
         let config = &self.config;
-        let device = stoke_train::parse_device(&config.run.device)?;
+        let device = stoke_train::device_for_rank(&config.run.device, self.local.0, self.local.1)?;
         let (rank, world_size) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world_size()));
         // The batch-size rule of the learning rate counts every process's rows.
         let train_config = stoke_train::TrainConfig { world_size, ..config.train.for_world(world_size)? };
@@ -43,7 +43,7 @@ impl RunSpec<'_> {
         let mut source = batch_source_for(config, rank, world_size)?;
         let resumed_step = self.resume.as_ref().map(|r| r.loaded.manifest.step);
         // `_lock` keeps the run folder locked until training returns.
-        let RunSpec { config, run_dir, resume, progress, overhead_block, extra, lock: _lock } = self;
+        let RunSpec { config, run_dir, resume, progress, overhead_block, extra, lock: _lock, local: _ } = self;
         let restored = restore(&config, resume, &mut trainer, source.as_mut(), rank, world_size)?;
         if let Some(dist) = dist.as_deref_mut() {
             set_up(&config, dist, &mut trainer, restored.residuals)?;

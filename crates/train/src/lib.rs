@@ -66,8 +66,9 @@ pub use peak::{
 };
 pub use precision::{compute_kind, LossScaler, ScaleOutcome, FP32_OPS};
 pub use trainer::{
-    parse_device, BatchChange, BlockMonitors, CheckpointTarget, EvalRecord, MemoryReport, NanDump, Observer,
-    ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary, TrainEvent, Trainer,
+    device_for_rank, parse_device, select_device, BatchChange, BlockMonitors, CheckpointTarget, EvalRecord,
+    MemoryReport, NanDump, Observer, ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary, TrainEvent,
+    Trainer,
 };
 
 /// Held by unit tests that seed libtorch's global generator and then draw from it, so tests

@@ -45,20 +45,57 @@ use events::notify;
 use guards::spike_z;
 use state::AdaptiveState;
 
-/// Picks the device: "cpu", "cuda" (the first GPU) or "auto" (a GPU when libtorch sees one).
+/// Picks the device of a single process: "cpu", "cuda" (the first visible GPU), "cuda:K" or "auto"
+/// (a GPU when libtorch sees one); the ranks of a job use [`device_for_rank`].
 pub fn parse_device(name: &str) -> Result<Device, TrainError> {
+    device_for_rank(name, 0, 1)
+}
+
+/// The device of local rank `local_rank` of the `local_world` ranks on this machine: `cuda` (and
+/// `auto` where there is a CUDA device) is `cuda:LOCAL_RANK`, one device per rank as torchrun users
+/// expect, among the devices `CUDA_VISIBLE_DEVICES` leaves visible; `cuda:K` pins device K.
+pub fn device_for_rank(name: &str, local_rank: usize, local_world: usize) -> Result<Device, TrainError> {
+    let n_cuda = if tch::Cuda::is_available() { tch::Cuda::device_count().max(0) as usize } else { 0 };
+    select_device(name, n_cuda, local_rank, local_world, std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref())
+}
+
+/// [`device_for_rank`] given the number of visible CUDA devices (and `CUDA_VISIBLE_DEVICES`, for
+/// the messages).
+pub fn select_device(
+    name: &str,
+    n_cuda: usize,
+    local_rank: usize,
+    local_world: usize,
+    visible: Option<&str>,
+) -> Result<Device, TrainError> {
+    let invalid = |message: String| TrainError::InvalidConfig { key: "run.device", message };
+    let seen = || match visible {
+        Some(v) => format!("{n_cuda} (CUDA_VISIBLE_DEVICES={v:?})"),
+        None => n_cuda.to_string(),
+    };
+    let one_per_rank = || {
+        if n_cuda == 0 {
+            return Err(invalid(format!("is {name:?} but libtorch sees no CUDA device (CUDA devices: {})", seen())));
+        }
+        if local_world > n_cuda {
+            return Err(invalid(format!(
+                "is {name:?}: one device per rank, but {local_world} ranks run on this machine and it has {}                  CUDA devices; start at most {n_cuda} ranks per machine, or pin a device with run.device=\"cuda:K\"",
+                seen()
+            )));
+        }
+        Ok(Device::Cuda(local_rank))
+    };
     match name {
         "cpu" => Ok(Device::Cpu),
-        "cuda" if tch::Cuda::is_available() => Ok(Device::Cuda(0)),
-        "cuda" => Err(TrainError::InvalidConfig {
-            key: "run.device",
-            message: "is \"cuda\" but libtorch sees no CUDA device".into(),
-        }),
-        "auto" => Ok(Device::cuda_if_available()),
-        other => Err(TrainError::InvalidConfig {
-            key: "run.device",
-            message: format!("must be one of auto, cpu, cuda; got {other:?}"),
-        }),
+        "auto" if n_cuda == 0 => Ok(Device::Cpu),
+        "auto" | "cuda" => one_per_rank(),
+        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(index)) if index < n_cuda => Ok(Device::Cuda(index)),
+            Some(Ok(_)) => {
+                Err(invalid(format!("is {other:?} but CUDA devices visible: {}; indices start at 0", seen())))
+            }
+            _ => Err(invalid(format!("must be one of auto, cpu, cuda, cuda:K; got {other:?}"))),
+        },
     }
 }
 
@@ -488,5 +525,29 @@ impl Trainer {
         };
         notify(observers, &TrainEvent::Finished(&summary))?;
         Ok(summary)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_local_rank_gets_its_own_device_and_too_many_ranks_are_refused() {
+        for rank in 0..4 {
+            assert_eq!(select_device("cuda", 4, rank, 4, None).unwrap(), Device::Cuda(rank));
+            assert_eq!(select_device("auto", 4, rank, 4, None).unwrap(), Device::Cuda(rank));
+        }
+        assert_eq!(select_device("auto", 0, 1, 2, None).unwrap(), Device::Cpu);
+        assert_eq!(select_device("cpu", 8, 3, 8, None).unwrap(), Device::Cpu);
+        assert_eq!(select_device("cuda:1", 2, 0, 2, None).unwrap(), Device::Cuda(1));
+        let err = select_device("cuda", 2, 2, 3, Some("0,3")).unwrap_err().to_string();
+        assert!(err.contains("3 ranks") && err.contains("2 (CUDA_VISIBLE_DEVICES=\"0,3\")"), "{err}");
+        let err = select_device("cuda", 0, 0, 1, Some("")).unwrap_err().to_string();
+        assert!(err.contains("no CUDA device"), "{err}");
+        let err = select_device("cuda:2", 2, 0, 1, None).unwrap_err().to_string();
+        assert!(err.contains("\"cuda:2\"") && err.contains("visible: 2"), "{err}");
+        let err = select_device("gpu", 2, 0, 1, None).unwrap_err().to_string();
+        assert!(err.contains("cuda:K"), "{err}");
     }
 }
