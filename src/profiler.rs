@@ -106,6 +106,10 @@ pub struct Profiler {
     tokens_before: u64,
     /// What the run ran on, for report.json (`set_environment`).
     environment: Option<serde_json::Value>,
+    /// NVML on a run on a GPU (or why not), its readings so far and when it was last read.
+    gpu: Option<Result<stoke_prof::GpuHealth, String>>,
+    gpu_summaries: Vec<stoke_prof::GpuSummary>,
+    gpu_read_at: Option<Instant>,
 }
 
 impl Profiler {
@@ -193,6 +197,9 @@ impl Profiler {
             },
             tokens_before: 0,
             environment: None,
+            gpu: None,
+            gpu_summaries: Vec::new(),
+            gpu_read_at: None,
         })
     }
 
@@ -252,12 +259,28 @@ impl Profiler {
             },
         });
         self.device = Some(info.device);
+        if let tch::Device::Cuda(index) = info.device {
+            self.gpu = Some(open_gpu_health(index));
+        }
         self.run_start.get_or_insert_with(Instant::now);
         self.dynamics.units = info.units.clone();
         self.tokens_before = info.start_step * info.tokens_per_step;
     }
 
+    /// Reads NVML at most once a second: each reading is a few driver calls per device.
+    fn read_gpus(&mut self) {
+        let Some(Ok(health)) = &self.gpu else { return };
+        if self.gpu_read_at.is_some_and(|at| at.elapsed() < std::time::Duration::from_secs(1)) {
+            return;
+        }
+        self.gpu_read_at = Some(Instant::now());
+        let samples = health.sample();
+        self.metrics.set_gpus(&samples);
+        stoke_prof::accumulate_gpus(&mut self.gpu_summaries, &samples);
+    }
+
     fn step(&mut self, record: &stoke_train::StepRecord) -> std::io::Result<()> {
+        self.read_gpus();
         let sample = sample_of(record);
         if let Some(device) = self.device {
             let in_use = stoke_train::memory_in_use_bytes(device).unwrap_or(0);
@@ -337,6 +360,11 @@ impl Profiler {
             report.dynamics = Some(d.clone());
         }
         report.environment = self.environment.clone();
+        report.gpus = self.gpu_summaries.clone();
+        report.gpu_health_error = match &self.gpu {
+            Some(Err(reason)) => Some(reason.clone()),
+            _ => None,
+        };
         Some(report)
     }
 
@@ -529,4 +557,21 @@ impl Observer for OverheadProbe<'_> {
         }
         Ok(())
     }
+}
+
+/// NVML for CUDA device `index` (mapped through CUDA_VISIBLE_DEVICES); on failure the reason,
+/// printed once: a run on a GPU trains without its health metrics rather than not at all.
+fn open_gpu_health(index: usize) -> Result<stoke_prof::GpuHealth, String> {
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let opened = match stoke_prof::nvml_index(index as u32, visible.as_deref()) {
+        Some(nvml) => stoke_prof::GpuHealth::open(&[nvml]).map_err(|err| err.to_string()),
+        None => Err(format!(
+            "GPU health metrics: CUDA device {index} has no NVML index in CUDA_VISIBLE_DEVICES={:?}",
+            visible.unwrap_or_default()
+        )),
+    };
+    if let Err(reason) = &opened {
+        eprintln!("warning: {reason}; the run trains without GPU health metrics");
+    }
+    opened
 }

@@ -12,6 +12,9 @@ pub enum ProfError {
     /// `validate_chrome_trace` rejected a trace.
     #[error("not a valid Chrome trace: {reason}")]
     InvalidChromeTrace { reason: String },
+    /// NVML (GPU health) could not be opened from `library`.
+    #[error("GPU health metrics: {library}: {reason}")]
+    GpuHealth { library: String, reason: String },
     /// `validate_exposition` rejected a Prometheus text exposition.
     #[error("not valid Prometheus exposition format: {reason}")]
     InvalidExposition { reason: String },

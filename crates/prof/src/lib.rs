@@ -56,6 +56,7 @@ mod compare;
 mod dynamics;
 mod error;
 mod findings;
+mod gpu;
 mod html;
 mod input;
 mod prom;
@@ -73,6 +74,10 @@ pub use compare::{compare, render_compare_html, Comparison, Gap, RunCurves, SMOO
 pub use dynamics::{BatchEvent, Dynamics, EvalPoint, MonitorPoint, Spike};
 pub use error::ProfError;
 pub use findings::{amdahl, amdahl_bound, Finding, Rule, RuleId, Scope, RULES};
+pub use gpu::{
+    accumulate as accumulate_gpus, nvml_index, summarize as summarize_gpus, GpuHealth, GpuSample, GpuSummary,
+    NVML_LIBRARY,
+};
 pub use html::render_html;
 pub use input::{MachineFacts, ModelFacts, ProfConfig, RunFacts, StepSample, TrainFacts};
 pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};

@@ -42,6 +42,8 @@ pub struct LiveMetrics {
     compute_ratio: FloatGauge,
     mfu: FloatGauge,
     memory_peak: FloatGauge,
+    /// Per GPU, labelled `device` and `metric`: NVML's readings (`set_gpus`).
+    gpu: Family<Vec<(String, String)>, FloatGauge>,
 }
 
 impl Default for LiveMetrics {
@@ -73,6 +75,7 @@ impl LiveMetrics {
             compute_ratio: FloatGauge::default(),
             mfu: FloatGauge::default(),
             memory_peak: FloatGauge::default(),
+            gpu: Family::default(),
             registry: Registry::default(),
         };
         registry.register("stoke_steps", "Optimizer steps completed", m.steps.clone());
@@ -94,6 +97,12 @@ impl LiveMetrics {
         );
         registry.register("stoke_mfu", "Model FLOPs utilization of the last step", m.mfu.clone());
         registry.register("stoke_memory_peak_bytes", "Peak memory of the run so far", m.memory_peak.clone());
+        registry.register(
+            "stoke_gpu",
+            "NVML's reading of a GPU: utilization and memory_utilization (0..1), memory_used_bytes, \
+             memory_total_bytes, power_watts, temperature_celsius, sm_clock_mhz, memory_clock_mhz",
+            m.gpu.clone(),
+        );
         let phase_counters = Phase::ALL
             .iter()
             .map(|phase| m.phase_seconds.get_or_create(&vec![("phase".to_string(), phase.name().to_string())]).clone())
@@ -119,6 +128,27 @@ impl LiveMetrics {
         let compute = sample.phases.compute();
         self.compute_ratio.set(if sample.wall_ms > 0.0 { compute / sample.wall_ms } else { 0.0 });
         self.mfu.set(if peak_flops > 0.0 { flops_per_token * tokens_per_s / peak_flops } else { 0.0 });
+    }
+
+    /// The latest NVML readings, one gauge per device and metric.
+    pub fn set_gpus(&self, samples: &[crate::GpuSample]) {
+        for s in samples {
+            let values = [
+                ("utilization", s.utilization),
+                ("memory_utilization", s.memory_utilization),
+                ("memory_used_bytes", s.memory_used_bytes as f64),
+                ("memory_total_bytes", s.memory_total_bytes as f64),
+                ("power_watts", s.power_w),
+                ("temperature_celsius", s.temperature_c),
+                ("sm_clock_mhz", s.sm_clock_mhz),
+                ("memory_clock_mhz", s.memory_clock_mhz),
+            ];
+            for (metric, value) in values {
+                let labels =
+                    vec![("device".to_string(), s.index.to_string()), ("metric".to_string(), metric.to_string())];
+                self.gpu.get_or_create(&labels).set(value);
+            }
+        }
     }
 
     pub fn set_memory_peak(&self, bytes: u64) {

@@ -75,6 +75,11 @@ pub struct RunReport {
     /// captured it; the profiler carries it through unread.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<serde_json::Value>,
+    /// NVML's readings of the run's GPUs over the run (a run on a GPU); or why there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<crate::GpuSummary>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_health_error: Option<String>,
 }
 
 /// The steps after the first `skip` (all of them when the run was shorter), and of those the
@@ -170,6 +175,8 @@ pub(crate) fn measure_report(
         train: facts.train.clone(),
         machine: facts.machine.clone(),
         environment: None,
+        gpus: Vec::new(),
+        gpu_health_error: None,
     }
 }
 
