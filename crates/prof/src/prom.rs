@@ -313,7 +313,21 @@ mod tests {
     #[test]
     fn the_grafana_dashboard_names_only_metrics_we_export() {
         let dashboard = include_str!("../../../dashboards/stoke-grafana.json");
-        let exported = LiveMetrics::new().encode();
+        // A run on a GPU, which also exports NVML's readings.
+        let metrics = LiveMetrics::new();
+        metrics.set_gpus(&[crate::GpuSample {
+            index: 0,
+            name: "H200".into(),
+            utilization: 0.9,
+            memory_utilization: 0.4,
+            memory_used_bytes: 1 << 30,
+            memory_total_bytes: 141 << 30,
+            power_w: 600.0,
+            temperature_c: 60.0,
+            sm_clock_mhz: 1980.0,
+            memory_clock_mhz: 3201.0,
+        }]);
+        let exported = metrics.encode();
         let mut names: Vec<&str> = dashboard
             .match_indices("stoke_")
             .map(|(i, _)| {
