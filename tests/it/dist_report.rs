@@ -148,6 +148,13 @@ fn a_slow_rank_is_the_straggler_in_the_merged_report_trace_and_metrics() {
         let phases: f64 = r["phases"].as_object().unwrap().values().map(|v| v.as_f64().unwrap()).sum();
         assert!((phases - r["step_ms"].as_f64().unwrap()).abs() < 1e-6, "the phases sum to the step: {r}");
     }
+    // The headline is the job's: the ranks' rates together, rank 0's own beside it.
+    let sum: f64 = per_rank.iter().map(|r| r["tokens_per_s"].as_f64().unwrap()).sum();
+    let job = report["tokens_per_s"].as_f64().unwrap();
+    assert!((job - sum).abs() <= 1e-9 * sum, "job {job} against the ranks' {sum}");
+    assert_eq!(report["rank0"]["tokens_per_s"], per_rank[0]["tokens_per_s"], "{}", report["rank0"]);
+    let samples = report["samples_per_s"].as_f64().unwrap();
+    assert!((samples - job / 32.0).abs() <= 1e-9 * job, "samples/s {samples} of {job} tokens/s");
     println!("ranks: {}", serde_json::to_string_pretty(ranks).unwrap());
     assert_eq!(ranks["slowest_rank"], 1, "{ranks}");
     assert_eq!(ranks["median_rank"], 0, "{ranks}");
@@ -171,6 +178,7 @@ fn a_slow_rank_is_the_straggler_in_the_merged_report_trace_and_metrics() {
         "report.html has no ranks table"
     );
     assert!(html.contains("<td class=\"l\">straggler</td>"), "report.html lacks the straggler finding");
+    assert!(html.contains("all 2 ranks together"), "report.html gives rank 0's rate as the job's");
 
     // One trace, a process per rank, each with every step and its phases.
     let text = std::fs::read_to_string(run.join("trace.json")).unwrap();

@@ -214,6 +214,18 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, P
         report.peak_memory_bytes as f64 / 1e6,
         report.profiler_overhead_ms
     );
+    if let (Some(rank0), Some(ranks)) = (&report.rank0, &report.ranks) {
+        let _ = writeln!(
+            w,
+            "<p>The job's rates, all {} ranks together ({:.1} samples/s); rank 0 alone: {:.0} tokens/s, {:.1} \
+             samples/s, MFU {:.2}%.</p>",
+            ranks.world_size,
+            report.samples_per_s,
+            rank0.tokens_per_s,
+            rank0.samples_per_s,
+            100.0 * rank0.mfu
+        );
+    }
     let _ = writeln!(w, "<table><tr><th>phase</th><th>ms/step</th><th>share</th><th>Amdahl bound</th></tr>");
     for (i, phase) in Phase::ALL.iter().enumerate() {
         let c = PHASE_COLORS[i];

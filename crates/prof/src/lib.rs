@@ -83,7 +83,7 @@ pub use input::{MachineFacts, ModelFacts, ProfConfig, RunFacts, StepSample, Trai
 pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};
 pub use rank_report::{ClockOffset, RankMemory, RankStepReport, RankSummary, RanksReport, TimedStep};
 pub use ranks::merge_ranks;
-pub use report::{format_bound, RunReport};
+pub use report::{format_bound, RankRates, RunReport};
 pub use rules::diagnose;
 pub use stats::{tokens_per_s, Spread};
 pub use step::build_report;

@@ -39,6 +39,9 @@ pub struct LiveMetrics {
     loss: FloatGauge,
     learning_rate: FloatGauge,
     tokens_per_second: FloatGauge,
+    /// The job's rate: this rank's times the ranks (they train the same rows per step in lockstep).
+    job_tokens_per_second: FloatGauge,
+    world_size: usize,
     compute_ratio: FloatGauge,
     mfu: FloatGauge,
     memory_peak: FloatGauge,
@@ -72,6 +75,8 @@ impl LiveMetrics {
             loss: FloatGauge::default(),
             learning_rate: FloatGauge::default(),
             tokens_per_second: FloatGauge::default(),
+            job_tokens_per_second: FloatGauge::default(),
+            world_size: world_size.max(1),
             compute_ratio: FloatGauge::default(),
             mfu: FloatGauge::default(),
             memory_peak: FloatGauge::default(),
@@ -89,7 +94,16 @@ impl LiveMetrics {
         registry.register("stoke_step_seconds", "Wall time of the last step", m.step_seconds.clone());
         registry.register("stoke_loss", "Loss of the last logged step", m.loss.clone());
         registry.register("stoke_learning_rate", "Learning rate of the last step", m.learning_rate.clone());
-        registry.register("stoke_tokens_per_second", "Tokens per second of the last step", m.tokens_per_second.clone());
+        registry.register(
+            "stoke_tokens_per_second",
+            "Tokens per second of this rank's last step",
+            m.tokens_per_second.clone(),
+        );
+        registry.register(
+            "stoke_job_tokens_per_second",
+            "Tokens per second of the whole job at this rank's last step (the rank's rate times the ranks)",
+            m.job_tokens_per_second.clone(),
+        );
         registry.register(
             "stoke_effective_compute_ratio",
             "(forward + backward + recompute + optimizer) / wall of the last step",
@@ -125,6 +139,7 @@ impl LiveMetrics {
         self.learning_rate.set(lr);
         let tokens_per_s = crate::stats::tokens_per_s(sample.tokens as f64, sample.wall_ms);
         self.tokens_per_second.set(tokens_per_s);
+        self.job_tokens_per_second.set(tokens_per_s * self.world_size as f64);
         let compute = sample.phases.compute();
         self.compute_ratio.set(if sample.wall_ms > 0.0 { compute / sample.wall_ms } else { 0.0 });
         self.mfu.set(if peak_flops > 0.0 { flops_per_token * tokens_per_s / peak_flops } else { 0.0 });

@@ -83,6 +83,26 @@ pub fn merge_ranks(
         ));
         sort_by_bound(&mut report.findings);
     }
+    // The job's rates: every rank trains its own rows in the same steps, so the job's rate is the
+    // sum of the ranks'; ranks that sent no summary count at the reporting ranks' mean.
+    let reported: f64 = ranks.iter().map(|r| r.tokens_per_s).sum();
+    if reported > 0.0 && report.tokens_per_s > 0.0 {
+        let job = reported * world_size as f64 / ranks.len() as f64;
+        let scale = job / report.tokens_per_s;
+        report.rank0 = Some(crate::report::RankRates {
+            tokens_per_s: report.tokens_per_s,
+            tokens_per_s_mean: report.tokens_per_s_mean,
+            samples_per_s: report.samples_per_s,
+            mfu: report.mfu,
+        });
+        report.tokens_per_s = job;
+        report.tokens_per_s_mean *= scale;
+        report.tokens_per_s_p90_step *= scale;
+        report.samples_per_s *= scale;
+        // Against the peaks of all ranks: the mean of the ranks' MFU.
+        report.mfu *= scale / world_size as f64;
+        report.compute_mfu *= scale / world_size as f64;
+    }
     report.ranks = Some(RanksReport {
         world_size,
         slowest_rank: slowest.rank,
@@ -159,6 +179,27 @@ mod tests {
         check(&[10.0, 10.0], 0, 1, false);
         // One rank: nothing to compare.
         check(&[10.0], 0, 0, false);
+    }
+
+    #[test]
+    fn a_multi_rank_headline_is_the_job_s_with_rank_0_s_beside_it() {
+        let steps: Vec<StepSample> = (1..=20).map(|i| step(i, &[(Phase::Forward, 20.0)])).collect();
+        let mut facts = facts();
+        facts.machine.peak_flops = 1e12;
+        let mut report = build_report(&facts, &steps, 0, 0.0, &ProfConfig::default());
+        let (rate, samples, mfu) = (report.tokens_per_s, report.samples_per_s, report.mfu);
+        assert!(rate > 0.0 && mfu > 0.0 && (samples - rate / 32.0).abs() < 1e-9);
+        // Three ranks each as fast as rank 0; one of four never reported.
+        let ranks = (0..3).map(|r| RankSummary { tokens_per_s: rate, ..summary(r, 20.0, 20.0) }).collect();
+        merge_ranks(&mut report, 4, ranks, Vec::new(), &ProfConfig::default());
+        assert!((report.tokens_per_s - 4.0 * rate).abs() < 1e-6 * rate, "{} vs {rate}", report.tokens_per_s);
+        assert!((report.samples_per_s - 4.0 * samples).abs() < 1e-6 * samples);
+        // The job's MFU is against four ranks' peaks: the same as each rank's.
+        assert!((report.mfu - mfu).abs() < 1e-12, "{} vs {mfu}", report.mfu);
+        let rank0 = report.rank0.as_ref().expect("rank 0's own rates are kept");
+        assert_eq!((rank0.tokens_per_s, rank0.mfu), (rate, mfu));
+        let text = report.render_text();
+        assert!(text.contains("over all 4 ranks; rank 0 alone"), "{text}");
     }
 
     #[test]

@@ -36,6 +36,9 @@ pub struct RunReport {
     pub tokens_per_s: f64,
     /// All tokens of the measured steps over their summed wall time (the mean step's rate).
     pub tokens_per_s_mean: f64,
+    /// Sequences per second at the headline rate (`tokens_per_s / seq_len`).
+    #[serde(default)]
+    pub samples_per_s: f64,
     /// The rate of the 90th-percentile step: nine steps in ten were at least this fast.
     pub tokens_per_s_p90_step: f64,
     /// Milliseconds per phase: `step_ms` split in `phase_shares`, so they sum to `step_ms`.
@@ -62,9 +65,13 @@ pub struct RunReport {
     pub profiler_overhead_ms: f64,
     /// Findings, largest bound first.
     pub findings: Vec<Finding>,
-    /// A data-parallel run's ranks (rank 0's merged report only; absent on one process).
+    /// A data-parallel run's ranks (rank 0's merged report only; absent on one process). In such a
+    /// run the headline rates (`tokens_per_s`, `samples_per_s`, `mfu` against every rank's peak)
+    /// are the job's, all ranks together, and `rank0` keeps rank 0's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<RanksReport>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank0: Option<RankRates>,
     /// Training dynamics (evaluation, spikes, per-block monitors), when the run recorded any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dynamics: Option<crate::dynamics::Dynamics>,
@@ -80,6 +87,15 @@ pub struct RunReport {
     pub gpus: Vec<crate::GpuSummary>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_health_error: Option<String>,
+}
+
+/// One rank's own headline rates, beside the job's in a multi-rank report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankRates {
+    pub tokens_per_s: f64,
+    pub tokens_per_s_mean: f64,
+    pub samples_per_s: f64,
+    pub mfu: f64,
 }
 
 /// The steps after the first `skip` (all of them when the run was shorter), and of those the
@@ -138,6 +154,7 @@ pub(crate) fn measure_report(
     let tokens_per_s = tokens_per_s_fn(tokens_per_step, step_ms);
     let tokens_per_s_mean = tokens_per_s_fn(tokens.iter().sum(), walls.iter().sum());
     let tokens_per_s_p90_step = tokens_per_s_fn(tokens_per_step, spread.p90);
+    let samples_per_s = tokens_per_s / facts.model.seq_len.max(1) as f64;
     let (shares, comm_share) = mean_shares(&timed);
     let phase_shares: BTreeMap<Phase, f64> = shares.iter().collect();
     let phases: BTreeMap<Phase, f64> = shares.iter().map(|(phase, share)| (phase, share * step_ms)).collect();
@@ -157,6 +174,7 @@ pub(crate) fn measure_report(
         step_ms_std: spread.std,
         tokens_per_s,
         tokens_per_s_mean,
+        samples_per_s,
         tokens_per_s_p90_step,
         phases,
         phase_shares,
@@ -170,6 +188,7 @@ pub(crate) fn measure_report(
         profiler_overhead_ms: profiler_ms / steps.len().max(1) as f64,
         findings: Vec::new(),
         ranks: None,
+        rank0: None,
         dynamics: None,
         model: facts.model.clone(),
         train: facts.train.clone(),
@@ -216,6 +235,19 @@ impl RunReport {
             self.tokens_per_s_mean,
             self.tokens_per_s_p90_step
         );
+        if let (Some(rank0), Some(ranks)) = (&self.rank0, &self.ranks) {
+            let _ = writeln!(
+                out,
+                "  the job's {:.0} tokens/s, {:.1} samples/s and MFU over all {} ranks; rank 0 alone: {:.0} tokens/s, \
+                 {:.1} samples/s, MFU {:.2}%",
+                self.tokens_per_s,
+                self.samples_per_s,
+                ranks.world_size,
+                rank0.tokens_per_s,
+                rank0.samples_per_s,
+                100.0 * rank0.mfu
+            );
+        }
         let _ = writeln!(out, "  {:<13} {:>10} {:>7} {:>9}", "phase", "ms/step", "share", "bound");
         for phase in Phase::ALL {
             let ms = self.phases[&phase];
