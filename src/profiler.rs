@@ -20,25 +20,28 @@ use stoke_prof::{
 use stoke_train::{Observer, ObserverError, Precision, RunInfo, TrainEvent};
 
 /// The machine's measured matmul peaks (FLOP/s) for the run's device and threads.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Peaks {
     pub fp32: f64,
     pub bf16: f64,
+    /// Where each came from (`PeakReading::describe`), for the report.
+    pub fp32_source: String,
+    pub bf16_source: String,
 }
 
 impl Peaks {
-    /// Measures (once per machine, device and thread count; cached in [`cache_dir`], outside
-    /// any run folder) both peaks.
+    /// Both peaks, measured at start or taken from [`cache_dir`]'s cache when measured there less
+    /// than a day ago at the load level of now (per machine, device and thread count).
     pub fn measure(device: tch::Device) -> anyhow::Result<Peaks> {
         let dir = cache_dir();
-        let fp32 = stoke_train::matmul_peak_flops_cached(Precision::Fp32, device, &dir)?;
-        let bf16 = stoke_train::matmul_peak_flops_cached(Precision::Bf16, device, &dir)?;
-        Ok(Peaks { fp32, bf16 })
+        let fp32 = stoke_train::matmul_peak_reading(Precision::Fp32, device, &dir)?;
+        let bf16 = stoke_train::matmul_peak_reading(Precision::Bf16, device, &dir)?;
+        Ok(Peaks { fp32: fp32.flops, bf16: bf16.flops, fp32_source: fp32.describe(), bf16_source: bf16.describe() })
     }
 
     /// No measurement (0): a data-parallel rank other than 0 reports no MFU, only its times.
     pub fn unmeasured() -> Peaks {
-        Peaks { fp32: 0.0, bf16: 0.0 }
+        Peaks { fp32: 0.0, bf16: 0.0, fp32_source: String::new(), bf16_source: String::new() }
     }
 }
 
@@ -106,6 +109,8 @@ pub struct Profiler {
     tokens_before: u64,
     /// What the run ran on, for report.json (`set_environment`).
     environment: Option<serde_json::Value>,
+    /// Why the MFU is withheld (`check_peak`), if it is.
+    mfu_withheld: Option<String>,
     /// NVML on a run on a GPU (or why not), its readings so far and when it was last read.
     gpu: Option<Result<stoke_prof::GpuHealth, String>>,
     gpu_summaries: Vec<stoke_prof::GpuSummary>,
@@ -197,6 +202,7 @@ impl Profiler {
             },
             tokens_before: 0,
             environment: None,
+            mfu_withheld: None,
             gpu: None,
             gpu_summaries: Vec::new(),
             gpu_read_at: None,
@@ -219,12 +225,12 @@ impl Profiler {
     fn started(&mut self, info: &RunInfo) {
         let shape = info.shape;
         let device = if info.device.is_cuda() { "cuda" } else { "cpu" };
-        let peak = match info.precision {
-            Precision::Fp32 => self.peaks.fp32,
-            Precision::Bf16 => self.peaks.bf16,
+        let (peak, peak_source) = match info.precision {
+            Precision::Fp32 => (self.peaks.fp32, self.peaks.fp32_source.clone()),
+            Precision::Bf16 => (self.peaks.bf16, self.peaks.bf16_source.clone()),
             // GPUs multiply fp16 and bf16 at the same peak; a CPU without fp16 matrix units is
             // slower in fp16, so there MFU against the bf16 peak is a lower bound.
-            Precision::Fp16 => self.peaks.bf16,
+            Precision::Fp16 => (self.peaks.bf16, self.peaks.bf16_source.clone()),
         };
         self.facts = Some(RunFacts {
             name: self.name.clone(),
@@ -256,6 +262,7 @@ impl Profiler {
                 peak_flops_bf16: Some(self.peaks.bf16).filter(|&p| p > 0.0),
                 device: device.into(),
                 memory_capacity_bytes: stoke_train::memory_capacity_bytes(info.device),
+                peak_source: Some(peak_source).filter(|s| !s.is_empty()),
             },
         });
         self.device = Some(info.device);
@@ -360,12 +367,55 @@ impl Profiler {
             report.dynamics = Some(d.clone());
         }
         report.environment = self.environment.clone();
+        if let Some(reason) = &self.mfu_withheld {
+            report.mfu = f64::NAN;
+            report.compute_mfu = f64::NAN;
+            report.mfu_withheld = Some(reason.clone());
+        }
         report.gpus = self.gpu_summaries.clone();
         report.gpu_health_error = match &self.gpu {
             Some(Err(reason)) => Some(reason.clone()),
             _ => None,
         };
         Some(report)
+    }
+
+    /// An MFU above 1 means the peak was measured while something else ran: the peak is measured
+    /// again now (and the cache updated); if the MFU still exceeds 1, it is withheld with the
+    /// reason instead of printed.
+    fn check_peak(&mut self) {
+        let Some(report) = self.report() else { return };
+        if report.mfu <= 1.0 {
+            return;
+        }
+        let (Some(device), Some(facts)) = (self.device, self.facts.as_mut()) else { return };
+        let precision = match facts.train.precision {
+            Precision::Fp32 => Precision::Fp32,
+            Precision::Bf16 | Precision::Fp16 => Precision::Bf16,
+        };
+        let old = facts.machine.peak_flops;
+        match stoke_train::remeasure_matmul_peak(precision, device, &cache_dir()) {
+            Ok(reading) => {
+                facts.machine.peak_flops = reading.flops.max(old);
+                facts.machine.peak_source = Some(format!(
+                    "measured again at the end of this run, as MFU against the peak taken at start ({:.1} GFLOP/s) \
+                     was {:.3}",
+                    old / 1e9,
+                    report.mfu
+                ));
+            }
+            Err(err) => eprintln!("warning: the matmul peak could not be measured again: {err}"),
+        }
+        if let Some(report) = self.report() {
+            if report.mfu > 1.0 {
+                self.mfu_withheld = Some(format!(
+                    "MFU would be {:.3} against a peak of {:.1} GFLOP/s measured again now: the machine's peak \
+                     cannot be measured reliably at its present load",
+                    report.mfu,
+                    self.facts.as_ref().map_or(0.0, |f| f.machine.peak_flops) / 1e9
+                ));
+            }
+        }
     }
 
     /// The run's environment (`crate::environment`), written into report.json.
@@ -425,6 +475,7 @@ impl Profiler {
             }
             trace.finish().with_context(|| format!("cannot write {}", trace_path.display()))?;
         }
+        self.check_peak();
         let Some(mut report) = self.report() else { return Ok(None) };
         if self.world_size > 1 {
             let memory: Vec<stoke_prof::RankMemory> =

@@ -36,3 +36,39 @@ fn every_run_records_its_versions_and_performance_variables() {
     let text = String::from_utf8_lossy(&run_ok(&mut stoke(&["env"], &[])).stdout).into_owned();
     assert!(text.contains("libtorch") && text.contains("kernel") && text.contains("open mpi"), "{text}");
 }
+
+#[test]
+fn an_mfu_above_one_is_never_reported_the_peak_is_measured_again() {
+    // A cached peak of 1 kFLOP/s, fresh and at every load level a test could see: the run's MFU
+    // against it would be millions.
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let load: f64 =
+        std::fs::read_to_string("/proc/loadavg").unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    let cpus = std::thread::available_parallelism().unwrap().get() as f64;
+    let reading = serde_json::json!({ "flops": 1e3, "measured_at": now, "load_per_cpu": load / cpus });
+    let entries: serde_json::Map<String, serde_json::Value> =
+        ["fp32-cpu-t1", "bf16-cpu-t1"].iter().map(|k| (k.to_string(), reading.clone())).collect();
+    std::fs::write(cache.join(".machine-peak.json"), serde_json::Value::Object(entries).to_string()).unwrap();
+    let run_dir = format!("run.dir={}", dir.path().display());
+    let overrides: Vec<&str> =
+        SMALL.iter().copied().chain([run_dir.as_str(), "run.name=a", "train.steps=6", "ckpt.every=0"]).collect();
+    let mut cmd = stoke(&["train", "--quiet"], &overrides);
+    cmd.env("STOKE_CACHE_DIR", &cache);
+    let out = run_ok(&mut cmd);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("a/report.json")).unwrap()).unwrap();
+    let peak = report["machine"]["peak_flops"].as_f64().unwrap();
+    let source = report["machine"]["peak_source"].as_str().unwrap_or("");
+    assert!(peak > 1e6, "the 1 kFLOP/s peak was kept: {peak} ({source})");
+    match report["mfu"].as_f64() {
+        Some(mfu) => assert!(mfu > 0.0 && mfu <= 1.0, "MFU {mfu} against {peak} ({source})"),
+        None => assert!(report["mfu_withheld"].is_string(), "{report}"),
+    }
+    // Measured at start (the load level moved) or again at the end: either way the report says so.
+    assert!(source.starts_with("measured"), "{source}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("peak measured"), "{stdout}");
+}

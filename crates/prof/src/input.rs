@@ -84,6 +84,9 @@ pub struct MachineFacts {
     pub device: String,
     /// Memory the run can use: RAM on the CPU, device memory on a GPU; None when unknown.
     pub memory_capacity_bytes: Option<u64>,
+    /// Where `peak_flops` came from: measured in this run, or cached (when, at what load).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_source: Option<String>,
 }
 
 /// Everything about a run the report needs besides its steps.

@@ -18,7 +18,7 @@
 //!     n_params: 120_000, n_trainable_params: 120_000, flops_per_token: 7e5 };
 //! let train = TrainFacts { micro_batch: 512, grad_accum: 1, precision: Precision::Bf16, world_size: 1, ..TrainFacts::default() };
 //! let machine = MachineFacts { peak_flops: 8e11, peak_flops_fp32: None, peak_flops_bf16: None,
-//!     device: "cpu".into(), memory_capacity_bytes: None };
+//!     device: "cpu".into(), memory_capacity_bytes: None, peak_source: None };
 //! let facts = RunFacts { name: "demo".into(), model, train, machine };
 //! // data_wait, h2d, forward, backward, recompute, comm_exposed, optimizer, ckpt_stall, other
 //! let phases = PhaseTimes { ms: [4.0, 0.1, 3.0, 6.0, 0.0, 0.0, 1.0, 0.0, 0.4] };

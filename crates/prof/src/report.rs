@@ -51,8 +51,11 @@ pub struct RunReport {
     pub comm_total_ms: f64,
     /// (forward + backward + recompute + optimizer) / step.
     pub effective_compute_ratio: f64,
-    /// Model FLOPs per second over the machine's peak.
+    /// Model FLOPs per second over the machine's peak; null (NaN) when withheld.
     pub mfu: f64,
+    /// Why `mfu` is withheld: above 1 even against a peak measured again at the end of the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mfu_withheld: Option<String>,
     /// Model FLOPs per second over the peak, counting only the compute phases' time.
     pub compute_mfu: f64,
     /// Peak memory: RSS on the CPU, device memory on a GPU.
@@ -189,6 +192,7 @@ pub(crate) fn measure_report(
         findings: Vec::new(),
         ranks: None,
         rank0: None,
+        mfu_withheld: None,
         dynamics: None,
         model: facts.model.clone(),
         train: facts.train.clone(),
@@ -271,14 +275,21 @@ impl RunReport {
                 "comm_total", self.comm_total_ms
             );
         }
+        let mfu = match &self.mfu_withheld {
+            Some(reason) => format!("MFU withheld ({reason})"),
+            None => format!(
+                "MFU {:.2}% of {:.1} GFLOP/s ({} {}; peak {})",
+                100.0 * self.mfu,
+                self.machine.peak_flops / 1e9,
+                self.machine.device,
+                self.train.precision,
+                self.machine.peak_source.as_deref().unwrap_or("as given")
+            ),
+        };
         let _ = writeln!(
             out,
-            "  effective compute ratio {:.3} | MFU {:.2}% of {:.1} GFLOP/s ({} {}) | peak memory {}",
+            "  effective compute ratio {:.3} | {mfu} | peak memory {}",
             self.effective_compute_ratio,
-            100.0 * self.mfu,
-            self.machine.peak_flops / 1e9,
-            self.machine.device,
-            self.train.precision,
             human_bytes(self.peak_memory_bytes)
         );
         let _ = writeln!(
@@ -337,6 +348,7 @@ pub(crate) mod tests {
                 peak_flops_bf16: Some(1e12),
                 device: "cpu".into(),
                 memory_capacity_bytes: Some(1 << 34),
+                peak_source: None,
             },
         }
     }
@@ -380,6 +392,18 @@ pub(crate) mod tests {
         assert!((report.tokens_per_s - 25_600.0).abs() < 1e-6);
         assert!((report.mfu - 25_600.0 * 6e5 / 1e12).abs() < 1e-12);
         assert!(report.render_text().contains("data_wait"));
+    }
+
+    #[test]
+    fn a_withheld_mfu_is_printed_as_its_reason_and_written_as_null() {
+        let steps: Vec<StepSample> = (1..=5).map(|i| step(i, &[(Phase::Forward, 3.0)])).collect();
+        let mut report = build_report(&facts(), &steps, 0, 0.0, &ProfConfig::default());
+        report.mfu = f64::NAN;
+        report.mfu_withheld = Some("MFU would be 1.184 against a peak measured again now".into());
+        let text = report.render_text();
+        assert!(text.contains("MFU withheld (MFU would be 1.184") && !text.contains("MFU NaN"), "{text}");
+        let json: serde_json::Value = serde_json::from_str(&serde_json::to_string(&report).unwrap()).unwrap();
+        assert!(json["mfu"].is_null() && json["mfu_withheld"].is_string(), "{json}");
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! MFU is only as honest as its denominator, so the peak is measured on the machine itself, with
 //! the run's precision, device and thread count: a large square matmul through libtorch, the median
 //! of a few timed repetitions after a warm-up. The result is cached in a small JSON file (for
-//! example `~/.cache/stoke/.machine-peak.json`) keyed by precision, device and threads, so a machine pays the
-//! measurement once.
+//! example `~/.cache/stoke/.machine-peak.json`) keyed by precision, device and threads, with when
+//! and at what load it was measured: a reading older than a day, or of another load level than
+//! now's, is measured again.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -69,25 +70,123 @@ pub fn measure_matmul_peak_flops(precision: Precision, device: Device, repeats: 
     stoke_stats::median(&rates)
 }
 
-/// The peak for `precision` on `device`, from `dir/.machine-peak.json` when measured before,
-/// else measured (median of 5) and added to that file. The file is replaced atomically.
-pub fn matmul_peak_flops_cached(precision: Precision, device: Device, dir: &Path) -> Result<f64, TrainError> {
+/// A matmul peak and where it came from.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PeakReading {
+    pub flops: f64,
+    /// When it was measured, seconds since the Unix epoch.
+    pub measured_at: u64,
+    /// The 1-minute load average per CPU when it was measured.
+    pub load_per_cpu: f64,
+    /// Taken from the cache rather than measured by this process.
+    #[serde(skip)]
+    pub cached: bool,
+}
+
+impl PeakReading {
+    /// "measured in this run", or "cached, measured N h ago at load L per CPU".
+    pub fn describe(&self) -> String {
+        if !self.cached {
+            return format!("measured in this run (load {:.2} per CPU)", self.load_per_cpu);
+        }
+        let age_s = unix_now().saturating_sub(self.measured_at);
+        format!("cached, measured {:.1} h ago at load {:.2} per CPU", age_s as f64 / 3600.0, self.load_per_cpu)
+    }
+}
+
+/// A cached peak older than this is measured again.
+pub const PEAK_MAX_AGE_S: u64 = 24 * 3600;
+
+/// The load level a peak belongs to: the machine quiet (under 0.25 runnable tasks per CPU), busy
+/// (under 0.75) or loaded. A peak measured at another level than now's is measured again: on a
+/// loaded machine the matmul gets a smaller share of the cores than on a quiet one.
+pub fn load_level(load_per_cpu: f64) -> u8 {
+    if load_per_cpu < 0.25 {
+        0
+    } else if load_per_cpu < 0.75 {
+        1
+    } else {
+        2
+    }
+}
+
+/// The 1-minute load average over the CPUs this process may use.
+pub fn load_per_cpu() -> f64 {
+    let load: f64 = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|text| text.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0);
+    load / std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// The peak for `precision` on `device`, from `dir/.machine-peak.json` when it was measured there
+/// less than a day ago at the load level of now, else measured (median of 5) and written there.
+/// The file is replaced atomically; entries of the older form (a bare number) are measured again.
+pub fn matmul_peak_reading(precision: Precision, device: Device, dir: &Path) -> Result<PeakReading, TrainError> {
     let path = dir.join(PEAK_CACHE_FILE);
     let key = peak_key(precision, device);
-    let mut cache: BTreeMap<String, f64> =
+    let mut cache: BTreeMap<String, serde_json::Value> =
         std::fs::read_to_string(&path).ok().and_then(|text| serde_json::from_str(&text).ok()).unwrap_or_default();
-    if let Some(&flops) = cache.get(&key).filter(|f| f.is_finite() && **f > 0.0) {
-        return Ok(flops);
+    let load = load_per_cpu();
+    let fresh = cache
+        .get(&key)
+        .and_then(|entry| serde_json::from_value::<PeakReading>(entry.clone()).ok())
+        .filter(|r| r.flops.is_finite() && r.flops > 0.0)
+        .filter(|r| unix_now().saturating_sub(r.measured_at) < PEAK_MAX_AGE_S)
+        .filter(|r| load_level(r.load_per_cpu) == load_level(load));
+    if let Some(reading) = fresh {
+        return Ok(PeakReading { cached: true, ..reading });
     }
-    let flops = measure_matmul_peak_flops(precision, device, 5);
-    cache.insert(key, flops);
+    let reading = PeakReading {
+        flops: measure_matmul_peak_flops(precision, device, 5),
+        measured_at: unix_now(),
+        load_per_cpu: load,
+        cached: false,
+    };
+    store_peak(dir, &key, &reading, &mut cache)?;
+    Ok(reading)
+}
+
+/// Measures the peak again now and writes it to the cache (a figure above the peak means the
+/// cached one was measured while something else ran).
+pub fn remeasure_matmul_peak(precision: Precision, device: Device, dir: &Path) -> Result<PeakReading, TrainError> {
+    let path = dir.join(PEAK_CACHE_FILE);
+    let mut cache: BTreeMap<String, serde_json::Value> =
+        std::fs::read_to_string(&path).ok().and_then(|text| serde_json::from_str(&text).ok()).unwrap_or_default();
+    let reading = PeakReading {
+        flops: measure_matmul_peak_flops(precision, device, 5),
+        measured_at: unix_now(),
+        load_per_cpu: load_per_cpu(),
+        cached: false,
+    };
+    store_peak(dir, &peak_key(precision, device), &reading, &mut cache)?;
+    Ok(reading)
+}
+
+fn store_peak(
+    dir: &Path,
+    key: &str,
+    reading: &PeakReading,
+    cache: &mut BTreeMap<String, serde_json::Value>,
+) -> Result<(), TrainError> {
+    let path = dir.join(PEAK_CACHE_FILE);
+    cache.insert(key.to_string(), serde_json::to_value(reading).expect("a reading serializes"));
     let io = |source| TrainError::Io { path: path.clone(), source };
     std::fs::create_dir_all(dir).map_err(io)?;
     let tmp = dir.join(format!("{PEAK_CACHE_FILE}.{}.tmp", std::process::id()));
-    let text = serde_json::to_string_pretty(&cache).expect("a map of numbers serializes");
+    let text = serde_json::to_string_pretty(&cache).expect("a map of readings serializes");
     std::fs::write(&tmp, text).map_err(|source| TrainError::Io { path: tmp.clone(), source })?;
     std::fs::rename(&tmp, &path).map_err(io)?;
-    Ok(flops)
+    Ok(())
+}
+
+/// [`matmul_peak_reading`]'s FLOP/s alone.
+pub fn matmul_peak_flops_cached(precision: Precision, device: Device, dir: &Path) -> Result<f64, TrainError> {
+    matmul_peak_reading(precision, device, dir).map(|r| r.flops)
 }
 
 /// Memory the run can use, in bytes: physical RAM on the CPU (`MemTotal`), the device's memory on
@@ -185,4 +284,47 @@ fn status_bytes(key: &str) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with(key))?;
     let kb: u64 = line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
     Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cache holding `reading` for fp32 on the CPU.
+    fn cache_with(dir: &Path, reading: serde_json::Value) {
+        let key = peak_key(Precision::Fp32, Device::Cpu);
+        std::fs::write(dir.join(PEAK_CACHE_FILE), serde_json::json!({ key: reading }).to_string()).unwrap();
+    }
+
+    #[test]
+    fn a_cached_peak_is_used_only_when_fresh_and_of_the_same_load_level() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = unix_now();
+        // Fresh, at the load of now: used as it is. (The load can cross a level between the two
+        // reads; then it is measured, which the next assertion would show.)
+        let load = load_per_cpu();
+        cache_with(dir.path(), serde_json::json!({ "flops": 123.0, "measured_at": now, "load_per_cpu": load }));
+        let reading = matmul_peak_reading(Precision::Fp32, Device::Cpu, dir.path()).unwrap();
+        if load_level(load) == load_level(load_per_cpu()) {
+            assert!(reading.cached && reading.flops == 123.0, "{reading:?}");
+            assert!(reading.describe().starts_with("cached, measured 0.0 h ago"), "{}", reading.describe());
+        }
+        // Two days old, another load level, or the older bare-number form: measured again.
+        let other_level = if load_level(load) == 2 { 0.0 } else { 5.0 };
+        for stale in [
+            serde_json::json!({ "flops": 123.0, "measured_at": now - 2 * 24 * 3600, "load_per_cpu": load }),
+            serde_json::json!({ "flops": 123.0, "measured_at": now, "load_per_cpu": other_level }),
+            serde_json::json!(123.0),
+        ] {
+            cache_with(dir.path(), stale.clone());
+            let reading = matmul_peak_reading(Precision::Fp32, Device::Cpu, dir.path()).unwrap();
+            assert!(!reading.cached && reading.flops > 1e6, "{stale}: {reading:?}");
+            assert!(reading.describe().starts_with("measured in this run"));
+            // And the cache now holds the new reading.
+            let again = matmul_peak_reading(Precision::Fp32, Device::Cpu, dir.path()).unwrap();
+            if load_level(reading.load_per_cpu) == load_level(load_per_cpu()) {
+                assert!(again.cached && (again.flops / reading.flops - 1.0).abs() < 1e-12, "{again:?} {reading:?}");
+            }
+        }
+    }
 }
