@@ -196,7 +196,7 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, P
         w,
         "<p><b>{:.2} ms/step</b> median (mean {:.2}, p90 {:.2}, std {:.2}) over {} steps ({} timed) | \
          <b>{:.0} tokens/s</b> median (mean {:.0}, p90 step {:.0}) | effective compute ratio \
-         <b>{:.3}</b> | MFU <b>{:.2}%</b> of {:.1} GFLOP/s ({} {}) | peak memory {:.1} MB | profiler {:.3} ms/step</p>",
+         <b>{:.3}</b> | {} | peak memory {:.1} MB | profiler {:.3} ms/step</p>",
         report.step_ms,
         report.step_ms_mean,
         report.step_ms_p90,
@@ -207,10 +207,17 @@ pub fn render_html(report: &RunReport, steps: &[StepSample]) -> Result<String, P
         report.tokens_per_s_mean,
         report.tokens_per_s_p90_step,
         report.effective_compute_ratio,
-        100.0 * report.mfu,
-        report.machine.peak_flops / 1e9,
-        escape(&report.machine.device),
-        report.train.precision,
+        match &report.mfu_withheld {
+            Some(reason) => format!("MFU withheld ({})", escape(reason)),
+            None => format!(
+                "MFU <b>{:.2}%</b> of {:.1} GFLOP/s ({} {}; peak {})",
+                100.0 * report.mfu,
+                report.machine.peak_flops / 1e9,
+                escape(&report.machine.device),
+                report.train.precision,
+                escape(report.machine.peak_source.as_deref().unwrap_or("as given"))
+            ),
+        },
         report.peak_memory_bytes as f64 / 1e6,
         report.profiler_overhead_ms
     );
