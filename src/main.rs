@@ -8,6 +8,7 @@ mod config;
 mod environment;
 mod exit;
 mod gate;
+mod gemm;
 mod launch;
 mod observe;
 mod planning;

@@ -109,6 +109,9 @@ pub struct Profiler {
     tokens_before: u64,
     /// What the run ran on, for report.json (`set_environment`).
     environment: Option<serde_json::Value>,
+    /// The model's matrix multiplies alone (`crate::gemm`), timed at the start and every
+    /// `prof.ecr_every` steps where the peaks are measured: the effective compute ratio's numerator.
+    gemm: Option<GemmProbe>,
     /// Why the MFU is withheld (`check_peak`), if it is.
     mfu_withheld: Option<String>,
     /// NVML on a run on a GPU (or why not), its readings so far and when it was last read.
@@ -202,6 +205,7 @@ impl Profiler {
             },
             tokens_before: 0,
             environment: None,
+            gemm: None,
             mfu_withheld: None,
             gpu: None,
             gpu_summaries: Vec::new(),
@@ -255,6 +259,8 @@ impl Profiler {
                 step_peak_bytes_in_use: None,
                 loss_scale: None,
                 skipped_steps: 0,
+                gemm_ms_per_step: None,
+                gemm_flops_per_s: None,
             },
             machine: MachineFacts {
                 peak_flops: peak,
@@ -266,6 +272,14 @@ impl Profiler {
             },
         });
         self.device = Some(info.device);
+        if peak > 0.0 {
+            let probe = GemmProbe::new(info);
+            if let Some(facts) = self.facts.as_mut() {
+                facts.train.gemm_ms_per_step = Some(probe.ms_per_step());
+                facts.train.gemm_flops_per_s = Some(probe.flops_per_s());
+            }
+            self.gemm = Some(probe);
+        }
         if let tch::Device::Cuda(index) = info.device {
             self.gpu = Some(open_gpu_health(index));
         }
@@ -288,6 +302,15 @@ impl Profiler {
 
     fn step(&mut self, record: &stoke_train::StepRecord) -> std::io::Result<()> {
         self.read_gpus();
+        if let Some(probe) =
+            self.gemm.as_mut().filter(|_| self.config.ecr_every > 0 && record.step % self.config.ecr_every == 0)
+        {
+            probe.time_again();
+            if let Some(facts) = self.facts.as_mut() {
+                facts.train.gemm_ms_per_step = Some(probe.ms_per_step());
+                facts.train.gemm_flops_per_s = Some(probe.flops_per_s());
+            }
+        }
         let sample = sample_of(record);
         if let Some(device) = self.device {
             let in_use = stoke_train::memory_in_use_bytes(device).unwrap_or(0);
@@ -295,7 +318,8 @@ impl Profiler {
             self.metrics.set_memory_peak(self.peak_memory_bytes);
         }
         if let Some(facts) = &self.facts {
-            self.metrics.observe(&sample, record.lr, facts.model.flops_per_token, facts.machine.peak_flops);
+            let gemm_ms = facts.train.gemm_ms_per_step;
+            self.metrics.observe(&sample, record.lr, facts.model.flops_per_token, facts.machine.peak_flops, gemm_ms);
         }
         // The step began wall_ms before it ended (not before the record reached this observer: on
         // a loaded machine the observers before it, or the scheduler, can delay that by
@@ -625,4 +649,46 @@ fn open_gpu_health(index: usize) -> Result<stoke_prof::GpuHealth, String> {
         eprintln!("warning: {reason}; the run trains without GPU health metrics");
     }
     opened
+}
+
+/// The model's matrix multiplies for one micro-batch, and the fastest time of them so far.
+struct GemmProbe {
+    reference: crate::gemm::GemmReference,
+    best: crate::gemm::ReferenceTimes,
+    micro_batches: f64,
+    /// Forward products run again in the backward per micro-batch, as a share of the forward:
+    /// a whole block under `block`, one in K blocks under `every:K`, about two thirds of a block's
+    /// products for `mlp` and one third for `attention`.
+    recomputed: f64,
+}
+
+impl GemmProbe {
+    fn new(info: &stoke_train::RunInfo) -> GemmProbe {
+        let reference = crate::gemm::GemmReference::new(&info.matmuls, info.micro_batch, info.precision, info.device);
+        let best = reference.fastest(2);
+        let recomputed = match info.recompute {
+            stoke_train::Recompute::None => 0.0,
+            stoke_train::Recompute::Mlp => 2.0 / 3.0,
+            stoke_train::Recompute::Attention => 1.0 / 3.0,
+            stoke_train::Recompute::Block => 1.0,
+            stoke_train::Recompute::Every(k) => 1.0 / k.max(1) as f64,
+        };
+        GemmProbe { reference, best, micro_batches: info.grad_accum.max(1) as f64, recomputed }
+    }
+
+    fn time_again(&mut self) {
+        let t = self.reference.time();
+        self.best.forward_ms = self.best.forward_ms.min(t.forward_ms);
+        self.best.backward_ms = self.best.backward_ms.min(t.backward_ms);
+    }
+
+    /// The step's products: every micro-batch's forward (with what recomputation repeats) and
+    /// backward.
+    fn ms_per_step(&self) -> f64 {
+        self.micro_batches * (self.best.forward_ms * (1.0 + self.recomputed) + self.best.backward_ms)
+    }
+
+    fn flops_per_s(&self) -> f64 {
+        self.reference.flops() / (self.best.total_ms() / 1e3)
+    }
 }

@@ -32,8 +32,9 @@ pub fn limits(args: &Limits) -> anyhow::Result<ExitCode> {
         out.insert(format!("matmul_{precision:?}_flops").to_lowercase(), json!(peak));
     }
     if let Some(preset) = &args.preset {
-        let shape = stoke_train::ModelConfig { preset: preset.clone(), ..Default::default() }.shape()?;
-        let reference = crate::gate::GemmReference::new(shape, args.micro_batch, stoke_train::Precision::Bf16, device);
+        let model =
+            stoke_train::plan_model(&stoke_train::ModelConfig { preset: preset.clone(), ..Default::default() })?;
+        let reference = crate::gemm::GemmReference::new(&model, args.micro_batch, stoke_train::Precision::Bf16, device);
         // Fastest of five passes: the floor, not the typical time.
         let (mut forward, mut backward) = (f64::INFINITY, f64::INFINITY);
         for _ in 0..5 {

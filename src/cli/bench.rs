@@ -89,7 +89,7 @@ pub struct LimitsArgs {
     pub json: Option<PathBuf>,
     /// Also time one training step's matrix multiplies alone for this preset (tiny, small,
     /// gpt2-124m) in bf16: every linear layer and the tied head forward and backward, and the
-    /// attention's whole causal square, at the model's shapes (`gate::GemmReference`). No
+    /// attention's whole causal square, at the model's shapes (`gemm::GemmReference`). No
     /// implementation that runs those products through libtorch steps faster than this.
     #[arg(long)]
     pub preset: Option<String>,

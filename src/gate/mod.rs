@@ -32,5 +32,4 @@ mod baseline;
 mod reference;
 mod runs;
 
-pub use reference::GemmReference;
 pub use runs::{gate, GateSpec};

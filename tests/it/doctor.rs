@@ -126,9 +126,16 @@ fn phases_sum_to_the_wall_time_and_outputs_are_valid() {
     let sum: f64 = report["phases"].as_object().unwrap().values().map(|ms| ms.as_f64().unwrap()).sum();
     let step = report["step_ms"].as_f64().unwrap();
     assert!((sum - step).abs() <= 1e-6 * step, "{sum} vs {step}");
-    for key in ["tokens_per_s", "effective_compute_ratio", "mfu", "peak_memory_bytes"] {
+    for key in ["tokens_per_s", "samples_per_s", "effective_compute_ratio", "compute_share", "mfu", "peak_memory_bytes"]
+    {
         assert!(report[key].as_f64().is_some_and(|v| v > 0.0), "report.{key}: {}", report[key]);
     }
+    // The effective compute ratio is the step's matrix multiplies, timed alone in the same process,
+    // over the step; the compute phases' share is kept beside it.
+    let gemm = report["train"]["gemm_ms_per_step"].as_f64().expect("the multiplies were timed");
+    let ecr = report["effective_compute_ratio"].as_f64().unwrap();
+    assert!((ecr - gemm / step).abs() <= 1e-9 * ecr, "{ecr} vs {gemm} / {step}");
+    assert!(report["train"]["gemm_flops_per_s"].as_f64().is_some_and(|f| f > 0.0));
     // The planner's calibration reads this report as it is.
     let parsed: stoke_plan::RunReport = serde_json::from_value(report.clone()).expect("the planner parses report.json");
     assert_eq!((parsed.model.n_layer, parsed.train.micro_batch), (2, 8));

@@ -167,9 +167,11 @@ pub const RULES: [Rule; 26] = [
         R::StepLowComputeRatio,
         "low_compute_ratio",
         StepReport,
-        "the step spends too much time outside the model's arithmetic",
-        "act on the other findings first; what remains (h2d, other: Python-free framework overhead, \
-         synchronization, logging) shrinks with larger micro-batches and less frequent logging (train.log_every)",
+        "the step spends too much time outside its matrix multiplies: waiting, copying, casting, launching, \
+         element-wise work between the products",
+        "act on the other findings first; what remains (casts and copies inside forward and backward, h2d, \
+         framework overhead, logging) shrinks with fused kernels (train.fused_*), larger micro-batches and less \
+         frequent logging (train.log_every)",
     ),
     row(
         R::StepMemoryPressure,

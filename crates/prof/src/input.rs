@@ -70,6 +70,14 @@ pub struct TrainFacts {
     pub loss_scale: Option<f64>,
     #[serde(default)]
     pub skipped_steps: u64,
+    /// The step's matrix multiplies timed alone, at its shapes, precision, device and threads, ms
+    /// (the fastest timing; all micro-batches, recomputation included): the effective compute
+    /// ratio's numerator. None when not measured.
+    #[serde(default)]
+    pub gemm_ms_per_step: Option<f64>,
+    /// Those multiplies' FLOP/s when timed alone.
+    #[serde(default)]
+    pub gemm_flops_per_s: Option<f64>,
 }
 
 /// `report.json`'s `machine`: what the run ran on, measured on it.
@@ -109,6 +117,10 @@ pub struct ProfConfig {
     /// On a GPU, synchronize at phase boundaries every this many steps, so those steps' phases are
     /// exact (the report uses them); 1 = every step, 0 = never. The CPU is always exact. Default 10.
     pub sync_every: u64,
+    /// Time the step's matrix multiplies alone (the effective compute ratio's numerator) at the
+    /// start and again every this many steps, keeping the fastest; 0 = at the start only.
+    /// Default 100.
+    pub ecr_every: u64,
     /// Write a Chrome trace (trace.json, one span per phase per step). Default true.
     pub trace: bool,
     /// Write report.html with plots. Default true.
@@ -124,8 +136,8 @@ pub struct ProfConfig {
     pub data_wait_max: f64,
     /// Rule comm_exposed: fires when communication the step waits for exceeds this share. Default 0.1.
     pub comm_exposed_max: f64,
-    /// Rule low_compute_ratio: fires when (forward + backward + recompute + optimizer) / step is
-    /// below this. Default 0.7.
+    /// Rule low_compute_ratio: fires when the effective compute ratio (the step's matrix multiplies
+    /// timed alone, over the step) is below this. Default 0.7.
     pub compute_ratio_min: f64,
     /// Rule memory_pressure: fires when peak memory exceeds this share of capacity. Default 0.9.
     pub memory_max: f64,
@@ -163,6 +175,7 @@ impl Default for ProfConfig {
             enabled: true,
             skip_steps: 1,
             sync_every: 10,
+            ecr_every: 100,
             trace: true,
             html: true,
             prometheus: true,

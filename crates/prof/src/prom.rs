@@ -106,7 +106,7 @@ impl LiveMetrics {
         );
         registry.register(
             "stoke_effective_compute_ratio",
-            "(forward + backward + recompute + optimizer) / wall of the last step",
+            "The step's matrix multiplies timed alone over the wall time of the last step",
             m.compute_ratio.clone(),
         );
         registry.register("stoke_mfu", "Model FLOPs utilization of the last step", m.mfu.clone());
@@ -124,8 +124,10 @@ impl LiveMetrics {
         LiveMetrics { registry, phase_counters, ..m }
     }
 
-    /// Records one step. `flops_per_token` and `peak_flops` give the MFU gauge.
-    pub fn observe(&self, sample: &StepSample, lr: f64, flops_per_token: f64, peak_flops: f64) {
+    /// Records one step. `flops_per_token` and `peak_flops` give the MFU gauge; `gemm_ms`, the
+    /// step's matrix multiplies timed alone, the effective compute ratio's (else the compute phases'
+    /// share stands in).
+    pub fn observe(&self, sample: &StepSample, lr: f64, flops_per_token: f64, peak_flops: f64, gemm_ms: Option<f64>) {
         self.steps.inc();
         self.tokens.inc_by(sample.tokens);
         for (counter, (_, ms)) in self.phase_counters.iter().zip(sample.phases.iter()) {
@@ -141,7 +143,8 @@ impl LiveMetrics {
         self.tokens_per_second.set(tokens_per_s);
         self.job_tokens_per_second.set(tokens_per_s * self.world_size as f64);
         let compute = sample.phases.compute();
-        self.compute_ratio.set(if sample.wall_ms > 0.0 { compute / sample.wall_ms } else { 0.0 });
+        let numerator = gemm_ms.unwrap_or(compute);
+        self.compute_ratio.set(if sample.wall_ms > 0.0 { numerator / sample.wall_ms } else { 0.0 });
         self.mfu.set(if peak_flops > 0.0 { flops_per_token * tokens_per_s / peak_flops } else { 0.0 });
     }
 
@@ -304,6 +307,7 @@ mod tests {
                 1e-3,
                 6e5,
                 1e12,
+                Some(3.0),
             );
         }
         metrics.set_memory_peak(1 << 20);
@@ -315,7 +319,7 @@ mod tests {
         drop(server);
         // A rank of a data-parallel run labels every series with its rank and the world size.
         let metrics = LiveMetrics::for_rank(2, 3);
-        metrics.observe(&step(1, &[(Phase::Forward, 2.0)]), 1e-3, 6e5, 1e12);
+        metrics.observe(&step(1, &[(Phase::Forward, 2.0)]), 1e-3, 6e5, 1e12, None);
         let body = metrics.encode();
         validate_exposition(&body).unwrap_or_else(|e| panic!("{e}\n{body}"));
         let samples: Vec<&str> = body.lines().filter(|l| !l.starts_with('#') && !l.is_empty()).collect();

@@ -49,8 +49,13 @@ pub struct RunReport {
     /// All communication per step, hidden or exposed, ms, at the scale of `phases` (not part of
     /// their sum).
     pub comm_total_ms: f64,
-    /// (forward + backward + recompute + optimizer) / step.
+    /// The effective compute ratio: the step's matrix multiplies timed alone (in the same process,
+    /// at the step's shapes and precision: `train.gemm_ms_per_step`) over the step's wall time.
+    /// Where they were not timed, `compute_share`.
     pub effective_compute_ratio: f64,
+    /// (forward + backward + recompute + optimizer) / step: the compute phases' share.
+    #[serde(default)]
+    pub compute_share: f64,
     /// Model FLOPs per second over the machine's peak; null (NaN) when withheld.
     pub mfu: f64,
     /// Why `mfu` is withheld: above 1 even against a peak measured again at the end of the run.
@@ -161,11 +166,15 @@ pub(crate) fn measure_report(
     let (shares, comm_share) = mean_shares(&timed);
     let phase_shares: BTreeMap<Phase, f64> = shares.iter().collect();
     let phases: BTreeMap<Phase, f64> = shares.iter().map(|(phase, share)| (phase, share * step_ms)).collect();
-    let effective_compute_ratio = shares.compute();
+    let compute_share = shares.compute();
+    let effective_compute_ratio = match facts.train.gemm_ms_per_step {
+        Some(gemm) if step_ms > 0.0 && gemm > 0.0 => gemm / step_ms,
+        _ => compute_share,
+    };
     let peak = facts.machine.peak_flops;
     let model_flops_per_s = facts.model.flops_per_token * tokens_per_s;
     let mfu = if peak > 0.0 { model_flops_per_s / peak } else { 0.0 };
-    let compute_mfu = if effective_compute_ratio > 0.0 { mfu / effective_compute_ratio } else { 0.0 };
+    let compute_mfu = if compute_share > 0.0 { mfu / compute_share } else { 0.0 };
     let amdahl = Phase::REMOVABLE.iter().map(|&p| (p, amdahl(step_ms, phases[&p]))).collect();
     RunReport {
         name: facts.name.clone(),
@@ -183,6 +192,7 @@ pub(crate) fn measure_report(
         phase_shares,
         comm_total_ms: comm_share * step_ms,
         effective_compute_ratio,
+        compute_share,
         mfu,
         compute_mfu,
         peak_memory_bytes,
@@ -286,12 +296,14 @@ impl RunReport {
                 self.machine.peak_source.as_deref().unwrap_or("as given")
             ),
         };
-        let _ = writeln!(
-            out,
-            "  effective compute ratio {:.3} | {mfu} | peak memory {}",
-            self.effective_compute_ratio,
-            human_bytes(self.peak_memory_bytes)
-        );
+        let ecr = match self.train.gemm_ms_per_step {
+            Some(gemm) => format!(
+                "effective compute ratio {:.3} (matrix multiplies alone {gemm:.2} ms of the step) | compute phases {:.3}",
+                self.effective_compute_ratio, self.compute_share
+            ),
+            None => format!("compute phases' share {:.3}", self.compute_share),
+        };
+        let _ = writeln!(out, "  {ecr} | {mfu} | peak memory {}", human_bytes(self.peak_memory_bytes));
         let _ = writeln!(
             out,
             "  outlier steps (> mean + 3 sigma): {} | profiler overhead {:.3} ms/step ({:.2}%)",

@@ -6,7 +6,7 @@
 //! | `data_wait` | data_wait > 5% of step | step / (step - data_wait) |
 //! | `comm_exposed` | comm_exposed > 10% | step / (step - comm_exposed) |
 //! | `ckpt_stall` | ckpt_stall > 2% | step / (step - ckpt_stall) |
-//! | `low_compute_ratio` | (fwd + bwd + recompute + opt) / step < 70% | the non-compute time no other finding claims |
+//! | `low_compute_ratio` | matmuls timed alone / step < 70% | the time over the matmuls no other finding claims, down to the step at 70% |
 //! | `memory_pressure` | peak memory > 90% of capacity | none (a risk, not a cost) |
 //! | `fp32_on_bf16_hardware` | fp32 run where bf16 peak ≥ 1.5x fp32 | compute phases sped up by the peak ratio |
 //! | `loss_scale_thrashing` | loss scale changes on > 5% of steps | step / (step - skipped steps' share) |
@@ -171,9 +171,6 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
     }
     if report.effective_compute_ratio < config.compute_ratio_min {
         let compute: f64 = Phase::COMPUTE.iter().map(|&p| ms(p)).sum();
-        // The umbrella rule claims only what the specific rules above did not, so that it never
-        // outranks the finding that names the real cause.
-        let unclaimed = (step - compute - claimed_ms).max(0.0);
         let mut parts: Vec<(Phase, f64)> = report
             .phases
             .iter()
@@ -182,18 +179,44 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
             .collect();
         parts.sort_by(|a, b| b.1.total_cmp(&a.1));
         let listed: Vec<String> = parts.iter().map(|(name, ms)| format!("{name} {ms:.2} ms")).collect();
+        let (evidence, bound) = match report.train.gemm_ms_per_step {
+            Some(gemm) => (
+                format!(
+                    "the step's matrix multiplies alone take {gemm:.2} of its {step:.2} ms ({}); the compute phases \
+                     {compute:.2} ms ({} over the multiplies: casts, copies, launches, element-wise work), the \
+                     rest: {}",
+                    pct(report.effective_compute_ratio),
+                    pct((compute - gemm).max(0.0) / step),
+                    listed.join(", ")
+                ),
+                {
+                    // What this rule can claim: the compute phases' time over the multiplies, and
+                    // the time outside compute that no specific rule above claimed; the step can
+                    // shrink by that, but not below its multiplies at the threshold ratio.
+                    let claimable = (compute - gemm).max(0.0) + (step - compute - claimed_ms).max(0.0);
+                    let at = (step - claimable).max(gemm / config.compute_ratio_min);
+                    Some(step / at).filter(|b| b.is_finite() && *b >= 1.0)
+                },
+            ),
+            // Unmeasured: the umbrella claims only what the specific rules above did not, so that it
+            // never outranks the finding that names the real cause.
+            None => (
+                format!(
+                    "compute {:.2} of {:.2} ms per step ({}); the rest: {}",
+                    compute,
+                    step,
+                    pct(report.effective_compute_ratio),
+                    listed.join(", ")
+                ),
+                Some(amdahl(step, (step - compute - claimed_ms).max(0.0))),
+            ),
+        };
         finding(
             RuleId::StepLowComputeRatio,
             format!("effective compute ratio < {}", pct(config.compute_ratio_min)),
             report.effective_compute_ratio,
-            format!(
-                "compute {:.2} of {:.2} ms per step ({}); the rest: {}",
-                compute,
-                step,
-                pct(report.effective_compute_ratio),
-                listed.join(", ")
-            ),
-            Some(amdahl(step, unclaimed)),
+            evidence,
+            bound,
         );
     }
     if let Some(capacity) = report.machine.memory_capacity_bytes.filter(|&c| c > 0) {
@@ -244,6 +267,36 @@ mod tests {
                 (Phase::Other, 0.2),
             ],
             big,
+            &[],
+        );
+    }
+
+    #[test]
+    fn a_step_far_from_its_matrix_multiplies_is_named_with_the_step_at_the_threshold_as_its_bound() {
+        let parts = [(Phase::Forward, 3.0), (Phase::Backward, 6.0), (Phase::Optimizer, 1.0)];
+        // The compute phases are the whole step, but the products alone take 5 of its 10 ms.
+        let measured = |facts: &mut crate::RunFacts| {
+            big(facts);
+            facts.train.gemm_ms_per_step = Some(5.0);
+        };
+        check(&parts, measured, &["low_compute_ratio"]);
+        let mut facts = facts();
+        measured(&mut facts);
+        let steps: Vec<StepSample> = (1..=50).map(|i| step(i, &parts)).collect();
+        let report = build_report(&facts, &steps, 1 << 20, 0.0, &ProfConfig::default());
+        assert_eq!(report.effective_compute_ratio, 0.5);
+        assert!((report.compute_share - 1.0).abs() < 1e-12);
+        let f = &report.findings[0];
+        // At 70% the step would be 5 / 0.7 ms: 10 / (5 / 0.7) = 1.4x.
+        assert!((f.bound.unwrap() - 1.4).abs() < 1e-12, "{f:?}");
+        assert!(f.evidence.contains("matrix multiplies alone take 5.00 of its 10.00 ms"), "{}", f.evidence);
+        // At 8 of 10 ms nothing fires.
+        check(
+            &parts,
+            |f| {
+                big(f);
+                f.train.gemm_ms_per_step = Some(8.0)
+            },
             &[],
         );
     }

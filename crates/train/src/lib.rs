@@ -54,8 +54,8 @@ pub use kernels::{
 };
 pub use memory_fit::{check_fits, estimate_step_memory, memory_limit, MemoryEstimate, MemoryLimit};
 pub use models::{
-    build_model, export_hf, export_peft, merged_parameters, plan_model, resolve_from, Branch, BranchBackward, ByHand,
-    CoreBackward, Gpt, GptRms, HeadBackward, HeadLoss, Llama, Model, Norm,
+    build_model, export_hf, export_peft, merged_parameters, plan_model, plan_model_for, resolve_from, Branch,
+    BranchBackward, ByHand, CoreBackward, Gpt, GptRms, HeadBackward, HeadLoss, Llama, Model, Norm,
 };
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};

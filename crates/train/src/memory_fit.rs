@@ -63,19 +63,7 @@ pub fn estimate_step_memory(
             activations: 4.0 * rough_logits,
         });
     }
-    let mut plan = crate::models::plan_model(model)?;
-    if train.lora.enabled() {
-        // The block matrices the adapters' globs pick, by the names the llama family gives them.
-        plan.lora_rank = train.lora.rank;
-        plan.lora_targets = stoke_plan::LORA_TARGETS
-            .iter()
-            .filter(|name| {
-                let part = if ["gate_proj", "up_proj", "down_proj"].contains(name) { "mlp" } else { "self_attn" };
-                train.lora.targets_weight(&format!("model.layers.0.{part}.{name}.weight"))
-            })
-            .map(|name| name.to_string())
-            .collect();
-    }
+    let plan = crate::models::plan_model_for(model, train)?;
     let data = world_size.max(1);
     let zero = match zero_stage {
         0 => stoke_plan::ZeroStage::None,

@@ -80,6 +80,24 @@ pub fn plan_model(model: &ModelConfig) -> Result<stoke_plan::ModelConfig, TrainE
     }
 }
 
+/// [`plan_model`] of the model as `train` trains it: under LoRA with the adapters' rank and the
+/// block matrices their globs pick (by the llama family's names), the rest frozen.
+pub fn plan_model_for(model: &ModelConfig, train: &TrainConfig) -> Result<stoke_plan::ModelConfig, TrainError> {
+    let mut plan = plan_model(model)?;
+    if train.lora.enabled() {
+        plan.lora_rank = train.lora.rank;
+        plan.lora_targets = stoke_plan::LORA_TARGETS
+            .iter()
+            .filter(|name| {
+                let part = if ["gate_proj", "up_proj", "down_proj"].contains(name) { "mlp" } else { "self_attn" };
+                train.lora.targets_weight(&format!("model.layers.0.{part}.{name}.weight"))
+            })
+            .map(|name| name.to_string())
+            .collect();
+    }
+    Ok(plan)
+}
+
 fn unknown_family(name: &str) -> TrainError {
     TrainError::InvalidConfig {
         key: "model.family",

@@ -132,6 +132,9 @@ pub struct RunInfo {
     pub units: Vec<String>,
     /// Sequences per optimizer step over all processes.
     pub global_batch: usize,
+    /// The model's matrix multiplies, as the planner describes the model (widths, key/value heads,
+    /// MLP, head, adapters): what the profiler times alone for the effective compute ratio.
+    pub matmuls: stoke_plan::ModelConfig,
 }
 
 /// Everything the loop tells its observers.

@@ -117,6 +117,7 @@ impl Trainer {
         tch::manual_seed(train.seed as i64);
         // The Rust kernels split their work over libtorch's threads.
         let kernel_threads = tch::get_num_threads().max(1) as usize;
+        let matmuls = crate::models::plan_model_for(model, train)?;
         let model = build_model(model, train, kernel_threads, device)?;
         let optimizer = Optimizer::for_config(train, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;
@@ -138,6 +139,7 @@ impl Trainer {
             grad_accum: train.grad_accum,
             adaptive: None,
             sharded: false,
+            matmuls,
         })
     }
 
@@ -288,6 +290,7 @@ impl Trainer {
             recompute: self.executor.recompute(),
             units: self.model.params().units().iter().map(|u| u.name.clone()).collect(),
             global_batch: self.global_batch(),
+            matmuls: self.matmuls.clone(),
         };
         let mut tokens = 0u64;
         notify(observers, &TrainEvent::Started(&info))?;

@@ -39,6 +39,8 @@ pub struct Trainer {
     /// The optimizer runs on a ZeRO shard (`shard_optimizer`): its state is not laid out like
     /// the model, and per-unit monitors are not computed.
     pub(super) sharded: bool,
+    /// The model's matrix multiplies as the planner counts them (`RunInfo::matmuls`).
+    pub(super) matmuls: stoke_plan::ModelConfig,
 }
 
 /// The adaptive batch size's settings and state (the estimates are saved in checkpoints).
