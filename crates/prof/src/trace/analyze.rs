@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 
 use super::classify::{
-    is_ckpt_save, is_comm_op, is_dataloader, is_tensor_core, is_tensor_core_eligible, kernel_type, peak_flops_for,
-    step_number, KernelType,
+    is_ckpt_save, is_comm_op, is_dataloader, is_gemm, is_tensor_core, is_tensor_core_eligible, kernel_type,
+    peak_flops_for, step_number, KernelType,
 };
 use super::event::{Event, FxBuild, Kind, RankTrace};
 use super::figures::{
@@ -68,6 +68,7 @@ pub(crate) fn measure_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankRepo
         })
         .collect();
     let ckpt_names: Vec<bool> = names.iter().map(|n| is_ckpt_save(n)).collect();
+    let gemm_names: Vec<bool> = names.iter().map(|n| is_gemm(&n.to_ascii_lowercase())).collect();
     // (uses Tensor Cores, could use them) per name.
     let tensor_core_names: Vec<(bool, bool)> = names
         .iter()
@@ -90,6 +91,7 @@ pub(crate) fn measure_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankRepo
     // Interval lists per category (over the whole trace), and the GPU unions.
     let mut spans: [Vec<(i64, i64)>; 8] = Default::default();
     let (mut gpu_all, mut compute_all, mut comm_all, mut ckpt_all) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut gemm_all = Vec::new();
     let mut cpu_steps: Vec<(u64, i64, i64)> = Vec::new();
     for e in events {
         let span = (e.ts, e.end());
@@ -97,6 +99,9 @@ pub(crate) fn measure_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankRepo
             Kind::Kernel | Kind::Memcpy | Kind::Memset => {
                 let kt = kernel_types[e.name as usize];
                 gpu_all.push(span);
+                if e.kind == Kind::Kernel && gemm_names[e.name as usize] {
+                    gemm_all.push(span);
+                }
                 match kt {
                     KernelType::Compute => compute_all.push(span),
                     KernelType::Communication => comm_all.push(span),
@@ -146,6 +151,7 @@ pub(crate) fn measure_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankRepo
     }
     let gpu_union = Union::from_intervals(gpu_all);
     let compute_union = Union::from_intervals(compute_all);
+    let gemm_union = Union::from_intervals(gemm_all);
     let comm_union = Union::from_intervals(comm_all);
     let comm_exposed_union = comm_union.minus(&compute_union);
     let ckpt_stall_union = Union::from_intervals(ckpt_all).minus(&gpu_union);
@@ -197,6 +203,7 @@ pub(crate) fn measure_rank(trace: &RankTrace, opts: &AnalyzeOptions) -> RankRepo
             categories: cats,
             gpu_busy_ns: gpu_union.clipped_len(lo, hi),
             compute_ns: compute_union.clipped_len(lo, hi),
+            gemm_ns: gemm_union.clipped_len(lo, hi),
             comm_ns: comm_union.clipped_len(lo, hi),
             comm_exposed_ns: comm_exposed_union.clipped_len(lo, hi),
             ckpt_stall_ns: ckpt_stall_union.clipped_len(lo, hi),

@@ -65,6 +65,14 @@ pub(super) fn is_tensor_core_eligible(lower: &str) -> bool {
     ["gemm", "conv", "matmul", "cutlass", "cijk_", "flash"].iter().any(|p| lower.contains(p))
 }
 
+/// A matrix multiply or convolution kernel (cuBLAS, cuBLASLt, CUTLASS, cuDNN, rocBLAS/Tensile): the
+/// kernels the effective compute ratio counts. Attention, normalization and element-wise kernels
+/// are compute but not these.
+pub(super) fn is_gemm(lower: &str) -> bool {
+    ["gemm", "conv", "matmul", "cutlass", "cijk_", "xmma", "hmma", "wgmma"].iter().any(|p| lower.contains(p))
+        && !lower.contains("flash")
+}
+
 pub(super) fn step_number(name: &str) -> Option<u64> {
     let rest = name.strip_prefix("ProfilerStep")?.trim_start().strip_prefix('#')?.trim_start();
     let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();

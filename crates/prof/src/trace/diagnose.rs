@@ -88,13 +88,20 @@ fn ratio_rules(wall: i64, s: &StepReport, out: &mut Vec<Finding>) {
             amdahl(wall, wall - s.gpu_busy_ns),
         ));
     }
-    if frac(s.compute_ns) < LOW_COMPUTE_RATIO {
+    if frac(s.gemm_ns) < LOW_COMPUTE_RATIO {
         out.push(Finding::new(
             RuleId::TraceLowComputeRatio,
-            format!("< {} of step in compute kernels", pct(LOW_COMPUTE_RATIO)),
-            frac(s.compute_ns),
-            format!("compute kernels run {} of {} ({})", ms(s.compute_ns), ms(wall), pct(frac(s.compute_ns))),
-            amdahl(wall, wall - s.compute_ns),
+            format!("< {} of step in matrix multiply and convolution kernels", pct(LOW_COMPUTE_RATIO)),
+            frac(s.gemm_ns),
+            format!(
+                "matrix multiply and convolution kernels run {} of {} ({}); all compute kernels {} ({})",
+                ms(s.gemm_ns),
+                ms(wall),
+                pct(frac(s.gemm_ns)),
+                ms(s.compute_ns),
+                pct(frac(s.compute_ns))
+            ),
+            amdahl(wall, wall - s.gemm_ns),
         ));
     }
     if frac(s.ckpt_stall_ns) > CKPT_STALL_FRACTION {
@@ -132,6 +139,7 @@ fn diagnose_rank(r: &RankReport, device: Option<&DeviceInfo>) -> Vec<Finding> {
         categories: r.total,
         gpu_busy_ns: r.steps.iter().map(|s| s.gpu_busy_ns).sum(),
         compute_ns: r.steps.iter().map(|s| s.compute_ns).sum(),
+        gemm_ns: r.steps.iter().map(|s| s.gemm_ns).sum(),
         comm_ns: r.steps.iter().map(|s| s.comm_ns).sum(),
         comm_exposed_ns: r.steps.iter().map(|s| s.comm_exposed_ns).sum(),
         ckpt_stall_ns: r.steps.iter().map(|s| s.ckpt_stall_ns).sum(),

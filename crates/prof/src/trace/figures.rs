@@ -110,6 +110,9 @@ pub struct StepReport {
     pub gpu_busy_ns: i64,
     /// Time compute kernels run.
     pub compute_ns: i64,
+    /// Time matrix multiply and convolution kernels run: over `wall_ns`, the effective compute
+    /// ratio (attention, normalization and element-wise kernels are in `compute_ns` alone).
+    pub gemm_ns: i64,
     /// Time communication kernels run.
     pub comm_ns: i64,
     /// Communication kernel time not overlapped by compute kernels.

@@ -94,6 +94,25 @@ fn communication_kernels_and_ops_are_communication() {
 }
 
 #[test]
+fn the_effective_compute_ratio_counts_matrix_multiply_and_convolution_kernels_alone() {
+    // Step 0..100 µs: a GEMM 10..30, a convolution 30..40, a softmax 40..70 and a flash attention
+    // kernel 70..90 are all compute; the ratio counts the first two, 30 of 100 µs.
+    let json = trace_of(&[
+        x("user_annotation", "ProfilerStep#1", 0.0, 100.0, ""),
+        gpu("kernel", "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_tn", 10.0, 20.0, 7, 1),
+        gpu("kernel", "implicit_convolve_sgemm", 30.0, 10.0, 7, 2),
+        gpu("kernel", "void at::native::softmax_warp_forward", 40.0, 30.0, 7, 3),
+        gpu("kernel", "void pytorch_flash::flash_fwd_kernel", 70.0, 20.0, 7, 4),
+    ]);
+    let report = analyze_rank(&parse(&json).unwrap(), &AnalyzeOptions::default());
+    let step = &report.steps[0];
+    assert_eq!((step.gemm_ns, step.compute_ns, step.wall_ns), (30_000, 80_000, 100_000));
+    let finding = report.findings.iter().find(|f| f.id == "low_compute_ratio").expect("30% is under 70%");
+    assert_eq!(finding.value, 0.3);
+    assert!(finding.evidence.contains("all compute kernels 0.080 ms (80.0%)"), "{}", finding.evidence);
+}
+
+#[test]
 fn a_trace_without_steps_is_one_window() {
     let json = trace_of(&[x("cpu_op", "aten::add", 10.0, 5.0, ""), gpu("kernel", "k", 20.0, 10.0, 7, 0)]);
     check(&json, &[(None, 20, [10, 0, 0, 0, 0, 0, 5, 5])]);
