@@ -74,6 +74,10 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = self.script_command("stop").status();
+        // Its database and logs are kept for a failed test only.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.state);
+        }
     }
 }
 

@@ -15,7 +15,7 @@
 //!   from the code as it is, a check of the same code against it (exit 0 expected) and one with
 //!   the forward made 10% slower by its hidden test switch (exit 4 expected); either check that
 //!   goes the wrong way is repeated once against a baseline recorded anew, as the ratios drift
-//!   between invocations. (The Slurm test installs Slurm itself.)
+//!   between invocations. (The Slurm tests install Slurm, and slurmdbd with MariaDB, themselves.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
 //!
