@@ -9,8 +9,10 @@
 //! trains every step once and ends on the losses of a job that ran on one worker throughout, and
 //! `sacct` lists every job and step.
 //!
-//! One node (slots = its CPUs): a job shares the node with another, finishes, and a step whose
-//! worker is killed ends in an error naming the Slurm job and step.
+//! One node (slots = its CPUs): a job shares the node with another and finishes, a cancelled job
+//! stops with a checkpoint, and a step whose worker is killed ends in an error naming the Slurm job
+//! and step. Two nodes again: a node that stops answering (every process on it stopped) ends its
+//! step in such an error too, within the heartbeat timeout, not a hang.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -261,44 +263,130 @@ fn jobs_share_a_single_node_slurm_cluster_and_a_failed_step_names_its_slurm_job(
     assert_eq!(losses(&run_a).len(), 200);
     assert!(!slurm_steps(&state, "b").is_empty());
 
+    // A cancelled job stops through the preemption path: its step's tasks get SIGTERM from
+    // scancel, write a checkpoint and exit 75. (Submitted before the server starts, which exits
+    // once nothing is queued or running.)
+    submit(&state, &config, "long", "2", 100_000);
+    let mut server = serve(dir.path(), &cluster);
+    let run_long = state.join("runs/long");
+    wait_until(&mut server, "5 steps of long", Duration::from_secs(300), || last_step(&run_long) >= 5);
+    crate::run_ok(&mut stoke(&["sched", "cancel", "--dir", state.to_str().unwrap(), "long"], &[]));
+    wait_until(&mut server, "the end of long", Duration::from_secs(300), || server_done(&state));
+    assert!(server.child.wait().unwrap().success());
+    let end = status(&state);
+    assert_eq!(job(&end, "long")["state"], "cancelled", "{end}");
+    assert_eq!(job(&end, "long")["exit_code"], 75, "stopped through the preemption path: {end}");
+    let events = std::fs::read_to_string(run_long.join("events.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(events.lines().last().unwrap()).unwrap();
+    assert_eq!(last["event"], "preempted", "{events}");
+    assert_eq!(last["latest_checkpoint"].as_u64(), Some(last_step(&run_long)), "{events}");
+
     // A worker killed mid-step: the step fails and the launcher's error names the job and step.
-    let run = dir.path().join("runs");
-    let mut launcher = stoke(
-        &["launch", "--slurm", "--nproc", "2", "--job-name", "doomed", "--state-dir", dir.path().to_str().unwrap()],
-        &[],
-    )
-    .args(["--", "train", "--quiet", "--config", config.to_str().unwrap()])
-    .args(["--set", "train.steps=100000", "--set", &format!("run.dir=\"{}\"", run.display())])
-    .args(["--set", "run.name=\"doomed\""])
-    .env("SLURM_CONF", cluster.conf())
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while last_step(&run.join("doomed")) < 5 {
-        assert!(launcher.try_wait().unwrap().is_none(), "the launcher ended before 5 steps");
-        assert!(Instant::now() < deadline, "no 5 steps of the doomed job");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (mut launcher, run) = launch_slurm(dir.path(), &config, &cluster, "doomed", &[]);
+    wait_for_steps(&mut launcher, &run, 5);
     let worker = slurm_task("doomed", 1).expect("task 1 of the doomed step runs");
     // SAFETY: kill(2) of a worker of the step this test started, found by its Slurm variables.
     assert_eq!(unsafe { libc::kill(worker, libc::SIGKILL) }, 0);
+    let err = ends_naming_its_step(launcher, &run);
+    assert!(err.contains("failed"), "{err}");
+}
+
+#[test]
+fn a_node_that_stops_answering_fails_its_step_with_an_error_naming_the_slurm_job() {
+    if !can_run() {
+        return;
+    }
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let cluster = Cluster::start("start-two", 16867);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("job.toml");
+    std::fs::write(&config, JOB).unwrap();
+    let (mut launcher, run) = launch_slurm(dir.path(), &config, &cluster, "frozen", &["--hang-timeout-s", "20"]);
+    wait_for_steps(&mut launcher, &run, 5);
+    // The second node stops answering: every process in its namespace (its slurmd, the step's
+    // slurmstepd and task) is stopped; continued when the test ends, before the cluster stops.
+    let frozen = Frozen(namespace_pids(&format!("stoke-n2-{}", cluster.port)));
+    assert!(frozen.0.len() >= 3, "slurmd, slurmstepd and a task in the namespace: {:?}", frozen.0);
+    for &pid in &frozen.0 {
+        // SAFETY: kill(2) of a process of this test's cluster, listed by its network namespace.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+    }
+    let err = ends_naming_its_step(launcher, &run);
+    assert!(err.contains("sent no heartbeat") || err.contains("failed"), "{err}");
+    drop(frozen);
+}
+
+/// Processes stopped by the test: continued however it ends.
+struct Frozen(Vec<i32>);
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            // SAFETY: kill(2) of a process this test stopped.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        }
+    }
+}
+
+fn namespace_pids(ns: &str) -> Vec<i32> {
+    let out = Command::new("ip").args(["netns", "pids", ns]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect()
+}
+
+/// `stoke launch --slurm --nproc 2` of a long training job named `name`, and its run folder.
+fn launch_slurm(dir: &Path, config: &Path, cluster: &Cluster, name: &str, extra: &[&str]) -> (Child, PathBuf) {
+    let runs = dir.join("runs");
+    let child = stoke(&["launch", "--slurm", "--nproc", "2", "--job-name", name, "--state-dir"], &[])
+        .arg(dir)
+        .args(extra)
+        .args(["--", "train", "--quiet", "--config", config.to_str().unwrap()])
+        .args(["--set", "train.steps=100000", "--set", &format!("run.dir=\"{}\"", runs.display())])
+        .args(["--set", &format!("run.name=\"{name}\"")])
+        .env("SLURM_CONF", cluster.conf())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    (child, runs.join(name))
+}
+
+fn wait_for_steps(launcher: &mut Child, run: &Path, steps: u64) {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while last_step(run) < steps {
+        assert!(launcher.try_wait().unwrap().is_none(), "the launcher ended before {steps} steps");
+        assert!(Instant::now() < deadline, "no {steps} steps in {}", run.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits for a launcher that is to fail, bounded (one still running 300 s on is a hang); returns
+/// its error output with the run's last event, which names the Slurm job and step.
+fn ends_naming_its_step(mut launcher: Child, run: &Path) -> String {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while launcher.try_wait().unwrap().is_none() {
+        if Instant::now() >= deadline {
+            let _ = launcher.kill();
+            panic!("the launcher still runs 300 s after its step went wrong");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let out = launcher.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!out.status.success(), "{err}");
     let id = err
         .lines()
         .find_map(|l| l.strip_prefix("[launch] Slurm job ").and_then(|r| r.split_whitespace().next()))
         .unwrap_or_else(|| panic!("no Slurm job named: {err}"))
         .to_string();
-    assert!(err.contains(&format!("srun of Slurm step {id}.0 failed")), "{err}");
-    let events = std::fs::read_to_string(run.join("doomed/events.jsonl")).unwrap();
-    assert!(
-        events.contains("give_up") && events.contains(&format!("Slurm job {id} (doomed), step {id}.0")),
-        "{events}"
-    );
+    let name = run.file_name().unwrap().to_string_lossy();
+    let events = std::fs::read_to_string(run.join("events.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(events.lines().last().unwrap()).unwrap();
+    assert_eq!(last["event"], "give_up", "{events}");
+    let cause = last["cause"].as_str().unwrap();
+    assert!(cause.starts_with(&format!("Slurm job {id} ({name}), step {id}.0: ")), "{cause}");
+    println!("{name}: {cause}");
+    err + cause
 }
 
 /// The pid of task `rank` of the step named `name`, from the processes' Slurm variables.
