@@ -48,7 +48,7 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 10.0)]
     pub grace_s: f64,
     /// Run each start of the job as a Slurm job step instead of on this machine: an allocation of
-    /// as many tasks as slots (`salloc --no-shell`), the workers as one `srun` step on its nodes,
+    /// as many tasks as slots (salloc, held until the step ends or the launcher dies), the workers as one `srun` step on its nodes,
     /// the allocation released when the step ends. Slurm's input variables (`SALLOC_PARTITION`,
     /// `SLURM_CONF`, ...) apply.
     #[arg(long)]

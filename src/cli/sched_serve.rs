@@ -23,7 +23,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub slots: Option<usize>,
     /// Run the jobs through Slurm rather than on this machine: each start of a job is a Slurm
-    /// allocation (`salloc --no-shell`) with its workers as one `srun` step; a resize ends the
+    /// allocation (salloc) with its workers as one `srun` step; a resize ends the
     /// step with a checkpoint and starts one of the new size in a new allocation. `--dir` must be
     /// on a file system every node sees (the run folders and the launchers' heartbeats are there).
     #[arg(long)]

@@ -2,11 +2,12 @@
 //! instead of workers on this machine.
 //!
 //! Each start (the first, a resize, a restart after a failure) asks Slurm for an allocation of
-//! `world` tasks (`salloc --no-shell`: the allocation outlives salloc, with no shell holding it),
-//! runs the workers as one step (`srun --jobid --nodes --ntasks`, the node count Slurm gave the
-//! allocation) and releases the allocation when the step ends (`scancel`), so a resize is a
-//! checkpoint, the end of the step and a new step in a new allocation of another task (and node)
-//! count, and Slurm's accounting shows every start as a job with its step.
+//! `world` tasks (salloc, holding it with a placeholder command that ends when the launcher closes
+//! its stdin or dies, so no allocation outlives its launcher), runs the workers as one step
+//! (`srun --jobid --nodes --ntasks`, the node count Slurm gave the allocation) and releases the
+//! allocation when the step ends, so a resize is a checkpoint, the end of the step and a new step
+//! in a new allocation of another task (and node) count, and Slurm's accounting shows every start
+//! as a job with its step.
 //!
 //! Ranks come from Slurm's variables (SLURM_PROCID, SLURM_NTASKS, read by `DistEnv::from_vars`);
 //! they rendezvous over TCP at MASTER_ADDR, the address (`NodeAddr`) of the allocation's first
@@ -22,8 +23,10 @@
 //! Heartbeats and the run folder's name go through the launcher's folder, so with `--slurm` it must
 //! be on a file system every node sees (`--state-dir`), as the run folder must.
 
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -42,32 +45,70 @@ struct Allocation {
     id: u64,
     nodes: usize,
     node_list: String,
+    /// salloc, running the placeholder that holds the allocation until its stdin closes.
+    holder: Child,
 }
 
 impl Allocation {
-    /// `salloc --no-shell` for `tasks` tasks, waiting up to `wait_s` for the resources.
+    /// salloc for `tasks` tasks, waiting up to `wait_s` for the resources. Its command is a
+    /// placeholder (`cat`, its output discarded) reading a pipe from this process: when the pipe closes (the
+    /// allocation dropped, or this process gone, even killed) the placeholder ends and salloc
+    /// releases the allocation, so none outlives its launcher.
     fn request(tasks: usize, name: &str, wait_s: f64) -> anyhow::Result<Allocation> {
         let wait = wait_s.max(1.0).ceil() as u64;
-        let mut cmd = Command::new("salloc");
-        cmd.args(["--no-shell", &format!("--immediate={wait}"), &format!("--ntasks={tasks}"), "--job-name", name]);
-        let out = output_within(cmd, wait as f64 + COMMAND_TIMEOUT_S)
-            .with_context(|| format!("cannot ask Slurm for an allocation of {tasks} tasks for {name}"))?;
-        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
-        let id_after = |marker: &str| {
-            text.lines().find_map(|l| l.split_once(marker).and_then(|(_, rest)| rest.trim().parse::<u64>().ok()))
-        };
-        let Some(id) = id_after("Granted job allocation") else {
-            // A request left pending is withdrawn, so it never starts holding resources.
-            if let Some(pending) = id_after("Pending job allocation") {
-                let _ = scancel(pending, None);
+        let mut holder = Command::new("salloc")
+            .args([&format!("--immediate={wait}"), &format!("--ntasks={tasks}"), "--job-name", name])
+            .arg("cat")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot run salloc for {name} (is Slurm installed here?)"))?;
+        // salloc's messages, line by line; the thread drains them to the end so salloc never
+        // blocks on a full pipe.
+        let (lines_tx, lines) = mpsc::channel::<String>();
+        let stderr = holder.stderr.take().expect("piped");
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = lines_tx.send(line);
             }
-            bail!(
-                "Slurm gave no allocation of {tasks} tasks for {name} within {wait} s ({}): {}",
-                out.status,
-                text.trim()
-            );
+        });
+        let deadline = Instant::now() + Duration::from_secs_f64(wait as f64 + COMMAND_TIMEOUT_S);
+        let mut said = Vec::new();
+        let id_after =
+            |line: &str, marker: &str| line.split_once(marker).and_then(|(_, rest)| rest.trim().parse::<u64>().ok());
+        let id = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(id) = id_after(&line, "Granted job allocation") {
+                        break id;
+                    }
+                    said.push(line);
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    // A request left pending is withdrawn, so it never starts holding resources.
+                    let _ = holder.kill();
+                    let _ = holder.wait();
+                    if let Some(pending) = said.iter().find_map(|l| id_after(l, "Pending job allocation")) {
+                        let _ = scancel(pending, None);
+                    }
+                    bail!(
+                        "salloc did not answer within {} s for {name}: {}",
+                        wait as f64 + COMMAND_TIMEOUT_S,
+                        said.join("; ")
+                    );
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let status = holder.wait()?;
+                    bail!(
+                        "Slurm gave no allocation of {tasks} tasks for {name} within {wait} s ({status}): {}",
+                        said.join("; ")
+                    );
+                }
+            }
         };
-        let mut alloc = Allocation { id, nodes: 0, node_list: String::new() };
+        let mut alloc = Allocation { id, nodes: 0, node_list: String::new(), holder };
         let show = scontrol(&["show", "job", "-o", &id.to_string()])
             .with_context(|| format!("Slurm job {id} (allocation for {name})"))?;
         alloc.nodes = field(&show, "NumNodes").and_then(|n| n.parse().ok()).unwrap_or(0);
@@ -88,9 +129,21 @@ impl Allocation {
 }
 
 impl Drop for Allocation {
+    /// Closes the placeholder's stdin, so salloc releases the allocation (the job ends COMPLETED);
+    /// a salloc that has not ended within `COMMAND_TIMEOUT_S` is killed and the job cancelled.
     fn drop(&mut self) {
-        if let Err(e) = scancel(self.id, None) {
-            eprintln!("[launch] cannot release Slurm job {}: {e:#}", self.id);
+        drop(self.holder.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs_f64(COMMAND_TIMEOUT_S);
+        while let Ok(None) = self.holder.try_wait() {
+            if Instant::now() >= deadline {
+                let _ = self.holder.kill();
+                let _ = self.holder.wait();
+                if let Err(e) = scancel(self.id, None) {
+                    eprintln!("[launch] cannot release Slurm job {}: {e:#}", self.id);
+                }
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }

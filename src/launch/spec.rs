@@ -25,7 +25,7 @@ pub struct Launch {
     pub program: Option<PathBuf>,
     /// Seconds the other workers get to exit after one failed before they are killed.
     pub grace_s: f64,
-    /// Run each start as a Slurm job step (`salloc --no-shell`, then `srun`) instead of workers
+    /// Run each start as a Slurm job step (salloc, then `srun`) instead of workers
     /// on this machine.
     pub slurm: bool,
     /// The Slurm job name of the allocations (default `stoke`).
