@@ -10,8 +10,8 @@
 //! `sacct` lists every job and step.
 //!
 //! One node (slots = its CPUs): a job shares the node with another and finishes, a cancelled job
-//! stops with a checkpoint, and a step whose worker is killed ends in an error naming the Slurm job
-//! and step. Two nodes again: a node that stops answering (every process on it stopped) ends its
+//! stops with a checkpoint, a killed launcher leaves no allocation or task behind, and a step whose
+//! worker is killed ends in an error naming the Slurm job and step. Two nodes again: a node that stops answering (every process on it stopped) ends its
 //! step in such an error too, within the heartbeat timeout, not a hang.
 
 use std::path::{Path, PathBuf};
@@ -280,6 +280,23 @@ fn jobs_share_a_single_node_slurm_cluster_and_a_failed_step_names_its_slurm_job(
     let last: serde_json::Value = serde_json::from_str(events.lines().last().unwrap()).unwrap();
     assert_eq!(last["event"], "preempted", "{events}");
     assert_eq!(last["latest_checkpoint"].as_u64(), Some(last_step(&run_long)), "{events}");
+
+    // A launcher killed outright takes its allocation and step with it: salloc's placeholder reads
+    // a pipe from the launcher, which the kill closes.
+    let (mut launcher, run) = launch_slurm(dir.path(), &config, &cluster, "orphan", &[]);
+    wait_for_steps(&mut launcher, &run, 5);
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let queue = Command::new("squeue").args(["-h", "-n", "orphan"]).env("SLURM_CONF", cluster.conf()).output();
+        let queued = String::from_utf8_lossy(&queue.unwrap().stdout).trim().to_string();
+        if queued.is_empty() && slurm_task("orphan", 0).is_none() && slurm_task("orphan", 1).is_none() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the killed launcher's allocation or tasks live on: {queued}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
 
     // A worker killed mid-step: the step fails and the launcher's error names the job and step.
     let (mut launcher, run) = launch_slurm(dir.path(), &config, &cluster, "doomed", &[]);
