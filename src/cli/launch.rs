@@ -47,6 +47,19 @@ pub struct LaunchArgs {
     /// Seconds the other workers get to exit after one failed before they are killed.
     #[arg(long, default_value_t = 10.0)]
     pub grace_s: f64,
+    /// Run each start of the job as a Slurm job step instead of on this machine: an allocation of
+    /// as many tasks as slots (salloc, held until the step ends or the launcher dies), the workers as one `srun` step on its nodes,
+    /// the allocation released when the step ends. Slurm's input variables (`SALLOC_PARTITION`,
+    /// `SLURM_CONF`, ...) apply.
+    #[arg(long)]
+    pub slurm: bool,
+    /// The Slurm job name of the allocations (`--slurm`).
+    #[arg(long, default_value = "stoke")]
+    pub job_name: String,
+    /// Where the launcher keeps its folder (heartbeats, the run folder's name); default the
+    /// temporary directory. With `--slurm`, a folder every node sees.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
     /// The command each worker runs, after `--` (for example `-- train --config run.toml`).
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
@@ -64,6 +77,9 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         master_port: args.master_port,
         program: args.program,
         grace_s: args.grace_s,
+        slurm: args.slurm,
+        job_name: args.job_name,
+        state_dir: args.state_dir,
         command: args.command,
     })
 }

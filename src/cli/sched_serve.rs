@@ -18,9 +18,16 @@ pub struct ServeArgs {
     /// (`alloc/`).
     #[arg(long)]
     pub dir: PathBuf,
-    /// Slots to share (cores here; one worker per slot).
+    /// Slots to share (cores here; one worker per slot). With `--slurm`, Slurm CPUs, by default
+    /// all of the cluster's (`sinfo`); else required.
     #[arg(long)]
-    pub slots: usize,
+    pub slots: Option<usize>,
+    /// Run the jobs through Slurm rather than on this machine: each start of a job is a Slurm
+    /// allocation (salloc) with its workers as one `srun` step; a resize ends the
+    /// step with a checkpoint and starts one of the new size in a new allocation. `--dir` must be
+    /// on a file system every node sees (the run folders and the launchers' heartbeats are there).
+    #[arg(long)]
+    pub slurm: bool,
     /// goodput, fair or fifo.
     #[arg(long, default_value = "goodput")]
     pub policy: String,
@@ -70,9 +77,14 @@ pub(super) fn sched_error(err: SchedError) -> anyhow::Error {
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let policy: Policy = args.policy.parse().map_err(|e: SchedError| anyhow::Error::new(UsageError(e.to_string())))?;
     let exe = std::env::current_exe().context("cannot locate the stoke binary")?;
+    let slots = match (args.slots, args.slurm) {
+        (Some(slots), _) => slots,
+        (None, true) => slurm_cpus()?,
+        (None, false) => return Err(UsageError("--slots is required (without --slurm)".into()).into()),
+    };
     let settings = stoke_sched::ServeConfig {
         dir: args.dir,
-        slots: args.slots,
+        slots,
         policy,
         prometheus_port: args.prometheus_port,
         poll_s: args.poll_s,
@@ -83,10 +95,26 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         cpus: args.cpus,
         profile_steps: args.profile_steps,
         exit_when_idle: args.exit_when_idle,
+        slurm: args.slurm,
         launcher: stoke_sched::Launcher { exe, preempted_exit_code: i32::from(EXIT_PREEMPTED) },
     };
     stoke_sched::serve(&settings).map_err(sched_error)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The CPUs of the Slurm cluster (`sinfo -o %C`: allocated/idle/other/total).
+fn slurm_cpus() -> anyhow::Result<usize> {
+    let out = std::process::Command::new("sinfo")
+        .args(["-h", "-o", "%C"])
+        .output()
+        .context("cannot run sinfo to count the Slurm cluster's CPUs (give --slots)")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.trim()
+        .rsplit('/')
+        .next()
+        .and_then(|t| t.parse::<usize>().ok())
+        .filter(|&n| out.status.success() && n > 0)
+        .with_context(|| format!("sinfo did not say how many CPUs the cluster has ({}): {text}", out.status))
 }
 
 #[derive(Debug, clap::Args)]

@@ -17,12 +17,17 @@
 //! `--cpus-file`, each start pins worker RANK to the RANK-th CPU the file lists (how
 //! `stoke sched serve` keeps jobs on their own cores).
 //!
+//! With `--slurm` a start is not workers here but one Slurm allocation and one `srun` step in it
+//! (`slurm`): the same loop, slot checks, heartbeats and preemption path, so a resize is a
+//! checkpoint and a new step with another task and node count.
+//!
 //! `spec` is what to run; `supervisor` is the loop over starts of the job; `slots` says which
 //! slots may run a worker and pins workers to CPUs; `workers` starts one start's workers and
-//! watches them until they end. The worker side (the heartbeat, naming the run folder) is
-//! `crate::run`'s.
+//! watches them until they end; `slurm` does a start as a Slurm step. The worker side (the
+//! heartbeat, naming the run folder) is `crate::run`'s.
 
 mod slots;
+mod slurm;
 mod spec;
 mod supervisor;
 mod workers;

@@ -25,6 +25,14 @@ pub struct Launch {
     pub program: Option<PathBuf>,
     /// Seconds the other workers get to exit after one failed before they are killed.
     pub grace_s: f64,
+    /// Run each start as a Slurm job step (salloc, then `srun`) instead of workers
+    /// on this machine.
+    pub slurm: bool,
+    /// The Slurm job name of the allocations (default `stoke`).
+    pub job_name: String,
+    /// The launcher's folder for heartbeats and the run folder's name (default a new folder under
+    /// the temporary directory, removed at the end); under Slurm, one every node sees.
+    pub state_dir: Option<PathBuf>,
     /// The command each worker runs.
     pub command: Vec<String>,
 }

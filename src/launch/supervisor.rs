@@ -11,6 +11,7 @@ use std::time::SystemTime;
 use anyhow::Context;
 
 use super::slots::wait_for_slots;
+use super::slurm::run_step;
 use super::spec::Launch;
 use super::workers::{run_workers, Outcome};
 use crate::exit::{UsageError, EXIT_PREEMPTED};
@@ -40,7 +41,10 @@ pub fn launch(args: &Launch) -> anyhow::Result<ExitCode> {
         None => std::env::current_exe().context("cannot locate the stoke binary to start workers")?,
     };
     let stop = crate::signals::install();
-    let launch_dir = std::env::temp_dir().join(format!("stoke-launch-{}", std::process::id()));
+    let launch_dir = match &args.state_dir {
+        Some(dir) => dir.join(format!("stoke-launch-{}", std::process::id())),
+        None => std::env::temp_dir().join(format!("stoke-launch-{}", std::process::id())),
+    };
     std::fs::create_dir_all(&launch_dir).with_context(|| format!("cannot create {}", launch_dir.display()))?;
     let result = (|| {
         let mut restarts = 0u32;
@@ -57,7 +61,11 @@ pub fn launch(args: &Launch) -> anyhow::Result<ExitCode> {
             if let Some(run_dir) = &run_dir {
                 event(run_dir, "start", &cause, world, restarts);
             }
-            let outcome = run_workers(args, &program, &command, &slots, port, &launch_dir, (min, max), stop)?;
+            let outcome = if args.slurm {
+                run_step(args, &program, &command, world, port, &launch_dir, (min, max), stop)?
+            } else {
+                run_workers(args, &program, &command, &slots, port, &launch_dir, (min, max), stop)?
+            };
             // Rank 0 names the run folder once it has one; a restart resumes that run.
             let run_dir = read_run_dir(&launch_dir);
             let log = |kind: &str, cause: &str| {

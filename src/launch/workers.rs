@@ -80,6 +80,12 @@ pub fn run_workers(
         pumps.push(std::thread::spawn(move || pump(err, rank, true)));
         children.push(Some(child));
     }
+    let signal = |children: &[Option<Child>]| {
+        for child in children.iter().flatten() {
+            // SAFETY: the pid of a child we started and have not reaped yet.
+            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        }
+    };
     let watch = Watch {
         grace: Duration::from_secs_f64(args.grace_s.max(0.0)),
         hang_timeout: Duration::from_secs_f64(args.hang_timeout_s.max(0.0)),
@@ -87,6 +93,9 @@ pub fn run_workers(
         launch_dir,
         stop,
         resize: args.slot_check.is_some().then_some((args, min, max)),
+        world,
+        ask_to_stop: &signal,
+        child_name: &|rank| format!("worker {rank}"),
     };
     let outcome = supervise(&mut children, &watch);
     for pump in pumps {
@@ -96,21 +105,27 @@ pub fn run_workers(
 }
 
 /// What `supervise` watches besides exit codes.
-struct Watch<'a> {
-    grace: Duration,
-    hang_timeout: Duration,
-    slot_poll: Duration,
-    launch_dir: &'a Path,
-    stop: &'a std::sync::atomic::AtomicBool,
+pub struct Watch<'a> {
+    pub grace: Duration,
+    pub hang_timeout: Duration,
+    pub slot_poll: Duration,
+    pub launch_dir: &'a Path,
+    pub stop: &'a std::sync::atomic::AtomicBool,
     /// With `--slot-check`: the settings to check the slots with, MIN and MAX.
-    resize: Option<(&'a Launch, usize, usize)>,
+    pub resize: Option<(&'a Launch, usize, usize)>,
+    /// The ranks the children run (one child per rank here; one srun for them all under Slurm).
+    pub world: usize,
+    /// Asks the workers to stop through their preemption path (SIGTERM to each one here).
+    pub ask_to_stop: &'a dyn Fn(&[Option<Child>]),
+    /// How a message names child `k`.
+    pub child_name: &'a dyn Fn(usize) -> String,
 }
 
 /// Waits for all workers. The first failure (a non-zero exit that the launcher did not ask for,
 /// or a worker without a heartbeat for `hang_timeout`) stops the rest. A stop signal to the
 /// launcher, or slots coming back, stops the workers through their preemption path (SIGTERM:
 /// every rank stops after the same step with a checkpoint and exits 75).
-fn supervise(children: &mut [Option<Child>], watch: &Watch<'_>) -> Outcome {
+pub fn supervise(children: &mut [Option<Child>], watch: &Watch<'_>) -> Outcome {
     let started = Instant::now();
     let mut failure: Option<Outcome> = None;
     // Why the launcher asked the workers to stop, once it has.
@@ -128,26 +143,30 @@ fn supervise(children: &mut [Option<Child>], watch: &Watch<'_>) -> Outcome {
                     if asked.is_some() && code == EXIT_PREEMPTED {
                         preempted += 1;
                     } else if code != 0 && failure.is_none() {
-                        eprintln!("[launch] worker {rank} failed ({status}); stopping the others");
-                        let cause = format!("worker {rank} failed ({status})");
+                        let cause = format!("{} failed ({status})", (watch.child_name)(rank));
+                        eprintln!("[launch] {cause}; stopping the others");
                         failure = Some(Outcome::Failed { code, cause });
                     }
                 }
                 Ok(None) => running += 1,
                 Err(err) => {
-                    eprintln!("[launch] cannot wait for worker {rank}: {err}");
-                    failure.get_or_insert(Outcome::Failed {
-                        code: 1,
-                        cause: format!("cannot wait for worker {rank}: {err}"),
-                    });
+                    let cause = format!("cannot wait for {}: {err}", (watch.child_name)(rank));
+                    eprintln!("[launch] {cause}");
+                    failure.get_or_insert(Outcome::Failed { code: 1, cause });
                     *slot = None;
                 }
             }
         }
         if failure.is_none() && running > 0 {
-            if let Some(rank) = hung_worker(children, watch.launch_dir, started, watch.hang_timeout) {
+            // One child per rank: the ranks still running; one child for all: every rank.
+            let ranks: Vec<usize> = if children.len() == watch.world {
+                (0..children.len()).filter(|&r| children[r].is_some()).collect()
+            } else {
+                (0..watch.world).collect()
+            };
+            if let Some(rank) = hung_worker(&ranks, watch.launch_dir, started, watch.hang_timeout) {
                 let cause =
-                    format!("worker {rank} sent no heartbeat for {:.0} s (hung)", watch.hang_timeout.as_secs_f64());
+                    format!("rank {rank} sent no heartbeat for {:.0} s (hung)", watch.hang_timeout.as_secs_f64());
                 eprintln!("[launch] {cause}; stopping all workers");
                 failure = Some(Outcome::Failed { code: 1, cause });
             }
@@ -171,15 +190,12 @@ fn supervise(children: &mut [Option<Child>], watch: &Watch<'_>) -> Outcome {
                 // More slots: grow. Fewer, but still MIN: shrink before the workers on the taken
                 // slots are lost. Fewer than MIN: keep going; a failure restarts as usual.
                 let available = available_slots(args, max).len();
-                if available != children.len() && available >= min {
+                if available != watch.world && available >= min {
                     asked = Some(Outcome::Resize { to: available });
                 }
             }
             if asked.is_some() {
-                for child in children.iter().flatten() {
-                    // SAFETY: the pid of a child we started and have not reaped yet.
-                    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-                }
+                (watch.ask_to_stop)(children);
             }
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -188,13 +204,13 @@ fn supervise(children: &mut [Option<Child>], watch: &Watch<'_>) -> Outcome {
 
 /// A running worker whose last heartbeat (or, before its first, its start) is older than
 /// `timeout`.
-fn hung_worker(children: &[Option<Child>], launch_dir: &Path, started: Instant, timeout: Duration) -> Option<usize> {
+fn hung_worker(ranks: &[usize], launch_dir: &Path, started: Instant, timeout: Duration) -> Option<usize> {
     if timeout.is_zero() {
         return None;
     }
     let now = SystemTime::now();
     let started_ago = started.elapsed();
-    children.iter().enumerate().filter(|(_, c)| c.is_some()).find_map(|(rank, _)| {
+    ranks.iter().copied().find_map(|rank| {
         let quiet = std::fs::metadata(heartbeat_path(launch_dir, rank))
             .and_then(|m| m.modified())
             .ok()

@@ -24,6 +24,7 @@ mod resume_keys;
 mod s3;
 mod sched;
 mod sched_serve;
+mod sched_slurm;
 mod train;
 mod zero;
 

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::{losses, run_ok, stoke};
 
 /// The small job every scheduler test submits (also `benches/sched_real.sh`'s).
-const JOB: &str = include_str!("../../benches/sched_job.toml");
+pub(crate) const JOB: &str = include_str!("../../benches/sched_job.toml");
 
 /// The scheduler process; killed, with every launcher its database names, if the test fails.
 struct Server {
@@ -71,26 +71,26 @@ fn serve_with(dir: &Path, log: &str, extra: &[&str]) -> Server {
     Server { child, dir: dir.join("state") }
 }
 
-fn status(state: &Path) -> serde_json::Value {
+pub(crate) fn status(state: &Path) -> serde_json::Value {
     let out = stoke(&["sched", "status", "--dir", state.to_str().unwrap(), "--json"], &[]).output().unwrap();
     serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
 }
 
-fn job<'a>(status: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+pub(crate) fn job<'a>(status: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
     status["jobs"]
         .as_array()
         .and_then(|jobs| jobs.iter().find(|j| j["name"] == name))
         .unwrap_or(&serde_json::Value::Null)
 }
 
-fn submit(state: &Path, config: &Path, name: &str, max: &str, steps: u64) {
+pub(crate) fn submit(state: &Path, config: &Path, name: &str, max: &str, steps: u64) {
     run_ok(&mut stoke(
         &["sched", "submit", "--dir", state.to_str().unwrap(), config.to_str().unwrap(), "--name", name, "--max", max],
         &[&format!("train.steps={steps}")],
     ));
 }
 
-fn starts(run: &Path) -> Vec<serde_json::Value> {
+pub(crate) fn starts(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("events.jsonl"))
         .unwrap_or_default()
         .lines()
@@ -99,7 +99,7 @@ fn starts(run: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
-fn last_step(run: &Path) -> u64 {
+pub(crate) fn last_step(run: &Path) -> u64 {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap_or_default()
         .lines()

@@ -16,7 +16,7 @@
 //!   the forward made 10% slower by its hidden test switch (exit 4 expected); either check that
 //!   goes the wrong way is repeated once against a baseline recorded anew, as the ratios drift
 //!   between invocations. Between the two, `image --check` over the binaries the tests built.
-//!   (The Slurm test installs Slurm itself.)
+//!   (The Slurm tests install Slurm, and slurmdbd with MariaDB, themselves.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
 //! - `install --prefix DIR`: a release build laid out as DIR/bin and DIR/lib that runs with no

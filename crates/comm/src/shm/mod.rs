@@ -95,6 +95,8 @@ impl ShmEngine {
             let mut segment = match &mut self.rendezvous {
                 Rendezvous::Store(store) => {
                     let store_key = format!("shm/{key}");
+                    let place = store.place.clone();
+                    let failed = |reason| CommError::Rendezvous { rank: world_rank, place: place.clone(), reason };
                     if rank == 0 {
                         let nanos = std::time::SystemTime::now()
                             .duration_since(std::time::UNIX_EPOCH)
@@ -103,16 +105,22 @@ impl ShmEngine {
                         let name = format!("stoke-comm-{}-{nanos}-{}", std::process::id(), key.replace('/', "."));
                         let path = self.config.shm_dir.join(name);
                         let segment = Segment::create(&path, size, slots, slot_bytes, timeout)?;
-                        store.set(&store_key, path.as_os_str().as_encoded_bytes()).map_err(|reason| {
-                            CommError::Rendezvous { rank: world_rank, place: store.place.clone(), reason }
-                        })?;
+                        // Which machine the segment is on, before where: a rank that reads the
+                        // path can read the machine.
+                        store.set(&format!("{store_key}/boot"), boot_id().as_bytes()).map_err(failed)?;
+                        store.set(&store_key, path.as_os_str().as_encoded_bytes()).map_err(failed)?;
                         segment
                     } else {
-                        let path = store.get(&store_key, timeout).map_err(|reason| CommError::Rendezvous {
-                            rank: world_rank,
-                            place: store.place.clone(),
-                            reason,
-                        })?;
+                        let path = store.get(&store_key, timeout).map_err(failed)?;
+                        let boot = store.get(&format!("{store_key}/boot"), timeout).map_err(failed)?;
+                        if boot != boot_id().as_bytes() {
+                            return Err(failed(format!(
+                                "this rank runs on another machine than rank {} (another boot id): the shm \
+                                 backend needs every rank of a group on one machine; across machines use \
+                                 dist.backend \"mpi\" or \"nccl\"",
+                                world_ranks[0]
+                            )));
+                        }
                         let path = PathBuf::from(String::from_utf8_lossy(&path).into_owned());
                         Segment::open(&path, rank, size, timeout)?
                     }
@@ -441,6 +449,12 @@ impl Group {
         }
         Ok(())
     }
+}
+
+/// This machine's boot id (the kernel's, shared by every process and network namespace here);
+/// empty where it cannot be read, which then matches only another empty one.
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
 /// `(start, len)` of the chunks that cover `count` elements, `chunk` at a time; one empty chunk

@@ -39,6 +39,10 @@ pub struct ServeConfig {
     /// Return once jobs were submitted and none is queued or running; else run until killed
     /// (the jobs keep running; the next server on the folder re-adopts them). Default false.
     pub exit_when_idle: bool,
+    /// Run the jobs through Slurm (`stoke launch --slurm`): each start of a job is a Slurm
+    /// allocation of as many tasks as its workers and one `srun` step in it; slots are the Slurm
+    /// CPUs the jobs share, not cores here (no pinning). Default false.
+    pub slurm: bool,
     /// The program each job runs under.
     pub launcher: Launcher,
 }

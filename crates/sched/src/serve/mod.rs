@@ -19,6 +19,12 @@
 //! checkpoint-restart resize), so its speedup is measured before the policy relies on it; the
 //! profile's cost is recorded in its history.
 //!
+//! With `slurm` set (`stoke sched serve --slurm`) the same loop and policy drive Slurm instead of
+//! this machine's cores: each launcher runs `stoke launch --slurm`, so every start of a job is a
+//! Slurm allocation of as many tasks as its workers with the workers as one `srun` step, and a
+//! resize is the same checkpoint-restart, ending the step and starting a new one of the new size in
+//! a new allocation; slots are Slurm CPUs and nothing is pinned here.
+//!
 //! This crate links no libtorch: the jobs run in processes of the `stoke` binary (`Launcher`).
 //!
 //! Files: `config` (the settings), `server` (the loop, recovery, progress, the plan), `place`

@@ -169,10 +169,21 @@ impl Server<'_> {
         cmd.arg("launch")
             .args(["--nproc", &format!("{}:{}", job.job.min_workers, job.job.max_workers)])
             .args(["--max-restarts", &self.settings.max_restarts.to_string()])
-            .args(["--slot-check", &check, "--slot-poll-s", "1", "--slot-wait-s", "300"])
-            .arg("--cpus-file")
-            .arg(&alloc_file)
-            .args(["--", "train", "--quiet"]);
+            .args(["--slot-check", &check, "--slot-poll-s", "1", "--slot-wait-s", "300"]);
+        if self.settings.slurm {
+            // Heartbeats go through the server's folder, which every node sees (the run folders
+            // are there too).
+            let state_dir = self.layout.dir.join("launch");
+            std::fs::create_dir_all(&state_dir).map_err(|source| SchedError::File {
+                path: state_dir.clone(),
+                what: "create",
+                source,
+            })?;
+            cmd.args(["--slurm", "--job-name", &job.job.name]).arg("--state-dir").arg(&state_dir);
+        } else {
+            cmd.arg("--cpus-file").arg(&alloc_file);
+        }
+        cmd.args(["--", "train", "--quiet"]);
         if resume.is_some() {
             cmd.arg("--resume");
         }

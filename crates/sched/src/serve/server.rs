@@ -97,7 +97,13 @@ pub fn serve(settings: &ServeConfig) -> Result<(), SchedError> {
         store.set_meta("prometheus_addr", &addr.to_string())?;
         eprintln!("[sched] metrics: http://{addr}/metrics");
     }
-    let cores = slot_cores(settings.cpus.as_deref(), settings.slots)?;
+    // Under Slurm a slot is a task of Slurm's; the allocation file only counts them.
+    let cores = if settings.slurm {
+        (0..settings.slots).collect()
+    } else {
+        slot_cores(settings.cpus.as_deref(), settings.slots)?
+    };
+    store.set_meta("slurm", if settings.slurm { "yes" } else { "no" })?;
     store.set_meta("cores", &cores.iter().map(usize::to_string).collect::<Vec<_>>().join(","))?;
     let config = PolicyConfig {
         min_resize_interval_s: settings.min_resize_interval_s,
