@@ -16,6 +16,10 @@
 #   6. AdamW, LAMB and SGD on the GPU with held-out evaluation (the optimizers' tensor-op path).
 #   7. Checkpoints from the GPU: background (pinned host buffers) against synchronous saves, the step
 #      stall of each and the pinned bytes.
+#   8. A device per rank and GPU health: `stoke env`; one rank per GPU under `stoke launch` with the
+#      NCCL backend (2 or more GPUs; each rank's device from its report, the job's tokens/s against
+#      one GPU's), NVML's readings in report.json's `gpus` and in a `/metrics` scrape while training,
+#      and more ranks than GPUs refused with the counts named.
 #
 # SECTIONS="2 3" runs only those checks (default: all).
 set -uo pipefail
@@ -123,5 +127,44 @@ print(f"{name:<16} ckpt_stall per checkpoint {[round(s, 1) for s in stalls]} ms,
 PY
   done
 done
+fi
+if want 8; then echo "== 8. a device per rank, NCCL data parallelism, GPU health (gpt2-124m, bf16)"
+"$BIN/stoke" env || echo "stoke env failed"
+GPUS="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+train health-1gpu model.preset=gpt2-124m train.precision=bf16 train.micro_batch=16 train.steps=30
+"$PY" - "$RUNS/health-1gpu/report.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("gpus in report.json:", json.dumps(r.get("gpus"))[:400], "| gpu_health_error:", r.get("gpu_health_error"))
+PY
+PORT=$((30000 + RANDOM % 20000))
+timeout 300 "$BIN/stoke" train --quiet --set run.dir="$RUNS" --set run.name=health-scrape --set run.device=cuda \
+  --set model.preset=gpt2-124m --set train.steps=60 --set ckpt.every=0 --set ckpt.at_end=false \
+  --set prof.prometheus_port=$PORT > "$RUNS/health-scrape.log" 2>&1 &
+scrape_pid=$!
+for _ in $(seq 1 60); do
+  sleep 2
+  if curl -s "http://127.0.0.1:$PORT/metrics" | grep '^stoke_gpu' | head -8 > "$RUNS/scrape.txt" && [ -s "$RUNS/scrape.txt" ]; then break; fi
+done
+echo "/metrics while training:"; cat "$RUNS/scrape.txt" 2>/dev/null || echo "no stoke_gpu series scraped"
+wait "$scrape_pid" || echo "scrape run failed: $(tail -3 "$RUNS/health-scrape.log")"
+if [ "${GPUS:-0}" -ge 2 ]; then
+  timeout 600 "$BIN/stoke" launch --nproc "$GPUS" -- train --quiet --set run.dir="$RUNS" --set run.name=dp-nccl \
+    --set run.device=cuda --set dist.backend='"nccl"' --set model.preset=gpt2-124m --set train.precision=bf16 \
+    --set train.micro_batch=16 --set train.steps=40 --set ckpt.every=0 --set ckpt.at_end=false \
+    > "$RUNS/dp-nccl.log" 2>&1 || { echo "dp-nccl failed"; tail -10 "$RUNS/dp-nccl.log"; }
+  "$PY" - "$RUNS/dp-nccl/report.json" "$RUNS/health-1gpu/report.json" "$GPUS" <<'PY'
+import json, sys
+dp, one, n = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), int(sys.argv[3])
+print(f"{n} GPUs over NCCL: job {dp['tokens_per_s']:.0f} tok/s, rank 0 {dp['rank0']['tokens_per_s']:.0f}; one GPU "
+      f"{one['tokens_per_s']:.0f}: scaling {dp['tokens_per_s'] / (n * one['tokens_per_s']):.3f}")
+PY
+  timeout 120 "$BIN/stoke" launch --nproc $((GPUS + 1)) -- train --quiet --set run.dir="$RUNS" \
+    --set run.name=too-many --set run.device=cuda --set train.steps=2 > "$RUNS/too-many.log" 2>&1
+  echo "more ranks than GPUs: exit $? | $(grep -m1 'one device per rank' "$RUNS/too-many.log")"
+else
+  echo "one GPU: data parallelism over NCCL needs two or more"
+fi
+cp "$RUNS"/*.log "$OUTDIR/" 2>/dev/null || true
 fi
 rm -rf "$RUNS"
