@@ -1,14 +1,17 @@
-"""The LoRA fine-tuning peer: transformers' LlamaForCausalLM with peft's LoRA adapters, AdamW over
-the adapters only, on windows of the same corpus stoke reads, the same shapes and precision.
+"""The fine-tuning peer: transformers' LlamaForCausalLM with peft's LoRA adapters (AdamW over the
+adapters only), or plain full fine-tuning in PyTorch (`--mode full`: every weight trains), on windows
+of the same corpus stoke reads, the same shapes and precision; eager or `--compile`d.
 
-  lora_peft.py --save DIR                 write the random-init base model (stoke's model.from)
-  lora_peft.py --base DIR --data FILE     fine-tune it; one JSON line: median step ms after warmup
+  lora_peft.py --save DIR [shape flags]   write the random-init base model (stoke's model.from)
+  lora_peft.py --base DIR --data FILE     fine-tune it; one JSON line: median step ms after warmup,
+                                          the peak resident set, trainable parameters, losses
 
 The step is the usual one: forward, loss, backward, optimizer step, zero_grad. bf16 runs under
 torch.autocast, as a tuned PyTorch training script would.
 """
 import argparse
 import json
+import resource
 import statistics
 import time
 
@@ -19,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 def base_config(args):
     return LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.d_model, num_attention_heads=args.heads,
-                       num_key_value_heads=args.kv_heads, intermediate_size=args.ffn, vocab_size=256,
+                       num_key_value_heads=args.kv_heads, intermediate_size=args.ffn, vocab_size=args.vocab,
                        max_position_embeddings=args.seq, rms_norm_eps=1e-5, rope_theta=10000.0,
                        tie_word_embeddings=False)
 
@@ -42,6 +45,9 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--mode", default="lora", choices=["lora", "full"])
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (compile time reported apart)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -49,27 +55,36 @@ def main():
         LlamaForCausalLM(base_config(args)).save_pretrained(args.save)
         return
     model = LlamaForCausalLM.from_pretrained(args.base, dtype=torch.float32, attn_implementation="sdpa")
-    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
-                                             target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    if args.mode == "lora":
+        model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if args.compile:
+        model = torch.compile(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
     data = torch.frombuffer(bytearray(open(args.data, "rb").read()), dtype=torch.uint8).long()
     generator = torch.Generator().manual_seed(1)
     times, losses = [], []
     for step in range(args.warmup + args.steps):
+        if step == 0:
+            first_start = time.perf_counter()
         starts = torch.randint(0, len(data) - args.seq - 1, (args.micro_batch,), generator=generator)
         rows = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()])
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             logits = model(input_ids=rows[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), rows[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab), rows[:, 1:].reshape(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step >= args.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
+        if step == 0:
+            first_step_s = time.perf_counter() - first_start
         losses.append(loss.item())
-    print(json.dumps({"side": "transformers+peft", "precision": args.precision, "step_ms": statistics.median(times),
+    side = ("transformers+peft" if args.mode == "lora" else "pytorch-full") + ("-compiled" if args.compile else "")
+    print(json.dumps({"side": side, "precision": args.precision, "step_ms": statistics.median(times),
+                      "first_step_s": first_step_s, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       "trainable": trainable, "first_loss": losses[0], "final_loss": losses[-1]}))
 
 
