@@ -8,6 +8,7 @@ use std::process::{Command, ExitCode};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
+use super::time_to_loss;
 use crate::exit::UsageError;
 
 /// What `stoke bench fullchain` runs.
@@ -25,6 +26,9 @@ pub struct Fullchain {
     pub no_peers: bool,
     /// Also write the table as JSON here.
     pub json: Option<PathBuf>,
+    /// Seeds (`train.seed`) of the naive and optimized stoke runs, interleaved; the time-to-loss
+    /// speed-up is given per seed and as their median. The table shows the first seed's runs.
+    pub seeds: Vec<u64>,
 }
 
 const SEQ_LEN: u64 = 128;
@@ -74,10 +78,30 @@ fn stoke_exe() -> anyhow::Result<PathBuf> {
     std::env::current_exe().context("cannot find the running stoke binary")
 }
 
-/// Runs one stoke configuration to completion in its own process; returns its report.json.
-fn run_stoke(dir: &Path, corpus: &Path, setup: &StokeSetup, tokens: u64, extra: &[String]) -> anyhow::Result<Value> {
+/// Evaluations per run on held-out data, at the same token counts in every configuration.
+const EVALS: u64 = 16;
+
+/// Steps between evaluations of `setup`: `tokens / EVALS` in its steps (the configurations' step
+/// tokens divide each other, so they evaluate at the same token counts).
+fn eval_every(setup: &StokeSetup, tokens: u64) -> u64 {
+    let largest = NAIVE.micro_batch.max(OPTIMIZED.micro_batch) * SEQ_LEN;
+    let interval = (tokens / EVALS / largest).max(1) * largest;
+    interval / (setup.micro_batch * SEQ_LEN)
+}
+
+/// Runs one stoke configuration to completion in its own process, in `dir/<name><suffix>`;
+/// returns its report.json.
+fn run_stoke(
+    dir: &Path,
+    corpus: &Path,
+    setup: &StokeSetup,
+    tokens: u64,
+    suffix: &str,
+    extra: &[String],
+) -> anyhow::Result<Value> {
     let steps = (tokens / (setup.micro_batch * SEQ_LEN)).max(2);
-    let run_dir = dir.join(setup.name);
+    let name = format!("{}{suffix}", setup.name);
+    let run_dir = dir.join(&name);
     if run_dir.exists() {
         std::fs::remove_dir_all(&run_dir).with_context(|| format!("cannot clear {}", run_dir.display()))?;
     }
@@ -85,7 +109,8 @@ fn run_stoke(dir: &Path, corpus: &Path, setup: &StokeSetup, tokens: u64, extra: 
     cmd.args(["train", "--quiet", "--data"]).arg(corpus);
     let mut overrides: Vec<String> = vec![
         format!("run.dir={}", toml::Value::String(dir.display().to_string())),
-        format!("run.name={}", setup.name),
+        format!("run.name={name}"),
+        format!("eval.every={}", eval_every(setup, tokens)),
         format!("train.steps={steps}"),
         format!("train.micro_batch={}", setup.micro_batch),
         format!("train.warmup_steps={}", (steps / 10).max(1)),
@@ -101,7 +126,7 @@ fn run_stoke(dir: &Path, corpus: &Path, setup: &StokeSetup, tokens: u64, extra: 
     }
     let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
     if !out.status.success() {
-        bail!("{} failed: {}", setup.name, String::from_utf8_lossy(&out.stderr));
+        bail!("{name} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     let report_path = run_dir.join("report.json");
     let text =
@@ -230,9 +255,28 @@ pub fn fullchain(args: &Fullchain) -> anyhow::Result<ExitCode> {
     }
     let tokens = args.tokens;
     let mut rows = Vec::new();
-    let naive = run_stoke(&args.dir, &corpus, &NAIVE, tokens, &[])?;
+    let seeds = if args.seeds.is_empty() { vec![1] } else { args.seeds.clone() };
+    // Naive and optimized interleaved per seed; the first seed's runs keep the plain names.
+    let mut seed_results = Vec::new();
+    let (mut naive, mut optimized) = (Value::Null, Value::Null);
+    for (i, seed) in seeds.iter().enumerate() {
+        let suffix = if i == 0 { String::new() } else { format!("-seed{seed}") };
+        let extra = [format!("train.seed={seed}")];
+        let n = run_stoke(&args.dir, &corpus, &NAIVE, tokens, &suffix, &extra)?;
+        let o = run_stoke(&args.dir, &corpus, &OPTIMIZED, tokens, &suffix, &extra)?;
+        let curve =
+            |name: &str| time_to_loss::eval_curve(&args.dir.join(format!("{name}{suffix}")).join("metrics.jsonl"));
+        let rate = |r: &Value| r["tokens_per_s_mean"].as_f64().unwrap_or(f64::NAN);
+        if let Some(result) =
+            time_to_loss::SeedResult::of(*seed, &curve(NAIVE.name)?, &curve(OPTIMIZED.name)?, rate(&o) / rate(&n))
+        {
+            seed_results.push(result);
+        }
+        if i == 0 {
+            (naive, optimized) = (n, o);
+        }
+    }
     rows.push(stoke_row(NAIVE.name, &naive));
-    let optimized = run_stoke(&args.dir, &corpus, &OPTIMIZED, tokens, &[])?;
     rows.push(stoke_row(OPTIMIZED.name, &optimized));
     let mut peers = Vec::new();
     if !args.no_peers {
@@ -300,6 +344,7 @@ pub fn fullchain(args: &Fullchain) -> anyhow::Result<ExitCode> {
         if loss_ok { "within" } else { "OUTSIDE" },
         page.display()
     );
+    print!("\n{}", time_to_loss::render(&seed_results));
     println!("\nmeasured, beside the reference figures:");
     if let Some(r) = ratio("stoke-optimized", "stoke-naive") {
         let loss = if loss_ok { "within" } else { "outside" };
@@ -322,6 +367,7 @@ pub fn fullchain(args: &Fullchain) -> anyhow::Result<ExitCode> {
             "final_loss_within_tolerance": loss_ok,
             "compare": comparison,
             "loss_tolerance": LOSS_TOLERANCE,
+            "time_to_loss": seed_results,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
     }

@@ -15,6 +15,7 @@ mod ckpt_runs;
 mod episodes;
 mod fullchain;
 mod limits;
+mod time_to_loss;
 
 pub use ckpt::ckpt;
 pub use ckpt_runs::CkptBench;

@@ -75,6 +75,10 @@ pub struct FullchainArgs {
     /// Also write the table as JSON here.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Seeds of the naive and optimized stoke runs (interleaved): the time to the naive run's final
+    /// held-out loss, per seed and its median.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    pub seeds: Vec<u64>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -107,6 +111,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             peer_script: args.peer_script,
             no_peers: args.no_peers,
             json: args.json,
+            seeds: args.seeds,
         }),
         BenchCommand::Limits(args) => crate::bench::limits(&Limits {
             dir: args.dir,
