@@ -16,14 +16,22 @@
 //!   the forward made 10% slower by its hidden test switch (exit 4 expected); either check that
 //!   goes the wrong way is repeated once against a baseline recorded anew, as the ratios drift
 //!   between invocations. (The Slurm test installs Slurm itself.)
+//!   Without ARGS the Python package's tests run after cargo's (`python.rs`: the wheel built by
+//!   maturin, pip-installed into a fresh environment, pytest).
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
+//! - `pytest`: set up, then only the Python package's tests (as `test` runs them).
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
 //!
 //! `test` also installs what the Hugging Face tests import (transformers, peft, torch's CUDA
 //! wheels: Python's `import torch` needs them) when Python cannot import them yet.
 
+mod process;
+mod python;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+
+use process::{cargo, python_output, run_checked, status, venv_python};
 
 const TORCH: &str = "torch==2.11.0";
 /// `libtorch_cpu.so` links libcudart and libcupti even in CPU use; these wheels hold them.
@@ -54,7 +62,7 @@ const SETUP_STAMP: &str = "torch 2.11.0 lean v1";
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((task, rest)) = args.split_first() else {
-        eprintln!("usage: cargo xtask <setup|train|test|stoke|peers> [ARGS]");
+        eprintln!("usage: cargo xtask <setup|train|test|pytest|stoke|peers> [ARGS]");
         return ExitCode::from(2);
     };
     let root = project_root();
@@ -75,6 +83,10 @@ fn main() -> ExitCode {
             cmd.args(["test", "--workspace", "--features", "stoke-comm/mpi,stoke-comm/nccl"]).args(rest);
             let code = status(cmd)?;
             if code != 0 || !rest.is_empty() {
+                return Ok(code);
+            }
+            let code = python::test(&root)?;
+            if code != 0 {
                 return Ok(code);
             }
             // The regression gate's own test. Its ratios (never absolute times) are the code's on
@@ -142,8 +154,9 @@ fn main() -> ExitCode {
                 other => Err(format!("the gate did not catch a 10% slower forward: exit {other}, expected 4")),
             }
         }),
+        "pytest" => setup(&root).and_then(|_| python::test(&root)),
         "peers" => setup(&root).and_then(|_| install_peer_deps(&root)).map(|_| 0),
-        other => Err(format!("unknown task `{other}`; tasks: setup, train, test, stoke, peers")),
+        other => Err(format!("unknown task `{other}`; tasks: setup, train, test, pytest, stoke, peers")),
     };
     match result {
         Ok(0) => ExitCode::SUCCESS,
@@ -157,21 +170,6 @@ fn main() -> ExitCode {
 
 fn project_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the project root").to_path_buf()
-}
-
-fn cargo(root: &Path) -> Command {
-    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.current_dir(root);
-    cmd
-}
-
-fn status(mut cmd: Command) -> Result<i32, String> {
-    let status = cmd.status().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-    Ok(status.code().unwrap_or(1))
-}
-
-fn venv_python(root: &Path) -> PathBuf {
-    root.join(".stoke/venv/bin/python")
 }
 
 /// Installs the lean libtorch once; later calls only check the stamp file.
@@ -274,24 +272,4 @@ fn find_host_python() -> Result<String, String> {
     }
     Err("stoke needs Python 3.10 or newer with the venv module to install libtorch from PyPI; none found on PATH"
         .into())
-}
-
-fn python_output(python: &Path, code: &str) -> Result<String, String> {
-    let out = Command::new(python)
-        .args(["-c", code])
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
-    if !out.status.success() {
-        return Err(format!("{} failed: {}", python.display(), String::from_utf8_lossy(&out.stderr)));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn run_checked(cmd: &mut Command) -> Result<(), String> {
-    let status = cmd.status().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{cmd:?} failed with {status}"))
-    }
 }

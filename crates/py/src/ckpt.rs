@@ -8,7 +8,9 @@ use std::sync::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use stoke_ckpt::{load_dir, stream_copy, CheckpointStore, CheckpointWriter, Committed, DType, Loaded, WriterConfig, MANIFEST};
+use stoke_ckpt::{
+    load_dir, stream_copy, CheckpointStore, CheckpointWriter, Committed, DType, Loaded, WriterConfig, MANIFEST,
+};
 
 use crate::dlpack::{read_dlpack, Borrowed, ElemType, Exported};
 use crate::errors;
@@ -62,9 +64,9 @@ pub struct Writer {
 impl Writer {
     fn with<T>(&self, f: impl FnOnce(&mut CheckpointWriter) -> Result<T, stoke_ckpt::CkptError>) -> PyResult<T> {
         let mut guard = self.writer.lock().expect("never poisoned");
-        let writer = guard
-            .as_mut()
-            .ok_or_else(|| errors::CheckpointError::new_err(format!("the writer of {} is closed", self.dir.display())))?;
+        let writer = guard.as_mut().ok_or_else(|| {
+            errors::CheckpointError::new_err(format!("the writer of {} is closed", self.dir.display()))
+        })?;
         f(writer).map_err(errors::ckpt)
     }
 }

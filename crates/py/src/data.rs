@@ -88,7 +88,12 @@ impl TokenLoader {
         })?;
         let (home, returned) = crossbeam_channel::unbounded();
         let samples_per_epoch = loader.samples_per_epoch();
-        Ok(TokenLoader { state: Mutex::new(TokenState { loader, returned, home }), config, n_tokens, samples_per_epoch })
+        Ok(TokenLoader {
+            state: Mutex::new(TokenState { loader, returned, home }),
+            config,
+            n_tokens,
+            samples_per_epoch,
+        })
     }
 
     /// The next batch as a DLPack buffer of shape `[micro_batch, seq_len + 1]`, int64.
@@ -233,7 +238,10 @@ impl EpisodeBatches {
         dict.set_item("frames", Exported::from_vec(batch.frames, ElemType::U8, vec![b, n_frames, side, side, 3]))?;
         dict.set_item("state", Exported::from_vec(batch.state, ElemType::F32, vec![b, d.state_dim as i64]))?;
         let chunk = d.chunk as i64;
-        dict.set_item("actions", Exported::from_vec(batch.actions, ElemType::F32, vec![b, chunk, d.action_dim as i64]))?;
+        dict.set_item(
+            "actions",
+            Exported::from_vec(batch.actions, ElemType::F32, vec![b, chunk, d.action_dim as i64]),
+        )?;
         dict.set_item("action_mask", Exported::from_vec(batch.action_mask, ElemType::U8, vec![b, chunk]))?;
         let tokens = d.max_tokens as i64;
         dict.set_item("tokens", Exported::from_vec(batch.tokens, ElemType::I64, vec![b, tokens]))?;

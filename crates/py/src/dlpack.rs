@@ -397,8 +397,7 @@ pub fn read_dlpack(object: &Bound<'_, PyAny>, what: &str) -> PyResult<Borrowed> 
     // From here on `Borrowed`'s drop calls the deleter, also on the error paths below.
     // SAFETY: `managed` is a valid DLManagedTensor we now own.
     let tensor = unsafe { &(*managed).dl_tensor };
-    let mut borrowed =
-        Borrowed { elem: ElemType::U8, shape: Vec::new(), data: std::ptr::null(), len: 0, managed };
+    let mut borrowed = Borrowed { elem: ElemType::U8, shape: Vec::new(), data: std::ptr::null(), len: 0, managed };
     if tensor.device.device_type != DL_CPU && tensor.device.device_type != DL_CUDA_HOST {
         return Err(PyValueError::new_err(format!("{what}: the tensor is not in CPU memory; call .cpu() first")));
     }

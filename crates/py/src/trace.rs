@@ -52,7 +52,14 @@ pub fn analyze(
 /// "markdown"); its `regression` says whether the new step time regressed beyond `tolerance`.
 #[pyfunction]
 #[pyo3(signature = (base, new, format="json", tolerance=0.05, top=20))]
-pub fn compare(py: Python<'_>, base: String, new: String, format: &str, tolerance: f64, top: usize) -> PyResult<String> {
+pub fn compare(
+    py: Python<'_>,
+    base: String,
+    new: String,
+    format: &str,
+    tolerance: f64,
+    top: usize,
+) -> PyResult<String> {
     if !(0.0..10.0).contains(&tolerance) {
         return Err(PyValueError::new_err("tolerance must be in [0, 10)"));
     }

@@ -12,6 +12,11 @@ import stoke
 REPO = pathlib.Path(__file__).resolve().parents[4]
 TRACES = REPO / "crates" / "prof" / "tests" / "fixtures" / "traces"
 
+# The tests are of the installed wheel, never of the source tree beside them.
+assert not pathlib.Path(stoke.__file__).resolve().is_relative_to(REPO / "crates"), (
+    f"stoke was imported from the source tree ({stoke.__file__}); install the wheel"
+)
+
 
 def corpus_text(n_docs: int = 400) -> str:
     words = "the quick brown fox jumps over a lazy dog while stoke loads tokens and counts them".split()
