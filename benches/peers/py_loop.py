@@ -8,6 +8,8 @@ Feeds:
   shards), fetched a whole batch at a time through ``__getitems__`` (one fancy-indexing gather
   into an int64 array, no per-sample tensors, no stacking), shuffled by a seeded
   ``RandomSampler``, under ``DataLoader(num_workers=W, persistent_workers, pin_memory=False)``.
+- ``torch-sample``: the same ``Dataset`` used the common way: ``__getitem__`` returns one row and
+  the default collate stacks them.
 - ``memory``: batches made before the clock starts and cycled: the loop with no data cost at all.
 
 Usage: py_loop.py --feed stoke|torch|memory --data DIR [--workers W] [--batch 16 --seq 256]
@@ -67,6 +69,19 @@ class ShardTokens(torch.utils.data.Dataset):
         return self.__getitems__([index])[0]
 
 
+class ShardSamples(ShardTokens):
+    """The per-sample idiom: ``__getitem__`` returns one row, the default collate stacks them."""
+
+    __getitems__ = None
+
+    def __getitem__(self, index):
+        if self.maps is None:
+            self._open()
+        out = np.empty(self.seq + 1, dtype=np.int64)
+        self._row(index * self.seq, out)
+        return torch.from_numpy(out)
+
+
 def as_is(batch):
     """``__getitems__`` already returns the batch tensor."""
     return batch
@@ -77,8 +92,9 @@ def batches(args):
         import stoke.data
 
         return stoke.data.TokenLoader(args.data, args.seq, args.batch, seed=1, workers=args.workers or 2)
-    if args.feed == "torch":
-        dataset = ShardTokens(args.data, args.seq)
+    if args.feed in ("torch", "torch-sample"):
+        per_sample = args.feed == "torch-sample"
+        dataset = (ShardSamples if per_sample else ShardTokens)(args.data, args.seq)
         sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(1))
         loader = torch.utils.data.DataLoader(
             dataset,
@@ -88,7 +104,7 @@ def batches(args):
             num_workers=args.workers,
             persistent_workers=args.workers > 0,
             pin_memory=False,
-            collate_fn=as_is,
+            collate_fn=None if per_sample else as_is,
         )
 
         def forever():
