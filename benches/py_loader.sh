@@ -5,15 +5,15 @@
 # this invocation, and against batches already in memory (no data cost). Interleaved rounds
 # stoke, torch, memory, stoke, ...; prints each run's JSON line, then medians and spreads.
 #
-#   benches/py_loader.sh       # ROUNDS=5 BATCH=16 SEQ=256 D_MODEL=64 HIDDEN=256 MB=64 STEPS=300
+#   benches/py_loader.sh   # ROUNDS=7 BATCH=16 SEQ=256 D_MODEL=64 HIDDEN=256 THREADS=1 MB=64 STEPS=200
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PY:-.stoke/venv/bin/python}
 WORK=$(realpath -m "${WORK:-target/py-bench}")
-ROUNDS=${ROUNDS:-5}
+ROUNDS=${ROUNDS:-7}
 MB=${MB:-64}
-LOOP_ARGS="--batch ${BATCH:-16} --seq ${SEQ:-256} --d-model ${D_MODEL:-64} --hidden ${HIDDEN:-256} --steps ${STEPS:-300}"
+LOOP_ARGS="--batch ${BATCH:-16} --seq ${SEQ:-256} --d-model ${D_MODEL:-64} --hidden ${HIDDEN:-256} --threads ${THREADS:-1} --steps ${STEPS:-200}"
 mkdir -p "$WORK"
 
 echo "== the wheel, into a fresh environment (torch read from .stoke/venv through a .pth file)"
@@ -43,38 +43,55 @@ PYEOF
 fi
 DATA=$WORK/prepared
 cd "$WORK"  # so `import stoke` can only be the installed wheel
-loop() { "$VPY" "$ROOT/benches/peers/py_loop.py" --data "$DATA" $LOOP_ARGS "$@"; }
+loop() { "$VPY" -W ignore "$ROOT/benches/peers/py_loop.py" --data "$DATA" $LOOP_ARGS "$@"; }
 
-echo "== the DataLoader's worker count, swept"
+echo "== the DataLoader's worker count, swept (twice, interleaved), for both Dataset styles"
 : > sweep.jsonl
-for workers in 0 1 2 3 4; do loop --feed torch --workers "$workers" --steps 150 | tee -a sweep.jsonl; done
-BEST=$("$VPY" -c "import json; r=[json.loads(l) for l in open('sweep.jsonl')]; print(max(r, key=lambda x: x['tokens_per_s'])['workers'])")
-echo "best: num_workers=$BEST"
+for pass in 1 2; do
+  for workers in 0 1 2 3; do
+    loop --feed torch --workers "$workers" --steps 100 | tee -a sweep.jsonl
+    loop --feed torch-sample --workers "$workers" --steps 100 | tee -a sweep.jsonl
+  done
+done
+best() {
+  "$VPY" - "$1" <<'PYEOF'
+import json, statistics, sys
+runs = [json.loads(l) for l in open("sweep.jsonl") if json.loads(l)["feed"] == sys.argv[1]]
+rate = {w: statistics.median(r["tokens_per_s"] for r in runs if r["workers"] == w) for w in {r["workers"] for r in runs}}
+print(max(rate, key=rate.get))
+PYEOF
+}
+BEST=$(best torch)
+BEST_SAMPLE=$(best torch-sample)
+echo "best: num_workers=$BEST (whole batches), $BEST_SAMPLE (per sample)"
 
 echo "== interleaved rounds"
 : > rounds.jsonl
 for round in $(seq "$ROUNDS"); do
   loop --feed stoke --workers 2 | tee -a rounds.jsonl
   loop --feed torch --workers "$BEST" | tee -a rounds.jsonl
+  loop --feed torch-sample --workers "$BEST_SAMPLE" | tee -a rounds.jsonl
   loop --feed memory | tee -a rounds.jsonl
 done
 
 "$VPY" - <<'PYEOF'
 import json, statistics
 runs = [json.loads(l) for l in open("rounds.jsonl")]
-by = {f: [r for r in runs if r["feed"] == f] for f in ("stoke", "torch", "memory")}
+by = {f: [r for r in runs if r["feed"] == f] for f in ("stoke", "torch", "torch-sample", "memory")}
 def summary(values):
     return statistics.median(values), min(values), max(values)
 for feed, rs in by.items():
     m, lo, hi = summary([r["tokens_per_s"] for r in rs])
     w, wlo, whi = summary([r["data_wait_share"] for r in rs])
-    print(f"{feed:7s} tokens/s median {m/1e3:.1f} k (min {lo/1e3:.1f}, max {hi/1e3:.1f}); "
+    print(f"{feed:12s} tokens/s median {m/1e3:.1f} k (min {lo/1e3:.1f}, max {hi/1e3:.1f}); "
           f"data wait {100*w:.2f}% ({100*wlo:.2f}-{100*whi:.2f}); workers {rs[0]['workers']}")
 # Ratios per round (the runs of one round are neighbours in time), then their median and range.
 n = len(by["stoke"])
-over_torch = [by["stoke"][i]["tokens_per_s"] / by["torch"][i]["tokens_per_s"] for i in range(n)]
-over_memory = [by["stoke"][i]["tokens_per_s"] / by["memory"][i]["tokens_per_s"] for i in range(n)]
-for name, ratios in [("stoke / torch DataLoader", over_torch), ("stoke / batches in memory", over_memory)]:
+def over(peer):
+    return [by["stoke"][i]["tokens_per_s"] / by[peer][i]["tokens_per_s"] for i in range(n)]
+for name, ratios in [("stoke / DataLoader, whole batches", over("torch")),
+                     ("stoke / DataLoader, per sample", over("torch-sample")),
+                     ("stoke / batches in memory", over("memory"))]:
     m, lo, hi = summary(ratios)
     print(f"{name}: median {m:.3f}x (min {lo:.3f}, max {hi:.3f}) over {n} rounds")
 PYEOF

@@ -108,6 +108,18 @@ def test_batches_outlive_the_loader_and_are_not_reused_while_viewed(prepared):
         assert torch.equal(view, copy_[:, 1:])
 
 
+def test_a_dropped_batch_buffer_is_refilled_in_place(prepared):
+    """Zero-copy both ways: the tensor views the loader's buffer, and once the tensor is freed the
+    loader fills the same memory again (no allocation per batch)."""
+    loader = TokenLoader(prepared, SEQ, BATCH, seed=4, workers=0)
+    addresses = set()
+    for _ in range(10):
+        batch = next(loader)
+        addresses.add(batch.data_ptr())
+        del batch
+    assert len(addresses) == 1
+
+
 def test_numpy_output_is_the_same_batch(prepared):
     numpy = pytest.importorskip("numpy")
     as_torch = next(TokenLoader(prepared, SEQ, BATCH, seed=2))
