@@ -54,6 +54,7 @@ fn into_fresh_dir<T>(out: &Path, force: bool, prepare: impl FnOnce(&Path) -> Res
 /// shards in `out`; returns the manifest as JSON.
 #[pyfunction]
 #[pyo3(signature = (inputs, out, *, tokenizer="bytes".to_string(), eos=String::new(), shard_tokens=1 << 28, threads=2, force=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn text(
     py: Python<'_>,
     inputs: Vec<String>,
