@@ -4,7 +4,7 @@
 //!
 //! torch is not downloaded again for it: the fresh environment reads `.stoke/venv`'s
 //! site-packages (where set-up put torch) through a `.pth` file, after its own, so what pip
-//! installs into it (the wheel, pytest) comes first, and the stoke package can only come from the
+//! installs into it (the wheel, pytest, pandas) comes first, and the stoke package can only come from the
 //! wheel (`.stoke/venv` never holds one; the tests check where `stoke` was imported from).
 
 use std::path::{Path, PathBuf};
@@ -14,7 +14,8 @@ use crate::process::{cargo, python_output, run_checked, status, venv_python};
 
 /// maturin builds the wheel; installed into `.stoke/venv` beside the set-up's torch.
 const MATURIN: &str = "maturin>=1.5,<2";
-const PYTEST: &str = "pytest";
+/// What the tests import besides the wheel and torch (pandas for `stoke.trace.frames`).
+const TEST_DEPS: &[&str] = &["pytest", "pandas"];
 /// The fresh environment, made again on every run.
 const TEST_VENV: &str = "target/py-venv";
 
@@ -29,7 +30,7 @@ pub fn test(root: &Path) -> Result<i32, String> {
     let wheel = build_wheel(root, &python)?;
     let test_python = fresh_venv(root, &python)?;
     run_checked(
-        Command::new(&test_python).args(["-m", "pip", "install", "--quiet", "--no-input", PYTEST]).arg(&wheel),
+        Command::new(&test_python).args(["-m", "pip", "install", "--quiet", "--no-input"]).args(TEST_DEPS).arg(&wheel),
     )?;
     // The trace tests compare against the binary `cargo test` has just built.
     let mut build = cargo(root);
