@@ -32,15 +32,17 @@ pub fn test(root: &Path) -> Result<i32, String> {
     run_checked(
         Command::new(&test_python).args(["-m", "pip", "install", "--quiet", "--no-input"]).args(TEST_DEPS).arg(&wheel),
     )?;
-    // The trace tests compare against the binary `cargo test` has just built.
+    // The trace tests compare against the binary `cargo test` has just built; a checkpoint test
+    // reads what `stoke train` writes.
     let mut build = cargo(root);
-    build.args(["build", "--quiet", "--bin", "stoke-trace"]);
+    build.args(["build", "--quiet", "--bin", "stoke-trace", "--bin", "stoke"]);
     run_checked(&mut build)?;
     println!("xtask: pytest crates/py/python/tests (the wheel {} in {TEST_VENV})", wheel.display());
     let mut pytest = Command::new(&test_python);
     pytest
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "crates/py/python/tests"])
         .env("STOKE_TRACE_BIN", root.join("target/debug/stoke-trace"))
+        .env("STOKE_BIN", root.join("target/debug/stoke"))
         .current_dir(root);
     status(pytest)
 }

@@ -1,5 +1,5 @@
-"""Shared fixtures: a prepared token dataset, the repository's trace fixtures, the stoke-trace
-binary (its path from STOKE_TRACE_BIN, which `cargo xtask test` sets after building it)."""
+"""Shared fixtures: a prepared token dataset, the repository's trace fixtures, the stoke and
+stoke-trace binaries (paths from STOKE_BIN and STOKE_TRACE_BIN, which `cargo xtask test` sets)."""
 
 import os
 import pathlib
@@ -43,6 +43,19 @@ def stoke_trace() -> str:
                 path = str(candidate)
                 break
     assert path, "no stoke-trace binary: set STOKE_TRACE_BIN or build it (cargo build --bin stoke-trace)"
+    return path
+
+
+@pytest.fixture(scope="session")
+def stoke_bin() -> str:
+    path = os.environ.get("STOKE_BIN") or shutil.which("stoke")
+    if not path:
+        for profile in ("debug", "release"):
+            candidate = REPO / "target" / profile / "stoke"
+            if candidate.exists():
+                path = str(candidate)
+                break
+    assert path, "no stoke binary: set STOKE_BIN or build it (cargo build --bin stoke)"
     return path
 
 

@@ -131,3 +131,23 @@ def test_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path):
         stoke.ckpt.load(tmp_path / "step-2")
     with pytest.raises(stoke.CheckpointError, match="no committed checkpoint"):
         stoke.ckpt.load(tmp_path / "empty")
+
+
+def test_a_stoke_run_checkpoint_reads_into_state_dicts(stoke_bin, tmp_path):
+    """What the Rust trainer commits reads back whole: model and optimizer files, the manifest's
+    meta (data position, config), the same tensors safetensors reads."""
+    run = subprocess.run(
+        [stoke_bin, "train", "--set", "train.steps=2", "--set", "ckpt.every=1", "--set", "run.name=py"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    checkpoints = tmp_path / "runs" / "py" / "checkpoints"
+    assert stoke.ckpt.steps(checkpoints) == [1, 2]
+    saved = stoke.ckpt.read(checkpoints)
+    assert saved.step == 2 and saved.meta["step"] == 2 and "data_position" in saved.meta
+    assert set(saved.files) >= {"model", "optim"}
+    assert all(t.dtype == torch.float32 for t in saved.files["model"].values())
+    assert any(name.endswith(".exp_avg") for name in saved.files["optim"])
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    on_disk = safetensors_torch.load_file(str(checkpoints / "step-2" / "model.safetensors"))
+    assert_equal_state(saved.files["model"], on_disk)
