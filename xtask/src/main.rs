@@ -15,9 +15,12 @@
 //!   from the code as it is, a check of the same code against it (exit 0 expected) and one with
 //!   the forward made 10% slower by its hidden test switch (exit 4 expected); either check that
 //!   goes the wrong way is repeated once against a baseline recorded anew, as the ratios drift
-//!   between invocations. Between the two, `image --check` over the binaries the tests built.
-//!   (The Slurm tests install Slurm, and slurmdbd with MariaDB, themselves.)
+//!   between invocations. Between cargo's tests and the gate: the Python package's tests
+//!   (`python.rs`: the wheel built by maturin, pip-installed into a fresh environment, pytest),
+//!   then `image --check` over the binaries and the wheel just built. (The Slurm tests install
+//!   Slurm, and slurmdbd with MariaDB, themselves.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
+//! - `pytest`: set up, then only the Python package's tests (as `test` runs them).
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
 //! - `install --prefix DIR`: a release build laid out as DIR/bin and DIR/lib that runs with no
 //!   checkout (see `install.rs`).
@@ -29,11 +32,12 @@
 mod image;
 mod install;
 mod process;
+mod python;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-use process::{apt_install, cargo, run_checked, status};
+use process::{apt_install, cargo, python_output, run_checked, status, venv_python};
 
 const TORCH: &str = "torch==2.11.0";
 /// `libtorch_cpu.so` links libcudart and libcupti even in CPU use; these wheels hold them.
@@ -64,7 +68,7 @@ const SETUP_STAMP: &str = "torch 2.11.0 lean v1";
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((task, rest)) = args.split_first() else {
-        eprintln!("usage: cargo xtask <setup|train|test|stoke|peers|install|image> [ARGS]");
+        eprintln!("usage: cargo xtask <setup|train|test|pytest|stoke|peers|install|image> [ARGS]");
         return ExitCode::from(2);
     };
     let root = project_root();
@@ -87,7 +91,11 @@ fn main() -> ExitCode {
             if code != 0 || !rest.is_empty() {
                 return Ok(code);
             }
-            // The installed binary and the container image, from the binaries the tests just
+            let code = python::test(&root)?;
+            if code != 0 {
+                return Ok(code);
+            }
+            // The installed binary (with the wheel the Python step just built) and the container image, from the binaries the tests just
             // built: an install that runs with no checkout, and an image that trains as its
             // non-root user and records its environment.
             let image_args = image::ImageArgs {
@@ -163,6 +171,7 @@ fn main() -> ExitCode {
                 other => Err(format!("the gate did not catch a 10% slower forward: exit {other}, expected 4")),
             }
         }),
+        "pytest" => setup(&root).and_then(|_| python::test(&root)),
         "peers" => setup(&root).and_then(|_| install_peer_deps(&root)).map(|_| 0),
         "install" => install::InstallArgs::parse(rest)
             .and_then(|args| setup(&root).and_then(|_| install::install(&root, &args)))
@@ -170,7 +179,7 @@ fn main() -> ExitCode {
         "image" => image::ImageArgs::parse(rest)
             .and_then(|args| setup(&root).and_then(|_| image::image(&root, &args)))
             .map(|_| 0),
-        other => Err(format!("unknown task `{other}`; tasks: setup, train, test, stoke, peers, install, image")),
+        other => Err(format!("unknown task `{other}`; tasks: setup, train, test, pytest, stoke, peers, install, image")),
     };
     match result {
         Ok(0) => ExitCode::SUCCESS,
@@ -184,10 +193,6 @@ fn main() -> ExitCode {
 
 fn project_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the project root").to_path_buf()
-}
-
-fn venv_python(root: &Path) -> PathBuf {
-    root.join(".stoke/venv/bin/python")
 }
 
 /// Installs the lean libtorch once; later calls only check the stamp file.
@@ -276,15 +281,4 @@ fn find_host_python() -> Result<String, String> {
     }
     Err("stoke needs Python 3.10 or newer with the venv module to install libtorch from PyPI; none found on PATH"
         .into())
-}
-
-fn python_output(python: &Path, code: &str) -> Result<String, String> {
-    let out = Command::new(python)
-        .args(["-c", code])
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", python.display()))?;
-    if !out.status.success() {
-        return Err(format!("{} failed: {}", python.display(), String::from_utf8_lossy(&out.stderr)));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

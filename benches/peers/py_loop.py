@@ -1,0 +1,196 @@
+"""One PyTorch training loop, fed three ways over the same prepared token shards; prints one JSON
+line with tokens/s and the share of the loop spent waiting for data.
+
+Feeds:
+- ``stoke``: ``stoke.data.TokenLoader`` (the wheel), batches as zero-copy tensors.
+- ``torch``: the peer, a map-style ``Dataset`` over the shards memory-mapped once with numpy, the
+  sample cut stoke uses (sample ``i`` = tokens ``[i*seq, i*seq + seq + 1)`` of the concatenated
+  shards), fetched a whole batch at a time through ``__getitems__`` (one fancy-indexing gather
+  into an int64 array, no per-sample tensors, no stacking), shuffled by a seeded
+  ``RandomSampler``, under ``DataLoader(num_workers=W, persistent_workers, pin_memory=False)``.
+- ``torch-sample``: the same ``Dataset`` used the common way: ``__getitem__`` returns one row and
+  the default collate stacks them.
+- ``memory``: 64 batches of the same data cut before the clock starts and cycled: the loop with no
+  data cost at all.
+
+Usage: py_loop.py --feed stoke|torch|memory --data DIR [--workers W] [--batch 16 --seq 256]
+"""
+
+import argparse
+import glob
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+
+class ShardTokens(torch.utils.data.Dataset):
+    """Rows of ``seq + 1`` tokens from raw u16 shards, memory-mapped once per worker."""
+
+    def __init__(self, data_dir: str, seq: int) -> None:
+        self.paths = sorted(glob.glob(os.path.join(data_dir, "shard-*.bin")))
+        sizes = [os.path.getsize(p) // 2 for p in self.paths]
+        self.starts = np.cumsum([0] + sizes)
+        self.seq = seq
+        self.n_samples = (int(self.starts[-1]) - 1) // seq
+        self.maps = None
+
+    def _open(self) -> None:
+        self.maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
+        # One array when there is one shard: a gather needs no shard lookup.
+        self.flat = self.maps[0] if len(self.maps) == 1 else None
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def _row(self, start: int, out: np.ndarray) -> None:
+        end = start + self.seq + 1
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        local = start - int(self.starts[shard])
+        first = self.maps[shard][local : local + self.seq + 1]
+        out[: len(first)] = first
+        if len(first) < self.seq + 1:  # the row runs into the next shard
+            out[len(first) :] = self.maps[shard + 1][: end - int(self.starts[shard + 1])]
+
+    def __getitems__(self, indices):
+        if self.maps is None:
+            self._open()
+        starts = np.asarray(indices, dtype=np.int64) * self.seq
+        if self.flat is not None:
+            rows = self.flat[starts[:, None] + np.arange(self.seq + 1)]
+            return torch.from_numpy(rows.astype(np.int64))
+        out = np.empty((len(indices), self.seq + 1), dtype=np.int64)
+        for row, start in zip(out, starts):
+            self._row(int(start), row)
+        return torch.from_numpy(out)
+
+    def __getitem__(self, index):
+        return self.__getitems__([index])[0]
+
+
+class ShardSamples(ShardTokens):
+    """The per-sample idiom: ``__getitem__`` returns one row, the default collate stacks them."""
+
+    __getitems__ = None
+
+    def __getitem__(self, index):
+        if self.maps is None:
+            self._open()
+        out = np.empty(self.seq + 1, dtype=np.int64)
+        self._row(index * self.seq, out)
+        return torch.from_numpy(out)
+
+
+def as_is(batch):
+    """``__getitems__`` already returns the batch tensor."""
+    return batch
+
+
+def batches(args):
+    if args.feed == "stoke":
+        import stoke.data
+
+        return stoke.data.TokenLoader(args.data, args.seq, args.batch, seed=1, workers=args.workers or 2)
+    if args.feed in ("torch", "torch-sample"):
+        per_sample = args.feed == "torch-sample"
+        dataset = (ShardSamples if per_sample else ShardTokens)(args.data, args.seq)
+        sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(1))
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=args.batch,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,
+            pin_memory=False,
+            collate_fn=None if per_sample else as_is,
+        )
+
+        def forever():
+            while True:
+                yield from loader
+
+        return forever()
+    if args.feed == "memory":
+        # Real rows of the same data (so the model computes on the same kind of tokens), cut
+        # before the clock starts.
+        dataset = ShardTokens(args.data, args.seq)
+        g = torch.Generator().manual_seed(1)
+        made = [dataset.__getitems__(torch.randint(0, len(dataset), (args.batch,), generator=g).tolist()) for _ in range(64)]
+
+        def cycle():
+            while True:
+                yield from made
+
+        return cycle()
+    raise SystemExit(f"unknown feed {args.feed}")
+
+
+class Model(torch.nn.Module):
+    """A byte-level next-token model: embedding, an MLP block with a residual, the head."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, d_model)
+        self.up = torch.nn.Linear(d_model, hidden)
+        self.down = torch.nn.Linear(hidden, d_model)
+        self.head = torch.nn.Linear(d_model, 256)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 256), y.reshape(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--feed", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
+    # The model's intra-op threads. One leaves the other core of a 2-core machine to the data
+    # path (loader threads or DataLoader workers) and keeps OpenMP's spinning barrier out of
+    # contention with them, for every feed alike.
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Model(args.d_model, args.hidden)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    it = iter(batches(args))
+    wait_s, checksum = 0.0, 0
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            wait_s, start = 0.0, time.perf_counter()
+        t = time.perf_counter()
+        batch = next(it)
+        wait_s += time.perf_counter() - t
+        loss = model(batch[:, :-1], batch[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        checksum ^= int(batch[0, 0])
+    seconds = time.perf_counter() - start
+    print(json.dumps({
+        "feed": args.feed,
+        "workers": args.workers,
+        "threads": args.threads,
+        "tokens_per_s": args.steps * args.batch * args.seq / seconds,
+        "step_ms": 1e3 * seconds / args.steps,
+        "data_wait_share": wait_s / seconds,
+        "loss": loss.item(),
+        "checksum": checksum,
+    }), flush=True)
+    os._exit(0)  # DataLoader workers and loader threads end with the process
+
+
+if __name__ == "__main__":
+    main()
