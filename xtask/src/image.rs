@@ -73,6 +73,7 @@ pub fn image(root: &Path, args: &ImageArgs) -> Result<(), String> {
         debug: args.debug,
         features: args.features.clone(),
         no_build: args.no_build,
+        wheel: false,
     };
     install(root, &install_args)?;
     if args.debug {

@@ -1,6 +1,7 @@
-//! `cargo xtask install --prefix DIR [--debug] [--features F] [--no-build]`: an installed stoke
-//! that runs with no checkout. `--no-build` takes the binaries target/ already holds (the test
-//! task's, built with the test features) instead of building them again. DIR/bin holds the binaries, DIR/lib the libtorch libraries they load (and a
+//! `cargo xtask install --prefix DIR [--debug] [--features F] [--no-build] [--wheel]`: an installed
+//! stoke that runs with no checkout. `--no-build` takes the binaries target/ already holds (the test
+//! task's, built with the test features) instead of building them again; `--wheel` also builds the
+//! Python package's wheel into DIR/share/stoke/wheels. DIR/bin holds the binaries, DIR/lib the libtorch libraries they load (and a
 //! `libtorch-version` file that `stoke env` reads), and each binary's runpath is `$ORIGIN/../lib`
 //! alone, so the folder can be moved or copied into an image whole.
 
@@ -17,6 +18,7 @@ pub struct InstallArgs {
     pub debug: bool,
     pub features: Option<String>,
     pub no_build: bool,
+    pub wheel: bool,
 }
 
 impl InstallArgs {
@@ -25,6 +27,7 @@ impl InstallArgs {
         let mut debug = false;
         let mut features = None;
         let mut no_build = false;
+        let mut wheel = false;
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             match arg.as_str() {
@@ -32,15 +35,16 @@ impl InstallArgs {
                 "--debug" => debug = true,
                 "--features" => features = it.next().cloned(),
                 "--no-build" => no_build = true,
+                "--wheel" => wheel = true,
                 other => {
                     return Err(format!(
-                        "install: unknown argument `{other}`; usage: install --prefix DIR [--debug] [--features F] [--no-build]"
+                        "install: unknown argument `{other}`; usage: install --prefix DIR [--debug] [--features F] [--no-build] [--wheel]"
                     ))
                 }
             }
         }
         let prefix = prefix.ok_or("install: --prefix DIR is required")?;
-        Ok(InstallArgs { prefix, debug, features, no_build })
+        Ok(InstallArgs { prefix, debug, features, no_build, wheel })
     }
 }
 
@@ -80,6 +84,12 @@ pub fn install(root: &Path, args: &InstallArgs) -> Result<(), String> {
             }
         }
         run_checked(Command::new("patchelf").args(["--set-rpath", "$ORIGIN/../lib"]).arg(&to))?;
+    }
+    if args.wheel {
+        let wheel = crate::python::wheel(root)?;
+        let dir = prefix.join("share/stoke/wheels");
+        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        copy_file(&wheel, &dir.join(wheel.file_name().expect("a wheel path names a file")))?;
     }
     let version = libtorch_version(&torch)?;
     std::fs::write(lib.join("libtorch-version"), format!("{version}\n"))

@@ -23,11 +23,7 @@ const TEST_VENV: &str = "target/py-venv";
 /// code.
 pub fn test(root: &Path) -> Result<i32, String> {
     let python = venv_python(root);
-    if python_output(&python, "import maturin").is_err() {
-        eprintln!("xtask: installing {MATURIN} into .stoke/venv (builds the Python wheel)");
-        run_checked(Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-input", MATURIN]))?;
-    }
-    let wheel = build_wheel(root, &python)?;
+    let wheel = wheel(root)?;
     let test_python = fresh_venv(root, &python)?;
     run_checked(
         Command::new(&test_python).args(["-m", "pip", "install", "--quiet", "--no-input"]).args(TEST_DEPS).arg(&wheel),
@@ -45,6 +41,17 @@ pub fn test(root: &Path) -> Result<i32, String> {
         .env("STOKE_BIN", root.join("target/debug/stoke"))
         .current_dir(root);
     status(pytest)
+}
+
+/// The wheel, built now with maturin (installed into `.stoke/venv` when missing) into
+/// `target/wheels`; returns its path.
+pub fn wheel(root: &Path) -> Result<PathBuf, String> {
+    let python = venv_python(root);
+    if python_output(&python, "import maturin").is_err() {
+        eprintln!("xtask: installing {MATURIN} into .stoke/venv (builds the Python wheel)");
+        run_checked(Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-input", MATURIN]))?;
+    }
+    build_wheel(root, &python)
 }
 
 /// `maturin build --release` into `target/wheels`; returns the wheel it wrote.
