@@ -20,10 +20,11 @@ use crate::{losses, run_ok, stoke};
 /// The small job every scheduler test submits (also `benches/sched_real.sh`'s).
 pub(crate) const JOB: &str = include_str!("../../benches/sched_job.toml");
 
-/// The scheduler process; killed, with every launcher its database names, if the test fails.
-struct Server {
-    child: Child,
-    dir: PathBuf,
+/// The scheduler process (`dir` its state folder); killed, with every launcher its database
+/// names, if the test fails.
+pub(crate) struct Server {
+    pub(crate) child: Child,
+    pub(crate) dir: PathBuf,
 }
 
 impl Drop for Server {

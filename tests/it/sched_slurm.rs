@@ -19,7 +19,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::sched_serve::{job, last_step, starts, status, submit, JOB};
+use super::sched_serve::{job, last_step, starts, status, submit, Server, JOB};
 use crate::{losses, stoke};
 
 /// The Slurm tests run one at a time: each starts its own cluster, and the CPUs are few.
@@ -93,27 +93,6 @@ fn can_run() -> bool {
     root
 }
 
-/// The scheduler under `--slurm`; killed, with the launchers it started, if the test fails.
-struct Server {
-    child: Child,
-    state: PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            for job in status(&self.state)["jobs"].as_array().cloned().unwrap_or_default() {
-                if let Some(pid) = job["pid"].as_i64() {
-                    // SAFETY: kill(2) of the process group of a launcher this test's server started.
-                    unsafe { libc::kill(-(pid as libc::pid_t), libc::SIGKILL) };
-                }
-            }
-        }
-    }
-}
-
 fn serve(dir: &Path, cluster: &Cluster) -> Server {
     let state = dir.join("state");
     let log = std::fs::File::create(dir.join("serve.log")).unwrap();
@@ -126,7 +105,7 @@ fn serve(dir: &Path, cluster: &Cluster) -> Server {
         .stderr(log)
         .spawn()
         .expect("stoke sched serve starts");
-    Server { child, state }
+    Server { child, dir: state }
 }
 
 /// Polls until `ready`; fails if the server exits first or `limit` passes (a bound on a hang, not
@@ -145,11 +124,11 @@ fn wait_until(server: &mut Server, what: &str, limit: Duration, mut ready: impl 
 
 /// Waits for the server to end with every job finished.
 fn all_finish(server: &mut Server, names: &[&str]) -> serde_json::Value {
-    let state = server.state.clone();
+    let state = server.dir.clone();
     wait_until(server, "the end of every job", Duration::from_secs(600), || server_done(&state));
     let code = server.child.wait().unwrap();
     assert!(code.success(), "{code}");
-    let end = status(&server.state);
+    let end = status(&server.dir);
     for name in names {
         assert_eq!(job(&end, name)["state"], "finished", "{name}: {end}");
     }
@@ -188,7 +167,7 @@ fn three_jobs_on_two_slurm_nodes_one_resized_across_nodes_keeps_its_losses_and_s
     let config = dir.path().join("job.toml");
     std::fs::write(&config, JOB).unwrap();
     let mut server = serve(dir.path(), &cluster);
-    let state = server.state.clone();
+    let state = server.dir.clone();
     let (run_a, run_b) = (state.join("runs/a"), state.join("runs/b"));
     submit(&state, &config, "a", "2", 600);
     wait_until(&mut server, "20 steps of a over both nodes", Duration::from_secs(300), || last_step(&run_a) >= 20);
@@ -251,7 +230,7 @@ fn jobs_share_a_single_node_slurm_cluster_and_a_failed_step_names_its_slurm_job(
     std::fs::write(&config, JOB).unwrap();
     // Slots: the node's CPUs, as sinfo counts them.
     let mut server = serve(dir.path(), &cluster);
-    let state = server.state.clone();
+    let state = server.dir.clone();
     let run_a = state.join("runs/a");
     submit(&state, &config, "a", "2", 200);
     wait_until(&mut server, "10 steps of a", Duration::from_secs(300), || last_step(&run_a) >= 10);
