@@ -10,7 +10,8 @@
 #             processes);
 #   peer      PyTorch FSDP (gloo, FULL_SHARD and SHARD_GRAD_OP, each block a unit; benches/peers/fsdp_gpt.py)
 #             on the same model, rows and processes: step time and per-rank peak memory, and the model
-#             states FSDP holds counted from its tensors.
+#             states FSDP holds counted from its tensors; FSDP1 and FSDP2 (`fully_shard` with
+#             MixedPrecisionPolicy: bf16 parameters and reductions) side by side (FSDP_APIS).
 #
 # The model: 12 blocks of width 512 (about 38 M parameters, 16 bytes each at stage 0 with AdamW: ~600 MiB
 # per rank), 2 rows of 128 tokens per process, so model states dominate each rank's memory.
@@ -25,7 +26,7 @@
 # formula's, default 2), STOKE (the
 # binary, default target/release/stoke), SLICES (the formula's optimizer slices: mapped, what the fused CPU
 # optimizer does, the default; or copied), FSDP_FORWARD_PREFETCH=1 (FSDP's forward_prefetch; its default,
-# off, keeps only its backward prefetch).
+# off, keeps only its backward prefetch), FSDP_APIS (default "fsdp1 fsdp2").
 # Needs a release build (cargo build --release --bin stoke) and `cargo xtask peers` (torch 2.11.0).
 #
 # Current figures on the development machine: benches/RESULTS.md, "ZeRO against FSDP".
@@ -79,10 +80,10 @@ common=(--quiet --data "$dir/corpus.txt" --set run.dir="$dir" --set train.steps=
 # The same host-memory policy on both sides: what stoke's default `train.host_memory = "retain"` sets
 # (stoke_train::retain_env), given to the peer through glibc's environment.
 retain=(MALLOC_MMAP_MAX_=0 MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_TOP_PAD_=67108864)
-fsdp() { # world sharding -> the peer's JSON line
+fsdp() { # world sharding api -> the peer's JSON line
   (cd benches/peers && timeout 900 env "${retain[@]}" "../../$py" fsdp_gpt.py --data "../../$dir/corpus.txt" --nproc "$1" \
     --steps "$steps" --micro-batch "$micro_batch" --n-layer "$layers" --d-model "$width" --n-head "$heads" \
-    --sharding "$2" ${FSDP_FORWARD_PREFETCH:+--forward-prefetch})
+    --sharding "$2" --api "$3" ${FSDP_FORWARD_PREFETCH:+--forward-prefetch})
 }
 runs="$dir/runs.jsonl"
 : >"$runs"
@@ -97,13 +98,15 @@ for pair in $(seq 1 "$pairs"); do
       done
     fi
     if [[ " $parts " == *" peer "* ]]; then
+      for api in ${FSDP_APIS:-fsdp1 fsdp2}; do
       for sharding in full_shard shard_grad_op; do
-        line=$(fsdp "$world" "$sharding") || {
-          echo "zero: the FSDP peer ($sharding, $world processes) failed; running it once more" >&2
-          line=$(fsdp "$world" "$sharding")
+        line=$(fsdp "$world" "$sharding" "$api") || {
+          echo "zero: the FSDP peer ($api $sharding, $world processes) failed; running it once more" >&2
+          line=$(fsdp "$world" "$sharding" "$api")
         }
         python3 benches/zero_report.py peer "$world" "$sharding" "$pair" <<<"$line" | tee -a "$runs" |
           python3 -c "import json,sys; d=json.loads(sys.stdin.read()); print(f'pair {d[\"pair\"]}: {d[\"variant\"]} x{d[\"world\"]}: {d[\"step_ms\"]:.1f} ms, peak RSS', [r['peak_rss_bytes'] >> 20 for r in d['ranks']], 'MiB')" >&2
+      done
       done
     fi
   done

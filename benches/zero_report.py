@@ -63,7 +63,8 @@ def peer_line(text, world, sharding, pair):
         sys.exit(f"zero_report: the FSDP peer ran {d['world_size']} ranks, expected {world}")
     ranks = [{"rank": r["rank"], "peak_rss_bytes": r["peak_rss_bytes"], "model_states": r["model_states_total"],
               "step_ms": r["step_ms"]} for r in d["ranks"]]
-    return {"kind": "peer", "world": world, "variant": f"fsdp-{sharding}", "pair": pair, "step_ms": d["step_ms"],
+    api = "fsdp2" if d.get("api") == "fsdp2" else "fsdp"
+    return {"kind": "peer", "world": world, "variant": f"{api}-{sharding}", "pair": pair, "step_ms": d["step_ms"],
             "ranks": ranks, "final_loss": d["final_loss"]}
 
 

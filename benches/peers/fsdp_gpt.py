@@ -10,7 +10,12 @@ FSDP unit (auto-wrap on the block class; the embedding, final norm and tied head
 
 The same tricks as the DDP peer: fused AdamW (decay on matrices, none on vectors, so
 use_orig_params=True), global-norm clipping (FSDP's clip_grad_norm_, an all-reduce of the shards'
-norms), bf16 autocast with fp32 parameters. Memory per rank: the peak resident set (VmHWM from
+norms), bf16 autocast with fp32 parameters.
+
+    --api fsdp2                FSDP2 instead (`fully_shard` per block and on the root, over a CPU device
+                               mesh; full_shard reshards after the forward, shard_grad_op does not), with
+                               MixedPrecisionPolicy under bf16: parameters gathered and computed in bf16,
+                               gradients reduced in bf16, fp32 shards kept for the optimizer. Memory per rank: the peak resident set (VmHWM from
 /proc/self/status, what getrusage's ru_maxrss reports and what stoke's report calls peak memory),
 glibc's bytes in use (mallinfo2) at its highest after a step, and the model states FSDP holds, counted
 from its tensors between two steps (local parameter shards, their gradients, the optimizer's state).
@@ -75,6 +80,28 @@ def model_state_bytes(fsdp, opt):
     }
 
 
+def fsdp2(model, args, world, bf16):
+    """FSDP2: each block, then the root, `fully_shard`ed over a CPU mesh; bf16 MixedPrecisionPolicy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    reshard = args.sharding == "full_shard"
+    for block in model.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    return model, len(model.h) + 1
+
+
+def fsdp2_state_bytes(model, opt):
+    """FSDP2's local shards (DTensor parameters), their gradients and the optimizer's state."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    params = [local(p) for p in model.parameters()]
+    grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
+    optimizer = [local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(grads), "optimizer": tensor_bytes(optimizer)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
@@ -92,6 +119,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="threads per process")
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the step figures")
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--api", choices=["fsdp1", "fsdp2"], default="fsdp1")
     args = ap.parse_args()
     if "RANK" not in os.environ:
         return launch(args)
@@ -110,9 +138,13 @@ def main():
     model = build_model(cfg, attention)
     n_params = sum(p.numel() for p in model.parameters())
     block_class = type(model.h[0])
-    fsdp = FSDP(model, sharding_strategy=STRATEGIES[args.sharding], auto_wrap_policy=ModuleWrapPolicy({block_class}),
-                device_id=torch.device("cpu"), use_orig_params=True, forward_prefetch=args.forward_prefetch, sync_module_states=False)
-    n_units = len(FSDP.fsdp_modules(fsdp))
+    if args.api == "fsdp2":
+        fsdp, n_units = fsdp2(model, args, world, bf16)
+    else:
+        fsdp = FSDP(model, sharding_strategy=STRATEGIES[args.sharding], auto_wrap_policy=ModuleWrapPolicy({block_class}),
+                    device_id=torch.device("cpu"), use_orig_params=True, forward_prefetch=args.forward_prefetch,
+                    sync_module_states=False)
+        n_units = len(FSDP.fsdp_modules(fsdp))
     decay = [p for n, p in fsdp.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in fsdp.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -126,16 +158,19 @@ def main():
         offsets = rng.integers(0, len(data) - t - 1, size=args.micro_batch)
         rows = torch.stack([data[o: o + t + 1] for o in offsets])
         x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and args.api == "fsdp1"):
             loss = fsdp(x, y)
         loss.backward()
-        fsdp.clip_grad_norm_(1.0)
+        if args.api == "fsdp2":
+            torch.nn.utils.clip_grad_norm_(fsdp.parameters(), 1.0)  # DTensor shards: one all-reduce of norms
+        else:
+            fsdp.clip_grad_norm_(1.0)
         opt.step()
         losses.append(loss.item())
         step_ms.append((time.perf_counter() - start) * 1e3)
         in_use_peak = max(in_use_peak, malloc_in_use())
-        if step + 1 == args.steps:
-            states = model_state_bytes(fsdp, opt)  # gradients still held: the state at the step's end
+        if step + 1 == args.steps:  # gradients still held: the state at the step's end
+            states = fsdp2_state_bytes(fsdp, opt) if args.api == "fsdp2" else model_state_bytes(fsdp, opt)
         opt.zero_grad(set_to_none=True)
     figures = step_figures(step_ms[args.skip:], world * args.micro_batch * t)
     warmup_s = (sum(step_ms[:args.skip]) - args.skip * figures["step_ms"]) / 1e3
@@ -151,7 +186,8 @@ def main():
     dist.all_gather_object(ranks, mine)
     if rank == 0:
         print(json.dumps({
-            "peer": "pytorch-fsdp-" + args.sharding.replace("_", "-"),
+            "peer": ("pytorch-fsdp2-" if args.api == "fsdp2" else "pytorch-fsdp-") + args.sharding.replace("_", "-"),
+            "api": args.api,
             "torch": torch.__version__,
             "backend": "gloo",
             "sharding": args.sharding,
