@@ -651,10 +651,16 @@ fn open_gpu_health(index: usize) -> Result<stoke_prof::GpuHealth, String> {
     opened
 }
 
-/// The model's matrix multiplies for one micro-batch, and the fastest time of them so far.
+/// The model's matrix multiplies for one micro-batch, and the fastest time of them so far. The
+/// reference's tensors (for a large vocabulary, the head's activations are the size of the step's
+/// logits) are held only while it is timed, so the run's memory between timings is its own.
 struct GemmProbe {
-    reference: crate::gemm::GemmReference,
+    matmuls: stoke_plan::ModelConfig,
+    micro_batch: usize,
+    precision: stoke_train::Precision,
+    device: tch::Device,
     best: crate::gemm::ReferenceTimes,
+    flops: f64,
     micro_batches: f64,
     /// Forward products run again in the backward per micro-batch, as a share of the forward:
     /// a whole block under `block`, one in K blocks under `every:K`, about two thirds of a block's
@@ -665,7 +671,6 @@ struct GemmProbe {
 impl GemmProbe {
     fn new(info: &stoke_train::RunInfo) -> GemmProbe {
         let reference = crate::gemm::GemmReference::new(&info.matmuls, info.micro_batch, info.precision, info.device);
-        let best = reference.fastest(2);
         let recomputed = match info.recompute {
             stoke_train::Recompute::None => 0.0,
             stoke_train::Recompute::Mlp => 2.0 / 3.0,
@@ -673,11 +678,21 @@ impl GemmProbe {
             stoke_train::Recompute::Block => 1.0,
             stoke_train::Recompute::Every(k) => 1.0 / k.max(1) as f64,
         };
-        GemmProbe { reference, best, micro_batches: info.grad_accum.max(1) as f64, recomputed }
+        GemmProbe {
+            matmuls: info.matmuls.clone(),
+            micro_batch: info.micro_batch,
+            precision: info.precision,
+            device: info.device,
+            best: reference.fastest(2),
+            flops: reference.flops(),
+            micro_batches: info.grad_accum.max(1) as f64,
+            recomputed,
+        }
     }
 
     fn time_again(&mut self) {
-        let t = self.reference.time();
+        let reference = crate::gemm::GemmReference::new(&self.matmuls, self.micro_batch, self.precision, self.device);
+        let t = reference.time();
         self.best.forward_ms = self.best.forward_ms.min(t.forward_ms);
         self.best.backward_ms = self.best.backward_ms.min(t.backward_ms);
     }
@@ -689,6 +704,6 @@ impl GemmProbe {
     }
 
     fn flops_per_s(&self) -> f64 {
-        self.reference.flops() / (self.best.total_ms() / 1e3)
+        self.flops / (self.best.total_ms() / 1e3)
     }
 }
