@@ -165,41 +165,21 @@ fn into_fresh_dir<T, E>(out: &Path, force: bool, prepare: impl FnOnce(&Path) -> 
 where
     E: std::error::Error + Send + Sync + 'static,
 {
-    let existing = match std::fs::read_dir(out) {
-        Ok(entries) => Some(entries.count()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(anyhow::Error::new(e).context(format!("--out {}", out.display()))),
-    };
-    if existing.is_some_and(|n| n > 0) && !force {
-        return Err(UsageError(format!(
-            "--out {} already holds {} entries; pass --force to replace it whole, or choose another folder",
-            out.display(),
-            existing.unwrap_or(0)
+    use stoke_ckpt::FreshDirError as F;
+    stoke_ckpt::into_fresh_dir(out, force, prepare).map_err(|err| match err {
+        F::Occupied(n) => UsageError(format!(
+            "--out {} already holds {n} entries; pass --force to replace it whole, or choose another folder",
+            out.display()
         ))
-        .into());
-    }
-    let name = out.file_name().map_or("out".into(), |n| n.to_string_lossy().into_owned());
-    let fresh = out.with_file_name(format!(".{name}.prep-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&fresh);
-    let result = prepare(&fresh).with_context(|| format!("preparing {}", out.display()));
-    let value = match result {
-        Ok(value) => value,
-        Err(err) => {
-            let _ = std::fs::remove_dir_all(&fresh);
-            return Err(err);
+        .into(),
+        F::ReadOut(e) => anyhow::Error::new(e).context(format!("--out {}", out.display())),
+        F::Prepare(e) => anyhow::Error::new(e).context(format!("preparing {}", out.display())),
+        F::Move(e) => anyhow::Error::new(e).context(format!("moving the dataset into {}", out.display())),
+        F::Swap(e) => anyhow::Error::new(e).context(format!("swapping the new dataset into {}", out.display())),
+        F::RemoveOld(old, e) => {
+            anyhow::Error::new(e).context(format!("removing the replaced dataset (now {})", old.display()))
         }
-    };
-    match existing {
-        None => std::fs::rename(&fresh, out).with_context(|| format!("moving the dataset into {}", out.display()))?,
-        Some(_) => {
-            stoke_ckpt::rename_exchange(&fresh, out)
-                .with_context(|| format!("swapping the new dataset into {}", out.display()))?;
-            // `fresh` now names the old dataset.
-            std::fs::remove_dir_all(&fresh)
-                .with_context(|| format!("removing the replaced dataset (now {})", fresh.display()))?;
-        }
-    }
-    Ok(value)
+    })
 }
 
 fn episodes(args: PrepEpisodesArgs) -> anyhow::Result<ExitCode> {

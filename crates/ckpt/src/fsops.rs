@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::io;
 use crate::CkptError;
@@ -52,6 +52,58 @@ pub fn rename_exchange(a: &Path, b: &Path) -> std::io::Result<()> {
 #[cfg(not(target_os = "linux"))]
 pub fn rename_exchange(_a: &Path, _b: &Path) -> std::io::Result<()> {
     Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "atomic rename exchange is implemented for Linux only"))
+}
+
+/// Why [`into_fresh_dir`] failed.
+#[derive(Debug)]
+pub enum FreshDirError<E> {
+    /// `out` holds this many entries and `force` was not given.
+    Occupied(usize),
+    /// `out` could not be read.
+    ReadOut(std::io::Error),
+    /// The preparation failed; the new folder is removed and `out` untouched.
+    Prepare(E),
+    /// The new folder could not be renamed to `out` (none was there).
+    Move(std::io::Error),
+    /// The new folder could not be swapped with the old `out`.
+    Swap(std::io::Error),
+    /// The old dataset, swapped out to `PathBuf`, could not be removed.
+    RemoveOld(PathBuf, std::io::Error),
+}
+
+/// Runs `prepare` into a new folder beside `out` and puts it in `out`'s place only once it has
+/// succeeded: a folder that holds anything is refused without `force`, and with it the old one is
+/// swapped out whole ([`rename_exchange`]) and removed. A failure removes the new folder and leaves
+/// `out` untouched. What `stoke prep --out` and `stoke.prep` do.
+pub fn into_fresh_dir<T, E>(
+    out: &Path,
+    force: bool,
+    prepare: impl FnOnce(&Path) -> Result<T, E>,
+) -> Result<T, FreshDirError<E>> {
+    let existing = match std::fs::read_dir(out) {
+        Ok(entries) => Some(entries.count()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(FreshDirError::ReadOut(e)),
+    };
+    if let (Some(n), false) = (existing.filter(|&n| n > 0), force) {
+        return Err(FreshDirError::Occupied(n));
+    }
+    let name = out.file_name().map_or("out".into(), |n| n.to_string_lossy().into_owned());
+    let fresh = out.with_file_name(format!(".{name}.prep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&fresh);
+    let value = prepare(&fresh).map_err(|err| {
+        let _ = std::fs::remove_dir_all(&fresh);
+        FreshDirError::Prepare(err)
+    })?;
+    match existing {
+        None => std::fs::rename(&fresh, out).map_err(FreshDirError::Move)?,
+        Some(_) => {
+            rename_exchange(&fresh, out).map_err(FreshDirError::Swap)?;
+            // `fresh` now names the old dataset.
+            std::fs::remove_dir_all(&fresh).map_err(|e| FreshDirError::RemoveOld(fresh.clone(), e))?;
+        }
+    }
+    Ok(value)
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@ mod writer;
 pub use crcfold::{crc32x256_available, Crc32x256};
 pub use error::CkptError;
 pub use format::{write_safetensors, DType, TensorRecord};
-pub use fsops::rename_exchange;
+pub use fsops::{into_fresh_dir, rename_exchange, FreshDirError};
 pub use hostbuf::{checksum, checksum_concat, stream_copy, stream_copy_checksummed, AlignedBlock};
 pub use mirror::{Mirror, MirrorStats, MirrorStore};
 pub use shards::{Piece, ShardRole, ShardTable, ShardedTensor};

@@ -15,39 +15,18 @@ fn to_json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).expect("a manifest serializes")
 }
 
-/// Runs `prepare` into a new folder beside `out` and puts it in `out`'s place only once it has
-/// succeeded, as `stoke prep --out` does: a folder that holds anything is refused without
-/// `force`, and with it the old dataset is swapped out whole and removed. A failure removes the
-/// new folder and leaves `out` untouched.
+/// `stoke_ckpt::into_fresh_dir` (what `stoke prep --out` does), its errors as `DataError`s.
 fn into_fresh_dir<T>(out: &Path, force: bool, prepare: impl FnOnce(&Path) -> Result<T, DataError>) -> PyResult<T> {
+    use stoke_ckpt::FreshDirError as F;
     let io = |source: std::io::Error| errors::data(DataError::Write { path: out.to_path_buf(), source });
-    let existing = match std::fs::read_dir(out) {
-        Ok(entries) => Some(entries.count()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(io(e)),
-    };
-    if let (Some(n), false) = (existing.filter(|&n| n > 0), force) {
-        return Err(errors::DataError::new_err(format!(
+    stoke_ckpt::into_fresh_dir(out, force, prepare).map_err(|err| match err {
+        F::Occupied(n) => errors::DataError::new_err(format!(
             "{} already holds {n} entries; pass force=True to replace it whole, or choose another folder",
             out.display()
-        )));
-    }
-    let name = out.file_name().map_or("out".into(), |n| n.to_string_lossy().into_owned());
-    let fresh = out.with_file_name(format!(".{name}.prep-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&fresh);
-    let value = prepare(&fresh).inspect_err(|_| {
-        let _ = std::fs::remove_dir_all(&fresh);
-    });
-    let value = value.map_err(errors::data)?;
-    match existing {
-        None => std::fs::rename(&fresh, out).map_err(io)?,
-        Some(_) => {
-            stoke_ckpt::rename_exchange(&fresh, out).map_err(io)?;
-            // `fresh` now names the old dataset.
-            std::fs::remove_dir_all(&fresh).map_err(io)?;
-        }
-    }
-    Ok(value)
+        )),
+        F::Prepare(e) => errors::data(e),
+        F::ReadOut(e) | F::Move(e) | F::Swap(e) | F::RemoveOld(_, e) => io(e),
+    })
 }
 
 /// Tokenizes text files (`.txt` one document each, `.jsonl` one per line's "text") into token
