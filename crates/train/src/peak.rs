@@ -121,61 +121,46 @@ fn unix_now() -> u64 {
 /// (median of 5) and written there.
 /// The file is replaced atomically; entries of the older form (a bare number) are measured again.
 pub fn matmul_peak_reading(precision: Precision, device: Device, dir: &Path) -> Result<PeakReading, TrainError> {
-    let path = dir.join(PEAK_CACHE_FILE);
-    let key = peak_key(precision, device);
-    let mut cache: BTreeMap<String, serde_json::Value> =
-        std::fs::read_to_string(&path).ok().and_then(|text| serde_json::from_str(&text).ok()).unwrap_or_default();
     let load = load_per_cpu();
-    let fresh = cache
-        .get(&key)
-        .and_then(|entry| serde_json::from_value::<PeakReading>(entry.clone()).ok())
+    let fresh = read_cache(dir)
+        .remove(&peak_key(precision, device))
+        .and_then(|entry| serde_json::from_value::<PeakReading>(entry).ok())
         .filter(|r| r.flops.is_finite() && r.flops > 0.0)
         .filter(|r| unix_now().saturating_sub(r.measured_at) < PEAK_MAX_AGE_S)
         .filter(|r| r.load_per_cpu <= load + PEAK_LOAD_MARGIN);
-    if let Some(reading) = fresh {
-        return Ok(PeakReading { cached: true, ..reading });
+    match fresh {
+        Some(reading) => Ok(PeakReading { cached: true, ..reading }),
+        None => remeasure_matmul_peak(precision, device, dir),
     }
-    let reading = PeakReading {
-        flops: measure_matmul_peak_flops(precision, device, 5),
-        measured_at: unix_now(),
-        load_per_cpu: load,
-        cached: false,
-    };
-    store_peak(dir, &key, &reading, &mut cache)?;
-    Ok(reading)
 }
 
-/// Measures the peak again now and writes it to the cache (a figure above the peak means the
-/// cached one was measured while something else ran).
+/// Measures the peak now (median of 5) and writes it to the cache; also what an MFU above 1 calls
+/// for (the cached peak was measured while something else ran).
 pub fn remeasure_matmul_peak(precision: Precision, device: Device, dir: &Path) -> Result<PeakReading, TrainError> {
-    let path = dir.join(PEAK_CACHE_FILE);
-    let mut cache: BTreeMap<String, serde_json::Value> =
-        std::fs::read_to_string(&path).ok().and_then(|text| serde_json::from_str(&text).ok()).unwrap_or_default();
     let reading = PeakReading {
         flops: measure_matmul_peak_flops(precision, device, 5),
         measured_at: unix_now(),
         load_per_cpu: load_per_cpu(),
         cached: false,
     };
-    store_peak(dir, &peak_key(precision, device), &reading, &mut cache)?;
-    Ok(reading)
-}
-
-fn store_peak(
-    dir: &Path,
-    key: &str,
-    reading: &PeakReading,
-    cache: &mut BTreeMap<String, serde_json::Value>,
-) -> Result<(), TrainError> {
+    let mut cache = read_cache(dir);
+    cache.insert(peak_key(precision, device), serde_json::to_value(reading).expect("a reading serializes"));
     let path = dir.join(PEAK_CACHE_FILE);
-    cache.insert(key.to_string(), serde_json::to_value(reading).expect("a reading serializes"));
     let io = |source| TrainError::Io { path: path.clone(), source };
     std::fs::create_dir_all(dir).map_err(io)?;
     let tmp = dir.join(format!("{PEAK_CACHE_FILE}.{}.tmp", std::process::id()));
     let text = serde_json::to_string_pretty(&cache).expect("a map of readings serializes");
     std::fs::write(&tmp, text).map_err(|source| TrainError::Io { path: tmp.clone(), source })?;
     std::fs::rename(&tmp, &path).map_err(io)?;
-    Ok(())
+    Ok(reading)
+}
+
+/// The cache's entries; none when it is missing or unreadable.
+fn read_cache(dir: &Path) -> BTreeMap<String, serde_json::Value> {
+    std::fs::read_to_string(dir.join(PEAK_CACHE_FILE))
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default()
 }
 
 /// [`matmul_peak_reading`]'s FLOP/s alone.
