@@ -11,8 +11,10 @@
 //!
 //! One node (slots = its CPUs): a job shares the node with another and finishes, a cancelled job
 //! stops with a checkpoint, a killed launcher leaves no allocation or task behind, and a step whose
-//! worker is killed ends in an error naming the Slurm job and step. Two nodes again: a node that stops answering (every process on it stopped) ends its
-//! step in such an error too, within the heartbeat timeout, not a hang.
+//! worker is killed ends in an error naming the Slurm job and step. Two nodes again: a node that
+//! stops answering (every process on it stopped) ends its step in such an error too, within the
+//! heartbeat timeout, not a hang. A launcher that ends before its job has trained 5 steps is started
+//! once more, its error printed (a second such end fails).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -262,8 +264,7 @@ fn jobs_share_a_single_node_slurm_cluster_and_a_failed_step_names_its_slurm_job(
 
     // A launcher killed outright takes its allocation and step with it: salloc's placeholder reads
     // a pipe from the launcher, which the kill closes.
-    let (mut launcher, run) = launch_slurm(dir.path(), &config, &cluster, "orphan", &[]);
-    wait_for_steps(&mut launcher, &run, 5);
+    let (mut launcher, _run) = running_launcher(dir.path(), &config, &cluster, "orphan", &[]);
     launcher.kill().unwrap();
     launcher.wait().unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -278,8 +279,7 @@ fn jobs_share_a_single_node_slurm_cluster_and_a_failed_step_names_its_slurm_job(
     }
 
     // A worker killed mid-step: the step fails and the launcher's error names the job and step.
-    let (mut launcher, run) = launch_slurm(dir.path(), &config, &cluster, "doomed", &[]);
-    wait_for_steps(&mut launcher, &run, 5);
+    let (launcher, run) = running_launcher(dir.path(), &config, &cluster, "doomed", &[]);
     let worker = slurm_task("doomed", 1).expect("task 1 of the doomed step runs");
     // SAFETY: kill(2) of a worker of the step this test started, found by its Slurm variables.
     assert_eq!(unsafe { libc::kill(worker, libc::SIGKILL) }, 0);
@@ -297,8 +297,7 @@ fn a_node_that_stops_answering_fails_its_step_with_an_error_naming_the_slurm_job
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("job.toml");
     std::fs::write(&config, JOB).unwrap();
-    let (mut launcher, run) = launch_slurm(dir.path(), &config, &cluster, "frozen", &["--hang-timeout-s", "20"]);
-    wait_for_steps(&mut launcher, &run, 5);
+    let (launcher, run) = running_launcher(dir.path(), &config, &cluster, "frozen", &["--hang-timeout-s", "20"]);
     // The second node stops answering: every process in its namespace (its slurmd, the step's
     // slurmstepd and task) is stopped; continued when the test ends, before the cluster stops.
     let frozen = Frozen(namespace_pids(&format!("stoke-n2-{}", cluster.port)));
@@ -347,12 +346,37 @@ fn launch_slurm(dir: &Path, config: &Path, cluster: &Cluster, name: &str, extra:
     (child, runs.join(name))
 }
 
-fn wait_for_steps(launcher: &mut Child, run: &Path, steps: u64) {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while last_step(run) < steps {
-        assert!(launcher.try_wait().unwrap().is_none(), "the launcher ended before {steps} steps");
-        assert!(Instant::now() < deadline, "no {steps} steps in {}", run.display());
-        std::thread::sleep(Duration::from_millis(50));
+/// `launch_slurm` of `name`, once its run has trained 5 steps. A launcher that ends before then
+/// (on a loaded machine a step can fail to start: srun or the rendezvous) is started once more,
+/// its first error printed; a second such end fails the test.
+fn running_launcher(dir: &Path, config: &Path, cluster: &Cluster, name: &str, extra: &[&str]) -> (Child, PathBuf) {
+    let mut first_error = None;
+    loop {
+        let (mut launcher, run) = launch_slurm(dir, config, cluster, name, extra);
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let ended = loop {
+            if last_step(&run) >= 5 {
+                break None;
+            }
+            if let Some(code) = launcher.try_wait().unwrap() {
+                let mut err = String::new();
+                if let Some(mut pipe) = launcher.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut pipe, &mut err);
+                }
+                break Some(format!("the launcher of {name} ended ({code}) before 5 steps:\n{err}"));
+            }
+            assert!(Instant::now() < deadline, "no 5 steps in {}", run.display());
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        match (ended, &first_error) {
+            (None, _) => return (launcher, run),
+            (Some(err), None) => {
+                eprintln!("{err}\n(started once more)");
+                let _ = std::fs::remove_dir_all(&run);
+                first_error = Some(err);
+            }
+            (Some(err), Some(first)) => panic!("{first}\nand again:\n{err}"),
+        }
     }
 }
 
