@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use stoke_train::{AdaptiveConfig, CkptConfig, EvalConfig, ModelConfig, TrainConfig};
+use stoke_train::{AdaptiveConfig, CkptConfig, EvalConfig, Injections, ModelConfig, TrainConfig};
 
 pub const DEFAULTS_TOML: &str = include_str!("defaults.toml");
 
@@ -369,20 +369,34 @@ fn insert(table: &mut toml::Table, path: &[String], value: toml::Value) -> Resul
     Ok(())
 }
 
-/// The environment variable of the hidden test switch `TrainConfig::test_slow_forward`.
-pub const SLOW_FORWARD_ENV: &str = "STOKE_TEST_SLOW_FORWARD";
+/// The hidden test switches of `TrainConfig::test_inject` (`stoke bench gate`'s self-test): the
+/// variable, what it sets, the largest value, and what the value is.
+pub const INJECTIONS: [(&str, fn(&mut Injections) -> &mut f64, f64, &str); 5] = [
+    ("STOKE_TEST_SLOW_FORWARD", |i| &mut i.slow_forward, 10.0, "a fraction of the forward's time"),
+    ("STOKE_TEST_SLOW_BACKWARD", |i| &mut i.slow_backward, 10.0, "a fraction of the backward's time"),
+    ("STOKE_TEST_SLOW_OPTIMIZER", |i| &mut i.slow_optimizer, 10.0, "a fraction of the optimizer's time"),
+    ("STOKE_TEST_DATA_WAIT_MS", |i| &mut i.data_wait_ms, 1000.0, "milliseconds more data wait per batch"),
+    ("STOKE_TEST_MORE_MEMORY", |i| &mut i.more_memory, 10.0, "a fraction of the peak resident memory"),
+];
 
-/// `STOKE_TEST_SLOW_FORWARD=0.10` makes every forward 10% slower (a busy-wait); unset is 0.
-fn test_slow_forward() -> Result<f64, ConfigError> {
-    let Some(raw) = std::env::var_os(SLOW_FORWARD_ENV) else { return Ok(0.0) };
-    let raw = raw.to_string_lossy();
-    match raw.trim().parse::<f64>() {
-        Ok(value) if value.is_finite() && (0.0..=10.0).contains(&value) => Ok(value),
-        _ => Err(ConfigError::Invalid {
-            key: SLOW_FORWARD_ENV.into(),
-            message: format!("must be a number from 0 to 10 (a fraction of the forward's time); got {raw:?}"),
-        }),
+/// `STOKE_TEST_SLOW_FORWARD=0.10` makes every forward 10% slower (a busy-wait), and so on for
+/// `INJECTIONS`; unset is 0.
+fn test_injections() -> Result<Injections, ConfigError> {
+    let mut inject = Injections::default();
+    for (var, field, max, what) in INJECTIONS {
+        let Some(raw) = std::env::var_os(var) else { continue };
+        let raw = raw.to_string_lossy();
+        *field(&mut inject) = match raw.trim().parse::<f64>() {
+            Ok(value) if value.is_finite() && (0.0..=max).contains(&value) => value,
+            _ => {
+                return Err(ConfigError::Invalid {
+                    key: var.into(),
+                    message: format!("must be a number from 0 to {max} ({what}); got {raw:?}"),
+                })
+            }
+        };
     }
+    Ok(inject)
 }
 
 impl StokeConfig {
@@ -426,7 +440,7 @@ impl StokeConfig {
             ConfigError::Invalid { key, message }
         })?;
         let mut config = config;
-        config.train.test_slow_forward = test_slow_forward()?;
+        config.train.test_inject = test_injections()?;
         // A checkpoint made elsewhere fixes the family and shape: they are read from its
         // config.json here, so the run folder's config.toml and every rank hold them explicitly.
         config.model = stoke_train::resolve_from(&config.model).map_err(|e| match e {

@@ -160,6 +160,12 @@ fn mem_total() -> Option<u64> {
 }
 
 /// The path of a shared library this process has mapped, from /proc/self/maps.
+/// The folder of the libtorch this process loaded (for a process started with another binary
+/// that must find the same one).
+pub fn libtorch_dir() -> Option<PathBuf> {
+    loaded_library("libtorch_cpu.so").and_then(|p| p.parent().map(Path::to_path_buf))
+}
+
 fn loaded_library(name: &str) -> Option<PathBuf> {
     let maps = stoke_fsio::read_to_string_capped(Path::new("/proc/self/maps"), 16 << 20).ok()?;
     maps.lines()

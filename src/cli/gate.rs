@@ -22,11 +22,33 @@ pub struct GateArgs {
     pub overrides: Vec<String>,
     /// Record the measured ratios and tolerances as the new baseline instead of comparing; uses
     /// at least `UPDATE_REPEATS` runs, so the recorded spread means something.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["against", "self_test"])]
     pub update: bool,
+    /// Compare with another revision instead of a baseline: a git revision of the repository in
+    /// the current folder (built from a worktree into this binary's target folder, cached per
+    /// commit) or the path of a `stoke` binary. Both train the gate's model in turn, `--pairs`
+    /// times each; exit 4 when a phase, the step or the peak memory regressed.
+    #[arg(long, value_name = "REV|BINARY")]
+    pub against: Option<String>,
+    /// Runs of each side with `--against` and `--self-test`.
+    #[arg(long, default_value_t = 5)]
+    pub pairs: usize,
+    /// Check the gate itself: this binary against itself, five unchanged series and five with an
+    /// injected slowdown each (forward, backward, optimizer 10%, 2 ms data wait, 10% memory);
+    /// exit 0 when every unchanged series passes and every injection is caught.
+    #[arg(long, conflicts_with = "against")]
+    pub self_test: bool,
 }
 
 pub fn run(args: GateArgs) -> anyhow::Result<ExitCode> {
+    let settings = crate::gate::gate_settings(&args.overrides);
+    if args.self_test {
+        return crate::gate::self_test(&args.dir.join("self-test"), args.pairs, &settings);
+    }
+    if let Some(rev) = &args.against {
+        let (binary, name) = crate::gate::binary_of(rev)?;
+        return crate::gate::against(&binary, &name, &args.dir.join("against"), args.pairs, &settings);
+    }
     crate::gate::gate(&GateSpec {
         baseline: args.baseline,
         dir: args.dir,

@@ -28,8 +28,15 @@
 //! figures; `baseline` holds the recorded figures, their tolerances and the comparison; `runs`
 //! trains the gate's runs and records or checks a baseline.
 
+//!
+//! `against` compares code with code instead: another revision's binary and this one, interleaved
+//! in one invocation, with tolerances from the spread of their pairs; its self-test injects the five
+//! slowdowns the gate must catch.
+
+mod against;
 mod baseline;
 mod reference;
 mod runs;
 
-pub use runs::{gate, GateSpec};
+pub use against::{against, binary_of, self_test};
+pub use runs::{gate, gate_settings, GateSpec};

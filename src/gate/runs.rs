@@ -92,7 +92,12 @@ fn gate_run(dir: &Path, name: &str, settings: &[String]) -> anyhow::Result<BTree
 
 /// The gate's settings: `GATE_OVERRIDES`, then the command line's.
 fn settings(args: &GateSpec) -> Vec<String> {
-    GATE_OVERRIDES.iter().map(|s| s.to_string()).chain(args.overrides.iter().cloned()).collect()
+    gate_settings(&args.overrides)
+}
+
+/// `GATE_OVERRIDES`, then `overrides`.
+pub fn gate_settings(overrides: &[String]) -> Vec<String> {
+    GATE_OVERRIDES.iter().map(|s| s.to_string()).chain(overrides.iter().cloned()).collect()
 }
 
 /// Runs the gate: records a baseline (`update`) or compares with it (exit 4 on a regression).

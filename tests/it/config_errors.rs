@@ -56,13 +56,22 @@ fn usage_error() {
 }
 
 #[test]
-fn a_bad_slow_forward_test_switch_is_a_usage_error() {
-    for bad in ["fast", "-0.1", "nan", "11"] {
-        let mut cmd = stoke(&["train"], &[]);
-        cmd.env("STOKE_TEST_SLOW_FORWARD", bad);
-        let out = cmd.output().expect("stoke runs");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{bad}: {stderr}");
-        assert!(stderr.contains("STOKE_TEST_SLOW_FORWARD") && stderr.contains("from 0 to 10"), "{bad}: {stderr}");
+fn a_bad_injection_test_switch_is_a_usage_error() {
+    let switches = [
+        ("STOKE_TEST_SLOW_FORWARD", "10", "11"),
+        ("STOKE_TEST_SLOW_BACKWARD", "10", "11"),
+        ("STOKE_TEST_SLOW_OPTIMIZER", "10", "11"),
+        ("STOKE_TEST_DATA_WAIT_MS", "1000", "1001"),
+        ("STOKE_TEST_MORE_MEMORY", "10", "11"),
+    ];
+    for (var, max, too_large) in switches {
+        for bad in ["fast", "-0.1", "nan", too_large] {
+            let mut cmd = stoke(&["train"], &[]);
+            cmd.env(var, bad);
+            let out = cmd.output().expect("stoke runs");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{var}={bad}: {stderr}");
+            assert!(stderr.contains(var) && stderr.contains(&format!("from 0 to {max}")), "{var}={bad}: {stderr}");
+        }
     }
 }

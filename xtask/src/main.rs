@@ -11,13 +11,12 @@
 //! - `train [ARGS]`: set up, then `stoke train ARGS` from a release build.
 //! - `test [ARGS]`: set up, install Open MPI when missing (apt-get, as root), then
 //!   `cargo test --workspace --features stoke-comm/mpi,stoke-comm/nccl ARGS`; without ARGS, then also the
-//!   benchmark regression gate's own test (`stoke bench gate`): a baseline recorded on this machine
-//!   from the code as it is, a check of the same code against it (exit 0 expected) and one with
-//!   the forward made 10% slower by its hidden test switch (exit 4 expected); either check that
-//!   goes the wrong way is repeated once against a baseline recorded anew, as the ratios drift
-//!   between invocations. Between cargo's tests and the gate: the Python package's tests
-//!   (`python.rs`: the wheel built by maturin, pip-installed into a fresh environment, pytest),
-//!   then `image --check` over the binaries and the wheel just built. (The Slurm tests install
+//!   benchmark regression gate (`stoke bench gate`): its self-test (five unchanged series pass,
+//!   five injected slowdowns are caught), then this code against the previous commit, built from
+//!   a worktree (a flag is checked once more before it fails the run). Between cargo's tests and
+//!   the gate: the Python package's tests (`python.rs`: the wheel built by maturin, pip-installed
+//!   into a fresh environment, pytest), then `image --check` over the binaries and the wheel just
+//!   built. (The Slurm tests install
 //!   Slurm, and slurmdbd with MariaDB, themselves.)
 //! - `stoke [ARGS]`: set up, then run the release `stoke` binary with ARGS.
 //! - `pytest`: set up, then only the Python package's tests (as `test` runs them).
@@ -106,70 +105,39 @@ fn main() -> ExitCode {
                 tag: "localhost/stoke:check".into(),
             };
             image::image(&root, &image_args)?;
-            // The regression gate's own test. Its ratios (never absolute times) are the code's on
-            // one machine, so the committed benches/baseline.json, recorded on the development
-            // machine, is for checks there; here a baseline is recorded on this machine from this
-            // code. The same code must pass against it, and a forward made 10% slower by the
-            // hidden test switch must fail (exit 4), or the gate could not see a slowdown at all.
-            let here = "runs/gate/baseline-here.json";
-            let gate = |slow_forward: Option<&str>, update: bool| {
+            // The regression gate. First its own test: this code against itself, five unchanged
+            // series that must pass and five injected slowdowns (forward, backward, optimizer 10%,
+            // 2 ms data wait, 10% memory) that must each be caught. Then this code against the
+            // previous commit, built from a worktree into the same target folder: a regression
+            // of a phase, the step or the peak memory fails the run. Every comparison is of
+            // interleaved runs in one invocation, so no baseline from another machine or hour is
+            // involved; a flag is checked once more (a real regression repeats, a disturbed pair
+            // rarely does).
+            let gate = |args: &[&str]| {
                 let mut gate = cargo(&root);
-                gate.args(["run", "--quiet", "--bin", "stoke", "--", "bench", "gate", "--baseline", here]);
-                if update {
-                    gate.arg("--update");
-                }
-                if let Some(fraction) = slow_forward {
-                    gate.env("STOKE_TEST_SLOW_FORWARD", fraction);
-                }
+                gate.args(["run", "--quiet", "--bin", "stoke", "--", "bench", "gate"]).args(args);
                 status(gate)
             };
-            // The ratios of one machine drift between invocations minutes apart (up to about 5%
-            // on a shared 2-core machine, see `gate.rs`), which is as much as the margin on either
-            // side of the 6% floor. So each of the two checks may, once, re-record the baseline
-            // and check again: a gate that cannot see the slowdown misses it both times, and code
-            // that a gate wrongly flags is flagged both times only if the drift repeats.
-            let record = || -> Result<i32, String> {
-                println!("xtask: the gate's baseline, recorded on this machine from this code");
-                gate(None, true)
+            let twice = |args: &[&str], what: &str| -> Result<i32, String> {
+                println!("xtask: {what}");
+                let code = gate(args)?;
+                if code != 4 {
+                    return Ok(code);
+                }
+                println!("xtask: {what}: flagged; once more");
+                gate(args)
             };
-            let code = record()?;
+            let code = twice(&["--self-test", "--pairs", "5"], "the gate's self-test")?;
             if code != 0 {
-                return Ok(code);
+                return Err(format!("the gate's self-test failed (exit {code})"));
             }
-            let mut code = gate(None, false)?;
-            if code == 4 {
-                println!("xtask: the unmodified code was flagged; once more against a baseline recorded anew");
-                let recorded = record()?;
-                if recorded != 0 {
-                    return Ok(recorded);
-                }
-                code = gate(None, false)?;
+            let previous =
+                Command::new("git").args(["rev-parse", "--verify", "--quiet", "HEAD~1"]).current_dir(&root).output();
+            if !previous.is_ok_and(|out| out.status.success()) {
+                println!("xtask: no previous commit here (a shallow clone?): the gate against it is left out");
+                return Ok(0);
             }
-            if code != 0 {
-                return Ok(code);
-            }
-            let slow = || -> Result<i32, String> {
-                println!(
-                    "xtask: the gate again, with every forward 10% slower (STOKE_TEST_SLOW_FORWARD=0.10): exit 4 expected"
-                );
-                gate(Some("0.10"), false)
-            };
-            let mut code = slow()?;
-            if code == 0 {
-                println!("xtask: the slower forward was missed; once more against a baseline recorded anew");
-                let recorded = record()?;
-                if recorded != 0 {
-                    return Ok(recorded);
-                }
-                code = slow()?;
-            }
-            match code {
-                4 => {
-                    println!("xtask: the gate caught the slower forward");
-                    Ok(0)
-                }
-                other => Err(format!("the gate did not catch a 10% slower forward: exit {other}, expected 4")),
-            }
+            twice(&["--against", "HEAD~1", "--pairs", "5"], "the gate against the previous commit")
         }),
         "pytest" => setup(&root).and_then(|_| python::test(&root)),
         "peers" => setup(&root).and_then(|_| install_peer_deps(&root)).map(|_| 0),
@@ -179,7 +147,9 @@ fn main() -> ExitCode {
         "image" => image::ImageArgs::parse(rest)
             .and_then(|args| setup(&root).and_then(|_| image::image(&root, &args)))
             .map(|_| 0),
-        other => Err(format!("unknown task `{other}`; tasks: setup, train, test, pytest, stoke, peers, install, image")),
+        other => {
+            Err(format!("unknown task `{other}`; tasks: setup, train, test, pytest, stoke, peers, install, image"))
+        }
     };
     match result {
         Ok(0) => ExitCode::SUCCESS,

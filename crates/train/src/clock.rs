@@ -5,11 +5,11 @@
 //! phase where it happens. A lap charges the time since the previous lap to a phase; the laps
 //! therefore add up to the step's wall time exactly.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tch::Device;
 
-use crate::{Phase, PhaseTimes};
+use crate::{Injections, Phase, PhaseTimes};
 
 pub struct StepClock {
     start: Instant,
@@ -18,8 +18,8 @@ pub struct StepClock {
     /// On a GPU, synchronize before each lap so the lap holds the device's work, not just the
     /// launches (only on "timed" steps; see `Trainer::set_sync_every`).
     sync_device: Option<i64>,
-    /// Test-only: the forward lap busy-waits this fraction of its own time (`TrainConfig::test_slow_forward`).
-    slow_forward: f64,
+    /// Test-only: the laps' injected slowdowns (`TrainConfig::test_inject`).
+    inject: Injections,
 }
 
 impl StepClock {
@@ -30,12 +30,13 @@ impl StepClock {
             Device::Cuda(ordinal) if timed => Some(ordinal as i64),
             _ => None,
         };
-        StepClock { start: now, mark: now, phases: PhaseTimes::default(), sync_device, slow_forward: 0.0 }
+        StepClock { start: now, mark: now, phases: PhaseTimes::default(), sync_device, inject: Injections::default() }
     }
 
-    /// Test-only: makes every forward lap that fraction slower (`TrainConfig::test_slow_forward`).
-    pub fn slow_forward(mut self, fraction: f64) -> StepClock {
-        self.slow_forward = fraction;
+    /// Test-only: makes the forward, backward, optimizer and data-wait laps slower as `inject`
+    /// says (`TrainConfig::test_inject`).
+    pub fn inject(mut self, inject: Injections) -> StepClock {
+        self.inject = inject;
         self
     }
 
@@ -45,8 +46,16 @@ impl StepClock {
             tch::Cuda::synchronize(ordinal);
         }
         let mut now = Instant::now();
-        if phase == Phase::Forward && self.slow_forward > 0.0 {
-            let until = now + (now - self.mark).mul_f64(self.slow_forward);
+        let lap = now - self.mark;
+        let extra = match phase {
+            Phase::Forward => lap.mul_f64(self.inject.slow_forward),
+            Phase::Backward => lap.mul_f64(self.inject.slow_backward),
+            Phase::Optimizer => lap.mul_f64(self.inject.slow_optimizer),
+            Phase::DataWait => Duration::from_secs_f64(self.inject.data_wait_ms / 1e3),
+            _ => Duration::ZERO,
+        };
+        if !extra.is_zero() {
+            let until = now + extra;
             while Instant::now() < until {}
             now = Instant::now();
         }

@@ -191,11 +191,26 @@ pub struct TrainConfig {
     /// config key). Default 1.
     #[serde(skip)]
     pub world_size: usize,
-    /// Test-only, not a config key: busy-wait after each forward for this fraction of its measured
-    /// time (`stoke bench gate`'s sensitivity check; the binary sets it from
-    /// STOKE_TEST_SLOW_FORWARD). Default 0.
+    /// Test-only, not config keys: slowdowns and memory that `stoke bench gate`'s self-test
+    /// injects (the binary sets them from the STOKE_TEST_* variables). Default none.
     #[serde(skip)]
-    pub test_slow_forward: f64,
+    pub test_inject: Injections,
+}
+
+/// What `stoke bench gate`'s self-test injects into a run to check that the gate catches it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Injections {
+    /// Each forward lap busy-waits this fraction of its own time.
+    pub slow_forward: f64,
+    /// Each backward lap likewise.
+    pub slow_backward: f64,
+    /// Each optimizer lap likewise.
+    pub slow_optimizer: f64,
+    /// Each data-wait lap (one a micro-batch) busy-waits this many milliseconds more.
+    pub data_wait_ms: f64,
+    /// The run holds this fraction of its peak resident memory more (touched pages, grown after
+    /// every step).
+    pub more_memory: f64,
 }
 
 /// See `TrainConfig::lr_shape`.
@@ -305,7 +320,7 @@ impl Default for TrainConfig {
             freeze: Vec::new(),
             lora: LoraConfig::default(),
             world_size: 1,
-            test_slow_forward: 0.0,
+            test_inject: Injections::default(),
         }
     }
 }

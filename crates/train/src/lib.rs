@@ -36,8 +36,8 @@ pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};
 pub use clock::StepClock;
 pub use config::{
     glob_match, AttentionPrecision, CkptConfig, EvalConfig, ExecutorKind, FusedCrossEntropy, GptShape, HostMemory,
-    LlamaShape, LoraConfig, LossScaleConfig, LrScaling, LrShape, ModelConfig, OptimizerKind, Precision, Recompute,
-    RopeScaling, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB, MODEL_FAMILIES,
+    Injections, LlamaShape, LoraConfig, LossScaleConfig, LrScaling, LrShape, ModelConfig, OptimizerKind, Precision,
+    Recompute, RopeScaling, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB, MODEL_FAMILIES,
 };
 pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{

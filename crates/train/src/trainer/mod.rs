@@ -307,13 +307,15 @@ impl Trainer {
         let mut early_stopped = false;
         // A checkpoint's copy running beside this step, finished before its optimizer step.
         let mut pending: Option<PendingCopy> = None;
+        // Test-only: memory held to make the run's peak larger (`Injections::more_memory`).
+        let mut injected_memory: Vec<u8> = Vec::new();
         while self.step < self.train.steps {
             let step_number = self.step + 1;
             let logged = step_number % self.train.log_every == 0
                 || step_number == self.train.steps
                 || self.eval_due(step_number);
             let timed = !self.device.is_cuda() || (self.sync_every > 0 && step_number % self.sync_every == 0);
-            let mut clock = StepClock::start(self.device, timed).slow_forward(self.train.test_slow_forward);
+            let mut clock = StepClock::start(self.device, timed).inject(self.train.test_inject);
             let measure_memory = step_number == first_step;
             let position_before = source.position();
             if self.train.debug_poison_step == step_number {
@@ -400,6 +402,9 @@ impl Trainer {
                 },
             });
             clock.lap(Phase::Optimizer);
+            if self.train.test_inject.more_memory > 0.0 {
+                grow_injected_memory(&mut injected_memory, self.train.test_inject.more_memory, self.device);
+            }
             self.step = step_number;
             let loss = if logged { hooks.reduce_loss(local_loss)? } else { f64::NAN };
             if logged && !loss.is_finite() {
@@ -552,5 +557,15 @@ mod tests {
         assert!(err.contains("\"cuda:2\"") && err.contains("visible: 2"), "{err}");
         let err = select_device("gpu", 2, 0, 1, None).unwrap_err().to_string();
         assert!(err.contains("cuda:K"), "{err}");
+    }
+}
+
+/// Test-only: grows `held` to `fraction` of the process's peak resident memory without it, every
+/// page touched so that it counts.
+fn grow_injected_memory(held: &mut Vec<u8>, fraction: f64, device: Device) {
+    let Some(peak) = crate::memory_in_use_bytes(device) else { return };
+    let want = (fraction * peak.saturating_sub(held.len() as u64) as f64) as usize;
+    if want > held.len() {
+        held.resize(want, 1);
     }
 }
