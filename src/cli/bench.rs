@@ -79,6 +79,11 @@ pub struct FullchainArgs {
     /// held-out loss, per seed and its median.
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     pub seeds: Vec<u64>,
+    /// The optimized configuration trains this many times `--tokens` (its schedule stretched to
+    /// them): its time to the naive run's final held-out loss is what is compared, and its larger
+    /// batch needs more tokens to get there.
+    #[arg(long, default_value_t = 2.0)]
+    pub optimized_tokens: f64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -112,6 +117,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             no_peers: args.no_peers,
             json: args.json,
             seeds: args.seeds,
+            optimized_tokens: args.optimized_tokens,
         }),
         BenchCommand::Limits(args) => crate::bench::limits(&Limits {
             dir: args.dir,
