@@ -204,8 +204,12 @@ def main():
     ap.add_argument("--pipeline", choices=["plain", "naive", "tuned"], default="plain",
                     help="plain: in-memory random windows on the training thread (the same work as `stoke train`'s "
                          "loader); naive: per-sample tokenizing Dataset, default DataLoader, synchronous torch.save, "
-                         ".item() every step; tuned: memmap Dataset, 2 workers with pin_memory and persistent "
-                         "workers, checkpoints written by a background thread")
+                         ".item() every step; tuned: memmap Dataset, --workers DataLoader workers (persistent), "
+                         "--pin-memory, checkpoints written by a background thread")
+    ap.add_argument("--workers", type=int, default=2,
+                    help="tuned: DataLoader worker processes (0: batches made on the training thread); "
+                         "`stoke bench fullchain` picks the fastest by measurement")
+    ap.add_argument("--pin-memory", choices=["on", "off"], default="on", help="tuned: the DataLoader's pin_memory")
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--ckpt-dir", default="")
     ap.add_argument("--log-every", type=int, default=1)
@@ -256,9 +260,12 @@ def main():
         batch_iter = iter(torch.utils.data.DataLoader(
             TextWindows(args.data, t, n_samples, args.seed), batch_size=args.micro_batch))
     else:
+        workers = {"num_workers": args.workers}
+        if args.workers > 0:
+            workers.update(persistent_workers=True, prefetch_factor=4)
         batch_iter = iter(torch.utils.data.DataLoader(
-            MemmapWindows(args.data, t, n_samples, args.seed), batch_size=args.micro_batch, num_workers=2,
-            pin_memory=True, persistent_workers=True, prefetch_factor=4))
+            MemmapWindows(args.data, t, n_samples, args.seed), batch_size=args.micro_batch,
+            pin_memory=args.pin_memory == "on", **workers))
 
     def lr_at(step):
         if step < args.warmup:
@@ -343,6 +350,8 @@ def main():
         "micro_batch": args.micro_batch,
         "attention": args.attention,
         "compiled": args.compile,
+        "workers": args.workers if args.pipeline == "tuned" else None,
+        "pin_memory": args.pin_memory == "on" if args.pipeline == "tuned" else None,
         "adamw": adamw,
         "host_memory": args.host_memory,
         "deterministic": args.deterministic,

@@ -152,7 +152,41 @@ fn final_loss(metrics: &Path) -> anyhow::Result<f64> {
     Ok(tail.iter().sum::<f64>() / tail.len().max(1) as f64)
 }
 
-fn run_peer(args: &Fullchain, corpus: &Path, pipeline: &str, tokens: u64) -> anyhow::Result<Value> {
+/// DataLoader worker counts the tuned peer's pick tries, and its short runs: steps, rounds.
+const PEER_WORKERS: [u64; 3] = [0, 1, 2];
+const PICK_STEPS: u64 = 60;
+const PICK_ROUNDS: usize = 2;
+
+/// The tuned peer's DataLoader workers: the count whose short eager runs (interleaved, `PICK_ROUNDS`
+/// rounds) had the highest median tokens/s here; each count's figures are printed.
+fn pick_peer_workers(args: &Fullchain, corpus: &Path) -> anyhow::Result<u64> {
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); PEER_WORKERS.len()];
+    for round in 0..PICK_ROUNDS {
+        for (i, workers) in PEER_WORKERS.iter().enumerate() {
+            let v = run_peer(args, corpus, "tuned", PICK_STEPS * OPTIMIZED.micro_batch * SEQ_LEN, Some(*workers), false)
+                .with_context(|| format!("the tuned peer's loader pick, {workers} workers, round {round}"))?;
+            rates[i].push(v["tokens_per_s"].as_f64().unwrap_or(f64::NAN));
+        }
+    }
+    let medians: Vec<f64> = rates.iter().map(|r| stoke_prof::median(r)).collect();
+    let best = (0..PEER_WORKERS.len()).max_by(|&a, &b| medians[a].total_cmp(&medians[b])).unwrap_or(0);
+    for (i, workers) in PEER_WORKERS.iter().enumerate() {
+        println!("tuned peer loader pick: {workers} workers, tokens/s {:.0} (rounds {:?})", medians[i], rates[i]);
+    }
+    println!("tuned peer loader pick: {} workers", PEER_WORKERS[best]);
+    Ok(PEER_WORKERS[best])
+}
+
+/// One PyTorch peer run; `workers` sets the tuned peer's DataLoader workers, `compile` its
+/// torch.compile (the loader pick runs eager, for speed).
+fn run_peer(
+    args: &Fullchain,
+    corpus: &Path,
+    pipeline: &str,
+    tokens: u64,
+    workers: Option<u64>,
+    compile: bool,
+) -> anyhow::Result<Value> {
     let setup = if pipeline == "naive" { &NAIVE } else { &OPTIMIZED };
     let (micro_batch, precision, ckpt_every, lr) = (setup.micro_batch, setup.precision, setup.ckpt_every, setup.lr);
     let steps = (tokens / (micro_batch * SEQ_LEN)).max(2);
@@ -174,8 +208,14 @@ fn run_peer(args: &Fullchain, corpus: &Path, pipeline: &str, tokens: u64) -> any
         // The tuned peer's attention is the variant `benches/train_vs_pytorch.sh` measured fastest
         // for the tiny GPT under bf16 on a CPU (batched bf16 matmuls with a causal mask, stoke's
         // bf16-math), and the model is compiled (its compilation falls in the first step, which the
-        // means leave out like stoke's first).
-        cmd.args(["--attention", "matmul", "--compile"]);
+        // means leave out like stoke's first; it is printed apart as `compile_s`).
+        cmd.args(["--attention", "matmul"]);
+        if compile {
+            cmd.arg("--compile");
+        }
+        if let Some(workers) = workers {
+            cmd.args(["--workers", &workers.to_string()]);
+        }
     }
     let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
     if !out.status.success() {
@@ -289,8 +329,12 @@ pub fn fullchain(args: &Fullchain) -> anyhow::Result<ExitCode> {
     rows.push(stoke_row(OPTIMIZED.name, &optimized));
     let mut peers = Vec::new();
     if !args.no_peers {
+        let workers = pick_peer_workers(args, &corpus)?;
         for pipeline in ["naive", "tuned"] {
-            let v = run_peer(args, &corpus, pipeline, tokens)?;
+            let v = run_peer(args, &corpus, pipeline, tokens, Some(workers), true)?;
+            if let Some(s) = v["compile_s"].as_f64().filter(|_| pipeline == "tuned") {
+                println!("pytorch-tuned: torch.compile took {s:.1} s (its first step, left out of its figures)");
+            }
             rows.push(peer_row(&v));
             peers.push(v);
         }
