@@ -163,8 +163,9 @@ fn pick_peer_workers(args: &Fullchain, corpus: &Path) -> anyhow::Result<u64> {
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); PEER_WORKERS.len()];
     for round in 0..PICK_ROUNDS {
         for (i, workers) in PEER_WORKERS.iter().enumerate() {
-            let v = run_peer(args, corpus, "tuned", PICK_STEPS * OPTIMIZED.micro_batch * SEQ_LEN, Some(*workers), false)
-                .with_context(|| format!("the tuned peer's loader pick, {workers} workers, round {round}"))?;
+            let v =
+                run_peer(args, corpus, "tuned", PICK_STEPS * OPTIMIZED.micro_batch * SEQ_LEN, Some(*workers), false)
+                    .with_context(|| format!("the tuned peer's loader pick, {workers} workers, round {round}"))?;
             rates[i].push(v["tokens_per_s"].as_f64().unwrap_or(f64::NAN));
         }
     }
@@ -300,7 +301,9 @@ pub fn fullchain(args: &Fullchain) -> anyhow::Result<ExitCode> {
     }
     let tokens = args.tokens;
     if !(args.optimized_tokens.is_finite() && (1.0..=16.0).contains(&args.optimized_tokens)) {
-        return Err(UsageError(format!("--optimized-tokens must be from 1 to 16; got {}", args.optimized_tokens)).into());
+        return Err(
+            UsageError(format!("--optimized-tokens must be from 1 to 16; got {}", args.optimized_tokens)).into()
+        );
     }
     let optimized_tokens = (tokens as f64 * args.optimized_tokens) as u64;
     let mut rows = Vec::new();
