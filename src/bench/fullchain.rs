@@ -152,40 +152,60 @@ fn final_loss(metrics: &Path) -> anyhow::Result<f64> {
     Ok(tail.iter().sum::<f64>() / tail.len().max(1) as f64)
 }
 
-/// DataLoader worker counts the tuned peer's pick tries, and its short runs: steps, rounds.
+/// What the tuned peer's pick tries: attention variants (the tiny GPT under bf16; see
+/// `benches/peers/train_gpt.py`), then DataLoader worker counts; each in short eager runs of
+/// `PICK_STEPS` steps, `PICK_ROUNDS` interleaved rounds.
+const PEER_ATTENTION: [&str; 3] = ["matmul", "matmul-blocked", "sdpa"];
 const PEER_WORKERS: [u64; 3] = [0, 1, 2];
 const PICK_STEPS: u64 = 60;
 const PICK_ROUNDS: usize = 2;
 
-/// The tuned peer's DataLoader workers: the count whose short eager runs (interleaved, `PICK_ROUNDS`
-/// rounds) had the highest median tokens/s here; each count's figures are printed.
-fn pick_peer_workers(args: &Fullchain, corpus: &Path) -> anyhow::Result<u64> {
-    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); PEER_WORKERS.len()];
+/// The tuned peer's settings, picked here by measurement.
+#[derive(Debug, Clone, Copy)]
+struct PeerPick {
+    attention: &'static str,
+    workers: u64,
+}
+
+/// Of `candidates`, the one whose short runs had the highest median tokens/s; each is printed.
+fn pick_best(args: &Fullchain, corpus: &Path, candidates: &[PeerPick]) -> anyhow::Result<PeerPick> {
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); candidates.len()];
     for round in 0..PICK_ROUNDS {
-        for (i, workers) in PEER_WORKERS.iter().enumerate() {
-            let v =
-                run_peer(args, corpus, "tuned", PICK_STEPS * OPTIMIZED.micro_batch * SEQ_LEN, Some(*workers), false)
-                    .with_context(|| format!("the tuned peer's loader pick, {workers} workers, round {round}"))?;
+        for (i, pick) in candidates.iter().enumerate() {
+            let v = run_peer(args, corpus, "tuned", PICK_STEPS * OPTIMIZED.micro_batch * SEQ_LEN, *pick, false)
+                .with_context(|| format!("the tuned peer's pick, {pick:?}, round {round}"))?;
             rates[i].push(v["tokens_per_s"].as_f64().unwrap_or(f64::NAN));
         }
     }
     let medians: Vec<f64> = rates.iter().map(|r| stoke_prof::median(r)).collect();
-    let best = (0..PEER_WORKERS.len()).max_by(|&a, &b| medians[a].total_cmp(&medians[b])).unwrap_or(0);
-    for (i, workers) in PEER_WORKERS.iter().enumerate() {
-        println!("tuned peer loader pick: {workers} workers, tokens/s {:.0} (rounds {:?})", medians[i], rates[i]);
+    for (pick, (median, rounds)) in candidates.iter().zip(medians.iter().zip(&rates)) {
+        println!(
+            "tuned peer pick: attention {}, {} workers: tokens/s {median:.0} (rounds {rounds:.0?})",
+            pick.attention, pick.workers
+        );
     }
-    println!("tuned peer loader pick: {} workers", PEER_WORKERS[best]);
-    Ok(PEER_WORKERS[best])
+    let best = (0..candidates.len()).max_by(|&a, &b| medians[a].total_cmp(&medians[b])).unwrap_or(0);
+    Ok(candidates[best])
 }
 
-/// One PyTorch peer run; `workers` sets the tuned peer's DataLoader workers, `compile` its
-/// torch.compile (the loader pick runs eager, for speed).
+/// The tuned peer's attention, then its DataLoader workers, each the fastest here.
+fn pick_peer(args: &Fullchain, corpus: &Path) -> anyhow::Result<PeerPick> {
+    let attention: Vec<PeerPick> = PEER_ATTENTION.iter().map(|&attention| PeerPick { attention, workers: 2 }).collect();
+    let attention = pick_best(args, corpus, &attention)?.attention;
+    let workers: Vec<PeerPick> = PEER_WORKERS.iter().map(|&workers| PeerPick { attention, workers }).collect();
+    let pick = pick_best(args, corpus, &workers)?;
+    println!("tuned peer: attention {}, {} DataLoader workers", pick.attention, pick.workers);
+    Ok(pick)
+}
+
+/// One PyTorch peer run; `pick` sets the tuned peer's attention and DataLoader workers, `compile`
+/// its torch.compile (the pick's runs are eager, for speed).
 fn run_peer(
     args: &Fullchain,
     corpus: &Path,
     pipeline: &str,
     tokens: u64,
-    workers: Option<u64>,
+    pick: PeerPick,
     compile: bool,
 ) -> anyhow::Result<Value> {
     let setup = if pipeline == "naive" { &NAIVE } else { &OPTIMIZED };
@@ -206,16 +226,12 @@ fn run_peer(
         // What `train.host_memory = "retain"` sets in stoke, through glibc's environment: a tuned
         // PyTorch CPU job keeps freed memory too (tcmalloc, jemalloc or these).
         cmd.envs(stoke_train::retain_env());
-        // The tuned peer's attention is the variant `benches/train_vs_pytorch.sh` measured fastest
-        // for the tiny GPT under bf16 on a CPU (batched bf16 matmuls with a causal mask, stoke's
-        // bf16-math), and the model is compiled (its compilation falls in the first step, which the
-        // means leave out like stoke's first; it is printed apart as `compile_s`).
-        cmd.args(["--attention", "matmul"]);
+        // The tuned peer's attention and loader are the ones measured fastest here (`pick_peer`), and
+        // the model is compiled (its compilation falls in the first step, which the means leave out
+        // like stoke's first; it is printed apart as `compile_s`).
+        cmd.args(["--attention", pick.attention, "--workers", &pick.workers.to_string()]);
         if compile {
             cmd.arg("--compile");
-        }
-        if let Some(workers) = workers {
-            cmd.args(["--workers", &workers.to_string()]);
         }
     }
     let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
@@ -332,9 +348,9 @@ pub fn fullchain(args: &Fullchain) -> anyhow::Result<ExitCode> {
     rows.push(stoke_row(OPTIMIZED.name, &optimized));
     let mut peers = Vec::new();
     if !args.no_peers {
-        let workers = pick_peer_workers(args, &corpus)?;
+        let pick = pick_peer(args, &corpus)?;
         for pipeline in ["naive", "tuned"] {
-            let v = run_peer(args, &corpus, pipeline, tokens, Some(workers), true)?;
+            let v = run_peer(args, &corpus, pipeline, tokens, pick, true)?;
             if let Some(s) = v["compile_s"].as_f64().filter(|_| pipeline == "tuned") {
                 println!("pytorch-tuned: torch.compile took {s:.1} s (its first step, left out of its figures)");
             }
