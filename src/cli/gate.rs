@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context;
+
 use crate::gate::GateSpec;
 
 #[derive(Debug, clap::Args)]
@@ -46,8 +48,10 @@ pub fn run(args: GateArgs) -> anyhow::Result<ExitCode> {
         return crate::gate::self_test(&args.dir.join("self-test"), args.pairs, &settings);
     }
     if let Some(rev) = &args.against {
+        // Taken first: building another revision replaces this binary's file for a while.
+        let this = std::env::current_exe().context("cannot locate this stoke binary")?;
         let (binary, name) = crate::gate::binary_of(rev)?;
-        return crate::gate::against(&binary, &name, &args.dir.join("against"), args.pairs, &settings);
+        return crate::gate::against(&this, &binary, &name, &args.dir.join("against"), args.pairs, &settings);
     }
     crate::gate::gate(&GateSpec {
         baseline: args.baseline,

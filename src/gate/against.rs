@@ -234,8 +234,10 @@ fn interleaved(
     Ok((base_runs, runs))
 }
 
-/// `stoke bench gate --against`: this binary against `other`. Exit 4 on a regression.
+/// `stoke bench gate --against`: `this` (this binary's path, taken before `binary_of` built into
+/// its target folder and put its file back) against `other`. Exit 4 on a regression.
 pub fn against(
+    this: &Path,
     other: &Path,
     other_name: &str,
     dir: &Path,
@@ -244,10 +246,10 @@ pub fn against(
 ) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let this = stable_self(dir)?;
     let base =
         Series { name: other_name.to_string(), binary: other.to_path_buf(), inject: Vec::new(), must_catch: None };
-    let cand = Series { name: "this".into(), binary: this.0.clone(), inject: inherited_injections(), must_catch: None };
+    let cand =
+        Series { name: "this".into(), binary: this.to_path_buf(), inject: inherited_injections(), must_catch: None };
     let (base_runs, runs) = interleaved(&base, std::slice::from_ref(&cand), dir, pairs.max(3), settings)?;
     let verdicts = compare(&base_runs, &runs[0])?;
     print_verdicts(&format!("this code over {other_name} ({} pairs)", base_runs.len()), &verdicts);
@@ -268,14 +270,14 @@ pub fn against(
 pub fn self_test(dir: &Path, pairs: usize, settings: &[String]) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let this = stable_self(dir)?;
-    let plain = |name: String| Series { name, binary: this.0.clone(), inject: Vec::new(), must_catch: None };
+    let this = std::env::current_exe().context("cannot locate this stoke binary")?;
+    let plain = |name: String| Series { name, binary: this.clone(), inject: Vec::new(), must_catch: None };
     let base = plain("baseline".into());
     let mut series: Vec<Series> = (1..=5).map(|i| plain(format!("unchanged-{i}"))).collect();
     for (name, var, value, figure) in SELF_TEST_INJECTIONS {
         series.push(Series {
             name: name.into(),
-            binary: this.0.clone(),
+            binary: this.clone(),
             inject: vec![(var.into(), value.into())],
             must_catch: Some(figure.into()),
         });
@@ -312,27 +314,6 @@ pub fn self_test(dir: &Path, pairs: usize, settings: &[String]) -> anyhow::Resul
 /// check that the gate against another revision catches an injected slowdown).
 fn inherited_injections() -> Vec<(String, String)> {
     INJECTIONS.iter().filter_map(|(var, ..)| std::env::var(var).ok().map(|v| (var.to_string(), v))).collect()
-}
-
-/// A copy of this binary for its own runs, removed when dropped.
-struct SelfCopy(PathBuf);
-
-impl Drop for SelfCopy {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// A copy of this binary that stays put while the other revision is built into the same target
-/// folder (which replaces the file this process was started from).
-fn stable_self(dir: &Path) -> anyhow::Result<SelfCopy> {
-    let exe = std::env::current_exe().context("cannot locate this stoke binary")?;
-    let copy = dir.join("bin").join(format!("stoke-{}", std::process::id()));
-    std::fs::create_dir_all(copy.parent().expect("a parent")).ok();
-    std::fs::copy("/proc/self/exe", &copy)
-        .or_else(|_| std::fs::copy(&exe, &copy))
-        .with_context(|| format!("cannot copy {} to {}", exe.display(), copy.display()))?;
-    Ok(SelfCopy(copy))
 }
 
 /// The `stoke` binary of `rev`: `rev` itself when it names an executable file; otherwise a git
