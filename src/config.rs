@@ -185,6 +185,15 @@ pub struct DataConfig {
     /// The token (by its text, e.g. "<|eot_id|>") appended to each instruction's response; ""
     /// for none. Default "".
     pub eos: String,
+    /// Robot episodes (model.family = "vla"): past frames per camera besides the current one.
+    /// Default 0.
+    pub history: usize,
+    /// Robot episodes: random resized crops and colour jitter on the training frames (never on
+    /// the held-out ones). Default true.
+    pub augment: bool,
+    /// Robot episodes: what an ablation blanks in every sample, training and held-out: "none",
+    /// "frames" (black) or "instructions" (empty). Default "none".
+    pub blank: String,
 }
 
 impl Default for DataConfig {
@@ -201,6 +210,9 @@ impl Default for DataConfig {
             weights: Vec::new(),
             tokenizer: "bytes".into(),
             eos: String::new(),
+            history: 0,
+            augment: true,
+            blank: "none".into(),
         }
     }
 }
@@ -449,6 +461,9 @@ impl StokeConfig {
             }
             other => ConfigError::Invalid { key: "model.from".into(), message: other.to_string() },
         })?;
+        // A vla model's input sizes come from its dataset's manifest, so they are explicit too.
+        config.model = crate::run::resolve_episode_dims(&config.model, &config.data)
+            .map_err(|(key, message)| ConfigError::Invalid { key: key.into(), message })?;
         config.validate()?;
         Ok(config)
     }

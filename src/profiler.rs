@@ -247,6 +247,7 @@ impl Profiler {
                 n_params: info.n_params,
                 n_trainable_params: info.n_trainable_params,
                 flops_per_token: info.flops_per_token,
+                frames_per_sample: info.frames_per_sample,
             },
             train: TrainFacts {
                 micro_batch: info.micro_batch,

@@ -23,8 +23,9 @@ pub enum PrepCommand {
     Text(PrepTextArgs),
     /// Decode images (ImageFolder layout: root/<class>/<file>) or files into record shards.
     Records(PrepRecordsArgs),
-    /// Robot episodes (JSON lines: episode, t, instruction, state, action, one image per camera)
-    /// into frames, state/action statistics and instruction tokens.
+    /// Robot episodes (JSON lines: episode, t, instruction, state, action, one image per camera; or
+    /// a LeRobot v2 dataset: Parquet tables and MP4 videos, decoded by ffmpeg) into frames,
+    /// state/action statistics and instruction tokens.
     Episodes(PrepEpisodesArgs),
     /// Read a prepared directory (tokens or records) completely and check checksums and indexes.
     Verify(PrepVerifyArgs),
@@ -58,7 +59,8 @@ pub struct PrepTextArgs {
 
 #[derive(Debug, Args)]
 pub struct PrepEpisodesArgs {
-    /// A JSON-lines file, or a folder of `*.jsonl` files (image paths are relative to each file).
+    /// A JSON-lines file, a folder of `*.jsonl` files (image paths are relative to each file), or
+    /// a LeRobot v2 dataset folder (the one holding `meta/info.json`; needs `ffmpeg` on PATH).
     pub source: PathBuf,
     /// Output directory (created if missing; one that holds anything is refused without --force).
     #[arg(long)]
@@ -69,7 +71,8 @@ pub struct PrepEpisodesArgs {
     /// Side of the square frames decoded frames are resized to.
     #[arg(long, default_value_t = 64)]
     pub resolution: u32,
-    /// Keep each frame's JPEG/PNG bytes, to decode (and augment) at training time.
+    /// Keep each frame's JPEG/PNG bytes, to decode (and augment) at training time (JSON-lines
+    /// sources only: a LeRobot dataset's frames are in videos).
     #[arg(long)]
     pub keep_encoded: bool,
     /// A HuggingFace tokenizer.json for the instructions, or "bytes".

@@ -37,6 +37,9 @@ fn sources_for(
     world_size: usize,
     held_out: bool,
 ) -> anyhow::Result<Option<Box<dyn BatchSource>>> {
+    if config.model.family == "vla" {
+        return Ok(Some(super::episodes::episode_source(config, rank, world_size, held_out)?));
+    }
     let shape = config.model.shape()?;
     let data = &config.data;
     if data.path.ends_with(".jsonl") {

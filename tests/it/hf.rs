@@ -68,7 +68,7 @@ fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
 /// stoke's fp32 logits of `tokens` for the model `model` describes.
 fn stoke_logits(model: &ModelConfig, tokens: &Tensor) -> Vec<f32> {
     let built = build_model(model, &fp32(), 1, Device::Cpu).expect("the checkpoint loads");
-    let logits = tch::no_grad(|| built.forward(tokens));
+    let logits = tch::no_grad(|| built.forward(tokens).expect("token logits"));
     Vec::<f32>::try_from(logits.to_kind(Kind::Float).reshape([-1])).unwrap()
 }
 
@@ -141,7 +141,7 @@ fn an_exported_run_loads_in_transformers_with_stokes_logits() {
         trainer.restore(&store, store.latest().unwrap().expect("the run checkpointed")).unwrap();
         let tokens = "[[1, 2, 3, 90, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 95]]";
         let tokens_json: Value = serde_json::from_str(tokens).unwrap();
-        let ours = tch::no_grad(|| trainer.model().forward(&tokens_tensor(&tokens_json)));
+        let ours = tch::no_grad(|| trainer.model().forward(&tokens_tensor(&tokens_json)).expect("token logits"));
         let ours = Vec::<f32>::try_from(ours.reshape([-1])).unwrap();
 
         let theirs = Command::new(python()).arg(script()).arg("logits").arg(&out).arg(tokens).output().unwrap();
@@ -184,7 +184,7 @@ fn restored_logits(run: &Path, model: &ModelConfig, train: &TrainConfig, tokens:
     let mut trainer = Trainer::new(model, train, &CkptConfig::default(), Device::Cpu).unwrap();
     let store = stoke_ckpt::CheckpointStore::new(run.join("checkpoints"));
     trainer.restore(&store, store.latest().unwrap().expect("the run checkpointed")).unwrap();
-    let logits = tch::no_grad(|| trainer.model().forward(&tokens_tensor(tokens)));
+    let logits = tch::no_grad(|| trainer.model().forward(&tokens_tensor(tokens)).expect("token logits"));
     Vec::<f32>::try_from(logits.reshape([-1])).unwrap()
 }
 

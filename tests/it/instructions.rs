@@ -55,7 +55,9 @@ fn the_loss_counts_response_tokens_only() {
     for (prompt, response) in examples {
         let tokens: Vec<i64> = format!("{prompt}{response}").bytes().map(i64::from).collect();
         let inputs = Tensor::from_slice(&tokens[..tokens.len() - 1]).view([1, -1]);
-        let logits = tch::no_grad(|| trainer.model().forward(&inputs)).to_kind(Kind::Float).squeeze_dim(0);
+        let logits = tch::no_grad(|| trainer.model().forward(&inputs).expect("token logits"))
+            .to_kind(Kind::Float)
+            .squeeze_dim(0);
         let log_probs = logits.log_softmax(-1, Kind::Float);
         for position in 1..tokens.len() {
             sum_all -= log_probs.double_value(&[position as i64 - 1, tokens[position]]);

@@ -26,6 +26,7 @@ mod sched;
 mod sched_serve;
 mod sched_slurm;
 mod train;
+mod vla;
 mod zero;
 
 use std::path::Path;

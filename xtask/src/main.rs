@@ -9,7 +9,7 @@
 //! Tasks:
 //! - `setup`: install libtorch if it is not there yet (idempotent, quick when done).
 //! - `train [ARGS]`: set up, then `stoke train ARGS` from a release build.
-//! - `test [ARGS]`: set up, install Open MPI when missing (apt-get, as root), then
+//! - `test [ARGS]`: set up, install Open MPI and ffmpeg when missing (apt-get, as root), then
 //!   `cargo test --workspace --features stoke-comm/mpi,stoke-comm/nccl ARGS`; without ARGS, then also the
 //!   benchmark regression gate (`stoke bench gate`): its self-test (five unchanged series pass,
 //!   five injected slowdowns are caught), then this code against the previous commit, built from
@@ -83,7 +83,7 @@ fn main() -> ExitCode {
             cmd.args(["run", "--release", "--quiet", "--bin", "stoke", "--"]).args(rest);
             status(cmd)
         }),
-        "test" => setup(&root).and_then(|_| ensure_open_mpi()).and_then(|_| ensure_hf_deps(&root)).and_then(|_| {
+        "test" => setup(&root).and_then(|_| ensure_test_tools()).and_then(|_| ensure_hf_deps(&root)).and_then(|_| {
             let mut cmd = cargo(&root);
             cmd.args(["test", "--workspace", "--features", "stoke-comm/mpi,stoke-comm/nccl"]).args(rest);
             let code = status(cmd)?;
@@ -213,6 +213,16 @@ fn ensure_open_mpi() -> Result<(), String> {
         return Ok(());
     }
     apt_install(OPEN_MPI_PACKAGES, "the tests need Open MPI")
+}
+
+/// The system packages the tests need: Open MPI, and ffmpeg (stoke decodes LeRobot datasets'
+/// videos with it, and stoke-data's LeRobot tests encode theirs with it).
+fn ensure_test_tools() -> Result<(), String> {
+    ensure_open_mpi()?;
+    if Command::new("ffmpeg").arg("-version").output().is_ok_and(|o| o.status.success()) {
+        return Ok(());
+    }
+    apt_install(&["ffmpeg"], "the tests need ffmpeg")
 }
 
 /// Installs `HF_DEPS` (and torch's own dependencies) when Python cannot import them yet.

@@ -13,6 +13,9 @@ pub struct Batch {
     /// Laid out like `tokens`: true where a token is no target of the loss (an instruction's
     /// prompt and padding; the first token of a row is never one). Empty: every token counts.
     pub loss_mask: Vec<bool>,
+    /// A robot sample's batch (frames, state, actions, the instruction's tokens) from an
+    /// [`EpisodeSource`](crate::EpisodeSource); `tokens` is then empty. None for token data.
+    pub episode: Option<Box<crate::episodes::EpisodeBatch>>,
 }
 
 impl Batch {
@@ -77,7 +80,7 @@ impl BatchSource for RandomWindows {
             tokens.extend(self.tokens[start..start + width].iter().map(|&t| t as i64));
         }
         self.position += 1;
-        Ok(Batch { micro_batch: self.micro_batch, seq_len: self.seq_len, tokens, loss_mask: Vec::new() })
+        Ok(Batch { micro_batch: self.micro_batch, seq_len: self.seq_len, tokens, loss_mask: Vec::new(), episode: None })
     }
 
     fn position(&self) -> u64 {

@@ -32,6 +32,10 @@ pub enum DataError {
     Episode { path: PathBuf, line: u64, message: String },
     #[error("{path}: cannot decode image: {detail}")]
     Image { path: PathBuf, detail: String },
+    #[error("{path}: cannot read Parquet table: {detail}")]
+    Table { path: PathBuf, detail: String },
+    #[error("{path}: cannot decode video: {detail}")]
+    Video { path: PathBuf, detail: String },
     #[error(
         "{path}: not a dataset stoke can read (expected a prepared directory, Megatron .bin/.idx, or a raw token file)"
     )]

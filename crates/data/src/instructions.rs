@@ -118,7 +118,7 @@ impl BatchSource for InstructionSource {
             }
         }
         self.position += (self.micro_batch * self.world_size) as u64;
-        Ok(Batch { micro_batch: self.micro_batch, seq_len: self.seq_len, tokens, loss_mask })
+        Ok(Batch { micro_batch: self.micro_batch, seq_len: self.seq_len, tokens, loss_mask, episode: None })
     }
 
     fn position(&self) -> u64 {

@@ -354,6 +354,7 @@ impl Loader {
             seq_len: self.config.seq_len,
             tokens: buffer,
             loss_mask: Vec::new(),
+            episode: None,
         })
     }
 }
@@ -396,6 +397,7 @@ impl BatchSource for Loader {
             seq_len: self.config.seq_len,
             tokens: buffer,
             loss_mask: Vec::new(),
+            episode: None,
         })
     }
 

@@ -730,3 +730,6 @@ mod tokenizer {
         assert!(err.to_string().contains("</s>"), "{err}");
     }
 }
+
+/// LeRobot v2 datasets (Parquet tables and MP4 videos) through `prepare_episodes`; needs `ffmpeg`.
+mod lerobot;

@@ -48,7 +48,7 @@ pub use memory::{
     fine_tune_states, layer_activation_bytes, layers_in_flight, memory_per_device, model_states, stage_params,
     stage_trainable_params, MemoryBreakdown, ModelStates, Stage,
 };
-pub use model::{LayerActivations, ModelConfig, LORA_TARGETS, MODEL_PRESETS};
+pub use model::{ExplicitUnits, LayerActivations, ModelConfig, LORA_TARGETS, MODEL_PRESETS};
 pub use render::{format_seconds, render_table};
 pub use search::{candidate_layouts, evaluate, search, Estimate, PlanConfig, SearchConfig, SearchOutcome};
 pub use time::{hardware_flops_per_step, stage_flops_per_micro_batch, step_time, Link, StepTime};

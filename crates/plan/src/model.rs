@@ -46,6 +46,24 @@ pub struct ModelConfig {
     /// `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj` (`gate_proj` only in a gated MLP).
     /// Default q_proj and v_proj (PEFT's choice for Llama).
     pub lora_targets: Vec<String>,
+    /// A model whose units are not a GPT's (a vision-language-action model: a vision tower, a
+    /// projector, extra inputs): each unit's parameters and the FLOPs per token, as the family
+    /// counts them. None: the GPT's accounting above. Default None.
+    pub units: Option<ExplicitUnits>,
+}
+
+/// The units of a model that says them itself ([`ModelConfig::units`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExplicitUnits {
+    /// Parameters of the embedding unit.
+    pub embedding: u64,
+    /// Parameters of each block, in order.
+    pub blocks: Vec<u64>,
+    /// Parameters of the head unit.
+    pub head: u64,
+    /// Training FLOPs per token (forward and backward).
+    pub flops_per_token: f64,
 }
 
 /// The block matrices LoRA can target, by Hugging Face's Llama names.
@@ -82,6 +100,7 @@ impl ModelConfig {
             flash_attention: false,
             lora_rank: 0,
             lora_targets: default_lora_targets(),
+            units: None,
         }
     }
 
@@ -108,6 +127,7 @@ impl ModelConfig {
             flash_attention: true,
             lora_rank: 0,
             lora_targets: default_lora_targets(),
+            units: None,
         }
     }
 
@@ -232,6 +252,9 @@ impl ModelConfig {
 
     /// All parameters, a tied embedding counted once, adapters included.
     pub fn n_params(&self) -> usize {
+        if let Some(units) = &self.units {
+            return (units.embedding + units.blocks.iter().sum::<u64>() + units.head) as usize;
+        }
         self.n_layer * (self.params_per_layer() + self.lora_params_per_layer()) + self.embedding_params()
     }
 
@@ -305,6 +328,9 @@ impl ModelConfig {
     /// matmul weight plus 12·L·h·s for attention, PaLM's accounting (Chowdhery et al., 2022,
     /// appendix B), which is also what `stoke train` reports as `flops_per_token`.
     pub fn model_flops_per_token(&self) -> f64 {
+        if let Some(units) = &self.units {
+            return units.flops_per_token;
+        }
         let per_layer = self.layer_training_flops(1) / self.seq_len as f64;
         let head = self.head_training_flops(1) / self.seq_len as f64;
         self.n_layer as f64 * per_layer + head

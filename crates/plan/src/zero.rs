@@ -111,6 +111,9 @@ pub fn optimizer_state_buffers(optimizer: &str) -> Option<u64> {
 /// learned, position tables), each block, the head (the final norm, and the output matrix when it
 /// is not tied to the token embedding).
 pub fn model_units(model: &ModelConfig) -> Vec<u64> {
+    if let Some(units) = &model.units {
+        return [vec![units.embedding], units.blocks.clone(), vec![units.head]].concat();
+    }
     let h = model.d_model as u64;
     let positions = if model.learned_positions { model.seq_len as u64 * h } else { 0 };
     let embedding = model.vocab_size as u64 * h + positions;

@@ -43,6 +43,9 @@ pub struct ModelFacts {
     pub n_trainable_params: usize,
     /// Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM, appendix B).
     pub flops_per_token: f64,
+    /// Camera frames a sample reads (a vision-language-action model); 0 for text models.
+    #[serde(default)]
+    pub frames_per_sample: usize,
 }
 
 /// `report.json`'s `train`.

@@ -15,7 +15,7 @@
 //! use stoke_prof::{build_report, MachineFacts, ModelFacts, PhaseTimes, Precision, ProfConfig, RunFacts, StepSample,
 //!     TrainFacts};
 //! let model = ModelFacts { n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, vocab_size: 256,
-//!     n_params: 120_000, n_trainable_params: 120_000, flops_per_token: 7e5 };
+//!     n_params: 120_000, n_trainable_params: 120_000, flops_per_token: 7e5, frames_per_sample: 0 };
 //! let train = TrainFacts { micro_batch: 512, grad_accum: 1, precision: Precision::Bf16, world_size: 1, ..TrainFacts::default() };
 //! let machine = MachineFacts { peak_flops: 8e11, peak_flops_fp32: None, peak_flops_bf16: None,
 //!     device: "cpu".into(), memory_capacity_bytes: None, peak_source: None };

@@ -99,6 +99,7 @@ pub fn merge_ranks(
         report.tokens_per_s_mean *= scale;
         report.tokens_per_s_p90_step *= scale;
         report.samples_per_s *= scale;
+        report.frames_per_s *= scale;
         // Against the peaks of all ranks: the mean of the ranks' MFU.
         report.mfu *= scale / world_size as f64;
         report.compute_mfu *= scale / world_size as f64;

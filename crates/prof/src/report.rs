@@ -39,6 +39,10 @@ pub struct RunReport {
     /// Sequences per second at the headline rate (`tokens_per_s / seq_len`).
     #[serde(default)]
     pub samples_per_s: f64,
+    /// Camera frames per second at the headline rate (`samples_per_s` x the model's frames per
+    /// sample); 0 for text models.
+    #[serde(default)]
+    pub frames_per_s: f64,
     /// The rate of the 90th-percentile step: nine steps in ten were at least this fast.
     pub tokens_per_s_p90_step: f64,
     /// Milliseconds per phase: `step_ms` split in `phase_shares`, so they sum to `step_ms`.
@@ -187,6 +191,7 @@ pub(crate) fn measure_report(
         tokens_per_s,
         tokens_per_s_mean,
         samples_per_s,
+        frames_per_s: samples_per_s * facts.model.frames_per_sample as f64,
         tokens_per_s_p90_step,
         phases,
         phase_shares,
@@ -249,6 +254,13 @@ impl RunReport {
             self.tokens_per_s_mean,
             self.tokens_per_s_p90_step
         );
+        if self.model.frames_per_sample > 0 {
+            let _ = writeln!(
+                out,
+                "  robot samples: {:.1} samples/s, {:.0} camera frames/s ({} a sample)",
+                self.samples_per_s, self.frames_per_s, self.model.frames_per_sample
+            );
+        }
         if let (Some(rank0), Some(ranks)) = (&self.rank0, &self.ranks) {
             let _ = writeln!(
                 out,
@@ -346,6 +358,7 @@ pub(crate) mod tests {
                 n_params: 100_000,
                 n_trainable_params: 100_000,
                 flops_per_token: 6e5,
+                frames_per_sample: 0,
             },
             train: TrainFacts {
                 micro_batch: 8,

@@ -103,7 +103,13 @@ impl TokenLoader {
             let mut state = self.state.lock().expect("never poisoned");
             let TokenState { loader, returned, home } = &mut *state;
             for buffer in returned.try_iter() {
-                loader.recycle(Batch { micro_batch, seq_len: width - 1, tokens: buffer, loss_mask: Vec::new() });
+                loader.recycle(Batch {
+                    micro_batch,
+                    seq_len: width - 1,
+                    tokens: buffer,
+                    loss_mask: Vec::new(),
+                    episode: None,
+                });
             }
             loader.next_batch().map(|batch| (batch.tokens, home.clone())).map_err(errors::data)
         })?;
@@ -209,6 +215,7 @@ impl EpisodeBatches {
             max_tokens,
             workers,
             prefetch,
+            ..EpisodeLoaderConfig::default()
         };
         let loader = py.detach(|| {
             let store = EpisodeStore::open(&PathBuf::from(&path), verify).map_err(errors::data)?;

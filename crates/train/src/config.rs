@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 pub use executor::{ExecutorKind, Recompute};
 pub use finetune::{glob_match, LoraConfig};
-pub use model::{GptShape, LlamaShape, ModelConfig, RopeScaling, MODEL_FAMILIES};
+pub use model::{GptShape, LlamaShape, ModelConfig, RopeScaling, VlaShape, MODEL_FAMILIES};
 
 use crate::TrainError;
 
@@ -99,6 +99,10 @@ pub struct TrainConfig {
     /// next step, "system" leaves the C library's defaults (which return it to the kernel, so
     /// every step faults its pages in again). Process-wide. Default "retain".
     pub host_memory: HostMemory,
+    /// The vla family's action loss: "flow" (flow matching: a noised action chunk and its time
+    /// in, the velocity toward the actions out, mean squared error) or "l1" (the chunk regressed
+    /// straight from the inputs, mean absolute error). Default "flow".
+    pub action_loss: ActionLoss,
     /// On a CPU, update the parameters in one fused, threaded pass; false runs the update as a
     /// chain of libtorch tensor ops over the flat buffers (PyTorch's default AdamW does one such
     /// chain per parameter). Default true.
@@ -298,6 +302,7 @@ impl Default for TrainConfig {
             attention: AttentionPrecision::Auto,
             causal_block_rows: 128,
             host_memory: HostMemory::Retain,
+            action_loss: ActionLoss::Flow,
             fused_optimizer: true,
             fused_cross_entropy: FusedCrossEntropy::Auto,
             fused_layer_norm: true,
@@ -653,6 +658,16 @@ pub struct LossScaleConfig {
     pub backoff: f64,
     /// Steps without overflow before the scale grows. Default 2000.
     pub interval: u64,
+}
+
+/// See `TrainConfig::action_loss`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActionLoss {
+    /// Flow matching, integrated by Euler steps at evaluation.
+    Flow,
+    /// Direct regression with an L1 loss.
+    L1,
 }
 
 /// See `TrainConfig::host_memory`.

@@ -28,7 +28,7 @@ use tch::{Device, Tensor};
 use crate::clock::StepClock;
 use crate::config::{ExecutorKind, Recompute};
 use crate::kernels::LayerNormStats;
-use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, Model, Norm};
+use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, Inputs, Model, Norm};
 use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::{Phase, TrainError};
@@ -281,8 +281,7 @@ impl Executor {
     pub fn run_micro_batch(
         &self,
         model: &dyn Model,
-        inputs: &Tensor,
-        targets: &Tensor,
+        inputs: &Inputs,
         loss_multiplier: f64,
         last: bool,
         measure_memory: bool,
@@ -290,10 +289,8 @@ impl Executor {
         hooks: &mut dyn StepHooks,
     ) -> Result<MicroBatch, TrainError> {
         match self.kind {
-            ExecutorKind::Blocks => {
-                self.run_blocks(model, inputs, targets, loss_multiplier, last, measure_memory, clock, hooks)
-            }
-            ExecutorKind::SingleGraph => run_single_graph(model, inputs, targets, loss_multiplier, last, clock, hooks),
+            ExecutorKind::Blocks => self.run_blocks(model, inputs, loss_multiplier, last, measure_memory, clock, hooks),
+            ExecutorKind::SingleGraph => run_single_graph(model, inputs, loss_multiplier, last, clock, hooks),
         }
     }
 
@@ -301,8 +298,7 @@ impl Executor {
     fn run_blocks(
         &self,
         model: &dyn Model,
-        inputs: &Tensor,
-        targets: &Tensor,
+        inputs: &Inputs,
         loss_multiplier: f64,
         last: bool,
         measure_memory: bool,
@@ -311,7 +307,7 @@ impl Executor {
     ) -> Result<MicroBatch, TrainError> {
         let n_layer = model.shape().n_layer;
         let head_unit = n_layer + 1;
-        let measure_memory = measure_memory && inputs.device() == Device::Cpu;
+        let measure_memory = measure_memory && inputs.tokens.device() == Device::Cpu;
         let chain = !hooks.between_blocks();
         let mut activation_bytes = Vec::with_capacity(n_layer);
 
@@ -366,8 +362,8 @@ impl Executor {
         };
         // With the fused cross-entropy the logits' gradient is computed here, in the forward.
         let head = match &head_normed {
-            Some((normed, _)) => model.head_loss_for_backward(normed, true, targets, loss_multiplier),
-            None => model.head_loss_for_backward(&head_input, false, targets, loss_multiplier),
+            Some((normed, _)) => model.head_loss_for_backward(normed, true, inputs, loss_multiplier),
+            None => model.head_loss_for_backward(&head_input, false, inputs, loss_multiplier),
         };
         let peak_bytes_in_use = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
         clock.lap(Phase::Forward);
@@ -584,8 +580,7 @@ fn grads_final(
 /// Today's step before the executor: one graph, one `backward()`.
 fn run_single_graph(
     model: &dyn Model,
-    inputs: &Tensor,
-    targets: &Tensor,
+    inputs: &Inputs,
     loss_multiplier: f64,
     last: bool,
     clock: &mut StepClock,
@@ -595,7 +590,7 @@ fn run_single_graph(
     for unit in 0..n_units {
         hooks.before_forward(unit, clock)?;
     }
-    let loss = model.loss(inputs, targets);
+    let loss = model.loss(inputs);
     clock.lap(Phase::Forward);
     for unit in (0..n_units).rev() {
         hooks.before_backward(unit, clock)?;

@@ -35,9 +35,9 @@ mod trainer;
 pub use adaptive::{grown_accum, AdaptiveConfig, NoiseScale};
 pub use clock::StepClock;
 pub use config::{
-    glob_match, AttentionPrecision, CkptConfig, EvalConfig, ExecutorKind, FusedCrossEntropy, GptShape, HostMemory,
-    Injections, LlamaShape, LoraConfig, LossScaleConfig, LrScaling, LrShape, ModelConfig, OptimizerKind, Precision,
-    Recompute, RopeScaling, TrainConfig, FUSED_CROSS_ENTROPY_MIN_VOCAB, MODEL_FAMILIES,
+    glob_match, ActionLoss, AttentionPrecision, CkptConfig, EvalConfig, ExecutorKind, FusedCrossEntropy, GptShape,
+    HostMemory, Injections, LlamaShape, LoraConfig, LossScaleConfig, LrScaling, LrShape, ModelConfig, OptimizerKind,
+    Precision, Recompute, RopeScaling, TrainConfig, VlaShape, FUSED_CROSS_ENTROPY_MIN_VOCAB, MODEL_FAMILIES,
 };
 pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{
@@ -55,7 +55,8 @@ pub use kernels::{
 pub use memory_fit::{check_fits, estimate_step_memory, memory_limit, MemoryEstimate, MemoryLimit};
 pub use models::{
     build_model, export_hf, export_peft, merged_parameters, plan_model, plan_model_for, resolve_from, Branch,
-    BranchBackward, ByHand, CoreBackward, Gpt, GptRms, HeadBackward, HeadLoss, Llama, Model, Norm,
+    BranchBackward, ByHand, CoreBackward, EpisodeInputs, Gpt, GptRms, HeadBackward, HeadLoss, Inputs, Llama, Model,
+    Norm, Vla,
 };
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};

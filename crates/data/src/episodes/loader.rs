@@ -43,6 +43,23 @@ pub struct EpisodeLoaderConfig {
     pub workers: usize,
     /// Batches assembled ahead. Default 4.
     pub prefetch: usize,
+    /// The episodes samples come from, by index (a held-out split takes the tail); None: all.
+    /// Default None.
+    pub episodes: Option<std::ops::Range<usize>>,
+    /// What to blank for an ablation: frames (every pixel 0) or instructions (no token).
+    /// Default: nothing.
+    pub blank: Blank,
+}
+
+/// What an ablation blanks in every sample ([`EpisodeLoaderConfig::blank`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Blank {
+    #[default]
+    Nothing,
+    /// Every frame black.
+    Frames,
+    /// Every instruction empty (all padding).
+    Instructions,
 }
 
 impl Default for EpisodeLoaderConfig {
@@ -59,6 +76,8 @@ impl Default for EpisodeLoaderConfig {
             max_tokens: 32,
             workers: 2,
             prefetch: 4,
+            episodes: None,
+            blank: Blank::Nothing,
         }
     }
 }
@@ -84,6 +103,11 @@ pub struct EpisodeBatch {
     pub token_mask: Vec<u8>,
     /// The global step index each row was cut from.
     pub steps: Vec<u64>,
+    /// `[micro_batch, chunk, action_dim]` standard normal draws, the start of a flow-matching
+    /// model's flow, a pure function of (seed, epoch, sample).
+    pub noise: Vec<f32>,
+    /// `[micro_batch]` uniform draws in [0, 1), the flow time each row trains at, from the same key.
+    pub time: Vec<f32>,
 }
 
 /// Counters of the loader's work, for the report's data findings.
@@ -104,6 +128,19 @@ struct Shared {
     store: EpisodeStore,
     config: EpisodeLoaderConfig,
     side: u32,
+    /// The global steps samples come from (the chosen episodes').
+    steps: std::ops::Range<u64>,
+}
+
+/// A key's draws for the flow: `n` standard normals (Box-Muller) then a uniform time.
+fn flow_draws(key: u64, n: usize, noise: &mut Vec<f32>, time: &mut Vec<f32>) {
+    let mut rng = SplitMix64::new(key);
+    let mut unit = || ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    for _ in 0..n {
+        let (u, v) = (unit(), unit());
+        noise.push(((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32);
+    }
+    time.push((unit() - 0.5 / (1u64 << 53) as f64) as f32);
 }
 
 /// Assembles the batch of this rank starting at global sample `start`.
@@ -111,7 +148,7 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
     let busy = Instant::now();
     let (store, config) = (&shared.store, &shared.config);
     let manifest = store.manifest();
-    let n_steps = store.n_steps();
+    let n_steps = shared.steps.end - shared.steps.start;
     let (n_cameras, per_camera) = (manifest.cameras.len(), config.history + 1);
     let mut batch = EpisodeBatch {
         micro_batch: config.micro_batch,
@@ -123,7 +160,7 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
     for row in 0..config.micro_batch as u64 {
         let sample = start + config.rank as u64 * config.micro_batch as u64 + row;
         let (epoch, within) = (sample / n_steps, sample % n_steps);
-        let step = Permutation::for_epoch(n_steps, config.seed, epoch).apply(within);
+        let step = shared.steps.start + Permutation::for_epoch(n_steps, config.seed, epoch).apply(within);
         let (episode, t) = store.locate(step);
         let (episode_first, episode_len) = (episode.first_step, episode.n_steps);
         batch.steps.push(step);
@@ -151,6 +188,10 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
                         let augment_start = Instant::now();
                         draw.apply(&image, shared.side, &mut batch.frames);
                         augment_start
+                    } else if config.blank == Blank::Frames {
+                        // Nothing to decode: the frame is blanked below.
+                        batch.frames.resize(batch.frames.len() + (shared.side as usize).pow(2) * 3, 0);
+                        Instant::now()
                     } else {
                         let image = image::load_from_memory(record.bytes)
                             .map_err(|err| DataError::Image {
@@ -162,6 +203,10 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
                         draw.apply(&image, shared.side, &mut batch.frames);
                         augment_start
                     };
+                if config.blank == Blank::Frames {
+                    let from = batch.frames.len() - (shared.side as usize).pow(2) * 3;
+                    batch.frames[from..].fill(0);
+                }
                 stats.decode_ns += (augment_start - decode_start).as_nanos() as u64;
                 stats.augment_ns += augment_start.elapsed().as_nanos() as u64;
                 stats.frames += 1;
@@ -179,7 +224,10 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
                 batch.action_mask.push(0);
             }
         }
-        let tokens = &episode.tokens[..episode.tokens.len().min(config.max_tokens)];
+        let flow_key = mix64(config.seed ^ mix64(epoch ^ mix64(sample ^ FLOW_SALT)));
+        flow_draws(flow_key, config.chunk * manifest.action_dim, &mut batch.noise, &mut batch.time);
+        let kept = if config.blank == Blank::Instructions { 0 } else { episode.tokens.len().min(config.max_tokens) };
+        let tokens = &episode.tokens[..kept];
         batch.tokens.extend(tokens.iter().map(|&t| t as i64));
         batch.token_mask.extend(std::iter::repeat_n(1, tokens.len()));
         let pad = config.max_tokens - tokens.len();
@@ -189,6 +237,9 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
     stats.busy_ns = busy.elapsed().as_nanos() as u64;
     Ok((batch, stats))
 }
+
+/// Keeps the flow's draws apart from the cameras' augmentation keys.
+const FLOW_SALT: u64 = 0x666c_6f77_0000_0001;
 
 fn manifest_path(store: &EpisodeStore) -> std::path::PathBuf {
     store.dir().join("manifest.json")
@@ -230,7 +281,21 @@ impl EpisodeLoader {
             return Err(invalid("resolution", format!("must be 8 to 1024; got {side}")));
         }
         let global_batch = (config.micro_batch * config.world_size) as u64;
-        let shared = Arc::new(Shared { store, config, side });
+        let episodes = store.episodes();
+        let steps = match &config.episodes {
+            None => 0..store.n_steps(),
+            Some(range) if range.start < range.end && range.end <= episodes.len() => {
+                let last = &episodes[range.end - 1];
+                episodes[range.start].first_step..last.first_step + last.n_steps
+            }
+            Some(range) => {
+                return Err(invalid(
+                    "episodes",
+                    format!("{range:?} is not a non-empty range of the dataset's {} episodes", episodes.len()),
+                ))
+            }
+        };
+        let shared = Arc::new(Shared { store, config, side, steps });
         let (job_tx, job_rx) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
         let workers = (0..shared.config.workers)
@@ -334,6 +399,43 @@ impl EpisodeLoader {
 
     pub fn store(&self) -> &EpisodeStore {
         &self.shared.store
+    }
+}
+
+/// An [`EpisodeLoader`] as the trainer's [`BatchSource`](crate::BatchSource): each batch's
+/// `episode` holds the loader's batch, `seq_len` its instruction tokens.
+pub struct EpisodeSource {
+    loader: EpisodeLoader,
+}
+
+impl EpisodeSource {
+    pub fn new(loader: EpisodeLoader) -> EpisodeSource {
+        EpisodeSource { loader }
+    }
+
+    pub fn loader(&self) -> &EpisodeLoader {
+        &self.loader
+    }
+}
+
+impl crate::BatchSource for EpisodeSource {
+    fn next_batch(&mut self) -> Result<crate::Batch, DataError> {
+        let batch = self.loader.next_batch()?;
+        Ok(crate::Batch {
+            micro_batch: batch.micro_batch,
+            seq_len: self.loader.shared.config.max_tokens,
+            tokens: Vec::new(),
+            loss_mask: Vec::new(),
+            episode: Some(Box::new(batch)),
+        })
+    }
+
+    fn position(&self) -> u64 {
+        self.loader.position()
+    }
+
+    fn seek(&mut self, position: u64) {
+        self.loader.seek(position)
     }
 }
 

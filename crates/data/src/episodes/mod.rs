@@ -1,13 +1,15 @@
 //! Robot episodes as data: camera frames, an instruction, the robot's state and its actions per
-//! time step. `layout` reads the documented JSON-lines layout, `prep` turns it into a prepared
+//! time step. `layout` reads the documented JSON-lines layout and `lerobot` the LeRobot v2 layout
+//! (Parquet tables and MP4 videos, decoded by `ffmpeg`); `prep` turns either into a prepared
 //! directory (frames decoded and resized once, or kept encoded; state and action statistics;
 //! instruction tokens; CRC-32s), `store` reads one back, and `synthetic` writes the built-in
-//! dataset in the same layout; `loader` cuts training batches from a prepared directory (frames
+//! dataset in the JSON-lines layout; `loader` cuts training batches from a prepared directory (frames
 //! decoded and augmented by worker threads, action chunks, exact resume) with `augment`'s crops
 //! and colour jitter.
 
 mod augment;
 mod layout;
+mod lerobot;
 mod loader;
 mod prep;
 mod store;
@@ -15,7 +17,7 @@ mod synthetic;
 
 pub use augment::{AugmentConfig, Draw};
 pub use layout::{Episode, Episodes, Step};
-pub use loader::{EpisodeBatch, EpisodeLoader, EpisodeLoaderConfig, EpisodeLoaderStats};
+pub use loader::{Blank, EpisodeBatch, EpisodeLoader, EpisodeLoaderConfig, EpisodeLoaderStats, EpisodeSource};
 pub use prep::{
     prepare_episodes, read_episodes, CheckedFile, EpisodeEntry, EpisodeManifest, FrameEncoding, PrepEpisodesConfig,
     EPISODES_FORMAT,

@@ -1,4 +1,5 @@
-//! `stoke prep episodes`: JSON-lines episodes into a prepared episode directory.
+//! `stoke prep episodes`: episodes in the JSON-lines layout (`layout`) or the LeRobot v2 layout
+//! (`lerobot`, recognised by its `meta/info.json`) into a prepared episode directory.
 //!
 //! ```text
 //! manifest.json   format "stoke-episodes": sizes, cameras, frame encoding, the per-dimension mean
@@ -10,12 +11,17 @@
 //!                 camera in camera order, either decoded RGB at the model's resolution or the
 //!                 image file's own JPEG/PNG bytes (`keep_encoded`), decoded at training time
 //! ```
+//!
+//! A LeRobot dataset's frames are in videos, decoded here (by `ffmpeg`) at the resolution asked:
+//! `keep_encoded` is refused for it, since a video has no per-frame file to keep and re-encoding
+//! its frames would add a second lossy generation.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use super::layout::{parse_lines, EpisodeBuilder, Episodes};
+use super::lerobot::{is_lerobot, read_lerobot, EpisodeVideos};
 use crate::prep::{write_atomically, Encoder};
 use crate::records::RecordWriter;
 use crate::DataError;
@@ -125,6 +131,23 @@ pub fn read_episodes(source: &Path) -> Result<Episodes, DataError> {
     builder.finish().map_err(|message| DataError::Episode { path: source.into(), line: 0, message })
 }
 
+/// Where the frames of the episodes come from.
+enum FrameFiles {
+    /// Each step's `images`: one image file per camera.
+    Images,
+    /// Per episode, one video per camera (LeRobot v2), frame t being step t's.
+    Videos(Vec<Vec<PathBuf>>),
+}
+
+/// The episodes under `source` in either layout, with where their frames are.
+fn read_source(source: &Path) -> Result<(Episodes, FrameFiles), DataError> {
+    if is_lerobot(source) {
+        let lerobot = read_lerobot(source)?;
+        return Ok((lerobot.episodes, FrameFiles::Videos(lerobot.videos)));
+    }
+    Ok((read_episodes(source)?, FrameFiles::Images))
+}
+
 /// Per-dimension mean and standard deviation (a constant dimension gets std 1, so normalizing it is
 /// a shift).
 fn mean_std(rows: impl Iterator<Item = Vec<f32>> + Clone, dim: usize) -> (Vec<f32>, Vec<f32>) {
@@ -168,7 +191,17 @@ pub fn prepare_episodes(
             reason: format!("must be 8 to 1024; got {}", config.resolution),
         });
     }
-    let episodes = read_episodes(source)?;
+    if config.keep_encoded && is_lerobot(source) {
+        return Err(DataError::Config {
+            field: "keep_encoded",
+            reason: format!(
+                "{} is a LeRobot dataset, whose frames are in videos: prepare them decoded, at a resolution \
+                 large enough for the crops training takes",
+                source.display()
+            ),
+        });
+    }
+    let (episodes, frame_files) = read_source(source)?;
     let encoder = Encoder::load(&config.tokenizer)?;
     std::fs::create_dir_all(out_dir).map_err(DataError::write(out_dir))?;
     let all_steps = || episodes.episodes.iter().flat_map(|e| e.steps.iter());
@@ -178,14 +211,29 @@ pub fn prepare_episodes(
     let mut steps_bin = Vec::new();
     let mut entries = Vec::with_capacity(episodes.episodes.len());
     let mut first_step = 0u64;
-    for episode in &episodes.episodes {
+    let side = config.resolution;
+    for (episode_idx, episode) in episodes.episodes.iter().enumerate() {
+        let mut videos = match &frame_files {
+            FrameFiles::Images => None,
+            FrameFiles::Videos(videos) => {
+                Some(EpisodeVideos::start(&videos[episode_idx], side, episode.steps.len() as u64)?)
+            }
+        };
         for (step_idx, step) in episode.steps.iter().enumerate() {
             step.state.iter().chain(&step.action).for_each(|v| steps_bin.extend_from_slice(&v.to_le_bytes()));
-            for (camera_idx, image) in step.images.iter().enumerate() {
-                let (shape, bytes) = frame(image, config)?;
+            for camera_idx in 0..episodes.cameras.len() {
                 let label = ((first_step + step_idx as u64) * episodes.cameras.len() as u64 + camera_idx as u64) as i64;
-                frames.push(label, shape, &bytes)?;
+                match &mut videos {
+                    Some(videos) => frames.push(label, [side, side, 3], videos.next_frame(camera_idx)?)?,
+                    None => {
+                        let (shape, bytes) = frame(&step.images[camera_idx], config)?;
+                        frames.push(label, shape, &bytes)?;
+                    }
+                }
             }
+        }
+        if let Some(videos) = videos {
+            videos.finish()?;
         }
         let tokens = encoder.encode_text(&episode.instruction, source)?;
         entries.push(EpisodeEntry {

@@ -57,6 +57,28 @@ pub struct ModelConfig {
     pub rope_high_freq_factor: f64,
     /// With `rope_scaling = "llama3"`: the context the frequencies were trained for. Default 8192.
     pub rope_original_context: usize,
+    /// Vision transformer blocks before the backbone (vla only); 0 takes the preset's. Default 0.
+    pub vision_layers: usize,
+    /// Side in pixels of the square patches a frame is cut into (vla only); 0 takes the
+    /// preset's. Default 0.
+    pub patch: usize,
+    /// Side in pixels of the frames the model reads, the loader's output (vla only); 0 takes the
+    /// preset's. Default 0.
+    pub image_side: usize,
+    /// Frames per sample, cameras x (history + 1) (vla only); 0 takes the dataset's. Default 0.
+    pub frames: usize,
+    /// Width of the robot's state vector (vla only); 0 takes the dataset's. Default 0.
+    pub state_dim: usize,
+    /// Width of one action (vla only); 0 takes the dataset's. Default 0.
+    pub action_dim: usize,
+    /// Future actions predicted per sample, the action chunk (vla only); 0 takes the preset's.
+    /// Default 0.
+    pub chunk: usize,
+    /// Instruction tokens per sample, longer ones cut, shorter ones padded (vla only); 0 takes the
+    /// preset's. Default 0.
+    pub instruction_tokens: usize,
+    /// Euler steps that integrate the action flow at evaluation (vla only). Default 10.
+    pub flow_steps: usize,
     /// Weights to start from instead of a random init: "" (none) or "hf:DIR", a Hugging Face
     /// checkpoint folder (`config.json` and `*.safetensors`, GPT-2 or Llama). The shape keys are
     /// then read from its config.json when the run starts. Default "".
@@ -84,6 +106,15 @@ impl Default for ModelConfig {
             rope_low_freq_factor: 1.0,
             rope_high_freq_factor: 4.0,
             rope_original_context: 8192,
+            vision_layers: 0,
+            patch: 0,
+            image_side: 0,
+            frames: 0,
+            state_dim: 0,
+            action_dim: 0,
+            chunk: 0,
+            instruction_tokens: 0,
+            flow_steps: 10,
             from: String::new(),
         }
     }
@@ -160,8 +191,110 @@ impl LlamaShape {
     }
 }
 
+/// The vla family's resolved shape: a vision tower, a projector and a backbone over [frame
+/// patches, instruction tokens, the state, the action chunk], an action head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VlaShape {
+    /// `n_layer` the vision blocks and the backbone's together (the executor's blocks),
+    /// `seq_len` the whole sequence, `vocab_size` the instruction's tokens.
+    pub base: GptShape,
+    pub vision_layers: usize,
+    pub patch: usize,
+    pub image_side: usize,
+    pub frames: usize,
+    pub state_dim: usize,
+    pub action_dim: usize,
+    pub chunk: usize,
+    pub instruction_tokens: usize,
+    pub flow_steps: usize,
+}
+
+impl VlaShape {
+    /// Patches of one frame.
+    pub fn patches_per_frame(&self) -> usize {
+        (self.image_side / self.patch).pow(2)
+    }
+
+    /// The vision tokens of a sample: every frame's patches.
+    pub fn vision_tokens(&self) -> usize {
+        self.frames * self.patches_per_frame()
+    }
+
+    /// Values of one flattened patch (RGB).
+    pub fn patch_dim(&self) -> usize {
+        3 * self.patch * self.patch
+    }
+
+    /// The backbone's blocks.
+    pub fn backbone_layers(&self) -> usize {
+        self.base.n_layer - self.vision_layers
+    }
+
+    /// Parameters of the embedding unit: the patch projection (weight and bias), the vision
+    /// positions, the token embedding and the instruction's positions, the state projection,
+    /// the action projection, the flow time's two-layer MLP and the action chunk's positions.
+    pub fn embedding_params(&self) -> usize {
+        let d = self.base.d_model;
+        (self.patch_dim() + 1) * d
+            + self.vision_tokens() * d
+            + self.base.vocab_size * d
+            + self.instruction_tokens * d
+            + (self.state_dim + 1) * d
+            + (self.action_dim + 1) * d
+            + 2 * (d * d + d)
+            + self.chunk * d
+    }
+
+    /// Parameters of one block (the GPT's: LayerNorms, attention and a 4d MLP, with biases).
+    pub fn block_params(&self) -> usize {
+        let d = self.base.d_model;
+        2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    }
+
+    /// Parameters of the projector from the vision tower into the backbone (in the first
+    /// backbone block's unit).
+    pub fn projector_params(&self) -> usize {
+        self.base.d_model * self.base.d_model + self.base.d_model
+    }
+
+    /// Parameters of the head unit: the final LayerNorm and the action projection.
+    pub fn head_params(&self) -> usize {
+        2 * self.base.d_model + (self.base.d_model + 1) * self.action_dim
+    }
+
+    pub fn n_params(&self) -> usize {
+        self.embedding_params() + self.base.n_layer * self.block_params() + self.projector_params() + self.head_params()
+    }
+
+    /// Training FLOPs of one sample, forward and backward: 6 per weight per token that meets it
+    /// (a vision block's weights meet the vision tokens, a backbone block's the whole sequence,
+    /// the patch projection the vision tokens, the head the action chunk) plus the attention
+    /// products, 12·d per pair of positions per block.
+    pub fn flops_per_sample(&self) -> f64 {
+        let d = self.base.d_model as f64;
+        let block_matmul = (12 * self.base.d_model * self.base.d_model) as f64;
+        let (vision, seq) = (self.vision_tokens() as f64, self.base.seq_len as f64);
+        let per_frame = self.patches_per_frame() as f64;
+        let matmul = vision * (self.patch_dim() as f64 * d + self.vision_layers as f64 * block_matmul + d * d)
+            + seq * self.backbone_layers() as f64 * block_matmul
+            + self.chunk as f64 * (self.action_dim as f64 * d * 2.0 + 2.0 * d * d);
+        let attention = self.vision_layers as f64 * vision * per_frame * 2.0 * d
+            + self.backbone_layers() as f64 * seq * seq * 2.0 * d;
+        6.0 * matmul + 3.0 * attention
+    }
+}
+
 /// The values `model.family` takes.
-pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama"];
+pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama", "vla"];
+
+/// What a vla preset fixes beyond its backbone's shape.
+struct VlaPreset {
+    vision_layers: usize,
+    patch: usize,
+    image_side: usize,
+    chunk: usize,
+    instruction_tokens: usize,
+}
 
 /// What a preset fixes beyond the GPT's shape (llama's keys), for the presets that fix them.
 struct LlamaPreset {
@@ -173,7 +306,7 @@ struct LlamaPreset {
 impl ModelConfig {
     /// The names `model.preset` accepts.
     pub const PRESETS: &'static [&'static str] =
-        &["tiny", "small", "gpt2-124m", "llama-tiny", "llama3-8b", "llama3-70b"];
+        &["tiny", "small", "gpt2-124m", "llama-tiny", "llama3-8b", "llama3-70b", "vla-tiny", "vla-small"];
 
     /// The resolved shape, after checking the section (`model.family` too).
     pub fn shape(&self) -> Result<GptShape, TrainError> {
@@ -191,6 +324,9 @@ impl ModelConfig {
             // Meta's Llama 3 8B and 70B (their params.json and Hugging Face config.json).
             "llama3-8b" => GptShape { n_layer: 32, n_head: 32, d_model: 4096, seq_len: 8192, vocab_size: 128256 },
             "llama3-70b" => GptShape { n_layer: 80, n_head: 64, d_model: 8192, seq_len: 8192, vocab_size: 128256 },
+            // The backbones of the vla presets (their seq_len is the whole sequence, resolved below).
+            "vla-tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 128, seq_len: 0, vocab_size: 256 },
+            "vla-small" => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 0, vocab_size: 256 },
             other => {
                 return Err(TrainError::InvalidConfig {
                     key: "model.preset",
@@ -205,6 +341,35 @@ impl ModelConfig {
                     "{:?} is a llama shape; set model.family = \"llama\" (got {:?})",
                     self.preset, self.family
                 ),
+            });
+        }
+        if self.preset.starts_with("vla") != (self.family == "vla") {
+            return Err(TrainError::InvalidConfig {
+                key: "model.preset",
+                message: format!(
+                    "model.family = \"vla\" takes the presets vla-tiny and vla-small, and they take no other family; \
+                     got family {:?} with preset {:?}",
+                    self.family, self.preset
+                ),
+            });
+        }
+        if self.family == "vla" {
+            return Ok(self.vla_shape_of(preset)?.base);
+        }
+        let vla_only = [
+            ("model.vision_layers", self.vision_layers),
+            ("model.patch", self.patch),
+            ("model.image_side", self.image_side),
+            ("model.frames", self.frames),
+            ("model.state_dim", self.state_dim),
+            ("model.action_dim", self.action_dim),
+            ("model.chunk", self.chunk),
+            ("model.instruction_tokens", self.instruction_tokens),
+        ];
+        if let Some((key, _)) = vla_only.iter().find(|(_, value)| *value != 0) {
+            return Err(TrainError::InvalidConfig {
+                key,
+                message: format!("applies to model.family = \"vla\" only; this model is {:?}", self.family),
             });
         }
         let pick = |value: usize, preset: usize| if value == 0 { preset } else { value };
@@ -255,6 +420,82 @@ impl ModelConfig {
         if self.family == "llama" {
             self.llama_shape_of(shape)?;
         }
+        Ok(shape)
+    }
+
+    /// The vla family's resolved shape (see [`ModelConfig::shape`] for the checks).
+    pub fn vla_shape(&self) -> Result<VlaShape, TrainError> {
+        self.shape()?;
+        let preset = match self.preset.as_str() {
+            "vla-tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 128, seq_len: 0, vocab_size: 256 },
+            _ => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 0, vocab_size: 256 },
+        };
+        self.vla_shape_of(preset)
+    }
+
+    fn vla_shape_of(&self, backbone: GptShape) -> Result<VlaShape, TrainError> {
+        let invalid = |key, message: String| Err(TrainError::InvalidConfig { key, message });
+        let preset = match self.preset.as_str() {
+            "vla-tiny" => VlaPreset { vision_layers: 2, patch: 8, image_side: 64, chunk: 8, instruction_tokens: 32 },
+            _ => VlaPreset { vision_layers: 4, patch: 16, image_side: 224, chunk: 16, instruction_tokens: 32 },
+        };
+        let others = [
+            ("model.seq_len", self.seq_len != 0),
+            ("model.gelu", self.gelu != "exact"),
+            ("model.n_kv_head", self.n_kv_head != 0),
+            ("model.ffn_hidden", self.ffn_hidden != 0),
+            ("model.rope_theta", self.rope_theta != 0.0),
+            ("model.norm_eps", self.norm_eps != 0.0),
+            ("model.tie_head", self.tie_head),
+            ("model.rope_scaling", self.rope_scaling != "none"),
+            ("model.from", !self.from.is_empty()),
+        ];
+        if let Some((key, _)) = others.iter().find(|(_, set)| *set) {
+            return invalid(
+                key,
+                "does not apply to model.family = \"vla\" (its sequence is set by the vla keys)".into(),
+            );
+        }
+        let pick = |value: usize, preset: usize| if value == 0 { preset } else { value };
+        let (patch, image_side) = (pick(self.patch, preset.patch), pick(self.image_side, preset.image_side));
+        if image_side % patch != 0 {
+            return invalid("model.patch", format!("must divide model.image_side = {image_side}; got {patch}"));
+        }
+        let unresolved =
+            [("model.frames", self.frames), ("model.state_dim", self.state_dim), ("model.action_dim", self.action_dim)];
+        if let Some((key, _)) = unresolved.iter().find(|(_, value)| *value == 0) {
+            return invalid(
+                key,
+                "is 0 and no episodes dataset gave it: train on a folder from `stoke prep episodes` (data.path) or set it".into(),
+            );
+        }
+        if self.flow_steps == 0 {
+            return invalid("model.flow_steps", "must be at least 1".into());
+        }
+        let (d_model, n_head) = (pick(self.d_model, backbone.d_model), pick(self.n_head, backbone.n_head));
+        if d_model % n_head != 0 {
+            return invalid("model.n_head", format!("must divide model.d_model = {d_model}; got {n_head}"));
+        }
+        let vision_layers = pick(self.vision_layers, preset.vision_layers);
+        let mut shape = VlaShape {
+            base: GptShape {
+                n_layer: vision_layers + pick(self.n_layer, backbone.n_layer),
+                n_head,
+                d_model,
+                seq_len: 0,
+                vocab_size: pick(self.vocab_size, backbone.vocab_size),
+            },
+            vision_layers,
+            patch,
+            image_side,
+            frames: self.frames,
+            state_dim: self.state_dim,
+            action_dim: self.action_dim,
+            chunk: pick(self.chunk, preset.chunk),
+            instruction_tokens: pick(self.instruction_tokens, preset.instruction_tokens),
+            flow_steps: self.flow_steps,
+        };
+        shape.base.seq_len = shape.vision_tokens() + shape.instruction_tokens + 1 + shape.chunk;
         Ok(shape)
     }
 

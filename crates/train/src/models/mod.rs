@@ -15,6 +15,7 @@ mod gpt_rms;
 mod hf;
 mod llama;
 mod seam;
+mod vla;
 
 use tch::Device;
 
@@ -26,7 +27,10 @@ pub use gpt::Gpt;
 pub use gpt_rms::GptRms;
 pub use hf::{export_hf, resolve_from};
 pub use llama::Llama;
-pub use seam::{Branch, BranchBackward, ByHand, CoreBackward, HeadBackward, HeadLoss, Model, Norm};
+pub use seam::{
+    Branch, BranchBackward, ByHand, CoreBackward, EpisodeInputs, HeadBackward, HeadLoss, Inputs, Model, Norm,
+};
+pub use vla::Vla;
 
 /// A model of the family `model.family` names, with the kernels and casts `train` asks for (their
 /// Rust kernels split over `kernel_threads`): freshly initialized (seed libtorch first for a
@@ -63,6 +67,7 @@ fn build_initialized(
             Ok(Box::new(gpt_rms))
         }
         "llama" => Ok(Box::new(Llama::with_lora(model.llama_shape()?, train.precision, &train.lora, device))),
+        "vla" => Ok(Box::new(Vla::new(model.vla_shape()?, train.precision, train.action_loss, device))),
         other => Err(unknown_family(other)),
     }
 }
@@ -76,6 +81,7 @@ pub fn plan_model(model: &ModelConfig) -> Result<stoke_plan::ModelConfig, TrainE
         "gpt" => Ok(gpt::plan_model(shape)),
         "gpt-rms" => Ok(gpt_rms::plan_model(shape)),
         "llama" => Ok(llama::plan_model(&model.llama_shape()?)),
+        "vla" => Ok(vla::plan_model(&model.vla_shape()?)),
         other => Err(unknown_family(other)),
     }
 }
@@ -114,18 +120,31 @@ mod tests {
     #[test]
     fn every_family_describes_itself_to_the_planner_as_it_is_built() {
         let train = TrainConfig { precision: crate::config::Precision::Fp32, ..TrainConfig::default() };
-        let overrides = [("tiny", 0, 0, 0), ("tiny", 3, 64, 2), ("tiny", 2, 96, 3), ("llama-tiny", 2, 0, 0)];
+        let overrides = [
+            ("tiny", 0, 0, 0),
+            ("tiny", 3, 64, 2),
+            ("tiny", 2, 96, 3),
+            ("llama-tiny", 2, 0, 0),
+            ("vla-tiny", 0, 0, 0),
+            ("vla-tiny", 1, 64, 2),
+        ];
         for family in MODEL_FAMILIES {
             for (preset, n_layer, d_model, n_head) in overrides {
-                if preset.starts_with("llama") && *family != "llama" {
+                let preset_family = preset.split('-').next().unwrap_or(preset);
+                let own_preset = ["llama", "vla"].contains(&preset_family);
+                if (own_preset && *family != preset_family) || (!own_preset && *family == "vla") {
                     continue;
                 }
+                let vla = *family == "vla";
                 let config = ModelConfig {
                     family: family.to_string(),
                     preset: preset.into(),
                     n_layer,
                     d_model,
                     n_head,
+                    frames: if vla { 2 } else { 0 },
+                    state_dim: if vla { 3 } else { 0 },
+                    action_dim: if vla { 2 } else { 0 },
                     ..ModelConfig::default()
                 };
                 let plan = plan_model(&config).unwrap();

@@ -7,6 +7,41 @@ use crate::config::GptShape;
 use crate::kernels::LayerNormStats;
 use crate::params::FlatParams;
 
+/// One micro-batch as a model takes it, on the model's device.
+pub struct Inputs {
+    /// `[batch, seq]` int64: the token rows a text model reads; a VLA model's instruction tokens
+    /// (0 where padded).
+    pub tokens: Tensor,
+    /// `[batch, seq]` int64 next-token targets, `-100` where the loss skips one; a VLA model reads
+    /// none (an empty tensor).
+    pub targets: Tensor,
+    /// The rest of a robot sample, for a model of episodes (`model.family = "vla"`).
+    pub episode: Option<EpisodeInputs>,
+}
+
+impl Inputs {
+    /// A text model's micro-batch: token rows and their targets.
+    pub fn tokens(tokens: Tensor, targets: Tensor) -> Inputs {
+        Inputs { tokens, targets, episode: None }
+    }
+}
+
+/// A robot sample's tensors beside its instruction tokens (see `stoke_data::EpisodeBatch`).
+pub struct EpisodeInputs {
+    /// `[batch, frames, side, side, 3]` uint8 camera frames.
+    pub frames: Tensor,
+    /// `[batch, state_dim]` fp32, normalized.
+    pub state: Tensor,
+    /// `[batch, chunk, action_dim]` fp32 the action chunk, normalized.
+    pub actions: Tensor,
+    /// `[batch, chunk]` fp32: 1 where the action exists.
+    pub action_mask: Tensor,
+    /// `[batch, chunk, action_dim]` fp32 standard normal noise, the flow's start.
+    pub noise: Tensor,
+    /// `[batch]` fp32 in [0, 1): where on the flow from noise (0) to the actions (1) a sample trains.
+    pub time: Tensor,
+}
+
 /// One of a block's two residual branches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Branch {
@@ -151,8 +186,8 @@ pub trait Model {
     /// `add_cast_grads` for every block and the head.
     fn add_all_cast_grads(&self) {}
 
-    /// The embedding unit: `[batch, seq, d]` fp32 from `inputs` `[batch, seq]` int64.
-    fn embed(&self, inputs: &Tensor) -> Tensor;
+    /// The embedding unit: `[batch, seq, d]` fp32 from the micro-batch.
+    fn embed(&self, inputs: &Inputs) -> Tensor;
 
     /// Norm `which` of `x`, fp32.
     fn norm(&self, which: Norm, x: &Tensor) -> Tensor;
@@ -167,14 +202,21 @@ pub trait Model {
 
     /// The head's loss for the block executor's backward, which starts from `loss x
     /// loss_multiplier`. `normed`: `x` is already the final norm's output (by hand).
-    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, targets: &Tensor, loss_multiplier: f64) -> HeadLoss<'_>;
+    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, loss_multiplier: f64) -> HeadLoss<'_>;
 
-    /// Mean cross-entropy of predicting `targets` from `inputs`, both `[batch, seq]` int64, as
-    /// one autograd graph (the executor runs the same functions unit by unit).
-    fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor;
+    /// The training loss of the micro-batch (a text model's mean cross-entropy) as one autograd
+    /// graph (the executor runs the same functions unit by unit).
+    fn loss(&self, inputs: &Inputs) -> Tensor;
 
-    /// Logits `[batch, seq, vocab]` (16-bit under 16-bit precision), as one graph.
-    fn forward(&self, inputs: &Tensor) -> Tensor;
+    /// The figure evaluation reports on held-out data: the training loss unless the family says
+    /// otherwise (a VLA model's action error after integrating its flow).
+    fn eval_loss(&self, inputs: &Inputs) -> Tensor {
+        self.loss(inputs)
+    }
+
+    /// Logits `[batch, seq, vocab]` (16-bit under 16-bit precision) of token rows, as one graph;
+    /// None for a family whose head gives no token logits (vla).
+    fn forward(&self, inputs: &Tensor) -> Option<Tensor>;
 
     /// The parts this model runs by hand; `None` runs everything in libtorch's graph.
     fn by_hand(&self) -> Option<&dyn ByHand> {

@@ -1,7 +1,6 @@
 //! Held-out evaluation and early stopping.
 
 use stoke_data::BatchSource;
-use tch::Tensor;
 
 use crate::config::EvalConfig;
 use crate::executor::StepHooks;
@@ -40,19 +39,23 @@ impl Trainer {
         hooks.full_parameters(true)?;
         let Some(eval) = self.eval.as_mut() else { return Ok((f64::NAN, 0)) };
         let shape = self.model.shape();
-        let seq_len = shape.seq_len as i64;
         eval.source.seek(0);
         let (mut sum, mut tokens) = (0.0, 0u64);
         for _ in 0..eval.config.batches {
             let batch = eval.source.next_batch()?;
-            let rows_n = batch.micro_batch as i64;
-            let rows = Tensor::from_slice(&batch.tokens).view([rows_n, seq_len + 1]).to_device(self.device);
+            let rows = batch.micro_batch;
+            let inputs = super::inputs::inputs_of(
+                &batch,
+                shape,
+                self.episode_shape.as_ref(),
+                self.train.micro_batch,
+                self.step,
+                self.device,
+            )?;
             eval.source.recycle(batch);
-            let inputs = rows.narrow(1, 0, seq_len).contiguous();
-            let targets = rows.narrow(1, 1, seq_len).contiguous();
-            let loss = tch::no_grad(|| self.model.loss(&inputs, &targets)).double_value(&[]);
+            let loss = tch::no_grad(|| self.model.eval_loss(&inputs)).double_value(&[]);
             sum += loss;
-            tokens += (rows_n * seq_len) as u64;
+            tokens += (rows * shape.seq_len) as u64;
         }
         hooks.full_parameters(false)?;
         let loss = hooks.reduce_loss(sum / eval.config.batches as f64)?;

@@ -119,6 +119,8 @@ pub struct RunInfo {
     pub n_trainable_params: usize,
     /// Training FLOPs per token, the model's own count (`Model::flops_per_token`): MFU's numerator.
     pub flops_per_token: f64,
+    /// Camera frames a sample reads (a vla model); 0 for text models.
+    pub frames_per_sample: usize,
     pub precision: Precision,
     pub device: Device,
     pub micro_batch: usize,

@@ -8,6 +8,7 @@ mod checkpoint;
 mod eval;
 mod events;
 mod guards;
+mod inputs;
 mod nan_dump;
 mod state;
 mod step;
@@ -118,6 +119,7 @@ impl Trainer {
         // The Rust kernels split their work over libtorch's threads.
         let kernel_threads = tch::get_num_threads().max(1) as usize;
         let matmuls = crate::models::plan_model_for(model, train)?;
+        let episode_shape = if model.family == "vla" { Some(model.vla_shape()?) } else { None };
         let model = build_model(model, train, kernel_threads, device)?;
         let optimizer = Optimizer::for_config(train, model.params());
         let executor = Executor::new(train.executor, train.recompute)?;
@@ -140,6 +142,7 @@ impl Trainer {
             adaptive: None,
             sharded: false,
             matmuls,
+            episode_shape,
         })
     }
 
@@ -279,6 +282,7 @@ impl Trainer {
             n_params: self.model.n_params(),
             n_trainable_params: self.model.params().n_elements() as usize,
             flops_per_token: self.model.flops_per_token(),
+            frames_per_sample: self.episode_shape.map_or(0, |s| s.frames),
             precision: self.train.precision,
             device: self.device,
             micro_batch: self.train.micro_batch,

@@ -41,6 +41,8 @@ pub struct Trainer {
     pub(super) sharded: bool,
     /// The model's matrix multiplies as the planner counts them (`RunInfo::matmuls`).
     pub(super) matmuls: stoke_plan::ModelConfig,
+    /// A vla model's shape, which its episode batches are checked against; None for token models.
+    pub(super) episode_shape: Option<crate::config::VlaShape>,
 }
 
 /// The adaptive batch size's settings and state (the estimates are saved in checkpoints).

@@ -14,9 +14,6 @@ use crate::TrainError;
 
 use super::events::{BatchChange, MemoryReport};
 
-/// The target cross-entropy skips: libtorch's `nll_loss` default `ignore_index`, which every
-/// family's loss in libtorch's graph uses.
-const IGNORED_TARGET: i64 = -100;
 use super::state::Trainer;
 
 impl Trainer {
@@ -31,7 +28,7 @@ impl Trainer {
         hooks: &mut dyn StepHooks,
     ) -> Result<(Tensor, Option<MemoryReport>, Option<f64>), TrainError> {
         let shape = self.model.shape();
-        let (micro_batch, seq_len) = (self.train.micro_batch, shape.seq_len);
+        let micro_batch = self.train.micro_batch;
         let n_micro = self.grad_accum;
         // Adaptive batch size: the mean squared norm of the micro-batches' own gradients.
         let mut micro_sq_sum = 0.0;
@@ -44,32 +41,16 @@ impl Trainer {
         for micro_idx in 0..n_micro {
             let batch = source.next_batch()?;
             clock.lap(Phase::DataWait);
-            if batch.micro_batch != micro_batch || batch.seq_len != seq_len {
-                return Err(TrainError::InvalidConfig {
-                    key: "data",
-                    message: format!(
-                        "the data source gave a [{}, {}] batch, the run wants [{micro_batch}, {seq_len}]",
-                        batch.micro_batch, batch.seq_len
-                    ),
-                });
-            }
-            if let Some(&token) = batch.tokens.iter().find(|&&t| t < 0 || t as usize >= shape.vocab_size) {
-                return Err(TrainError::TokenOutOfVocab { step: step_number, token, vocab_size: shape.vocab_size });
-            }
-            let rows = Tensor::from_slice(&batch.tokens).view([micro_batch as i64, seq_len as i64 + 1]);
-            // Targets the loss skips (an instruction's prompt, padding) take cross-entropy's
-            // ignored index, so the mean runs over the counted ones.
-            let ignored = (!batch.loss_mask.is_empty())
-                .then(|| Tensor::from_slice(&batch.loss_mask).view([micro_batch as i64, seq_len as i64 + 1]));
-            // from_slice copied the tokens: the buffer goes back to the source for a later batch.
+            let inputs = super::inputs::inputs_of(
+                &batch,
+                shape,
+                self.episode_shape.as_ref(),
+                micro_batch,
+                step_number,
+                self.device,
+            )?;
+            // The inputs are copies: the buffer goes back to the source for a later batch.
             source.recycle(batch);
-            let rows = rows.to_device(self.device);
-            let inputs = rows.narrow(1, 0, seq_len as i64).contiguous();
-            let mut targets = rows.narrow(1, 1, seq_len as i64).contiguous();
-            if let Some(ignored) = ignored {
-                let ignored = ignored.narrow(1, 1, seq_len as i64).to_device(self.device);
-                targets = targets.masked_fill(&ignored, IGNORED_TARGET);
-            }
             clock.lap(Phase::H2d);
             let measure = measure_memory && micro_idx == 0;
             let before = measure.then(crate::peak::host_bytes_in_use).flatten();
@@ -77,7 +58,6 @@ impl Trainer {
             let result = self.executor.run_micro_batch(
                 self.model.as_ref(),
                 &inputs,
-                &targets,
                 loss_multiplier,
                 last,
                 measure,

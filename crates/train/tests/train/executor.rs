@@ -42,6 +42,10 @@ fn families(precision: Precision) -> Vec<(&'static str, Box<dyn Model>)> {
     vec![("gpt", gpt), ("gpt-rms", rms), ("llama", llama), ("llama-lora", Box::new(lora))]
 }
 
+fn tokens(inputs: &Tensor, targets: &Tensor) -> stoke_train::Inputs {
+    stoke_train::Inputs::tokens(inputs.shallow_clone(), targets.shallow_clone())
+}
+
 fn batch(rows: i64, seed: i64) -> (Tensor, Tensor) {
     tch::manual_seed(seed);
     let tokens = Tensor::randint(SHAPE.vocab_size as i64, [rows, SHAPE.seq_len as i64 + 1], (Kind::Int64, Device::Cpu));
@@ -65,7 +69,7 @@ fn gradients_with(
     let k = micro_batches.len();
     for (idx, (inputs, targets)) in micro_batches.iter().enumerate() {
         executor
-            .run_micro_batch(model, inputs, targets, 1.0 / k as f64, idx + 1 == k, false, &mut clock, hooks)
+            .run_micro_batch(model, &tokens(inputs, targets), 1.0 / k as f64, idx + 1 == k, false, &mut clock, hooks)
             .unwrap();
     }
     assert!(model.params().grads_are_bound(), "a gradient left the flat buffer");
@@ -84,7 +88,7 @@ fn first_loss(model: &Gpt, executor: &Executor, data: &[(Tensor, Tensor)]) -> f6
     let mut clock = StepClock::start(Device::Cpu, true);
     let (inputs, targets) = &data[0];
     executor
-        .run_micro_batch(model, inputs, targets, 1.0, true, false, &mut clock, &mut stoke_train::NoHooks)
+        .run_micro_batch(model, &tokens(inputs, targets), 1.0, true, false, &mut clock, &mut stoke_train::NoHooks)
         .unwrap()
         .loss
         .double_value(&[])
@@ -209,7 +213,9 @@ fn callbacks_fire_in_unit_order_and_grads_final_once_per_step() {
     let mut clock = StepClock::start(Device::Cpu, true);
     for (idx, seed) in [4, 5].into_iter().enumerate() {
         let (inputs, targets) = batch(2, seed);
-        executor.run_micro_batch(&gpt, &inputs, &targets, 0.5, idx == 1, false, &mut clock, &mut hooks).unwrap();
+        executor
+            .run_micro_batch(&gpt, &tokens(&inputs, &targets), 0.5, idx == 1, false, &mut clock, &mut hooks)
+            .unwrap();
     }
     let n = gpt.n_units();
     let forward: Vec<String> = (0..n).map(|u| format!("f{u}")).collect();
@@ -230,7 +236,7 @@ fn recomputation_keeps_less_activation_memory() {
         let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
         let mut clock = StepClock::start(Device::Cpu, true);
         let result = executor
-            .run_micro_batch(&gpt, &inputs, &targets, 1.0, true, true, &mut clock, &mut stoke_train::NoHooks)
+            .run_micro_batch(&gpt, &tokens(&inputs, &targets), 1.0, true, true, &mut clock, &mut stoke_train::NoHooks)
             .unwrap();
         result.activation_bytes.expect("measured on a CPU").iter().sum::<u64>()
     };

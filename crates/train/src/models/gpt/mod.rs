@@ -14,7 +14,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::{AttentionPrecision, GptShape, Precision, TrainConfig};
 use crate::models::embedding::{embed, embedding_unit};
-use crate::models::{Branch, ByHand, HeadLoss, Model, Norm};
+use crate::models::{Branch, ByHand, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
@@ -392,8 +392,8 @@ impl Model for Gpt {
         Gpt::add_all_cast_grads(self)
     }
 
-    fn embed(&self, inputs: &Tensor) -> Tensor {
-        Gpt::embed(self, inputs)
+    fn embed(&self, inputs: &Inputs) -> Tensor {
+        Gpt::embed(self, &inputs.tokens)
     }
 
     fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
@@ -414,16 +414,16 @@ impl Model for Gpt {
         }
     }
 
-    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, targets: &Tensor, loss_multiplier: f64) -> HeadLoss<'_> {
-        Gpt::head_loss_for_backward(self, x, normed, targets, loss_multiplier)
+    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, loss_multiplier: f64) -> HeadLoss<'_> {
+        Gpt::head_loss_for_backward(self, x, normed, &inputs.targets, loss_multiplier)
     }
 
-    fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
-        Gpt::loss(self, inputs, targets)
+    fn loss(&self, inputs: &Inputs) -> Tensor {
+        Gpt::loss(self, &inputs.tokens, &inputs.targets)
     }
 
-    fn forward(&self, inputs: &Tensor) -> Tensor {
-        Gpt::forward(self, inputs)
+    fn forward(&self, inputs: &Tensor) -> Option<Tensor> {
+        Some(Gpt::forward(self, inputs))
     }
 
     fn by_hand(&self) -> Option<&dyn ByHand> {

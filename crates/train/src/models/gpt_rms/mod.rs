@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::{GptShape, Precision};
 use crate::models::embedding::{embed, embedding_unit};
-use crate::models::{Branch, HeadLoss, Model, Norm};
+use crate::models::{Branch, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
@@ -167,7 +167,7 @@ impl GptRms {
     }
 
     fn trunk(&self, inputs: &Tensor) -> Tensor {
-        let mut x = self.embed(inputs);
+        let mut x = embed(&self.wte, &self.wpe, inputs);
         for layer_idx in 0..self.shape.n_layer {
             x = self.residual(layer_idx, Branch::Attention, &x);
             x = self.residual(layer_idx, Branch::Mlp, &x);
@@ -211,8 +211,8 @@ impl Model for GptRms {
         6.0 * n - 2.0 * frozen_matmul as f64 + 12.0 * (shape.n_layer * shape.d_model * shape.seq_len) as f64
     }
 
-    fn embed(&self, inputs: &Tensor) -> Tensor {
-        embed(&self.wte, &self.wpe, inputs)
+    fn embed(&self, inputs: &Inputs) -> Tensor {
+        embed(&self.wte, &self.wpe, &inputs.tokens)
     }
 
     fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
@@ -231,23 +231,17 @@ impl Model for GptRms {
         }
     }
 
-    fn head_loss_for_backward(
-        &self,
-        x: &Tensor,
-        normed: bool,
-        targets: &Tensor,
-        _loss_multiplier: f64,
-    ) -> HeadLoss<'_> {
+    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, _loss_multiplier: f64) -> HeadLoss<'_> {
         debug_assert!(!normed, "gpt-rms runs no norm by hand");
-        HeadLoss { loss: self.head_loss(x, targets), by_hand: None }
+        HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None }
     }
 
-    fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
-        self.head_loss(&self.trunk(inputs), targets)
+    fn loss(&self, inputs: &Inputs) -> Tensor {
+        self.head_loss(&self.trunk(&inputs.tokens), &inputs.targets)
     }
 
-    fn forward(&self, inputs: &Tensor) -> Tensor {
-        self.linear(&self.rms_norm(&self.trunk(inputs), &self.ln_f), &self.wte)
+    fn forward(&self, inputs: &Tensor) -> Option<Tensor> {
+        Some(self.linear(&self.rms_norm(&self.trunk(inputs), &self.ln_f), &self.wte))
     }
 }
 
@@ -287,7 +281,7 @@ mod tests {
         let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
         let changed = inputs.copy();
         let _ = changed.narrow(1, 15, 1).fill_(7);
-        let (a, b) = tch::no_grad(|| (model.forward(&inputs), model.forward(&changed)));
+        let (a, b) = tch::no_grad(|| (model.forward(&inputs).unwrap(), model.forward(&changed).unwrap()));
         let earlier = (a.narrow(1, 0, 15) - b.narrow(1, 0, 15)).abs().max().double_value(&[]);
         assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
     }

@@ -14,7 +14,7 @@ mod rope;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{GptShape, LlamaShape, LoraConfig, Precision};
-use crate::models::{Branch, HeadLoss, Model, Norm};
+use crate::models::{Branch, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
@@ -270,7 +270,7 @@ impl Llama {
     }
 
     fn trunk(&self, inputs: &Tensor) -> Tensor {
-        let mut x = self.embed(inputs);
+        let mut x = Tensor::embedding(&self.embed_tokens, inputs, -1, false, false);
         for layer_idx in 0..self.shape.base.n_layer {
             x = self.residual(layer_idx, Branch::Attention, &x);
             x = self.residual(layer_idx, Branch::Mlp, &x);
@@ -316,8 +316,8 @@ impl Model for Llama {
         6.0 * n - 2.0 * frozen_matmul as f64 + 12.0 * (base.n_layer * base.d_model * base.seq_len) as f64
     }
 
-    fn embed(&self, inputs: &Tensor) -> Tensor {
-        Tensor::embedding(&self.embed_tokens, inputs, -1, false, false)
+    fn embed(&self, inputs: &Inputs) -> Tensor {
+        Tensor::embedding(&self.embed_tokens, &inputs.tokens, -1, false, false)
     }
 
     fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
@@ -336,23 +336,17 @@ impl Model for Llama {
         }
     }
 
-    fn head_loss_for_backward(
-        &self,
-        x: &Tensor,
-        normed: bool,
-        targets: &Tensor,
-        _loss_multiplier: f64,
-    ) -> HeadLoss<'_> {
+    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, _loss_multiplier: f64) -> HeadLoss<'_> {
         debug_assert!(!normed, "llama runs no norm by hand");
-        HeadLoss { loss: self.head_loss(x, targets), by_hand: None }
+        HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None }
     }
 
-    fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Tensor {
-        self.head_loss(&self.trunk(inputs), targets)
+    fn loss(&self, inputs: &Inputs) -> Tensor {
+        self.head_loss(&self.trunk(&inputs.tokens), &inputs.targets)
     }
 
-    fn forward(&self, inputs: &Tensor) -> Tensor {
-        self.matmul(&self.rms_norm(&self.trunk(inputs), &self.norm), &self.lm_head)
+    fn forward(&self, inputs: &Tensor) -> Option<Tensor> {
+        Some(self.matmul(&self.rms_norm(&self.trunk(inputs), &self.norm), &self.lm_head))
     }
 }
 
@@ -405,7 +399,7 @@ mod tests {
             }
         });
         let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
-        let (a, b) = tch::no_grad(|| (grouped.forward(&inputs), full.forward(&inputs)));
+        let (a, b) = tch::no_grad(|| (grouped.forward(&inputs).unwrap(), full.forward(&inputs).unwrap()));
         let diff = (a - b).abs().max().double_value(&[]);
         assert!(diff < 1e-5, "{diff}");
     }
@@ -423,7 +417,7 @@ mod tests {
             }
         });
         let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
-        let (a, b) = tch::no_grad(|| (adapted.forward(&inputs), plain.forward(&inputs)));
+        let (a, b) = tch::no_grad(|| (adapted.forward(&inputs).unwrap(), plain.forward(&inputs).unwrap()));
         assert_eq!((a - b).abs().max().double_value(&[]), 0.0);
         // q [32, 32] and v [16, 32] per block: A [4, 32] each, B [32, 4] and [16, 4].
         let adapters = 2 * (128 + 128 + 128 + 64);
@@ -441,7 +435,7 @@ mod tests {
         let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
         let changed = inputs.copy();
         let _ = changed.narrow(1, 15, 1).fill_(7);
-        let (a, b) = tch::no_grad(|| (model.forward(&inputs), model.forward(&changed)));
+        let (a, b) = tch::no_grad(|| (model.forward(&inputs).unwrap(), model.forward(&changed).unwrap()));
         let earlier = (a.narrow(1, 0, 15) - b.narrow(1, 0, 15)).abs().max().double_value(&[]);
         assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
     }

@@ -1,0 +1,448 @@
+//! The vision-language-action model (`model.family = "vla"`): camera frames, an instruction and
+//! the robot's state in, a chunk of future actions out.
+//!
+//! One residual stream of width d carries the sequence [frame patches, instruction tokens, the
+//! state, the action chunk]. The embedding unit cuts each frame into patches and projects them
+//! with one matrix multiply (a ViT's patch embedding), embeds the instruction's tokens, projects
+//! the state, and embeds the action chunk the head is trained on: under flow matching the noised
+//! chunk `(1 - t)·noise + t·actions` with its time t (sinusoidal features through a two-layer
+//! MLP), as GR00T's and π0's action experts take it. The first `vision_layers` blocks are the
+//! vision tower: bidirectional attention within each frame's patches, the rest of the sequence
+//! passed through untouched. A projector (a linear layer at the start of the first backbone
+//! block's unit) maps the tower's output into the backbone, whose blocks attend over the whole
+//! sequence with a prefix mask: frames, instruction and state attend to one another both ways,
+//! the action chunk attends to everything, and nothing in the prefix attends to the chunk. The
+//! head (final LayerNorm, a linear layer) reads the chunk's positions: the velocity `actions -
+//! noise` under flow matching (mean squared error over the actions that exist), or the actions
+//! themselves under `train.action_loss = "l1"`. Evaluation integrates the flow from the noise
+//! with `flow_steps` Euler steps and reports the mean squared error of the actions it ends at.
+//!
+//! Blocks are GPT-2's (LayerNorm, biases, GELU MLP of 4d), run in libtorch's graph in the compute
+//! type with norms in fp32; every unit goes through the model seam, so the block executor,
+//! recomputation, data parallelism, ZeRO and checkpoints treat it like the text families.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::{ActionLoss, GptShape, Precision, VlaShape};
+use crate::models::{Branch, EpisodeInputs, HeadLoss, Inputs, Model, Norm};
+use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
+use crate::precision::compute_kind;
+
+const LAYER_NORM_EPS: f64 = 1e-5;
+
+/// The planner's description of this family: its units' parameters and FLOPs (`models::plan_model`).
+pub(crate) fn plan_model(shape: &VlaShape) -> stoke_plan::ModelConfig {
+    let base = shape.base;
+    let gpt = stoke_plan::ModelConfig::gpt(base.n_layer, base.d_model, base.n_head, base.seq_len, base.vocab_size);
+    stoke_plan::ModelConfig {
+        flash_attention: true,
+        units: Some(stoke_plan::ExplicitUnits {
+            embedding: shape.embedding_params() as u64,
+            blocks: (0..base.n_layer)
+                .map(|layer_idx| {
+                    let projector = if layer_idx == shape.vision_layers { shape.projector_params() } else { 0 };
+                    (shape.block_params() + projector) as u64
+                })
+                .collect(),
+            head: shape.head_params() as u64,
+            flops_per_token: shape.flops_per_sample() / base.seq_len as f64,
+        }),
+        ..gpt
+    }
+}
+
+/// One block's parameters: GPT-2's, with biases.
+struct BlockParams {
+    ln_1: (Tensor, Tensor),
+    attn: (Tensor, Tensor),
+    attn_proj: (Tensor, Tensor),
+    ln_2: (Tensor, Tensor),
+    fc: (Tensor, Tensor),
+    mlp_proj: (Tensor, Tensor),
+}
+
+pub struct Vla {
+    shape: VlaShape,
+    params: FlatParams,
+    compute: Kind,
+    action_loss: ActionLoss,
+    patch_embed: (Tensor, Tensor),
+    vision_pos: Tensor,
+    wte: Tensor,
+    wpe: Tensor,
+    state_proj: (Tensor, Tensor),
+    action_in: (Tensor, Tensor),
+    time_mlp: [(Tensor, Tensor); 2],
+    action_pos: Tensor,
+    blocks: Vec<BlockParams>,
+    projector: (Tensor, Tensor),
+    ln_f: (Tensor, Tensor),
+    action_out: (Tensor, Tensor),
+    /// `[seq, seq]` bool, true where a backbone position may attend: the prefix within itself,
+    /// the action chunk everywhere.
+    backbone_mask: Tensor,
+    /// Attention as batched matrix multiplies and a softmax (on a CPU, where libtorch's
+    /// scaled_dot_product_attention with a mask or short heads is slower), else that kernel.
+    math_attention: bool,
+}
+
+fn block_prefix(shape: &VlaShape, layer_idx: usize) -> String {
+    if layer_idx < shape.vision_layers {
+        format!("vision.blocks.{layer_idx}")
+    } else {
+        format!("backbone.blocks.{}", layer_idx - shape.vision_layers)
+    }
+}
+
+impl Vla {
+    /// A freshly initialized model (N(0, 0.02) weights, residual projections scaled by
+    /// 1/sqrt(2·blocks), zero biases, unit norms; seed libtorch first). Units: the embedding,
+    /// each block (the projector first in the first backbone block's), the head.
+    pub fn new(shape: VlaShape, precision: Precision, action_loss: ActionLoss, device: Device) -> Vla {
+        let d = shape.base.d_model as i64;
+        let std = 0.02;
+        let proj_std = 0.02 / (2.0 * shape.base.n_layer as f64).sqrt();
+        let spec = |name: String, dims: &[i64], init: Init| ParamSpec {
+            decay: dims.len() >= 2,
+            name,
+            shape: dims.to_vec(),
+            init,
+        };
+        let linear = |name: &str, out: i64, inp: i64, std: f64| {
+            [
+                spec(format!("{name}.weight"), &[out, inp], Init::Normal { std }),
+                spec(format!("{name}.bias"), &[out], Init::Zeros),
+            ]
+        };
+        let norm = |name: &str| {
+            [spec(format!("{name}.weight"), &[d], Init::Ones), spec(format!("{name}.bias"), &[d], Init::Zeros)]
+        };
+        let mut embedding = Vec::new();
+        embedding.extend(linear("vision.patch_embed", d, shape.patch_dim() as i64, std));
+        embedding.push(spec("vision.pos_embed".into(), &[shape.vision_tokens() as i64, d], Init::Normal { std }));
+        embedding.push(spec("text.wte.weight".into(), &[shape.base.vocab_size as i64, d], Init::Normal { std }));
+        embedding.push(spec("text.wpe.weight".into(), &[shape.instruction_tokens as i64, d], Init::Normal { std }));
+        embedding.extend(linear("state_proj", d, shape.state_dim as i64, std));
+        embedding.extend(linear("action_in", d, shape.action_dim as i64, std));
+        embedding.extend(linear("time_mlp.0", d, d, std));
+        embedding.extend(linear("time_mlp.2", d, d, std));
+        embedding.push(spec("action_pos".into(), &[shape.chunk as i64, d], Init::Normal { std }));
+        let mut units = vec![UnitSpec { name: "embedding".into(), params: embedding }];
+        for layer_idx in 0..shape.base.n_layer {
+            let p = block_prefix(&shape, layer_idx);
+            let mut params = Vec::new();
+            if layer_idx == shape.vision_layers {
+                params.extend(linear("projector", d, d, std));
+            }
+            params.extend(norm(&format!("{p}.ln_1")));
+            params.extend(linear(&format!("{p}.attn.c_attn"), 3 * d, d, std));
+            params.extend(linear(&format!("{p}.attn.c_proj"), d, d, proj_std));
+            params.extend(norm(&format!("{p}.ln_2")));
+            params.extend(linear(&format!("{p}.mlp.c_fc"), 4 * d, d, std));
+            params.extend(linear(&format!("{p}.mlp.c_proj"), d, 4 * d, proj_std));
+            units.push(UnitSpec { name: p, params });
+        }
+        let mut head = Vec::from(norm("ln_f"));
+        head.extend(linear("action_out", shape.action_dim as i64, d, std));
+        units.push(UnitSpec { name: "head".into(), params: head });
+        let params = FlatParams::new(units, device);
+        let get = |name: &str| params.get(name).shallow_clone();
+        let pair = |name: &str| (get(&format!("{name}.weight")), get(&format!("{name}.bias")));
+        let blocks = (0..shape.base.n_layer)
+            .map(|layer_idx| {
+                let p = block_prefix(&shape, layer_idx);
+                BlockParams {
+                    ln_1: pair(&format!("{p}.ln_1")),
+                    attn: pair(&format!("{p}.attn.c_attn")),
+                    attn_proj: pair(&format!("{p}.attn.c_proj")),
+                    ln_2: pair(&format!("{p}.ln_2")),
+                    fc: pair(&format!("{p}.mlp.c_fc")),
+                    mlp_proj: pair(&format!("{p}.mlp.c_proj")),
+                }
+            })
+            .collect();
+        let seq = shape.base.seq_len as i64;
+        let prefix = seq - shape.chunk as i64;
+        let positions = Tensor::arange(seq, (Kind::Int64, device));
+        // Row i may attend to column j when j is in the prefix or i is in the chunk.
+        let backbone_mask = positions.lt(prefix).unsqueeze(0).logical_or(&positions.ge(prefix).unsqueeze(1));
+        Vla {
+            patch_embed: pair("vision.patch_embed"),
+            vision_pos: get("vision.pos_embed"),
+            wte: get("text.wte.weight"),
+            wpe: get("text.wpe.weight"),
+            state_proj: pair("state_proj"),
+            action_in: pair("action_in"),
+            time_mlp: [pair("time_mlp.0"), pair("time_mlp.2")],
+            action_pos: get("action_pos"),
+            projector: pair("projector"),
+            ln_f: pair("ln_f"),
+            action_out: pair("action_out"),
+            blocks,
+            backbone_mask,
+            math_attention: device == Device::Cpu,
+            shape,
+            params,
+            compute: compute_kind(precision),
+            action_loss,
+        }
+    }
+
+    pub fn vla_shape(&self) -> VlaShape {
+        self.shape
+    }
+
+    /// A linear layer in the compute type (input, weight and bias cast, as autocast does).
+    fn linear(&self, x: &Tensor, (weight, bias): &(Tensor, Tensor)) -> Tensor {
+        if self.compute == Kind::Float {
+            return x.linear(weight, Some(bias));
+        }
+        x.to_kind(self.compute).linear(&weight.to_kind(self.compute), Some(&bias.to_kind(self.compute)))
+    }
+
+    /// LayerNorm, in fp32.
+    fn layer_norm(&self, x: &Tensor, (weight, bias): &(Tensor, Tensor)) -> Tensor {
+        let d = self.shape.base.d_model as i64;
+        x.to_kind(Kind::Float).layer_norm([d], Some(weight), Some(bias), LAYER_NORM_EPS, true)
+    }
+
+    fn episode<'i>(inputs: &'i Inputs) -> &'i EpisodeInputs {
+        inputs.episode.as_ref().expect("a vla model is fed episodes (the run checks its data when it starts)")
+    }
+
+    /// The frames' patches projected, plus their positions: `[batch, vision_tokens, d]` fp32.
+    fn patches(&self, frames: &Tensor) -> Tensor {
+        let s = &self.shape;
+        let (p, grid) = (s.patch as i64, (s.image_side / s.patch) as i64);
+        let batch = frames.size()[0];
+        // uint8 [0, 255] to [-1, 1], as the peer's torchvision Normalize(0.5, 0.5) gives.
+        let x = frames.to_kind(Kind::Float) / 127.5 - 1.0;
+        let x = x
+            .view([batch, s.frames as i64, grid, p, grid, p, 3].as_slice())
+            .permute([0, 1, 2, 4, 3, 5, 6].as_slice())
+            .reshape([batch, s.vision_tokens() as i64, s.patch_dim() as i64]);
+        self.linear(&x, &self.patch_embed).to_kind(Kind::Float) + &self.vision_pos
+    }
+
+    /// The flow time's embedding, `[batch, 1, d]`: sinusoidal features of 1000·t through the MLP.
+    fn time_embedding(&self, time: &Tensor) -> Tensor {
+        let d = self.shape.base.d_model as i64;
+        let half = d / 2;
+        let device = time.device();
+        let freqs = (Tensor::arange(half, (Kind::Float, device)) * (-(10000f64.ln()) / half as f64)).exp();
+        let angles = (time * 1000.0).unsqueeze(1) * freqs.unsqueeze(0);
+        let features = Tensor::cat(&[angles.sin(), angles.cos()], 1);
+        let hidden = self.linear(&features, &self.time_mlp[0]).silu();
+        self.linear(&hidden, &self.time_mlp[1]).to_kind(Kind::Float).unsqueeze(1)
+    }
+
+    /// The action chunk's tokens from `actions_in` (the noised chunk) at flow time `time`.
+    fn action_tokens(&self, actions_in: &Tensor, time: &Tensor) -> Tensor {
+        self.linear(actions_in, &self.action_in).to_kind(Kind::Float) + self.time_embedding(time) + &self.action_pos
+    }
+
+    /// What the head reads in the chunk's place: the noised chunk and its time under flow
+    /// matching; zeros at time 0 under the L1 loss (the chunk regressed from the prefix).
+    fn chunk_input(&self, episode: &EpisodeInputs) -> (Tensor, Tensor) {
+        match self.action_loss {
+            ActionLoss::Flow => {
+                let t = episode.time.view([-1, 1, 1]);
+                (&episode.noise * (1.0 - &t) + &episode.actions * &t, episode.time.shallow_clone())
+            }
+            ActionLoss::L1 => (episode.actions.zeros_like(), episode.time.zeros_like()),
+        }
+    }
+
+    /// The sequence `[batch, seq, d]` fp32 with the chunk's tokens made from `chunk_in` at `time`.
+    fn sequence(&self, inputs: &Inputs, chunk_in: &Tensor, time: &Tensor) -> Tensor {
+        let episode = Self::episode(inputs);
+        let n_tokens = self.shape.instruction_tokens as i64;
+        let positions = Tensor::arange(n_tokens, (Kind::Int64, inputs.tokens.device()));
+        let text = Tensor::embedding(&self.wte, &inputs.tokens, -1, false, false)
+            + Tensor::embedding(&self.wpe, &positions, -1, false, false);
+        let state = self.linear(&episode.state, &self.state_proj).to_kind(Kind::Float).unsqueeze(1);
+        let chunk = self.action_tokens(chunk_in, time);
+        Tensor::cat(&[self.patches(&episode.frames), text, state, chunk], 1)
+    }
+
+    /// Self-attention over `h` `[rows, seq, d]` with an optional boolean mask.
+    fn attention(&self, block: &BlockParams, h: &Tensor, mask: Option<&Tensor>) -> Tensor {
+        let (rows, seq, d) = h.size3().expect("activations are [rows, seq, d]");
+        let n_head = self.shape.base.n_head as i64;
+        let qkv = self.linear(h, &block.attn);
+        let parts = qkv.split(d, 2);
+        let heads = |t: &Tensor| t.view([rows, seq, n_head, d / n_head]).transpose(1, 2);
+        let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
+        let y = if self.math_attention {
+            // Scores and the weighted sum as batched matrix multiplies in the compute type, the
+            // softmax in fp32.
+            let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / ((d / n_head) as f64).sqrt());
+            let scores = match mask {
+                Some(mask) => scores.masked_fill(&mask.logical_not(), f64::NEG_INFINITY),
+                None => scores,
+            };
+            scores.softmax(-1, Kind::Float).to_kind(v.kind()).matmul(&v)
+        } else {
+            Tensor::scaled_dot_product_attention(&q, &k, &v, mask, 0.0, false, None, false)
+        };
+        self.linear(&y.transpose(1, 2).contiguous().view([rows, seq, d]), &block.attn_proj)
+    }
+
+    fn mlp(&self, block: &BlockParams, h: &Tensor) -> Tensor {
+        self.linear(&self.linear(h, &block.fc).gelu("none"), &block.mlp_proj)
+    }
+
+    /// The head's prediction for the chunk: `[batch, chunk, action_dim]` fp32.
+    fn predict(&self, x: &Tensor) -> Tensor {
+        let (seq, chunk) = (self.shape.base.seq_len as i64, self.shape.chunk as i64);
+        let h = self.layer_norm(&x.narrow(1, seq - chunk, chunk), &self.ln_f);
+        self.linear(&h, &self.action_out).to_kind(Kind::Float)
+    }
+
+    fn trunk(&self, x: Tensor) -> Tensor {
+        let mut x = x;
+        for layer_idx in 0..self.shape.base.n_layer {
+            x = self.residual(layer_idx, Branch::Attention, &x);
+            x = self.residual(layer_idx, Branch::Mlp, &x);
+        }
+        x
+    }
+
+    /// The mean over the actions that exist of `per_value` `[batch, chunk, action_dim]`.
+    fn masked_mean(&self, per_value: &Tensor, mask: &Tensor) -> Tensor {
+        let mask = mask.unsqueeze(-1);
+        let count = mask.sum(Kind::Float).clamp_min(1.0) * self.shape.action_dim as f64;
+        (per_value * mask).sum(Kind::Float) / count
+    }
+
+    fn head_loss(&self, x: &Tensor, inputs: &Inputs) -> Tensor {
+        let episode = Self::episode(inputs);
+        let predicted = self.predict(x);
+        match self.action_loss {
+            ActionLoss::Flow => {
+                let velocity = &episode.actions - &episode.noise;
+                self.masked_mean(&(predicted - velocity).square(), &episode.action_mask)
+            }
+            ActionLoss::L1 => self.masked_mean(&(predicted - &episode.actions).abs(), &episode.action_mask),
+        }
+    }
+
+    /// The action chunk the model gives for the sample: the flow integrated from the sample's
+    /// noise by `flow_steps` Euler steps (under L1, one prediction). `[batch, chunk, action_dim]`.
+    pub fn act(&self, inputs: &Inputs) -> Tensor {
+        let episode = Self::episode(inputs);
+        match self.action_loss {
+            ActionLoss::L1 => {
+                let (chunk_in, time) = self.chunk_input(episode);
+                self.predict(&self.trunk(self.sequence(inputs, &chunk_in, &time)))
+            }
+            ActionLoss::Flow => {
+                let steps = self.shape.flow_steps;
+                let mut actions = episode.noise.shallow_clone();
+                for step in 0..steps {
+                    let time = episode.time.full_like(step as f64 / steps as f64);
+                    let velocity = self.predict(&self.trunk(self.sequence(inputs, &actions, &time)));
+                    actions = actions + velocity / steps as f64;
+                }
+                actions
+            }
+        }
+    }
+}
+
+impl Model for Vla {
+    fn shape(&self) -> GptShape {
+        self.shape.base
+    }
+
+    fn params(&self) -> &FlatParams {
+        &self.params
+    }
+
+    fn params_mut(&mut self) -> &mut FlatParams {
+        &mut self.params
+    }
+
+    fn n_params(&self) -> usize {
+        self.shape.n_params()
+    }
+
+    /// Per position of the sequence: a sample's training FLOPs (the vision tower counted over
+    /// the vision tokens it reads) over its length, so tokens/s times this is the model's FLOP rate.
+    fn flops_per_token(&self) -> f64 {
+        self.shape.flops_per_sample() / self.shape.base.seq_len as f64
+    }
+
+    fn embed(&self, inputs: &Inputs) -> Tensor {
+        let (chunk_in, time) = self.chunk_input(Self::episode(inputs));
+        self.sequence(inputs, &chunk_in, &time)
+    }
+
+    fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
+        let params = match which {
+            Norm::Attention(layer_idx) => &self.blocks[layer_idx].ln_1,
+            Norm::Mlp(layer_idx) => &self.blocks[layer_idx].ln_2,
+            Norm::Final => &self.ln_f,
+        };
+        self.layer_norm(x, params)
+    }
+
+    /// A vision block's attention runs within each frame's patches (`normed` holds the vision
+    /// tokens only); a backbone block's over the whole sequence under the prefix mask.
+    fn branch(&self, layer_idx: usize, branch: Branch, normed: &Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        match branch {
+            Branch::Mlp => self.mlp(block, normed),
+            Branch::Attention if layer_idx < self.shape.vision_layers => {
+                let (batch, _, d) = normed.size3().expect("activations are [batch, seq, d]");
+                let per_frame = self.shape.patches_per_frame() as i64;
+                let frames = normed.view([batch * self.shape.frames as i64, per_frame, d]);
+                self.attention(block, &frames, None).view([batch, -1, d])
+            }
+            Branch::Attention => self.attention(block, normed, Some(&self.backbone_mask)),
+        }
+    }
+
+    /// A vision block's branches act on the vision tokens and pass the rest through; the first
+    /// backbone block projects the vision tokens before its attention.
+    fn residual(&self, layer_idx: usize, branch: Branch, x: &Tensor) -> Tensor {
+        let vision = self.shape.vision_tokens() as i64;
+        let rest = self.shape.base.seq_len as i64 - vision;
+        let norm = Norm::before(layer_idx, branch);
+        if layer_idx < self.shape.vision_layers {
+            let v = x.narrow(1, 0, vision);
+            let v = &v + self.branch(layer_idx, branch, &self.norm(norm, &v));
+            return Tensor::cat(&[v, x.narrow(1, vision, rest)], 1);
+        }
+        let x = if layer_idx == self.shape.vision_layers && branch == Branch::Attention {
+            let projected = self.linear(&x.narrow(1, 0, vision), &self.projector).to_kind(Kind::Float);
+            Tensor::cat(&[projected, x.narrow(1, vision, rest)], 1)
+        } else {
+            x.shallow_clone()
+        };
+        &x + self.branch(layer_idx, branch, &self.norm(norm, &x))
+    }
+
+    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, _loss_multiplier: f64) -> HeadLoss<'_> {
+        debug_assert!(!normed, "vla runs no norm by hand");
+        HeadLoss { loss: self.head_loss(x, inputs), by_hand: None }
+    }
+
+    fn loss(&self, inputs: &Inputs) -> Tensor {
+        self.head_loss(&self.trunk(self.embed(inputs)), inputs)
+    }
+
+    /// The mean squared error, over the actions that exist, of the chunk [`Vla::act`] gives.
+    fn eval_loss(&self, inputs: &Inputs) -> Tensor {
+        let episode = Self::episode(inputs);
+        self.masked_mean(&(self.act(inputs) - &episode.actions).square(), &episode.action_mask)
+    }
+
+    /// No token logits: the head predicts actions.
+    fn forward(&self, _inputs: &Tensor) -> Option<Tensor> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests;

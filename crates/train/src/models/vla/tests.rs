@@ -1,0 +1,162 @@
+use super::*;
+use crate::config::{ExecutorKind, Recompute};
+use crate::executor::Executor;
+use crate::StepClock;
+
+fn shape() -> VlaShape {
+    let config = crate::config::ModelConfig {
+        family: "vla".into(),
+        preset: "vla-tiny".into(),
+        d_model: 32,
+        n_head: 2,
+        n_layer: 2,
+        vision_layers: 2,
+        image_side: 16,
+        patch: 8,
+        frames: 2,
+        state_dim: 3,
+        action_dim: 2,
+        chunk: 4,
+        instruction_tokens: 6,
+        flow_steps: 3,
+        ..Default::default()
+    };
+    config.vla_shape().unwrap()
+}
+
+fn inputs(shape: &VlaShape, batch: i64, seed: i64) -> Inputs {
+    tch::manual_seed(seed);
+    let (side, chunk, action) = (shape.image_side as i64, shape.chunk as i64, shape.action_dim as i64);
+    let f32s = (Kind::Float, Device::Cpu);
+    let mask = Tensor::ones([batch, chunk], f32s);
+    let _ = mask.narrow(0, 0, 1).narrow(1, chunk - 1, 1).fill_(0.0);
+    Inputs {
+        tokens: Tensor::randint(
+            shape.base.vocab_size as i64,
+            [batch, shape.instruction_tokens as i64],
+            (Kind::Int64, Device::Cpu),
+        ),
+        targets: Tensor::zeros([0], (Kind::Int64, Device::Cpu)),
+        episode: Some(EpisodeInputs {
+            frames: Tensor::randint(256, [batch, shape.frames as i64, side, side, 3], (Kind::Uint8, Device::Cpu)),
+            state: Tensor::randn([batch, shape.state_dim as i64], f32s),
+            actions: Tensor::randn([batch, chunk, action], f32s),
+            action_mask: mask,
+            noise: Tensor::randn([batch, chunk, action], f32s),
+            time: Tensor::rand([batch], f32s),
+        }),
+    }
+}
+
+#[test]
+fn parameters_fill_the_declared_units() {
+    let shape = shape();
+    let model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
+    assert_eq!(model.params().n_elements() as usize, model.n_params());
+    let names: Vec<&str> = model.params().units().iter().map(|u| u.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["embedding", "vision.blocks.0", "vision.blocks.1", "backbone.blocks.0", "backbone.blocks.1", "head"]
+    );
+    let planned = stoke_plan::model_units(&plan_model(&shape));
+    let built: Vec<u64> = model.params().units().iter().map(|u| (u.range.end - u.range.start) as u64).collect();
+    assert_eq!(planned, built);
+}
+
+/// The block executor (per-block graphs, recomputation) gives the single graph's gradients, for
+/// both action losses: the vision blocks' pass-through and the projector go through the seam.
+#[test]
+fn the_block_executor_gives_the_single_graphs_gradients() {
+    let shape = shape();
+    for loss in [ActionLoss::Flow, ActionLoss::L1] {
+        tch::manual_seed(3);
+        let model = Vla::new(shape, Precision::Fp32, loss, Device::Cpu);
+        let batch = inputs(&shape, 3, 4);
+        let grads = |kind, recompute| {
+            model.params().zero_grad();
+            let executor = Executor::new(kind, recompute).unwrap();
+            let mut clock = StepClock::start(Device::Cpu, true);
+            let result =
+                executor.run_micro_batch(&model, &batch, 1.0, true, false, &mut clock, &mut crate::NoHooks).unwrap();
+            (result.loss.double_value(&[]), Vec::<f32>::try_from(model.params().flat_grad()).unwrap())
+        };
+        let (loss_a, a) = grads(ExecutorKind::SingleGraph, Recompute::None);
+        for recompute in [Recompute::None, Recompute::Block, Recompute::Mlp] {
+            let (loss_b, b) = grads(ExecutorKind::Blocks, recompute);
+            assert_eq!(loss_a, loss_b, "{loss:?} {recompute:?}");
+            let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(scale > 0.0 && worst <= 1e-6 * scale, "{loss:?} {recompute:?}: {worst} of {scale}");
+        }
+    }
+}
+
+/// The prefix never attends to the action chunk, and a frame's patches only to their own frame
+/// in the vision tower: changing the chunk's input leaves the prefix's states alone, and changing
+/// one frame leaves the other frame's vision tokens alone after the tower.
+#[test]
+fn the_prefix_does_not_see_the_chunk_and_frames_do_not_see_each_other_in_the_tower() {
+    let shape = shape();
+    let model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
+    let batch = inputs(&shape, 2, 5);
+    let episode = batch.episode.as_ref().unwrap();
+    let prefix = (shape.base.seq_len - shape.chunk) as i64;
+    let (a, b) = tch::no_grad(|| {
+        let a = model.trunk(model.sequence(&batch, &episode.noise, &episode.time));
+        let b = model.trunk(model.sequence(&batch, &(&episode.noise + 1.0), &episode.time));
+        (a, b)
+    });
+    let prefix_change = (a.narrow(1, 0, prefix) - b.narrow(1, 0, prefix)).abs().max().double_value(&[]);
+    assert_eq!(prefix_change, 0.0, "the chunk leaked into the prefix");
+    let chunk_change = (a.narrow(1, prefix, 1) - b.narrow(1, prefix, 1)).abs().max().double_value(&[]);
+    assert!(chunk_change > 0.0);
+
+    let per_frame = shape.patches_per_frame() as i64;
+    let tower = |frames: &Tensor| {
+        tch::no_grad(|| {
+            let mut x = model.patches(frames);
+            let rest = Tensor::zeros(
+                [2, shape.base.seq_len as i64 - shape.vision_tokens() as i64, 32],
+                (Kind::Float, Device::Cpu),
+            );
+            x = Tensor::cat(&[x, rest], 1);
+            for layer_idx in 0..shape.vision_layers {
+                x = model.residual(layer_idx, Branch::Attention, &x);
+                x = model.residual(layer_idx, Branch::Mlp, &x);
+            }
+            x
+        })
+    };
+    let changed = episode.frames.copy();
+    let _ = changed.narrow(1, 1, 1).fill_(7);
+    let (a, b) = (tower(&episode.frames), tower(&changed));
+    let first_frame = (a.narrow(1, 0, per_frame) - b.narrow(1, 0, per_frame)).abs().max().double_value(&[]);
+    assert_eq!(first_frame, 0.0, "frame 1 leaked into frame 0 in the vision tower");
+}
+
+/// Evaluation's chunk is the flow integrated by Euler steps from the sample's noise: with
+/// `flow_steps` steps it is the noise plus each step's predicted velocity over `flow_steps`, the
+/// velocity read at times 0, 1/n, ...; its error is the masked mean squared error to the actions.
+#[test]
+fn evaluation_integrates_the_flow_by_euler_steps() {
+    let shape = shape();
+    let model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
+    let batch = inputs(&shape, 2, 6);
+    let episode = batch.episode.as_ref().unwrap();
+    let n = shape.flow_steps;
+    let by_hand = tch::no_grad(|| {
+        let mut actions = episode.noise.copy();
+        for step in 0..n {
+            let time = Tensor::full([2], step as f64 / n as f64, (Kind::Float, Device::Cpu));
+            actions = &actions + model.predict(&model.trunk(model.sequence(&batch, &actions, &time))) / n as f64;
+        }
+        actions
+    });
+    let acted = tch::no_grad(|| model.act(&batch));
+    assert_eq!((acted - &by_hand).abs().max().double_value(&[]), 0.0);
+    let error = tch::no_grad(|| model.eval_loss(&batch)).double_value(&[]);
+    let mask = episode.action_mask.unsqueeze(-1);
+    let expected = ((by_hand - &episode.actions).square() * &mask).sum(Kind::Float).double_value(&[])
+        / (mask.sum(Kind::Float).double_value(&[]) * shape.action_dim as f64);
+    assert!((error - expected).abs() <= 1e-6 * expected, "{error} against {expected}");
+}

@@ -1,0 +1,109 @@
+//! The vision-language-action model end to end, on the built-in robot episodes: a short run's loss
+//! falls; two ranks under `stoke launch` (data parallelism, and ZeRO-3) follow one process's fp32
+//! losses; a run killed with SIGKILL resumes to the uninterrupted losses; data of the wrong kind
+//! is refused naming what the model reads.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::dist::{assert_same_trajectory, refs};
+use crate::{losses, run_ok, stoke};
+
+/// vla-tiny made smaller still (one vision and one backbone block, d 64), fp32, one thread.
+const MODEL: &[&str] = &[
+    "model.family=\"vla\"",
+    "model.preset=\"vla-tiny\"",
+    "model.vision_layers=1",
+    "model.n_layer=1",
+    "model.d_model=64",
+    "model.n_head=2",
+    "model.image_side=32",
+    "model.chunk=4",
+    "model.instruction_tokens=24",
+    "train.precision=\"fp32\"",
+    "train.lr=0.002",
+    "train.warmup_steps=5",
+    "train.threads=1",
+    "prof.enabled=false",
+];
+
+fn overrides(dir: &Path, name: &str, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = MODEL.iter().chain(extra).map(|s| s.to_string()).collect();
+    v.push(format!("run.dir={}", dir.display()));
+    v.push(format!("run.name={name}"));
+    v
+}
+
+#[test]
+fn a_short_run_on_the_built_in_episodes_learns() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = overrides(dir.path(), "learn", &["train.steps=60", "train.micro_batch=16", "train.lr=0.003"]);
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&args)));
+    let losses = losses(&dir.path().join("learn"));
+    assert_eq!(losses.len(), 60);
+    let mean = |part: &[(u64, f64)]| part.iter().map(|(_, l)| l).sum::<f64>() / part.len() as f64;
+    let (first, last) = (mean(&losses[..10]), mean(&losses[50..]));
+    assert!(last < 0.8 * first, "the flow-matching loss did not fall: first 10 steps {first}, last 10 {last}");
+}
+
+#[test]
+fn two_ranks_with_and_without_zero3_follow_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let one = overrides(dir.path(), "one", &["train.steps=20", "train.micro_batch=6"]);
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
+    let reference = losses(&dir.path().join("one"));
+    assert_eq!(reference.len(), 20);
+    for (name, zero) in [("dp", "dist.zero=0"), ("zero3", "dist.zero=3")] {
+        let args = overrides(dir.path(), name, &["train.steps=20", "train.micro_batch=3", zero]);
+        let out = run_ok(&mut stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &refs(&args)));
+        assert_same_trajectory(&reference, &dir.path().join(name), &format!("vla, 2 ranks, {zero}"), &out);
+    }
+}
+
+#[test]
+fn a_run_killed_with_sigkill_resumes_to_the_uninterrupted_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let common = ["train.steps=24", "train.micro_batch=4", "ckpt.every=4", "ckpt.background=false"];
+    let straight = overrides(dir.path(), "straight", &common);
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&straight)));
+    let expected = losses(&dir.path().join("straight"));
+    assert_eq!(expected.len(), 24);
+
+    let cut = overrides(dir.path(), "cut", &common);
+    let mut child = stoke(&["train", "--quiet"], &refs(&cut))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let metrics = dir.path().join("cut/metrics.jsonl");
+    let start = Instant::now();
+    while std::fs::read_to_string(&metrics).map(|t| t.lines().count()).unwrap_or(0) < 10 {
+        assert!(start.elapsed() < Duration::from_secs(300), "the run never logged 10 steps");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let logged = losses(&dir.path().join("cut")).len();
+    assert!(logged < 24, "the kill landed after the run finished; make the run longer");
+    run_ok(&mut stoke(&["train", "--quiet", "--resume"], &refs(&cut)));
+    assert_eq!(losses(&dir.path().join("cut")), expected, "resumed losses equal the uninterrupted run's");
+}
+
+#[test]
+fn episodes_and_tokens_each_go_to_their_own_models() {
+    let dir = tempfile::tempdir().unwrap();
+    // A text dataset for a vla model: refused naming what it reads.
+    let text = dir.path().join("text.txt");
+    std::fs::write(&text, "not robot episodes ".repeat(200)).unwrap();
+    let path = format!("data.path=\"{}\"", text.display());
+    let args = overrides(dir.path(), "text", &["train.steps=2", &path]);
+    let out = stoke(&["train", "--quiet"], &refs(&args)).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("data.path") && stderr.contains("stoke prep episodes"), "{stderr}");
+    // A vla key on a text model: refused naming the key.
+    let out = stoke(&["train", "--quiet"], &["model.chunk=4", "train.steps=1"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("model.chunk") && stderr.contains("vla"), "{stderr}");
+}
