@@ -37,13 +37,16 @@ fn overrides(dir: &Path, name: &str, extra: &[&str]) -> Vec<String> {
 #[test]
 fn a_short_run_on_the_built_in_episodes_learns() {
     let dir = tempfile::tempdir().unwrap();
-    let args = overrides(dir.path(), "learn", &["train.steps=60", "train.micro_batch=16", "train.lr=0.003"]);
+    let args = overrides(dir.path(), "learn", &["train.steps=200", "train.micro_batch=16", "train.lr=0.003"]);
     run_ok(&mut stoke(&["train", "--quiet"], &refs(&args)));
     let losses = losses(&dir.path().join("learn"));
-    assert_eq!(losses.len(), 60);
+    assert_eq!(losses.len(), 200);
+    // A model that knows nothing of the actions sits at the flow's floor, pi/2 for normalized
+    // actions (the mean over t of 1 / ((1 - t)^2 + t^2)); these steps start near it (1.88 over
+    // the first 20 on 2026-12-05) and fall as the state and the frames start to tell.
     let mean = |part: &[(u64, f64)]| part.iter().map(|(_, l)| l).sum::<f64>() / part.len() as f64;
-    let (first, last) = (mean(&losses[..10]), mean(&losses[50..]));
-    assert!(last < 0.8 * first, "the flow-matching loss did not fall: first 10 steps {first}, last 10 {last}");
+    let (first, last) = (mean(&losses[..20]), mean(&losses[180..]));
+    assert!(last < 0.9 * first, "the flow-matching loss did not fall: first 20 steps {first}, last 20 {last}");
 }
 
 #[test]

@@ -13,9 +13,10 @@
 //! sequence with a prefix mask: frames, instruction and state attend to one another both ways,
 //! the action chunk attends to everything, and nothing in the prefix attends to the chunk. The
 //! head (final LayerNorm, a linear layer) reads the chunk's positions: the velocity `actions -
-//! noise` under flow matching (mean squared error over the actions that exist), or the actions
-//! themselves under `train.action_loss = "l1"`. Evaluation integrates the flow from the noise
-//! with `flow_steps` Euler steps and reports the mean squared error of the actions it ends at.
+//! noise` under flow matching (the squared error over the actions that exist, divided by the
+//! values of full chunks), or the actions themselves under `train.action_loss = "l1"` (the
+//! absolute error, likewise). Evaluation integrates the flow from the noise with `flow_steps`
+//! Euler steps and reports the squared error of the actions it ends at, likewise.
 //!
 //! Blocks are GPT-2's (LayerNorm, biases, GELU MLP of 4d), run in libtorch's graph in the compute
 //! type with norms in fp32; every unit goes through the model seam, so the block executor,
@@ -308,11 +309,13 @@ impl Vla {
         x
     }
 
-    /// The mean over the actions that exist of `per_value` `[batch, chunk, action_dim]`.
+    /// `per_value` `[batch, chunk, action_dim]` summed over the actions that exist, over the
+    /// values a full chunk holds (`batch x chunk x action_dim`): a mean in which a missing action
+    /// counts as no error. Dividing by the present count instead would make the loss of a batch
+    /// split over ranks differ from the whole batch's (ranks hold different counts).
     fn masked_mean(&self, per_value: &Tensor, mask: &Tensor) -> Tensor {
-        let mask = mask.unsqueeze(-1);
-        let count = mask.sum(Kind::Float).clamp_min(1.0) * self.shape.action_dim as f64;
-        (per_value * mask).sum(Kind::Float) / count
+        let values = per_value.numel() as f64;
+        (per_value * mask.unsqueeze(-1)).sum(Kind::Float) / values
     }
 
     fn head_loss(&self, x: &Tensor, inputs: &Inputs) -> Tensor {
@@ -432,7 +435,8 @@ impl Model for Vla {
         self.head_loss(&self.trunk(self.embed(inputs)), inputs)
     }
 
-    /// The mean squared error, over the actions that exist, of the chunk [`Vla::act`] gives.
+    /// The squared error of the chunk [`Vla::act`] gives, over the actions that exist, divided
+    /// by the values of full chunks.
     fn eval_loss(&self, inputs: &Inputs) -> Tensor {
         let episode = Self::episode(inputs);
         self.masked_mean(&(self.act(inputs) - &episode.actions).square(), &episode.action_mask)
