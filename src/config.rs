@@ -185,6 +185,9 @@ pub struct DataConfig {
     /// The token (by its text, e.g. "<|eot_id|>") appended to each instruction's response; ""
     /// for none. Default "".
     pub eos: String,
+    /// Episodes of the built-in robot set (model.family = "vla" with `path` ""), 16 steps each.
+    /// Default 2048.
+    pub builtin_episodes: usize,
     /// Robot episodes (model.family = "vla"): past frames per camera besides the current one.
     /// Default 0.
     pub history: usize,
@@ -210,6 +213,7 @@ impl Default for DataConfig {
             weights: Vec::new(),
             tokenizer: "bytes".into(),
             eos: String::new(),
+            builtin_episodes: 2048,
             history: 0,
             augment: true,
             blank: "none".into(),

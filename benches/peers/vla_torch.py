@@ -218,6 +218,10 @@ class Vla(nn.Module):
                 nn.init.zeros_(p)
             else:
                 nn.init.ones_(p)
+        # The patches' positions start as MAE's 2-D sine-cosine table, as stoke's do.
+        with torch.no_grad():
+            grid = shape.image_side // shape.patch
+            self.vision.pos_embed.copy_(sincos_2d(grid, shape.d_model).repeat(shape.frames, 1))
 
     def patches(self, frames):
         """`[batch, vision_tokens, d]`: each frame's patches projected, plus their positions."""
@@ -252,6 +256,19 @@ class Vla(nn.Module):
         mask = action_mask.unsqueeze(-1)
         count = mask.sum().clamp_min(1.0) * s.action_dim
         return ((predicted - (actions - noise)).square() * mask).sum() / count
+
+
+def sincos_2d(grid, d):
+    """MAE's 2-D sine-cosine table, [grid * grid, d]: per patch (row-major) its row then its
+    column, each as sines then cosines at frequencies 1 / 10000^(i / (d / 4))."""
+    quarter = d // 4
+    freqs = 1.0 / 10000.0 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
+    patch = torch.arange(grid * grid)
+    parts = []
+    for position in (patch // grid, patch % grid):
+        angles = position[:, None].double() * freqs[None, :]
+        parts += [angles.sin(), angles.cos()]
+    return torch.cat(parts, dim=1).float()
 
 
 def prefix_mask(shape):

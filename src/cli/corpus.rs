@@ -1,6 +1,7 @@
 //! `stoke corpus`: write the built-in corpus to a file, so peers and other tools train on exactly
 //! the bytes stoke trains on; `--episodes DIR` writes the built-in robot dataset instead (JPEG
-//! frames and JSON lines).
+//! frames and JSON lines, or with `--lerobot` the LeRobot v2 layout: Parquet tables and MP4
+//! videos encoded by ffmpeg).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -16,6 +17,10 @@ pub struct CorpusArgs {
     /// instruction naming one, actions moving the effector to it.
     #[arg(long, value_name = "DIR", conflicts_with = "out")]
     pub episodes: Option<PathBuf>,
+    /// With --episodes: write the LeRobot v2 layout (Parquet tables, MP4 videos encoded by ffmpeg,
+    /// meta/*.json*) instead of JSON lines and JPEG frames; the same episodes either way.
+    #[arg(long, requires = "episodes", conflicts_with = "out")]
+    pub lerobot: bool,
     /// With --episodes: how many episodes.
     #[arg(long, default_value_t = 64)]
     pub n_episodes: usize,
@@ -47,8 +52,12 @@ pub fn run(args: CorpusArgs) -> anyhow::Result<ExitCode> {
             resolution: args.resolution,
             seed: args.seed,
         };
-        let n_steps = stoke_data::write_synthetic_episodes(dir, &spec)?;
-        println!("{} episodes, {n_steps} steps -> {}", args.n_episodes, dir.join("episodes.jsonl").display());
+        let (n_steps, written) = if args.lerobot {
+            (stoke_data::write_synthetic_lerobot(dir, &spec)?, dir.join("meta/info.json"))
+        } else {
+            (stoke_data::write_synthetic_episodes(dir, &spec)?, dir.join("episodes.jsonl"))
+        };
+        println!("{} episodes, {n_steps} steps -> {}", args.n_episodes, written.display());
         return Ok(ExitCode::SUCCESS);
     }
     let out = args.out.as_ref().expect("clap requires --out without --episodes");

@@ -11,9 +11,9 @@ use stoke_train::ModelConfig;
 use crate::config::{DataConfig, StokeConfig};
 use crate::exit::UsageError;
 
-/// The built-in robot set: episodes, steps per episode, frame side (its cameras, state and action
-/// widths are [`BUILTIN_DIMS`]).
-const BUILTIN: (usize, usize, u32) = (256, 16, 64);
+/// The built-in robot set's steps per episode and frame side (`data.builtin_episodes` episodes; its
+/// cameras, state and action widths are [`BUILTIN_DIMS`]).
+const BUILTIN: (usize, u32) = (16, 64);
 /// Cameras, state width and action width of the built-in robot set.
 const BUILTIN_DIMS: (usize, usize, usize) = (1, 2, 2);
 
@@ -24,6 +24,13 @@ pub fn resolve_episode_dims(model: &ModelConfig, data: &DataConfig) -> Result<Mo
         return Err(("data.blank", format!("must be \"none\", \"frames\" or \"instructions\"; got {:?}", data.blank)));
     }
     if model.family != "vla" {
+        if data.blank != "none" || data.history != 0 {
+            let key = if data.history != 0 { "data.history" } else { "data.blank" };
+            return Err((
+                key,
+                format!("applies to robot episodes (model.family = \"vla\"); this model is {:?}", model.family),
+            ));
+        }
         return Ok(model.clone());
     }
     let (cameras, state_dim, action_dim) = if data.path.is_empty() {
@@ -53,8 +60,11 @@ pub fn resolve_episode_dims(model: &ModelConfig, data: &DataConfig) -> Result<Mo
 
 /// The prepared folder of the built-in robot set for `seed`, written into the cache on first use
 /// (into a temporary folder renamed into place, so concurrent ranks agree on one copy).
-fn builtin_episodes(seed: u64) -> anyhow::Result<PathBuf> {
-    let (n_episodes, steps, resolution) = BUILTIN;
+fn builtin_episodes(n_episodes: usize, seed: u64) -> anyhow::Result<PathBuf> {
+    let (steps, resolution) = BUILTIN;
+    if n_episodes < 2 {
+        return Err(UsageError(format!("data.builtin_episodes must be at least 2; got {n_episodes}")).into());
+    }
     let root = crate::profiler::cache_dir().join("episodes");
     let done = root.join(format!("builtin-{n_episodes}x{steps}-{resolution}px-seed{seed}"));
     if done.join("prepared/manifest.json").exists() {
@@ -88,7 +98,11 @@ pub fn episode_source(
     if !data.blend.is_empty() {
         return Err(UsageError("robot episodes take no data.blend".into()).into());
     }
-    let path = if data.path.is_empty() { builtin_episodes(config.train.seed)? } else { PathBuf::from(&data.path) };
+    let path = if data.path.is_empty() {
+        builtin_episodes(data.builtin_episodes, config.train.seed)?
+    } else {
+        PathBuf::from(&data.path)
+    };
     let store = EpisodeStore::open(&path, false)?;
     let shape = config.model.vla_shape()?;
     let n_episodes = store.episodes().len();

@@ -74,6 +74,7 @@ pub const FIXED_KEYS: &[&str] = &[
     "train.freeze",
     "data.tokenizer",
     "data.eos",
+    "data.builtin_episodes",
     "data.history",
     "data.augment",
     "data.blank",

@@ -25,6 +25,7 @@ const MODEL: &[&str] = &[
     "train.warmup_steps=5",
     "train.threads=1",
     "prof.enabled=false",
+    "data.builtin_episodes=64",
 ];
 
 fn overrides(dir: &Path, name: &str, extra: &[&str]) -> Vec<String> {
@@ -109,4 +110,40 @@ fn episodes_and_tokens_each_go_to_their_own_models() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("model.chunk") && stderr.contains("vla"), "{stderr}");
+}
+
+/// The built-in episodes written in the LeRobot v2 layout (Parquet tables, MP4 videos by ffmpeg)
+/// prepare to the same state and action rows as the JSON-lines layout of the same seed, and a vla
+/// model trains on them.
+#[test]
+fn a_lerobot_dataset_written_by_the_test_is_prepared_and_trained() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = ["--n-episodes", "8", "--steps", "6", "--resolution", "32"];
+    let (raw, jsonl) = (dir.path().join("raw"), dir.path().join("jsonl"));
+    let mut stores = Vec::new();
+    for (source, layout) in [(&raw, &["--lerobot"][..]), (&jsonl, &[][..])] {
+        let source_arg = source.to_str().unwrap();
+        run_ok(&mut stoke(&[&["corpus", "--episodes", source_arg][..], layout, &shape].concat(), &[]));
+        let prepared = source.with_extension("prepared");
+        let prepared_arg = prepared.to_str().unwrap();
+        run_ok(&mut stoke(&["prep", "episodes", source_arg, "--out", prepared_arg, "--resolution", "32"], &[]));
+        stores.push(stoke_data::EpisodeStore::open(&prepared, true).unwrap());
+    }
+    assert!(raw.join("meta/info.json").is_file() && raw.join("videos").is_dir(), "not the LeRobot layout");
+    let [from_lerobot, from_jsonl] = [&stores[0], &stores[1]];
+    let manifest = from_lerobot.manifest();
+    assert_eq!((manifest.n_episodes, manifest.n_steps, manifest.state_dim, manifest.action_dim), (8, 48, 2, 2));
+    for step_idx in 0..48 {
+        let (lerobot_row, jsonl_row) = (from_lerobot.state_action(step_idx), from_jsonl.state_action(step_idx));
+        assert_eq!(lerobot_row.unwrap(), jsonl_row.unwrap(), "state and action of step {step_idx}");
+    }
+    let steps_bin = |source: &Path| std::fs::read(source.with_extension("prepared").join("steps.bin")).unwrap();
+    assert_eq!(steps_bin(&raw), steps_bin(&jsonl), "the layouts' steps.bin differ");
+
+    let path = format!("data.path=\"{}\"", raw.with_extension("prepared").display());
+    let args = overrides(dir.path(), "lerobot", &["train.steps=6", "train.micro_batch=4", &path]);
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&args)));
+    let losses = losses(&dir.path().join("lerobot"));
+    assert_eq!(losses.len(), 6);
+    assert!(losses.iter().all(|(_, loss)| loss.is_finite()), "{losses:?}");
 }

@@ -10,6 +10,7 @@
 mod augment;
 mod layout;
 mod lerobot;
+mod lerobot_write;
 mod loader;
 mod prep;
 mod store;
@@ -17,13 +18,14 @@ mod synthetic;
 
 pub use augment::{AugmentConfig, Draw};
 pub use layout::{Episode, Episodes, Step};
+pub use lerobot_write::{LeRobotLayout, LeRobotWriter};
 pub use loader::{Blank, EpisodeBatch, EpisodeLoader, EpisodeLoaderConfig, EpisodeLoaderStats, EpisodeSource};
 pub use prep::{
     prepare_episodes, read_episodes, CheckedFile, EpisodeEntry, EpisodeManifest, FrameEncoding, PrepEpisodesConfig,
     EPISODES_FORMAT,
 };
 pub use store::{EpisodeStore, StepView};
-pub use synthetic::{write_synthetic_episodes, SyntheticEpisodes};
+pub use synthetic::{write_synthetic_episodes, write_synthetic_lerobot, SyntheticEpisodes};
 
 #[cfg(test)]
 mod tests {

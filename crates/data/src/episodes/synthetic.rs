@@ -2,11 +2,13 @@
 //! instruction names, among three coloured blocks, recorded as real JPEG frames and JSON lines in the
 //! documented layout. Solving it takes both inputs: the instruction says which colour, only the image
 //! says where that colour is (block positions change every episode), and the state is only the
-//! effector's own position.
+//! effector's own position. `write_synthetic_lerobot` writes the same episodes in the LeRobot v2
+//! layout (Parquet tables, MP4 videos by `ffmpeg`).
 
 use std::io::Write;
 use std::path::Path;
 
+use super::lerobot_write::{LeRobotLayout, LeRobotWriter};
 use crate::rng::SplitMix64;
 use crate::DataError;
 
@@ -62,15 +64,20 @@ fn render(side: u32, blocks: &[([f64; 2], [u8; 3])], effector: [f64; 2]) -> imag
     frame
 }
 
-/// Writes the dataset into `dir`: `episodes.jsonl` and `frames/ep-NNNNN/front-TTTT.jpg`. Returns the
-/// number of steps written.
-pub fn write_synthetic_episodes(dir: &Path, spec: &SyntheticEpisodes) -> Result<u64, DataError> {
-    let mut rng = SplitMix64::new(spec.seed);
-    let lines_path = dir.join("episodes.jsonl");
-    std::fs::create_dir_all(dir).map_err(DataError::write(dir))?;
-    let mut lines = std::io::BufWriter::new(std::fs::File::create(&lines_path).map_err(DataError::write(&lines_path))?);
-    let mut n_steps = 0u64;
-    for episode_idx in 0..spec.n_episodes {
+/// One episode of the built-in dataset, drawn but not yet written: the blocks, the instruction,
+/// and per step the effector's position (the state) and its move (the action). Both layouts write
+/// these, so they hold the same episodes.
+struct Scene {
+    blocks: Vec<([f64; 2], [u8; 3])>,
+    instruction: String,
+    states: Vec<[f64; 2]>,
+    actions: Vec<[f64; 2]>,
+}
+
+impl Scene {
+    /// Draws one episode from `rng`. Every draw happens here, before the steps, so the steps
+    /// themselves are a pure function of the scene.
+    fn draw(rng: &mut SplitMix64, n_steps: usize) -> Scene {
         // Three distinct colours at well separated places.
         let mut colours: Vec<usize> = Vec::new();
         while colours.len() < 3 {
@@ -82,7 +89,7 @@ pub fn write_synthetic_episodes(dir: &Path, spec: &SyntheticEpisodes) -> Result<
         let mut blocks: Vec<([f64; 2], [u8; 3])> = Vec::new();
         for &c in &colours {
             let center = loop {
-                let p = [uniform(&mut rng, 0.15, 0.85), uniform(&mut rng, 0.15, 0.85)];
+                let p = [uniform(rng, 0.15, 0.85), uniform(rng, 0.15, 0.85)];
                 if blocks.iter().all(|(q, _)| (p[0] - q[0]).abs().max((p[1] - q[1]).abs()) > 0.2) {
                     break p;
                 }
@@ -92,31 +99,83 @@ pub fn write_synthetic_episodes(dir: &Path, spec: &SyntheticEpisodes) -> Result<
         let target_idx = rng.below(3) as usize;
         let (target, word) = (blocks[target_idx].0, PALETTE[colours[target_idx]].0);
         let instruction = format!("move to the {word} block");
-        let mut effector = [uniform(&mut rng, 0.05, 0.95), uniform(&mut rng, 0.05, 0.95)];
+        let mut effector = [uniform(rng, 0.05, 0.95), uniform(rng, 0.05, 0.95)];
+        let (mut states, mut actions) = (Vec::with_capacity(n_steps), Vec::with_capacity(n_steps));
+        for _ in 0..n_steps {
+            let action = [0, 1].map(|axis| (target[axis] - effector[axis]).clamp(-MAX_STEP, MAX_STEP));
+            states.push(effector);
+            actions.push(action);
+            effector = [effector[0] + action[0], effector[1] + action[1]];
+        }
+        Scene { blocks, instruction, states, actions }
+    }
+
+    /// Step `t`'s frame, `side` pixels square.
+    fn frame(&self, side: u32, t: usize) -> image::RgbImage {
+        render(side, &self.blocks, self.states[t])
+    }
+}
+
+/// The episodes `spec` asks for, drawn in order from one generator seeded with `spec.seed`.
+fn scenes(spec: &SyntheticEpisodes) -> impl Iterator<Item = Scene> + '_ {
+    let mut rng = SplitMix64::new(spec.seed);
+    (0..spec.n_episodes).map(move |_| Scene::draw(&mut rng, spec.steps_per_episode))
+}
+
+/// Writes the dataset into `dir`: `episodes.jsonl` and `frames/ep-NNNNN/front-TTTT.jpg`. Returns the
+/// number of steps written.
+pub fn write_synthetic_episodes(dir: &Path, spec: &SyntheticEpisodes) -> Result<u64, DataError> {
+    let lines_path = dir.join("episodes.jsonl");
+    std::fs::create_dir_all(dir).map_err(DataError::write(dir))?;
+    let mut lines = std::io::BufWriter::new(std::fs::File::create(&lines_path).map_err(DataError::write(&lines_path))?);
+    let mut n_steps = 0u64;
+    for (episode_idx, scene) in scenes(spec).enumerate() {
         let frames_dir = dir.join(format!("frames/ep-{episode_idx:05}"));
         std::fs::create_dir_all(&frames_dir).map_err(DataError::write(&frames_dir))?;
         for t in 0..spec.steps_per_episode {
-            let action = [0, 1].map(|axis| (target[axis] - effector[axis]).clamp(-MAX_STEP, MAX_STEP));
             let frame_name = format!("frames/ep-{episode_idx:05}/front-{t:04}.jpg");
             let frame_path = dir.join(&frame_name);
             let file = std::fs::File::create(&frame_path).map_err(DataError::write(&frame_path))?;
             let mut encoder = image::codecs::jpeg::JpegEncoder::new_with_quality(std::io::BufWriter::new(file), 90);
             encoder
-                .encode_image(&render(spec.resolution, &blocks, effector))
+                .encode_image(&scene.frame(spec.resolution, t))
                 .map_err(|err| DataError::Image { path: frame_path.clone(), detail: err.to_string() })?;
             let line = serde_json::json!({
                 "episode": format!("ep-{episode_idx:05}"),
                 "t": t,
-                "instruction": instruction,
-                "state": effector,
-                "action": action,
+                "instruction": scene.instruction,
+                "state": scene.states[t],
+                "action": scene.actions[t],
                 "images": {"front": frame_name},
             });
             writeln!(lines, "{line}").map_err(DataError::write(&lines_path))?;
-            effector = [effector[0] + action[0], effector[1] + action[1]];
             n_steps += 1;
         }
     }
     lines.flush().map_err(DataError::write(&lines_path))?;
     Ok(n_steps)
+}
+
+/// Writes the same dataset into `dir` in the LeRobot v2 layout (see `LeRobotWriter`): the same
+/// episodes as `write_synthetic_episodes` with the same spec, the frames of camera `front` in one
+/// nearly lossless H.264 video per episode, encoded by `ffmpeg` (which must be on PATH). Returns the
+/// number of steps written.
+pub fn write_synthetic_lerobot(dir: &Path, spec: &SyntheticEpisodes) -> Result<u64, DataError> {
+    let layout = LeRobotLayout {
+        state_dim: 2,
+        action_dim: 2,
+        cameras: vec!["front".into()],
+        width: spec.resolution,
+        height: spec.resolution,
+        fps: 10,
+        robot_type: "stoke-synthetic".into(),
+    };
+    let mut writer = LeRobotWriter::create(dir, layout)?;
+    let as_f32 = |rows: &[[f64; 2]]| rows.iter().map(|row| row.map(|v| v as f32).to_vec()).collect::<Vec<_>>();
+    for scene in scenes(spec) {
+        let (states, actions) = (as_f32(&scene.states), as_f32(&scene.actions));
+        writer
+            .write_episode(&scene.instruction, &states, &actions, |_, t| scene.frame(spec.resolution, t).into_raw())?;
+    }
+    writer.finish()
 }

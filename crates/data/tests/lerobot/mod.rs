@@ -1,25 +1,21 @@
-//! `prepare_episodes` on a LeRobot v2 dataset that the test writes itself: Parquet tables written
-//! with the `parquet` crate as pyarrow lays them out (optional lists, Snappy), MP4 videos encoded
-//! by `ffmpeg` from generated frames of large flat colours, and the meta JSON files.
+//! `prepare_episodes` on a LeRobot v2 dataset that the test writes itself with `LeRobotWriter`
+//! (Parquet tables as pyarrow lays them out, MP4 videos encoded by `ffmpeg` from generated frames
+//! of large flat colours, the meta JSON files), and on the built-in dataset written in that layout.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::process::Command;
 
-use parquet::basic::{Compression, LogicalType, Repetition, Type as Physical};
-use parquet::data_type::{FloatType, Int64Type};
-use parquet::file::properties::WriterProperties;
-use parquet::file::writer::SerializedFileWriter;
-use parquet::schema::types::Type;
-use stoke_data::{prepare_episodes, EpisodeStore, PrepEpisodesConfig};
+use stoke_data::{
+    prepare_episodes, read_episodes, write_synthetic_episodes, write_synthetic_lerobot, EpisodeStore, LeRobotLayout,
+    LeRobotWriter, PrepEpisodesConfig, SyntheticEpisodes,
+};
 
 const TASKS: [&str; 2] = ["pick up the red cube", "push the blue block left"];
 const CAMERAS: [&str; 2] = ["front", "wrist"];
 const LENGTHS: [usize; 2] = [5, 4];
 const STATE_DIM: usize = 2;
 const ACTION_DIM: usize = 3;
-/// The videos' size: even, as yuv420p needs, and not square, so the prepared frames are resized.
+/// The videos' size: even, as the yuv420p of `ffmpeg` without libx264 needs, and not square, so the prepared frames are resized.
 const WIDTH: usize = 64;
 const HEIGHT: usize = 48;
 
@@ -56,104 +52,6 @@ fn frame(episode: usize, camera: usize, step: usize, width: usize, height: usize
     (0..height).flat_map(|_| (0..width).flat_map(move |x| if x < width / 2 { left } else { right })).collect()
 }
 
-/// A list column as pyarrow writes it: optional group (LIST) { repeated group list { optional float element } }.
-fn float_list(name: &str) -> Arc<Type> {
-    let element =
-        Type::primitive_type_builder("element", Physical::FLOAT).with_repetition(Repetition::OPTIONAL).build().unwrap();
-    let list = Type::group_type_builder("list")
-        .with_repetition(Repetition::REPEATED)
-        .with_fields(vec![Arc::new(element)])
-        .build()
-        .unwrap();
-    Arc::new(
-        Type::group_type_builder(name)
-            .with_repetition(Repetition::OPTIONAL)
-            .with_logical_type(Some(LogicalType::List))
-            .with_fields(vec![Arc::new(list)])
-            .build()
-            .unwrap(),
-    )
-}
-
-fn scalar(name: &str, physical: Physical) -> Arc<Type> {
-    Arc::new(Type::primitive_type_builder(name, physical).with_repetition(Repetition::OPTIONAL).build().unwrap())
-}
-
-/// Writes one episode's table: state, action, timestamp, frame_index, episode_index, index, task_index.
-fn write_table(path: &Path, episode: usize, first_index: usize, state_dim: usize) {
-    let n_rows = LENGTHS[episode];
-    let columns = vec![
-        float_list("observation.state"),
-        float_list("action"),
-        scalar("timestamp", Physical::FLOAT),
-        scalar("frame_index", Physical::INT64),
-        scalar("episode_index", Physical::INT64),
-        scalar("index", Physical::INT64),
-        scalar("task_index", Physical::INT64),
-    ];
-    let schema = Arc::new(Type::group_type_builder("schema").with_fields(columns).build().unwrap());
-    let properties = Arc::new(WriterProperties::builder().set_compression(Compression::SNAPPY).build());
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    let mut writer = SerializedFileWriter::new(std::fs::File::create(path).unwrap(), schema, properties).unwrap();
-    let mut row_group = writer.next_row_group().unwrap();
-    let rows: Vec<usize> = (0..n_rows).collect();
-    let mut column_idx = 0;
-    while let Some(mut column) = row_group.next_column().unwrap() {
-        match column_idx {
-            0 | 1 => {
-                let values: Vec<f32> = if column_idx == 0 {
-                    rows.iter().flat_map(|&s| state(episode, s).into_iter().cycle().take(state_dim)).collect()
-                } else {
-                    rows.iter().flat_map(|&s| action(episode, s)).collect()
-                };
-                let width = values.len() / n_rows;
-                let definition = vec![3i16; values.len()];
-                let repetition: Vec<i16> = (0..values.len()).map(|i| i16::from(i % width != 0)).collect();
-                column.typed::<FloatType>().write_batch(&values, Some(&definition), Some(&repetition)).unwrap();
-            }
-            2 => {
-                let timestamps: Vec<f32> = rows.iter().map(|&s| s as f32 / 10.0).collect();
-                column.typed::<FloatType>().write_batch(&timestamps, Some(&vec![1; n_rows]), None).unwrap();
-            }
-            _ => {
-                let values: Vec<i64> = rows
-                    .iter()
-                    .map(|&s| match column_idx {
-                        3 => s,
-                        4 => episode,
-                        5 => first_index + s,
-                        _ => episode,
-                    } as i64)
-                    .collect();
-                column.typed::<Int64Type>().write_batch(&values, Some(&vec![1; n_rows]), None).unwrap();
-            }
-        }
-        column.close().unwrap();
-        column_idx += 1;
-    }
-    row_group.close().unwrap();
-    writer.close().unwrap();
-}
-
-/// Encodes one camera's frames of an episode as H.264 in MP4, as LeRobot v2.0 stores them.
-fn write_video(path: &Path, episode: usize, camera: usize) {
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    let mut child = Command::new("ffmpeg")
-        .args(["-nostdin", "-v", "error", "-y", "-f", "rawvideo", "-pix_fmt", "rgb24"])
-        .args(["-s", &format!("{WIDTH}x{HEIGHT}"), "-r", "10", "-i", "-"])
-        .args(["-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", "12"])
-        .arg(path)
-        .stdin(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    for step in 0..LENGTHS[episode] {
-        stdin.write_all(&frame(episode, camera, step, WIDTH, HEIGHT)).unwrap();
-    }
-    drop(stdin);
-    assert!(child.wait().unwrap().success(), "ffmpeg could not encode {}", path.display());
-}
-
 fn table_path(root: &Path, episode: usize) -> PathBuf {
     root.join(format!("data/chunk-000/episode_{episode:06}.parquet"))
 }
@@ -162,55 +60,28 @@ fn video_path(root: &Path, episode: usize, camera: &str) -> PathBuf {
     root.join(format!("videos/chunk-000/observation.images.{camera}/episode_{episode:06}.mp4"))
 }
 
-/// Writes the whole dataset under `root`.
-fn write_dataset(root: &Path) {
+/// Writes the whole dataset under `root`, its state `state_dim` wide.
+fn write_dataset(root: &Path, state_dim: usize) {
     require_ffmpeg();
-    let vector = |n: usize| serde_json::json!({"dtype": "float32", "shape": [n], "names": null});
-    let scalar = |dtype: &str| serde_json::json!({"dtype": dtype, "shape": [1], "names": null});
-    let mut features = serde_json::json!({
-        "observation.state": vector(STATE_DIM),
-        "action": vector(ACTION_DIM),
-        "timestamp": scalar("float32"),
-        "frame_index": scalar("int64"),
-        "episode_index": scalar("int64"),
-        "index": scalar("int64"),
-        "task_index": scalar("int64"),
-    });
-    for camera in CAMERAS {
-        features[format!("observation.images.{camera}")] = serde_json::json!({
-            "dtype": "video",
-            "shape": [HEIGHT, WIDTH, 3],
-            "names": ["height", "width", "channels"],
-            "info": {"video.fps": 10.0, "video.codec": "h264", "video.pix_fmt": "yuv420p"},
-        });
-    }
-    let info = serde_json::json!({
-        "codebase_version": "v2.1",
-        "robot_type": "test",
-        "total_episodes": 2,
-        "total_frames": LENGTHS.iter().sum::<usize>(),
-        "total_tasks": 2,
-        "chunks_size": 1000,
-        "fps": 10,
-        "splits": {"train": "0:2"},
-        "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet",
-        "video_path": "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4",
-        "features": features,
-    });
-    std::fs::create_dir_all(root.join("meta")).unwrap();
-    std::fs::write(root.join("meta/info.json"), serde_json::to_string_pretty(&info).unwrap()).unwrap();
-    let lines = |items: Vec<serde_json::Value>| items.iter().map(|v| format!("{v}\n")).collect::<String>();
-    let tasks = (0..2).map(|i| serde_json::json!({"task_index": i, "task": TASKS[i]})).collect();
-    std::fs::write(root.join("meta/tasks.jsonl"), lines(tasks)).unwrap();
-    let episodes =
-        (0..2).map(|i| serde_json::json!({"episode_index": i, "tasks": [TASKS[i]], "length": LENGTHS[i]})).collect();
-    std::fs::write(root.join("meta/episodes.jsonl"), lines(episodes)).unwrap();
+    let layout = LeRobotLayout {
+        state_dim,
+        action_dim: ACTION_DIM,
+        cameras: CAMERAS.map(String::from).to_vec(),
+        width: WIDTH as u32,
+        height: HEIGHT as u32,
+        fps: 10,
+        robot_type: "test".into(),
+    };
+    let mut writer = LeRobotWriter::create(root, layout).unwrap();
     for episode in 0..2 {
-        write_table(&table_path(root, episode), episode, LENGTHS[..episode].iter().sum(), STATE_DIM);
-        for (camera_idx, camera) in CAMERAS.iter().enumerate() {
-            write_video(&video_path(root, episode, camera), episode, camera_idx);
-        }
+        let steps = 0..LENGTHS[episode];
+        let states: Vec<Vec<f32>> =
+            steps.clone().map(|s| state(episode, s).into_iter().cycle().take(state_dim).collect()).collect();
+        let actions: Vec<Vec<f32>> = steps.map(|s| action(episode, s)).collect();
+        let frames = |camera, step| frame(episode, camera, step, WIDTH, HEIGHT);
+        writer.write_episode(TASKS[episode], &states, &actions, frames).unwrap();
     }
+    assert_eq!(writer.finish().unwrap(), LENGTHS.iter().sum::<usize>() as u64);
 }
 
 fn mean_abs_diff(a: &[u8], b: &[u8]) -> f64 {
@@ -224,7 +95,7 @@ fn mean_abs_diff(a: &[u8], b: &[u8]) -> f64 {
 fn a_lerobot_dataset_prepares_and_reads_back() {
     let dir = tempfile::tempdir().unwrap();
     let raw = dir.path().join("lerobot");
-    write_dataset(&raw);
+    write_dataset(&raw, STATE_DIM);
     let out = dir.path().join("prepared");
     let side = 32;
     let config = PrepEpisodesConfig { resolution: side as u32, ..PrepEpisodesConfig::default() };
@@ -255,11 +126,54 @@ fn a_lerobot_dataset_prepares_and_reads_back() {
                 assert_eq!(record.shape, [side as u32, side as u32, 3]);
                 let expected = frame(episode, camera, step, side, side);
                 let mad = mean_abs_diff(record.bytes, &expected);
-                // H.264 at CRF 12 over flat colours, yuv420p chroma and the resize blur only the
-                // middle columns; a neighbouring step's frame is 45 or more away.
+                // Lossless H.264 in yuv444p leaves the RGB to YUV rounding, and the resize blurs
+                // only the middle columns; a neighbouring step's frame is 45 or more away.
                 assert!(mad < 10.0, "episode {episode} step {step} camera {camera}: mean |difference| {mad:.1}");
             }
         }
+    }
+}
+
+/// The built-in dataset written in both layouts from one spec prepares to the same steps: the same
+/// instructions, byte-identical state and action rows, and frames that differ only by the JPEG
+/// and H.264 encodings.
+#[test]
+fn the_built_in_dataset_as_lerobot_matches_its_json_lines() {
+    require_ffmpeg();
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SyntheticEpisodes { n_episodes: 3, steps_per_episode: 5, resolution: 32, seed: 11 };
+    let (jsonl, lerobot) = (dir.path().join("jsonl"), dir.path().join("lerobot"));
+    assert_eq!(write_synthetic_episodes(&jsonl, &spec).unwrap(), 15);
+    assert_eq!(write_synthetic_lerobot(&lerobot, &spec).unwrap(), 15);
+    let recorded = read_episodes(&jsonl).unwrap();
+    let config = PrepEpisodesConfig { resolution: 32, ..PrepEpisodesConfig::default() };
+    let stores: Vec<EpisodeStore> = [&jsonl, &lerobot]
+        .iter()
+        .map(|raw| {
+            let out = raw.with_extension("prepared");
+            prepare_episodes(raw, &config, &out).unwrap();
+            EpisodeStore::open(&out, true).unwrap()
+        })
+        .collect();
+    let [from_jsonl, from_lerobot] = [&stores[0], &stores[1]];
+    assert_eq!(from_lerobot.manifest().cameras, ["front"]);
+    assert_eq!((from_lerobot.manifest().state_dim, from_lerobot.manifest().action_dim), (2, 2));
+    let read_steps = |raw: &Path| std::fs::read(raw.with_extension("prepared").join("steps.bin")).unwrap();
+    assert_eq!(read_steps(&jsonl), read_steps(&lerobot), "steps.bin differs between the layouts");
+    for (a, b) in from_jsonl.episodes().iter().zip(from_lerobot.episodes()) {
+        assert_eq!((&a.instruction, a.first_step, a.n_steps), (&b.instruction, b.first_step, b.n_steps));
+    }
+    for (episode_idx, episode) in recorded.episodes.iter().enumerate() {
+        assert_eq!(from_lerobot.episodes()[episode_idx].instruction, episode.instruction);
+    }
+    for step_idx in 0..15 {
+        let (a, b) = (from_jsonl.frame(step_idx, 0).unwrap(), from_lerobot.frame(step_idx, 0).unwrap());
+        assert_eq!(a.shape, b.shape);
+        let mad = mean_abs_diff(a.bytes, b.bytes);
+        // JPEG at quality 90 rings and halves the chroma at the blocks' edges (3.2 at most here on
+        // 2026-12-05); the video is nearly lossless; another episode's frame, its blocks
+        // elsewhere, is 14.5 or more away.
+        assert!(mad < 6.0, "step {step_idx}: mean |difference| {mad:.2} between the layouts' frames");
     }
 }
 
@@ -275,7 +189,7 @@ fn damaged_lerobot_files_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let fresh = |name: &str| {
         let raw = dir.path().join(name);
-        write_dataset(&raw);
+        write_dataset(&raw, STATE_DIM);
         raw
     };
 
@@ -290,7 +204,9 @@ fn damaged_lerobot_files_are_named() {
     assert!(err.contains("episode_000000.parquet"), "{err}");
 
     let raw = fresh("wide-state");
-    write_table(&table_path(&raw, 1), 1, LENGTHS[0], STATE_DIM + 1);
+    let wide = dir.path().join("wide-state-source");
+    write_dataset(&wide, STATE_DIM + 1);
+    std::fs::copy(table_path(&wide, 1), table_path(&raw, 1)).unwrap();
     let err = prepare_error(&raw);
     assert!(
         err.contains("episode_000001.parquet") && err.contains("row 0") && err.contains("observation.state"),
@@ -305,7 +221,7 @@ fn damaged_lerobot_files_are_named() {
     assert!(err.contains("observation.images.wrist/episode_000001.mp4") && err.contains("frame"), "{err}");
 
     let raw = fresh("long-video");
-    write_video(&video_path(&raw, 1, "front"), 0, 0);
+    std::fs::copy(video_path(&raw, 0, "front"), video_path(&raw, 1, "front")).unwrap();
     let err = prepare_error(&raw);
     assert!(err.contains("observation.images.front/episode_000001.mp4") && err.contains("5 frames"), "{err}");
 

@@ -87,6 +87,24 @@ pub struct Vla {
     math_attention: bool,
 }
 
+/// MAE's 2-D sine-cosine position table for a `grid` x `grid` patch grid, `[grid * grid, d]`, rows
+/// in row-major patch order: the first half of each row encodes the patch's row, the second its
+/// column, each as sines then cosines of the position at frequencies 1 / 10000^(i / (d / 4)).
+fn sincos_2d(grid: usize, d: usize) -> Tensor {
+    let quarter = d / 4;
+    let mut table = vec![0f32; grid * grid * d];
+    for (patch, row) in table.chunks_mut(d).enumerate() {
+        for (half, position) in [(0, patch / grid), (1, patch % grid)] {
+            for i in 0..quarter {
+                let angle = position as f64 / 10000f64.powf(i as f64 / quarter as f64);
+                row[half * 2 * quarter + i] = angle.sin() as f32;
+                row[half * 2 * quarter + quarter + i] = angle.cos() as f32;
+            }
+        }
+    }
+    Tensor::from_slice(&table).view([(grid * grid) as i64, d as i64])
+}
+
 fn block_prefix(shape: &VlaShape, layer_idx: usize) -> String {
     if layer_idx < shape.vision_layers {
         format!("vision.blocks.{layer_idx}")
@@ -97,7 +115,8 @@ fn block_prefix(shape: &VlaShape, layer_idx: usize) -> String {
 
 impl Vla {
     /// A freshly initialized model (N(0, 0.02) weights, residual projections scaled by
-    /// 1/sqrt(2·blocks), zero biases, unit norms; seed libtorch first). Units: the embedding,
+    /// 1/sqrt(2·blocks), zero biases, unit norms, the patches' positions a 2-D sine-cosine table;
+    /// seed libtorch first). Units: the embedding,
     /// each block (the projector first in the first backbone block's), the head.
     pub fn new(shape: VlaShape, precision: Precision, action_loss: ActionLoss, device: Device) -> Vla {
         let d = shape.base.d_model as i64;
@@ -162,6 +181,13 @@ impl Vla {
                 }
             })
             .collect();
+        // The patches' positions start as MAE's fixed 2-D sine-cosine table (then train), so a
+        // patch's place is linearly readable from the first step: a learned table from N(0, 0.02)
+        // leaves the model to discover the grid before it can say where anything is.
+        tch::no_grad(|| {
+            let table = sincos_2d(shape.image_side / shape.patch, shape.base.d_model).repeat([shape.frames as i64, 1]);
+            let _ = params.get("vision.pos_embed").shallow_clone().copy_(&table.to_device(device));
+        });
         let seq = shape.base.seq_len as i64;
         let prefix = seq - shape.chunk as i64;
         let positions = Tensor::arange(seq, (Kind::Int64, device));
