@@ -82,6 +82,8 @@ pub struct Vla {
     /// `[seq, seq]` bool, true where a backbone position may attend: the prefix within itself,
     /// the action chunk everywhere.
     backbone_mask: Tensor,
+    /// `backbone_mask` as 0 (attend) or -inf (not), in the compute type, added to the scores.
+    backbone_bias: Tensor,
     /// Attention as batched matrix multiplies and a softmax (on a CPU, where libtorch's
     /// scaled_dot_product_attention with a mask or short heads is slower), else that kernel.
     math_attention: bool,
@@ -206,6 +208,8 @@ impl Vla {
             ln_f: pair("ln_f"),
             action_out: pair("action_out"),
             blocks,
+            backbone_bias: Tensor::zeros(backbone_mask.size(), (compute_kind(precision), device))
+                .masked_fill(&backbone_mask.logical_not(), f64::NEG_INFINITY),
             backbone_mask,
             math_attention: device == Device::Cpu,
             shape,
@@ -292,8 +296,8 @@ impl Vla {
         Tensor::cat(&[self.patches(&episode.frames), text, state, chunk], 1)
     }
 
-    /// Self-attention over `h` `[rows, seq, d]` with an optional boolean mask.
-    fn attention(&self, block: &BlockParams, h: &Tensor, mask: Option<&Tensor>) -> Tensor {
+    /// Self-attention over `h` `[rows, seq, d]`; `masked`: under the backbone's prefix mask.
+    fn attention(&self, block: &BlockParams, h: &Tensor, masked: bool) -> Tensor {
         let (rows, seq, d) = h.size3().expect("activations are [rows, seq, d]");
         let n_head = self.shape.base.n_head as i64;
         let qkv = self.linear(h, &block.attn);
@@ -301,15 +305,16 @@ impl Vla {
         let heads = |t: &Tensor| t.view([rows, seq, n_head, d / n_head]).transpose(1, 2);
         let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
         let y = if self.math_attention {
-            // Scores and the weighted sum as batched matrix multiplies in the compute type, the
-            // softmax in fp32.
-            let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / ((d / n_head) as f64).sqrt());
-            let scores = match mask {
-                Some(mask) => scores.masked_fill(&mask.logical_not(), f64::NEG_INFINITY),
-                None => scores,
-            };
-            scores.softmax(-1, Kind::Float).to_kind(v.kind()).matmul(&v)
+            // Scores and the weighted sum as batched matrix multiplies in the compute type: the
+            // scale on the queries (a sixth of the scores' size at these lengths), the mask added
+            // as 0 or -inf, libtorch's softmax (which accumulates 16-bit rows in fp32).
+            let scale = 1.0 / ((d / n_head) as f64).sqrt();
+            let scores = (q * scale).matmul(&k.transpose(-2, -1));
+            let scores = if masked { scores + &self.backbone_bias } else { scores };
+            let kind = scores.kind();
+            scores.softmax(-1, kind).matmul(&v)
         } else {
+            let mask = masked.then_some(&self.backbone_mask);
             Tensor::scaled_dot_product_attention(&q, &k, &v, mask, 0.0, false, None, false)
         };
         self.linear(&y.transpose(1, 2).contiguous().view([rows, seq, d]), &block.attn_proj)
@@ -426,9 +431,9 @@ impl Model for Vla {
                 let (batch, _, d) = normed.size3().expect("activations are [batch, seq, d]");
                 let per_frame = self.shape.patches_per_frame() as i64;
                 let frames = normed.view([batch * self.shape.frames as i64, per_frame, d]);
-                self.attention(block, &frames, None).view([batch, -1, d])
+                self.attention(block, &frames, false).view([batch, -1, d])
             }
-            Branch::Attention => self.attention(block, normed, Some(&self.backbone_mask)),
+            Branch::Attention => self.attention(block, normed, true),
         }
     }
 
