@@ -466,7 +466,12 @@ impl StokeConfig {
             other => ConfigError::Invalid { key: "model.from".into(), message: other.to_string() },
         })?;
         // A vla model's input sizes come from its dataset's manifest, so they are explicit too.
-        config.model = crate::run::resolve_episode_dims(&config.model, &config.data)
+        let data = crate::run::EpisodeData {
+            path: &config.data.path,
+            history: config.data.history,
+            blank: &config.data.blank,
+        };
+        config.model = crate::run::resolve_episode_dims(&config.model, &data)
             .map_err(|(key, message)| ConfigError::Invalid { key: key.into(), message })?;
         config.validate()?;
         Ok(config)

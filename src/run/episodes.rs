@@ -2,61 +2,17 @@
 //! loads, the built-in robot set (written and prepared once into the cache), and the training and
 //! held-out loaders (the held-out part is the dataset's last episodes, `eval.holdout` of them).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use stoke_data::{BatchSource, EpisodeLoader, EpisodeLoaderConfig, EpisodeSource, EpisodeStore};
-use stoke_train::ModelConfig;
 
-use crate::config::{DataConfig, StokeConfig};
+use crate::config::StokeConfig;
 use crate::exit::UsageError;
 
 /// The built-in robot set's steps per episode and frame side (`data.builtin_episodes` episodes; its
-/// cameras, state and action widths are [`BUILTIN_DIMS`]).
+/// cameras, state and action widths are `episode_dims::BUILTIN_DIMS`).
 const BUILTIN: (usize, u32) = (16, 64);
-/// Cameras, state width and action width of the built-in robot set.
-const BUILTIN_DIMS: (usize, usize, usize) = (1, 2, 2);
-
-/// `model` with `frames`, `state_dim` and `action_dim` taken from the episodes `data` names when
-/// 0, and checked against them when set. Other families pass unchanged. Errors: (key, message).
-pub fn resolve_episode_dims(model: &ModelConfig, data: &DataConfig) -> Result<ModelConfig, (&'static str, String)> {
-    if !["none", "frames", "instructions"].contains(&data.blank.as_str()) {
-        return Err(("data.blank", format!("must be \"none\", \"frames\" or \"instructions\"; got {:?}", data.blank)));
-    }
-    if model.family != "vla" {
-        if data.blank != "none" || data.history != 0 {
-            let key = if data.history != 0 { "data.history" } else { "data.blank" };
-            return Err((
-                key,
-                format!("applies to robot episodes (model.family = \"vla\"); this model is {:?}", model.family),
-            ));
-        }
-        return Ok(model.clone());
-    }
-    let (cameras, state_dim, action_dim) = if data.path.is_empty() {
-        BUILTIN_DIMS
-    } else {
-        let store = EpisodeStore::open(Path::new(&data.path), false).map_err(|err| {
-            ("data.path", format!("model.family = \"vla\" reads a folder from `stoke prep episodes`: {err}"))
-        })?;
-        let manifest = store.manifest();
-        (manifest.cameras.len(), manifest.state_dim, manifest.action_dim)
-    };
-    let mut resolved = model.clone();
-    let frames = cameras * (data.history + 1);
-    for (key, value, dataset) in [
-        ("model.frames", &mut resolved.frames, frames),
-        ("model.state_dim", &mut resolved.state_dim, state_dim),
-        ("model.action_dim", &mut resolved.action_dim, action_dim),
-    ] {
-        if *value == 0 {
-            *value = dataset;
-        } else if *value != dataset {
-            return Err((key, format!("is {value}, but the episodes in data.path give {dataset}")));
-        }
-    }
-    Ok(resolved)
-}
 
 /// The prepared folder of the built-in robot set for `seed`, written into the cache on first use
 /// (into a temporary folder renamed into place, so concurrent ranks agree on one copy).

@@ -18,6 +18,7 @@
 mod checkpoints;
 mod clock;
 mod data;
+mod episode_dims;
 mod episodes;
 mod folder;
 mod heartbeat;
@@ -30,7 +31,7 @@ mod source;
 mod spec;
 mod train;
 
-pub use episodes::resolve_episode_dims;
+pub use episode_dims::{resolve_episode_dims, EpisodeData};
 pub use folder::{latest_checkpoint, timestamp};
 pub use heartbeat::{heartbeat_path, read_run_dir, LAUNCH_DIR_VAR};
 pub use job::Job;

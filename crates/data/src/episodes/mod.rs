@@ -13,17 +13,19 @@ mod lerobot;
 mod lerobot_write;
 mod loader;
 mod prep;
+mod source;
 mod store;
 mod synthetic;
 
 pub use augment::{AugmentConfig, Draw};
 pub use layout::{Episode, Episodes, Step};
 pub use lerobot_write::{LeRobotLayout, LeRobotWriter};
-pub use loader::{Blank, EpisodeBatch, EpisodeLoader, EpisodeLoaderConfig, EpisodeLoaderStats, EpisodeSource};
+pub use loader::{Blank, EpisodeBatch, EpisodeLoader, EpisodeLoaderConfig, EpisodeLoaderStats};
 pub use prep::{
     prepare_episodes, read_episodes, CheckedFile, EpisodeEntry, EpisodeManifest, FrameEncoding, PrepEpisodesConfig,
     EPISODES_FORMAT,
 };
+pub use source::EpisodeSource;
 pub use store::{EpisodeStore, StepView};
 pub use synthetic::{write_synthetic_episodes, write_synthetic_lerobot, SyntheticEpisodes};
 
