@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use stoke_data::EpisodeStore;
+use stoke_data::read_episode_manifest;
 use stoke_train::ModelConfig;
 
 /// Cameras, state width and action width of the built-in robot set (`data.path = ""`).
@@ -38,10 +38,9 @@ pub fn resolve_episode_dims(
     let (cameras, state_dim, action_dim) = if data.path.is_empty() {
         BUILTIN_DIMS
     } else {
-        let store = EpisodeStore::open(Path::new(data.path), false).map_err(|err| {
+        let manifest = read_episode_manifest(Path::new(data.path)).map_err(|err| {
             ("data.path", format!("model.family = \"vla\" reads a folder from `stoke prep episodes`: {err}"))
         })?;
-        let manifest = store.manifest();
         (manifest.cameras.len(), manifest.state_dim, manifest.action_dim)
     };
     let mut resolved = model.clone();

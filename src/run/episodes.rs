@@ -32,6 +32,8 @@ fn builtin_episodes(n_episodes: usize, seed: u64) -> anyhow::Result<PathBuf> {
     stoke_data::write_synthetic_episodes(&tmp.join("raw"), &spec)?;
     let prep = stoke_data::PrepEpisodesConfig { resolution, ..Default::default() };
     stoke_data::prepare_episodes(&tmp.join("raw"), &prep, &tmp.join("prepared"))?;
+    // Training reads only the prepared folder; the JPEG files need not stay in the cache.
+    std::fs::remove_dir_all(tmp.join("raw")).with_context(|| format!("cannot remove {}", tmp.join("raw").display()))?;
     if let Err(err) = std::fs::rename(&tmp, &done) {
         // Another process finished first: its copy is the same data.
         let _ = std::fs::remove_dir_all(&tmp);

@@ -43,10 +43,10 @@ pub use batch::{Batch, BatchSource, RandomWindows};
 pub use cache::{CacheConfig, CacheStats, LocalDirSource, ShardCache, ShardSource};
 pub use corpus::{builtin_corpus, unigram_entropy_nats};
 pub use episodes::{
-    prepare_episodes, read_episodes, write_synthetic_episodes, write_synthetic_lerobot, AugmentConfig, Blank,
-    CheckedFile, Draw, Episode, EpisodeBatch, EpisodeEntry, EpisodeLoader, EpisodeLoaderConfig, EpisodeLoaderStats,
-    EpisodeManifest, EpisodeSource, EpisodeStore, Episodes, FrameEncoding, LeRobotLayout, LeRobotWriter,
-    PrepEpisodesConfig, Step, StepView, SyntheticEpisodes, EPISODES_FORMAT,
+    prepare_episodes, read_episode_manifest, read_episodes, write_synthetic_episodes, write_synthetic_lerobot,
+    AugmentConfig, Blank, CheckedFile, Draw, Episode, EpisodeBatch, EpisodeEntry, EpisodeLoader, EpisodeLoaderConfig,
+    EpisodeLoaderStats, EpisodeManifest, EpisodeSource, EpisodeStore, Episodes, FrameEncoding, LeRobotLayout,
+    LeRobotWriter, PrepEpisodesConfig, Step, StepView, SyntheticEpisodes, EPISODES_FORMAT,
 };
 pub use error::DataError;
 pub use format::{

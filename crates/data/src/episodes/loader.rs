@@ -171,6 +171,12 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
                 None => Draw::IDENTITY,
             };
             for back in (0..per_camera as u64).rev() {
+                if config.blank == Blank::Frames {
+                    // An ablation's black frame: nothing to read, decode or augment.
+                    batch.frames.resize(batch.frames.len() + (shared.side as usize).pow(2) * 3, 0);
+                    stats.frames += 1;
+                    continue;
+                }
                 let frame_step = episode_first + t.saturating_sub(back);
                 let record = store.frame(frame_step, camera)?;
                 let decode_start = Instant::now();
@@ -188,10 +194,6 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
                         let augment_start = Instant::now();
                         draw.apply(&image, shared.side, &mut batch.frames);
                         augment_start
-                    } else if config.blank == Blank::Frames {
-                        // Nothing to decode: the frame is blanked below.
-                        batch.frames.resize(batch.frames.len() + (shared.side as usize).pow(2) * 3, 0);
-                        Instant::now()
                     } else {
                         let image = image::load_from_memory(record.bytes)
                             .map_err(|err| DataError::Image {
@@ -203,10 +205,6 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
                         draw.apply(&image, shared.side, &mut batch.frames);
                         augment_start
                     };
-                if config.blank == Blank::Frames {
-                    let from = batch.frames.len() - (shared.side as usize).pow(2) * 3;
-                    batch.frames[from..].fill(0);
-                }
                 stats.decode_ns += (augment_start - decode_start).as_nanos() as u64;
                 stats.augment_ns += augment_start.elapsed().as_nanos() as u64;
                 stats.frames += 1;

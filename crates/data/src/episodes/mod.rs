@@ -26,7 +26,7 @@ pub use prep::{
     EPISODES_FORMAT,
 };
 pub use source::EpisodeSource;
-pub use store::{EpisodeStore, StepView};
+pub use store::{read_episode_manifest, EpisodeStore, StepView};
 pub use synthetic::{write_synthetic_episodes, write_synthetic_lerobot, SyntheticEpisodes};
 
 #[cfg(test)]

@@ -43,19 +43,32 @@ fn read_checked(dir: &Path, file: &CheckedFile) -> Result<Vec<u8>, DataError> {
     Ok(bytes)
 }
 
+/// The manifest of the prepared folder `dir`, parsed and its format checked, and nothing else read
+/// (what a config needs of a dataset: its widths and cameras).
+pub fn read_episode_manifest(dir: &Path) -> Result<EpisodeManifest, DataError> {
+    let manifest_path = dir.join("manifest.json");
+    let bytes =
+        stoke_fsio::read_capped(&manifest_path, stoke_fsio::MANIFEST_CAP).map_err(DataError::read(&manifest_path))?;
+    let manifest: EpisodeManifest =
+        serde_json::from_slice(&bytes).map_err(|source| DataError::Manifest { path: manifest_path.clone(), source })?;
+    if manifest.format != EPISODES_FORMAT {
+        return Err(DataError::Corrupt {
+            path: manifest_path,
+            what: "manifest",
+            offset: 0,
+            detail: format!("format {:?}, expected {EPISODES_FORMAT:?}", manifest.format),
+        });
+    }
+    Ok(manifest)
+}
+
 impl EpisodeStore {
     /// Opens `dir`; with `verify`, every frame shard's CRC-32 too (what `stoke prep verify` does).
     pub fn open(dir: &Path, verify: bool) -> Result<EpisodeStore, DataError> {
+        let manifest = read_episode_manifest(dir)?;
         let manifest_path = dir.join("manifest.json");
-        let bytes = stoke_fsio::read_capped(&manifest_path, stoke_fsio::MANIFEST_CAP)
-            .map_err(DataError::read(&manifest_path))?;
-        let manifest: EpisodeManifest = serde_json::from_slice(&bytes)
-            .map_err(|source| DataError::Manifest { path: manifest_path.clone(), source })?;
         let corrupt =
             |detail: String| DataError::Corrupt { path: manifest_path.clone(), what: "manifest", offset: 0, detail };
-        if manifest.format != EPISODES_FORMAT {
-            return Err(corrupt(format!("format {:?}, expected {EPISODES_FORMAT:?}", manifest.format)));
-        }
         let dims = [
             manifest.state_mean.len(),
             manifest.state_std.len(),

@@ -316,24 +316,7 @@ impl ModelConfig {
                 message: format!("must be one of {}; got {:?}", MODEL_FAMILIES.join(", "), self.family),
             });
         }
-        let preset = match self.preset.as_str() {
-            "tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab_size: 256 },
-            "small" => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 256, vocab_size: 256 },
-            "gpt2-124m" => GptShape { n_layer: 12, n_head: 12, d_model: 768, seq_len: 1024, vocab_size: 50304 },
-            "llama-tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab_size: 256 },
-            // Meta's Llama 3 8B and 70B (their params.json and Hugging Face config.json).
-            "llama3-8b" => GptShape { n_layer: 32, n_head: 32, d_model: 4096, seq_len: 8192, vocab_size: 128256 },
-            "llama3-70b" => GptShape { n_layer: 80, n_head: 64, d_model: 8192, seq_len: 8192, vocab_size: 128256 },
-            // The backbones of the vla presets (their seq_len is the whole sequence, resolved below).
-            "vla-tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 128, seq_len: 0, vocab_size: 256 },
-            "vla-small" => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 0, vocab_size: 256 },
-            other => {
-                return Err(TrainError::InvalidConfig {
-                    key: "model.preset",
-                    message: format!("must be one of {}; got {other:?}", ModelConfig::PRESETS.join(", ")),
-                })
-            }
-        };
+        let preset = self.preset_shape()?;
         if self.preset.starts_with("llama") && self.family != "llama" {
             return Err(TrainError::InvalidConfig {
                 key: "model.preset",
@@ -423,14 +406,32 @@ impl ModelConfig {
         Ok(shape)
     }
 
+    /// The preset's shape (for the vla presets their backbone's, the sequence resolved later).
+    fn preset_shape(&self) -> Result<GptShape, TrainError> {
+        Ok(match self.preset.as_str() {
+            "tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab_size: 256 },
+            "small" => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 256, vocab_size: 256 },
+            "gpt2-124m" => GptShape { n_layer: 12, n_head: 12, d_model: 768, seq_len: 1024, vocab_size: 50304 },
+            "llama-tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab_size: 256 },
+            // Meta's Llama 3 8B and 70B (their params.json and Hugging Face config.json).
+            "llama3-8b" => GptShape { n_layer: 32, n_head: 32, d_model: 4096, seq_len: 8192, vocab_size: 128256 },
+            "llama3-70b" => GptShape { n_layer: 80, n_head: 64, d_model: 8192, seq_len: 8192, vocab_size: 128256 },
+            // The backbones of the vla presets (their seq_len is the whole sequence, resolved by vla_shape_of).
+            "vla-tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 128, seq_len: 0, vocab_size: 256 },
+            "vla-small" => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 0, vocab_size: 256 },
+            other => {
+                return Err(TrainError::InvalidConfig {
+                    key: "model.preset",
+                    message: format!("must be one of {}; got {other:?}", ModelConfig::PRESETS.join(", ")),
+                })
+            }
+        })
+    }
+
     /// The vla family's resolved shape (see [`ModelConfig::shape`] for the checks).
     pub fn vla_shape(&self) -> Result<VlaShape, TrainError> {
         self.shape()?;
-        let preset = match self.preset.as_str() {
-            "vla-tiny" => GptShape { n_layer: 4, n_head: 4, d_model: 128, seq_len: 0, vocab_size: 256 },
-            _ => GptShape { n_layer: 6, n_head: 6, d_model: 384, seq_len: 0, vocab_size: 256 },
-        };
-        self.vla_shape_of(preset)
+        self.vla_shape_of(self.preset_shape()?)
     }
 
     fn vla_shape_of(&self, backbone: GptShape) -> Result<VlaShape, TrainError> {

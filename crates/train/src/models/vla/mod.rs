@@ -25,6 +25,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{ActionLoss, GptShape, Precision, VlaShape};
+use crate::models::embedding::embed;
 use crate::models::{Branch, EpisodeInputs, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
@@ -287,10 +288,7 @@ impl Vla {
     /// The sequence `[batch, seq, d]` fp32 with the chunk's tokens made from `chunk_in` at `time`.
     fn sequence(&self, inputs: &Inputs, chunk_in: &Tensor, time: &Tensor) -> Tensor {
         let episode = Self::episode(inputs);
-        let n_tokens = self.shape.instruction_tokens as i64;
-        let positions = Tensor::arange(n_tokens, (Kind::Int64, inputs.tokens.device()));
-        let text = Tensor::embedding(&self.wte, &inputs.tokens, -1, false, false)
-            + Tensor::embedding(&self.wpe, &positions, -1, false, false);
+        let text = embed(&self.wte, &self.wpe, &inputs.tokens);
         let state = self.linear(&episode.state, &self.state_proj).to_kind(Kind::Float).unsqueeze(1);
         let chunk = self.action_tokens(chunk_in, time);
         Tensor::cat(&[self.patches(&episode.frames), text, state, chunk], 1)
@@ -332,8 +330,13 @@ impl Vla {
     }
 
     fn trunk(&self, x: Tensor) -> Tensor {
+        self.blocks_in(0..self.shape.base.n_layer, x)
+    }
+
+    /// `x` through blocks `layers`, both residual branches each.
+    fn blocks_in(&self, layers: std::ops::Range<usize>, x: Tensor) -> Tensor {
         let mut x = x;
-        for layer_idx in 0..self.shape.base.n_layer {
+        for layer_idx in layers {
             x = self.residual(layer_idx, Branch::Attention, &x);
             x = self.residual(layer_idx, Branch::Mlp, &x);
         }
@@ -371,11 +374,21 @@ impl Vla {
                 self.predict(&self.trunk(self.sequence(inputs, &chunk_in, &time)))
             }
             ActionLoss::Flow => {
-                let steps = self.shape.flow_steps;
+                let (steps, tower) = (self.shape.flow_steps, self.shape.vision_layers);
+                let prefix = (self.shape.base.seq_len - self.shape.chunk) as i64;
                 let mut actions = episode.noise.shallow_clone();
+                // The prefix's embedding and the vision tower's output do not depend on the chunk
+                // (the tower passes it through), so they are computed once; each Euler step puts
+                // the chunk's new tokens after them and runs the backbone.
+                let first = self.blocks_in(0..tower, self.sequence(inputs, &actions, &episode.time.zeros_like()));
+                let seen = first.narrow(1, 0, prefix);
+                let mut x = first;
                 for step in 0..steps {
-                    let time = episode.time.full_like(step as f64 / steps as f64);
-                    let velocity = self.predict(&self.trunk(self.sequence(inputs, &actions, &time)));
+                    if step > 0 {
+                        let time = episode.time.full_like(step as f64 / steps as f64);
+                        x = Tensor::cat(&[&seen, &self.action_tokens(&actions, &time)], 1);
+                    }
+                    let velocity = self.predict(&self.blocks_in(tower..self.shape.base.n_layer, x.shallow_clone()));
                     actions = actions + velocity / steps as f64;
                 }
                 actions
