@@ -285,6 +285,10 @@ fn unknown_key(key: String, known: &toml::Table, leaf: &str) -> ConfigError {
 fn check_table(user: &mut toml::Table, defaults: &toml::Table, prefix: &str) -> Result<(), ConfigError> {
     for (name, value) in user.iter_mut() {
         let key = if prefix.is_empty() { name.clone() } else { format!("{prefix}.{name}") };
+        if OPEN_TABLES.contains(&key.as_str()) {
+            check_open_table(value, &key)?;
+            continue;
+        }
         let Some(default) = defaults.get(name) else {
             return Err(unknown_key(key, defaults, name));
         };
@@ -300,6 +304,31 @@ fn check_table(user: &mut toml::Table, defaults: &toml::Table, prefix: &str) -> 
                     key,
                     expected: type_name(d),
                     got: format!("{} ({u})", type_name(u)),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Keys whose value is a table of the user's own keys to numbers (not a section of known keys):
+/// checked by `check_open_table`, and replaced whole, never merged key by key.
+const OPEN_TABLES: [&str; 1] = ["train.lr_multipliers"];
+
+/// An open table's value: a table whose every value is a number (integers become floats).
+fn check_open_table(value: &mut toml::Value, key: &str) -> Result<(), ConfigError> {
+    let toml::Value::Table(table) = value else {
+        return Err(ConfigError::WrongType { key: key.into(), expected: "a table", got: type_name(value).into() });
+    };
+    for (name, entry) in table.iter_mut() {
+        match entry {
+            toml::Value::Integer(i) => *entry = toml::Value::Float(*i as f64),
+            toml::Value::Float(_) => {}
+            other => {
+                return Err(ConfigError::WrongType {
+                    key: format!("{key}.{name}"),
+                    expected: "a float",
+                    got: format!("{} ({other})", type_name(other)),
                 })
             }
         }
@@ -344,9 +373,16 @@ fn is_integer_literal(text: &str) -> bool {
 
 /// Deep-merges `user` into `base`: tables merge key by key, any other value replaces.
 fn merge(base: &mut toml::Table, user: toml::Table) {
+    merge_at(base, user, "");
+}
+
+fn merge_at(base: &mut toml::Table, user: toml::Table, prefix: &str) {
     for (name, value) in user {
+        let key = if prefix.is_empty() { name.clone() } else { format!("{prefix}.{name}") };
         match (base.get_mut(&name), value) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(u)) => merge(b, u),
+            (Some(toml::Value::Table(b)), toml::Value::Table(u)) if !OPEN_TABLES.contains(&key.as_str()) => {
+                merge_at(b, u, &key)
+            }
             (_, value) => {
                 base.insert(name, value);
             }
@@ -666,6 +702,24 @@ mod tests {
         let same = StokeConfig::load_resumed(&saved, None, &["train.seed=5".into()]).unwrap();
         assert!(saved.differing_keys(&same).is_empty());
         assert!(StokeConfig::load_resumed(&saved, None, &["train.sead=5".into()]).is_err());
+    }
+
+    /// `train.lr_multipliers` is a table of the user's globs: numbers only, integers taken as
+    /// floats, and an override or a resume replaces the whole table.
+    #[test]
+    fn learning_rate_multipliers_are_a_table_of_globs_to_numbers() {
+        let config = StokeConfig::load(None, &[r#"train.lr_multipliers={"vision.*"=0.1, "head"=2}"#.into()]).unwrap();
+        let expected = [("head".to_string(), 2.0), ("vision.*".to_string(), 0.1)].into_iter().collect();
+        assert_eq!(config.train.lr_multipliers, expected);
+        let resumed =
+            StokeConfig::load_resumed(&config, None, &[r#"train.lr_multipliers={"backbone.*"=0.5}"#.into()]).unwrap();
+        assert_eq!(resumed.train.lr_multipliers.keys().collect::<Vec<_>>(), ["backbone.*"]);
+        check_err(
+            &[r#"train.lr_multipliers={"vision.*"="slow"}"#],
+            "config key `train.lr_multipliers.vision.*` expects a float, got a string",
+        );
+        check_err(&["train.lr_multipliers=3"], "config key `train.lr_multipliers` expects a table");
+        check_err(&[r#"train.lr_multipliers={"vision.*"=-1}"#], "a factor must be finite and at least 0");
     }
 
     #[test]

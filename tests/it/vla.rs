@@ -147,3 +147,54 @@ fn a_lerobot_dataset_written_by_the_test_is_prepared_and_trained() {
     assert_eq!(losses.len(), 6);
     assert!(losses.iter().all(|(_, loss)| loss.is_finite()), "{losses:?}");
 }
+
+/// Every tensor of checkpoint step `step` of the run in `run`, by name.
+fn checkpoint_tensors(run: &Path, step: u64) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let bytes = std::fs::read(run.join(format!("checkpoints/step-{step}/model.safetensors"))).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors().into_iter().map(|(name, view)| (name, view.data().to_vec())).collect()
+}
+
+/// The common fine-tuning set-up of a vla model: the vision tower frozen (left out of the
+/// checkpoint), the backbone at a factor 0 of the learning rate (its weights never move, decay
+/// included: the same after 3 steps as after 6), the rest trained; a pattern that matches nothing
+/// and a parameter two patterns match are refused, naming them.
+#[test]
+fn a_frozen_tower_and_a_still_backbone_stay_as_they_were() {
+    let dir = tempfile::tempdir().unwrap();
+    let common = [
+        "train.freeze=[\"vision.*\"]",
+        "train.lr_multipliers={\"backbone.*\"=0, \"action_out.*\"=0.5}",
+        "train.micro_batch=4",
+        "ckpt.every=3",
+        "ckpt.background=false",
+        "train.steps=6",
+    ];
+    let args = overrides(dir.path(), "tuned", &common);
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&args)));
+    let run = dir.path().join("tuned");
+    let (at_3, at_6) = (checkpoint_tensors(&run, 3), checkpoint_tensors(&run, 6));
+    assert!(at_6.keys().all(|name| !name.starts_with("vision.")), "{:?}", at_6.keys());
+    let mut still = 0;
+    for (name, values) in &at_6 {
+        if name.starts_with("backbone.") {
+            assert!(at_3[name] == *values, "{name} moved at a factor 0 of the learning rate");
+            still += 1;
+        } else if name.contains("weight") {
+            assert!(at_3[name] != *values, "{name} did not train");
+        }
+    }
+    assert!(still > 0, "the checkpoint holds the backbone");
+    for (multipliers, named) in [
+        ("{\"visoin.*\"=0.1}", vec!["visoin.*", "matches no trained parameter"]),
+        ("{\"backbone.*\"=0.1, \"backbone.blocks.0.*\"=1}", vec!["backbone.*", "backbone.blocks.0.*"]),
+    ] {
+        let set = format!("train.lr_multipliers={multipliers}");
+        let args = overrides(dir.path(), "refused", &["train.steps=1", &set]);
+        let out = stoke(&["train", "--quiet"], &refs(&args)).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // Found while the model is built, as `train.freeze`'s patterns are: a failed run (1).
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(named.iter().all(|n| stderr.contains(n)) && stderr.contains("train.lr_multipliers"), "{stderr}");
+    }
+}

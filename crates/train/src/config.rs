@@ -187,8 +187,15 @@ pub struct TrainConfig {
     /// Parameters that do not train: globs over parameter names (`*` any run of characters, `?`
     /// one), e.g. "model.embed_tokens.*". A frozen parameter gets no gradient, no optimizer state,
     /// no data-parallel reduction and no checkpoint (its values come from the seed's init or
-    /// `model.from`). Needs a family that runs in libtorch's graph (gpt-rms, llama). Default [].
+    /// `model.from`). Needs a family that runs in libtorch's graph (every family but gpt).
+    /// Default [].
     pub freeze: Vec<String>,
+    /// Per-module learning rates: globs over parameter names (as `freeze`'s) to factors on the
+    /// learning rate, e.g. {"vision.*" = 0.1} for a slower vision tower. Each factor scales the
+    /// parameter's step and its decoupled weight decay, all through the schedule; a parameter
+    /// that two patterns match is refused, as is a pattern that matches no trained parameter.
+    /// Default {}.
+    pub lr_multipliers: std::collections::BTreeMap<String, f64>,
     /// LoRA adapters (see `LoraConfig`); llama only. Default off (rank 0).
     pub lora: LoraConfig,
     /// Processes the global batch is split over (set by the launcher's environment, not a
@@ -323,6 +330,7 @@ impl Default for TrainConfig {
             monitor_every: 10,
             spike_window: 50,
             freeze: Vec::new(),
+            lr_multipliers: Default::default(),
             lora: LoraConfig::default(),
             world_size: 1,
             test_inject: Injections::default(),
@@ -354,6 +362,12 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<(), TrainError> {
         let bad = |key: &'static str, message: String| Err(TrainError::InvalidConfig { key, message });
         self.lora.validate()?;
+        if let Some((pattern, factor)) = self.lr_multipliers.iter().find(|(_, f)| !(f.is_finite() && **f >= 0.0)) {
+            return Err(TrainError::InvalidConfig {
+                key: "train.lr_multipliers",
+                message: format!("{pattern:?} = {factor}: a factor must be finite and at least 0"),
+            });
+        }
         if self.steps == 0 {
             return bad("train.steps", "must be at least 1; got 0".into());
         }

@@ -240,10 +240,9 @@ impl AdamW {
         let save = self.save.take();
         match self.fused_slices(params, &range, kernel) {
             Some(slices) => {
-                let step_size = (hp.lr / (1.0 - hp.beta1.powi(t))) as f32;
+                let bias_correction1 = 1.0 - hp.beta1.powi(t);
                 let inv_sqrt_bc2 = (1.0 / (1.0 - hp.beta2.powi(t)).sqrt()) as f32;
                 let (w1, w2, eps) = ((1.0 - hp.beta1) as f32, (1.0 - hp.beta2) as f32, hp.eps as f32);
-                let decay_factor = (1.0 - hp.lr * hp.weight_decay) as f32;
                 let clip = grad_multiplier as f32;
                 let measure = std::mem::take(&mut self.measure);
                 let sums = run_split(&slices, n_threads, |s| {
@@ -256,7 +255,10 @@ impl AdamW {
                             std::slice::from_raw_parts_mut(s.exp_avg_sq, s.numel),
                         )
                     };
-                    let decay = if s.decay { decay_factor } else { 1.0 };
+                    // The parameter's own rate (`train.lr_multipliers`) scales its step and decay.
+                    let lr = hp.lr * s.lr_scale;
+                    let step_size = (lr / bias_correction1) as f32;
+                    let decay = if s.decay { (1.0 - lr * hp.weight_decay) as f32 } else { 1.0 };
                     let k = UpdateConsts { clip, w1, w2, inv_sqrt_bc2, eps, decay, step_size };
                     if save.is_none() && !measure {
                         update(g, p, m, v, &k);
@@ -388,13 +390,14 @@ impl AdamW {
         // (`update_portable`), with the step size folded into the denominator so one `addcdiv_`
         // applies the update. Every op is element-wise, so the values do not depend on the cut.
         let inv_sqrt_bc2 = 1.0 / bias_correction2.sqrt();
-        let neg_inv_step = -bias_correction1 / hp.lr;
         tch::no_grad(|| {
             for entry in params.entries() {
                 let (lo, hi) = (entry.offset.max(range.start), (entry.offset + entry.numel).min(range.end));
                 if lo >= hi {
                     continue;
                 }
+                let lr = hp.lr * entry.lr_scale;
+                let neg_inv_step = -bias_correction1 / lr;
                 let narrow = |t: &Tensor| t.narrow(0, lo, hi - lo);
                 let mut flat = narrow(params.flat());
                 let mut grad = narrow(params.flat_grad());
@@ -403,12 +406,12 @@ impl AdamW {
                     let _ = grad.g_mul_scalar_(grad_multiplier);
                 }
                 if hp.weight_decay > 0.0 && entry.decay {
-                    let _ = flat.g_mul_scalar_(1.0 - hp.lr * hp.weight_decay);
+                    let _ = flat.g_mul_scalar_(1.0 - lr * hp.weight_decay);
                 }
                 let _ = exp_avg.lerp_(&grad, 1.0 - hp.beta1);
                 let mut scratch = grad.square();
                 let _ = exp_avg_sq.lerp_(&scratch, 1.0 - hp.beta2);
-                if hp.lr != 0.0 {
+                if lr != 0.0 {
                     // -(sqrt(v) / sqrt(bc2) + eps) / step_size, in the squares' memory.
                     let _ = exp_avg_sq.sqrt_out(&scratch);
                     let _ = scratch.g_mul_scalar_(inv_sqrt_bc2 * neg_inv_step).g_add_scalar_(hp.eps * neg_inv_step);

@@ -347,7 +347,7 @@ impl Lamb {
                             std::slice::from_raw_parts_mut(s.param, s.numel),
                         )
                     };
-                    let step = (lr * ratios[s.entry]) as f32;
+                    let step = (lr * s.lr_scale * ratios[s.entry]) as f32;
                     for (g, p) in g.iter_mut().zip(p.iter_mut()) {
                         *p -= step * *g;
                         *g = 0.0;
@@ -358,7 +358,7 @@ impl Lamb {
                 for (entry, lo, hi) in overlaps(params, &range) {
                     let (mut p, mut g) =
                         (params.flat().narrow(0, lo, hi - lo), params.flat_grad().narrow(0, lo, hi - lo));
-                    let _ = p.g_sub_(&(&g * (lr * ratios[entry])));
+                    let _ = p.g_sub_(&(&g * (lr * params.entries()[entry].lr_scale * ratios[entry])));
                     let _ = g.zero_();
                 }
             }),
@@ -439,6 +439,7 @@ impl Sgd {
                         )
                     };
                     let wd = if s.decay { wd } else { 0.0 };
+                    let lr = lr * s.lr_scale as f32;
                     for ((g, p), b) in g.iter_mut().zip(p.iter_mut()).zip(b.iter_mut()) {
                         let grad = *g * clip + wd * *p;
                         *b = mu * *b + grad;
@@ -459,7 +460,7 @@ impl Sgd {
                     }
                     let _ = b.g_mul_scalar_(hp.momentum).g_add_(&grad);
                     let d = if hp.nesterov { &grad + &b * hp.momentum } else { b.shallow_clone() };
-                    let _ = p.g_sub_(&(d * hp.lr));
+                    let _ = p.g_sub_(&(d * (hp.lr * params.entries()[entry].lr_scale)));
                     let _ = g.zero_();
                 }
             }),

@@ -51,6 +51,8 @@ pub struct ParamEntry {
     pub offset: i64,
     pub numel: i64,
     pub decay: bool,
+    /// The factor on the learning rate for this parameter (`train.lr_multipliers`; 1 unless set).
+    pub lr_scale: f64,
     /// The unit this parameter belongs to (index into `FlatParams::units`).
     pub unit: usize,
     /// A leaf view of `flat` that requires grad; its `.grad` is a view of `flat_grad`. In a
@@ -313,6 +315,7 @@ impl FlatParams {
                     offset,
                     numel,
                     decay: spec.decay,
+                    lr_scale: 1.0,
                     unit: unit_idx,
                     tensor,
                     source: offset,
@@ -394,6 +397,14 @@ impl FlatParams {
         self.frozen = frozen;
         self.bind_grads();
         n_frozen
+    }
+
+    /// Sets each trained parameter's factor on the learning rate to `scale(name)` (call before
+    /// sharding: a shard's pieces take their parameter's factor).
+    pub fn set_lr_scales(&mut self, scale: &dyn Fn(&str) -> f64) {
+        for entry in &mut self.entries {
+            entry.lr_scale = scale(&entry.name);
+        }
     }
 
     /// The parameters `freeze` took out of training (offsets into their own buffer).
@@ -490,6 +501,7 @@ impl FlatParams {
                     offset,
                     numel: hi - lo,
                     decay: entry.decay,
+                    lr_scale: entry.lr_scale,
                     unit: units.len(),
                     tensor,
                     source: lo,

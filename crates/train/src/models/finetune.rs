@@ -25,7 +25,7 @@ pub(super) fn freeze(model: &mut dyn Model, family: &str, train: &TrainConfig) -
     if family == "gpt" {
         return Err(TrainError::InvalidConfig {
             key,
-            message: "needs a family that runs in libtorch's graph (gpt-rms, llama); the gpt family's kernels \
+            message: "needs a family that runs in libtorch's graph (gpt-rms, llama, vla); the gpt family's kernels \
                       write gradients by hand"
                 .into(),
         });
@@ -57,6 +57,33 @@ pub(super) fn freeze(model: &mut dyn Model, family: &str, train: &TrainConfig) -
     if model.params().n_elements() == 0 {
         return Err(TrainError::InvalidConfig { key: "train.freeze", message: "freezes every parameter".into() });
     }
+    Ok(())
+}
+
+/// Sets each trained parameter's factor on the learning rate from `train.lr_multipliers` (1 where
+/// no pattern matches). Refused: a pattern that matches no trained parameter (a typo, or a frozen
+/// one), and a parameter that two patterns match (which factor was meant is not clear).
+pub(super) fn set_lr_multipliers(model: &mut dyn Model, train: &TrainConfig) -> Result<(), TrainError> {
+    if train.lr_multipliers.is_empty() {
+        return Ok(());
+    }
+    let bad = |message: String| TrainError::InvalidConfig { key: "train.lr_multipliers", message };
+    let names: Vec<String> = model.params().entries().iter().map(|e| e.name.clone()).collect();
+    for pattern in train.lr_multipliers.keys() {
+        if !names.iter().any(|n| glob_match(pattern, n)) {
+            return Err(bad(format!("{pattern:?} matches no trained parameter (names look like {:?})", names.get(1))));
+        }
+    }
+    for name in &names {
+        let matched: Vec<&String> = train.lr_multipliers.keys().filter(|p| glob_match(p, name)).collect();
+        if let [first, second, ..] = matched.as_slice() {
+            return Err(bad(format!("{name} matches both {first:?} and {second:?}")));
+        }
+    }
+    let factor = |name: &str| {
+        train.lr_multipliers.iter().find(|(pattern, _)| glob_match(pattern, name)).map_or(1.0, |(_, f)| *f)
+    };
+    model.params_mut().set_lr_scales(&factor);
     Ok(())
 }
 

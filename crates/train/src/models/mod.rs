@@ -45,6 +45,7 @@ pub fn build_model(
     let mut built = build_initialized(model, train, kernel_threads, device)?;
     hf::load_weights(built.params(), model)?;
     finetune::freeze(built.as_mut(), &model.family, train)?;
+    finetune::set_lr_multipliers(built.as_mut(), train)?;
     Ok(built)
 }
 

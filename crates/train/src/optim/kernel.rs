@@ -67,6 +67,7 @@ pub(crate) fn fused_slices(
                         exp_avg_sq: if v.is_null() { v } else { v.add(offset) },
                         numel: (hi - lo) as usize,
                         decay: e.decay,
+                        lr_scale: e.lr_scale,
                         entry,
                     }
                 }
@@ -85,6 +86,8 @@ pub(crate) struct Slices {
     pub(crate) exp_avg_sq: *mut f32,
     pub(crate) numel: usize,
     pub(crate) decay: bool,
+    /// The parameter's factor on the learning rate (`ParamEntry::lr_scale`).
+    pub(crate) lr_scale: f64,
     /// The parameter's index in `FlatParams::entries`.
     pub(crate) entry: usize,
 }

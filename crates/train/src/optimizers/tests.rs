@@ -241,3 +241,41 @@ fn a_non_finite_gradient_stops_before_the_update() {
         assert_eq!(optimizer.n_steps(), 0);
     }
 }
+
+/// A parameter's factor on the learning rate (`train.lr_multipliers`) moves it as a run at that
+/// rate would, decay included, and leaves the others at the run's rate: every optimizer, both
+/// kernels. The loss is a sum of one term per tensor, so each tensor's gradients depend on it
+/// alone and three steps can be compared tensor by tensor.
+#[test]
+fn a_learning_rate_factor_moves_its_parameters_as_that_rate_would() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let factor = 0.25;
+    for kind in [OptimizerKind::AdamW, OptimizerKind::Lamb, OptimizerKind::Sgd] {
+        for kernel in [UpdateKernel::Fused, UpdateKernel::TensorOps] {
+            let run = |lr: f64, scaled: bool| {
+                let mut params = params();
+                if scaled {
+                    params.set_lr_scales(&|name| if name.starts_with("a.") { factor } else { 1.0 });
+                }
+                let mut optimizer = Optimizer::new(kind, &params);
+                let hp = Hyper { lr, ..hyper() };
+                for step in 1..=3 {
+                    backward(&params, step);
+                    optimizer
+                        .step_with_sq_sum(&params, 1.0, &hp, 0.0, None, kernel, 2, |_| Ok::<(), ()>(()))
+                        .unwrap()
+                        .unwrap();
+                }
+                params
+            };
+            let (mixed, slow, plain) = (run(0.01, true), run(0.01 * factor, false), run(0.01, false));
+            for entry in mixed.entries() {
+                let expected = if entry.name.starts_with("a.") { &slow } else { &plain };
+                let diff = (&entry.tensor - expected.get(&entry.name)).abs().max().double_value(&[]);
+                assert!(diff < 1e-7, "{kind:?} {kernel:?} {}: {diff}", entry.name);
+                let moved = (&entry.tensor - params().get(&entry.name)).abs().max().double_value(&[]);
+                assert!(moved > 1e-4, "{kind:?} {kernel:?} {} did not move", entry.name);
+            }
+        }
+    }
+}
