@@ -73,6 +73,12 @@ fn sample_of(record: &stoke_train::StepRecord) -> StepSample {
         loss: record.loss,
         loss_scale: None,
         timed: record.timed,
+        frame_stages: record.frame_stages.map(|s| stoke_prof::FrameCounters {
+            batches: s.batches,
+            decode_ns: s.decode_ns,
+            augment_ns: s.augment_ns,
+            busy_ns: s.busy_ns,
+        }),
     }
 }
 

@@ -169,10 +169,18 @@ fn a_frozen_tower_and_a_still_backbone_stay_as_they_were() {
         "ckpt.every=3",
         "ckpt.background=false",
         "train.steps=6",
+        "prof.enabled=true",
+        "prof.prometheus=false",
     ];
     let args = overrides(dir.path(), "tuned", &common);
     run_ok(&mut stoke(&["train", "--quiet"], &refs(&args)));
     let run = dir.path().join("tuned");
+    // The report says where the loader's threads spent each batch's time.
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("report.json")).unwrap()).unwrap();
+    let stages = &report["frame_stages"];
+    assert!(stages["batches"].as_u64().is_some_and(|b| b >= 6), "{stages}");
+    assert!(["decode_ms", "augment_ms", "read_ms"].iter().all(|k| stages[k].as_f64().is_some()), "{stages}");
     let (at_3, at_6) = (checkpoint_tensors(&run, 3), checkpoint_tensors(&run, 6));
     assert!(at_6.keys().all(|name| !name.starts_with("vision.")), "{:?}", at_6.keys());
     let mut still = 0;

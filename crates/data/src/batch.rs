@@ -40,6 +40,11 @@ pub trait BatchSource: Send {
     fn recycle(&mut self, batch: Batch) {
         drop(batch);
     }
+    /// Where a loader that decodes and augments frames spent its threads' time so far (the
+    /// episode loader); None for the others.
+    fn frame_stages(&self) -> Option<crate::EpisodeLoaderStats> {
+        None
+    }
 }
 
 /// Windows at pseudo-random offsets of an in-memory token stream; the offsets of batch `n` derive

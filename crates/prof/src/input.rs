@@ -26,6 +26,19 @@ pub struct StepSample {
     /// True when phase boundaries were synchronized with the device, so the phase split is exact.
     /// Always true on the CPU; on a GPU only on sampled steps.
     pub timed: bool,
+    /// A loader that decodes and augments frames: its counters so far (cumulative).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frame_stages: Option<FrameCounters>,
+}
+
+/// A frame loader's cumulative counters: batches made, and nanoseconds its threads spent decoding,
+/// augmenting, and busy in all (reading records and assembling batches are the rest).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct FrameCounters {
+    pub batches: u64,
+    pub decode_ns: u64,
+    pub augment_ns: u64,
+    pub busy_ns: u64,
 }
 
 /// `report.json`'s `model`: the shape and its arithmetic.

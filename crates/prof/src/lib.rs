@@ -23,7 +23,8 @@
 //! // data_wait, h2d, forward, backward, recompute, comm_exposed, optimizer, ckpt_stall, other
 //! let phases = PhaseTimes { ms: [4.0, 0.1, 3.0, 6.0, 0.0, 0.0, 1.0, 0.0, 0.4] };
 //! let steps: Vec<StepSample> = (1..=50).map(|step| StepSample { step, wall_ms: phases.total(),
-//!     phases, comm_total_ms: 0.0, tokens: 16_384, loss: 2.0, loss_scale: None, timed: true }).collect();
+//!     phases, comm_total_ms: 0.0, tokens: 16_384, loss: 2.0, loss_scale: None, timed: true,
+//!     frame_stages: None }).collect();
 //! let report = build_report(&facts, &steps, 1 << 30, 0.0, &ProfConfig::default());
 //! assert!((report.phases.values().sum::<f64>() - report.step_ms).abs() < 1e-9);
 //! assert_eq!(report.findings[0].id, "data_wait"); // 4 of 14.5 ms: removing it bounds the gain at 1.38x
@@ -79,11 +80,11 @@ pub use gpu::{
     NVML_LIBRARY,
 };
 pub use html::render_html;
-pub use input::{MachineFacts, ModelFacts, ProfConfig, RunFacts, StepSample, TrainFacts};
+pub use input::{FrameCounters, MachineFacts, ModelFacts, ProfConfig, RunFacts, StepSample, TrainFacts};
 pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};
 pub use rank_report::{ClockOffset, RankMemory, RankStepReport, RankSummary, RanksReport, TimedStep};
 pub use ranks::merge_ranks;
-pub use report::{format_bound, RankRates, RunReport};
+pub use report::{format_bound, FrameStages, RankRates, RunReport};
 pub use rules::diagnose;
 pub use stats::{tokens_per_s, Spread};
 pub use step::build_report;

@@ -62,6 +62,9 @@ pub struct RunReport {
     pub compute_share: f64,
     /// Model FLOPs per second over the machine's peak; null (NaN) when withheld.
     pub mfu: f64,
+    /// A frame loader's stages per batch (the episode loader); absent for other sources.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frame_stages: Option<FrameStages>,
     /// Why `mfu` is withheld: above 1 even against a peak measured again at the end of the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mfu_withheld: Option<String>,
@@ -180,6 +183,7 @@ pub(crate) fn measure_report(
     let mfu = if peak > 0.0 { model_flops_per_s / peak } else { 0.0 };
     let compute_mfu = if compute_share > 0.0 { mfu / compute_share } else { 0.0 };
     let amdahl = Phase::REMOVABLE.iter().map(|&p| (p, amdahl(step_ms, phases[&p]))).collect();
+    let frame_stages = measured.last().and_then(|last| FrameStages::of(last));
     RunReport {
         name: facts.name.clone(),
         steps_measured: measured.len() as u64,
@@ -215,6 +219,49 @@ pub(crate) fn measure_report(
         environment: None,
         gpus: Vec::new(),
         gpu_health_error: None,
+        frame_stages,
+    }
+}
+
+/// Where a frame loader's threads spent a batch's time, ms (summed over the threads): decoding
+/// encoded frames, augmenting them, and the rest (reading records, assembling the batch).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FrameStages {
+    pub batches: u64,
+    pub decode_ms: f64,
+    pub augment_ms: f64,
+    pub read_ms: f64,
+}
+
+impl FrameStages {
+    /// Per batch, from the counters at the run's last measured step: every batch of the run so far
+    /// (prefetching makes the next ones while a step runs, so no step's own batches can be told).
+    fn of(last: &StepSample) -> Option<FrameStages> {
+        let last = last.frame_stages?;
+        if last.batches == 0 {
+            return None;
+        }
+        let per_batch = |ns: u64| ns as f64 / 1e6 / last.batches as f64;
+        let (decode_ms, augment_ms) = (per_batch(last.decode_ns), per_batch(last.augment_ns));
+        let read_ms = (per_batch(last.busy_ns) - decode_ms - augment_ms).max(0.0);
+        Some(FrameStages { batches: last.batches, decode_ms, augment_ms, read_ms })
+    }
+
+    /// The stage most of a batch's time goes to: its name and what makes it faster.
+    pub fn dominant(&self) -> (&'static str, &'static str) {
+        if self.decode_ms >= self.augment_ms && self.decode_ms >= self.read_ms {
+            (
+                "decoding frames",
+                "prepare the frames decoded once (stoke prep episodes without --keep-encoded), or raise data.workers",
+            )
+        } else if self.augment_ms >= self.read_ms {
+            ("augmenting frames", "raise data.workers (each sample's crop and jitter run on the loader's threads)")
+        } else {
+            (
+                "reading records and assembling batches",
+                "keep the prepared folder on faster storage or in the page cache, and raise data.prefetch",
+            )
+        }
     }
 }
 
@@ -393,6 +440,7 @@ pub(crate) mod tests {
             loss: 1.0,
             loss_scale: None,
             timed: true,
+            frame_stages: None,
         }
     }
 

@@ -231,6 +231,20 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
             );
         }
     }
+    if let Some(stages) = &report.frame_stages {
+        // A frame loader says where its threads' time goes: the data-wait finding names that stage.
+        for found in findings.iter_mut().filter(|f| f.id == RuleId::StepDataWait.rule().id) {
+            let (stage, fix) = stages.dominant();
+            found.evidence.push_str(&format!(
+                "; the loader's threads per batch: decoding {:.2} ms, augmenting {:.2} ms, reading and \
+                 assembling {:.2} ms",
+                stages.decode_ms, stages.augment_ms, stages.read_ms
+            ));
+            found.cause =
+                format!("the trainer waits for batches, and the loader's threads spend most of a batch {stage}");
+            found.fix = fix.to_string();
+        }
+    }
     sort_by_bound(&mut findings);
     findings
 }
@@ -362,5 +376,41 @@ mod tests {
         let ids: Vec<&str> = report.findings.iter().map(|f| f.id.as_str()).collect();
         assert!(ids.contains(&"loss_scale_thrashing") && ids.contains(&"step_outliers"), "{ids:?}");
         assert_eq!(report.outlier_steps, vec![51, 121, 171]);
+    }
+
+    /// A frame loader's counters turn the data-wait finding into one about the stage that takes
+    /// most of its threads' time, with that stage's fix; a text run's finding stays general.
+    #[test]
+    fn a_frame_loaders_data_wait_names_its_slowest_stage() {
+        let parts = [(Phase::DataWait, 4.0), (Phase::Forward, 3.0), (Phase::Backward, 6.0)];
+        let run = |counters: Option<(u64, u64, u64)>| {
+            let steps: Vec<StepSample> = (1..=50u64)
+                .map(|i| StepSample {
+                    frame_stages: counters.map(|(decode, augment, other)| crate::FrameCounters {
+                        batches: i,
+                        decode_ns: i * decode,
+                        augment_ns: i * augment,
+                        busy_ns: i * (decode + augment + other),
+                    }),
+                    ..step(i, &parts)
+                })
+                .collect();
+            let report = build_report(&facts(), &steps, 1 << 20, 0.0, &ProfConfig::default());
+            let found = report.findings.iter().find(|f| f.id == "data_wait").expect("a data_wait finding").clone();
+            (report, found)
+        };
+        let (report, decode) = run(Some((3_000_000, 1_000_000, 500_000)));
+        let stages = report.frame_stages.expect("the report keeps the loader's stages");
+        assert_eq!(stages.batches, 50);
+        assert!((stages.decode_ms - 3.0).abs() < 1e-9 && (stages.read_ms - 0.5).abs() < 1e-9, "{stages:?}");
+        assert!(decode.cause.contains("decoding frames") && decode.fix.contains("--keep-encoded"), "{decode:?}");
+        assert!(decode.evidence.contains("decoding 3.00 ms, augmenting 1.00 ms"), "{decode:?}");
+        let (_, augment) = run(Some((200_000, 2_000_000, 100_000)));
+        assert!(augment.cause.contains("augmenting frames") && augment.fix.contains("data.workers"), "{augment:?}");
+        let (_, read) = run(Some((0, 100_000, 4_000_000)));
+        assert!(read.cause.contains("reading records"), "{read:?}");
+        let (report, text) = run(None);
+        assert!(report.frame_stages.is_none());
+        assert_eq!(text.cause, RuleId::StepDataWait.rule().cause);
     }
 }

@@ -38,4 +38,8 @@ impl crate::BatchSource for EpisodeSource {
     fn seek(&mut self, position: u64) {
         self.loader.seek(position)
     }
+
+    fn frame_stages(&self) -> Option<crate::EpisodeLoaderStats> {
+        Some(self.loader.stats())
+    }
 }

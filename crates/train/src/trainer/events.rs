@@ -46,6 +46,9 @@ pub struct StepRecord {
     pub noise_scale: Option<f64>,
     /// Adaptive batch size: the batch grew after this step.
     pub batch_change: Option<BatchChange>,
+    /// The episode loader's counters so far (decode, augmentation, its threads' busy time); None
+    /// for sources that decode no frames.
+    pub frame_stages: Option<stoke_data::EpisodeLoaderStats>,
 }
 
 /// Per-unit (embedding, each block, head) figures of one step, in unit order (`RunInfo::units`).

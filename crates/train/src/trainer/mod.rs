@@ -496,6 +496,7 @@ impl Trainer {
                 eval,
                 noise_scale: self.adaptive.as_ref().and_then(|a| a.noise.estimate()),
                 batch_change,
+                frame_stages: source.frame_stages(),
             };
             notify(observers, &TrainEvent::Step(&record))?;
             if let Some(target) = checkpoints.as_deref_mut() {
