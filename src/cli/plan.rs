@@ -13,12 +13,13 @@ use crate::planning::{Calibration, ZeroTable};
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
-    /// Model preset: tiny, small, gpt2-124m, llama-tiny, llama3-8b, llama3-70b (stoke's own), gpt3-175b,
-    /// llama-7b, llama-13b, llama-70b (published shapes).
+    /// Model preset: tiny, small, gpt2-124m, llama-tiny, llama3-8b, llama3-70b, vla-tiny, vla-small
+    /// (stoke's own; a vla preset with the built-in robot set's input sizes), gpt3-175b, llama-7b,
+    /// llama-13b, llama-70b (published shapes).
     #[arg(long, default_value = "tiny")]
     pub model: String,
-    /// Model family (`model.family`) of stoke's own presets (tiny, small, gpt2-124m, llama-tiny,
-    /// llama3-8b, llama3-70b): gpt, gpt-rms, llama. Default: llama for the llama presets, else gpt.
+    /// Model family (`model.family`) of stoke's own presets: gpt, gpt-rms, llama, vla. Default:
+    /// llama for the llama presets, vla for the vla presets, else gpt.
     #[arg(long)]
     pub family: Option<String>,
     /// Override the preset's transformer blocks.
@@ -184,10 +185,16 @@ fn model_from_args(args: &PlanArgs) -> anyhow::Result<ModelConfig> {
     let family = match &args.family {
         Some(family) => family.clone(),
         None if args.model.starts_with("llama-") || args.model.starts_with("llama3-") => "llama".into(),
+        None if args.model.starts_with("vla-") => "vla".into(),
         None => "gpt".into(),
     };
     let mut model = if stoke_train::ModelConfig::PRESETS.contains(&args.model.as_str()) {
         let trained = stoke_train::ModelConfig { family, preset: args.model.clone(), ..Default::default() };
+        // A vla preset's input sizes are those of the built-in robot set, as `stoke train` takes
+        // them without a dataset.
+        let builtin = crate::run::EpisodeData { path: "", history: 0, blank: "none" };
+        let trained = crate::run::resolve_episode_dims(&trained, &builtin)
+            .map_err(|(key, message)| usage(format!("{key}: {message}")))?;
         stoke_train::plan_model(&trained).map_err(|err| usage(err.to_string()))?
     } else if args.family.is_some() {
         return Err(usage(format!("--family applies to stoke's own presets; {} is a published shape", args.model)));

@@ -151,3 +151,34 @@ fn lora_plans_hold_gradients_and_optimizer_state_for_the_adapters_alone() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("w_q"));
 }
+
+/// `stoke plan --model vla-small` plans the vla model as `stoke train` builds it on the built-in
+/// robot set: its whole sequence (196 patches, 32 instruction tokens, the state, 16 actions), its
+/// own units (the vision tower and the projector counted), the trainer's parameter count.
+#[test]
+fn a_vla_preset_is_planned_as_the_trainer_builds_it() {
+    let out = run_ok(&mut stoke(&["plan", "--model", "vla-small", "--zero-table", "--json", "--devices", "2"], &[]));
+    let table: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
+    let config = stoke_train::ModelConfig {
+        family: "vla".into(),
+        preset: "vla-small".into(),
+        frames: 1,
+        state_dim: 2,
+        action_dim: 2,
+        ..stoke_train::ModelConfig::default()
+    };
+    let shape = config.vla_shape().unwrap();
+    let model = stoke_train::Vla::new(shape, Precision::Fp32, stoke_train::ActionLoss::Flow, Device::Cpu);
+    let trainer: Vec<u64> =
+        stoke_train::Model::params(&model).units().iter().map(|u| (u.range.end - u.range.start) as u64).collect();
+    let units = model_units(&stoke_train::plan_model(&config).unwrap());
+    assert_eq!(trainer, units, "the planner's units are the built model's");
+    let expected = zero_rank_bytes(&units, 2, 0, ZeroStage::ALL[0], 2, Slices::Mapped, ZeroInFlight::NONE).unwrap();
+    assert_eq!(table["stages"][0]["ranks"][0]["between_steps_total"].as_u64(), Some(expected.total()));
+    let text = run_ok(&mut stoke(&["plan", "--model", "vla-small"], &[]));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("10 layers, d 384, 6 heads, seq 245"), "{text}");
+    let bad = stoke(&["plan", "--model", "vla-tiny", "--family", "gpt"], &[]).output().expect("stoke runs");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("vla"), "{}", String::from_utf8_lossy(&bad.stderr));
+}
