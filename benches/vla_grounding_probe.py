@@ -1,0 +1,153 @@
+"""Can the vla model's architecture read a scene at all? A probe in PyTorch on `benches/peers/vla_torch.py`'s
+twin of stoke's `vla-tiny`, trained by plain regression (no flow: the chunk's tokens carry no noise, so
+the only way to lower the error is to read the prefix) on scenes drawn fresh every batch like the
+built-in robot set's (64x64, a grey floor, coloured blocks, the effector as a white square), so nothing
+can be remembered. It prints the held-out squared error every 250 steps beside the variance of the
+targets (the error of a model that reads nothing).
+
+    python benches/vla_grounding_probe.py --target block --objects 1 --readout backbone --steps 1500
+    python benches/vla_grounding_probe.py --target block --objects 1 --readout tower-mean
+    python benches/vla_grounding_probe.py --target block --objects 1 --readout pooled-into-chunk
+    python benches/vla_grounding_probe.py --target actions --objects 3 --readout pooled-into-chunk --steps 3000
+
+--target block: the position of the block the instruction names (normalized); actions: the built-in
+set's action chunk (moves toward that block, at most 0.08 a step and axis). --objects: blocks per
+scene (with one, the instruction tells nothing). --readout: backbone (stoke's model: the chunk's
+tokens read the prefix through the backbone's attention), tower-mean (a linear layer on the mean of
+the vision tower's output, no backbone), pooled-into-chunk (stoke's model with the mean of the
+projected vision tokens added to every chunk token before the backbone).
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+from vla_torch import Shape, Vla, lr_at  # noqa: E402
+
+PALETTE = np.array([[220, 40, 40], [40, 180, 60], [50, 80, 220], [230, 210, 40], [150, 60, 190], [240, 140, 30]],
+                   np.uint8)
+WORDS = ["red", "green", "blue", "yellow", "purple", "orange"]
+SIDE, CHUNK, MAX_STEP, STEPS_PER_EPISODE = 64, 8, 0.08, 16
+
+
+def square(frame, center, half, colour):
+    h = max(1, round(half * SIDE))
+    cx, cy = round(center[0] * SIDE), round(center[1] * SIDE)
+    frame[max(0, cy - h):min(SIDE, cy + h), max(0, cx - h):min(SIDE, cx + h)] = colour
+
+
+def sample(rng, n_objects):
+    """One step of a fresh episode: frame, instruction bytes, state, target, action chunk and mask."""
+    colours = rng.choice(len(PALETTE), n_objects, replace=False)
+    blocks = []
+    while len(blocks) < n_objects:
+        p = rng.uniform(0.15, 0.85, 2)
+        if all(np.abs(p - q).max() > 0.2 for q in blocks):
+            blocks.append(p)
+    named = rng.integers(n_objects)
+    effector = rng.uniform(0.05, 0.95, 2)
+    states, actions = [], []
+    for _ in range(STEPS_PER_EPISODE):
+        move = np.clip(blocks[named] - effector, -MAX_STEP, MAX_STEP)
+        states.append(effector.copy())
+        actions.append(move)
+        effector = effector + move
+    t = rng.integers(STEPS_PER_EPISODE)
+    frame = np.full((SIDE, SIDE, 3), 90, np.uint8)
+    for colour, block in zip(colours, blocks):
+        square(frame, block, 0.08, PALETTE[colour])
+    square(frame, states[t], 0.035, [255, 255, 255])
+    text = f"move to the {WORDS[colours[named]]} block".encode()
+    tokens = np.zeros(32, np.int64)
+    tokens[:len(text)] = list(text)
+    chunk, mask = np.zeros((CHUNK, 2)), np.zeros(CHUNK)
+    for k in range(CHUNK):
+        if t + k < STEPS_PER_EPISODE:
+            chunk[k], mask[k] = actions[t + k], 1.0
+    return frame, tokens, states[t], blocks[named], chunk, mask
+
+
+def batch(rng, n, args):
+    rows = [sample(rng, args.objects) for _ in range(n)]
+    stack = lambda i: np.stack([r[i] for r in rows])
+    frames = torch.tensor(stack(0))[:, None]
+    tokens = torch.tensor(stack(1))
+    state = torch.tensor((stack(2) - 0.5) / 0.26, dtype=torch.float32)
+    if args.target == "block":
+        target = torch.tensor((stack(3) - 0.5) / 0.2, dtype=torch.float32)[:, None, :].repeat(1, CHUNK, 1)
+        mask = torch.ones(n, CHUNK)
+    else:
+        target = torch.tensor(stack(4) / 0.06, dtype=torch.float32)
+        mask = torch.tensor(stack(5), dtype=torch.float32)
+    return frames, tokens, state, target, mask
+
+
+def error(model, head, frames, tokens, state, target, mask, readout):
+    s = model.shape
+    rows = frames.shape[0]
+    v = model.patches(frames).view(rows * s.frames, s.patches_per_frame, s.d_model)
+    for block in model.vision.blocks:
+        v = block(v, model.vision_attend, None)
+    if readout == "tower-mean":
+        predicted = head(v.mean(1)).unsqueeze(1).expand_as(target)
+    else:
+        v = model.projector(v.view(rows, s.vision_tokens, s.d_model))
+        text = model.text.wte(tokens) + model.text.wpe(model.text_positions)
+        zeros = torch.zeros(rows, CHUNK, 2)
+        chunk = model.action_in(zeros) + model.time_embedding(torch.zeros(rows)) + model.action_pos
+        if readout == "pooled-into-chunk":
+            chunk = chunk + v.mean(1, keepdim=True)
+        x = torch.cat([v, text, model.state_proj(state).unsqueeze(1), chunk], 1)
+        for block in model.backbone.blocks:
+            x = block(x, model.backbone_attend, model.backbone_mask)
+        predicted = model.action_out(model.ln_f(x[:, -CHUNK:]))
+    return ((predicted - target).square() * mask.unsqueeze(-1)).sum() / target.numel()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", choices=["block", "actions"], default="block")
+    ap.add_argument("--objects", type=int, choices=[1, 2, 3], default=1)
+    ap.add_argument("--readout", choices=["backbone", "tower-mean", "pooled-into-chunk"], default="backbone")
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed + 1)
+    model = Vla(Shape("vla-tiny", 1, 2, 2), "matmul", "matmul", torch.float32)
+    head = nn.Linear(model.shape.d_model, 2)
+    params = list(model.parameters()) + list(head.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.99))
+    held_out = batch(rng, 512, args)
+    variance = (held_out[3].square() * held_out[4].unsqueeze(-1)).sum().item() / held_out[3].numel()
+    print(f"target {args.target}, {args.objects} object(s), readout {args.readout}: "
+          f"held-out error of reading nothing {variance:.4f}", flush=True)
+    start = time.time()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, lr=args.lr, min_lr=args.lr / 10)
+        loss = error(model, head, *batch(rng, args.micro_batch, args), args.readout)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if (step + 1) % 250 == 0:
+            with torch.no_grad():
+                held = error(model, head, *held_out, args.readout).item()
+            print(f"step {step + 1}: held-out error {held:.4f} ({held / variance:.3f} of reading nothing), "
+                  f"{time.time() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
