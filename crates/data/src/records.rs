@@ -287,14 +287,20 @@ fn parse_record_index(path: &Path, bytes: &[u8]) -> Result<u64, DataError> {
     Ok(n_records)
 }
 
+/// `dir`'s `manifest.json` (read up to the manifest cap) parsed as `T`, with its path; the caller
+/// checks its format.
+pub(crate) fn read_manifest<T: serde::de::DeserializeOwned>(dir: &Path) -> Result<(PathBuf, T), DataError> {
+    let path = dir.join("manifest.json");
+    let bytes = stoke_fsio::read_capped(&path, stoke_fsio::MANIFEST_CAP).map_err(DataError::read(&path))?;
+    let manifest =
+        serde_json::from_slice(&bytes).map_err(|source| DataError::Manifest { path: path.clone(), source })?;
+    Ok((path, manifest))
+}
+
 impl RecordStore {
     /// Opens a record directory; with `verify`, checks every file's crc32 first (reads everything).
     pub fn open(dir: &Path, verify: bool) -> Result<RecordStore, DataError> {
-        let manifest_path = dir.join("manifest.json");
-        let bytes = stoke_fsio::read_capped(&manifest_path, stoke_fsio::MANIFEST_CAP)
-            .map_err(DataError::read(&manifest_path))?;
-        let manifest: RecordManifest = serde_json::from_slice(&bytes)
-            .map_err(|source| DataError::Manifest { path: manifest_path.clone(), source })?;
+        let (manifest_path, manifest): (PathBuf, RecordManifest) = read_manifest(dir)?;
         if manifest.format != RECORD_FORMAT {
             return Err(DataError::Corrupt {
                 path: manifest_path,

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use super::prep::{CheckedFile, EpisodeEntry, EpisodeManifest, FrameEncoding, EPISODES_FORMAT};
-use crate::records::{Record, RecordStore};
+use crate::records::{read_manifest, Record, RecordStore};
 use crate::tokens::check_crc;
 use crate::DataError;
 
@@ -46,11 +46,7 @@ fn read_checked(dir: &Path, file: &CheckedFile) -> Result<Vec<u8>, DataError> {
 /// The manifest of the prepared folder `dir`, parsed and its format checked, and nothing else read
 /// (what a config needs of a dataset: its widths and cameras).
 pub fn read_episode_manifest(dir: &Path) -> Result<EpisodeManifest, DataError> {
-    let manifest_path = dir.join("manifest.json");
-    let bytes =
-        stoke_fsio::read_capped(&manifest_path, stoke_fsio::MANIFEST_CAP).map_err(DataError::read(&manifest_path))?;
-    let manifest: EpisodeManifest =
-        serde_json::from_slice(&bytes).map_err(|source| DataError::Manifest { path: manifest_path.clone(), source })?;
+    let (manifest_path, manifest): (PathBuf, EpisodeManifest) = read_manifest(dir)?;
     if manifest.format != EPISODES_FORMAT {
         return Err(DataError::Corrupt {
             path: manifest_path,

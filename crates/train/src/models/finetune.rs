@@ -74,16 +74,18 @@ pub(super) fn set_lr_multipliers(model: &mut dyn Model, train: &TrainConfig) -> 
             return Err(bad(format!("{pattern:?} matches no trained parameter (names look like {:?})", names.get(1))));
         }
     }
+    let mut factors = std::collections::HashMap::new();
     for name in &names {
-        let matched: Vec<&String> = train.lr_multipliers.keys().filter(|p| glob_match(p, name)).collect();
-        if let [first, second, ..] = matched.as_slice() {
-            return Err(bad(format!("{name} matches both {first:?} and {second:?}")));
+        let matched: Vec<(&String, &f64)> = train.lr_multipliers.iter().filter(|(p, _)| glob_match(p, name)).collect();
+        match matched.as_slice() {
+            [] => {}
+            [(_, factor)] => {
+                factors.insert(name.as_str(), **factor);
+            }
+            [(first, _), (second, _), ..] => return Err(bad(format!("{name} matches both {first:?} and {second:?}"))),
         }
     }
-    let factor = |name: &str| {
-        train.lr_multipliers.iter().find(|(pattern, _)| glob_match(pattern, name)).map_or(1.0, |(_, f)| *f)
-    };
-    model.params_mut().set_lr_scales(&factor);
+    model.params_mut().set_lr_scales(&|name| factors.get(name).copied().unwrap_or(1.0));
     Ok(())
 }
 
