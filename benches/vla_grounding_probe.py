@@ -9,13 +9,22 @@ targets (the error of a model that reads nothing).
     python benches/vla_grounding_probe.py --target block --objects 1 --readout tower-mean
     python benches/vla_grounding_probe.py --target block --objects 1 --readout pooled-into-chunk
     python benches/vla_grounding_probe.py --target actions --objects 3 --readout pooled-into-chunk --steps 3000
+    python benches/vla_grounding_probe.py --target block --objects 3 --readout told --steps 1000
+    TOLD_ORACLE=30 python benches/vla_grounding_probe.py --target block --objects 3 --readout told --steps 1000
+    TOLD_SUM_SCALE=30 WORD_TOKENS=1 python benches/vla_grounding_probe.py --target block --objects 3 --readout told
 
 --target block: the position of the block the instruction names (normalized); actions: the built-in
 set's action chunk (moves toward that block, at most 0.08 a step and axis). --objects: blocks per
 scene (with one, the instruction tells nothing). --readout: backbone (stoke's model: the chunk's
 tokens read the prefix through the backbone's attention), tower-mean (a linear layer on the mean of
 the vision tower's output, no backbone), pooled-into-chunk (stoke's model with the mean of the
-projected vision tokens added to every chunk token before the backbone).
+projected vision tokens added to every chunk token before the backbone), told (pooled-into-chunk,
+and before each vision block the tokens scaled and shifted, v·(1 + scale) + shift, by a FiLM layer
+of the instruction's summary: the sum of its bytes' rows of a table of its own, init N(0, 1),
+normalised without weight or bias; with TOLD_SUM_SCALE=K instead K times the sum of the model's own
+embedding rows (`text.wte`, N(0, 0.02)) of those tokens; with TOLD_ORACLE=K instead K times the
+model's own embedding of the colour word's first token, which names the colour alone: an oracle
+that knows where to read). WORD_TOKENS=1: instructions as one token a word instead of a byte a token.
 """
 import argparse
 import math
@@ -34,6 +43,7 @@ PALETTE = np.array([[220, 40, 40], [40, 180, 60], [50, 80, 220], [230, 210, 40],
                    np.uint8)
 WORDS = ["red", "green", "blue", "yellow", "purple", "orange"]
 SIDE, CHUNK, MAX_STEP, STEPS_PER_EPISODE = 64, 8, 0.08, 16
+WORD_TOKENS = os.environ.get("WORD_TOKENS") == "1"
 
 
 def square(frame, center, half, colour):
@@ -64,6 +74,8 @@ def sample(rng, n_objects):
         square(frame, block, 0.08, PALETTE[colour])
     square(frame, states[t], 0.035, [255, 255, 255])
     text = f"move to the {WORDS[colours[named]]} block".encode()
+    if WORD_TOKENS:  # one token a word: move, to, the, the colour, block
+        text = [1, 2, 3, 4 + colours[named], 4 + len(WORDS)]
     tokens = np.zeros(32, np.int64)
     tokens[:len(text)] = list(text)
     chunk, mask = np.zeros((CHUNK, 2)), np.zeros(CHUNK)
@@ -88,11 +100,28 @@ def batch(rng, n, args):
     return frames, tokens, state, target, mask
 
 
+def summary(model, tokens):
+    """The instruction's summary for the told readout, `[rows, d]` (see the module's doc)."""
+    oracle = float(os.environ.get("TOLD_ORACLE", "0"))
+    if oracle:
+        return model.text.wte(tokens[:, 3 if WORD_TOKENS else len(b"move to the ")]) * oracle
+    present = (tokens != 0).float().unsqueeze(-1)
+    scale = float(os.environ.get("TOLD_SUM_SCALE", "0"))
+    if scale:
+        return (model.text.wte(tokens) * present).sum(1) * scale
+    rows = model.told_wte(tokens) * present
+    return torch.nn.functional.layer_norm(rows.sum(1), (model.shape.d_model,))
+
+
 def error(model, head, frames, tokens, state, target, mask, readout):
     s = model.shape
     rows = frames.shape[0]
     v = model.patches(frames).view(rows * s.frames, s.patches_per_frame, s.d_model)
-    for block in model.vision.blocks:
+    told = summary(model, tokens).repeat_interleave(s.frames, 0).unsqueeze(1) if readout == "told" else None
+    for block_idx, block in enumerate(model.vision.blocks):
+        if told is not None:
+            scale, shift = model.films[block_idx](told).chunk(2, -1)
+            v = v * (1.0 + scale) + shift
         v = block(v, model.vision_attend, None)
     if readout == "tower-mean":
         predicted = head(v.mean(1)).unsqueeze(1).expand_as(target)
@@ -101,7 +130,7 @@ def error(model, head, frames, tokens, state, target, mask, readout):
         text = model.text.wte(tokens) + model.text.wpe(model.text_positions)
         zeros = torch.zeros(rows, CHUNK, 2)
         chunk = model.action_in(zeros) + model.time_embedding(torch.zeros(rows)) + model.action_pos
-        if readout == "pooled-into-chunk":
+        if readout in ("pooled-into-chunk", "told"):
             chunk = chunk + v.mean(1, keepdim=True)
         x = torch.cat([v, text, model.state_proj(state).unsqueeze(1), chunk], 1)
         for block in model.backbone.blocks:
@@ -114,7 +143,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", choices=["block", "actions"], default="block")
     ap.add_argument("--objects", type=int, choices=[1, 2, 3], default=1)
-    ap.add_argument("--readout", choices=["backbone", "tower-mean", "pooled-into-chunk"], default="backbone")
+    ap.add_argument("--readout", choices=["backbone", "tower-mean", "pooled-into-chunk", "told"], default="backbone")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -124,6 +153,9 @@ def main():
     rng = np.random.default_rng(args.seed + 1)
     model = Vla(Shape("vla-tiny", 1, 2, 2), "matmul", "matmul", torch.float32)
     head = nn.Linear(model.shape.d_model, 2)
+    d = model.shape.d_model
+    model.told_wte = nn.Embedding(256, d)  # N(0, 1), PyTorch's default
+    model.films = nn.ModuleList(nn.Linear(d, 2 * d) for _ in model.vision.blocks)  # PyTorch's default init
     params = list(model.parameters()) + list(head.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
