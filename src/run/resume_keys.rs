@@ -79,6 +79,7 @@ pub const FIXED_KEYS: &[&str] = &[
     "data.augment",
     "data.blank",
     "train.action_loss",
+    "train.instruction_lm",
     "train.lora.rank",
     "train.lora.alpha",
     "train.lora.dropout",

@@ -103,6 +103,11 @@ pub struct TrainConfig {
     /// in, the velocity toward the actions out, mean squared error) or "l1" (the chunk regressed
     /// straight from the inputs, mean absolute error). Default "flow".
     pub action_loss: ActionLoss,
+    /// The vla family's language-model loss on the instruction: its weight beside the action
+    /// loss, 0 to leave it out. Above 0 the instruction's tokens attend to the frames and causally
+    /// to one another (the frames no longer read the instruction), and each predicts the next
+    /// one through the final norm and the token embedding's rows (tied). Default 0.
+    pub instruction_lm: f64,
     /// On a CPU, update the parameters in one fused, threaded pass; false runs the update as a
     /// chain of libtorch tensor ops over the flat buffers (PyTorch's default AdamW does one such
     /// chain per parameter). Default true.
@@ -310,6 +315,7 @@ impl Default for TrainConfig {
             causal_block_rows: 128,
             host_memory: HostMemory::Retain,
             action_loss: ActionLoss::Flow,
+            instruction_lm: 0.0,
             fused_optimizer: true,
             fused_cross_entropy: FusedCrossEntropy::Auto,
             fused_layer_norm: true,
@@ -370,6 +376,9 @@ impl TrainConfig {
         }
         if self.steps == 0 {
             return bad("train.steps", "must be at least 1; got 0".into());
+        }
+        if !(self.instruction_lm.is_finite() && self.instruction_lm >= 0.0) {
+            return bad("train.instruction_lm", format!("must be a finite number >= 0; got {}", self.instruction_lm));
         }
         if self.micro_batch == 0 {
             return bad("train.micro_batch", "must be at least 1; got 0".into());

@@ -56,6 +56,15 @@ fn build_initialized(
     device: Device,
 ) -> Result<Box<dyn Model>, TrainError> {
     let shape = model.shape()?;
+    if train.instruction_lm > 0.0 && model.family != "vla" {
+        return Err(TrainError::InvalidConfig {
+            key: "train.instruction_lm",
+            message: format!(
+                "is the vla family's loss on its instruction; model.family {:?} has none (leave it at 0)",
+                model.family
+            ),
+        });
+    }
     match model.family.as_str() {
         "gpt" => {
             let mut gpt = Gpt::for_training(shape, train, kernel_threads, device);
@@ -68,7 +77,11 @@ fn build_initialized(
             Ok(Box::new(gpt_rms))
         }
         "llama" => Ok(Box::new(Llama::with_lora(model.llama_shape()?, train.precision, &train.lora, device))),
-        "vla" => Ok(Box::new(Vla::new(model.vla_shape()?, train.precision, train.action_loss, device))),
+        "vla" => {
+            let mut vla = Vla::new(model.vla_shape()?, train.precision, train.action_loss, device);
+            vla.set_instruction_lm(train.instruction_lm);
+            Ok(Box::new(vla))
+        }
         other => Err(unknown_family(other)),
     }
 }

@@ -30,6 +30,8 @@ impl Inputs {
 pub struct EpisodeInputs {
     /// `[batch, frames, side, side, 3]` uint8 camera frames.
     pub frames: Tensor,
+    /// `[batch, instruction_tokens]` fp32: 1 where the instruction has a token, 0 where padded.
+    pub token_mask: Tensor,
     /// `[batch, state_dim]` fp32, normalized.
     pub state: Tensor,
     /// `[batch, chunk, action_dim]` fp32 the action chunk, normalized.

@@ -98,6 +98,9 @@ fn episode_inputs(
     let to = |t: Tensor| t.to_device(device);
     let episode = EpisodeInputs {
         frames: to(Tensor::from_slice(&batch.frames).view([b, vla.frames as i64, side, side, 3])),
+        token_mask: to(Tensor::from_slice(&batch.token_mask)
+            .view([b, vla.instruction_tokens as i64])
+            .to_kind(tch::Kind::Float)),
         state: to(Tensor::from_slice(&batch.state).view([b, vla.state_dim as i64])),
         actions: to(Tensor::from_slice(&batch.actions).view([b, chunk, action])),
         action_mask: to(Tensor::from_slice(&batch.action_mask).view([b, chunk]).to_kind(tch::Kind::Float)),

@@ -15,7 +15,13 @@
 //! head (final LayerNorm, a linear layer) reads the chunk's positions: the velocity `actions -
 //! noise` under flow matching (the squared error over the actions that exist, divided by the
 //! values of full chunks), or the actions themselves under `train.action_loss = "l1"` (the
-//! absolute error, likewise). Evaluation integrates the flow from the noise with `flow_steps`
+//! absolute error, likewise). With `train.instruction_lm` above 0 the head also reads the
+//! instruction's positions through the final norm and the token embedding's rows (tied) and adds
+//! that weight times the next-token cross-entropy over the instruction's tokens (summed over the
+//! present targets, over the batch's possible targets, as the action loss counts); the prefix mask
+//! then lets the frames attend only to frames, each instruction token to the frames and to itself
+//! and the tokens before it, the state to the whole prefix, so no token sees the one it predicts
+//! through any path. Evaluation integrates the flow from the noise with `flow_steps`
 //! Euler steps and reports the squared error of the actions it ends at, likewise.
 //!
 //! Blocks are GPT-2's (LayerNorm, biases, GELU MLP of 4d), run in libtorch's graph in the compute
@@ -68,6 +74,8 @@ pub struct Vla {
     params: FlatParams,
     compute: Kind,
     action_loss: ActionLoss,
+    /// The instruction's language-model loss weight; 0 leaves it out (and the prefix mask whole).
+    instruction_lm: f64,
     patch_embed: (Tensor, Tensor),
     vision_pos: Tensor,
     wte: Tensor,
@@ -88,6 +96,34 @@ pub struct Vla {
     /// Attention as batched matrix multiplies and a softmax (on a CPU, where libtorch's
     /// scaled_dot_product_attention with a mask or short heads is slower), else that kernel.
     math_attention: bool,
+}
+
+/// The backbone's mask `[seq, seq]` bool, true where row i may attend to column j: the chunk to
+/// everything, nothing in the prefix to the chunk; within the prefix everything both ways, or with
+/// `causal_instruction` frames to frames, instruction tokens to frames and to the instruction's
+/// tokens up to their own, the state to the whole prefix.
+fn prefix_mask(shape: &VlaShape, causal_instruction: bool, device: Device) -> Tensor {
+    let seq = shape.base.seq_len as i64;
+    let prefix = seq - shape.chunk as i64;
+    let (vision, text) = (shape.vision_tokens() as i64, shape.instruction_tokens as i64);
+    let positions = Tensor::arange(seq, (Kind::Int64, device));
+    let (row, col) = (positions.unsqueeze(1), positions.unsqueeze(0));
+    let whole_prefix = col.lt(prefix).logical_or(&row.ge(prefix));
+    if !causal_instruction {
+        return whole_prefix;
+    }
+    let in_range = |t: &Tensor, from: i64, to: i64| t.ge(from).logical_and(&t.lt(to));
+    let frames_row = in_range(&row, 0, vision).logical_and(&col.lt(vision));
+    let text_row = in_range(&row, vision, vision + text).logical_and(
+        &col.lt(vision).logical_or(&in_range(&col, vision, vision + text).logical_and(&col.le_tensor(&row))),
+    );
+    let later_rows = row.ge(vision + text).logical_and(&whole_prefix);
+    frames_row.logical_or(&text_row).logical_or(&later_rows)
+}
+
+/// `mask` as 0 (attend) or -inf (not) in `kind`.
+fn additive(mask: &Tensor, kind: Kind) -> Tensor {
+    Tensor::zeros(mask.size(), (kind, mask.device())).masked_fill(&mask.logical_not(), f64::NEG_INFINITY)
 }
 
 /// MAE's 2-D sine-cosine position table for a `grid` x `grid` patch grid, `[grid * grid, d]`, rows
@@ -191,11 +227,7 @@ impl Vla {
             let table = sincos_2d(shape.image_side / shape.patch, shape.base.d_model).repeat([shape.frames as i64, 1]);
             let _ = params.get("vision.pos_embed").shallow_clone().copy_(&table.to_device(device));
         });
-        let seq = shape.base.seq_len as i64;
-        let prefix = seq - shape.chunk as i64;
-        let positions = Tensor::arange(seq, (Kind::Int64, device));
-        // Row i may attend to column j when j is in the prefix or i is in the chunk.
-        let backbone_mask = positions.lt(prefix).unsqueeze(0).logical_or(&positions.ge(prefix).unsqueeze(1));
+        let backbone_mask = prefix_mask(&shape, false, device);
         Vla {
             patch_embed: pair("vision.patch_embed"),
             vision_pos: get("vision.pos_embed"),
@@ -209,15 +241,23 @@ impl Vla {
             ln_f: pair("ln_f"),
             action_out: pair("action_out"),
             blocks,
-            backbone_bias: Tensor::zeros(backbone_mask.size(), (compute_kind(precision), device))
-                .masked_fill(&backbone_mask.logical_not(), f64::NEG_INFINITY),
+            backbone_bias: additive(&backbone_mask, compute_kind(precision)),
             backbone_mask,
             math_attention: device == Device::Cpu,
             shape,
             params,
             compute: compute_kind(precision),
             action_loss,
+            instruction_lm: 0.0,
         }
+    }
+
+    /// Sets `train.instruction_lm`: the weight of the instruction's language-model loss, and with
+    /// a weight above 0 the prefix mask that keeps each instruction token from seeing the next.
+    pub fn set_instruction_lm(&mut self, weight: f64) {
+        self.instruction_lm = weight;
+        self.backbone_mask = prefix_mask(&self.shape, weight > 0.0, self.backbone_mask.device());
+        self.backbone_bias = additive(&self.backbone_mask, self.compute);
     }
 
     pub fn vla_shape(&self) -> VlaShape {
@@ -352,7 +392,40 @@ impl Vla {
         (per_value * mask.unsqueeze(-1)).sum(Kind::Float) / values
     }
 
+    /// The instruction's next-token cross-entropy: positions 0..n-1 of the instruction read
+    /// through the final norm and the token embedding's rows predict tokens 1..n, summed over the
+    /// present targets, over the batch's possible targets (`batch x (n - 1)`).
+    fn instruction_loss(&self, x: &Tensor, inputs: &Inputs) -> Tensor {
+        let (vision, n) = (self.shape.vision_tokens() as i64, self.shape.instruction_tokens as i64);
+        let h = self.layer_norm(&x.narrow(1, vision, n - 1), &self.ln_f);
+        let logits = if self.compute == Kind::Float {
+            h.linear::<Tensor>(&self.wte, None)
+        } else {
+            h.to_kind(self.compute).linear::<Tensor>(&self.wte.to_kind(self.compute), None)
+        };
+        let vocab = self.shape.base.vocab_size as i64;
+        let targets = inputs.tokens.narrow(1, 1, n - 1).reshape([-1]);
+        let per_token = logits.to_kind(Kind::Float).reshape([-1, vocab]).cross_entropy_loss::<Tensor>(
+            &targets,
+            None,
+            tch::Reduction::None,
+            -100,
+            0.0,
+        );
+        let present = Self::episode(inputs).token_mask.narrow(1, 1, n - 1).reshape([-1]);
+        (per_token * present).sum(Kind::Float) / targets.size()[0] as f64
+    }
+
     fn head_loss(&self, x: &Tensor, inputs: &Inputs) -> Tensor {
+        let actions = self.action_loss(x, inputs);
+        if self.instruction_lm > 0.0 {
+            actions + self.instruction_loss(x, inputs) * self.instruction_lm
+        } else {
+            actions
+        }
+    }
+
+    fn action_loss(&self, x: &Tensor, inputs: &Inputs) -> Tensor {
         let episode = Self::episode(inputs);
         let predicted = self.predict(x);
         match self.action_loss {

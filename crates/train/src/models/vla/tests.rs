@@ -39,6 +39,7 @@ fn inputs(shape: &VlaShape, batch: i64, seed: i64) -> Inputs {
         targets: Tensor::zeros([0], (Kind::Int64, Device::Cpu)),
         episode: Some(EpisodeInputs {
             frames: Tensor::randint(256, [batch, shape.frames as i64, side, side, 3], (Kind::Uint8, Device::Cpu)),
+            token_mask: Tensor::rand([batch, shape.instruction_tokens as i64], f32s).gt(0.3).to_kind(Kind::Float),
             state: Tensor::randn([batch, shape.state_dim as i64], f32s),
             actions: Tensor::randn([batch, chunk, action], f32s),
             action_mask: mask,
@@ -64,13 +65,15 @@ fn parameters_fill_the_declared_units() {
 }
 
 /// The block executor (per-block graphs, recomputation) gives the single graph's gradients, for
-/// both action losses: the vision blocks' pass-through and the projector go through the seam.
+/// both action losses and with the instruction's loss (the head reading the embedding's rows):
+/// the vision blocks' pass-through and the projector go through the seam.
 #[test]
 fn the_block_executor_gives_the_single_graphs_gradients() {
     let shape = shape();
-    for loss in [ActionLoss::Flow, ActionLoss::L1] {
+    for (loss, instruction_lm) in [(ActionLoss::Flow, 0.0), (ActionLoss::L1, 0.0), (ActionLoss::Flow, 0.5)] {
         tch::manual_seed(3);
-        let model = Vla::new(shape, Precision::Fp32, loss, Device::Cpu);
+        let mut model = Vla::new(shape, Precision::Fp32, loss, Device::Cpu);
+        model.set_instruction_lm(instruction_lm);
         let batch = inputs(&shape, 3, 4);
         let grads = |kind, recompute| {
             model.params().zero_grad();
@@ -160,4 +163,64 @@ fn evaluation_integrates_the_flow_by_euler_steps() {
     let expected = ((by_hand - &episode.actions).square() * &mask).sum(Kind::Float).double_value(&[])
         / (2 * shape.chunk * shape.action_dim) as f64;
     assert!((error - expected).abs() <= 1e-6 * expected, "{error} against {expected}");
+}
+
+/// With the instruction's loss on, no instruction token's state depends on a later token (the
+/// frames, which every token reads, no longer read the instruction); with it off the prefix reads
+/// itself both ways, so the same change reaches the first token.
+#[test]
+fn with_the_instruction_loss_no_token_sees_the_ones_after_it() {
+    let shape = shape();
+    let (vision, later) = (shape.vision_tokens() as i64, 3);
+    let mut model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
+    let batch = inputs(&shape, 2, 7);
+    let mut changed = inputs(&shape, 2, 7);
+    changed.tokens = batch.tokens.copy();
+    let _ = changed.tokens.narrow(1, later, 1).copy_(&(batch.tokens.narrow(1, later, 1) + 1).remainder(256));
+    let states = |model: &Vla, inputs: &Inputs| tch::no_grad(|| model.trunk(model.embed(inputs)));
+    let moved = |model: &Vla, from: i64, len: i64| {
+        let (a, b) = (states(model, &batch), states(model, &changed));
+        (a.narrow(1, from, len) - b.narrow(1, from, len)).abs().max().double_value(&[])
+    };
+    assert!(moved(&model, vision, 1) > 0.0, "without the loss the first token reads the whole instruction");
+    model.set_instruction_lm(1.0);
+    assert_eq!(moved(&model, 0, vision + later), 0.0, "a later token leaked into the frames or an earlier token");
+    assert!(moved(&model, vision + later, 1) > 0.0);
+}
+
+/// The loss with the instruction's weight w is the action loss plus w times the next-token
+/// cross-entropy of the instruction, computed here by hand: log-softmax of the final norm's
+/// output times the embedding's rows, the target's entry, over the present targets, divided by
+/// the batch's possible targets.
+#[test]
+fn the_instruction_loss_is_the_weighted_next_token_cross_entropy() {
+    let shape = shape();
+    let mut model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
+    model.set_instruction_lm(0.25);
+    let batch = inputs(&shape, 3, 8);
+    let episode = batch.episode.as_ref().unwrap();
+    let (vision, n) = (shape.vision_tokens() as i64, shape.instruction_tokens as i64);
+    let (total, x) = tch::no_grad(|| {
+        let x = model.trunk(model.embed(&batch));
+        (model.loss(&batch).double_value(&[]), x)
+    });
+    let actions = tch::no_grad(|| model.action_loss(&x, &batch)).double_value(&[]);
+    let log_p = tch::no_grad(|| {
+        model
+            .norm(Norm::Final, &x.narrow(1, vision, n))
+            .matmul(&model.wte.transpose(0, 1))
+            .log_softmax(-1, Kind::Double)
+    });
+    let (mut sum, mut possible) = (0.0, 0.0);
+    for row in 0..3 {
+        for at in 0..n - 1 {
+            possible += 1.0;
+            if episode.token_mask.double_value(&[row, at + 1]) == 1.0 {
+                let target = batch.tokens.int64_value(&[row, at + 1]);
+                sum -= log_p.double_value(&[row, at, target]);
+            }
+        }
+    }
+    let expected = actions + 0.25 * sum / possible;
+    assert!(sum > 0.0 && (total - expected).abs() <= 1e-5 * expected, "{total} against {expected}");
 }
