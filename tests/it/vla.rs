@@ -64,6 +64,27 @@ fn two_ranks_with_and_without_zero3_follow_one_process() {
     }
 }
 
+/// The instruction's loss reads the embedding's rows in the head: under ZeRO-3 they stay gathered
+/// from the embedding's forward to its backward, so two ranks still follow one process.
+#[test]
+fn with_the_instruction_loss_two_zero3_ranks_follow_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let lm = "train.instruction_lm=0.5";
+    let one = overrides(dir.path(), "one", &["train.steps=20", "train.micro_batch=6", lm]);
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
+    let reference = losses(&dir.path().join("one"));
+    assert_eq!(reference.len(), 20);
+    // The loss holds the instruction's: half the cross-entropy of 256 byte tokens read from a
+    // fresh init (about 2.8) on top of the action loss.
+    let plain = overrides(dir.path(), "plain", &["train.steps=1", "train.micro_batch=6"]);
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&plain)));
+    let plain = losses(&dir.path().join("plain"));
+    assert!(reference[0].1 > plain[0].1 + 2.0, "first losses: with {} and without {}", reference[0].1, plain[0].1);
+    let args = overrides(dir.path(), "zero3", &["train.steps=20", "train.micro_batch=3", "dist.zero=3", lm]);
+    let out = run_ok(&mut stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &refs(&args)));
+    assert_same_trajectory(&reference, &dir.path().join("zero3"), "vla with the instruction's loss, ZeRO-3", &out);
+}
+
 #[test]
 fn a_run_killed_with_sigkill_resumes_to_the_uninterrupted_losses() {
     let dir = tempfile::tempdir().unwrap();
