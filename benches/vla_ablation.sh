@@ -10,6 +10,7 @@
 #   benches/vla_ablation.sh [STEPS]            (default 6000)
 #   PRESET=vla-tiny  MICRO_BATCH=32  EVAL_EVERY=500  SEED=1337  DATA=""   (a prepared episodes folder)
 #   STOKE=target/release/stoke (built when missing)
+#   SET="train.instruction_lm=0.5 ..." (more settings, the same for all three runs)
 # Every run: runs/bench-vla-ablation/<none|frames|instructions>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,13 +27,15 @@ if [[ ! -x "$stoke" ]] || ! grep -qa "vla-tiny" "$stoke"; then
   cargo build --release --bin stoke
   stoke=target/release/stoke
 fi
+extra=()
+for setting in ${SET:-}; do extra+=(--set "$setting"); done
 rm -rf "$dir" && mkdir -p "$dir"
 for blank in none frames instructions; do
   echo "vla_ablation: training with data.blank = $blank ($steps steps)" >&2
   "$stoke" train --quiet --set run.dir="$dir" --set run.name="$blank" \
     --set model.family=vla --set model.preset="$preset" --set data.path="\"$data\"" \
     --set data.blank="$blank" --set train.steps="$steps" --set train.micro_batch="$micro" \
-    --set train.seed="$seed" --set eval.every="$every" --set ckpt.every=0 --set ckpt.at_end=false
+    --set train.seed="$seed" --set eval.every="$every" --set ckpt.every=0 --set ckpt.at_end=false "${extra[@]}"
 done
 python3 - "$dir" <<'EOF'
 import json, sys, pathlib
