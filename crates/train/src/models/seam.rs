@@ -12,8 +12,8 @@ pub struct Inputs {
     /// `[batch, seq]` int64: the token rows a text model reads; a VLA model's instruction tokens
     /// (0 where padded).
     pub tokens: Tensor,
-    /// `[batch, seq]` int64 next-token targets, `-100` where the loss skips one; a VLA model reads
-    /// none (an empty tensor).
+    /// `[batch, seq]` int64 next-token targets, `-100` where the loss skips one; a VLA model's are
+    /// its instruction's next tokens, `[batch, instruction_tokens - 1]`, `-100` where padded.
     pub targets: Tensor,
     /// The rest of a robot sample, for a model of episodes (`model.family = "vla"`).
     pub episode: Option<EpisodeInputs>,
@@ -30,8 +30,6 @@ impl Inputs {
 pub struct EpisodeInputs {
     /// `[batch, frames, side, side, 3]` uint8 camera frames.
     pub frames: Tensor,
-    /// `[batch, instruction_tokens]` fp32: 1 where the instruction has a token, 0 where padded.
-    pub token_mask: Tensor,
     /// `[batch, state_dim]` fp32, normalized.
     pub state: Tensor,
     /// `[batch, chunk, action_dim]` fp32 the action chunk, normalized.

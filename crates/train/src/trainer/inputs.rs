@@ -98,15 +98,16 @@ fn episode_inputs(
     let to = |t: Tensor| t.to_device(device);
     let episode = EpisodeInputs {
         frames: to(Tensor::from_slice(&batch.frames).view([b, vla.frames as i64, side, side, 3])),
-        token_mask: to(Tensor::from_slice(&batch.token_mask)
-            .view([b, vla.instruction_tokens as i64])
-            .to_kind(tch::Kind::Float)),
         state: to(Tensor::from_slice(&batch.state).view([b, vla.state_dim as i64])),
         actions: to(Tensor::from_slice(&batch.actions).view([b, chunk, action])),
         action_mask: to(Tensor::from_slice(&batch.action_mask).view([b, chunk]).to_kind(tch::Kind::Float)),
         noise: to(Tensor::from_slice(&batch.noise).view([b, chunk, action])),
         time: to(Tensor::from_slice(&batch.time)),
     };
-    let tokens = to(Tensor::from_slice(&batch.tokens).view([b, vla.instruction_tokens as i64]));
-    Ok(Inputs { tokens, targets: Tensor::zeros([0], (tch::Kind::Int64, device)), episode: Some(episode) })
+    let n = vla.instruction_tokens as i64;
+    let tokens = Tensor::from_slice(&batch.tokens).view([b, n]);
+    // The instruction's next tokens, padding skipped as a text row's ignored targets are.
+    let padded = Tensor::from_slice(&batch.token_mask).view([b, n]).narrow(1, 1, n - 1).eq(0);
+    let targets = tokens.narrow(1, 1, n - 1).masked_fill(&padded, IGNORED_TARGET);
+    Ok(Inputs { tokens: to(tokens), targets: to(targets), episode: Some(episode) })
 }

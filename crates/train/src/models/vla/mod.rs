@@ -393,8 +393,8 @@ impl Vla {
     }
 
     /// The instruction's next-token cross-entropy: positions 0..n-1 of the instruction read
-    /// through the final norm and the token embedding's rows predict tokens 1..n, summed over the
-    /// present targets, over the batch's possible targets (`batch x (n - 1)`).
+    /// through the final norm and the token embedding's rows predict `inputs.targets`, summed over
+    /// the present targets (not -100), over the batch's possible targets (`batch x (n - 1)`).
     fn instruction_loss(&self, x: &Tensor, inputs: &Inputs) -> Tensor {
         let (vision, n) = (self.shape.vision_tokens() as i64, self.shape.instruction_tokens as i64);
         let h = self.layer_norm(&x.narrow(1, vision, n - 1), &self.ln_f);
@@ -404,16 +404,15 @@ impl Vla {
             h.to_kind(self.compute).linear::<Tensor>(&self.wte.to_kind(self.compute), None)
         };
         let vocab = self.shape.base.vocab_size as i64;
-        let targets = inputs.tokens.narrow(1, 1, n - 1).reshape([-1]);
-        let per_token = logits.to_kind(Kind::Float).reshape([-1, vocab]).cross_entropy_loss::<Tensor>(
+        let targets = inputs.targets.reshape([-1]);
+        let summed = logits.to_kind(Kind::Float).reshape([-1, vocab]).cross_entropy_loss::<Tensor>(
             &targets,
             None,
-            tch::Reduction::None,
+            tch::Reduction::Sum,
             -100,
             0.0,
         );
-        let present = Self::episode(inputs).token_mask.narrow(1, 1, n - 1).reshape([-1]);
-        (per_token * present).sum(Kind::Float) / targets.size()[0] as f64
+        summed / targets.size()[0] as f64
     }
 
     fn head_loss(&self, x: &Tensor, inputs: &Inputs) -> Tensor {

@@ -30,16 +30,17 @@ fn inputs(shape: &VlaShape, batch: i64, seed: i64) -> Inputs {
     let f32s = (Kind::Float, Device::Cpu);
     let mask = Tensor::ones([batch, chunk], f32s);
     let _ = mask.narrow(0, 0, 1).narrow(1, chunk - 1, 1).fill_(0.0);
+    let n = shape.instruction_tokens as i64;
+    let tokens = Tensor::randint(shape.base.vocab_size as i64, [batch, n], (Kind::Int64, Device::Cpu));
+    let frames = Tensor::randint(256, [batch, shape.frames as i64, side, side, 3], (Kind::Uint8, Device::Cpu));
+    // About a third of the instruction's next tokens are padding, skipped as -100.
+    let padded = Tensor::rand([batch, n - 1], f32s).le(0.3);
+    let targets = tokens.narrow(1, 1, n - 1).masked_fill(&padded, -100);
     Inputs {
-        tokens: Tensor::randint(
-            shape.base.vocab_size as i64,
-            [batch, shape.instruction_tokens as i64],
-            (Kind::Int64, Device::Cpu),
-        ),
-        targets: Tensor::zeros([0], (Kind::Int64, Device::Cpu)),
+        tokens,
+        targets,
         episode: Some(EpisodeInputs {
-            frames: Tensor::randint(256, [batch, shape.frames as i64, side, side, 3], (Kind::Uint8, Device::Cpu)),
-            token_mask: Tensor::rand([batch, shape.instruction_tokens as i64], f32s).gt(0.3).to_kind(Kind::Float),
+            frames,
             state: Tensor::randn([batch, shape.state_dim as i64], f32s),
             actions: Tensor::randn([batch, chunk, action], f32s),
             action_mask: mask,
@@ -198,7 +199,6 @@ fn the_instruction_loss_is_the_weighted_next_token_cross_entropy() {
     let mut model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
     model.set_instruction_lm(0.25);
     let batch = inputs(&shape, 3, 8);
-    let episode = batch.episode.as_ref().unwrap();
     let (vision, n) = (shape.vision_tokens() as i64, shape.instruction_tokens as i64);
     let (total, x) = tch::no_grad(|| {
         let x = model.trunk(model.embed(&batch));
@@ -215,8 +215,8 @@ fn the_instruction_loss_is_the_weighted_next_token_cross_entropy() {
     for row in 0..3 {
         for at in 0..n - 1 {
             possible += 1.0;
-            if episode.token_mask.double_value(&[row, at + 1]) == 1.0 {
-                let target = batch.tokens.int64_value(&[row, at + 1]);
+            let target = batch.targets.int64_value(&[row, at]);
+            if target != -100 {
                 sum -= log_p.double_value(&[row, at, target]);
             }
         }
