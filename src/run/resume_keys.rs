@@ -30,6 +30,7 @@ pub const MAY_CHANGE_KEYS: &[&str] = &[
     "train.steps",
     "train.lr_horizon",
     "train.log_every",
+    "train.guard_every",
     "train.host_memory",
     "train.debug_poison_step",
     "train.monitor_every",

@@ -63,6 +63,68 @@ fn a_poisoned_step_stops_with_a_dump_and_an_intact_checkpoint() {
 }
 
 #[test]
+fn the_guard_kept_on_the_device_names_the_first_bad_step_when_read_later() {
+    // The tensor-op optimizer keeps the gradient norm on the device; the guard is read every 4
+    // steps, on logged steps (every 7) and at checkpoints (every 6). Step 15 is poisoned and
+    // read at step 16 by the interval alone: the dump names step 15, no checkpoint after step 12
+    // is written, and step 12's verifies.
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = format!("run.dir={}", dir.path().display());
+    let out = stoke(
+        &["train", "--quiet"],
+        &with(&[
+            &run_dir,
+            "run.name=late",
+            "train.steps=20",
+            "train.fused_optimizer=false",
+            "train.guard_every=4",
+            "train.log_every=7",
+            "ckpt.every=6",
+            "train.debug_poison_step=15",
+        ]),
+    )
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "a clean runtime failure, not a crash:\n{stderr}");
+    assert!(stderr.contains("at step 15") && stderr.contains("read at step 16"), "{stderr}");
+    let run = dir.path().join("late");
+    let dump: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("nan-dump.json")).expect("the dump exists")).unwrap();
+    assert_eq!((dump["step"].as_u64(), dump["detected_at_step"].as_u64()), (Some(15), Some(16)), "{dump}");
+    assert_eq!(dump["detected_at"], "loss");
+    assert!(dump["last_finite_loss"].as_f64().unwrap().is_finite(), "step 14's loss, kept on the device: {dump}");
+    assert!(dump["data_position_after"].as_u64() > dump["data_position_before"].as_u64());
+    assert_eq!(dump["latest_checkpoint"], 12, "{dump}");
+    let steps: Vec<u64> = lines(&run).iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [7, 14], "only logged steps before the bad one reach the metrics");
+    let checkpoints: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    assert!(checkpoints.iter().all(|n| n != "step-18"), "{checkpoints:?}");
+    run_ok(&mut stoke(&["ckpt", "verify", &run.join("checkpoints/step-12").display().to_string()], &[]));
+
+    // Without the poison, reading the guard every step or every 5 changes no logged loss.
+    let losses = |name: &str, guard_every: &str| {
+        let name_arg = format!("run.name={name}");
+        let guard = format!("train.guard_every={guard_every}");
+        run_ok(&mut stoke(
+            &["train", "--quiet"],
+            &with(&[&run_dir, &name_arg, "train.steps=15", "train.fused_optimizer=false", "train.log_every=5", &guard]),
+        ));
+        lines(&dir.path().join(name))
+            .iter()
+            .map(|l| (l["step"].as_u64().unwrap(), l["loss"].as_f64().unwrap()))
+            .collect::<Vec<_>>()
+    };
+    let (every_step, every_five) = (losses("every-step", "1"), losses("every-five", "0"));
+    assert_eq!(every_step.len(), 3);
+    assert_eq!(every_step, every_five);
+}
+
+#[test]
 fn early_stopping_ends_a_plateau_and_keeps_the_best_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = format!("run.dir={}", dir.path().display());

@@ -80,6 +80,13 @@ pub struct TrainConfig {
     pub executor: ExecutorKind,
     /// Report loss and metrics every this many steps (reading the loss synchronizes a GPU). Default 1.
     pub log_every: u64,
+    /// Read the NaN guard's flags every this many steps, where a step keeps its gradient norm on
+    /// the device (AdamW or SGD on the tensor-op path: a GPU, or `fused_optimizer = false`; one
+    /// process; no fp16 loss scaler, no adaptive batch): between reads the clip is computed on
+    /// the device and nothing is read back. Logged steps and checkpoints always read them, and a
+    /// run still stops naming the first non-finite step. 0 takes `log_every`. Elsewhere the norm
+    /// is read every step anyway and so is the guard. Default 0.
+    pub guard_every: u64,
     /// Intra-op threads for libtorch; 0 leaves libtorch's default (one per core). Default 0.
     pub threads: usize,
     /// Attention under bf16: "fp32" (libtorch's scaled_dot_product_attention on fp32 q, k, v),
@@ -310,6 +317,7 @@ impl Default for TrainConfig {
             recompute: Recompute::None,
             executor: ExecutorKind::Blocks,
             log_every: 1,
+            guard_every: 0,
             threads: 0,
             attention: AttentionPrecision::Auto,
             causal_block_rows: 128,

@@ -501,6 +501,12 @@ impl StepHooks for DataParallel {
         self.zero.as_ref().map(|z| &z.shard)
     }
 
+    fn reduces_norm_on_host(&self) -> bool {
+        // Every rank must take the guard's decision on the same step; reading it every step keeps
+        // them together (the ranks' host-side agreement is what stops them alike).
+        true
+    }
+
     fn global_sq_sum(&mut self, local: f64) -> Result<f64, TrainError> {
         match &self.zero {
             Some(zero) => zero.global_sq_sum(self.comm.as_ref(), local).map_err(|e| self.zero_error(e)),

@@ -14,9 +14,14 @@ pub enum TrainError {
     #[error("loss is {value} at step {step}: training diverged (lower train.lr, raise train.warmup_steps, or check the data)")]
     NonFiniteLoss { step: u64, value: f64 },
     #[error(
-        "{} at step {}: training diverged (lower train.lr, raise train.warmup_steps, or check the data); the run stopped before the update, the latest checkpoint ({}) is intact",
+        "{} at step {}: training diverged (lower train.lr, raise train.warmup_steps, or check the data); {}, the latest checkpoint ({}) is intact",
         if .0.detected_at == "loss" { "the loss is not finite" } else { "the gradients are not finite" },
         .0.step,
+        if .0.detected_at_step == .0.step {
+            "the run stopped before the update".to_string()
+        } else {
+            format!("the device's guard was read at step {} (train.guard_every) and the run stopped there", .0.detected_at_step)
+        },
         .0.latest_checkpoint.map_or("none".to_string(), |s| format!("step {s}"))
     )]
     NonFinite(Box<crate::trainer::NanDump>),

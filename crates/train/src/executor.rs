@@ -87,6 +87,12 @@ pub trait StepHooks {
         Ok(local)
     }
 
+    /// Whether `global_sq_sum` needs the local sum on the host (a reduction over processes); then
+    /// the NaN guard reads it every step, whatever `train.guard_every` says.
+    fn reduces_norm_on_host(&self) -> bool {
+        false
+    }
+
     /// LAMB's per-tensor sums of squares over the buffers `optimizer_params` names (indexed like
     /// their entries) made the whole tensors': ZeRO adds every rank's pieces of each parameter
     /// (in rank order, so every rank gets the same sums). Collective; called once per LAMB step,

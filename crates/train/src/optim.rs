@@ -24,12 +24,37 @@ use crate::snapcopy::SaveMap;
 mod kernel;
 
 pub use kernel::UpdateKernel;
-pub(crate) use kernel::{fused_slices, run_split, sum_of_squares, tensor_sq_sum, Slices};
+pub(crate) use kernel::{fused_slices, run_split, sum_of_squares, tensor_sq_sum, tensor_sq_sum_kept, Slices};
 
 use kernel::{
     f32_bytes, saves_in_registers, sum_of_squared_differences, update, update_saving, RegisterSave, UpdateConsts,
     SAVE_BLOCK,
 };
+
+/// The factor an update multiplies the gradients by (clipping and loss-scale division): a number
+/// on the host, or a 0-dim tensor on the parameters' device that nothing reads back (the clip
+/// computed from a norm kept on the device, `train.guard_every`). Both round it to fp32 before
+/// multiplying, so the same value gives the same bits.
+#[derive(Clone, Copy)]
+pub(crate) enum Multiplier<'a> {
+    Host(f64),
+    Device(&'a Tensor),
+}
+
+impl Multiplier<'_> {
+    /// `grad *= self`, in place (nothing for a host 1).
+    pub(crate) fn apply(self, grad: &mut Tensor) {
+        match self {
+            Multiplier::Host(m) if m != 1.0 => {
+                let _ = grad.g_mul_scalar_(m);
+            }
+            Multiplier::Host(_) => {}
+            Multiplier::Device(m) => {
+                let _ = grad.g_mul_(m);
+            }
+        }
+    }
+}
 
 /// Hyper-parameters of one AdamW step.
 #[derive(Debug, Clone, Copy)]
@@ -365,7 +390,7 @@ impl AdamW {
                         unsafe { save.save(ptr, n) };
                     }
                 }
-                self.update_range_tensor_ops(params, range, hp, grad_multiplier, t)
+                self.update_range_tensor_ops(params, range, hp, Multiplier::Host(grad_multiplier), t)
             }
         }
         if let Some(save) = save {
@@ -378,7 +403,7 @@ impl AdamW {
         params: &FlatParams,
         range: Range<i64>,
         hp: AdamWStep,
-        grad_multiplier: f64,
+        grad_multiplier: Multiplier<'_>,
         t: i32,
     ) {
         let bias_correction1 = 1.0 - hp.beta1.powi(t);
@@ -402,9 +427,7 @@ impl AdamW {
                 let mut flat = narrow(params.flat());
                 let mut grad = narrow(params.flat_grad());
                 let (mut exp_avg, mut exp_avg_sq) = (narrow(&self.exp_avg), narrow(&self.exp_avg_sq));
-                if grad_multiplier != 1.0 {
-                    let _ = grad.g_mul_scalar_(grad_multiplier);
-                }
+                grad_multiplier.apply(&mut grad);
                 if hp.weight_decay > 0.0 && entry.decay {
                     let _ = flat.g_mul_scalar_(1.0 - lr * hp.weight_decay);
                 }
@@ -420,6 +443,20 @@ impl AdamW {
                 let _ = grad.zero_();
             }
         });
+    }
+
+    /// `update_range` over the whole buffer on the tensor-op path, the gradients multiplied by a
+    /// 0-dim tensor on the device (`Multiplier::Device`): nothing is read to the host. Only where
+    /// the fused kernel does not apply (`runs_fused` false), and with no checkpoint saving.
+    pub(crate) fn update_on_device(&mut self, params: &FlatParams, hp: AdamWStep, grad_multiplier: &Tensor) {
+        debug_assert!(self.save.is_none() && !self.measure, "the device path neither saves nor measures");
+        let t = self.n_steps.max(1) as i32;
+        self.update_range_tensor_ops(params, 0..params.n_elements(), hp, Multiplier::Device(grad_multiplier), t)
+    }
+
+    /// Whether `update_range` over `params` runs the fused CPU kernel.
+    pub(crate) fn runs_fused(&self, params: &FlatParams, kernel: UpdateKernel) -> bool {
+        self.fused_slices(params, &(0..params.n_elements()), kernel).is_some()
     }
 
     /// The fused kernel's slices of `range` (each parameter's part of it), or None when the fused

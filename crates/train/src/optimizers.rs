@@ -24,7 +24,7 @@ use tch::Tensor;
 
 use crate::config::OptimizerKind;
 use crate::optim::{fused_slices, run_split, sum_of_squares, AdamW, AdamWStep, Slices, StateTensor, StepOutcome};
-use crate::optim::{state_buffer, UpdateKernel, MOMENTS};
+use crate::optim::{state_buffer, tensor_sq_sum_kept, Multiplier, UpdateKernel, MOMENTS};
 use crate::params::FlatParams;
 use crate::precision::{LossScaler, ScaleOutcome};
 
@@ -449,22 +449,44 @@ impl Sgd {
                     }
                 });
             }
-            None => tch::no_grad(|| {
-                for (entry, lo, hi) in overlaps(params, &range) {
-                    let narrow = |t: &Tensor| t.narrow(0, lo, hi - lo);
-                    let (mut p, mut g, mut b) =
-                        (narrow(params.flat()), narrow(params.flat_grad()), narrow(&self.momentum_buffer));
-                    let mut grad = &g * grad_multiplier;
-                    if params.entries()[entry].decay && hp.weight_decay > 0.0 {
-                        grad += &p * hp.weight_decay;
-                    }
-                    let _ = b.g_mul_scalar_(hp.momentum).g_add_(&grad);
-                    let d = if hp.nesterov { &grad + &b * hp.momentum } else { b.shallow_clone() };
-                    let _ = p.g_sub_(&(d * (hp.lr * params.entries()[entry].lr_scale)));
-                    let _ = g.zero_();
-                }
-            }),
+            None => self.update_range_tensor_ops(params, range, hp, Multiplier::Host(grad_multiplier)),
         }
+    }
+
+    /// `update_range` over the whole buffer on the tensor-op path, the gradients multiplied by a
+    /// 0-dim tensor on the device: nothing is read to the host.
+    pub(crate) fn update_on_device(&mut self, params: &FlatParams, hp: &Hyper, grad_multiplier: &Tensor) {
+        self.update_range_tensor_ops(params, 0..params.n_elements(), hp, Multiplier::Device(grad_multiplier))
+    }
+
+    /// Whether `update_range` over `params` runs the fused CPU kernel.
+    pub(crate) fn runs_fused(&self, params: &FlatParams, kernel: UpdateKernel) -> bool {
+        self.slices(params, &(0..params.n_elements()), kernel).is_some()
+    }
+
+    fn update_range_tensor_ops(
+        &mut self,
+        params: &FlatParams,
+        range: Range<i64>,
+        hp: &Hyper,
+        grad_multiplier: Multiplier<'_>,
+    ) {
+        tch::no_grad(|| {
+            for (entry, lo, hi) in overlaps(params, &range) {
+                let narrow = |t: &Tensor| t.narrow(0, lo, hi - lo);
+                let (mut p, mut g, mut b) =
+                    (narrow(params.flat()), narrow(params.flat_grad()), narrow(&self.momentum_buffer));
+                let mut grad = g.copy();
+                grad_multiplier.apply(&mut grad);
+                if params.entries()[entry].decay && hp.weight_decay > 0.0 {
+                    grad += &p * hp.weight_decay;
+                }
+                let _ = b.g_mul_scalar_(hp.momentum).g_add_(&grad);
+                let d = if hp.nesterov { &grad + &b * hp.momentum } else { b.shallow_clone() };
+                let _ = p.g_sub_(&(d * (hp.lr * params.entries()[entry].lr_scale)));
+                let _ = g.zero_();
+            }
+        })
     }
 }
 
@@ -665,6 +687,48 @@ impl Optimizer {
             }
         }
         Ok(Ok(StepOutcome { grad_norm, skipped: false }))
+    }
+
+    /// Whether `step_on_device` can run over `params`: AdamW or SGD on the tensor-op path (a
+    /// GPU, or `train.fused_optimizer = false`). LAMB's trust ratios and the fused CPU kernel
+    /// read their norms on the host.
+    pub fn steps_on_device(&self, params: &FlatParams, kernel: UpdateKernel) -> bool {
+        match self {
+            Optimizer::AdamW(o) => !o.runs_fused(params, kernel),
+            Optimizer::Sgd(o) => !o.runs_fused(params, kernel),
+            Optimizer::Lamb(_) => false,
+        }
+    }
+
+    /// One process's step with nothing read to the host (no loss scaler): the squared gradient
+    /// norm stays a 0-dim f64 tensor on the device, the clip is computed from it there, and the
+    /// update multiplies the gradients by it. The arithmetic is `step_with_sq_sum`'s on the
+    /// tensor-op path, bit for bit; a non-finite norm is not caught here (the caller's guard
+    /// reads it later). Returns the squared norm.
+    pub fn step_on_device(&mut self, params: &FlatParams, hp: &Hyper, max_norm: f64, kernel: UpdateKernel) -> Tensor {
+        assert!(self.steps_on_device(params, kernel), "step_on_device on a path that reads its norm on the host");
+        let sq_sum = tensor_sq_sum_kept(&params.flat_grad().narrow(0, 0, params.n_elements()), 0);
+        tch::no_grad(|| {
+            let multiplier = if max_norm > 0.0 {
+                let norm = sq_sum.sqrt();
+                let clipped = Tensor::from(max_norm).to_device(norm.device()) / (&norm + 1e-6);
+                clipped.where_scalarother(&norm.gt(max_norm), 1.0)
+            } else {
+                Tensor::ones([], (tch::Kind::Double, sq_sum.device()))
+            };
+            match self {
+                Optimizer::AdamW(o) => {
+                    o.begin_step();
+                    o.update_on_device(params, hp.adam(), &multiplier);
+                }
+                Optimizer::Sgd(o) => {
+                    o.begin_step();
+                    o.update_on_device(params, hp, &multiplier);
+                }
+                Optimizer::Lamb(_) => unreachable!("checked by steps_on_device"),
+            }
+        });
+        sq_sum
     }
 }
 

@@ -145,12 +145,18 @@ const SQ_SUM_CHUNK: i64 = 1 << 10;
 /// took 30 ms where `square().sum(Double)` took about 1.1 s (it allocates the squares and sums
 /// them through a non-vectorized fp64 conversion).
 pub(crate) fn tensor_sq_sum(t: &Tensor, offset: i64) -> f64 {
+    tensor_sq_sum_kept(t, offset).double_value(&[])
+}
+
+/// `tensor_sq_sum` left on the tensor's device as a 0-dim f64 tensor (nothing read to the host):
+/// the same reductions added in the same order, so reading it gives the same bits.
+pub(crate) fn tensor_sq_sum_kept(t: &Tensor, offset: i64) -> Tensor {
     let n = t.size1().expect("tensor_sq_sum takes a 1-D tensor");
     tch::no_grad(|| {
         let head = ((SQ_SUM_CHUNK - offset.rem_euclid(SQ_SUM_CHUNK)) % SQ_SUM_CHUNK).min(n);
         let body = (n - head) / SQ_SUM_CHUNK * SQ_SUM_CHUNK;
-        let f64_sum = |part: Tensor| part.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]);
-        let mut sum = 0.0;
+        let f64_sum = |part: Tensor| part.to_kind(Kind::Double).square().sum(Kind::Double);
+        let mut sum = Tensor::zeros([], (Kind::Double, t.device()));
         if head > 0 {
             sum += f64_sum(t.narrow(0, 0, head));
         }

@@ -279,3 +279,40 @@ fn a_learning_rate_factor_moves_its_parameters_as_that_rate_would() {
         }
     }
 }
+
+#[test]
+fn the_step_on_the_device_is_the_host_step_bit_for_bit() {
+    // AdamW and SGD on the tensor-op path, with the clip biting (max norm 1) and not (1e9): the
+    // norm kept on the device and the clip computed there change no bit of the trajectory.
+    for kind in [OptimizerKind::AdamW, OptimizerKind::Sgd] {
+        for max_norm in [1.0, 1e9, 0.0] {
+            let (host, device) = (params(), params());
+            let (mut host_opt, mut device_opt) = (Optimizer::new(kind, &host), Optimizer::new(kind, &device));
+            assert!(device_opt.steps_on_device(&device, UpdateKernel::TensorOps));
+            assert!(!device_opt.steps_on_device(&device, UpdateKernel::Fused), "CPU fp32 runs the fused kernel");
+            for step in 1..=4 {
+                backward(&host, step);
+                backward(&device, step);
+                let sq = host_opt.grad_sq_sum(&host, 0..host.n_elements(), UpdateKernel::TensorOps, 2);
+                let outcome = host_opt
+                    .step_with_sq_sum(&host, sq, &hyper(), max_norm, None, UpdateKernel::TensorOps, 2, |_| {
+                        Ok::<(), ()>(())
+                    })
+                    .unwrap()
+                    .unwrap();
+                let kept = device_opt.step_on_device(&device, &hyper(), max_norm, UpdateKernel::TensorOps);
+                assert_eq!(kept.double_value(&[]).to_bits(), sq.to_bits(), "{kind:?} step {step}: the same sum");
+                assert_eq!(kept.double_value(&[]).sqrt(), outcome.grad_norm);
+                if max_norm == 1.0 {
+                    assert!(outcome.grad_norm > 1.0, "the clip bites at step {step}");
+                }
+                let (a, b) = (Vec::<f32>::try_from(host.flat()).unwrap(), Vec::<f32>::try_from(device.flat()).unwrap());
+                assert!(
+                    a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{kind:?}, max norm {max_norm}, step {step}"
+                );
+                assert_eq!(device.flat_grad().abs().sum(Kind::Float).double_value(&[]), 0.0, "gradients cleared");
+            }
+        }
+    }
+}

@@ -3,8 +3,13 @@
 
 use tch::Tensor;
 
+use super::checkpoint::CheckpointTarget;
+use super::device_guard::{Caught, DeviceGuard};
+use super::events::{notify, Observer, TrainEvent};
 use super::nan_dump::{finite_or_null, NanDump, OffendingTensor, TensorStats};
 use super::state::Trainer;
+use crate::executor::StepHooks;
+use crate::TrainError;
 
 /// How many standard deviations `loss` lies above the mean of `window` (None until it holds 10
 /// losses, or when they do not vary).
@@ -19,6 +24,52 @@ pub(super) fn spike_z(window: &std::collections::VecDeque<f64>, loss: f64) -> Op
 }
 
 impl Trainer {
+    /// The guard kept on the device, where this run's step keeps its gradient norm there: one
+    /// process (`hooks` reduce nothing on the host), no loss scaler, no adaptive batch (it reads
+    /// the norm every step), and an optimizer path that `step_on_device` runs.
+    pub(super) fn device_guard(&self, hooks: &dyn StepHooks) -> Option<DeviceGuard> {
+        let applies = self.scaler.is_none()
+            && !self.sharded
+            && self.adaptive.is_none()
+            && !hooks.reduces_norm_on_host()
+            && self.optimizer.steps_on_device(self.model.params(), self.kernel());
+        let every = if self.train.guard_every == 0 { self.train.log_every } else { self.train.guard_every };
+        applies.then(|| DeviceGuard::new(every, self.device))
+    }
+
+    /// The run stops on `caught`, read on step `detected_at`: the dump, with every checkpoint of
+    /// the steps before it committed first (none of that step or later is written).
+    pub(super) fn stop_non_finite(
+        &self,
+        caught: Caught,
+        detected_at: u64,
+        checkpoints: Option<&mut CheckpointTarget>,
+        observers: &mut [&mut dyn Observer],
+    ) -> Result<TrainError, TrainError> {
+        let what = if caught.loss.is_finite() { "gradients" } else { "loss" };
+        let dump = self.nan_dump(
+            caught.step,
+            what,
+            caught.loss,
+            caught.grad_norm,
+            caught.last_finite_loss,
+            caught.position_before,
+            caught.position_after,
+        );
+        let mut latest = None;
+        if let Some(target) = checkpoints {
+            for saved in target.writer.finish()? {
+                notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
+            }
+            latest = target.writer.store().latest()?;
+        }
+        Ok(TrainError::NonFinite(Box::new(NanDump {
+            latest_checkpoint: latest,
+            detected_at_step: detected_at,
+            ..dump
+        })))
+    }
+
     /// `train.debug_poison_step`: a NaN written into the first block's first parameter, so this
     /// step's loss and gradients are not finite, as a diverged run's would be.
     pub(super) fn poison(&self) {
@@ -113,6 +164,7 @@ impl Trainer {
         }
         NanDump {
             step,
+            detected_at_step: step,
             detected_at: what.into(),
             loss: finite_or_null(loss),
             grad_norm: finite_or_null(grad_norm),

@@ -5,6 +5,7 @@
 //! observers of `TrainEvent`; none of them is woven into the loop.
 
 mod checkpoint;
+mod device_guard;
 mod eval;
 mod events;
 mod guards;
@@ -42,6 +43,7 @@ pub use state::Trainer;
 pub use stoke_prof::{Phase, PhaseTimes};
 
 use checkpoint::{submit, submit_pending};
+use device_guard::{Caught, DeviceGuard};
 use events::notify;
 use guards::spike_z;
 use state::AdaptiveState;
@@ -313,6 +315,8 @@ impl Trainer {
         let mut pending: Option<PendingCopy> = None;
         // Test-only: memory held to make the run's peak larger (`Injections::more_memory`).
         let mut injected_memory: Vec<u8> = Vec::new();
+        // The NaN guard on the device, where the step keeps its norm there (`train.guard_every`).
+        let mut guard = self.device_guard(hooks);
         while self.step < self.train.steps {
             let step_number = self.step + 1;
             let logged = step_number % self.train.log_every == 0
@@ -349,9 +353,11 @@ impl Trainer {
             let lr = self.train.lr_at_batch(self.step, self.global_batch());
             let step_tokens = (self.train.micro_batch * shape.seq_len * self.grad_accum) as u64;
             let loss_scale = self.scaler.as_ref().map(LossScaler::scale);
-            // The NaN guard: a non-finite loss (read every step: the gradient norm below
-            // synchronizes anyway) or gradient norm stops the run before the update.
-            let local_loss = loss_sum.double_value(&[]);
+            // The NaN guard: a non-finite loss or gradient norm stops the run. Read every step
+            // where the norm is read for the clip anyway; kept on the device between reads
+            // otherwise (`train.guard_every`).
+            let read_now = guard.as_ref().is_none_or(|g| logged || g.due(step_number));
+            let local_loss = if read_now { loss_sum.double_value(&[]) } else { f64::NAN };
             let monitored = logged && self.train.monitor_every > 0 && step_number % self.train.monitor_every == 0;
             // The fused AdamW measures the update ratios as it updates; other paths copy the
             // weights first.
@@ -362,7 +368,32 @@ impl Trainer {
             if measured_in_update {
                 self.optimizer.measure_next_update();
             }
-            let outcome = self.optimizer_step(lr, local_loss.is_finite(), hooks, &mut clock);
+            let outcome = match guard.as_mut() {
+                Some(guard) => {
+                    let sq_sum = self.optimizer_step_on_device(lr);
+                    guard.record(step_number, &loss_sum, &sq_sum, position_before, source.position());
+                    let caught = if read_now { guard.read() } else { None };
+                    let outcome = match caught {
+                        Some(caught) => Err(caught),
+                        None => {
+                            hooks.after_optimizer(&mut clock)?;
+                            let grad_norm = if read_now { sq_sum.double_value(&[]).sqrt() } else { f64::NAN };
+                            Ok(crate::optim::StepOutcome { grad_norm, skipped: false })
+                        }
+                    };
+                    Ok(outcome)
+                }
+                None => self.optimizer_step(lr, local_loss.is_finite(), hooks, &mut clock).map(|outcome| {
+                    outcome.map_err(|grad_norm| Caught {
+                        step: step_number,
+                        loss: local_loss,
+                        grad_norm,
+                        last_finite_loss,
+                        position_before,
+                        position_after: source.position(),
+                    })
+                }),
+            };
             if pending.is_some() {
                 // An update that ran saved the snapshot; one that did not (skipped, not finite, an
                 // error) left the state as it was, and `finish` copies it now.
@@ -371,31 +402,9 @@ impl Trainer {
                 submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
                 clock.lap(Phase::CkptStall);
             }
-            let outcome = outcome?;
-            let outcome = match outcome {
+            let outcome = match outcome? {
                 Ok(outcome) => outcome,
-                Err(grad_norm) => {
-                    let what = if local_loss.is_finite() { "gradients" } else { "loss" };
-                    let dump = self.nan_dump(
-                        step_number,
-                        what,
-                        local_loss,
-                        grad_norm,
-                        last_finite_loss,
-                        position_before,
-                        source.position(),
-                    );
-                    // Checkpoints of earlier steps are committed before the run stops; this step
-                    // writes none.
-                    let mut latest = None;
-                    if let Some(target) = checkpoints.as_deref_mut() {
-                        for saved in target.writer.finish()? {
-                            notify(observers, &TrainEvent::CheckpointSaved { step: saved.step, path: &saved.path })?;
-                        }
-                        latest = target.writer.store().latest()?;
-                    }
-                    return Err(TrainError::NonFinite(Box::new(NanDump { latest_checkpoint: latest, ..dump })));
-                }
+                Err(caught) => return Err(self.stop_non_finite(caught, step_number, checkpoints, observers)?),
             };
             let update_norms = self.optimizer.take_update_norms();
             let monitors = before_update.map(|(grad_norm, params_before)| BlockMonitors {
@@ -440,6 +449,10 @@ impl Trainer {
             let at_end = (step_number == self.train.steps || early_stopped) && self.ckpt.at_end;
             let best_eval = eval.as_ref().is_some_and(|e| e.best) && self.eval_keeps_best();
             let checkpoint_now = due || at_end || interrupted || best_eval;
+            // No checkpoint holds a step after a non-finite one.
+            if let Some(caught) = guard.as_mut().filter(|g| checkpoint_now && g.unread()).and_then(DeviceGuard::read) {
+                return Err(self.stop_non_finite(caught, step_number, checkpoints, observers)?);
+            }
             // A sharded run: every rank writes its own pieces and residuals (a sharded writer).
             let extras = if checkpoint_now { hooks.checkpoint_extras(self.sharded)? } else { Vec::new() };
             if let Some(target) = checkpoints.as_deref_mut().filter(|_| checkpoint_now) {
@@ -509,6 +522,9 @@ impl Trainer {
             if interrupted || early_stopped {
                 break;
             }
+        }
+        if let Some(caught) = guard.as_mut().filter(|g| g.unread()).and_then(DeviceGuard::read) {
+            return Err(self.stop_non_finite(caught, self.step, checkpoints, observers)?);
         }
         submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
         if let Some(target) = checkpoints {

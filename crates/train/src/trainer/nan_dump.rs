@@ -11,8 +11,12 @@ pub(super) fn finite_or_null(x: f64) -> Option<f64> {
 /// `nan-dump.json`: why and where a run stopped on a non-finite value.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct NanDump {
-    /// The step (1-based) whose loss or gradients were not finite; it was not applied.
+    /// The first step (1-based) whose loss or gradients were not finite. Read on that step, its
+    /// update was not applied; read later from the device's flags (`train.guard_every`), the
+    /// steps up to `detected_at_step` ran with it, and none of them was logged or checkpointed.
     pub step: u64,
+    /// The step on which the host read it.
+    pub detected_at_step: u64,
     /// "loss" or "gradients": which check fired.
     pub detected_at: String,
     /// The step's loss (null when not finite).

@@ -141,15 +141,7 @@ impl Trainer {
         hooks: &mut dyn StepHooks,
         clock: &mut StepClock,
     ) -> Result<Result<crate::optim::StepOutcome, f64>, TrainError> {
-        let hp = Hyper {
-            lr,
-            beta1: self.train.beta1,
-            beta2: self.train.beta2,
-            eps: self.train.eps,
-            weight_decay: self.train.weight_decay,
-            momentum: self.train.momentum,
-            nesterov: self.train.nesterov,
-        };
+        let hp = self.hyper(lr);
         let kernel = self.kernel();
         let local = {
             let params = hooks.optimizer_params().unwrap_or(self.model.params());
@@ -175,6 +167,25 @@ impl Trainer {
             hooks.after_optimizer(clock)?;
         }
         Ok(outcome)
+    }
+
+    /// `optimizer_step` with the norm kept on the device (see `device_guard`): nothing read back;
+    /// the squared norm is returned for the guard.
+    pub(super) fn optimizer_step_on_device(&mut self, lr: f64) -> tch::Tensor {
+        let hp = self.hyper(lr);
+        self.optimizer.step_on_device(self.model.params(), &hp, self.train.grad_clip, self.kernel())
+    }
+
+    fn hyper(&self, lr: f64) -> Hyper {
+        Hyper {
+            lr,
+            beta1: self.train.beta1,
+            beta2: self.train.beta2,
+            eps: self.train.eps,
+            weight_decay: self.train.weight_decay,
+            momentum: self.train.momentum,
+            nesterov: self.train.nesterov,
+        }
     }
 
     pub(super) fn kernel(&self) -> UpdateKernel {
