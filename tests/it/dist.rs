@@ -131,6 +131,39 @@ fn buckets_with_overlap_off_give_identical_losses() {
     assert_eq!(runs[0], runs[1], "overlap on vs off");
 }
 
+#[test]
+fn ranks_keeping_the_guard_on_the_device_follow_one_process_and_stop_together_on_a_nan() {
+    // The tensor-op optimizer keeps the gradient norm on each rank's device (`guard_every`), under
+    // plain data parallelism: two ranks still follow one process, and a step poisoned on both
+    // stops both on the step it happened, read later by the interval, with no checkpoint after.
+    let dir = tempfile::tempdir().unwrap();
+    let device = ["train.fused_optimizer=false", "train.guard_every=4"];
+    let one = {
+        let mut extra = device.to_vec();
+        extra.extend(["train.steps=20", "train.micro_batch=6"]);
+        overrides(dir.path(), "one-device", &extra)
+    };
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
+    let reference = losses(&dir.path().join("one-device"));
+    assert_eq!(reference.len(), 20);
+    let mut extra = device.to_vec();
+    extra.extend(["train.steps=20", "train.micro_batch=3"]);
+    let args = overrides(dir.path(), "two-device", &extra);
+    let out = run_ok(&mut stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &refs(&args)));
+    assert_same_trajectory(&reference, &dir.path().join("two-device"), "2 ranks, guard on the device", &out);
+
+    extra.extend(["train.log_every=5", "ckpt.every=5", "train.debug_poison_step=6"]);
+    let args = overrides(dir.path(), "poisoned", &extra);
+    let out = stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &refs(&args)).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("at step 6") && stderr.contains("read at step 8"), "{stderr}");
+    let dump: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("poisoned/nan-dump.json")).unwrap()).unwrap();
+    assert_eq!((dump["step"].as_u64(), dump["detected_at_step"].as_u64()), (Some(6), Some(8)), "{dump}");
+    assert_eq!(dump["latest_checkpoint"], 5, "{dump}");
+}
+
 /// Starts two ranks whose command lines differ by `rank1_extra` on rank 1, and checks both fail
 /// with exit code 2 naming rank 1, the section and the key.
 fn check_refused(rank1_extra: &str, section: &str, key: &str) {

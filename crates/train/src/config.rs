@@ -82,10 +82,11 @@ pub struct TrainConfig {
     pub log_every: u64,
     /// Read the NaN guard's flags every this many steps, where a step keeps its gradient norm on
     /// the device (AdamW or SGD on the tensor-op path: a GPU, or `fused_optimizer = false`; one
-    /// process; no fp16 loss scaler, no adaptive batch): between reads the clip is computed on
-    /// the device and nothing is read back. Logged steps and checkpoints always read them, and a
-    /// run still stops naming the first non-finite step. 0 takes `log_every`. Elsewhere the norm
-    /// is read every step anyway and so is the guard. Default 0.
+    /// process or plain data parallelism, not ZeRO or compressed gradients; no fp16 loss scaler,
+    /// no adaptive batch): between reads the clip is computed on the device and nothing is read
+    /// back. Logged steps and checkpoints always read them, the ranks agree on what they read, and
+    /// a run still stops naming the first non-finite step. 0 takes `log_every`. Elsewhere the
+    /// norm is read every step anyway and so is the guard. Default 0.
     pub guard_every: u64,
     /// Intra-op threads for libtorch; 0 leaves libtorch's default (one per core). Default 0.
     pub threads: usize,

@@ -502,9 +502,22 @@ impl StepHooks for DataParallel {
     }
 
     fn reduces_norm_on_host(&self) -> bool {
-        // Every rank must take the guard's decision on the same step; reading it every step keeps
-        // them together (the ranks' host-side agreement is what stops them alike).
-        true
+        // ZeRO adds the shards' sums on the host; a compressed reduction's codec may not carry a
+        // NaN to every rank. Plain data parallelism all-reduces the gradients themselves, so each
+        // rank's norm is the same and may stay on the device (`agree_first_bad` at the reads).
+        self.zero.is_some() || self.compressor.is_some()
+    }
+
+    fn agree_first_bad(&mut self, local: u64) -> Result<u64, TrainError> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        if world == 1 {
+            return Ok(local);
+        }
+        let mut bytes = vec![0u8; 8 * world];
+        bytes[8 * rank..8 * rank + 8].copy_from_slice(&local.to_le_bytes());
+        self.comm.all_gather(&mut bytes).map_err(|e| self.error("all_gather NaN guard", e))?;
+        let steps = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
+        Ok(steps.filter(|&s| s > 0).min().unwrap_or(0))
     }
 
     fn global_sq_sum(&mut self, local: f64) -> Result<f64, TrainError> {

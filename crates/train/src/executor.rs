@@ -87,10 +87,18 @@ pub trait StepHooks {
         Ok(local)
     }
 
-    /// Whether `global_sq_sum` needs the local sum on the host (a reduction over processes); then
-    /// the NaN guard reads it every step, whatever `train.guard_every` says.
+    /// Whether `global_sq_sum` needs the local sum on the host (a reduction over processes: ZeRO's
+    /// shards, or compressed gradients that may not carry a NaN); then the NaN guard reads it every
+    /// step, whatever `train.guard_every` says.
     fn reduces_norm_on_host(&self) -> bool {
         false
+    }
+
+    /// The first non-finite step any process's guard holds (0: none), from this process's
+    /// `local`, so every rank stops on the same step. Collective; called where the guard kept on
+    /// the device is read, on every rank alike.
+    fn agree_first_bad(&mut self, local: u64) -> Result<u64, TrainError> {
+        Ok(local)
     }
 
     /// LAMB's per-tensor sums of squares over the buffers `optimizer_params` names (indexed like

@@ -4,7 +4,8 @@
 //! checkpoint, so a GPU is not synchronized every step by the guard. The flags keep the first
 //! step that went wrong, with its loss and norm and the loss before it, so the run still stops
 //! naming that step, however late it is read. No checkpoint holds a step after it: a checkpoint
-//! reads the flags first.
+//! reads the flags first. Data-parallel ranks read at the same steps and agree on the first bad
+//! step any of them holds (`StepHooks::agree_first_bad`), so they stop together.
 
 use tch::{Device, Kind, Tensor};
 
@@ -67,27 +68,32 @@ impl DeviceGuard {
         self.positions.push((step, before, after));
     }
 
-    /// Reads the flags (one synchronization): the first bad step, if there was one.
-    pub(super) fn read(&mut self) -> Option<Caught> {
+    /// Reads the flags (one synchronization) and agrees on them with the other processes
+    /// (`agree`: from this process's first bad step, or 0, the first any process holds): the first
+    /// bad step, if there was one. A process whose own flags hold a later step or none reports that
+    /// step's data positions with its values unknown (NaN).
+    pub(super) fn read<E>(&mut self, agree: impl FnOnce(u64) -> Result<u64, E>) -> Result<Option<Caught>, E> {
         let values = Vec::<f64>::try_from(self.flags.to_device(Device::Cpu)).expect("four f64 flags");
         let positions = std::mem::take(&mut self.positions);
-        if values[0] == 0.0 {
-            return None;
+        let local = values[0] as u64;
+        let step = agree(local)?;
+        if step == 0 {
+            return Ok(None);
         }
-        let step = values[0] as u64;
         let (_, position_before, position_after) = positions
             .iter()
             .copied()
             .find(|&(s, ..)| s == step)
             .expect("the first bad step was recorded since the last read");
-        Some(Caught {
+        let mine = |v: f64| if step == local { v } else { f64::NAN };
+        Ok(Some(Caught {
             step,
-            loss: values[1],
-            grad_norm: values[2].sqrt(),
-            last_finite_loss: values[3],
+            loss: mine(values[1]),
+            grad_norm: mine(values[2].sqrt()),
+            last_finite_loss: mine(values[3]),
             position_before,
             position_after,
-        })
+        }))
     }
 }
 
@@ -95,18 +101,22 @@ impl DeviceGuard {
 mod tests {
     use super::*;
 
+    fn alone(local: u64) -> Result<u64, ()> {
+        Ok(local)
+    }
+
     #[test]
     fn the_first_bad_step_is_kept_however_late_it_is_read() {
         let mut guard = DeviceGuard::new(4, Device::Cpu);
         let sq = |x: f64| Tensor::from(x);
         guard.record(1, &Tensor::from(2.5f32), &sq(4.0), 0, 8);
         assert!(!guard.due(1) && guard.due(4) && guard.unread());
-        assert_eq!(guard.read(), None);
+        assert_eq!(guard.read(alone), Ok(None));
         assert!(!guard.unread());
         guard.record(2, &Tensor::from(2.25f32), &sq(9.0), 8, 16);
         guard.record(3, &Tensor::from(f32::NAN), &sq(f64::NAN), 16, 24);
         guard.record(4, &Tensor::from(f32::NAN), &sq(f64::NAN), 24, 32);
-        let caught = guard.read().expect("step 3 was not finite");
+        let caught = guard.read(alone).unwrap().expect("step 3 was not finite");
         assert_eq!(caught.step, 3);
         assert!(caught.loss.is_nan() && caught.grad_norm.is_nan());
         assert_eq!(caught.last_finite_loss, 2.25);
@@ -119,7 +129,17 @@ mod tests {
         guard.record(1, &Tensor::from(3.0f32), &Tensor::from(1.0f64), 0, 1);
         guard.record(2, &Tensor::from(2.0f32), &Tensor::from(f64::INFINITY), 1, 2);
         guard.record(3, &Tensor::from(f32::NAN), &Tensor::from(f64::NAN), 2, 3);
-        let caught = guard.read().unwrap();
+        let caught = guard.read(alone).unwrap().unwrap();
         assert_eq!((caught.step, caught.loss, caught.grad_norm, caught.last_finite_loss), (2, 2.0, f64::INFINITY, 3.0));
+    }
+
+    #[test]
+    fn a_step_another_rank_caught_first_stops_this_one_with_its_positions() {
+        let mut guard = DeviceGuard::new(2, Device::Cpu);
+        guard.record(1, &Tensor::from(3.0f32), &Tensor::from(1.0f64), 0, 4);
+        guard.record(2, &Tensor::from(f32::NAN), &Tensor::from(f64::NAN), 4, 8);
+        let caught = guard.read(|local| Ok::<u64, ()>(if local == 2 { 1 } else { local })).unwrap().unwrap();
+        assert_eq!((caught.step, caught.position_before, caught.position_after), (1, 0, 4));
+        assert!(caught.loss.is_nan() && caught.last_finite_loss.is_nan(), "values of a step this rank did not flag");
     }
 }

@@ -24,9 +24,10 @@ pub(super) fn spike_z(window: &std::collections::VecDeque<f64>, loss: f64) -> Op
 }
 
 impl Trainer {
-    /// The guard kept on the device, where this run's step keeps its gradient norm there: one
-    /// process (`hooks` reduce nothing on the host), no loss scaler, no adaptive batch (it reads
-    /// the norm every step), and an optimizer path that `step_on_device` runs.
+    /// The guard kept on the device, where this run's step keeps its gradient norm there: `hooks`
+    /// reduce nothing of it on the host (one process, or plain data parallelism), no loss scaler,
+    /// no adaptive batch (it reads the norm every step), and an optimizer path that
+    /// `step_on_device` runs.
     pub(super) fn device_guard(&self, hooks: &dyn StepHooks) -> Option<DeviceGuard> {
         let applies = self.scaler.is_none()
             && !self.sharded

@@ -43,7 +43,7 @@ pub use state::Trainer;
 pub use stoke_prof::{Phase, PhaseTimes};
 
 use checkpoint::{submit, submit_pending};
-use device_guard::{Caught, DeviceGuard};
+use device_guard::Caught;
 use events::notify;
 use guards::spike_z;
 use state::AdaptiveState;
@@ -372,7 +372,7 @@ impl Trainer {
                 Some(guard) => {
                     let sq_sum = self.optimizer_step_on_device(lr);
                     guard.record(step_number, &loss_sum, &sq_sum, position_before, source.position());
-                    let caught = if read_now { guard.read() } else { None };
+                    let caught = if read_now { guard.read(|local| hooks.agree_first_bad(local))? } else { None };
                     let outcome = match caught {
                         Some(caught) => Err(caught),
                         None => {
@@ -450,8 +450,10 @@ impl Trainer {
             let best_eval = eval.as_ref().is_some_and(|e| e.best) && self.eval_keeps_best();
             let checkpoint_now = due || at_end || interrupted || best_eval;
             // No checkpoint holds a step after a non-finite one.
-            if let Some(caught) = guard.as_mut().filter(|g| checkpoint_now && g.unread()).and_then(DeviceGuard::read) {
-                return Err(self.stop_non_finite(caught, step_number, checkpoints, observers)?);
+            if let Some(guard) = guard.as_mut().filter(|g| checkpoint_now && g.unread()) {
+                if let Some(caught) = guard.read(|local| hooks.agree_first_bad(local))? {
+                    return Err(self.stop_non_finite(caught, step_number, checkpoints, observers)?);
+                }
             }
             // A sharded run: every rank writes its own pieces and residuals (a sharded writer).
             let extras = if checkpoint_now { hooks.checkpoint_extras(self.sharded)? } else { Vec::new() };
@@ -523,8 +525,10 @@ impl Trainer {
                 break;
             }
         }
-        if let Some(caught) = guard.as_mut().filter(|g| g.unread()).and_then(DeviceGuard::read) {
-            return Err(self.stop_non_finite(caught, self.step, checkpoints, observers)?);
+        if let Some(guard) = guard.as_mut().filter(|g| g.unread()) {
+            if let Some(caught) = guard.read(|local| hooks.agree_first_bad(local))? {
+                return Err(self.stop_non_finite(caught, self.step, checkpoints, observers)?);
+            }
         }
         submit_pending(&mut pending, checkpoints.as_deref_mut(), self.n_threads)?;
         if let Some(target) = checkpoints {
