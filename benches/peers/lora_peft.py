@@ -7,7 +7,8 @@ of the same corpus stoke reads, the same shapes and precision; eager or `--compi
                                           the peak resident set, trainable parameters, losses
 
 The step is the usual one: forward, loss, backward, optimizer step, zero_grad. bf16 runs under
-torch.autocast, as a tuned PyTorch training script would.
+torch.autocast, as a tuned PyTorch training script would. glibc keeps freed memory for the next step
+(`--host-memory retain`, the default, as stoke's `train.host_memory` does).
 """
 import argparse
 import json
@@ -18,6 +19,8 @@ import time
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from train_gpt import retain_host_memory
 
 
 def base_config(args):
@@ -48,7 +51,11 @@ def main():
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--mode", default="lora", choices=["lora", "full"])
     p.add_argument("--compile", action="store_true", help="torch.compile the model (compile time reported apart)")
+    p.add_argument("--host-memory", choices=["retain", "system"], default="retain",
+                   help="retain: glibc keeps freed memory (stoke's train.host_memory default)")
     args = p.parse_args()
+    if args.host_memory == "retain" and not args.save:
+        retain_host_memory()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.save:
