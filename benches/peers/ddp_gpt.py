@@ -88,9 +88,13 @@ def main():
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the step figures")
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--host-memory", choices=["retain", "system"], default="retain",
+                    help="retain: glibc keeps freed memory (stoke's train.host_memory default)")
     args = ap.parse_args()
     if "RANK" not in os.environ:
         return launch(args)
+    if args.host_memory == "retain":
+        train_gpt.retain_host_memory()
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -109,7 +109,11 @@ def main():
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
     ap.add_argument("--skip", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--host-memory", choices=["retain", "system"], default="retain",
+                    help="retain: glibc keeps freed memory (stoke's train.host_memory default)")
     args = ap.parse_args()
+    if args.host_memory == "retain":
+        train_gpt.retain_host_memory()
     torch.manual_seed(args.seed)
     cfg = PRESETS[args.preset]
     bf16 = args.precision == "bf16"
