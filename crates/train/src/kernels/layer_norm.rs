@@ -11,6 +11,9 @@
 //! bias's gradients per thread. The arithmetic is fp32, as libtorch's; the rows are split across
 //! threads in contiguous runs, so the per-row results do not depend on the thread count (the
 //! weight's and bias's sums do, by their order of addition).
+//!
+//! `rms_norm_bf16` is the same kernel for RMSNorm (the llama family's): the mean taken as 0, so
+//! the statistic is the mean square, and no bias.
 
 use std::ops::Range;
 
@@ -22,6 +25,8 @@ use super::{add_partial_sums, bf16_to_f32, cpu_contiguous, f32_to_bf16, parallel
 pub struct LayerNormStats {
     mean: Vec<f32>,
     rstd: Vec<f32>,
+    /// False for an RMSNorm: the mean is not subtracted (and `mean` holds zeros).
+    centered: bool,
 }
 
 /// The rows a thread takes at the least: below it a thread's start costs more than its share.
@@ -38,28 +43,54 @@ pub fn layer_norm_bf16(
     eps: f64,
     n_threads: usize,
 ) -> Option<(Tensor, LayerNormStats)> {
+    if !cpu_contiguous(bias, Kind::Float) || bias.size() != weight.size() {
+        return None;
+    }
+    norm_bf16(x, weight, Some(bias), eps, n_threads)
+}
+
+/// RMSNorm of `x` `[.., d]` fp32 over its last dimension with `weight` `[d]` fp32 and `eps`
+/// (`x / sqrt(mean(x^2) + eps) * weight`), as bf16 of `x`'s shape; with the row statistics for
+/// `rms_norm_bf16_backward`. `None` as for `layer_norm_bf16`.
+pub fn rms_norm_bf16(x: &Tensor, weight: &Tensor, eps: f64, n_threads: usize) -> Option<(Tensor, LayerNormStats)> {
+    norm_bf16(x, weight, None, eps, n_threads)
+}
+
+/// The forward of both: with `bias`, LayerNorm; without, RMSNorm.
+fn norm_bf16(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+    n_threads: usize,
+) -> Option<(Tensor, LayerNormStats)> {
     let d = *x.size().last()?;
-    if !cpu_contiguous(x, Kind::Float)
-        || !cpu_contiguous(weight, Kind::Float)
-        || !cpu_contiguous(bias, Kind::Float)
-        || d == 0
-    {
+    if !cpu_contiguous(x, Kind::Float) || !cpu_contiguous(weight, Kind::Float) || d == 0 {
         return None;
     }
-    if weight.size() != [d] || bias.size() != [d] {
+    if weight.size() != [d] {
         return None;
     }
+    let centered = bias.is_some();
     let d = d as usize;
     let rows = x.numel() / d;
     let out = Tensor::empty(x.size(), (Kind::BFloat16, Device::Cpu));
-    let mut stats = LayerNormStats { mean: vec![0.0; rows], rstd: vec![0.0; rows] };
+    let mut stats = LayerNormStats { mean: vec![0.0; rows], rstd: vec![0.0; rows], centered };
+    let zeros;
     // SAFETY: all three are contiguous fp32 CPU tensors of the lengths given (checked above),
     // alive for this scope; `out` was just allocated and nothing else refers to it yet.
     let (x, gamma, beta, out_all) = unsafe {
+        let beta = match bias {
+            Some(bias) => std::slice::from_raw_parts(bias.data_ptr() as *const f32, d),
+            None => {
+                zeros = vec![0f32; d];
+                zeros.as_slice()
+            }
+        };
         (
             std::slice::from_raw_parts(x.data_ptr() as *const f32, rows * d),
             std::slice::from_raw_parts(weight.data_ptr() as *const f32, d),
-            std::slice::from_raw_parts(bias.data_ptr() as *const f32, d),
+            beta,
             SharedMut::new(out.data_ptr() as *mut u16, rows * d),
         )
     };
@@ -74,7 +105,7 @@ pub fn layer_norm_bf16(
                 rstd_all.slice(range.clone()),
             )
         };
-        forward_dispatch(&x[range.start * d..range.end * d], gamma, beta, eps as f32, out, mean, rstd);
+        forward_dispatch(&x[range.start * d..range.end * d], gamma, beta, eps as f32, centered, out, mean, rstd);
     });
     Some((out, stats))
 }
@@ -95,13 +126,43 @@ pub fn layer_norm_bf16_backward(
     bias_grad: &Tensor,
     n_threads: usize,
 ) -> Tensor {
+    assert!(stats.centered, "layer_norm_bf16_backward of an RMSNorm's statistics");
+    norm_bf16_backward(grad_out, x, stats, weight, residual, Some(weight_grad), Some(bias_grad), n_threads)
+}
+
+/// The gradient with respect to `x` of an `rms_norm_bf16` forward, as `layer_norm_bf16_backward`
+/// gives it; the weight's gradient is added to `weight_grad` when given (none for a frozen weight).
+pub fn rms_norm_bf16_backward(
+    grad_out: &Tensor,
+    x: &Tensor,
+    stats: &LayerNormStats,
+    weight: &Tensor,
+    residual: Option<Tensor>,
+    weight_grad: Option<&Tensor>,
+    n_threads: usize,
+) -> Tensor {
+    assert!(!stats.centered, "rms_norm_bf16_backward of a LayerNorm's statistics");
+    norm_bf16_backward(grad_out, x, stats, weight, residual, weight_grad, None, n_threads)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn norm_bf16_backward(
+    grad_out: &Tensor,
+    x: &Tensor,
+    stats: &LayerNormStats,
+    weight: &Tensor,
+    residual: Option<Tensor>,
+    weight_grad: Option<&Tensor>,
+    bias_grad: Option<&Tensor>,
+    n_threads: usize,
+) -> Tensor {
     let d = *x.size().last().expect("a forward's input has a last dimension") as usize;
     let rows = stats.mean.len();
     let grad_out = grad_out.contiguous();
     assert!(grad_out.kind() == Kind::BFloat16 && grad_out.size() == x.size(), "layer_norm_bf16_backward: grad_out");
     assert!(cpu_contiguous(x, Kind::Float) && x.numel() == rows * d, "layer_norm_bf16_backward: x");
     assert!(cpu_contiguous(weight, Kind::Float) && weight.numel() == d, "layer_norm_bf16_backward: weight");
-    for grad in [weight_grad, bias_grad] {
+    for grad in weight_grad.iter().chain(bias_grad.iter()) {
         assert!(grad.kind() == Kind::Float && grad.numel() == d, "layer_norm_bf16_backward: parameter gradient");
     }
     let accumulate = residual.is_some();
@@ -125,6 +186,7 @@ pub fn layer_norm_bf16_backward(
             SharedMut::new(dx.data_ptr() as *mut f32, rows * d),
         )
     };
+    let centered = stats.centered;
     let partials = parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
         let mut dgamma = vec![0f32; d];
         let mut dbeta = vec![0f32; d];
@@ -137,6 +199,7 @@ pub fn layer_norm_bf16_backward(
             &stats.mean[range.clone()],
             &stats.rstd[range],
             gamma,
+            centered,
             accumulate,
             dx,
             &mut dgamma,
@@ -144,17 +207,23 @@ pub fn layer_norm_bf16_backward(
         );
         (dgamma, dbeta)
     });
-    add_partial_sums(weight_grad, d, partials.iter().map(|(g, _)| g.as_slice()));
-    add_partial_sums(bias_grad, d, partials.iter().map(|(_, b)| b.as_slice()));
+    if let Some(weight_grad) = weight_grad {
+        add_partial_sums(weight_grad, d, partials.iter().map(|(g, _)| g.as_slice()));
+    }
+    if let Some(bias_grad) = bias_grad {
+        add_partial_sums(bias_grad, d, partials.iter().map(|(_, b)| b.as_slice()));
+    }
     dx
 }
 
 simd_dispatch! {
+    #[allow(clippy::too_many_arguments)]
     fn forward_dispatch(
         x: &[f32],
         gamma: &[f32],
         beta: &[f32],
         eps: f32,
+        centered: bool,
         out: &mut [u16],
         mean: &mut [f32],
         rstd: &mut [f32],
@@ -180,13 +249,24 @@ fn lane_sum3<A: Copy, B: Copy, C: Copy>(a: &[A], b: &[B], c: &[C], f: impl Fn(A,
     total
 }
 
-/// Each row: its mean, then the mean of its squared deviations (two passes; the second reads
-/// the row from L1), `rstd = 1 / sqrt(var + eps)`, and the bf16 of `(x - mean) rstd gamma + beta`.
+/// Each row: its mean (0 when not `centered`), then the mean of its squared deviations (two
+/// passes; the second reads the row from L1), `rstd = 1 / sqrt(var + eps)`, and the bf16 of `(x -
+/// mean) rstd gamma + beta`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn forward_rows(x: &[f32], gamma: &[f32], beta: &[f32], eps: f32, out: &mut [u16], mean: &mut [f32], rstd: &mut [f32]) {
+fn forward_rows(
+    x: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+    centered: bool,
+    out: &mut [u16],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) {
     let d = gamma.len();
     for (((row, out), mean), rstd) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)).zip(mean).zip(rstd) {
-        let mu = lane_sum3(row, row, row, |v, _, _| v) / d as f32;
+        let mu = if centered { lane_sum3(row, row, row, |v, _, _| v) / d as f32 } else { 0.0 };
         let var = lane_sum3(row, row, row, |v, _, _| (v - mu) * (v - mu)) / d as f32;
         let rs = 1.0 / (var + eps).sqrt();
         for (((o, &v), &w), &b) in out.iter_mut().zip(row).zip(gamma).zip(beta) {
@@ -204,6 +284,7 @@ simd_dispatch! {
         mean: &[f32],
         rstd: &[f32],
         gamma: &[f32],
+        centered: bool,
         accumulate: bool,
         dx: &mut [f32],
         dgamma: &mut [f32],
@@ -212,7 +293,8 @@ simd_dispatch! {
 }
 
 /// Each row, with `xhat = (x - mean) rstd` and `gg = g gamma`: `dx = rstd (gg - mean(gg) - xhat
-/// mean(gg xhat))`, added to what `dx` holds when `accumulate`; `dgamma += g xhat`, `dbeta += g`.
+/// mean(gg xhat))` (without the `mean(gg)` term when not `centered`: the mean was not subtracted),
+/// added to what `dx` holds when `accumulate`; `dgamma += g xhat`, `dbeta += g`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn backward_rows(
@@ -221,6 +303,7 @@ fn backward_rows(
     mean: &[f32],
     rstd: &[f32],
     gamma: &[f32],
+    centered: bool,
     accumulate: bool,
     dx: &mut [f32],
     dgamma: &mut [f32],
@@ -232,7 +315,7 @@ fn backward_rows(
     for ((((g, x), dx), &mu), &rs) in
         g.chunks_exact(d).zip(x.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).zip(mean).zip(rstd)
     {
-        let a = lane_sum3(g, gamma, x, |g, w, _| bf16_to_f32(g) * w) * inv_d;
+        let a = if centered { lane_sum3(g, gamma, x, |g, w, _| bf16_to_f32(g) * w) * inv_d } else { 0.0 };
         let b = lane_sum3(g, gamma, x, |g, w, x| bf16_to_f32(g) * w * ((x - mu) * rs)) * inv_d;
         let terms = g.iter().zip(x).zip(gamma).zip(dx.iter_mut()).zip(dgamma.iter_mut()).zip(dbeta.iter_mut());
         for (((((&g, &x), &w), dx), dw), db) in terms {
@@ -311,6 +394,39 @@ mod tests {
         // A width that is not a multiple of the lanes, fewer rows than threads would take.
         check(&[3, 7, 100], 4);
         check(&[2, 384], 2);
+    }
+
+    #[test]
+    fn rms_norm_matches_libtorch_forward_and_backward() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        tch::manual_seed(12);
+        let opts = (Kind::Float, Device::Cpu);
+        for (shape, n_threads) in [(&[4i64, 64, 256][..], 3), (&[3, 7, 100][..], 4), (&[2, 384][..], 1)] {
+            let d = *shape.last().unwrap();
+            let x = Tensor::randn(shape, opts) * 3.0 + Tensor::randn([d], opts);
+            let w = Tensor::randn([d], opts) * 0.5 + 1.0;
+            let grad = Tensor::randn(shape, opts).to_kind(Kind::BFloat16);
+            let residual = Tensor::randn(shape, opts);
+            // libtorch's ops as the llama family runs them: fp32 RMSNorm, then the cast.
+            let (xl, wl) = (x.detach().set_requires_grad(true), w.detach().set_requires_grad(true));
+            let ms = xl.square().mean_dim([-1i64].as_slice(), true, Kind::Float);
+            let want = (&xl * (ms + 1e-5).rsqrt() * &wl).to_kind(Kind::BFloat16);
+            want.view([-1]).dot(&grad.view([-1])).backward();
+
+            let (out, stats) = rms_norm_bf16(&x, &w, 1e-5, n_threads).expect("fp32 contiguous on the CPU");
+            let (got, want) = (out.to_kind(Kind::Float), want.detach().to_kind(Kind::Float));
+            let excess = ((&got - &want).abs() - want.abs() * (2.0f64.powi(-7) * 1.01)).max().double_value(&[]);
+            assert!(excess <= 1e-6, "forward differs by more than a bf16 ulp (shape {shape:?}): {excess}");
+            let start_w = Tensor::full([d], 2.0, opts);
+            let dw = start_w.copy();
+            let dx = rms_norm_bf16_backward(&grad, &x, &stats, &w, Some(residual.copy()), Some(&dw), n_threads);
+            let rel = |got: &Tensor, want: &Tensor| ((got - want).abs().max() / want.abs().max()).double_value(&[]);
+            assert!(rel(&dx, &(xl.grad() + &residual)) <= 1e-5, "dx (shape {shape:?})");
+            assert!(rel(&(&dw - &start_w), &wl.grad()) <= 1e-4, "dweight (shape {shape:?})");
+            // A frozen weight: no gradient of its own, the same input gradient.
+            let alone = rms_norm_bf16_backward(&grad, &x, &stats, &w, None, None, n_threads);
+            assert!(rel(&alone, &xl.grad()) <= 1e-5, "dx without residual (shape {shape:?})");
+        }
     }
 
     #[test]

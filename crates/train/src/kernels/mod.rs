@@ -60,7 +60,9 @@ mod softmax;
 
 pub(crate) use attention_core::{attention_core, attention_core_backward, AttentionCore};
 pub use gelu::{bias_gelu_bf16, bias_gelu_bf16_backward};
-pub use layer_norm::{layer_norm_bf16, layer_norm_bf16_backward, LayerNormStats};
+pub use layer_norm::{
+    layer_norm_bf16, layer_norm_bf16_backward, rms_norm_bf16, rms_norm_bf16_backward, LayerNormStats,
+};
 pub use softmax::{causal_softmax_backward_bf16, causal_softmax_bf16, CausalBlock};
 
 /// The loss of a fused cross-entropy and the gradient of `loss x grad_scale` with respect to the

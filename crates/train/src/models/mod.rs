@@ -76,7 +76,11 @@ fn build_initialized(
             gpt_rms.set_tanh_gelu(model.gelu == "tanh");
             Ok(Box::new(gpt_rms))
         }
-        "llama" => Ok(Box::new(Llama::with_lora(model.llama_shape()?, train.precision, &train.lora, device))),
+        "llama" => {
+            let mut llama = Llama::with_lora(model.llama_shape()?, train.precision, &train.lora, device);
+            llama.set_fused_rms_norm(train.fused_layer_norm, kernel_threads);
+            Ok(Box::new(llama))
+        }
         "vla" => {
             let mut vla = Vla::new(model.vla_shape()?, train.precision, train.action_loss, device);
             vla.set_instruction_lm(train.instruction_lm);

@@ -315,6 +315,78 @@ fn fused_layer_norm_gives_libtorchs_loss_and_gradients_in_bf16() {
     }
 }
 
+#[test]
+fn fused_rms_norm_gives_libtorchs_loss_and_gradients_in_bf16() {
+    // The llama family's block RMSNorms by the kernel against libtorch's ops, whole and under LoRA
+    // (its norm scales frozen: no gradient to add to), with and without recomputation.
+    let _rng = super::rng_lock();
+    let data = [batch(4, 5), batch(4, 6)];
+    let shape = LlamaShape {
+        base: SHAPE,
+        n_kv_head: SHAPE.n_head / 2,
+        ffn_hidden: 3 * SHAPE.d_model,
+        rope_theta: 10000.0,
+        norm_eps: 1e-5,
+        tie_head: false,
+        rope_scaling: None,
+    };
+    for lora in [false, true] {
+        let run = |fused: bool, policy: Recompute| {
+            let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
+            tch::manual_seed(7);
+            let config = if lora {
+                LoraConfig { rank: 4, targets: vec!["q_proj".into(), "down_proj".into()], ..LoraConfig::default() }
+            } else {
+                LoraConfig::default()
+            };
+            let mut model = Llama::with_lora(shape, Precision::Bf16, &config, Device::Cpu);
+            if lora {
+                model.params_mut().freeze(&|name| !name.contains(".lora_"));
+            }
+            model.set_fused_rms_norm(fused, 2);
+            let grads = gradients(&model, &executor, &data);
+            let mut clock = StepClock::start(Device::Cpu, true);
+            let (inputs, targets) = &data[0];
+            let loss = executor
+                .run_micro_batch(
+                    &model,
+                    &tokens(inputs, targets),
+                    1.0,
+                    true,
+                    false,
+                    &mut clock,
+                    &mut stoke_train::NoHooks,
+                )
+                .unwrap()
+                .loss
+                .double_value(&[]);
+            let norm = (!lora).then(|| {
+                Vec::<f32>::try_from(model.params().get("model.layers.1.input_layernorm.weight").grad().contiguous())
+                    .unwrap()
+            });
+            (grads, norm, loss)
+        };
+        let (libtorch, libtorch_norm, libtorch_loss) = run(false, Recompute::None);
+        let (fused, fused_norm, fused_loss) = run(true, Recompute::None);
+        let case = if lora { "LoRA" } else { "whole" };
+        assert!(
+            (fused_loss - libtorch_loss).abs() <= 1e-3 * libtorch_loss,
+            "{case}: loss {fused_loss} against {libtorch_loss}"
+        );
+        let diff = relative_difference(&fused, &libtorch);
+        assert!(diff <= 1e-2, "{case}: fused vs libtorch RMSNorm: relative difference {diff:e}");
+        assert!(fused != libtorch, "{case}: the fused RMSNorm changed no gradient");
+        if let (Some(got), Some(want)) = (fused_norm, libtorch_norm) {
+            let diff = relative_difference(&got, &want);
+            assert!(diff <= 2e-2, "{case}: the norm's scale: relative difference {diff:e}");
+        }
+        for policy in [Recompute::Block, Recompute::Mlp] {
+            let (recomputed, _, _) = run(true, policy);
+            assert!(recomputed == fused, "{case}: fused RMSNorm under recompute {policy}: gradients differ");
+        }
+    }
+}
+
 /// What one configuration gives: the flat gradient, the gradients of some named parameters, and
 /// the first micro-batch's loss.
 type Outcome = (Vec<f32>, Vec<Vec<f32>>, f64);

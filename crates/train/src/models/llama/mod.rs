@@ -2,7 +2,10 @@
 //! blocks of causal self-attention with rotary position embeddings and grouped-query attention
 //! (`n_kv_head` key/value heads shared by groups of query heads) and a SwiGLU MLP (gate, up and
 //! down projections), RMSNorms with a scale only, no biases anywhere, a final norm and a head tied
-//! to the embedding or not. Everything runs in libtorch's graph.
+//! to the embedding or not. Everything runs in libtorch's graph, but under bf16 on a CPU the
+//! blocks' RMSNorms (`train.fused_layer_norm`): a Rust kernel from the fp32 residual stream
+//! straight into bf16, with its backward by hand (`kernels::rms_norm_bf16`, through the block
+//! executor's `ByHand` norms).
 //!
 //! Parameter names are Hugging Face's `LlamaForCausalLM` names (`model.layers.0.self_attn.q_proj.
 //! weight`, ...), so checkpoints, adapters and exports need no renaming, and LoRA target globs
@@ -14,7 +17,8 @@ mod rope;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{GptShape, LlamaShape, LoraConfig, Precision};
-use crate::models::{Branch, HeadLoss, Inputs, Model, Norm};
+use crate::kernels::LayerNormStats;
+use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
@@ -59,6 +63,8 @@ pub struct Llama {
     sin: Tensor,
     /// The LoRA adapters' scale, alpha / rank.
     lora_scale: f64,
+    /// Threads of the blocks' RMSNorm kernel; 0 keeps libtorch's ops (`set_fused_rms_norm`).
+    fused_norm_threads: usize,
 }
 
 /// A linear layer without bias, with its LoRA adapter when it has one.
@@ -205,6 +211,30 @@ impl Llama {
             cos,
             sin,
             lora_scale: if lora.enabled() { lora.scale() } else { 0.0 },
+            fused_norm_threads: 0,
+        }
+    }
+
+    /// Under bf16 on a CPU, the block executor runs the blocks' RMSNorms as a Rust kernel that
+    /// reads the fp32 residual stream and writes the bf16 the next linear layers take, and their
+    /// backward by hand with the residual's gradient added in the same pass
+    /// (`kernels::rms_norm_bf16`, on `n_threads` threads; `train.fused_layer_norm`), instead of
+    /// libtorch's square, mean, rsqrt, products and cast. `false` (the default of `new`) keeps
+    /// libtorch's ops. The final norm stays libtorch's.
+    pub fn set_fused_rms_norm(&mut self, enabled: bool, n_threads: usize) {
+        self.fused_norm_threads = if enabled { n_threads.max(1) } else { 0 };
+    }
+
+    fn fused_rms_norm(&self) -> bool {
+        self.fused_norm_threads > 0 && self.compute == Kind::BFloat16 && self.embed_tokens.device() == Device::Cpu
+    }
+
+    /// The scale of block norm `which` (None for the final norm, which is not run by hand).
+    fn block_norm_scale(&self, which: Norm) -> Option<&Tensor> {
+        match which {
+            Norm::Attention(layer_idx) => Some(&self.blocks[layer_idx].input_layernorm),
+            Norm::Mlp(layer_idx) => Some(&self.blocks[layer_idx].post_attention_layernorm),
+            Norm::Final => None,
         }
     }
 
@@ -337,7 +367,7 @@ impl Model for Llama {
     }
 
     fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, _loss_multiplier: f64) -> HeadLoss<'_> {
-        debug_assert!(!normed, "llama runs no norm by hand");
+        debug_assert!(!normed, "llama runs its final norm in libtorch's graph");
         HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None }
     }
 
@@ -347,6 +377,56 @@ impl Model for Llama {
 
     fn forward(&self, inputs: &Tensor) -> Option<Tensor> {
         Some(self.matmul(&self.rms_norm(&self.trunk(inputs), &self.norm), &self.lm_head))
+    }
+
+    fn by_hand(&self) -> Option<&dyn ByHand> {
+        self.fused_rms_norm().then_some(self as &dyn ByHand)
+    }
+}
+
+/// The blocks' RMSNorms by the kernel; every branch stays in libtorch's graph.
+impl ByHand for Llama {
+    fn norms(&self) -> bool {
+        true
+    }
+
+    fn branch(&self, _branch: Branch) -> bool {
+        false
+    }
+
+    fn norm(&self, which: Norm, x: &Tensor) -> Option<(Tensor, LayerNormStats)> {
+        let scale = self.block_norm_scale(which)?;
+        crate::kernels::rms_norm_bf16(x, scale, self.shape.norm_eps, self.fused_norm_threads)
+    }
+
+    fn norm_backward(
+        &self,
+        which: Norm,
+        grad: &Tensor,
+        x: &Tensor,
+        stats: &LayerNormStats,
+        residual: Option<Tensor>,
+    ) -> Tensor {
+        let scale = self.block_norm_scale(which).expect("only the blocks' norms run by hand");
+        // A frozen scale (a LoRA's base, `train.freeze`) has no gradient to add to.
+        let scale_grad = scale.requires_grad().then(|| scale.grad());
+        crate::kernels::rms_norm_bf16_backward(
+            grad,
+            x,
+            stats,
+            scale,
+            residual.map(|r| r.contiguous()),
+            scale_grad.as_ref(),
+            self.fused_norm_threads,
+        )
+    }
+
+    fn branch_core<'m>(&'m self, _: usize, _: Branch, _: &Tensor) -> (Tensor, Box<dyn CoreBackward + 'm>) {
+        unreachable!("llama runs no branch by hand")
+    }
+
+    fn branch_whole<'m>(&'m self, _: usize, _: Branch, _: &Tensor) -> (Tensor, Box<dyn BranchBackward + 'm>) {
+        unreachable!("llama runs no branch by hand")
     }
 }
 
