@@ -15,14 +15,9 @@ fn model(precision: Precision) -> Gpt {
     Gpt::new(SHAPE, precision, AttentionPrecision::Auto, Device::Cpu)
 }
 
-/// Every model family, fresh from the same seed: the tests of the executor's mechanics
-/// (single graph, recomputation, accumulation) run each.
-fn families(precision: Precision) -> Vec<(&'static str, Box<dyn Model>)> {
-    tch::manual_seed(7);
-    let gpt: Box<dyn Model> = Box::new(Gpt::new(SHAPE, precision, AttentionPrecision::Auto, Device::Cpu));
-    tch::manual_seed(7);
-    let rms: Box<dyn Model> = Box::new(GptRms::new(SHAPE, precision, Device::Cpu));
-    let llama_shape = LlamaShape {
+/// The llama family at `SHAPE`: half as many key/value heads, an MLP of 3d.
+fn llama_shape() -> LlamaShape {
+    LlamaShape {
         base: SHAPE,
         n_kv_head: SHAPE.n_head / 2,
         ffn_hidden: 3 * SHAPE.d_model,
@@ -30,7 +25,17 @@ fn families(precision: Precision) -> Vec<(&'static str, Box<dyn Model>)> {
         norm_eps: 1e-5,
         tie_head: false,
         rope_scaling: None,
-    };
+    }
+}
+
+/// Every model family, fresh from the same seed: the tests of the executor's mechanics
+/// (single graph, recomputation, accumulation) run each.
+fn families(precision: Precision) -> Vec<(&'static str, Box<dyn Model>)> {
+    tch::manual_seed(7);
+    let gpt: Box<dyn Model> = Box::new(Gpt::new(SHAPE, precision, AttentionPrecision::Auto, Device::Cpu));
+    tch::manual_seed(7);
+    let rms: Box<dyn Model> = Box::new(GptRms::new(SHAPE, precision, Device::Cpu));
+    let llama_shape = llama_shape();
     tch::manual_seed(7);
     let llama: Box<dyn Model> = Box::new(Llama::new(llama_shape, precision, Device::Cpu));
     // LoRA with its base frozen: the embedding and head units hold no trained parameter.
@@ -321,15 +326,7 @@ fn fused_rms_norm_gives_libtorchs_loss_and_gradients_in_bf16() {
     // (its norm scales frozen: no gradient to add to), with and without recomputation.
     let _rng = super::rng_lock();
     let data = [batch(4, 5), batch(4, 6)];
-    let shape = LlamaShape {
-        base: SHAPE,
-        n_kv_head: SHAPE.n_head / 2,
-        ffn_hidden: 3 * SHAPE.d_model,
-        rope_theta: 10000.0,
-        norm_eps: 1e-5,
-        tie_head: false,
-        rope_scaling: None,
-    };
+    let shape = llama_shape();
     for lora in [false, true] {
         let run = |fused: bool, policy: Recompute| {
             let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
