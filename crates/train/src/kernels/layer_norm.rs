@@ -21,6 +21,37 @@ use tch::{Device, Kind, Tensor};
 
 use super::{add_partial_sums, bf16_to_f32, cpu_contiguous, f32_to_bf16, parallel_rows, SharedMut, LANES};
 
+/// An element the kernels read or write: bf16 (as its bits) or fp32.
+trait Elem: Copy + Send + Sync {
+    const KIND: Kind;
+    fn load(self) -> f32;
+    fn store(v: f32) -> Self;
+}
+
+impl Elem for u16 {
+    const KIND: Kind = Kind::BFloat16;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    #[inline(always)]
+    fn store(v: f32) -> u16 {
+        f32_to_bf16(v)
+    }
+}
+
+impl Elem for f32 {
+    const KIND: Kind = Kind::Float;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn store(v: f32) -> f32 {
+        v
+    }
+}
+
 /// What the backward needs of a forward besides its input: each row's mean and 1/std.
 pub struct LayerNormStats {
     mean: Vec<f32>,
@@ -56,8 +87,26 @@ pub fn rms_norm_bf16(x: &Tensor, weight: &Tensor, eps: f64, n_threads: usize) ->
     norm_bf16(x, weight, None, eps, n_threads)
 }
 
-/// The forward of both: with `bias`, LayerNorm; without, RMSNorm.
+/// `rms_norm_bf16` with an fp32 output (an fp32 run's): the same statistics and backward
+/// (`rms_norm_bf16_backward` takes the fp32 gradient), one pass instead of libtorch's five ops
+/// and the product it keeps for its backward.
+pub fn rms_norm_f32(x: &Tensor, weight: &Tensor, eps: f64, n_threads: usize) -> Option<(Tensor, LayerNormStats)> {
+    norm_into::<f32>(x, weight, None, eps, n_threads)
+}
+
+/// The bf16 forward of both: with `bias`, LayerNorm; without, RMSNorm.
 fn norm_bf16(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+    n_threads: usize,
+) -> Option<(Tensor, LayerNormStats)> {
+    norm_into::<u16>(x, weight, bias, eps, n_threads)
+}
+
+/// The forward into elements `O`.
+fn norm_into<O: Elem>(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
@@ -74,7 +123,7 @@ fn norm_bf16(
     let centered = bias.is_some();
     let d = d as usize;
     let rows = x.numel() / d;
-    let out = Tensor::empty(x.size(), (Kind::BFloat16, Device::Cpu));
+    let out = Tensor::empty(x.size(), (O::KIND, Device::Cpu));
     let mut stats = LayerNormStats { mean: vec![0.0; rows], rstd: vec![0.0; rows], centered };
     let zeros;
     // SAFETY: all three are contiguous fp32 CPU tensors of the lengths given (checked above),
@@ -91,7 +140,7 @@ fn norm_bf16(
             std::slice::from_raw_parts(x.data_ptr() as *const f32, rows * d),
             std::slice::from_raw_parts(weight.data_ptr() as *const f32, d),
             beta,
-            SharedMut::new(out.data_ptr() as *mut u16, rows * d),
+            SharedMut::new(out.data_ptr() as *mut O, rows * d),
         )
     };
     let (mean_all, rstd_all) = (SharedMut::of(&mut stats.mean), SharedMut::of(&mut stats.rstd));
@@ -105,7 +154,18 @@ fn norm_bf16(
                 rstd_all.slice(range.clone()),
             )
         };
-        forward_dispatch(&x[range.start * d..range.end * d], gamma, beta, eps as f32, centered, out, mean, rstd);
+        let x = &x[range.start * d..range.end * d];
+        // SAFETY (both casts): `O` is u16 or f32, the type the branch names.
+        match O::KIND {
+            Kind::BFloat16 => {
+                let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u16, out.len()) };
+                forward_dispatch(x, gamma, beta, eps as f32, centered, out, mean, rstd)
+            }
+            _ => {
+                let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut f32, out.len()) };
+                forward_dispatch_f32(x, gamma, beta, eps as f32, centered, out, mean, rstd)
+            }
+        }
     });
     Some((out, stats))
 }
@@ -130,8 +190,9 @@ pub fn layer_norm_bf16_backward(
     norm_bf16_backward(grad_out, x, stats, weight, residual, Some(weight_grad), Some(bias_grad), n_threads)
 }
 
-/// The gradient with respect to `x` of an `rms_norm_bf16` forward, as `layer_norm_bf16_backward`
-/// gives it; the weight's gradient is added to `weight_grad` when given (none for a frozen weight).
+/// The gradient with respect to `x` of an `rms_norm_bf16` or `rms_norm_f32` forward (`grad_out`
+/// bf16 or fp32, as its output), as `layer_norm_bf16_backward` gives it; the weight's gradient is
+/// added to `weight_grad` when given (none for a frozen weight).
 pub fn rms_norm_bf16_backward(
     grad_out: &Tensor,
     x: &Tensor,
@@ -159,7 +220,11 @@ fn norm_bf16_backward(
     let d = *x.size().last().expect("a forward's input has a last dimension") as usize;
     let rows = stats.mean.len();
     let grad_out = grad_out.contiguous();
-    assert!(grad_out.kind() == Kind::BFloat16 && grad_out.size() == x.size(), "layer_norm_bf16_backward: grad_out");
+    let bf16 = grad_out.kind() == Kind::BFloat16;
+    assert!(
+        (bf16 || grad_out.kind() == Kind::Float) && grad_out.size() == x.size(),
+        "layer_norm_bf16_backward: grad_out"
+    );
     assert!(cpu_contiguous(x, Kind::Float) && x.numel() == rows * d, "layer_norm_bf16_backward: x");
     assert!(cpu_contiguous(weight, Kind::Float) && weight.numel() == d, "layer_norm_bf16_backward: weight");
     for grad in weight_grad.iter().chain(bias_grad.iter()) {
@@ -178,9 +243,10 @@ fn norm_bf16_backward(
     };
     // SAFETY: contiguous CPU tensors of the kinds and lengths asserted above, alive for this
     // scope; `dx` is the caller's residual gradient handed over, or new, and only written here.
-    let (g, x, gamma, dx_all) = unsafe {
+    // The address as a number, which threads may share; each reads its own rows through it.
+    let g_addr = grad_out.data_ptr() as usize;
+    let (x, gamma, dx_all) = unsafe {
         (
-            std::slice::from_raw_parts(grad_out.data_ptr() as *const u16, rows * d),
             std::slice::from_raw_parts(x.data_ptr() as *const f32, rows * d),
             std::slice::from_raw_parts(weight.data_ptr() as *const f32, d),
             SharedMut::new(dx.data_ptr() as *mut f32, rows * d),
@@ -193,18 +259,16 @@ fn norm_bf16_backward(
         let span = range.start * d..range.end * d;
         // SAFETY: disjoint row ranges, as in the forward.
         let dx = unsafe { dx_all.slice(span.clone()) };
-        backward_dispatch(
-            &g[span.clone()],
-            &x[span],
-            &stats.mean[range.clone()],
-            &stats.rstd[range],
-            gamma,
-            centered,
-            accumulate,
-            dx,
-            &mut dgamma,
-            &mut dbeta,
-        );
+        let (mean, rstd) = (&stats.mean[range.clone()], &stats.rstd[range]);
+        // SAFETY: `grad_out` is a contiguous tensor of `rows * d` elements of the kind `bf16`
+        // says, alive for this scope; this thread reads its own rows.
+        if bf16 {
+            let g = unsafe { std::slice::from_raw_parts((g_addr as *const u16).add(span.start), span.len()) };
+            backward_dispatch(g, &x[span], mean, rstd, gamma, centered, accumulate, dx, &mut dgamma, &mut dbeta);
+        } else {
+            let g = unsafe { std::slice::from_raw_parts((g_addr as *const f32).add(span.start), span.len()) };
+            backward_dispatch_f32(g, &x[span], mean, rstd, gamma, centered, accumulate, dx, &mut dgamma, &mut dbeta);
+        }
         (dgamma, dbeta)
     });
     if let Some(weight_grad) = weight_grad {
@@ -225,6 +289,20 @@ simd_dispatch! {
         eps: f32,
         centered: bool,
         out: &mut [u16],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) => forward_rows
+}
+
+simd_dispatch! {
+    #[allow(clippy::too_many_arguments)]
+    fn forward_dispatch_f32(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        eps: f32,
+        centered: bool,
+        out: &mut [f32],
         mean: &mut [f32],
         rstd: &mut [f32],
     ) => forward_rows
@@ -254,13 +332,13 @@ fn lane_sum3<A: Copy, B: Copy, C: Copy>(a: &[A], b: &[B], c: &[C], f: impl Fn(A,
 /// mean) rstd gamma + beta`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn forward_rows(
+fn forward_rows<O: Elem>(
     x: &[f32],
     gamma: &[f32],
     beta: &[f32],
     eps: f32,
     centered: bool,
-    out: &mut [u16],
+    out: &mut [O],
     mean: &mut [f32],
     rstd: &mut [f32],
 ) {
@@ -270,7 +348,7 @@ fn forward_rows(
         let var = lane_sum3(row, row, row, |v, _, _| (v - mu) * (v - mu)) / d as f32;
         let rs = 1.0 / (var + eps).sqrt();
         for (((o, &v), &w), &b) in out.iter_mut().zip(row).zip(gamma).zip(beta) {
-            *o = f32_to_bf16((v - mu) * rs * w + b);
+            *o = O::store((v - mu) * rs * w + b);
         }
         (*mean, *rstd) = (mu, rs);
     }
@@ -292,13 +370,29 @@ simd_dispatch! {
     ) => backward_rows
 }
 
+simd_dispatch! {
+    #[allow(clippy::too_many_arguments)]
+    fn backward_dispatch_f32(
+        g: &[f32],
+        x: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        gamma: &[f32],
+        centered: bool,
+        accumulate: bool,
+        dx: &mut [f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+    ) => backward_rows
+}
+
 /// Each row, with `xhat = (x - mean) rstd` and `gg = g gamma`: `dx = rstd (gg - mean(gg) - xhat
 /// mean(gg xhat))` (without the `mean(gg)` term when not `centered`: the mean was not subtracted),
 /// added to what `dx` holds when `accumulate`; `dgamma += g xhat`, `dbeta += g`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn backward_rows(
-    g: &[u16],
+fn backward_rows<G: Elem>(
+    g: &[G],
     x: &[f32],
     mean: &[f32],
     rstd: &[f32],
@@ -315,11 +409,11 @@ fn backward_rows(
     for ((((g, x), dx), &mu), &rs) in
         g.chunks_exact(d).zip(x.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).zip(mean).zip(rstd)
     {
-        let a = if centered { lane_sum3(g, gamma, x, |g, w, _| bf16_to_f32(g) * w) * inv_d } else { 0.0 };
-        let b = lane_sum3(g, gamma, x, |g, w, x| bf16_to_f32(g) * w * ((x - mu) * rs)) * inv_d;
+        let a = if centered { lane_sum3(g, gamma, x, |g, w, _| g.load() * w) * inv_d } else { 0.0 };
+        let b = lane_sum3(g, gamma, x, |g, w, x| g.load() * w * ((x - mu) * rs)) * inv_d;
         let terms = g.iter().zip(x).zip(gamma).zip(dx.iter_mut()).zip(dgamma.iter_mut()).zip(dbeta.iter_mut());
         for (((((&g, &x), &w), dx), dw), db) in terms {
-            let (g, xhat) = (bf16_to_f32(g), (x - mu) * rs);
+            let (g, xhat) = (g.load(), (x - mu) * rs);
             let grad = rs * (g * w - a - xhat * b);
             *dx = if accumulate { *dx + grad } else { grad };
             *dw += g * xhat;
@@ -427,6 +521,29 @@ mod tests {
             let alone = rms_norm_bf16_backward(&grad, &x, &stats, &w, None, None, n_threads);
             assert!(rel(&alone, &xl.grad()) <= 1e-5, "dx without residual (shape {shape:?})");
         }
+    }
+
+    #[test]
+    fn rms_norm_into_fp32_matches_libtorch() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        tch::manual_seed(13);
+        let opts = (Kind::Float, Device::Cpu);
+        let (shape, d) = ([3i64, 5, 100], 100);
+        let x = Tensor::randn(shape, opts) * 3.0 + Tensor::randn([d], opts);
+        let w = Tensor::randn([d], opts) * 0.5 + 1.0;
+        let grad = Tensor::randn(shape, opts);
+        let (xl, wl) = (x.detach().set_requires_grad(true), w.detach().set_requires_grad(true));
+        let ms = xl.square().mean_dim([-1i64].as_slice(), true, Kind::Float);
+        let want = &xl * (ms + 1e-5).rsqrt() * &wl;
+        want.view([-1]).dot(&grad.view([-1])).backward();
+        let (out, stats) = rms_norm_f32(&x, &w, 1e-5, 3).expect("fp32 contiguous on the CPU");
+        assert_eq!(out.kind(), Kind::Float);
+        let rel = |got: &Tensor, want: &Tensor| ((got - want).abs().max() / want.abs().max()).double_value(&[]);
+        assert!(rel(&out, &want.detach()) <= 1e-6, "forward: {}", rel(&out, &want.detach()));
+        let dw = Tensor::zeros([d], opts);
+        let dx = rms_norm_bf16_backward(&grad, &x, &stats, &w, None, Some(&dw), 3);
+        assert!(rel(&dx, &xl.grad()) <= 1e-5, "dx: {}", rel(&dx, &xl.grad()));
+        assert!(rel(&dw, &wl.grad()) <= 1e-5, "dweight: {}", rel(&dw, &wl.grad()));
     }
 
     #[test]

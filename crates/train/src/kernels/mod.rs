@@ -61,7 +61,7 @@ mod softmax;
 pub(crate) use attention_core::{attention_core, attention_core_backward, AttentionCore};
 pub use gelu::{bias_gelu_bf16, bias_gelu_bf16_backward};
 pub use layer_norm::{
-    layer_norm_bf16, layer_norm_bf16_backward, rms_norm_bf16, rms_norm_bf16_backward, LayerNormStats,
+    layer_norm_bf16, layer_norm_bf16_backward, rms_norm_bf16, rms_norm_bf16_backward, rms_norm_f32, LayerNormStats,
 };
 pub use softmax::{causal_softmax_backward_bf16, causal_softmax_bf16, CausalBlock};
 

@@ -2,9 +2,9 @@
 //! blocks of causal self-attention with rotary position embeddings and grouped-query attention
 //! (`n_kv_head` key/value heads shared by groups of query heads) and a SwiGLU MLP (gate, up and
 //! down projections), RMSNorms with a scale only, no biases anywhere, a final norm and a head tied
-//! to the embedding or not. Everything runs in libtorch's graph, but under bf16 on a CPU the
-//! blocks' RMSNorms (`train.fused_layer_norm`): a Rust kernel from the fp32 residual stream
-//! straight into bf16, with its backward by hand (`kernels::rms_norm_bf16`, through the block
+//! to the embedding or not. Everything runs in libtorch's graph, but on a CPU the blocks'
+//! RMSNorms (`train.fused_layer_norm`): a Rust kernel from the fp32 residual stream straight into
+//! the compute type, with its backward by hand (`kernels::rms_norm_bf16`, through the block
 //! executor's `ByHand` norms).
 //!
 //! Parameter names are Hugging Face's `LlamaForCausalLM` names (`model.layers.0.self_attn.q_proj.
@@ -215,8 +215,8 @@ impl Llama {
         }
     }
 
-    /// Under bf16 on a CPU, the block executor runs the blocks' RMSNorms as a Rust kernel that
-    /// reads the fp32 residual stream and writes the bf16 the next linear layers take, and their
+    /// On a CPU, the block executor runs the blocks' RMSNorms as a Rust kernel that reads the
+    /// fp32 residual stream and writes what the next linear layers take (bf16, or fp32), and their
     /// backward by hand with the residual's gradient added in the same pass
     /// (`kernels::rms_norm_bf16`, on `n_threads` threads; `train.fused_layer_norm`), instead of
     /// libtorch's square, mean, rsqrt, products and cast. `false` (the default of `new`) keeps
@@ -226,7 +226,9 @@ impl Llama {
     }
 
     fn fused_rms_norm(&self) -> bool {
-        self.fused_norm_threads > 0 && self.compute == Kind::BFloat16 && self.embed_tokens.device() == Device::Cpu
+        self.fused_norm_threads > 0
+            && matches!(self.compute, Kind::BFloat16 | Kind::Float)
+            && self.embed_tokens.device() == Device::Cpu
     }
 
     /// The scale of block norm `which` (None for the final norm, which is not run by hand).
@@ -396,6 +398,9 @@ impl ByHand for Llama {
 
     fn norm(&self, which: Norm, x: &Tensor) -> Option<(Tensor, LayerNormStats)> {
         let scale = self.block_norm_scale(which)?;
+        if self.compute == Kind::Float {
+            return crate::kernels::rms_norm_f32(x, scale, self.shape.norm_eps, self.fused_norm_threads);
+        }
         crate::kernels::rms_norm_bf16(x, scale, self.shape.norm_eps, self.fused_norm_threads)
     }
 
