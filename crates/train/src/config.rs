@@ -128,8 +128,8 @@ pub struct TrainConfig {
     /// GPT-2's 50304, and 1.01x and 0.90x with the 256 byte tokens of tiny and small (README,
     /// "What each step change bought"). Default "auto".
     pub fused_cross_entropy: FusedCrossEntropy,
-    /// Under bf16 on a CPU, every LayerNorm (and the llama family's block RMSNorms: the same kernel
-    /// with no mean and no bias) as a Rust kernel from the fp32 residual stream
+    /// Under bf16 on a CPU, every LayerNorm (and the llama family's block RMSNorms, in fp32 runs too:
+    /// the same kernel with no mean and no bias) as a Rust kernel from the fp32 residual stream
     /// straight to bf16, and its backward with the residual's gradient added in the same pass,
     /// instead of libtorch's fp32 LayerNorm, casts and add; the block executor only. The kernels
     /// take 0.41-0.66x libtorch's time; a block then runs as its two halves (autograd segments).
