@@ -21,11 +21,23 @@ use tch::{Device, Kind, Tensor};
 
 use super::{add_partial_sums, bf16_to_f32, cpu_contiguous, f32_to_bf16, parallel_rows, SharedMut, LANES};
 
-/// An element the kernels read or write: bf16 (as its bits) or fp32.
+/// An element the kernels read or write: bf16 (as its bits) or fp32, with the SIMD dispatch of
+/// each pass for it.
 trait Elem: Copy + Send + Sync {
     const KIND: Kind;
     fn load(self) -> f32;
     fn store(v: f32) -> Self;
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        eps: f32,
+        centered: bool,
+        out: &mut [Self],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    );
 }
 
 impl Elem for u16 {
@@ -38,6 +50,18 @@ impl Elem for u16 {
     fn store(v: f32) -> u16 {
         f32_to_bf16(v)
     }
+    fn forward(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        eps: f32,
+        centered: bool,
+        out: &mut [u16],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) {
+        forward_dispatch(x, gamma, beta, eps, centered, out, mean, rstd)
+    }
 }
 
 impl Elem for f32 {
@@ -49,6 +73,18 @@ impl Elem for f32 {
     #[inline(always)]
     fn store(v: f32) -> f32 {
         v
+    }
+    fn forward(
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        eps: f32,
+        centered: bool,
+        out: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) {
+        forward_dispatch_f32(x, gamma, beta, eps, centered, out, mean, rstd)
     }
 }
 
@@ -154,18 +190,7 @@ fn norm_into<O: Elem>(
                 rstd_all.slice(range.clone()),
             )
         };
-        let x = &x[range.start * d..range.end * d];
-        // SAFETY (both casts): `O` is u16 or f32, the type the branch names.
-        match O::KIND {
-            Kind::BFloat16 => {
-                let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u16, out.len()) };
-                forward_dispatch(x, gamma, beta, eps as f32, centered, out, mean, rstd)
-            }
-            _ => {
-                let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut f32, out.len()) };
-                forward_dispatch_f32(x, gamma, beta, eps as f32, centered, out, mean, rstd)
-            }
-        }
+        O::forward(&x[range.start * d..range.end * d], gamma, beta, eps as f32, centered, out, mean, rstd);
     });
     Some((out, stats))
 }
