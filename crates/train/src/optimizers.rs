@@ -711,7 +711,8 @@ impl Optimizer {
         tch::no_grad(|| {
             let multiplier = if max_norm > 0.0 {
                 let norm = sq_sum.sqrt();
-                let clipped = Tensor::from(max_norm).to_device(norm.device()) / (&norm + 1e-6);
+                // `max_norm` filled on the device, not copied there (a copy would wait for the queue).
+                let clipped = Tensor::full([], max_norm, (tch::Kind::Double, norm.device())) / (&norm + 1e-6);
                 clipped.where_scalarother(&norm.gt(max_norm), 1.0)
             } else {
                 Tensor::ones([], (tch::Kind::Double, sq_sum.device()))

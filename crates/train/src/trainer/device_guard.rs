@@ -58,7 +58,8 @@ impl DeviceGuard {
             let clean_before = first.eq(0.0);
             // This step is the first bad one: its number, loss and norm are kept.
             let fresh = clean_before.logical_and(&ok.logical_not());
-            let step_t = Tensor::from_slice(&[step as f64]).to_device(loss.device());
+            // A fill on the device: a copy from host memory would wait for the device's queue.
+            let step_t = Tensor::full([1], step as f64, (Kind::Double, loss.device()));
             let found = Tensor::cat(&[step_t, loss.shallow_clone(), sq_sum], 0);
             let kept = found.where_self(&fresh, &self.flags.narrow(0, 0, 3));
             // Still clean after this step: its loss is the last finite one.
