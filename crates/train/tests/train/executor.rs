@@ -332,7 +332,7 @@ fn fused_rms_norm_gives_libtorchs_loss_and_gradients() {
         [(false, Precision::Bf16), (true, Precision::Bf16), (false, Precision::Fp32), (true, Precision::Fp32)]
     {
         // fp32: the kernel's sums in another order than libtorch's, to fp32 rounding.
-        let (loss_tol, grad_tol) = if precision == Precision::Fp32 { (1e-6, 1e-4) } else { (1e-3, 1e-2) };
+        let grad_tol = if precision == Precision::Fp32 { 1e-4 } else { 1e-2 };
         let run = |fused: bool, policy: Recompute| {
             let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
             tch::manual_seed(7);
