@@ -67,6 +67,10 @@ pub struct DistConfig {
     /// Add each encoding's error to the next step's gradient before encoding it (error
     /// feedback; the residuals are per rank). Default true.
     pub error_feedback: bool,
+    /// Ranks one model is cut over (tensor parallelism, Megatron-LM's split of heads and the
+    /// MLP's inner dimension): consecutive ranks hold one model's parts, and data parallelism
+    /// runs over the copies. Default 1 (no cut).
+    pub tensor: usize,
 }
 
 impl Default for DistConfig {
@@ -84,6 +88,7 @@ impl Default for DistConfig {
             compress: "none".into(),
             compress_block: 256,
             error_feedback: true,
+            tensor: 1,
         }
     }
 }
@@ -513,6 +518,37 @@ impl StokeConfig {
         Ok(config)
     }
 
+    /// `dist.tensor`: what a cut model runs with so far.
+    fn check_tensor_parallel(&self) -> Result<(), ConfigError> {
+        let tensor = self.dist.tensor;
+        let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.into(), message });
+        if tensor == 0 {
+            return invalid("dist.tensor", "must be at least 1".into());
+        }
+        if tensor == 1 {
+            return Ok(());
+        }
+        if !stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&self.model.family.as_str()) {
+            return invalid(
+                "dist.tensor",
+                format!(
+                    "is {tensor}, but model.family {:?} declares no tensor-parallel split (those that do: {})",
+                    self.model.family,
+                    stoke_train::TENSOR_PARALLEL_FAMILIES.join(", ")
+                ),
+            );
+        }
+        if self.ckpt.every > 0 || self.ckpt.at_end {
+            return invalid(
+                "dist.tensor",
+                format!(
+                    "is {tensor}, and a cut model's checkpoint is not written yet: set ckpt.every = 0 and ckpt.at_end = false"
+                ),
+            );
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |e: stoke_train::TrainError| match e {
             stoke_train::TrainError::InvalidConfig { key, message } => {
@@ -529,6 +565,7 @@ impl StokeConfig {
             other => ConfigError::Invalid { key: "prof".into(), message: other.to_string() },
         })?;
         self.model.shape().map_err(invalid)?;
+        self.check_tensor_parallel()?;
         stoke_train::parse_device(&self.run.device).map_err(invalid)?;
         if self.run.dir.is_empty() {
             return Err(ConfigError::Invalid { key: "run.dir".into(), message: "must not be empty".into() });

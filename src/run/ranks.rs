@@ -34,6 +34,10 @@ pub fn set_up(
     let plan = dist.plan(trainer.model().params())?.to_string();
     dist.load_residual_state(residuals)?;
     if rank == 0 {
+        let (_, copies) = dist.data_rank();
+        if config.dist.tensor > 1 {
+            println!("tensor parallel: the model cut over {} ranks, {copies} copies of it", config.dist.tensor);
+        }
         println!("data parallel: {how}; gradients in {plan}");
     }
     dist.shard(trainer)?;

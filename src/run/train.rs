@@ -32,19 +32,28 @@ impl RunSpec<'_> {
         let config = &self.config;
         let device = stoke_train::device_for_rank(&config.run.device, self.local.0, self.local.1)?;
         let (rank, world_size) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world_size()));
-        // The batch-size rule of the learning rate counts every process's rows.
-        let train_config = stoke_train::TrainConfig { world_size, ..config.train.for_world(world_size)? };
+        // The ranks that read different rows: every rank, or with a cut model one per copy.
+        let (data_rank, data_world) = dist.as_ref().map_or((0, 1), |d| d.data_rank());
+        // The batch-size rule of the learning rate counts every copy's rows.
+        let train_config = stoke_train::TrainConfig { world_size: data_world, ..config.train.for_world(data_world)? };
         let mut trainer = Trainer::new(&config.model, &train_config, &config.ckpt, device)?;
         trainer.set_sync_every(config.prof.sync_every);
         trainer.set_adaptive(&config.adaptive)?;
-        if let Some(eval_source) = eval_source_for(config, rank, world_size)? {
+        if let Some(eval_source) = eval_source_for(config, data_rank, data_world)? {
             trainer.set_eval(&config.eval, eval_source)?;
         }
-        let mut source = batch_source_for(config, rank, world_size)?;
+        let mut source = batch_source_for(config, data_rank, data_world)?;
         let resumed_step = self.resume.as_ref().map(|r| r.loaded.manifest.step);
         // `_lock` keeps the run folder locked until training returns.
         let RunSpec { config, run_dir, resume, progress, overhead_block, extra, lock: _lock, local: _ } = self;
         let restored = restore(&config, resume, &mut trainer, source.as_mut(), rank, world_size)?;
+        // A cut model: each rank keeps its parts (`dist.tensor`).
+        if let Some(dist) = dist.as_deref_mut() {
+            if let Some(group) = dist.tensor_group() {
+                trainer.split_tensor(group)?;
+                dist.track_cut_model(&trainer);
+            }
+        }
         if let Some(dist) = dist.as_deref_mut() {
             set_up(&config, dist, &mut trainer, restored.residuals)?;
             if rank != 0 {

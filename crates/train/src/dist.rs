@@ -20,6 +20,7 @@ mod agree;
 mod buckets;
 pub(crate) mod compress;
 mod region;
+mod tensor;
 mod zero;
 
 pub use agree::{Disagreement, KeyDifference, RankDifference};
@@ -93,6 +94,9 @@ pub struct DataParallel {
     host_buffers: bool,
     /// The model's gradient buffer (`plan`), for finishing compressed reductions.
     grad_buffer: Option<Tensor>,
+    /// The groups of a job whose model is cut (`dist.tensor` above 1): gradients are averaged
+    /// over the data-parallel group alone.
+    tensor: Option<tensor::TensorParts>,
 }
 
 impl DataParallel {
@@ -111,6 +115,61 @@ impl DataParallel {
             compress_ready: Vec::new(),
             host_buffers: true,
             grad_buffer: None,
+            tensor: None,
+        }
+    }
+
+    /// Cuts the job into groups of `tensor` consecutive ranks, each holding one model's parts,
+    /// and the data-parallel groups across them (nothing for 1). Call once, right after joining,
+    /// on every rank. ZeRO and compressed reductions are not composed with it yet.
+    pub fn split_groups(&mut self, tensor: usize) -> Result<(), TrainError> {
+        if tensor <= 1 {
+            return Ok(());
+        }
+        let refuse = |key: &'static str, what: &str| TrainError::InvalidConfig {
+            key,
+            message: format!("is {what}, which dist.tensor = {tensor} does not run with yet"),
+        };
+        if self.config.zero.stage > 0 {
+            return Err(refuse("dist.zero", &self.config.zero.stage.to_string()));
+        }
+        if self.config.compress.compression != Compression::None {
+            return Err(refuse("dist.compress", "set"));
+        }
+        self.tensor = Some(tensor::split_groups(self.comm.as_ref(), tensor)?);
+        Ok(())
+    }
+
+    /// The group this rank's model is cut over (`split_groups`), for `Trainer::split_tensor`.
+    pub fn tensor_group(&self) -> Option<std::sync::Arc<crate::models::TensorGroup>> {
+        self.tensor.as_ref().map(|t| t.group.clone())
+    }
+
+    /// After `Trainer::split_tensor`: keeps what the whole model's gradient norm needs.
+    pub fn track_cut_model(&mut self, trainer: &Trainer) {
+        if let Some(parts) = self.tensor.as_mut() {
+            parts.track(trainer.model());
+        }
+    }
+
+    /// This rank's place among the model copies that read different rows: (its index, their
+    /// number). The job's rank and size unless the model is cut.
+    pub fn data_rank(&self) -> (usize, usize) {
+        match &self.tensor {
+            Some(parts) => {
+                let group = parts.group.size();
+                (self.comm.rank() / group, self.comm.world_size() / group)
+            }
+            None => (self.comm.rank(), self.comm.world_size()),
+        }
+    }
+
+    /// The group gradients are averaged over: the job, or with a cut model the ranks holding
+    /// the same parts (None: only one copy of the model).
+    fn gradient_comm(&self) -> Option<&dyn Communicator> {
+        match &self.tensor {
+            Some(parts) => parts.data.as_deref(),
+            None => Some(self.comm.as_ref()),
         }
     }
 
@@ -190,10 +249,12 @@ impl DataParallel {
         let flat = trainer.model().params().flat();
         let region = f32_region(flat, 0..flat.numel() as i64)
             .map_err(|reason| TrainError::InvalidConfig { key: "dist", message: reason })?;
+        // A cut model: the copies of each part (every rank of the data-parallel group holds the
+        // same part).
+        let Some(comm) = self.gradient_comm() else { return Ok(()) };
         // SAFETY: the region is the whole flat parameter buffer, alive as long as `trainer`, which
         // is borrowed for this whole call; nothing else runs on it until `wait` returns.
-        let work =
-            unsafe { self.comm.broadcast_async(region, 0) }.map_err(|e| self.error("broadcast parameters", e))?;
+        let work = unsafe { comm.broadcast_async(region, 0) }.map_err(|e| self.error("broadcast parameters", e))?;
         work.wait().map_err(|e| self.error("broadcast parameters", e))
     }
 
@@ -273,8 +334,9 @@ impl DataParallel {
     /// `region` is a final range of the flat gradient buffer: nothing writes or reads it until
     /// `before_optimizer` has waited for the returned work (or `self` is dropped, which waits).
     unsafe fn submit(&mut self, region: Region) -> Result<(), TrainError> {
+        let comm = self.gradient_comm().expect("gradients are submitted only when there are copies to average");
         // SAFETY: the caller's contract, passed on.
-        let work = unsafe { self.comm.all_reduce_async(region, ReduceOp::Avg) }
+        let work = unsafe { comm.all_reduce_async(region, ReduceOp::Avg) }
             .map_err(|e| self.error("all_reduce gradients", e))?;
         self.first_submit.get_or_insert_with(Instant::now);
         self.in_flight.push(work);
@@ -398,7 +460,7 @@ impl StepHooks for DataParallel {
         flat_grad: &Tensor,
         _clock: &mut StepClock,
     ) -> Result<(), TrainError> {
-        if self.comm.world_size() == 1 {
+        if self.gradient_comm().is_none_or(|comm| comm.world_size() == 1) {
             return Ok(());
         }
         if self.zero_stage() >= 2 {
@@ -447,6 +509,10 @@ impl StepHooks for DataParallel {
     }
 
     fn before_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
+        // A collective inside the cut model's forward or backward failed: the step is void.
+        if let Some(failure) = self.tensor.as_ref().and_then(|t| t.group.take_failure()) {
+            return Err(self.error("tensor-parallel all_reduce in the model", failure));
+        }
         match self.zero_stage() {
             0 | 1 => {
                 if !self.compressed.is_empty() || !self.compress_ready.is_empty() {
@@ -505,7 +571,8 @@ impl StepHooks for DataParallel {
         // ZeRO adds the shards' sums on the host; a compressed reduction's codec may not carry a
         // NaN to every rank. Plain data parallelism all-reduces the gradients themselves, so each
         // rank's norm is the same and may stay on the device (`agree_first_bad` at the reads).
-        self.zero.is_some() || self.compressor.is_some()
+        // A cut model adds its parts' sums on the host.
+        self.zero.is_some() || self.compressor.is_some() || self.tensor.is_some()
     }
 
     fn agree_first_bad(&mut self, local: u64) -> Result<u64, TrainError> {
@@ -521,6 +588,9 @@ impl StepHooks for DataParallel {
     }
 
     fn global_sq_sum(&mut self, local: f64) -> Result<f64, TrainError> {
+        if let Some(parts) = &self.tensor {
+            return parts.global_sq_sum(local).map_err(|e| self.error("all_gather tensor-parallel norm", e));
+        }
         match &self.zero {
             Some(zero) => zero.global_sq_sum(self.comm.as_ref(), local).map_err(|e| self.zero_error(e)),
             None => Ok(local),

@@ -287,6 +287,9 @@ impl VlaShape {
 /// The values `model.family` takes.
 pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama", "vla"];
 
+/// The families whose blocks declare their tensor-parallel split (`dist.tensor` above 1).
+pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["gpt-rms"];
+
 /// What a vla preset fixes beyond its backbone's shape.
 struct VlaPreset {
     vision_layers: usize,

@@ -15,10 +15,12 @@ mod gpt_rms;
 mod hf;
 mod llama;
 mod seam;
+mod tensor_parallel;
 mod vla;
 
 use tch::Device;
 
+pub use crate::config::TENSOR_PARALLEL_FAMILIES;
 use crate::config::{ModelConfig, TrainConfig, MODEL_FAMILIES};
 use crate::TrainError;
 
@@ -30,6 +32,7 @@ pub use llama::Llama;
 pub use seam::{
     Branch, BranchBackward, ByHand, CoreBackward, EpisodeInputs, HeadBackward, HeadLoss, Inputs, Model, Norm,
 };
+pub use tensor_parallel::{Split, TensorGroup};
 pub use vla::Vla;
 
 /// A model of the family `model.family` names, with the kernels and casts `train` asks for (their

@@ -1,11 +1,15 @@
 //! The seam's types: [`Model`], what a family offers by hand ([`ByHand`] and the backward traits),
 //! and the words they share ([`Branch`], [`Norm`], [`HeadLoss`]). See the module doc of `models`.
 
+use std::sync::Arc;
+
 use tch::Tensor;
 
 use crate::config::GptShape;
 use crate::kernels::LayerNormStats;
+use crate::models::tensor_parallel::{Split, TensorGroup};
 use crate::params::FlatParams;
+use crate::TrainError;
 
 /// One micro-batch as a model takes it, on the model's device.
 pub struct Inputs {
@@ -220,6 +224,30 @@ pub trait Model {
 
     /// The parts this model runs by hand; `None` runs everything in libtorch's graph.
     fn by_hand(&self) -> Option<&dyn ByHand> {
+        None
+    }
+
+    /// Cuts the model over the ranks of `group` (tensor parallelism, see `tensor_parallel`): each
+    /// rank keeps its part of every parameter by the family's [`Model::split_of`], and its
+    /// branches and head run on their parts through [`ByHand`]. A family that declares no split
+    /// refuses.
+    fn split_tensor(&mut self, _group: Arc<TensorGroup>) -> Result<(), TrainError> {
+        Err(TrainError::InvalidConfig {
+            key: "dist.tensor",
+            message: format!(
+                "needs a model family whose blocks declare their split ({}); keep dist.tensor = 1",
+                crate::config::TENSOR_PARALLEL_FAMILIES.join(", ")
+            ),
+        })
+    }
+
+    /// How parameter `name` is cut over a tensor-parallel group.
+    fn split_of(&self, _name: &str) -> Split {
+        Split::Replicated
+    }
+
+    /// The tensor-parallel group the model is cut over, once [`Model::split_tensor`] ran.
+    fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
         None
     }
 }

@@ -238,6 +238,28 @@ impl Trainer {
         self.model.as_ref()
     }
 
+    /// Cuts the model over the ranks of `group` (tensor parallelism: `dist.tensor`), before any
+    /// restore, sharding or step: each rank keeps its part of the freshly built (or imported)
+    /// model, and the optimizer is made anew over those parts. The block executor only: a single
+    /// graph has no place for the group's input-gradient sums.
+    pub fn split_tensor(&mut self, group: std::sync::Arc<crate::models::TensorGroup>) -> Result<(), TrainError> {
+        if self.executor.kind() == crate::ExecutorKind::SingleGraph {
+            return Err(TrainError::InvalidConfig {
+                key: "train.executor",
+                message: "is \"single-graph\", which cannot run a model cut by dist.tensor; use \"blocks\"".into(),
+            });
+        }
+        if self.step > 0 || self.sharded {
+            return Err(TrainError::InvalidConfig {
+                key: "dist.tensor",
+                message: "cuts a model before its first step and before ZeRO shards it".into(),
+            });
+        }
+        self.model.split_tensor(group)?;
+        self.optimizer = Optimizer::for_config(&self.train, self.model.params());
+        Ok(())
+    }
+
     pub fn step(&self) -> u64 {
         self.step
     }
@@ -454,6 +476,14 @@ impl Trainer {
                 if let Some(caught) = guard.read(|local| hooks.agree_first_bad(local))? {
                     return Err(self.stop_non_finite(caught, step_number, checkpoints, observers)?);
                 }
+            }
+            if checkpoint_now && checkpoints.is_some() && self.model.tensor_group().is_some() {
+                return Err(TrainError::InvalidConfig {
+                    key: "dist.tensor",
+                    message: "cuts the model over ranks, whose checkpoint (the parts gathered whole) is not written \
+                              yet: set ckpt.every = 0 and ckpt.at_end = false"
+                        .into(),
+                });
             }
             // A sharded run: every rank writes its own pieces and residuals (a sharded writer).
             let extras = if checkpoint_now { hooks.checkpoint_extras(self.sharded)? } else { Vec::new() };

@@ -4,12 +4,22 @@
 //! with a scale and no shift, and no linear layer with a bias. Everything runs in libtorch's
 //! graph: this family has no part by hand and keeps no casts across micro-batches. Parameter
 //! names follow nanoGPT's with `bias=False` (an RMSNorm's scale is its `ln_*.weight`).
+//!
+//! Its blocks declare their tensor-parallel split (`Model::split_of`): attention's q, k and v and
+//! the MLP's first matrix by output rows, both second matrices by input columns, the token
+//! embedding (and so the tied head) by vocabulary rows. Cut over a group, it runs each branch
+//! on its heads or inner slice between the `f` and `g` of `tensor_parallel`, through `ByHand`.
+
+use std::ops::Range;
+use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{GptShape, Precision};
+use crate::kernels::LayerNormStats;
 use crate::models::embedding::{embed, embedding_unit};
-use crate::models::{Branch, HeadLoss, Inputs, Model, Norm};
+use crate::models::tensor_parallel::{self, Split, TensorGroup};
+use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, HeadBackward, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
@@ -35,6 +45,8 @@ pub struct GptRms {
     ln_f: Tensor,
     /// The MLP's GELU is the tanh approximation (`model.gelu = "tanh"`).
     tanh_gelu: bool,
+    /// Once cut (`Model::split_tensor`): the group, and the vocabulary rows this rank holds.
+    tensor: Option<(Arc<TensorGroup>, Range<i64>)>,
 }
 
 /// One block's parameters.
@@ -57,6 +69,38 @@ fn block_names(layer_idx: usize) -> [String; 6] {
         format!("{p}.mlp.c_fc.weight"),
         format!("{p}.mlp.c_proj.weight"),
     ]
+}
+
+/// The handles a model keeps to its parameters (they share `params`' storage).
+fn handles(params: &FlatParams, n_layer: usize) -> (Tensor, Tensor, Tensor, Vec<BlockParams>) {
+    let get = |name: &str| params.get(name).shallow_clone();
+    let blocks = (0..n_layer)
+        .map(|layer_idx| {
+            let n = block_names(layer_idx);
+            BlockParams {
+                ln_1: get(&n[0]),
+                attn_w: get(&n[1]),
+                attn_proj_w: get(&n[2]),
+                ln_2: get(&n[3]),
+                fc_w: get(&n[4]),
+                mlp_proj_w: get(&n[5]),
+            }
+        })
+        .collect();
+    (get("transformer.wte.weight"), get("transformer.wpe.weight"), get("transformer.ln_f.weight"), blocks)
+}
+
+/// How parameter `name` is cut over a tensor-parallel group (see the module doc).
+fn split_of(name: &str) -> Split {
+    if name == "transformer.wte.weight" || name.ends_with(".mlp.c_fc.weight") {
+        Split::Rows { blocks: 1 }
+    } else if name.ends_with(".attn.c_attn.weight") {
+        Split::Rows { blocks: 3 }
+    } else if name.ends_with(".c_proj.weight") {
+        Split::Cols { blocks: 1 }
+    } else {
+        Split::Replicated
+    }
 }
 
 impl GptRms {
@@ -94,29 +138,17 @@ impl GptRms {
             params: vec![spec("transformer.ln_f.weight".into(), &[d], Init::Ones, false)],
         });
         let params = FlatParams::new(units, device);
-        let get = |name: &str| params.get(name).shallow_clone();
-        let blocks = (0..shape.n_layer)
-            .map(|layer_idx| {
-                let n = block_names(layer_idx);
-                BlockParams {
-                    ln_1: get(&n[0]),
-                    attn_w: get(&n[1]),
-                    attn_proj_w: get(&n[2]),
-                    ln_2: get(&n[3]),
-                    fc_w: get(&n[4]),
-                    mlp_proj_w: get(&n[5]),
-                }
-            })
-            .collect();
+        let (wte, wpe, ln_f, blocks) = handles(&params, shape.n_layer);
         GptRms {
             shape,
-            wte: get("transformer.wte.weight"),
-            wpe: get("transformer.wpe.weight"),
-            ln_f: get("transformer.ln_f.weight"),
+            wte,
+            wpe,
+            ln_f,
             blocks,
             params,
             compute: compute_kind(precision),
             tanh_gelu: false,
+            tensor: None,
         }
     }
 
@@ -141,33 +173,70 @@ impl GptRms {
         x * (mean_square + RMS_NORM_EPS).rsqrt() * scale
     }
 
+    /// The group's size (1 when not cut).
+    fn ranks(&self) -> i64 {
+        self.tensor.as_ref().map_or(1, |(group, _)| group.size() as i64)
+    }
+
+    /// A row-parallel matrix's partial output summed over the group (`g`); itself when not cut.
+    fn reduced(&self, partial: Tensor) -> Tensor {
+        match &self.tensor {
+            Some((group, _)) => group.reduce_from_ranks(&partial),
+            None => partial,
+        }
+    }
+
     fn attention(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
         let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
-        let n_head = self.shape.n_head as i64;
-        let head_dim = d / n_head;
+        let head_dim = d / self.shape.n_head as i64;
+        // This rank's heads (all of them when not cut).
+        let n_head = self.shape.n_head as i64 / self.ranks();
+        let d = n_head * head_dim;
         let qkv = self.linear(h, &block.attn_w);
         let parts = qkv.split(d, 2);
         let heads = |t: &Tensor| t.view([batch, seq, n_head, head_dim]).transpose(1, 2);
         let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
         let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, false);
         let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
-        self.linear(&y, &block.attn_proj_w)
+        self.reduced(self.linear(&y, &block.attn_proj_w))
     }
 
     fn mlp(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
-        self.linear(&self.linear(h, &block.fc_w).gelu(if self.tanh_gelu { "tanh" } else { "none" }), &block.mlp_proj_w)
+        let inner = self.linear(h, &block.fc_w).gelu(if self.tanh_gelu { "tanh" } else { "none" });
+        self.reduced(self.linear(&inner, &block.mlp_proj_w))
+    }
+
+    /// The mean cross-entropy of the head on `normed` (the final norm's output); cut, on this
+    /// rank's vocabulary rows.
+    fn cross_entropy(&self, normed: &Tensor, targets: &Tensor) -> Tensor {
+        let logits = self.linear(normed, &self.wte).to_kind(Kind::Float);
+        let rows = logits.size()[2];
+        let (logits, targets) = (logits.view([-1, rows]), targets.view([-1]));
+        match &self.tensor {
+            Some((group, vocab)) => tensor_parallel::vocab_parallel_cross_entropy(group, &logits, vocab, &targets),
+            None => logits.cross_entropy_for_logits(&targets),
+        }
     }
 
     fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
-        let logits = self.linear(&self.rms_norm(x, &self.ln_f), &self.wte);
-        let vocab = self.shape.vocab_size as i64;
-        logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+        self.cross_entropy(&self.rms_norm(x, &self.ln_f), targets)
+    }
+
+    fn embed_tokens(&self, inputs: &Tensor) -> Tensor {
+        match &self.tensor {
+            Some((group, vocab)) => {
+                let positions = Tensor::arange(inputs.size()[1], (Kind::Int64, inputs.device()));
+                tensor_parallel::vocab_parallel_embedding(group, &self.wte, vocab, inputs)
+                    + Tensor::embedding(&self.wpe, &positions, -1, false, false)
+            }
+            None => embed(&self.wte, &self.wpe, inputs),
+        }
     }
 
     fn trunk(&self, inputs: &Tensor) -> Tensor {
-        let mut x = embed(&self.wte, &self.wpe, inputs);
+        let mut x = self.embed_tokens(inputs);
         for layer_idx in 0..self.shape.n_layer {
             x = self.residual(layer_idx, Branch::Attention, &x);
             x = self.residual(layer_idx, Branch::Mlp, &x);
@@ -212,7 +281,7 @@ impl Model for GptRms {
     }
 
     fn embed(&self, inputs: &Inputs) -> Tensor {
-        embed(&self.wte, &self.wpe, &inputs.tokens)
+        self.embed_tokens(&inputs.tokens)
     }
 
     fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
@@ -231,17 +300,107 @@ impl Model for GptRms {
         }
     }
 
-    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, _loss_multiplier: f64) -> HeadLoss<'_> {
+    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, loss_multiplier: f64) -> HeadLoss<'_> {
         debug_assert!(!normed, "gpt-rms runs no norm by hand");
-        HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None }
+        let Some((group, _)) = &self.tensor else {
+            return HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None };
+        };
+        // Cut: the vocabulary-parallel head runs from `f`'s leaf; its backward sums the leaf's
+        // gradient over the group before the final norm's.
+        let (leaf, input_grads) = tensor_parallel::copy_to_ranks(group, &self.rms_norm(x, &self.ln_f));
+        let loss = self.cross_entropy(&leaf, &inputs.targets);
+        let by_hand = CutHead { loss: loss.shallow_clone(), loss_multiplier, input_grads };
+        HeadLoss { loss, by_hand: Some(Box::new(by_hand)) }
     }
 
     fn loss(&self, inputs: &Inputs) -> Tensor {
         self.head_loss(&self.trunk(&inputs.tokens), &inputs.targets)
     }
 
+    /// The logits; None when cut (each rank holds its vocabulary rows' only).
     fn forward(&self, inputs: &Tensor) -> Option<Tensor> {
+        if self.tensor.is_some() {
+            return None;
+        }
         Some(self.linear(&self.rms_norm(&self.trunk(inputs), &self.ln_f), &self.wte))
+    }
+
+    fn by_hand(&self) -> Option<&dyn ByHand> {
+        self.tensor.as_ref().map(|_| self as &dyn ByHand)
+    }
+
+    fn split_tensor(&mut self, group: Arc<TensorGroup>) -> Result<(), crate::TrainError> {
+        let (n_head, size) = (self.shape.n_head, group.size());
+        if n_head % size != 0 {
+            return Err(crate::TrainError::InvalidConfig {
+                key: "dist.tensor",
+                message: format!(
+                    "is {size}, which does not divide model.n_head = {n_head}: each rank takes whole heads"
+                ),
+            });
+        }
+        let rank = group.rank();
+        self.params = tensor_parallel::split_params(&self.params, &split_of, rank, size)?;
+        (self.wte, self.wpe, self.ln_f, self.blocks) = handles(&self.params, self.shape.n_layer);
+        self.tensor = Some((group, tensor_parallel::vocab_rows(self.shape.vocab_size, rank, size)));
+        Ok(())
+    }
+
+    fn split_of(&self, name: &str) -> Split {
+        split_of(name)
+    }
+
+    fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
+        self.tensor.as_ref().map(|(group, _)| group)
+    }
+}
+
+/// Cut over a group, every branch runs as a core by hand: `f` (`copy_to_ranks`) before it, its
+/// heads or inner slice in libtorch's graph, `g` inside it. The norms stay in the graph.
+impl ByHand for GptRms {
+    fn norms(&self) -> bool {
+        false
+    }
+
+    fn branch(&self, _branch: Branch) -> bool {
+        self.tensor.is_some()
+    }
+
+    fn norm(&self, _which: Norm, _x: &Tensor) -> Option<(Tensor, LayerNormStats)> {
+        None
+    }
+
+    fn norm_backward(&self, _: Norm, _: &Tensor, _: &Tensor, _: &LayerNormStats, _: Option<Tensor>) -> Tensor {
+        unreachable!("gpt-rms runs no norm by hand")
+    }
+
+    fn branch_core<'m>(
+        &'m self,
+        layer_idx: usize,
+        branch: Branch,
+        normed: &Tensor,
+    ) -> (Tensor, Box<dyn CoreBackward + 'm>) {
+        let (group, _) = self.tensor.as_ref().expect("a branch runs by hand only when cut");
+        let (leaf, input_grads) = tensor_parallel::copy_to_ranks(group, normed);
+        (Model::branch(self, layer_idx, branch, &leaf), input_grads)
+    }
+
+    fn branch_whole<'m>(&'m self, _: usize, _: Branch, _: &Tensor) -> (Tensor, Box<dyn BranchBackward + 'm>) {
+        unreachable!("gpt-rms runs no norm by hand, so no whole branch")
+    }
+}
+
+/// The head cut over a group: its loss's backward, then `f`'s sum of its input's gradient.
+struct CutHead<'m> {
+    loss: Tensor,
+    loss_multiplier: f64,
+    input_grads: Box<dyn CoreBackward + 'm>,
+}
+
+impl HeadBackward for CutHead<'_> {
+    fn backward(self: Box<Self>) -> (Tensor, Tensor) {
+        (&self.loss * self.loss_multiplier).backward();
+        self.input_grads.backward()
     }
 }
 

@@ -1,0 +1,88 @@
+//! Data parallelism beside tensor parallelism (`dist.tensor`): the job's ranks cut into groups
+//! that hold one model's parts (consecutive ranks, Megatron-LM's order) and groups that hold the
+//! same part of different rows (every `tensor`-th rank), and the whole model's gradient norm from
+//! the parts.
+
+use std::sync::Arc;
+
+use stoke_comm::{CommError, Communicator, CommunicatorExt};
+use tch::{Kind, Tensor};
+
+use crate::models::{Model, TensorGroup};
+use crate::TrainError;
+
+/// This rank's groups when the model is cut.
+pub(super) struct TensorParts {
+    pub(super) group: Arc<TensorGroup>,
+    /// The ranks holding the same parts (None: one model in the job, nothing to average).
+    pub(super) data: Option<Box<dyn Communicator>>,
+    /// The gradients of the parameters every rank of the group holds whole (once the model is
+    /// cut: `DataParallel::cut_model`), counted once in the norm.
+    pub(super) replicated: Vec<Tensor>,
+}
+
+/// Cuts `world` into the groups of `tensor` consecutive ranks and the data-parallel groups across
+/// them. Collective: every rank creates every group, in the same order.
+pub(super) fn split_groups(world: &dyn Communicator, tensor: usize) -> Result<TensorParts, TrainError> {
+    let size = world.world_size();
+    if tensor == 0 || size % tensor != 0 {
+        return Err(TrainError::InvalidConfig {
+            key: "dist.tensor",
+            message: format!("is {tensor}, which does not divide the job's {size} ranks"),
+        });
+    }
+    let comm_error = |source: CommError| TrainError::Comm {
+        rank: world.rank(),
+        world_size: size,
+        op: "creating the tensor- and data-parallel groups",
+        source,
+    };
+    let data = size / tensor;
+    let mut group = None;
+    for d in 0..data {
+        let ranks: Vec<usize> = (d * tensor..(d + 1) * tensor).collect();
+        if let Some(made) = world.new_group(&ranks).map_err(comm_error)? {
+            group = Some(made);
+        }
+    }
+    let mut data_group = None;
+    if data > 1 {
+        for t in 0..tensor {
+            let ranks: Vec<usize> = (0..data).map(|d| d * tensor + t).collect();
+            if let Some(made) = world.new_group(&ranks).map_err(comm_error)? {
+                data_group = Some(made);
+            }
+        }
+    }
+    let group = group.expect("every rank is in one tensor-parallel group");
+    Ok(TensorParts { group: TensorGroup::new(group), data: data_group, replicated: Vec::new() })
+}
+
+impl TensorParts {
+    /// Keeps the gradients of `model`'s replicated parameters (after the model is cut).
+    pub(super) fn track(&mut self, model: &dyn Model) {
+        self.replicated = model
+            .params()
+            .entries()
+            .iter()
+            .filter(|e| !model.split_of(&e.name).is_split())
+            .map(|e| e.tensor.grad())
+            .collect();
+    }
+
+    /// The whole model's sum of squared gradients from this rank's `local` sum over its parts:
+    /// the group adds every rank's sum with the replicated parameters' share taken out of all but
+    /// one copy (each rank removes (size - 1) / size of it), in rank order, so every rank gets
+    /// the same bits.
+    pub(super) fn global_sq_sum(&self, local: f64) -> Result<f64, CommError> {
+        let size = self.group.size();
+        let replicated: f64 =
+            self.replicated.iter().map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[])).sum();
+        let mine = local - replicated * (size - 1) as f64 / size as f64;
+        let mut bytes = vec![0u8; 8 * size];
+        let rank = self.group.rank();
+        bytes[8 * rank..8 * rank + 8].copy_from_slice(&mine.to_le_bytes());
+        self.group.communicator().all_gather(&mut bytes)?;
+        Ok(bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).sum())
+    }
+}

@@ -1,0 +1,302 @@
+//! Tensor parallelism in Megatron-LM's form, for the families whose blocks declare their split.
+//!
+//! A block's first matrix of each branch is cut by output rows (column-parallel: attention's q, k
+//! and v by heads, the MLP's inner dimension), its second by input columns (row-parallel), so a
+//! branch runs on this rank's heads or inner slice alone and ends in a partial sum. Two operators
+//! join the ranks of a [`TensorGroup`]:
+//! - `f` at the branch's input: identity forward, the sum of the ranks' input gradients backward.
+//!   tch has no custom autograd functions, so `f` is a cut in the graph: the normed input becomes a
+//!   leaf ([`copy_to_ranks`]) and its backward, a [`CoreBackward`] the block executor calls, sums
+//!   the leaf's gradient over the group and hands it to the graph before.
+//! - `g` at the branch's output: the sum over the group forward, identity backward
+//!   ([`TensorGroup::reduce_from_ranks`]), exact in value: `sum + (t - t.detach())` adds an exact
+//!   zero that carries `t`'s gradient through.
+//!
+//! The token embedding is cut by vocabulary rows (each rank looks up the tokens its rows hold,
+//! zero elsewhere, then `g`), and the head's cross-entropy runs on the vocabulary shard's logits
+//! ([`vocab_parallel_cross_entropy`]): the row maxima, the sums of exponentials and the target's
+//! logit are summed over the group, never the logits themselves. Norms, position embeddings and
+//! biases after a row-parallel matrix are replicated: every rank computes them from the same
+//! values, so their gradients and updates stay identical without a reduction.
+//!
+//! A failed collective inside a forward (a peer that died) cannot return an error through the
+//! model's functions: the group keeps the first failure and returns the tensor unreduced; the
+//! step hooks turn it into the run's error before the optimizer (`TensorGroup::take_failure`).
+
+use std::sync::{Arc, Mutex};
+
+use stoke_comm::{shard_range, CommError, Communicator, CommunicatorExt, DType, ReduceOp, Region};
+use tch::{Kind, Tensor};
+
+use crate::models::CoreBackward;
+use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
+use crate::TrainError;
+
+/// How a parameter is cut over the ranks of a tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds the whole tensor.
+    Replicated,
+    /// Dimension 0 is `blocks` equal blocks (a fused q, k, v weight has 3), each cut into the
+    /// ranks' shards by [`shard_range`]; a rank holds its shard of every block, in block order.
+    Rows { blocks: i64 },
+    /// The same along dimension 1 (a row-parallel matrix: its input columns).
+    Cols { blocks: i64 },
+}
+
+impl Split {
+    /// Rank `rank`'s part of `whole` (a new tensor, or `whole` itself when replicated).
+    pub fn cut(self, whole: &Tensor, rank: usize, size: usize) -> Tensor {
+        let (dim, blocks) = match self {
+            Split::Replicated => return whole.shallow_clone(),
+            Split::Rows { blocks } => (0, blocks),
+            Split::Cols { blocks } => (1, blocks),
+        };
+        let block = whole.size()[dim] / blocks;
+        let part = shard_range(block as usize, size, rank);
+        let pieces: Vec<Tensor> =
+            (0..blocks).map(|b| whole.narrow(dim as i64, b * block + part.start as i64, part.len() as i64)).collect();
+        Tensor::cat(&pieces, dim as i64).contiguous()
+    }
+
+    /// The shape of rank `rank`'s part of a tensor of shape `whole`.
+    pub fn local_shape(self, whole: &[i64], rank: usize, size: usize) -> Vec<i64> {
+        let mut shape = whole.to_vec();
+        let (dim, blocks) = match self {
+            Split::Replicated => return shape,
+            Split::Rows { blocks } => (0, blocks),
+            Split::Cols { blocks } => (1, blocks),
+        };
+        shape[dim] = blocks * shard_range((whole[dim] / blocks) as usize, size, rank).len() as i64;
+        shape
+    }
+
+    /// Whether the parameter is cut (its gradients are partial sums of the model's).
+    pub fn is_split(self) -> bool {
+        self != Split::Replicated
+    }
+}
+
+/// Rank `rank` of `size`'s parts of `whole`'s parameters (each cut by `split(name)`), in new flat
+/// buffers laid out unit by unit as before, each with its learning-rate factor. `whole` must hold
+/// every parameter it was built with (nothing frozen or sharded).
+pub fn split_params(
+    whole: &FlatParams,
+    split: &dyn Fn(&str) -> Split,
+    rank: usize,
+    size: usize,
+) -> Result<FlatParams, TrainError> {
+    if !whole.frozen_entries().is_empty() {
+        return Err(TrainError::InvalidConfig {
+            key: "dist.tensor",
+            message: "cannot cut a model with frozen parameters yet (train.freeze, train.lora): keep dist.tensor = 1"
+                .into(),
+        });
+    }
+    let units = whole
+        .units()
+        .iter()
+        .map(|unit| UnitSpec {
+            name: unit.name.clone(),
+            params: whole.entries()[unit.entries.clone()]
+                .iter()
+                .map(|e| ParamSpec {
+                    name: e.name.clone(),
+                    shape: split(&e.name).local_shape(&e.shape, rank, size),
+                    init: Init::Zeros,
+                    decay: e.decay,
+                })
+                .collect(),
+        })
+        .collect();
+    let mut parts = FlatParams::new(units, whole.device());
+    for (from, to) in whole.entries().iter().zip(parts.entries()) {
+        let piece = split(&from.name).cut(&from.tensor.detach(), rank, size);
+        tch::no_grad(|| to.tensor.detach().copy_(&piece));
+    }
+    let scales: std::collections::HashMap<String, f64> =
+        whole.entries().iter().map(|e| (e.name.clone(), e.lr_scale)).collect();
+    parts.set_lr_scales(&|name| scales.get(name).copied().unwrap_or(1.0));
+    Ok(parts)
+}
+
+/// The ranks one model is cut over, and the collectives its forward and backward need.
+pub struct TensorGroup {
+    comm: Box<dyn Communicator>,
+    /// The first collective that failed inside a forward or backward, for the step hooks.
+    failure: Mutex<Option<CommError>>,
+}
+
+impl std::fmt::Debug for TensorGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TensorGroup(rank {} of {})", self.rank(), self.size())
+    }
+}
+
+impl TensorGroup {
+    /// The group over `comm`'s ranks (a sub-group of the job: ranks that hold one model's parts).
+    pub fn new(comm: Box<dyn Communicator>) -> Arc<TensorGroup> {
+        Arc::new(TensorGroup { comm, failure: Mutex::new(None) })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    pub fn communicator(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+
+    /// The first failure of a collective run inside the model, taken (None: none failed).
+    pub fn take_failure(&self) -> Option<CommError> {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    fn fail(&self, error: CommError) {
+        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        failure.get_or_insert(error);
+    }
+
+    /// The sum of `t` over the group, as a new tensor outside any graph (fp32, bf16 or fp16).
+    /// After a failure the tensor is returned unreduced (see the module doc).
+    pub fn all_reduce(&self, t: &Tensor) -> Tensor {
+        let mut out = Tensor::empty(t.size(), (t.kind(), t.device()));
+        tch::no_grad(|| out.copy_(t));
+        if self.size() == 1 {
+            return out;
+        }
+        let dtype = match t.kind() {
+            Kind::Float => DType::F32,
+            Kind::BFloat16 => DType::BF16,
+            Kind::Half => DType::F16,
+            other => panic!("tensor-parallel reductions take fp32, bf16 or fp16, not {other:?}"),
+        };
+        let region = Region::new(out.data_ptr() as *mut u8, out.numel(), dtype);
+        // SAFETY: `out` is a new contiguous tensor that nothing else can see until this returns,
+        // and the work is waited for before it does.
+        let result = unsafe { self.comm.all_reduce_async(region, ReduceOp::Sum) }.and_then(|work| work.wait());
+        if let Err(error) = result {
+            self.fail(error);
+        }
+        out
+    }
+
+    /// `g`: the sum of `t` over the group forward, `t`'s own gradient backward.
+    pub fn reduce_from_ranks(&self, t: &Tensor) -> Tensor {
+        let sum = self.all_reduce(t);
+        let detached = t.detach();
+        sum + (t - detached)
+    }
+
+    /// The row-wise maximum over the group of `[rows]` fp32 values (no graph).
+    fn all_max(&self, t: &Tensor) -> Tensor {
+        let n = t.numel();
+        if self.size() == 1 {
+            return t.detach();
+        }
+        let mut gathered = vec![0f32; n * self.size()];
+        let mine = Vec::<f32>::try_from(t.detach().to_kind(Kind::Float).to_device(tch::Device::Cpu).view([-1]))
+            .expect("a row maximum converts to f32");
+        gathered[n * self.rank()..n * (self.rank() + 1)].copy_from_slice(&mine);
+        if let Err(error) = self.comm.all_gather(&mut gathered) {
+            self.fail(error);
+        }
+        Tensor::from_slice(&gathered)
+            .view([self.size() as i64, n as i64])
+            .amax([0i64].as_slice(), false)
+            .to_device(t.device())
+    }
+}
+
+/// `f` at a column-parallel region's input `x` (part of a graph): the leaf the region runs from,
+/// and the backward that sums the leaf's gradient over the group and hands it to `x`'s graph.
+pub fn copy_to_ranks<'m>(group: &'m TensorGroup, x: &Tensor) -> (Tensor, Box<dyn CoreBackward + 'm>) {
+    let leaf = x.detach().set_requires_grad(true);
+    let backward = SumInputGrads { group, before: x.shallow_clone(), leaf: leaf.shallow_clone() };
+    (leaf, Box::new(backward))
+}
+
+struct SumInputGrads<'m> {
+    group: &'m TensorGroup,
+    before: Tensor,
+    leaf: Tensor,
+}
+
+impl CoreBackward for SumInputGrads<'_> {
+    fn backward(&self) -> (Tensor, Tensor) {
+        (self.before.shallow_clone(), self.group.all_reduce(&self.leaf.grad()))
+    }
+}
+
+/// The rows of the vocabulary rank `rank` of `size` holds.
+pub fn vocab_rows(vocab: usize, rank: usize, size: usize) -> std::ops::Range<i64> {
+    let rows = shard_range(vocab, size, rank);
+    rows.start as i64..rows.end as i64
+}
+
+/// The token embedding cut by vocabulary rows (`wte_local` holds `rows`): every rank looks up the
+/// tokens its rows hold (zero for the others) and the group sums them (`g`).
+pub fn vocab_parallel_embedding(
+    group: &TensorGroup,
+    wte_local: &Tensor,
+    rows: &std::ops::Range<i64>,
+    tokens: &Tensor,
+) -> Tensor {
+    let held = tokens.ge(rows.start).logical_and(&tokens.lt(rows.end));
+    let local_ids = (tokens - rows.start) * held.to_kind(Kind::Int64);
+    let looked_up =
+        Tensor::embedding(wte_local, &local_ids, -1, false, false) * held.unsqueeze(-1).to_kind(wte_local.kind());
+    group.reduce_from_ranks(&looked_up)
+}
+
+/// The mean cross-entropy of `[rows, vocab_local]` logits (this rank's vocabulary `rows`) against
+/// `[rows]` global targets (-100 skipped), with the same value on every rank and the gradient of
+/// this rank's logits, without gathering the logits: the row maximum, the sum of exponentials
+/// and the target's logit are reduced over the group.
+pub fn vocab_parallel_cross_entropy(
+    group: &TensorGroup,
+    logits: &Tensor,
+    rows: &std::ops::Range<i64>,
+    targets: &Tensor,
+) -> Tensor {
+    let logits = logits.to_kind(Kind::Float);
+    let max = group.all_max(&logits.detach().amax([-1i64].as_slice(), false));
+    let shifted = logits - max.unsqueeze(-1);
+    let sum_exp = group.reduce_from_ranks(&shifted.exp().sum_dim_intlist([-1i64].as_slice(), false, Kind::Float));
+    let held = targets.ge(rows.start).logical_and(&targets.lt(rows.end));
+    let local_targets = ((targets - rows.start) * held.to_kind(Kind::Int64)).unsqueeze(-1);
+    let picked = shifted.gather(-1, &local_targets, false).squeeze_dim(-1) * held.to_kind(Kind::Float);
+    let target_logit = group.reduce_from_ranks(&picked);
+    let valid = targets.ne(-100).to_kind(Kind::Float);
+    let per_row = (sum_exp.log() - target_logit) * &valid;
+    per_row.sum(Kind::Float) / valid.sum(Kind::Float)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cut_blocks_by_rank_and_join_back_whole() {
+        // A fused q, k, v weight of 3 blocks of 4 rows over 2 ranks: each rank holds rows 0-1 or
+        // 2-3 of each block.
+        let whole = Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).view([12, 2]);
+        let split = Split::Rows { blocks: 3 };
+        let parts: Vec<Tensor> = (0..2).map(|r| split.cut(&whole, r, 2)).collect();
+        assert_eq!(parts[0].size(), split.local_shape(&[12, 2], 0, 2));
+        let rows = |t: &Tensor| Vec::<f32>::try_from(t.select(1, 0)).unwrap();
+        assert_eq!(rows(&parts[0]), [0.0, 2.0, 8.0, 10.0, 16.0, 18.0]);
+        assert_eq!(rows(&parts[1]), [4.0, 6.0, 12.0, 14.0, 20.0, 22.0]);
+        let cols = Split::Cols { blocks: 1 };
+        let joined = Tensor::cat(&[cols.cut(&whole.tr(), 0, 2), cols.cut(&whole.tr(), 1, 2)], 1);
+        assert_eq!(joined.size(), [2, 12]);
+        assert!(Split::Replicated.cut(&whole, 1, 2).equal(&whole));
+        // Uneven vocabularies: the longer shard last, as everywhere shards are cut.
+        assert_eq!(vocab_rows(5, 0, 2), 0..2);
+        assert_eq!(vocab_rows(5, 1, 2), 2..5);
+    }
+}
