@@ -208,7 +208,7 @@ fn wait_until(w: &mut Child, deadline: Instant, rank: usize) -> std::process::Ex
 /// Adds `mpirun`'s flags for this machine: more ranks than cores, root in CI containers, and a
 /// temporary directory of its own under `session` (Open MPI's default, ompi.<host>.<uid> in the temp folder, is
 /// created racily when two MPI jobs start at once: "mkdir ... File exists").
-fn mpirun(np: &str, session: &Path) -> Command {
+pub(crate) fn mpirun(np: &str, session: &Path) -> Command {
     let mut cmd = Command::new("timeout");
     cmd.env("OMPI_MCA_orte_tmpdir_base", session);
     cmd.args(["300", "mpirun", "-np", np, "--oversubscribe"]);

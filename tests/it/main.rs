@@ -25,6 +25,7 @@ mod s3;
 mod sched;
 mod sched_serve;
 mod sched_slurm;
+mod tensor;
 mod train;
 mod vla;
 mod zero;

@@ -664,8 +664,9 @@ impl StepHooks for DataParallel {
         Ok(value[0] as f64)
     }
 
+    /// With a cut model, the model's own collectives (inside forward and backward) too.
     fn take_comm_ms(&mut self) -> f64 {
-        std::mem::take(&mut self.comm_ms)
+        std::mem::take(&mut self.comm_ms) + self.tensor.as_ref().map_or(0.0, |t| t.group.take_comm_ms())
     }
 
     /// A stop signal on any rank stops every rank after the same step (one 4-byte all-reduce per

@@ -23,7 +23,9 @@
 //! model's functions: the group keeps the first failure and returns the tensor unreduced; the
 //! step hooks turn it into the run's error before the optimizer (`TensorGroup::take_failure`).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use stoke_comm::{shard_range, CommError, Communicator, CommunicatorExt, DType, ReduceOp, Region};
 use tch::{Kind, Tensor};
@@ -125,6 +127,9 @@ pub struct TensorGroup {
     comm: Box<dyn Communicator>,
     /// The first collective that failed inside a forward or backward, for the step hooks.
     failure: Mutex<Option<CommError>>,
+    /// Nanoseconds spent in the group's collectives since `take_comm_ms` (all exposed: the
+    /// model waits for each).
+    comm_ns: AtomicU64,
 }
 
 impl std::fmt::Debug for TensorGroup {
@@ -136,7 +141,7 @@ impl std::fmt::Debug for TensorGroup {
 impl TensorGroup {
     /// The group over `comm`'s ranks (a sub-group of the job: ranks that hold one model's parts).
     pub fn new(comm: Box<dyn Communicator>) -> Arc<TensorGroup> {
-        Arc::new(TensorGroup { comm, failure: Mutex::new(None) })
+        Arc::new(TensorGroup { comm, failure: Mutex::new(None), comm_ns: AtomicU64::new(0) })
     }
 
     pub fn rank(&self) -> usize {
@@ -154,6 +159,18 @@ impl TensorGroup {
     /// The first failure of a collective run inside the model, taken (None: none failed).
     pub fn take_failure(&self) -> Option<CommError> {
         self.failure.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Milliseconds the model waited on the group's collectives since the last call.
+    pub fn take_comm_ms(&self) -> f64 {
+        self.comm_ns.swap(0, Ordering::Relaxed) as f64 / 1e6
+    }
+
+    fn timed<T>(&self, op: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = op();
+        self.comm_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        out
     }
 
     fn fail(&self, error: CommError) {
@@ -178,7 +195,8 @@ impl TensorGroup {
         let region = Region::new(out.data_ptr() as *mut u8, out.numel(), dtype);
         // SAFETY: `out` is a new contiguous tensor that nothing else can see until this returns,
         // and the work is waited for before it does.
-        let result = unsafe { self.comm.all_reduce_async(region, ReduceOp::Sum) }.and_then(|work| work.wait());
+        let result =
+            self.timed(|| unsafe { self.comm.all_reduce_async(region, ReduceOp::Sum) }.and_then(|work| work.wait()));
         if let Err(error) = result {
             self.fail(error);
         }
@@ -202,7 +220,7 @@ impl TensorGroup {
         let mine = Vec::<f32>::try_from(t.detach().to_kind(Kind::Float).to_device(tch::Device::Cpu).view([-1]))
             .expect("a row maximum converts to f32");
         gathered[n * self.rank()..n * (self.rank() + 1)].copy_from_slice(&mine);
-        if let Err(error) = self.comm.all_gather(&mut gathered) {
+        if let Err(error) = self.timed(|| self.comm.all_gather(&mut gathered)) {
             self.fail(error);
         }
         Tensor::from_slice(&gathered)
