@@ -538,14 +538,6 @@ impl StokeConfig {
                 ),
             );
         }
-        if self.ckpt.every > 0 || self.ckpt.at_end {
-            return invalid(
-                "dist.tensor",
-                format!(
-                    "is {tensor}, and a cut model's checkpoint is not written yet: set ckpt.every = 0 and ckpt.at_end = false"
-                ),
-            );
-        }
         Ok(())
     }
 

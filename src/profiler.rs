@@ -88,6 +88,8 @@ pub struct Profiler {
     run_dir: Option<PathBuf>,
     rank: usize,
     world_size: usize,
+    /// The ranks one model is cut over (`dist.tensor`): they train the same rows.
+    tensor: usize,
     name: String,
     peaks: Peaks,
     facts: Option<RunFacts>,
@@ -189,6 +191,7 @@ impl Profiler {
             run_dir: run_dir.map(Path::to_path_buf),
             rank,
             world_size,
+            tensor: 1,
             name: name.to_string(),
             peaks,
             facts: None,
@@ -454,6 +457,11 @@ impl Profiler {
         self.environment = Some(environment);
     }
 
+    /// The ranks one model is cut over (`dist.tensor`), whose tokens the job's rate counts once.
+    pub fn set_tensor(&mut self, tensor: usize) {
+        self.tensor = tensor.max(1);
+    }
+
     /// What this rank sends rank 0 at the end of a data-parallel run: its own report's summary, and
     /// its steps when the trace is on.
     pub fn rank_report(&self) -> RankStepReport {
@@ -514,7 +522,7 @@ impl Profiler {
             let summaries = std::iter::once(RankSummary::of(self.rank, &report))
                 .chain(others.into_iter().filter_map(|other| other.summary))
                 .collect();
-            merge_ranks(&mut report, self.world_size, summaries, self.clock_offsets.clone(), &self.config);
+            merge_ranks(&mut report, self.world_size, self.tensor, summaries, self.clock_offsets.clone(), &self.config);
             if let Some(ranks) = report.ranks.as_mut() {
                 ranks.memory = memory;
             }

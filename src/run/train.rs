@@ -46,14 +46,15 @@ impl RunSpec<'_> {
         let resumed_step = self.resume.as_ref().map(|r| r.loaded.manifest.step);
         // `_lock` keeps the run folder locked until training returns.
         let RunSpec { config, run_dir, resume, progress, overhead_block, extra, lock: _lock, local: _ } = self;
-        let restored = restore(&config, resume, &mut trainer, source.as_mut(), rank, world_size)?;
-        // A cut model: each rank keeps its parts (`dist.tensor`).
+        // A cut model: each rank keeps its parts (`dist.tensor`); a checkpoint holds whole
+        // tensors, which the restore cuts, so any layout resumes from any other's.
         if let Some(dist) = dist.as_deref_mut() {
             if let Some(group) = dist.tensor_group() {
                 trainer.split_tensor(group)?;
                 dist.track_cut_model(&trainer);
             }
         }
+        let restored = restore(&config, resume, &mut trainer, source.as_mut(), rank, data_world)?;
         if let Some(dist) = dist.as_deref_mut() {
             set_up(&config, dist, &mut trainer, restored.residuals)?;
             if rank != 0 {
@@ -92,6 +93,9 @@ impl Rank0 {
         let Rank0 { mut trainer, mut source, device, resumed_step, resume_stats } = self;
         let mut extra = MaybeObserver(extra);
         let (rank, world_size) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world_size()));
+        // The checkpoint's `world_size` counts the copies of the model (the ranks reading
+        // different rows), which the global batch depends on; `tensor` the ranks one is cut over.
+        let (data_world, tensor) = dist.as_ref().map_or((1, 1), |d| (d.data_rank().1, world_size / d.data_rank().1));
         // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
         let peaks = Peaks::measure(device)?;
         let environment = crate::environment::Environment::capture().to_json();
@@ -101,7 +105,8 @@ impl Rank0 {
             .with_context(|| format!("cannot write {}", environment_path.display()))?;
         let meta = serde_json::json!({
             "config_toml": config.to_toml(),
-            "world_size": world_size,
+            "world_size": data_world,
+            "tensor": tensor,
             "environment": environment,
         });
         let store = checkpoint_store(config, run_dir, rank, world_size)?;
@@ -115,6 +120,7 @@ impl Rank0 {
         let mut metrics = MetricsWriter::create(&run_dir.join("metrics.jsonl"), resumed_step)?;
         let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks, rank, world_size)?;
         profiler.set_environment(environment);
+        profiler.set_tensor(tensor);
         let mut bar = Progress::new(progress);
         let mut heartbeat = Heartbeat::from_env(rank);
         let mut no_hooks = NoHooks;

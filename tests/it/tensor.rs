@@ -1,12 +1,14 @@
 //! Tensor parallelism with real processes over loopback: a `gpt-rms` model cut over 2 and 4
 //! ranks, and over 2 ranks with data parallelism over 2 copies, follows one process's fp32
 //! losses within 1e-5 over 20 steps (with the gradient clip biting too), under `stoke launch`
-//! and `mpirun`; what a cut model does not run with yet is refused at start, naming the key.
+//! and `mpirun`; a cut model's checkpoint holds whole tensors and resumes on one process, on
+//! two data-parallel ranks and cut again with the uninterrupted losses; what a cut model does
+//! not run with yet is refused at start, naming the key.
 
 use std::path::Path;
 
 use crate::dist::{assert_same_trajectory, family_reference_losses, overrides, refs};
-use crate::{run_ok, stoke};
+use crate::{losses, run_ok, stoke};
 
 const RMS: (&str, &[&str]) = ("gpt-rms", &["model.family=\"gpt-rms\""]);
 
@@ -90,7 +92,6 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
             "dist.tensor",
             "declares no tensor-parallel split",
         ),
-        ("2", &["model.family=\"gpt-rms\"", "dist.tensor=2"], "dist.tensor", "ckpt.every = 0"),
         (
             "2",
             &["model.family=\"gpt-rms\"", "dist.tensor=3", "ckpt.every=0", "ckpt.at_end=false"],
@@ -126,4 +127,56 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
         assert!(!out.status.success(), "case {i} ran: {stderr}");
         assert!(stderr.contains(key) && stderr.contains(why), "case {i}: want {key:?} and {why:?} in:\n{stderr}");
     }
+}
+
+/// A cut model's checkpoint holds the whole tensors, written as one process's would be: a run cut
+/// over 2 ranks stops at step 10 with a checkpoint, and copies of its folder resume on one
+/// process, on 2 data-parallel ranks and cut over 2 ranks again, each with the losses of one
+/// uninterrupted process (the global batch of 6 rows kept by accumulation).
+#[test]
+fn a_cut_models_checkpoint_resumes_on_any_layout_with_the_uninterrupted_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let batch: &[&str] = &["train.micro_batch=3", "train.global_batch=6", "ckpt.every=0"];
+    let mut family = RMS.1.to_vec();
+    family.extend_from_slice(batch);
+    let one = overrides(dir.path(), "one", &[&family[..], &["train.steps=20"]].concat());
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
+    let reference = losses(&dir.path().join("one"));
+    // Cut over 2 ranks for 10 of the schedule's 20 steps, checkpointed at the end.
+    let first = [&family[..], &["dist.tensor=2", "train.steps=10", "train.lr_horizon=20", "ckpt.at_end=true"]].concat();
+    launch("2", &overrides(dir.path(), "cut", &first));
+    let checkpoint = dir.path().join("cut/checkpoints/step-10");
+    let manifest = std::fs::read_to_string(checkpoint.join("manifest.json")).unwrap();
+    assert!(manifest.contains("\"tensor\": 2") || manifest.contains("\"tensor\":2"), "{manifest}");
+    // The checkpoint's tensors are whole: the vocabulary's 256 rows, q, k and v of every head.
+    run_ok(&mut stoke(&["ckpt", "verify", checkpoint.to_str().unwrap()], &[]));
+    let bytes = std::fs::read(checkpoint.join("model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let shape = |name: &str| header[name]["shape"].clone();
+    assert_eq!(shape("transformer.wte.weight"), serde_json::json!([256, 64]));
+    assert_eq!(shape("transformer.h.0.attn.c_attn.weight"), serde_json::json!([192, 64]));
+    assert_eq!(shape("transformer.h.1.mlp.c_proj.weight"), serde_json::json!([64, 256]));
+    for (name, nproc, tensor) in [("on-one", "1", "1"), ("on-data-2", "2", "1"), ("cut-again", "2", "2")] {
+        let folder = dir.path().join(name);
+        copy_dir(&dir.path().join("cut"), &folder);
+        let tensor = format!("dist.tensor={tensor}");
+        let args = overrides(dir.path(), name, &[&family[..], &["train.steps=20", &tensor]].concat());
+        let out = if nproc == "1" {
+            run_ok(&mut stoke(&["train", "--quiet", "--resume"], &refs(&args)))
+        } else {
+            run_ok(&mut stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet", "--resume"], &refs(&args)))
+        };
+        let got = losses(&folder);
+        assert_eq!(got.len(), 20, "{name}: {got:?}\n{}", String::from_utf8_lossy(&out.stderr));
+        for (&(step, want), &(_, loss)) in reference.iter().zip(&got) {
+            let rel = (loss - want).abs() / want.abs();
+            assert!(rel <= 1e-5, "{name}, step {step}: {loss} against one uninterrupted process's {want}");
+        }
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let status = std::process::Command::new("cp").arg("-r").arg(from).arg(to).status().unwrap();
+    assert!(status.success(), "cp -r {} {}", from.display(), to.display());
 }

@@ -408,7 +408,7 @@ mod tests {
         let mut slow = crate::RankSummary::of(1, &report);
         slow.busy_ms = 9.5;
         slow.comm_exposed_ms = 0.5;
-        crate::merge_ranks(&mut report, 2, vec![fast, slow], Vec::new(), &ProfConfig::default());
+        crate::merge_ranks(&mut report, 2, 1, vec![fast, slow], Vec::new(), &ProfConfig::default());
         let html = render_html(&report, &steps).unwrap();
         for text in
             ["<h2>Ranks</h2>", "slowest rank <b>1</b>", "<td class=\"l\">rank 1</td><td>10.00</td>", ">straggler<"]

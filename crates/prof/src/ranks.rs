@@ -36,10 +36,12 @@ impl RankSummary {
 
 /// Adds the `ranks` section to rank 0's `report` from every rank's summary (rank 0's included) and,
 /// when the slowest rank's busy time exceeds the median rank's by more than
-/// `config.straggler_min`, the `straggler` finding (findings re-sorted by bound).
+/// `config.straggler_min`, the `straggler` finding (findings re-sorted by bound). `tensor`: the
+/// ranks one model is cut over (tensor parallelism), which train the same rows.
 pub fn merge_ranks(
     report: &mut RunReport,
     world_size: usize,
+    tensor: usize,
     mut ranks: Vec<RankSummary>,
     clock_offsets: Vec<ClockOffset>,
     config: &ProfConfig,
@@ -83,11 +85,12 @@ pub fn merge_ranks(
         ));
         sort_by_bound(&mut report.findings);
     }
-    // The job's rates: every rank trains its own rows in the same steps, so the job's rate is the
-    // sum of the ranks'; ranks that sent no summary count at the reporting ranks' mean.
+    // The job's rates: every copy of the model trains its own rows in the same steps, so the job's
+    // rate is the sum of the ranks' over the ranks of a copy; ranks that sent no summary count at
+    // the reporting ranks' mean.
     let reported: f64 = ranks.iter().map(|r| r.tokens_per_s).sum();
     if reported > 0.0 && report.tokens_per_s > 0.0 {
-        let job = reported * world_size as f64 / ranks.len() as f64;
+        let job = reported * world_size as f64 / ranks.len() as f64 / tensor.max(1) as f64;
         let scale = job / report.tokens_per_s;
         report.rank0 = Some(crate::report::RankRates {
             tokens_per_s: report.tokens_per_s,
@@ -153,7 +156,7 @@ mod tests {
         let mut report = build_report(&facts, &steps, 0, 0.0, &ProfConfig::default());
         // Arrival order is not rank order.
         let ranks: Vec<RankSummary> = busy.iter().enumerate().rev().map(|(r, &b)| summary(r, b, 20.0)).collect();
-        merge_ranks(&mut report, busy.len(), ranks, Vec::new(), &ProfConfig::default());
+        merge_ranks(&mut report, busy.len(), 1, ranks, Vec::new(), &ProfConfig::default());
         let section = report.ranks.as_ref().unwrap();
         assert_eq!(section.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(), (0..busy.len()).collect::<Vec<_>>());
         assert_eq!((section.slowest_rank, section.median_rank), (expected_slowest, expected_median));
@@ -192,7 +195,7 @@ mod tests {
         assert!(rate > 0.0 && mfu > 0.0 && (samples - rate / 32.0).abs() < 1e-9);
         // Three ranks each as fast as rank 0; one of four never reported.
         let ranks = (0..3).map(|r| RankSummary { tokens_per_s: rate, ..summary(r, 20.0, 20.0) }).collect();
-        merge_ranks(&mut report, 4, ranks, Vec::new(), &ProfConfig::default());
+        merge_ranks(&mut report, 4, 1, ranks, Vec::new(), &ProfConfig::default());
         assert!((report.tokens_per_s - 4.0 * rate).abs() < 1e-6 * rate, "{} vs {rate}", report.tokens_per_s);
         assert!((report.samples_per_s - 4.0 * samples).abs() < 1e-6 * samples);
         // The job's MFU is against four ranks' peaks: the same as each rank's.

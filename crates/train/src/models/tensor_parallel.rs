@@ -210,6 +210,48 @@ impl TensorGroup {
         sum + (t - detached)
     }
 
+    /// The whole tensor from every rank's fp32 part `local`, cut by `split` (a checkpoint's
+    /// tensor). Collective over the group; the result is in host memory.
+    pub fn gather_whole(&self, split: Split, local: &Tensor) -> Result<Tensor, CommError> {
+        let (dim, blocks) = match split {
+            Split::Replicated => return Ok(local.shallow_clone()),
+            Split::Rows { blocks } => (0usize, blocks),
+            Split::Cols { blocks } => (1usize, blocks),
+        };
+        let (n, rank) = (self.size(), self.rank());
+        let local = local.detach().to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous();
+        let shape = local.size();
+        let mut extents = vec![0u8; 8 * n];
+        extents[8 * rank..8 * rank + 8].copy_from_slice(&(shape[dim] as u64).to_le_bytes());
+        self.comm.all_gather(&mut extents)?;
+        let extents: Vec<i64> =
+            extents.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as i64).collect();
+        let across = local.numel() as i64 / shape[dim].max(1);
+        let room = (extents.iter().copied().max().unwrap_or(0) * across) as usize;
+        let mut all = vec![0f32; room * n];
+        let mine = Vec::<f32>::try_from(local.view([-1])).expect("an fp32 part converts");
+        all[room * rank..room * rank + mine.len()].copy_from_slice(&mine);
+        self.comm.all_gather(&mut all)?;
+        let parts: Vec<Tensor> = (0..n)
+            .map(|r| {
+                let mut part_shape = shape.clone();
+                part_shape[dim] = extents[r];
+                Tensor::from_slice(&all[room * r..room * r + (extents[r] * across) as usize])
+                    .view(part_shape.as_slice())
+            })
+            .collect();
+        // Block b of the whole is every rank's block b in rank order.
+        let whole_blocks: Vec<Tensor> = (0..blocks)
+            .flat_map(|b| {
+                parts.iter().zip(&extents).map(move |(part, &extent)| {
+                    let per_block = extent / blocks;
+                    part.narrow(dim as i64, b * per_block, per_block)
+                })
+            })
+            .collect();
+        Ok(Tensor::cat(&whole_blocks, dim as i64))
+    }
+
     /// The row-wise maximum over the group of `[rows]` fp32 values (no graph).
     fn all_max(&self, t: &Tensor) -> Tensor {
         let n = t.numel();

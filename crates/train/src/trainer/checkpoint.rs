@@ -9,6 +9,19 @@ use crate::snapcopy::PendingCopy;
 use crate::TrainError;
 
 use super::state::Trainer;
+use crate::models::Model;
+
+/// A checkpoint tensor: its file's stem, its name, its shape, its values.
+pub(super) type WholeTensor = (&'static str, String, Vec<i64>, Tensor);
+
+/// A checkpoint's tensor as a cut model holds it: this rank's part of a whole `values` of
+/// parameter `param` (itself when the model is not cut or the tensor is not split).
+fn cut_for_this_rank(model: &dyn Model, param: &str, values: Tensor) -> Tensor {
+    match model.tensor_group() {
+        Some(group) => model.split_of(param).cut(&values, group.rank(), group.size()),
+        None => values,
+    }
+}
 
 /// Where checkpoints go and what the caller wants stored with each (for example the resolved
 /// config). The writer decides how (in the background or not, host buffers, retention).
@@ -118,7 +131,10 @@ impl Trainer {
                     .iter()
                     .find(|r| r.name == entry.name)
                     .ok_or_else(|| mismatch(format!("no tensor {:?}", entry.name)))?;
-                let (shape, values) = f32_tensor(record)?;
+                let (_, values) = f32_tensor(record)?;
+                // A whole tensor into a cut model: this rank's part.
+                let values = cut_for_this_rank(self.model.as_ref(), &entry.name, values);
+                let shape = values.size();
                 if shape != entry.shape {
                     return Err(mismatch(format!(
                         "tensor {:?} has shape {shape:?}, the model wants {:?}",
@@ -130,11 +146,16 @@ impl Trainer {
             Ok(())
         })?;
         let mut bad_record = None;
+        let model = self.model.as_ref();
         self.optimizer
             .load_state(params, optimizer_steps, |name| {
                 let record = optim_file.iter().find(|r| r.name == name)?;
                 match f32_tensor(record) {
-                    Ok(found) => Some(found),
+                    Ok((_, values)) => {
+                        let param = name.rsplit_once('.').map_or(name, |(param, _)| param);
+                        let values = cut_for_this_rank(model, param, values);
+                        Some((values.size(), values))
+                    }
                     Err(err) => {
                         bad_record = Some(err);
                         None
@@ -166,6 +187,31 @@ impl Trainer {
         Ok(data_position)
     }
 
+    /// A cut model's state made whole for a checkpoint, as one process's would be: every split
+    /// parameter and its optimizer state gathered over the tensor-parallel group, so any layout
+    /// resumes from it. Collective: every rank of the group calls it at the same checkpoints.
+    /// None for a model that is not cut.
+    pub(super) fn whole_state(&self) -> Result<Option<Vec<WholeTensor>>, TrainError> {
+        let Some(group) = self.model.tensor_group() else { return Ok(None) };
+        let params = self.model.params();
+        let model = params.entries().iter().map(|e| ("model", e.name.clone(), e.name.clone(), e.tensor.detach()));
+        let optim = self.optimizer.state_tensors(params).into_iter().map(|s| {
+            let param = s.name.rsplit_once('.').map_or(s.name.as_str(), |(param, _)| param).to_string();
+            ("optim", s.name, param, s.tensor)
+        });
+        let gathered = model.chain(optim).map(|(stem, name, param, tensor)| {
+            let whole =
+                group.gather_whole(self.model.split_of(&param), &tensor).map_err(|source| TrainError::Comm {
+                    rank: group.rank(),
+                    world_size: group.size(),
+                    op: "gather a cut model's checkpoint",
+                    source,
+                })?;
+            Ok((stem, name, whole.size(), whole))
+        });
+        gathered.collect::<Result<Vec<_>, TrainError>>().map(Some)
+    }
+
     /// Copies the state into a host buffer: the part of a checkpoint the step must wait for.
     /// `shard`: the ZeRO shard this rank's optimizer runs on; then the snapshot holds this rank's
     /// pieces of every parameter and optimizer tensor (`Snapshot::piece`, a sharded writer), which
@@ -174,6 +220,7 @@ impl Trainer {
     /// `defer` (an unsharded snapshot only): when every tensor can be (`snapcopy::can_defer`), their rooms are taken but not
     /// filled, and the tensors are returned for a `PendingCopy`; otherwise they are copied now and
     /// nothing is returned.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn snapshot_into(
         &self,
         snapshot: &mut Snapshot,
@@ -181,6 +228,7 @@ impl Trainer {
         data_position: u64,
         shard: Option<&FlatParams>,
         defer: bool,
+        whole: Option<Vec<WholeTensor>>,
     ) -> Vec<(String, String, Tensor)> {
         let mut deferred = Vec::new();
         let params = self.model.params();
@@ -218,6 +266,11 @@ impl Trainer {
                         self.optimizer.state_tensors(params).into_iter().map(|s| ("optim", s.name, s.shape, s.tensor)),
                     )
                     .collect();
+                // A cut model's tensors gathered whole (fresh tensors: nothing to defer for).
+                let (sources, defer) = match whole {
+                    Some(whole) => (whole, false),
+                    None => (sources, defer),
+                };
                 let defer = defer && sources.iter().all(|(_, _, _, t)| crate::snapcopy::can_defer(t));
                 if defer {
                     // The first snapshots into a buffer fault its pages in: the copy beside the step does.

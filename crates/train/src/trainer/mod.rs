@@ -477,14 +477,8 @@ impl Trainer {
                     return Err(self.stop_non_finite(caught, step_number, checkpoints, observers)?);
                 }
             }
-            if checkpoint_now && checkpoints.is_some() && self.model.tensor_group().is_some() {
-                return Err(TrainError::InvalidConfig {
-                    key: "dist.tensor",
-                    message: "cuts the model over ranks, whose checkpoint (the parts gathered whole) is not written \
-                              yet: set ckpt.every = 0 and ckpt.at_end = false"
-                        .into(),
-                });
-            }
+            // A cut model's parts gathered whole, on every rank of its group.
+            let whole = if checkpoint_now { self.whole_state()? } else { None };
             // A sharded run: every rank writes its own pieces and residuals (a sharded writer).
             let extras = if checkpoint_now { hooks.checkpoint_extras(self.sharded)? } else { Vec::new() };
             if let Some(target) = checkpoints.as_deref_mut().filter(|_| checkpoint_now) {
@@ -504,7 +498,7 @@ impl Trainer {
                 // background one (a synchronous save is the step's stall anyway).
                 let last = step_number == self.train.steps || interrupted || early_stopped;
                 let defer = self.ckpt.overlap && target.writer.config().background && !last;
-                let deferred = self.snapshot_into(&mut snapshot, &target.meta, source.position(), shard, defer);
+                let deferred = self.snapshot_into(&mut snapshot, &target.meta, source.position(), shard, defer, whole);
                 for (name, values) in &extras {
                     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
                     snapshot.tensor("dist", name, DType::F32, &[values.len()]).copy_from_slice(&bytes);
