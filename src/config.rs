@@ -518,27 +518,19 @@ impl StokeConfig {
         Ok(config)
     }
 
-    /// `dist.tensor`: what a cut model runs with so far.
+    /// `dist.tensor`: at least 1, and above 1 a family that declares its split.
     fn check_tensor_parallel(&self) -> Result<(), ConfigError> {
-        let tensor = self.dist.tensor;
-        let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.into(), message });
-        if tensor == 0 {
-            return invalid("dist.tensor", "must be at least 1".into());
-        }
-        if tensor == 1 {
-            return Ok(());
-        }
-        if !stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&self.model.family.as_str()) {
-            return invalid(
-                "dist.tensor",
-                format!(
-                    "is {tensor}, but model.family {:?} declares no tensor-parallel split (those that do: {})",
-                    self.model.family,
-                    stoke_train::TENSOR_PARALLEL_FAMILIES.join(", ")
-                ),
-            );
-        }
-        Ok(())
+        let (tensor, family, families) = (self.dist.tensor, &self.model.family, stoke_train::TENSOR_PARALLEL_FAMILIES);
+        let message = match tensor {
+            0 => "must be at least 1".to_string(),
+            1 => return Ok(()),
+            _ if families.contains(&family.as_str()) => return Ok(()),
+            _ => format!(
+                "is {tensor}, but model.family {family:?} declares no tensor-parallel split (those that do: {})",
+                families.join(", ")
+            ),
+        };
+        Err(ConfigError::Invalid { key: "dist.tensor".into(), message })
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {

@@ -11,12 +11,18 @@ use crate::dist::{assert_same_trajectory, family_reference_losses, overrides, re
 use crate::{losses, run_ok, stoke};
 
 const RMS: (&str, &[&str]) = ("gpt-rms", &["model.family=\"gpt-rms\""]);
+/// Grouped-query attention: 4 query heads, 2 key/value heads, one of each per rank.
+const LLAMA: (&str, &[&str]) = ("llama", &["model.family=\"llama\"", "model.n_kv_head=2"]);
 
-/// A cut model's checkpoint is not written yet.
+/// These runs compare losses only (checkpoints have a test of their own below).
 const NO_CHECKPOINTS: &[&str] = &["ckpt.every=0", "ckpt.at_end=false"];
 
 fn cut_run(dir: &Path, name: &str, extra: &[&str]) -> Vec<String> {
-    let mut all: Vec<&str> = RMS.1.to_vec();
+    family_cut_run(RMS, dir, name, extra)
+}
+
+fn family_cut_run((_, family): (&str, &[&str]), dir: &Path, name: &str, extra: &[&str]) -> Vec<String> {
+    let mut all: Vec<&str> = family.to_vec();
     all.extend(["train.steps=20"]);
     all.extend_from_slice(NO_CHECKPOINTS);
     all.extend_from_slice(extra);
@@ -42,6 +48,17 @@ fn a_model_cut_over_two_and_four_ranks_and_two_by_two_follows_one_process() {
     let out = launch("4", &args);
     assert!(String::from_utf8_lossy(&out.stdout).contains("the model cut over 2 ranks, 2 copies"));
     assert_same_trajectory(&reference, &dir.path().join("t2d2"), "tensor 2 x data 2", &out);
+}
+
+/// Llama's blocks cut over 2 ranks: query and key/value heads, SwiGLU's inner slice, an untied
+/// vocabulary-parallel head.
+#[test]
+fn a_llama_cut_over_two_ranks_follows_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = family_reference_losses(dir.path(), LLAMA);
+    let args = family_cut_run(LLAMA, dir.path(), "llama-t2", &["dist.tensor=2", "train.micro_batch=6"]);
+    let out = launch("2", &args);
+    assert_same_trajectory(&reference, &dir.path().join("llama-t2"), "llama, tensor 2", &out);
 }
 
 /// A clip that bites on every step: the norm it divides by is the whole model's, its cut
@@ -116,6 +133,18 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
             &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.zero=1", "ckpt.every=0", "ckpt.at_end=false"],
             "dist.zero",
             "does not run with yet",
+        ),
+        (
+            "2",
+            &["model.family=\"llama\"", "model.n_kv_head=1", "dist.tensor=2"],
+            "dist.tensor",
+            "does not divide model.n_kv_head = 1",
+        ),
+        (
+            "2",
+            &["model.family=\"llama\"", "model.n_kv_head=2", "dist.tensor=2", "train.lora.rank=4"],
+            "dist.tensor",
+            "frozen parameters",
         ),
     ];
     for (i, (nproc, extra, key, why)) in cases.iter().enumerate() {

@@ -15,6 +15,7 @@ mod gpt_rms;
 mod hf;
 mod llama;
 mod seam;
+mod tensor_group;
 mod tensor_parallel;
 mod vla;
 
@@ -32,7 +33,7 @@ pub use llama::Llama;
 pub use seam::{
     Branch, BranchBackward, ByHand, CoreBackward, EpisodeInputs, HeadBackward, HeadLoss, Inputs, Model, Norm,
 };
-pub use tensor_parallel::{Split, TensorGroup};
+pub use tensor_group::{Split, TensorGroup};
 pub use vla::Vla;
 
 /// A model of the family `model.family` names, with the kernels and casts `train` asks for (their

@@ -7,7 +7,7 @@ use tch::Tensor;
 
 use crate::config::GptShape;
 use crate::kernels::LayerNormStats;
-use crate::models::tensor_parallel::{Split, TensorGroup};
+use crate::models::tensor_group::{Split, TensorGroup};
 use crate::params::FlatParams;
 use crate::TrainError;
 

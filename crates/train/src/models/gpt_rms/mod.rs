@@ -10,7 +10,6 @@
 //! embedding (and so the tied head) by vocabulary rows. Cut over a group, it runs each branch
 //! on its heads or inner slice between the `f` and `g` of `tensor_parallel`, through `ByHand`.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
@@ -18,8 +17,9 @@ use tch::{Device, Kind, Tensor};
 use crate::config::{GptShape, Precision};
 use crate::kernels::LayerNormStats;
 use crate::models::embedding::{embed, embedding_unit};
-use crate::models::tensor_parallel::{self, Split, TensorGroup};
-use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, HeadBackward, HeadLoss, Inputs, Model, Norm};
+use crate::models::tensor_group::{Split, TensorGroup};
+use crate::models::tensor_parallel::Cut;
+use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
@@ -45,8 +45,8 @@ pub struct GptRms {
     ln_f: Tensor,
     /// The MLP's GELU is the tanh approximation (`model.gelu = "tanh"`).
     tanh_gelu: bool,
-    /// Once cut (`Model::split_tensor`): the group, and the vocabulary rows this rank holds.
-    tensor: Option<(Arc<TensorGroup>, Range<i64>)>,
+    /// Once cut (`Model::split_tensor`).
+    tensor: Option<Cut>,
 }
 
 /// One block's parameters.
@@ -173,15 +173,10 @@ impl GptRms {
         x * (mean_square + RMS_NORM_EPS).rsqrt() * scale
     }
 
-    /// The group's size (1 when not cut).
-    fn ranks(&self) -> i64 {
-        self.tensor.as_ref().map_or(1, |(group, _)| group.size() as i64)
-    }
-
     /// A row-parallel matrix's partial output summed over the group (`g`); itself when not cut.
     fn reduced(&self, partial: Tensor) -> Tensor {
         match &self.tensor {
-            Some((group, _)) => group.reduce_from_ranks(&partial),
+            Some(cut) => cut.reduced(&partial),
             None => partial,
         }
     }
@@ -191,7 +186,7 @@ impl GptRms {
         let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
         let head_dim = d / self.shape.n_head as i64;
         // This rank's heads (all of them when not cut).
-        let n_head = self.shape.n_head as i64 / self.ranks();
+        let n_head = self.tensor.as_ref().map_or(self.shape.n_head as i64, |cut| cut.local(self.shape.n_head));
         let d = n_head * head_dim;
         let qkv = self.linear(h, &block.attn_w);
         let parts = qkv.split(d, 2);
@@ -212,11 +207,9 @@ impl GptRms {
     /// rank's vocabulary rows.
     fn cross_entropy(&self, normed: &Tensor, targets: &Tensor) -> Tensor {
         let logits = self.linear(normed, &self.wte).to_kind(Kind::Float);
-        let rows = logits.size()[2];
-        let (logits, targets) = (logits.view([-1, rows]), targets.view([-1]));
         match &self.tensor {
-            Some((group, vocab)) => tensor_parallel::vocab_parallel_cross_entropy(group, &logits, vocab, &targets),
-            None => logits.cross_entropy_for_logits(&targets),
+            Some(cut) => cut.cross_entropy(&logits, targets),
+            None => logits.view([-1, self.shape.vocab_size as i64]).cross_entropy_for_logits(&targets.view([-1])),
         }
     }
 
@@ -226,10 +219,9 @@ impl GptRms {
 
     fn embed_tokens(&self, inputs: &Tensor) -> Tensor {
         match &self.tensor {
-            Some((group, vocab)) => {
+            Some(cut) => {
                 let positions = Tensor::arange(inputs.size()[1], (Kind::Int64, inputs.device()));
-                tensor_parallel::vocab_parallel_embedding(group, &self.wte, vocab, inputs)
-                    + Tensor::embedding(&self.wpe, &positions, -1, false, false)
+                cut.embedding(&self.wte, inputs) + Tensor::embedding(&self.wpe, &positions, -1, false, false)
             }
             None => embed(&self.wte, &self.wpe, inputs),
         }
@@ -302,15 +294,13 @@ impl Model for GptRms {
 
     fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, loss_multiplier: f64) -> HeadLoss<'_> {
         debug_assert!(!normed, "gpt-rms runs no norm by hand");
-        let Some((group, _)) = &self.tensor else {
-            return HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None };
-        };
-        // Cut: the vocabulary-parallel head runs from `f`'s leaf; its backward sums the leaf's
-        // gradient over the group before the final norm's.
-        let (leaf, input_grads) = tensor_parallel::copy_to_ranks(group, &self.rms_norm(x, &self.ln_f));
-        let loss = self.cross_entropy(&leaf, &inputs.targets);
-        let by_hand = CutHead { loss: loss.shallow_clone(), loss_multiplier, input_grads };
-        HeadLoss { loss, by_hand: Some(Box::new(by_hand)) }
+        match &self.tensor {
+            // Cut: the vocabulary-parallel head from `f`'s leaf, the leaf's gradient summed
+            // over the group before the final norm's backward.
+            Some(cut) => cut
+                .head(&self.rms_norm(x, &self.ln_f), loss_multiplier, |leaf| self.cross_entropy(leaf, &inputs.targets)),
+            None => HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None },
+        }
     }
 
     fn loss(&self, inputs: &Inputs) -> Tensor {
@@ -330,19 +320,10 @@ impl Model for GptRms {
     }
 
     fn split_tensor(&mut self, group: Arc<TensorGroup>) -> Result<(), crate::TrainError> {
-        let (n_head, size) = (self.shape.n_head, group.size());
-        if n_head % size != 0 {
-            return Err(crate::TrainError::InvalidConfig {
-                key: "dist.tensor",
-                message: format!(
-                    "is {size}, which does not divide model.n_head = {n_head}: each rank takes whole heads"
-                ),
-            });
-        }
-        let rank = group.rank();
-        self.params = tensor_parallel::split_params(&self.params, &split_of, rank, size)?;
+        let heads = [("model.n_head", self.shape.n_head)];
+        let cut = Cut::params(&mut self.params, group, &split_of, self.shape.vocab_size, &heads)?;
         (self.wte, self.wpe, self.ln_f, self.blocks) = handles(&self.params, self.shape.n_layer);
-        self.tensor = Some((group, tensor_parallel::vocab_rows(self.shape.vocab_size, rank, size)));
+        self.tensor = Some(cut);
         Ok(())
     }
 
@@ -351,7 +332,7 @@ impl Model for GptRms {
     }
 
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
-        self.tensor.as_ref().map(|(group, _)| group)
+        self.tensor.as_ref().map(|cut| &cut.group)
     }
 }
 
@@ -380,68 +361,11 @@ impl ByHand for GptRms {
         branch: Branch,
         normed: &Tensor,
     ) -> (Tensor, Box<dyn CoreBackward + 'm>) {
-        let (group, _) = self.tensor.as_ref().expect("a branch runs by hand only when cut");
-        let (leaf, input_grads) = tensor_parallel::copy_to_ranks(group, normed);
-        (Model::branch(self, layer_idx, branch, &leaf), input_grads)
+        let cut = self.tensor.as_ref().expect("a branch runs by hand only when cut");
+        cut.branch(normed, |leaf| Model::branch(self, layer_idx, branch, leaf))
     }
 
     fn branch_whole<'m>(&'m self, _: usize, _: Branch, _: &Tensor) -> (Tensor, Box<dyn BranchBackward + 'm>) {
         unreachable!("gpt-rms runs no norm by hand, so no whole branch")
-    }
-}
-
-/// The head cut over a group: its loss's backward, then `f`'s sum of its input's gradient.
-struct CutHead<'m> {
-    loss: Tensor,
-    loss_multiplier: f64,
-    input_grads: Box<dyn CoreBackward + 'm>,
-}
-
-impl HeadBackward for CutHead<'_> {
-    fn backward(self: Box<Self>) -> (Tensor, Tensor) {
-        (&self.loss * self.loss_multiplier).backward();
-        self.input_grads.backward()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn shape() -> GptShape {
-        GptShape { n_layer: 2, n_head: 4, d_model: 32, seq_len: 16, vocab_size: 48 }
-    }
-
-    #[test]
-    fn parameters_have_no_biases_and_count_as_declared() {
-        let model = GptRms::new(shape(), Precision::Fp32, Device::Cpu);
-        assert_eq!(model.params().n_elements() as usize, model.n_params());
-        assert!(model.params().entries().iter().all(|e| !e.name.ends_with(".bias")), "a bias was declared");
-        let names: Vec<&str> = model.params().units().iter().map(|u| u.name.as_str()).collect();
-        assert_eq!(names, ["embedding", "transformer.h.0", "transformer.h.1", "head"]);
-    }
-
-    #[test]
-    fn the_norm_is_rms_with_unit_scale() {
-        let model = GptRms::new(shape(), Precision::Fp32, Device::Cpu);
-        let x = Tensor::from_slice(&[3.0f32, -4.0]).view([1, 1, 2]);
-        let scale = Tensor::ones([2], (Kind::Float, Device::Cpu));
-        let normed = Vec::<f32>::try_from(model.rms_norm(&x, &scale).view([-1])).unwrap();
-        // mean square 12.5: 3 / sqrt(12.5) and -4 / sqrt(12.5).
-        let expected = [3.0 / 12.5f32.sqrt(), -4.0 / 12.5f32.sqrt()];
-        for (got, want) in normed.iter().zip(expected) {
-            assert!((got - want).abs() < 1e-5, "{got} against {want}");
-        }
-    }
-
-    #[test]
-    fn a_later_token_leaves_earlier_logits_alone() {
-        let model = GptRms::new(shape(), Precision::Fp32, Device::Cpu);
-        let inputs = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(48).view([2, 16]);
-        let changed = inputs.copy();
-        let _ = changed.narrow(1, 15, 1).fill_(7);
-        let (a, b) = tch::no_grad(|| (model.forward(&inputs).unwrap(), model.forward(&changed).unwrap()));
-        let earlier = (a.narrow(1, 0, 15) - b.narrow(1, 0, 15)).abs().max().double_value(&[]);
-        assert_eq!(earlier, 0.0, "a later token leaked into earlier positions");
     }
 }

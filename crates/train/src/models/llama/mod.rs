@@ -11,13 +11,21 @@
 //! weight`, ...), so checkpoints, adapters and exports need no renaming, and LoRA target globs
 //! written for transformers' models match stoke's. LoRA adapters (`[train.lora]`) sit beside the
 //! linear layers they target under PEFT's names (`...q_proj.lora_A.weight`), in the same unit.
+//!
+//! Its blocks declare their tensor-parallel split (`Model::split_of`, as gpt-rms): q, k and v by
+//! heads (query and key/value heads alike), gate and up by rows, o and down by columns, the
+//! embedding and head by vocabulary rows; cut, the RMSNorms stay in libtorch's graph.
 
 mod rope;
+
+use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{GptShape, LlamaShape, LoraConfig, Precision};
 use crate::kernels::LayerNormStats;
+use crate::models::tensor_group::{Split, TensorGroup};
+use crate::models::tensor_parallel::Cut;
 use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
@@ -65,6 +73,8 @@ pub struct Llama {
     lora_scale: f64,
     /// Threads of the blocks' RMSNorm kernel; 0 keeps libtorch's ops (`set_fused_rms_norm`).
     fused_norm_threads: usize,
+    /// Once cut (`Model::split_tensor`).
+    tensor: Option<Cut>,
 }
 
 /// A linear layer without bias, with its LoRA adapter when it has one.
@@ -112,6 +122,49 @@ fn block_names(layer_idx: usize) -> [String; 9] {
         format!("{p}.mlp.up_proj.weight"),
         format!("{p}.mlp.down_proj.weight"),
     ]
+}
+
+/// The handles a model keeps to its parameters (they share `params`' storage): the embedding,
+/// the final norm, the head's matrix and the blocks'.
+fn handles(params: &FlatParams, shape: &LlamaShape) -> (Tensor, Tensor, Tensor, Vec<BlockParams>) {
+    let get = |name: &str| params.get(name).shallow_clone();
+    let declared = |name: &str| params.entries().iter().any(|e| e.name == name);
+    let linear = |name: &str| {
+        let (a, b) = adapter_names(name);
+        Linear { weight: get(name), lora: declared(&a).then(|| (get(&a), get(&b))) }
+    };
+    let blocks = (0..shape.base.n_layer)
+        .map(|layer_idx| {
+            let n = block_names(layer_idx);
+            BlockParams {
+                input_layernorm: get(&n[0]),
+                q_proj: linear(&n[1]),
+                k_proj: linear(&n[2]),
+                v_proj: linear(&n[3]),
+                o_proj: linear(&n[4]),
+                post_attention_layernorm: get(&n[5]),
+                gate_proj: linear(&n[6]),
+                up_proj: linear(&n[7]),
+                down_proj: linear(&n[8]),
+            }
+        })
+        .collect();
+    (get(EMBED), get(FINAL_NORM), get(if shape.tie_head { EMBED } else { HEAD }), blocks)
+}
+
+/// How parameter `name` is cut over a tensor-parallel group (see the module doc).
+fn split_of(name: &str) -> Split {
+    let rows = [EMBED, HEAD].contains(&name)
+        || [".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".gate_proj.weight", ".up_proj.weight"]
+            .iter()
+            .any(|end| name.ends_with(end));
+    if rows {
+        Split::Rows { blocks: 1 }
+    } else if name.ends_with(".o_proj.weight") || name.ends_with(".down_proj.weight") {
+        Split::Cols { blocks: 1 }
+    } else {
+        Split::Replicated
+    }
 }
 
 impl Llama {
@@ -177,34 +230,13 @@ impl Llama {
         }
         units.push(UnitSpec { name: "head".into(), params: head });
         let params = FlatParams::new(units, device);
-        let get = |name: &str| params.get(name).shallow_clone();
-        let declared = |name: &str| params.entries().iter().any(|e| e.name == name);
-        let linear = |name: &str| {
-            let (a, b) = adapter_names(name);
-            Linear { weight: get(name), lora: declared(&a).then(|| (get(&a), get(&b))) }
-        };
-        let blocks = (0..base.n_layer)
-            .map(|layer_idx| {
-                let n = block_names(layer_idx);
-                BlockParams {
-                    input_layernorm: get(&n[0]),
-                    q_proj: linear(&n[1]),
-                    k_proj: linear(&n[2]),
-                    v_proj: linear(&n[3]),
-                    o_proj: linear(&n[4]),
-                    post_attention_layernorm: get(&n[5]),
-                    gate_proj: linear(&n[6]),
-                    up_proj: linear(&n[7]),
-                    down_proj: linear(&n[8]),
-                }
-            })
-            .collect();
+        let (embed_tokens, norm, lm_head, blocks) = handles(&params, &shape);
         let (cos, sin) = rope::tables(&shape, device);
         Llama {
             shape,
-            embed_tokens: get(EMBED),
-            norm: get(FINAL_NORM),
-            lm_head: get(if shape.tie_head { EMBED } else { HEAD }),
+            embed_tokens,
+            norm,
+            lm_head,
             blocks,
             params,
             compute: compute_kind(precision),
@@ -212,6 +244,7 @@ impl Llama {
             sin,
             lora_scale: if lora.enabled() { lora.scale() } else { 0.0 },
             fused_norm_threads: 0,
+            tensor: None,
         }
     }
 
@@ -225,8 +258,10 @@ impl Llama {
         self.fused_norm_threads = if enabled { n_threads.max(1) } else { 0 };
     }
 
+    /// The blocks' norms by the kernel: not once cut (each branch is then a core by hand).
     fn fused_rms_norm(&self) -> bool {
         self.fused_norm_threads > 0
+            && self.tensor.is_none()
             && matches!(self.compute, Kind::BFloat16 | Kind::Float)
             && self.embed_tokens.device() == Device::Cpu
     }
@@ -275,8 +310,12 @@ impl Llama {
     fn attention(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
         let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
-        let (n_head, n_kv_head) = (self.shape.base.n_head as i64, self.shape.n_kv_head as i64);
-        let head_dim = d / n_head;
+        let head_dim = d / self.shape.base.n_head as i64;
+        // This rank's heads (all of them when not cut).
+        let (n_head, n_kv_head) = match &self.tensor {
+            Some(cut) => (cut.local(self.shape.base.n_head), cut.local(self.shape.n_kv_head)),
+            None => (self.shape.base.n_head as i64, self.shape.n_kv_head as i64),
+        };
         let heads = |t: Tensor, n: i64| t.view([batch, seq, n, head_dim]).transpose(1, 2);
         let q = rope::apply(&heads(self.linear(h, &block.q_proj), n_head), &self.cos, &self.sin);
         let k = rope::apply(&heads(self.linear(h, &block.k_proj), n_kv_head), &self.cos, &self.sin);
@@ -284,25 +323,48 @@ impl Llama {
         // Each key/value head serves a group of query heads: SDPA's own grouping, which reads the
         // shared heads in place instead of repeating them (transformers' `repeat_kv`).
         let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, n_kv_head != n_head);
-        let y = y.transpose(1, 2).contiguous().view([batch, seq, d]);
-        self.linear(&y, &block.o_proj)
+        let y = y.transpose(1, 2).contiguous().view([batch, seq, n_head * head_dim]);
+        self.reduced(self.linear(&y, &block.o_proj))
+    }
+
+    /// A row-parallel matrix's partial output summed over the group (`g`); itself when not cut.
+    fn reduced(&self, partial: Tensor) -> Tensor {
+        match &self.tensor {
+            Some(cut) => cut.reduced(&partial),
+            None => partial,
+        }
+    }
+
+    fn embed_tokens(&self, tokens: &Tensor) -> Tensor {
+        match &self.tensor {
+            Some(cut) => cut.embedding(&self.embed_tokens, tokens),
+            None => Tensor::embedding(&self.embed_tokens, tokens, -1, false, false),
+        }
+    }
+
+    /// The mean cross-entropy of the head on `normed`, the final norm's output; cut, on this
+    /// rank's vocabulary rows.
+    fn cross_entropy(&self, normed: &Tensor, targets: &Tensor) -> Tensor {
+        let logits = self.matmul(normed, &self.lm_head).to_kind(Kind::Float);
+        match &self.tensor {
+            Some(cut) => cut.cross_entropy(&logits, targets),
+            None => logits.view([-1, self.shape.base.vocab_size as i64]).cross_entropy_for_logits(&targets.view([-1])),
+        }
     }
 
     /// SwiGLU: `down(silu(gate(h)) * up(h))`.
     fn mlp(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
         let gated = self.linear(h, &block.gate_proj).silu() * self.linear(h, &block.up_proj);
-        self.linear(&gated, &block.down_proj)
+        self.reduced(self.linear(&gated, &block.down_proj))
     }
 
     fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Tensor {
-        let logits = self.matmul(&self.rms_norm(x, &self.norm), &self.lm_head);
-        let vocab = self.shape.base.vocab_size as i64;
-        logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
+        self.cross_entropy(&self.rms_norm(x, &self.norm), targets)
     }
 
     fn trunk(&self, inputs: &Tensor) -> Tensor {
-        let mut x = Tensor::embedding(&self.embed_tokens, inputs, -1, false, false);
+        let mut x = self.embed_tokens(inputs);
         for layer_idx in 0..self.shape.base.n_layer {
             x = self.residual(layer_idx, Branch::Attention, &x);
             x = self.residual(layer_idx, Branch::Mlp, &x);
@@ -349,7 +411,7 @@ impl Model for Llama {
     }
 
     fn embed(&self, inputs: &Inputs) -> Tensor {
-        Tensor::embedding(&self.embed_tokens, &inputs.tokens, -1, false, false)
+        self.embed_tokens(&inputs.tokens)
     }
 
     fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
@@ -368,35 +430,63 @@ impl Model for Llama {
         }
     }
 
-    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, _loss_multiplier: f64) -> HeadLoss<'_> {
+    fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, loss_multiplier: f64) -> HeadLoss<'_> {
         debug_assert!(!normed, "llama runs its final norm in libtorch's graph");
-        HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None }
+        match &self.tensor {
+            Some(cut) => cut
+                .head(&self.rms_norm(x, &self.norm), loss_multiplier, |leaf| self.cross_entropy(leaf, &inputs.targets)),
+            None => HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None },
+        }
     }
 
     fn loss(&self, inputs: &Inputs) -> Tensor {
         self.head_loss(&self.trunk(&inputs.tokens), &inputs.targets)
     }
 
+    /// The logits; None when cut (each rank holds its vocabulary rows' only).
     fn forward(&self, inputs: &Tensor) -> Option<Tensor> {
+        if self.tensor.is_some() {
+            return None;
+        }
         Some(self.matmul(&self.rms_norm(&self.trunk(inputs), &self.norm), &self.lm_head))
     }
 
     fn by_hand(&self) -> Option<&dyn ByHand> {
-        self.fused_rms_norm().then_some(self as &dyn ByHand)
+        (self.fused_rms_norm() || self.tensor.is_some()).then_some(self as &dyn ByHand)
+    }
+
+    fn split_tensor(&mut self, group: Arc<TensorGroup>) -> Result<(), crate::TrainError> {
+        let heads = [("model.n_head", self.shape.base.n_head), ("model.n_kv_head", self.shape.n_kv_head)];
+        let cut = Cut::params(&mut self.params, group, &split_of, self.shape.base.vocab_size, &heads)?;
+        (self.embed_tokens, self.norm, self.lm_head, self.blocks) = handles(&self.params, &self.shape);
+        self.tensor = Some(cut);
+        Ok(())
+    }
+
+    fn split_of(&self, name: &str) -> Split {
+        split_of(name)
+    }
+
+    fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
+        self.tensor.as_ref().map(|cut| &cut.group)
     }
 }
 
-/// The blocks' RMSNorms by the kernel; every branch stays in libtorch's graph.
+/// The blocks' RMSNorms by the kernel, every branch in libtorch's graph; or, cut, every branch a
+/// core by hand between `f` and `g` (`tensor_parallel`) and the norms in the graph.
 impl ByHand for Llama {
     fn norms(&self) -> bool {
-        true
+        self.fused_rms_norm()
     }
 
     fn branch(&self, _branch: Branch) -> bool {
-        false
+        self.tensor.is_some()
     }
 
     fn norm(&self, which: Norm, x: &Tensor) -> Option<(Tensor, LayerNormStats)> {
+        if !self.fused_rms_norm() {
+            return None;
+        }
         let scale = self.block_norm_scale(which)?;
         if self.compute == Kind::Float {
             return crate::kernels::rms_norm_f32(x, scale, self.shape.norm_eps, self.fused_norm_threads);
@@ -426,8 +516,14 @@ impl ByHand for Llama {
         )
     }
 
-    fn branch_core<'m>(&'m self, _: usize, _: Branch, _: &Tensor) -> (Tensor, Box<dyn CoreBackward + 'm>) {
-        unreachable!("llama runs no branch by hand")
+    fn branch_core<'m>(
+        &'m self,
+        layer_idx: usize,
+        branch: Branch,
+        normed: &Tensor,
+    ) -> (Tensor, Box<dyn CoreBackward + 'm>) {
+        let cut = self.tensor.as_ref().expect("llama runs a branch by hand only when cut");
+        cut.branch(normed, |leaf| Model::branch(self, layer_idx, branch, leaf))
     }
 
     fn branch_whole<'m>(&'m self, _: usize, _: Branch, _: &Tensor) -> (Tensor, Box<dyn BranchBackward + 'm>) {

@@ -1,0 +1,232 @@
+//! The leaf of tensor parallelism (see `tensor_parallel`): how a parameter is cut ([`Split`]) and
+//! the group of ranks one model is cut over, with the collectives its forward and backward need
+//! ([`TensorGroup`]). It imports nothing of the model seam, which names both.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use stoke_comm::{shard_range, CommError, Communicator, CommunicatorExt, DType, ReduceOp, Region};
+use tch::{Kind, Tensor};
+
+/// How a parameter is cut over the ranks of a tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds the whole tensor.
+    Replicated,
+    /// Dimension 0 is `blocks` equal blocks (a fused q, k, v weight has 3), each cut into the
+    /// ranks' shards by [`shard_range`]; a rank holds its shard of every block, in block order.
+    Rows { blocks: i64 },
+    /// The same along dimension 1 (a row-parallel matrix: its input columns).
+    Cols { blocks: i64 },
+}
+
+impl Split {
+    /// Rank `rank`'s part of `whole` (a new tensor, or `whole` itself when replicated).
+    pub fn cut(self, whole: &Tensor, rank: usize, size: usize) -> Tensor {
+        let (dim, blocks) = match self {
+            Split::Replicated => return whole.shallow_clone(),
+            Split::Rows { blocks } => (0, blocks),
+            Split::Cols { blocks } => (1, blocks),
+        };
+        let block = whole.size()[dim] / blocks;
+        let part = shard_range(block as usize, size, rank);
+        let pieces: Vec<Tensor> =
+            (0..blocks).map(|b| whole.narrow(dim as i64, b * block + part.start as i64, part.len() as i64)).collect();
+        Tensor::cat(&pieces, dim as i64).contiguous()
+    }
+
+    /// The shape of rank `rank`'s part of a tensor of shape `whole`.
+    pub fn local_shape(self, whole: &[i64], rank: usize, size: usize) -> Vec<i64> {
+        let mut shape = whole.to_vec();
+        let (dim, blocks) = match self {
+            Split::Replicated => return shape,
+            Split::Rows { blocks } => (0, blocks),
+            Split::Cols { blocks } => (1, blocks),
+        };
+        shape[dim] = blocks * shard_range((whole[dim] / blocks) as usize, size, rank).len() as i64;
+        shape
+    }
+
+    /// Whether the parameter is cut (its gradients are partial sums of the model's).
+    pub fn is_split(self) -> bool {
+        self != Split::Replicated
+    }
+}
+
+/// The ranks one model is cut over, and the collectives its forward and backward need.
+pub struct TensorGroup {
+    comm: Box<dyn Communicator>,
+    /// The first collective that failed inside a forward or backward, for the step hooks.
+    failure: Mutex<Option<CommError>>,
+    /// Nanoseconds spent in the group's collectives since `take_comm_ms` (all exposed: the
+    /// model waits for each).
+    comm_ns: AtomicU64,
+}
+
+impl std::fmt::Debug for TensorGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TensorGroup(rank {} of {})", self.rank(), self.size())
+    }
+}
+
+impl TensorGroup {
+    /// The group over `comm`'s ranks (a sub-group of the job: ranks that hold one model's parts).
+    pub fn new(comm: Box<dyn Communicator>) -> Arc<TensorGroup> {
+        Arc::new(TensorGroup { comm, failure: Mutex::new(None), comm_ns: AtomicU64::new(0) })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    pub fn communicator(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+
+    /// The first failure of a collective run inside the model, taken (None: none failed).
+    pub fn take_failure(&self) -> Option<CommError> {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Milliseconds the model waited on the group's collectives since the last call.
+    pub fn take_comm_ms(&self) -> f64 {
+        self.comm_ns.swap(0, Ordering::Relaxed) as f64 / 1e6
+    }
+
+    fn timed<T>(&self, op: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = op();
+        self.comm_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        out
+    }
+
+    fn fail(&self, error: CommError) {
+        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        failure.get_or_insert(error);
+    }
+
+    /// The sum of `t` over the group, as a new tensor outside any graph (fp32, bf16 or fp16).
+    /// After a failure the tensor is returned unreduced (see the module doc).
+    pub fn all_reduce(&self, t: &Tensor) -> Tensor {
+        let mut out = Tensor::empty(t.size(), (t.kind(), t.device()));
+        tch::no_grad(|| out.copy_(t));
+        if self.size() == 1 {
+            return out;
+        }
+        let dtype = match t.kind() {
+            Kind::Float => DType::F32,
+            Kind::BFloat16 => DType::BF16,
+            Kind::Half => DType::F16,
+            other => panic!("tensor-parallel reductions take fp32, bf16 or fp16, not {other:?}"),
+        };
+        let region = Region::new(out.data_ptr() as *mut u8, out.numel(), dtype);
+        // SAFETY: `out` is a new contiguous tensor that nothing else can see until this returns,
+        // and the work is waited for before it does.
+        let result =
+            self.timed(|| unsafe { self.comm.all_reduce_async(region, ReduceOp::Sum) }.and_then(|work| work.wait()));
+        if let Err(error) = result {
+            self.fail(error);
+        }
+        out
+    }
+
+    /// `g`: the sum of `t` over the group forward, `t`'s own gradient backward.
+    pub fn reduce_from_ranks(&self, t: &Tensor) -> Tensor {
+        let sum = self.all_reduce(t);
+        let detached = t.detach();
+        sum + (t - detached)
+    }
+
+    /// The whole tensor from every rank's fp32 part `local`, cut by `split` (a checkpoint's
+    /// tensor). Collective over the group; the result is in host memory.
+    pub fn gather_whole(&self, split: Split, local: &Tensor) -> Result<Tensor, CommError> {
+        let (dim, blocks) = match split {
+            Split::Replicated => return Ok(local.shallow_clone()),
+            Split::Rows { blocks } => (0usize, blocks),
+            Split::Cols { blocks } => (1usize, blocks),
+        };
+        let (n, rank) = (self.size(), self.rank());
+        let local = local.detach().to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous();
+        let shape = local.size();
+        let mut extents = vec![0u8; 8 * n];
+        extents[8 * rank..8 * rank + 8].copy_from_slice(&(shape[dim] as u64).to_le_bytes());
+        self.comm.all_gather(&mut extents)?;
+        let extents: Vec<i64> =
+            extents.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as i64).collect();
+        let across = local.numel() as i64 / shape[dim].max(1);
+        let room = (extents.iter().copied().max().unwrap_or(0) * across) as usize;
+        let mut all = vec![0f32; room * n];
+        let mine = Vec::<f32>::try_from(local.view([-1])).expect("an fp32 part converts");
+        all[room * rank..room * rank + mine.len()].copy_from_slice(&mine);
+        self.comm.all_gather(&mut all)?;
+        let parts: Vec<Tensor> = (0..n)
+            .map(|r| {
+                let mut part_shape = shape.clone();
+                part_shape[dim] = extents[r];
+                Tensor::from_slice(&all[room * r..room * r + (extents[r] * across) as usize])
+                    .view(part_shape.as_slice())
+            })
+            .collect();
+        // Block b of the whole is every rank's block b in rank order.
+        let whole_blocks: Vec<Tensor> = (0..blocks)
+            .flat_map(|b| {
+                parts.iter().zip(&extents).map(move |(part, &extent)| {
+                    let per_block = extent / blocks;
+                    part.narrow(dim as i64, b * per_block, per_block)
+                })
+            })
+            .collect();
+        Ok(Tensor::cat(&whole_blocks, dim as i64))
+    }
+
+    /// The row-wise maximum over the group of `[rows]` fp32 values (no graph).
+    pub(crate) fn all_max(&self, t: &Tensor) -> Tensor {
+        let n = t.numel();
+        if self.size() == 1 {
+            return t.detach();
+        }
+        let mut gathered = vec![0f32; n * self.size()];
+        let mine = Vec::<f32>::try_from(t.detach().to_kind(Kind::Float).to_device(tch::Device::Cpu).view([-1]))
+            .expect("a row maximum converts to f32");
+        gathered[n * self.rank()..n * (self.rank() + 1)].copy_from_slice(&mine);
+        if let Err(error) = self.timed(|| self.comm.all_gather(&mut gathered)) {
+            self.fail(error);
+        }
+        Tensor::from_slice(&gathered)
+            .view([self.size() as i64, n as i64])
+            .amax([0i64].as_slice(), false)
+            .to_device(t.device())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cut_blocks_by_rank_and_join_back_whole() {
+        // A fused q, k, v weight of 3 blocks of 4 rows over 2 ranks: each rank holds rows 0-1 or
+        // 2-3 of each block.
+        let whole = Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).view([12, 2]);
+        let split = Split::Rows { blocks: 3 };
+        let parts: Vec<Tensor> = (0..2).map(|r| split.cut(&whole, r, 2)).collect();
+        assert_eq!(parts[0].size(), split.local_shape(&[12, 2], 0, 2));
+        let rows = |t: &Tensor| Vec::<f32>::try_from(t.select(1, 0)).unwrap();
+        assert_eq!(rows(&parts[0]), [0.0, 2.0, 8.0, 10.0, 16.0, 18.0]);
+        assert_eq!(rows(&parts[1]), [4.0, 6.0, 12.0, 14.0, 20.0, 22.0]);
+        let cols = Split::Cols { blocks: 1 };
+        let joined = Tensor::cat(&[cols.cut(&whole.tr(), 0, 2), cols.cut(&whole.tr(), 1, 2)], 1);
+        assert_eq!(joined.size(), [2, 12]);
+        assert!(Split::Replicated.cut(&whole, 1, 2).equal(&whole));
+        // Uneven vocabularies: the longer shard last, as everywhere shards are cut.
+        let vocab = Tensor::arange(5, (Kind::Float, tch::Device::Cpu)).view([5, 1]);
+        let rows = Split::Rows { blocks: 1 };
+        assert_eq!((rows.cut(&vocab, 0, 2).size()[0], rows.cut(&vocab, 1, 2).size()[0]), (2, 3));
+    }
+}
