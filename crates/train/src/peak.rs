@@ -21,6 +21,7 @@ pub const PEAK_CACHE_FILE: &str = ".machine-peak.json";
 
 /// Side of the square matrices: large enough to reach the plateau, small enough to take well
 /// under a second per repetition on two CPU cores.
+/// The largest side of the measured matrices: 8192 on a GPU, 2048 on a CPU.
 fn matmul_size(device: Device) -> i64 {
     if device.is_cuda() {
         8192
@@ -28,6 +29,9 @@ fn matmul_size(device: Device) -> i64 {
         2048
     }
 }
+
+/// Below this time a matmul is too short to time well, and the side is doubled.
+const SHORT_MATMUL_S: f64 = 0.03;
 
 fn device_name(device: Device) -> String {
     match device {
@@ -48,19 +52,33 @@ fn sync(device: Device) {
 }
 
 /// Measures the peak: the median FLOP/s of `repeats` matmuls of two n x n matrices in
-/// `precision` on `device`, after one warm-up.
+/// `precision` on `device`, after one warm-up; n is the size's search below.
 pub fn measure_matmul_peak_flops(precision: Precision, device: Device, repeats: usize) -> f64 {
-    let n = matmul_size(device);
     let kind = crate::precision::compute_kind(precision);
     let _guard = tch::no_grad_guard();
-    let a = Tensor::randn([n, n], (kind, device));
-    let b = Tensor::randn([n, n], (kind, device));
-    let _ = a.matmul(&b);
-    sync(device);
+    // From a side of 256, doubled while one matmul takes under SHORT_MATMUL_S, up to
+    // `matmul_size`: the full size where the matmul is fast, and a bounded measurement where it is
+    // not (bf16 on a CPU without bf16 instructions runs a scalar loop, 50x below fp32: a 2048 side
+    // would take half a minute a matmul). The last matmul of the search is the warm-up. The
+    // product is `linear` (a times b transposed), the op the models' layers run: on a CPU without
+    // bf16 instructions libtorch sends a bf16 `linear` to oneDNN but a bf16 `matmul` to a scalar
+    // loop 7x slower, and a peak from the slower op would put the run's MFU above one.
+    let mut n = 256.min(matmul_size(device));
+    let (a, b) = loop {
+        let a = Tensor::randn([n, n], (kind, device));
+        let b = Tensor::randn([n, n], (kind, device));
+        let start = Instant::now();
+        let _ = a.linear(&b, None::<&Tensor>);
+        sync(device);
+        if n >= matmul_size(device) || start.elapsed().as_secs_f64() >= SHORT_MATMUL_S {
+            break (a, b);
+        }
+        n *= 2;
+    };
     let rates: Vec<f64> = (0..repeats.max(1))
         .map(|_| {
             let start = Instant::now();
-            let c = a.matmul(&b);
+            let c = a.linear(&b, None::<&Tensor>);
             sync(device);
             let seconds = start.elapsed().as_secs_f64();
             drop(c);
