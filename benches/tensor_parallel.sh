@@ -18,6 +18,7 @@
 #
 #   benches/tensor_parallel.sh                      # ROUNDS=5 SIZE=small STEPS=30 SKIP=5
 #   ROUNDS=3 SIZE=medium benches/tensor_parallel.sh
+#   PEER_COMPILE=1 benches/tensor_parallel.sh       # the peer's blocks under torch.compile
 #
 # SIZE small: 4 layers, d_model 256, 8 heads, context 256, micro-batch 8, vocab 256 (bytes);
 #      medium: 6 layers, d_model 512, 8 heads, context 256, micro-batch 8, vocab 256.
@@ -62,7 +63,7 @@ stoke_args=(--quiet --set dist.tensor=2 --set 'model.family="gpt-rms"' --set run
 group_nice=$(sed -n 's/.* nice \(-\{0,1\}[0-9]*\)$/\1/p' "/proc/$$/autogroup" 2>/dev/null)
 peer_args=(${group_nice:+--autogroup-nice "$group_nice"} --n-layer "$n_layer" --d-model "$d_model" --n-head "$n_head" --seq-len "$seq_len" --vocab "$vocab"
   --micro-batch "$micro_batch" --steps "$steps" --warmup-steps "$skip" --threads 1 --adamw fused
-  --host-memory retain --head vocab --data "$dir/corpus.txt")
+  --host-memory retain --head vocab --data "$dir/corpus.txt" ${PEER_COMPILE:+--compile})
 
 # metrics.jsonl -> "step_ms final_loss" (median of rank 0's steps after the first $skip).
 stoke_stats() {
@@ -81,7 +82,7 @@ for round in $(seq 1 "$rounds"); do
   read -r s_ms s_loss <<<"$(stoke_stats "$dir/stoke-$round/metrics.jsonl")"
   OMP_NUM_THREADS=1 "$torchrun" --standalone --nproc_per_node 2 benches/peers/tp_gpt.py "${peer_args[@]}" \
     >"$dir/peer-$round.json" 2>"$dir/peer-$round.log" || { tail -20 "$dir/peer-$round.log" >&2; exit 1; }
-  read -r p_ms p_loss p_styles <<<"$(python3 -c "import json,sys; d=json.loads(open(sys.argv[1]).read()); print(d['step_ms'], d['final_loss'], d['styles'] + ', AdamW ' + d['adamw'])" "$dir/peer-$round.json")"
+  read -r p_ms p_loss p_styles <<<"$(python3 -c "import json,sys; d=json.loads(open(sys.argv[1]).read()); print(d['step_ms'], d['final_loss'], d['styles'] + ', AdamW ' + d['adamw'] + (', compiled' if d.get('compiled') else ', eager'))" "$dir/peer-$round.json")"
   [ "$round" = 1 ] && echo "peer: $p_styles"
   python3 - "$round" "$s_ms" "$p_ms" "$s_loss" "$p_loss" "$((micro_batch * seq_len))" <<'PY' | tee -a "$results"
 import sys

@@ -198,6 +198,8 @@ def main():
                          "own, so out of the launching script's scheduling group and its nice (a bench gives the "
                          "workers its own group's)")
     ap.add_argument("--losses", action="store_true", help="also print every step's loss and grad norm")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each block after it is cut (Inductor fuses the norms, GELU and residuals)")
     args = ap.parse_args()
     if args.autogroup_nice is not None:
         with open("/proc/self/autogroup", "w") as f:
@@ -224,6 +226,10 @@ def main():
         implicit_replication = contextlib.nullcontext
         group = None
     vocab_parallel = tp and args.head == "vocab"
+    if args.compile:
+        # Each block on its own (the cut modules' DTensor collectives inside), as torchtitan compiles.
+        for i, block in enumerate(model.transformer.h):
+            model.transformer.h[i] = torch.compile(block)
 
     params = list(model.parameters())  # the tied matrix once
     decay = [p for p in params if p.dim() >= 2]
@@ -274,6 +280,7 @@ def main():
                        (", Rowwise wte + Colwise tied head + loss_parallel" if vocab_parallel else
                         ", wte/head replicated")) if tp else "none",
             "adamw": args.adamw,
+            "compiled": args.compile,
             "host_memory": args.host_memory,
             "steps": args.steps,
             **figures,
