@@ -38,7 +38,9 @@ optimizer: the reference. Checked (torch 2.11.0, CPU, this file as committed): `
 with --nproc_per_node 1 and 2, n_layer 4, d_model 256, n_head 8, seq_len 256, micro_batch 8, vocab 256,
 the same seed and data (`stoke corpus`): the per-step losses of world size 2 agree with world size 1's
 to within 5e-7 (max |diff| over the 6 steps, losses 5.62 -> 4.22) with `--head vocab` (loss_parallel)
-and with `--head replicated`, the gradient norms before clipping to within 2e-6 relative.
+and with `--head replicated`, the gradient norms before clipping to within 2e-6 relative. `--compile`
+(each cut block under torch.compile) gives the eager run's losses within 1e-6 over 6 steps (2 layers,
+d_model 64, 2 ranks).
 """
 import argparse
 import contextlib
