@@ -95,7 +95,8 @@ impl Rank0 {
         let (rank, world_size) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world_size()));
         // The checkpoint's `world_size` counts the copies of the model (the ranks reading
         // different rows), which the global batch depends on; `tensor` the ranks one is cut over.
-        let (data_world, tensor) = dist.as_ref().map_or((1, 1), |d| (d.data_rank().1, world_size / d.data_rank().1));
+        let data_world = dist.as_ref().map_or(1, |d| d.data_rank().1);
+        let tensor = world_size / data_world;
         // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
         let peaks = Peaks::measure(device)?;
         let environment = crate::environment::Environment::capture().to_json();

@@ -5,8 +5,10 @@
 
 use std::sync::Arc;
 
-use stoke_comm::{CommError, Communicator, CommunicatorExt};
+use stoke_comm::{CommError, Communicator};
 use tch::{Kind, Tensor};
+
+use super::zero::sum_over_ranks;
 
 use crate::models::{Model, TensorGroup};
 use crate::TrainError;
@@ -73,16 +75,14 @@ impl TensorParts {
     /// The whole model's sum of squared gradients from this rank's `local` sum over its parts:
     /// the group adds every rank's sum with the replicated parameters' share taken out of all but
     /// one copy (each rank removes (size - 1) / size of it), in rank order, so every rank gets
-    /// the same bits.
+    /// the same bits. The replicated sums are read from the device once.
     pub(super) fn global_sq_sum(&self, local: f64) -> Result<f64, CommError> {
         let size = self.group.size();
-        let replicated: f64 =
-            self.replicated.iter().map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[])).sum();
+        let sums: Vec<Tensor> =
+            self.replicated.iter().map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double)).collect();
+        let replicated =
+            if sums.is_empty() { 0.0 } else { Tensor::stack(&sums, 0).sum(Kind::Double).double_value(&[]) };
         let mine = local - replicated * (size - 1) as f64 / size as f64;
-        let mut bytes = vec![0u8; 8 * size];
-        let rank = self.group.rank();
-        bytes[8 * rank..8 * rank + 8].copy_from_slice(&mine.to_le_bytes());
-        self.group.communicator().all_gather(&mut bytes)?;
-        Ok(bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).sum())
+        Ok(sum_over_ranks(self.group.communicator(), &[mine])?[0])
     }
 }

@@ -130,14 +130,14 @@ fn fail(op: &'static str) -> impl FnOnce(CommError) -> ZeroError {
 /// `local` (the same length on every rank) summed element-wise over the ranks: every rank's
 /// values all-gathered as f64 and added in rank order, so every rank gets the same bits.
 /// Collective.
-fn sum_over_ranks(comm: &dyn Communicator, local: &[f64], op: &'static str) -> Result<Vec<f64>> {
+pub(super) fn sum_over_ranks(comm: &dyn Communicator, local: &[f64]) -> std::result::Result<Vec<f64>, CommError> {
     let (rank, world, n) = (comm.rank(), comm.world_size(), local.len());
     let mut bytes = vec![0u8; 8 * n * world];
     for (i, value) in local.iter().enumerate() {
         let at = 8 * (n * rank + i);
         bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
     }
-    comm.all_gather(&mut bytes).map_err(fail(op))?;
+    comm.all_gather(&mut bytes)?;
     let mut sums = vec![0.0f64; n];
     for part in bytes.chunks_exact(8 * n.max(1)) {
         for (sum, c) in sums.iter_mut().zip(part.chunks_exact(8)) {
@@ -281,7 +281,7 @@ impl Zero {
     /// The global sum of squared gradients from this rank's part: every rank's value, gathered as
     /// f64, summed in rank order (NaN anywhere gives NaN everywhere). Collective.
     pub(crate) fn global_sq_sum(&self, comm: &dyn Communicator, local: f64) -> Result<f64> {
-        Ok(sum_over_ranks(comm, &[local], "all_gather gradient norm")?[0])
+        Ok(sum_over_ranks(comm, &[local]).map_err(fail("all_gather gradient norm"))?[0])
     }
 
     /// LAMB's per-tensor sums of squares (||w||², ||u||²) over this rank's shard, indexed by the
@@ -295,7 +295,7 @@ impl Zero {
             mine[param] += norms.param_sq[piece];
             mine[n + param] += norms.update_sq[piece];
         }
-        let whole = sum_over_ranks(comm, &mine, "all_gather LAMB tensor norms")?;
+        let whole = sum_over_ranks(comm, &mine).map_err(fail("all_gather LAMB tensor norms"))?;
         for (piece, &param) in self.logical.iter().enumerate() {
             norms.param_sq[piece] = whole[param];
             norms.update_sq[piece] = whole[n + param];

@@ -23,13 +23,18 @@ pub enum Split {
 }
 
 impl Split {
+    /// The dimension cut and its number of blocks; None when replicated.
+    fn axis(self) -> Option<(usize, i64)> {
+        match self {
+            Split::Replicated => None,
+            Split::Rows { blocks } => Some((0, blocks)),
+            Split::Cols { blocks } => Some((1, blocks)),
+        }
+    }
+
     /// Rank `rank`'s part of `whole` (a new tensor, or `whole` itself when replicated).
     pub fn cut(self, whole: &Tensor, rank: usize, size: usize) -> Tensor {
-        let (dim, blocks) = match self {
-            Split::Replicated => return whole.shallow_clone(),
-            Split::Rows { blocks } => (0, blocks),
-            Split::Cols { blocks } => (1, blocks),
-        };
+        let Some((dim, blocks)) = self.axis() else { return whole.shallow_clone() };
         let block = whole.size()[dim] / blocks;
         let part = shard_range(block as usize, size, rank);
         let pieces: Vec<Tensor> =
@@ -40,11 +45,7 @@ impl Split {
     /// The shape of rank `rank`'s part of a tensor of shape `whole`.
     pub fn local_shape(self, whole: &[i64], rank: usize, size: usize) -> Vec<i64> {
         let mut shape = whole.to_vec();
-        let (dim, blocks) = match self {
-            Split::Replicated => return shape,
-            Split::Rows { blocks } => (0, blocks),
-            Split::Cols { blocks } => (1, blocks),
-        };
+        let Some((dim, blocks)) = self.axis() else { return shape };
         shape[dim] = blocks * shard_range((whole[dim] / blocks) as usize, size, rank).len() as i64;
         shape
     }
@@ -146,11 +147,7 @@ impl TensorGroup {
     /// The whole tensor from every rank's fp32 part `local`, cut by `split` (a checkpoint's
     /// tensor). Collective over the group; the result is in host memory.
     pub fn gather_whole(&self, split: Split, local: &Tensor) -> Result<Tensor, CommError> {
-        let (dim, blocks) = match split {
-            Split::Replicated => return Ok(local.shallow_clone()),
-            Split::Rows { blocks } => (0usize, blocks),
-            Split::Cols { blocks } => (1usize, blocks),
-        };
+        let Some((dim, blocks)) = split.axis() else { return Ok(local.shallow_clone()) };
         let (n, rank) = (self.size(), self.rank());
         let local = local.detach().to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous();
         let shape = local.size();
