@@ -71,6 +71,7 @@ pub enum RuleId {
     StepCommExposed,
     StepCkptStall,
     StepFp32OnBf16Hardware,
+    StepBf16SlowerThanFp32,
     StepLossScaleThrashing,
     StepOutliers,
     StepSmallBatch,
@@ -109,7 +110,7 @@ use RuleId as R;
 use Scope::{CrossRank, StepReport, Trace};
 
 /// The table, in `RuleId` order.
-pub const RULES: [Rule; 26] = [
+pub const RULES: [Rule; 27] = [
     row(
         R::StepDataWait,
         "data_wait",
@@ -139,6 +140,14 @@ pub const RULES: [Rule; 26] = [
         StepReport,
         "the run multiplies matrices in fp32 on hardware with faster bf16 units",
         "set train.precision = \"bf16\" (bf16 matrix multiplies, fp32 master weights)",
+    ),
+    row(
+        R::StepBf16SlowerThanFp32,
+        "bf16_slower_than_fp32",
+        StepReport,
+        "the run multiplies matrices in 16 bits on a CPU without bf16 instructions, which converts every \
+         operand to fp32 and multiplies slower than fp32 itself",
+        "set train.precision = \"fp32\", or \"auto\" (fp32 on such a CPU, bf16 where it pays)",
     ),
     row(
         R::StepLossScaleThrashing,

@@ -160,7 +160,8 @@ pub struct ProfConfig {
     /// Rule ckpt_stall: fires when checkpoint stalls exceed this share of the step. Default 0.02.
     pub ckpt_stall_max: f64,
     /// Rule fp32_on_bf16_hardware: fires on an fp32 run when the measured bf16 peak is at least this
-    /// many times the fp32 peak. Default 1.5.
+    /// many times the fp32 peak; rule bf16_slower_than_fp32, on a bf16 or fp16 run when the fp32
+    /// peak is at least this many times the bf16 one. Default 1.5.
     pub bf16_speedup_min: f64,
     /// Rule loss_scale_thrashing: fires when the loss scale changes on more than this share of steps.
     /// Default 0.05.

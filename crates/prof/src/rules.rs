@@ -9,6 +9,7 @@
 //! | `low_compute_ratio` | matmuls timed alone / step < 70% | the time over the matmuls no other finding claims, down to the step at 70% |
 //! | `memory_pressure` | peak memory > 90% of capacity | none (a risk, not a cost) |
 //! | `fp32_on_bf16_hardware` | fp32 run where bf16 peak ≥ 1.5x fp32 | compute phases sped up by the peak ratio |
+//! | `bf16_slower_than_fp32` | bf16/fp16 run where fp32 peak ≥ 1.5x bf16 | compute phases sped up by the peak ratio |
 //! | `loss_scale_thrashing` | loss scale changes on > 5% of steps | step / (step - skipped steps' share) |
 //! | `step_outliers` | > 1% of steps beyond mean + 3 sigma | mean step / mean of the others |
 //! | `small_batch` | compute phases < 30% of peak and a micro-batch < 8192 tokens | compute phases at 30% of peak |
@@ -89,6 +90,23 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
                     "measured peaks: bf16 {:.0} GFLOP/s, fp32 {:.0} GFLOP/s ({speedup:.1}x); compute phases {:.2} ms per step",
                     bf16 / 1e9,
                     fp32 / 1e9,
+                    compute
+                ),
+                Some(amdahl(step, saved)),
+            );
+        }
+        let slowdown = fp32 / bf16;
+        if report.train.precision != Precision::Fp32 && slowdown >= config.bf16_speedup_min {
+            let compute: f64 = Phase::COMPUTE.iter().map(|&p| ms(p)).sum();
+            let saved = compute * (1.0 - 1.0 / slowdown);
+            finding(
+                RuleId::StepBf16SlowerThanFp32,
+                format!("{} run where the fp32 peak is >= {:.1}x bf16", report.train.precision, config.bf16_speedup_min),
+                slowdown,
+                format!(
+                    "measured peaks: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s ({slowdown:.1}x); compute phases {:.2} ms per step",
+                    fp32 / 1e9,
+                    bf16 / 1e9,
                     compute
                 ),
                 Some(amdahl(step, saved)),
@@ -346,6 +364,15 @@ mod tests {
                 f.train.precision = Precision::Fp32;
             },
             &["fp32_on_bf16_hardware"],
+        );
+        check(
+            &compute,
+            |f| {
+                big(f);
+                f.machine.peak_flops_fp32 = Some(4e11);
+                f.machine.peak_flops_bf16 = Some(1e11);
+            },
+            &["bf16_slower_than_fp32"],
         );
         check(
             &compute,

@@ -56,7 +56,8 @@ pub struct TrainConfig {
     /// Global gradient-norm clip; 0 turns clipping off. Default 1.0.
     pub grad_clip: f64,
     /// "fp32", "bf16" (bf16 matrix multiplies, fp32 master weights) or "fp16" (fp16 matrix
-    /// multiplies with dynamic loss scaling, see `loss_scale_*`). Default "bf16".
+    /// multiplies with dynamic loss scaling, see `loss_scale_*`). Default "bf16". A config file's
+    /// "auto" is resolved when the run's config is loaded, by the device (`auto_precision`).
     pub precision: Precision,
     /// fp16 only: the loss scale of the first step. Default 65536.
     pub loss_scale_init: f64,
