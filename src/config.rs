@@ -723,7 +723,8 @@ mod tests {
             StokeConfig::load(None, &overrides).unwrap()
         };
         let on_cpu = load(&["train.precision=\"auto\"", "run.device=\"cpu\""]);
-        let expected = if stoke_train::cpu_has_bf16() { stoke_train::Precision::Bf16 } else { stoke_train::Precision::Fp32 };
+        let expected =
+            if stoke_train::cpu_has_bf16() { stoke_train::Precision::Bf16 } else { stoke_train::Precision::Fp32 };
         assert_eq!(on_cpu.train.precision, expected);
         // The run folder's config holds the precision taken, so a resume reads no "auto".
         let saved = toml::to_string(&on_cpu).unwrap();
@@ -731,7 +732,10 @@ mod tests {
         let resumed = StokeConfig::load_resumed(&on_cpu, None, &[]).unwrap();
         assert_eq!(resumed.train.precision, expected);
         // Named explicitly, a precision is taken as it is.
-        assert_eq!(load(&["train.precision=\"fp16\"", "run.device=\"cpu\""]).train.precision, stoke_train::Precision::Fp16);
+        assert_eq!(
+            load(&["train.precision=\"fp16\"", "run.device=\"cpu\""]).train.precision,
+            stoke_train::Precision::Fp16
+        );
     }
 
     fn check_err(overrides: &[&str], expected: &str) {

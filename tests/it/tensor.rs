@@ -1,5 +1,5 @@
 //! Tensor parallelism with real processes over loopback: a `gpt-rms` model cut over 2 and 4
-//! ranks, and over 2 ranks with data parallelism over 2 copies, follows one process's fp32
+//! ranks (`gpt` and `llama` over 2), and over 2 ranks with data parallelism over 2 copies, follows one process's fp32
 //! losses within 1e-5 over 20 steps (with the gradient clip biting too), under `stoke launch`
 //! and `mpirun`; a cut model's checkpoint holds whole tensors and resumes on one process, on
 //! two data-parallel ranks and cut again with the uninterrupted losses; what a cut model does
@@ -13,6 +13,7 @@ use crate::{losses, run_ok, stoke};
 const RMS: (&str, &[&str]) = ("gpt-rms", &["model.family=\"gpt-rms\""]);
 /// Grouped-query attention: 4 query heads, 2 key/value heads, one of each per rank.
 const LLAMA: (&str, &[&str]) = ("llama", &["model.family=\"llama\"", "model.n_kv_head=2"]);
+const GPT: (&str, &[&str]) = ("gpt", &["model.family=\"gpt\""]);
 
 /// These runs compare losses only (checkpoints have a test of their own below).
 const NO_CHECKPOINTS: &[&str] = &["ckpt.every=0", "ckpt.at_end=false"];
@@ -61,6 +62,18 @@ fn a_llama_cut_over_two_ranks_follows_one_process() {
     assert_same_trajectory(&reference, &dir.path().join("llama-t2"), "llama, tensor 2", &out);
 }
 
+/// The GPT (the default family) cut over 2 ranks: biased q, k, v and MLP rows, the output
+/// projections' biases added once after the sum, LayerNorms replicated, the tied
+/// vocabulary-parallel head; its Rust kernels and unit casts off.
+#[test]
+fn a_gpt_cut_over_two_ranks_follows_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = family_reference_losses(dir.path(), GPT);
+    let args = family_cut_run(GPT, dir.path(), "gpt-t2", &["dist.tensor=2", "train.micro_batch=6"]);
+    let out = launch("2", &args);
+    assert_same_trajectory(&reference, &dir.path().join("gpt-t2"), "gpt, tensor 2", &out);
+}
+
 /// A clip that bites on every step: the norm it divides by is the whole model's, its cut
 /// parts' sums added over the group with the replicated tensors counted once.
 #[test]
@@ -105,7 +118,14 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
     let cases: &[(&str, &[&str], &str, &str)] = &[
         (
             "2",
-            &["model.family=\"gpt\"", "dist.tensor=2", "ckpt.every=0", "ckpt.at_end=false"],
+            &[
+                "model.family=\"vla\"",
+                "model.preset=\"vla-tiny\"",
+                "data.builtin_episodes=64",
+                "dist.tensor=2",
+                "ckpt.every=0",
+                "ckpt.at_end=false",
+            ],
             "dist.tensor",
             "declares no tensor-parallel split",
         ),

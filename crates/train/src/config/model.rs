@@ -288,7 +288,7 @@ impl VlaShape {
 pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama", "vla"];
 
 /// The families whose blocks declare their tensor-parallel split (`dist.tensor` above 1).
-pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["gpt-rms", "llama"];
+pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama"];
 
 /// What a vla preset fixes beyond its backbone's shape.
 struct VlaPreset {

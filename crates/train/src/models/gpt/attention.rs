@@ -57,9 +57,11 @@ impl Gpt {
     /// the fused LayerNorm), in the compute type.
     pub(crate) fn attention_branch(&self, layer_idx: usize, h: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
-        let (batch, seq, d) = h.size3().expect("activations are [batch, seq, d]");
-        let n_head = self.shape.n_head as i64;
-        let head_dim = d / n_head;
+        let (batch, seq, width) = h.size3().expect("activations are [batch, seq, d]");
+        let head_dim = width / self.shape.n_head as i64;
+        // This rank's heads (all of them when not cut) and their width.
+        let n_head = self.tensor.as_ref().map_or(self.shape.n_head as i64, |cut| cut.local(self.shape.n_head));
+        let d = n_head * head_dim;
         let qkv = self.linear(h, Slot::weight(layer_idx, Slot::ATTN), &block.attn_w, Some(&block.attn_b));
         let y = match self.attention {
             Attention::Sdpa(kind) => {
@@ -115,7 +117,7 @@ impl Gpt {
         let block = &self.blocks[layer_idx];
         let (batch, n_head, seq, head_dim) = y.size4().expect("weighted sums are [batch, n_head, seq, head_dim]");
         let y = y.transpose(1, 2).contiguous().view([batch, seq, n_head * head_dim]);
-        self.linear(&y, Slot::weight(layer_idx, Slot::ATTN_PROJ), &block.attn_proj_w, Some(&block.attn_proj_b))
+        self.row_parallel(&y, Slot::weight(layer_idx, Slot::ATTN_PROJ), &block.attn_proj_w, &block.attn_proj_b)
     }
 }
 

@@ -278,6 +278,9 @@ impl Gpt {
         targets: &Tensor,
         loss_multiplier: f64,
     ) -> HeadLoss<'_> {
+        if let Some(head) = self.cut_head(x, normed, targets, loss_multiplier) {
+            return head;
+        }
         if self.fused_cross_entropy_threads > 0 && self.compute == Kind::BFloat16 {
             let input =
                 if normed { x.to_kind(self.compute) } else { self.layer_norm(x, &self.ln_f).to_kind(self.compute) };
@@ -381,6 +384,9 @@ impl ByHand for Gpt {
     }
 
     fn branch(&self, branch: Branch) -> bool {
+        if self.tensor.is_some() {
+            return true;
+        }
         match branch {
             Branch::Attention => self.fused_softmax(),
             Branch::Mlp => self.fused_bias_gelu(),
@@ -408,6 +414,9 @@ impl ByHand for Gpt {
         branch: Branch,
         normed: &Tensor,
     ) -> (Tensor, Box<dyn CoreBackward + 'm>) {
+        if let Some(cut) = self.cut_branch(layer_idx, branch, normed) {
+            return cut;
+        }
         match branch {
             Branch::Attention => {
                 let (output, core) = self.attention_branch_by_hand(layer_idx, normed);

@@ -7,20 +7,23 @@ mod attention;
 mod by_hand;
 mod casts;
 mod parts;
+mod tensor;
 
 use std::cell::RefCell;
+use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{AttentionPrecision, GptShape, Precision, TrainConfig};
 use crate::models::embedding::{embed, embedding_unit};
+use crate::models::tensor_group::{Split, TensorGroup};
 use crate::models::{Branch, ByHand, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
 use attention::choose_attention;
 pub use parts::Gpt;
-use parts::{Attention, BlockParams, Slot, LAYER_NORM_EPS};
+use parts::{block_names, handles, Attention, Slot, LAYER_NORM_EPS};
 
 /// The planner's description of a GPT of `shape` (`models::plan_model`): Megatron-LM's GPT
 /// (biases, LayerNorms, a 4h GELU MLP, learned positions, a tied head) with fused attention, since
@@ -28,24 +31,6 @@ use parts::{Attention, BlockParams, Slot, LAYER_NORM_EPS};
 pub(crate) fn plan_model(shape: GptShape) -> stoke_plan::ModelConfig {
     let gpt = stoke_plan::ModelConfig::gpt(shape.n_layer, shape.d_model, shape.n_head, shape.seq_len, shape.vocab_size);
     stoke_plan::ModelConfig { flash_attention: true, ..gpt }
-}
-
-fn block_names(layer_idx: usize) -> [String; 12] {
-    let p = format!("transformer.h.{layer_idx}");
-    [
-        format!("{p}.ln_1.weight"),
-        format!("{p}.ln_1.bias"),
-        format!("{p}.attn.c_attn.weight"),
-        format!("{p}.attn.c_attn.bias"),
-        format!("{p}.attn.c_proj.weight"),
-        format!("{p}.attn.c_proj.bias"),
-        format!("{p}.ln_2.weight"),
-        format!("{p}.ln_2.bias"),
-        format!("{p}.mlp.c_fc.weight"),
-        format!("{p}.mlp.c_fc.bias"),
-        format!("{p}.mlp.c_proj.weight"),
-        format!("{p}.mlp.c_proj.bias"),
-    ]
 }
 
 impl Gpt {
@@ -92,24 +77,7 @@ impl Gpt {
             ],
         });
         let params = FlatParams::new(units, device);
-        let get = |name: &str| params.get(name).shallow_clone();
-        let blocks = (0..shape.n_layer)
-            .map(|layer_idx| {
-                let n = block_names(layer_idx);
-                BlockParams {
-                    ln_1: (get(&n[0]), get(&n[1])),
-                    attn_w: get(&n[2]),
-                    attn_b: get(&n[3]),
-                    attn_proj_w: get(&n[4]),
-                    attn_proj_b: get(&n[5]),
-                    ln_2: (get(&n[6]), get(&n[7])),
-                    fc_w: get(&n[8]),
-                    fc_b: get(&n[9]),
-                    mlp_proj_w: get(&n[10]),
-                    mlp_proj_b: get(&n[11]),
-                }
-            })
-            .collect();
+        let (wte, wpe, ln_f, blocks) = handles(&params, shape.n_layer);
         let attention = choose_attention(precision, attention, shape, device);
         let causal_mask = match attention {
             Attention::Math(kind) => {
@@ -120,9 +88,9 @@ impl Gpt {
         };
         Gpt {
             shape,
-            wte: get("transformer.wte.weight"),
-            wpe: get("transformer.wpe.weight"),
-            ln_f: (get("transformer.ln_f.weight"), get("transformer.ln_f.bias")),
+            wte,
+            wpe,
+            ln_f,
             blocks,
             params,
             compute: compute_kind(precision),
@@ -139,6 +107,7 @@ impl Gpt {
             unit_casts: false,
             block_casts: RefCell::new((0..shape.n_layer).map(|_| None).collect()),
             leaves: RefCell::new((0..shape.n_layer * Slot::PER_BLOCK + 1).map(|_| None).collect()),
+            tensor: None,
         }
     }
 
@@ -291,7 +260,13 @@ impl Gpt {
 
     /// The embedding unit: token plus position embeddings, `[batch, seq, d]` fp32.
     pub fn embed(&self, inputs: &Tensor) -> Tensor {
-        embed(&self.wte, &self.wpe, inputs)
+        match &self.tensor {
+            Some(cut) => {
+                let positions = Tensor::arange(inputs.size()[1], (Kind::Int64, inputs.device()));
+                cut.embedding(&self.wte, inputs) + Tensor::embedding(&self.wpe, &positions, -1, false, false)
+            }
+            None => embed(&self.wte, &self.wpe, inputs),
+        }
     }
 
     /// The first half of block `layer_idx`: `x + attention(ln_1(x))`.
@@ -310,7 +285,7 @@ impl Gpt {
         let h = self
             .linear(h, Slot::weight(layer_idx, Slot::FC), &block.fc_w, Some(&block.fc_b))
             .gelu(if self.tanh_gelu { "tanh" } else { "none" });
-        self.linear(&h, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, Some(&block.mlp_proj_b))
+        self.row_parallel(&h, Slot::weight(layer_idx, Slot::MLP_PROJ), &block.mlp_proj_w, &block.mlp_proj_b)
     }
 
     /// Logits `[batch, seq, vocab]` from the last block's output (16-bit under 16-bit precision).
@@ -330,6 +305,9 @@ impl Gpt {
 
     /// libtorch's cross-entropy in fp32 of `logits` `[.., vocab]` against `targets`.
     fn mean_cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> Tensor {
+        if let Some(cut) = &self.tensor {
+            return cut.cross_entropy(&logits.to_kind(Kind::Float), targets);
+        }
         let vocab = self.shape.vocab_size as i64;
         logits.to_kind(Kind::Float).view([-1, vocab]).cross_entropy_for_logits(&targets.view([-1]))
     }
@@ -422,11 +400,24 @@ impl Model for Gpt {
         Gpt::loss(self, &inputs.tokens, &inputs.targets)
     }
 
+    /// The logits; None when cut (each rank holds its vocabulary rows' only).
     fn forward(&self, inputs: &Tensor) -> Option<Tensor> {
-        Some(Gpt::forward(self, inputs))
+        self.tensor.is_none().then(|| Gpt::forward(self, inputs))
     }
 
     fn by_hand(&self) -> Option<&dyn ByHand> {
         Some(self)
+    }
+
+    fn split_tensor(&mut self, group: Arc<TensorGroup>) -> Result<(), crate::TrainError> {
+        Gpt::split_tensor(self, group)
+    }
+
+    fn split_of(&self, name: &str) -> Split {
+        tensor::split_of(name)
+    }
+
+    fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
+        self.tensor.as_ref().map(|cut| &cut.group)
     }
 }

@@ -8,6 +8,7 @@ use std::cell::RefCell;
 use tch::{Kind, Tensor};
 
 use crate::config::GptShape;
+use crate::models::tensor_parallel::Cut;
 use crate::params::FlatParams;
 
 pub struct Gpt {
@@ -54,10 +55,59 @@ pub struct Gpt {
     /// With `unit_casts`: the 16-bit leaves a forward with autograd handed the linear layers,
     /// until `add_cast_grads` adds their gradients into the fp32 buffer; indexed by `Slot`.
     pub(super) leaves: RefCell<Vec<Option<Tensor>>>,
+    /// Once cut over a tensor-parallel group (`Model::split_tensor`, see `tensor.rs`).
+    pub(super) tensor: Option<Cut>,
 }
 
 /// libtorch's default, nanoGPT's and GPT-2's.
 pub(super) const LAYER_NORM_EPS: f64 = 1e-5;
+
+/// Block `layer_idx`'s parameter names, nanoGPT's, in the unit's order.
+pub(super) fn block_names(layer_idx: usize) -> [String; 12] {
+    let p = format!("transformer.h.{layer_idx}");
+    [
+        format!("{p}.ln_1.weight"),
+        format!("{p}.ln_1.bias"),
+        format!("{p}.attn.c_attn.weight"),
+        format!("{p}.attn.c_attn.bias"),
+        format!("{p}.attn.c_proj.weight"),
+        format!("{p}.attn.c_proj.bias"),
+        format!("{p}.ln_2.weight"),
+        format!("{p}.ln_2.bias"),
+        format!("{p}.mlp.c_fc.weight"),
+        format!("{p}.mlp.c_fc.bias"),
+        format!("{p}.mlp.c_proj.weight"),
+        format!("{p}.mlp.c_proj.bias"),
+    ]
+}
+
+/// The handles a model keeps to its parameters (they share `params`' storage): wte, wpe, the
+/// final norm's and every block's.
+pub(super) type Handles = (Tensor, Tensor, (Tensor, Tensor), Vec<BlockParams>);
+
+/// Resolves [`Handles`] from `params`, at construction and again once the model is cut.
+pub(super) fn handles(params: &FlatParams, n_layer: usize) -> Handles {
+    let get = |name: &str| params.get(name).shallow_clone();
+    let blocks = (0..n_layer)
+        .map(|layer_idx| {
+            let n = block_names(layer_idx);
+            BlockParams {
+                ln_1: (get(&n[0]), get(&n[1])),
+                attn_w: get(&n[2]),
+                attn_b: get(&n[3]),
+                attn_proj_w: get(&n[4]),
+                attn_proj_b: get(&n[5]),
+                ln_2: (get(&n[6]), get(&n[7])),
+                fc_w: get(&n[8]),
+                fc_b: get(&n[9]),
+                mlp_proj_w: get(&n[10]),
+                mlp_proj_b: get(&n[11]),
+            }
+        })
+        .collect();
+    let ln_f = (get("transformer.ln_f.weight"), get("transformer.ln_f.bias"));
+    (get("transformer.wte.weight"), get("transformer.wpe.weight"), ln_f, blocks)
+}
 
 /// One block's parameters.
 pub(super) struct BlockParams {
