@@ -118,19 +118,6 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
     let cases: &[(&str, &[&str], &str, &str)] = &[
         (
             "2",
-            &[
-                "model.family=\"vla\"",
-                "model.preset=\"vla-tiny\"",
-                "data.builtin_episodes=64",
-                "dist.tensor=2",
-                "ckpt.every=0",
-                "ckpt.at_end=false",
-            ],
-            "dist.tensor",
-            "declares no tensor-parallel split",
-        ),
-        (
-            "2",
             &["model.family=\"gpt-rms\"", "dist.tensor=3", "ckpt.every=0", "ckpt.at_end=false"],
             "dist.tensor",
             "does not divide the job's 2 ranks",
@@ -167,6 +154,14 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
             "frozen parameters",
         ),
     ];
+    // The vla family declares no split (its own keys, not the text families' overrides).
+    let vla = ["model.family=\"vla\"", "model.preset=\"vla-tiny\"", "data.builtin_episodes=64", "dist.tensor=2"];
+    let run_dir = format!("run.dir={}", dir.path().display());
+    let args: Vec<&str> = vla.iter().copied().chain([run_dir.as_str(), "train.steps=2"]).collect();
+    let out = stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "vla ran cut: {stderr}");
+    assert!(stderr.contains("dist.tensor") && stderr.contains("declares no tensor-parallel split"), "{stderr}");
     for (i, (nproc, extra, key, why)) in cases.iter().enumerate() {
         let mut all = extra.to_vec();
         all.push("train.steps=2");
