@@ -11,8 +11,13 @@ use crate::launch::Launch;
 pub struct LaunchArgs {
     /// Worker processes to start on this machine: N, or MIN:MAX for an elastic job that goes on
     /// with fewer workers (down to MIN) when slots are lost and grows back when they return.
-    #[arg(long, default_value = "1")]
-    pub nproc: String,
+    /// Default 1, or what `--layout` makes.
+    #[arg(long)]
+    pub nproc: Option<String>,
+    /// T,P,D: T ranks per model copy cut by tensor parallelism (`dist.tensor`), P pipeline stages
+    /// (1: not built yet), D data-parallel copies; T x P x D workers.
+    #[arg(long, value_name = "T,P,D")]
+    pub layout: Option<String>,
     /// Restarts after a failed or hung worker before the job gives up (exit code of the last
     /// failure). Each one resumes from the run's latest committed checkpoint.
     #[arg(long, default_value_t = 0)]
@@ -66,8 +71,13 @@ pub struct LaunchArgs {
 }
 
 pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
+    let (nproc, command) = match &args.layout {
+        Some(layout) => crate::launch::apply_layout(layout, args.nproc.as_deref(), &args.command)
+            .map_err(crate::usage::UsageError)?,
+        None => (args.nproc.unwrap_or_else(|| "1".into()), args.command),
+    };
     crate::launch::launch(&Launch {
-        nproc: args.nproc,
+        nproc,
         max_restarts: args.max_restarts,
         slot_check: args.slot_check,
         slot_poll_s: args.slot_poll_s,
@@ -80,6 +90,6 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         slurm: args.slurm,
         job_name: args.job_name,
         state_dir: args.state_dir,
-        command: args.command,
+        command,
     })
 }

@@ -32,5 +32,5 @@ mod spec;
 mod supervisor;
 mod workers;
 
-pub use spec::Launch;
+pub use spec::{apply_layout, Launch};
 pub use supervisor::launch;

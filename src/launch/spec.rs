@@ -36,3 +36,64 @@ pub struct Launch {
     /// The command each worker runs.
     pub command: Vec<String>,
 }
+
+/// `--layout T,P,D`: T ranks per model copy cut by tensor parallelism, P pipeline stages, D data
+/// copies. Gives the worker count T x P x D and the command with `--set dist.tensor=T` added.
+/// Pipeline stages are not built: P above 1 is refused, as is a layout beside an `--nproc` that
+/// says otherwise or a command that sets `dist.tensor` itself.
+pub fn apply_layout(layout: &str, nproc: Option<&str>, command: &[String]) -> Result<(String, Vec<String>), String> {
+    let parts: Vec<usize> = layout
+        .split(',')
+        .map(|p| p.trim().parse::<usize>().ok().filter(|&n| n >= 1))
+        .collect::<Option<Vec<_>>>()
+        .filter(|parts| parts.len() == 3)
+        .ok_or_else(|| format!("--layout takes T,P,D (tensor, pipeline, data; each at least 1), got `{layout}`"))?;
+    let (tensor, pipeline, data) = (parts[0], parts[1], parts[2]);
+    if pipeline > 1 {
+        return Err(format!(
+            "--layout {layout}: pipeline parallelism (P = {pipeline}) is not built yet; layouts run with P = 1"
+        ));
+    }
+    let world = tensor * pipeline * data;
+    if let Some(nproc) = nproc.filter(|n| *n != world.to_string()) {
+        return Err(format!("--layout {layout} runs {world} workers, but --nproc says {nproc}; give one of the two"));
+    }
+    if command.iter().any(|arg| arg.trim_start().starts_with("dist.tensor")) {
+        return Err(format!("--layout {layout} sets dist.tensor; the command sets it too"));
+    }
+    let mut command = command.to_vec();
+    command.extend(["--set".to_string(), format!("dist.tensor={tensor}")]);
+    Ok((world.to_string(), command))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn command(args: &[&str]) -> Vec<String> {
+        args.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_layout_gives_the_workers_and_the_tensor_split() {
+        let (nproc, cmd) = apply_layout("2,1,3", None, &command(&["train", "--quiet"])).unwrap();
+        assert_eq!(nproc, "6");
+        assert_eq!(cmd, command(&["train", "--quiet", "--set", "dist.tensor=2"]));
+        assert_eq!(apply_layout("2,1,2", Some("4"), &command(&["train"])).unwrap().0, "4");
+    }
+
+    #[test]
+    fn what_a_layout_cannot_run_is_refused_naming_why() {
+        let train = command(&["train"]);
+        for (layout, nproc, cmd, why) in [
+            ("2,2,1", None, &train, "pipeline parallelism (P = 2) is not built yet"),
+            ("2,1", None, &train, "takes T,P,D"),
+            ("0,1,2", None, &train, "takes T,P,D"),
+            ("2,1,2", Some("2"), &train, "runs 4 workers, but --nproc says 2"),
+            ("2,1,1", None, &command(&["train", "--set", "dist.tensor=4"]), "the command sets it too"),
+        ] {
+            let err = apply_layout(layout, nproc, cmd).unwrap_err();
+            assert!(err.contains(why), "{layout}: {err}");
+        }
+    }
+}

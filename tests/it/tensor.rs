@@ -64,13 +64,15 @@ fn a_llama_cut_over_two_ranks_follows_one_process() {
 
 /// The GPT (the default family) cut over 2 ranks: biased q, k, v and MLP rows, the output
 /// projections' biases added once after the sum, LayerNorms replicated, the tied
-/// vocabulary-parallel head; its Rust kernels and unit casts off.
+/// vocabulary-parallel head; its Rust kernels and unit casts off. Launched by `--layout`.
 #[test]
 fn a_gpt_cut_over_two_ranks_follows_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let reference = family_reference_losses(dir.path(), GPT);
-    let args = family_cut_run(GPT, dir.path(), "gpt-t2", &["dist.tensor=2", "train.micro_batch=6"]);
-    let out = launch("2", &args);
+    // Through `--layout T,P,D` (2 ranks of tensor parallelism, 1 stage, 1 copy).
+    let args = family_cut_run(GPT, dir.path(), "gpt-t2", &["train.micro_batch=6"]);
+    let out = run_ok(&mut stoke(&["launch", "--layout", "2,1,1", "--", "train", "--quiet"], &refs(&args)));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("the model cut over 2 ranks, 1 copies"));
     assert_same_trajectory(&reference, &dir.path().join("gpt-t2"), "gpt, tensor 2", &out);
 }
 
