@@ -263,6 +263,7 @@ impl Profiler {
                 grad_accum: info.grad_accum,
                 precision: info.precision,
                 world_size: self.world_size,
+                tensor: self.tensor,
                 recompute: info.recompute.to_string(),
                 activation_bytes_per_block: Vec::new(),
                 activation_bytes: None,
@@ -460,6 +461,9 @@ impl Profiler {
     /// The ranks one model is cut over (`dist.tensor`), whose tokens the job's rate counts once.
     pub fn set_tensor(&mut self, tensor: usize) {
         self.tensor = tensor.max(1);
+        if let Some(facts) = &mut self.facts {
+            facts.train.tensor = self.tensor;
+        }
     }
 
     /// What this rank sends rank 0 at the end of a data-parallel run: its own report's summary, and

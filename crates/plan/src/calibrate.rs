@@ -58,6 +58,9 @@ pub struct ReportTrain {
     pub precision: Precision,
     #[serde(default = "one")]
     pub world_size: usize,
+    /// Ranks one model is cut over (tensor parallelism); 0 or absent is 1.
+    #[serde(default = "one")]
+    pub tensor: usize,
 }
 
 /// `report.json`'s `machine` object.
@@ -121,6 +124,10 @@ impl MeasuredRun {
         if train.micro_batch == 0 || train.grad_accum == 0 || train.world_size == 0 {
             return Err("train.micro_batch, grad_accum and world_size must be positive".into());
         }
+        let tensor = train.tensor.max(1);
+        if train.world_size % tensor != 0 {
+            return Err(format!("train.tensor {tensor} does not divide world_size {}", train.world_size));
+        }
         let mut cluster = ClusterConfig { n_devices: train.world_size, ..cluster.clone() };
         if report.machine.device == "cpu" {
             // Processes of a CPU run share one machine: their collectives stay inside the node.
@@ -133,7 +140,8 @@ impl MeasuredRun {
         // A run that spent time recomputing ran with full recomputation (stoke's only policy).
         let recomputed = report.phases.get("recompute").and_then(|v| v.as_f64()).unwrap_or(0.0) > 0.0;
         let layout = Layout {
-            data: train.world_size,
+            data: train.world_size / tensor,
+            tensor,
             recompute: if recomputed { Recompute::Full } else { Recompute::None },
             n_micro_batches: train.grad_accum,
             ..Layout::single(train.micro_batch)
@@ -405,10 +413,29 @@ mod tests {
             step_ms: 1.0,
             phases: BTreeMap::new(),
             model: ReportModel { n_layer, n_head: 4, d_model, seq_len: 128, vocab_size: 256 },
-            train: ReportTrain { micro_batch, grad_accum, precision: Precision::Fp32, world_size: 1 },
+            train: ReportTrain { micro_batch, grad_accum, precision: Precision::Fp32, world_size: 1, tensor: 1 },
             machine: ReportMachine { peak_flops: 205e9, device: "cpu".into() },
         };
         MeasuredRun::from_report("synthetic".into(), &report, &ClusterConfig::default()).unwrap()
+    }
+
+    #[test]
+    fn a_cut_run_is_placed_as_its_tensor_by_data_layout() {
+        let report = |world_size, tensor| RunReport {
+            step_ms: 1.0,
+            phases: BTreeMap::new(),
+            model: ReportModel { n_layer: 2, n_head: 4, d_model: 128, seq_len: 64, vocab_size: 256 },
+            train: ReportTrain { micro_batch: 4, grad_accum: 1, precision: Precision::Fp32, world_size, tensor },
+            machine: ReportMachine { peak_flops: 205e9, device: "cpu".into() },
+        };
+        let cluster = ClusterConfig::default();
+        let cut = MeasuredRun::from_report("t2d2".into(), &report(4, 2), &cluster).unwrap();
+        assert_eq!((cut.layout.tensor, cut.layout.data), (2, 2));
+        assert_eq!(cut.config.global_batch, 8, "2 copies of 4 rows");
+        let plain = MeasuredRun::from_report("d4".into(), &report(4, 0), &cluster).unwrap();
+        assert_eq!((plain.layout.tensor, plain.layout.data), (1, 4), "an older report without tensor");
+        let err = MeasuredRun::from_report("bad".into(), &report(4, 3), &cluster).unwrap_err();
+        assert!(err.contains("does not divide"), "{err}");
     }
 
     fn synthetic(truth: &Efficiency) -> Vec<MeasuredRun> {

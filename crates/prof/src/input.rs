@@ -68,6 +68,10 @@ pub struct TrainFacts {
     pub grad_accum: usize,
     pub precision: Precision,
     pub world_size: usize,
+    /// Ranks one model is cut over (`dist.tensor`, tensor parallelism): the job's data-parallel
+    /// copies are `world_size / tensor`. 0 (absent from an older report) means 1.
+    #[serde(default)]
+    pub tensor: usize,
     /// The activation recomputation policy (`train.recompute`).
     #[serde(default)]
     pub recompute: String,
