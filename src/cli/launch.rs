@@ -18,6 +18,13 @@ pub struct LaunchArgs {
     /// (1: not built yet), D data-parallel copies; T x P x D workers.
     #[arg(long, value_name = "T,P,D")]
     pub layout: Option<String>,
+    /// `best`: the layout `stoke plan` ranks first for the command's model on --nproc workers of
+    /// this machine, among those stoke runs (tensor x data, ZeRO, recomputation, micro-batch).
+    #[arg(long, value_name = "best", conflicts_with = "layout")]
+    pub plan: Option<String>,
+    /// With --plan: a calibration's efficiencies (`stoke plan --calibrate --save FILE`).
+    #[arg(long, value_name = "FILE", requires = "plan")]
+    pub efficiency: Option<PathBuf>,
     /// Restarts after a failed or hung worker before the job gives up (exit code of the last
     /// failure). Each one resumes from the run's latest committed checkpoint.
     #[arg(long, default_value_t = 0)]
@@ -71,10 +78,22 @@ pub struct LaunchArgs {
 }
 
 pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
-    let (nproc, command) = match &args.layout {
-        Some(layout) => crate::launch::apply_layout(layout, args.nproc.as_deref(), &args.command)
+    let (nproc, command) = match (&args.layout, &args.plan) {
+        (Some(layout), _) => crate::launch::apply_layout(layout, args.nproc.as_deref(), &args.command)
             .map_err(crate::usage::UsageError)?,
-        None => (args.nproc.unwrap_or_else(|| "1".into()), args.command),
+        (None, Some(plan)) => {
+            let usage = |m: String| crate::usage::UsageError(m);
+            if plan != "best" {
+                return Err(usage(format!("--plan takes `best`, got `{plan}`")).into());
+            }
+            let nproc = args.nproc.clone().ok_or_else(|| usage("--plan best needs --nproc N".into()))?;
+            let n = nproc.parse::<usize>().ok().filter(|&n| n >= 1);
+            let n = n.ok_or_else(|| usage(format!("--plan best needs a worker count, got --nproc {nproc}")))?;
+            let best = crate::planning::best_layout(n, &args.command, args.efficiency.as_deref())?;
+            println!("[launch] {}", best.summary);
+            (nproc, best.command)
+        }
+        (None, None) => (args.nproc.unwrap_or_else(|| "1".into()), args.command),
     };
     crate::launch::launch(&Launch {
         nproc,

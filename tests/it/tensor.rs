@@ -226,3 +226,28 @@ fn copy_dir(from: &Path, to: &Path) {
     let status = std::process::Command::new("cp").arg("-r").arg(from).arg(to).status().unwrap();
     assert!(status.success(), "cp -r {} {}", from.display(), to.display());
 }
+
+/// `stoke launch --plan best`: the planner's first runnable layout for the command's model on
+/// this machine, announced, and the run trains with exactly those settings.
+#[test]
+fn the_planned_layout_is_announced_and_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = overrides(dir.path(), "planned", &["train.steps=3", "ckpt.every=0", "ckpt.at_end=false"]);
+    let out = run_ok(&mut stoke(&["launch", "--nproc", "2", "--plan", "best", "--", "train", "--quiet"], &refs(&args)));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().find(|l| l.starts_with("[launch] plan best of")).unwrap_or_else(|| panic!("{stdout}"));
+    // "tensor T x data D, ZeRO Z, recompute R, micro-batch B x M"
+    let number_after = |word: &str| -> String {
+        let rest = line.split(word).nth(1).unwrap_or_else(|| panic!("no {word:?} in {line}"));
+        rest.trim_start().chars().take_while(|c| c.is_ascii_digit()).collect()
+    };
+    let (tensor, data, zero, micro) =
+        (number_after("tensor "), number_after(" x data "), number_after("ZeRO "), number_after("micro-batch "));
+    assert_eq!(tensor.parse::<usize>().unwrap() * data.parse::<usize>().unwrap(), 2, "{line}");
+    let config = std::fs::read_to_string(dir.path().join("planned/config.toml")).unwrap();
+    let table: toml::Table = config.parse().unwrap();
+    assert_eq!(table["dist"]["tensor"].as_integer().unwrap().to_string(), tensor, "{line}\n{config}");
+    assert_eq!(table["dist"]["zero"].as_integer().unwrap().to_string(), zero, "{line}\n{config}");
+    assert_eq!(table["train"]["micro_batch"].as_integer().unwrap().to_string(), micro, "{line}\n{config}");
+    assert_eq!(losses(&dir.path().join("planned")).len(), 3);
+}
