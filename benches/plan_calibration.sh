@@ -27,18 +27,8 @@ PREFIX=plan-cal
 if [ "$PRECISION" != fp32 ]; then
     PREFIX=plan-cal-$PRECISION
 fi
-if chrt -f 10 true 2>/dev/null; then
-    PRIORITY=(chrt -f 10)
-elif nice -n -10 true 2>/dev/null; then
-    PRIORITY=(nice -n -10)
-else
-    PRIORITY=()
-fi
-STOKE=target/release/stoke
-cargo build --release --quiet --bin stoke || {
-    [ -x "$STOKE" ] || exit 1
-    echo "warning: build failed; using the existing $STOKE" >&2
-}
+# shellcheck source=benches/plan_runs.sh
+source benches/plan_runs.sh
 
 train() {
     local name=$1
@@ -74,34 +64,17 @@ HELD_OUT=(
 
 ROUNDS=${ROUNDS:-3}
 
-reports() {
-    for spec in "$@"; do
-        for round in $(seq 1 "$ROUNDS"); do
-            echo "runs/${spec%% *}-$round/report.json"
-        done
+train_spec() {
+    local round=$1 name overrides args=() kv
+    read -r name overrides <<<"$2"
+    for kv in $overrides; do
+        args+=(--set "$kv")
     done
+    train "$name-$round" "${args[@]}"
 }
 
 if [ -z "${SKIP_TRAIN:-}" ]; then
-    # Each round trains every shape once, calibration and held-out shapes alternating, so that a
-    # slow spell of the machine falls on both sets rather than on one.
-    ORDER=()
-    for idx in "${!CALIBRATION[@]}"; do
-        ORDER+=("${CALIBRATION[$idx]}")
-        if [ "$idx" -lt "${#HELD_OUT[@]}" ]; then
-            ORDER+=("${HELD_OUT[$idx]}")
-        fi
-    done
-    for round in $(seq 1 "$ROUNDS"); do
-        for spec in "${ORDER[@]}"; do
-            read -r name overrides <<<"$spec"
-            args=()
-            for kv in $overrides; do
-                args+=(--set "$kv")
-            done
-            train "$name-$round" "${args[@]}"
-        done
-    done
+    train_rounds
 fi
 
 # shellcheck disable=SC2046

@@ -19,18 +19,8 @@ cd "$(dirname "$0")/.."
 STEPS=${STEPS:-40}
 ROUNDS=${ROUNDS:-3}
 PREFIX=plan-tp
-if chrt -f 10 true 2>/dev/null; then
-    PRIORITY=(chrt -f 10)
-elif nice -n -10 true 2>/dev/null; then
-    PRIORITY=(nice -n -10)
-else
-    PRIORITY=()
-fi
-STOKE=target/release/stoke
-cargo build --release --quiet --bin stoke || {
-    [ -x "$STOKE" ] || exit 1
-    echo "warning: build failed; using the existing $STOKE" >&2
-}
+# shellcheck source=benches/plan_runs.sh
+source benches/plan_runs.sh
 
 # name layout overrides...
 train() {
@@ -70,34 +60,17 @@ HELD_OUT=(
     "$PREFIX-dg 1,1,2 model.n_layer=3 model.d_model=384 model.n_head=6 train.micro_batch=16"
 )
 
-reports() {
-    for spec in "$@"; do
-        for round in $(seq 1 "$ROUNDS"); do
-            echo "runs/${spec%% *}-$round/report.json"
-        done
+train_spec() {
+    local round=$1 name layout overrides args=() kv
+    read -r name layout overrides <<<"$2"
+    for kv in $overrides; do
+        args+=(--set "$kv")
     done
+    train "$name-$round" "$layout" "${args[@]}"
 }
 
 if [ -z "${SKIP_TRAIN:-}" ]; then
-    # Each round trains every shape once, calibration and held-out shapes alternating, so that a
-    # slow spell of the machine falls on both sets rather than on one.
-    ORDER=()
-    for idx in "${!CALIBRATION[@]}"; do
-        ORDER+=("${CALIBRATION[$idx]}")
-        if [ "$idx" -lt "${#HELD_OUT[@]}" ]; then
-            ORDER+=("${HELD_OUT[$idx]}")
-        fi
-    done
-    for round in $(seq 1 "$ROUNDS"); do
-        for spec in "${ORDER[@]}"; do
-            read -r name layout overrides <<<"$spec"
-            args=()
-            for kv in $overrides; do
-                args+=(--set "$kv")
-            done
-            train "$name-$round" "$layout" "${args[@]}"
-        done
-    done
+    train_rounds
 fi
 
 # shellcheck disable=SC2046
