@@ -10,6 +10,8 @@ use stoke_train::{AdaptiveConfig, CkptConfig, EvalConfig, Injections, ModelConfi
 
 pub const DEFAULTS_TOML: &str = include_str!("defaults.toml");
 
+mod precision;
+
 /// The whole configuration of a run.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -456,27 +458,6 @@ fn test_injections() -> Result<Injections, ConfigError> {
     Ok(inject)
 }
 
-/// `train.precision = "auto"` becomes the precision the run's device multiplies fastest in
-/// (`stoke_train::auto_precision`), before the table is read: the run folder's config.toml, the
-/// report and a checkpoint's meta hold the one taken, and a resume keeps it.
-fn resolve_auto_precision(table: &mut toml::Table) -> Result<(), ConfigError> {
-    if table.get("train").and_then(|t| t.get("precision")).and_then(|v| v.as_str()) != Some("auto") {
-        return Ok(());
-    }
-    let device_name = table
-        .get("run")
-        .and_then(|r| r.get("device"))
-        .and_then(|d| d.as_str())
-        .map_or_else(|| RunConfig::default().device, str::to_string);
-    let device = stoke_train::parse_device(&device_name)
-        .map_err(|e| ConfigError::Invalid { key: "run.device".into(), message: e.to_string() })?;
-    let precision = stoke_train::auto_precision(device);
-    if let Some(train) = table.get_mut("train").and_then(|t| t.as_table_mut()) {
-        train.insert("precision".into(), toml::Value::String(precision.name().into()));
-    }
-    Ok(())
-}
-
 impl StokeConfig {
     /// Loads `file` (if any), applies `overrides`, and checks every key, type and value.
     pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<StokeConfig, ConfigError> {
@@ -511,7 +492,7 @@ impl StokeConfig {
         let defaults = toml::Table::try_from(StokeConfig::default()).expect("defaults serialize");
         check_table(&mut user, &defaults, "")?;
         merge(&mut base, user);
-        resolve_auto_precision(&mut base)?;
+        precision::resolve_auto_precision(&mut base)?;
         let config: StokeConfig = serde_path_to_error::deserialize(toml::Value::Table(base)).map_err(|e| {
             let key = e.path().to_string();
             let message = e.into_inner().to_string();
@@ -714,28 +695,6 @@ mod tests {
         from_file.sort();
         from_code.sort();
         assert_eq!(from_file, from_code, "every key is documented in defaults.toml, and only those");
-    }
-
-    #[test]
-    fn auto_precision_is_resolved_when_loaded_and_kept_on_resume() {
-        let load = |overrides: &[&str]| {
-            let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-            StokeConfig::load(None, &overrides).unwrap()
-        };
-        let on_cpu = load(&["train.precision=\"auto\"", "run.device=\"cpu\""]);
-        let expected =
-            if stoke_train::cpu_has_bf16() { stoke_train::Precision::Bf16 } else { stoke_train::Precision::Fp32 };
-        assert_eq!(on_cpu.train.precision, expected);
-        // The run folder's config holds the precision taken, so a resume reads no "auto".
-        let saved = toml::to_string(&on_cpu).unwrap();
-        assert!(saved.contains(&format!("precision = \"{}\"", expected.name())), "{saved}");
-        let resumed = StokeConfig::load_resumed(&on_cpu, None, &[]).unwrap();
-        assert_eq!(resumed.train.precision, expected);
-        // Named explicitly, a precision is taken as it is.
-        assert_eq!(
-            load(&["train.precision=\"fp16\"", "run.device=\"cpu\""]).train.precision,
-            stoke_train::Precision::Fp16
-        );
     }
 
     fn check_err(overrides: &[&str], expected: &str) {

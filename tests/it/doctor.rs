@@ -56,6 +56,8 @@ const STARVED_MODEL: &[&str] = &[
     "model.seq_len=16",
     "train.micro_batch=512",
     "train.threads=1",
+    // Short steps on any CPU: bf16 on one without bf16 instructions is the first finding instead.
+    "train.precision=\"auto\"",
     "prof.prometheus=false",
     "ckpt.every=0",
     "ckpt.at_end=false",

@@ -69,6 +69,8 @@ fn an_mfu_above_one_is_never_reported_the_peak_is_measured_again() {
     }
     // Measured at start (the load level moved) or again at the end: either way the report says so.
     assert!(source.starts_with("measured"), "{source}");
+    // The step report says where the peak came from, or why the MFU is withheld (the peak
+    // measured again came out too low for the run's speed: the machine is loaded).
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("peak measured"), "{stdout}");
+    assert!(stdout.contains("peak measured") || stdout.contains("MFU withheld"), "{stdout}");
 }
