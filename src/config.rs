@@ -492,7 +492,8 @@ impl StokeConfig {
         let defaults = toml::Table::try_from(StokeConfig::default()).expect("defaults serialize");
         check_table(&mut user, &defaults, "")?;
         merge(&mut base, user);
-        precision::resolve_auto_precision(&mut base)?;
+        precision::resolve_auto_precision(&mut base, &RunConfig::default().device)
+            .map_err(|message| ConfigError::Invalid { key: "run.device".into(), message })?;
         let config: StokeConfig = serde_path_to_error::deserialize(toml::Value::Table(base)).map_err(|e| {
             let key = e.path().to_string();
             let message = e.into_inner().to_string();
