@@ -8,7 +8,8 @@
 //!
 //! Tasks:
 //! - `setup`: install libtorch if it is not there yet (idempotent, quick when done).
-//! - `train [ARGS]`: set up, then `stoke train ARGS` from a release build.
+//! - `train [ARGS]`: set up, then `stoke train ARGS` from a release build, in the precision this
+//!   machine is fast in (`train.precision = "auto"`) unless ARGS name one.
 //! - `test [ARGS]`: set up, install Open MPI and ffmpeg when missing (apt-get, as root), then
 //!   `cargo test --workspace --features stoke-comm/mpi,stoke-comm/nccl ARGS`; without ARGS, then also the
 //!   benchmark regression gate (`stoke bench gate`): its self-test (five unchanged series pass,
@@ -75,7 +76,14 @@ fn main() -> ExitCode {
         "setup" => setup(&root).map(|_| 0),
         "train" => setup(&root).and_then(|_| {
             let mut cmd = cargo(&root);
-            cmd.args(["run", "--release", "--quiet", "--bin", "stoke", "--", "train"]).args(rest);
+            cmd.args(["run", "--release", "--quiet", "--bin", "stoke", "--", "train"]);
+            // The first command a newcomer runs takes the precision this machine is fast in: on a
+            // CPU without bf16 instructions the default bf16 made the tiny GPT's step 16x slower
+            // (20 s against 1.3 s, hours for its 600 steps). A precision named in ARGS wins.
+            if !rest.iter().any(|arg| arg.contains("train.precision")) {
+                cmd.args(["--set", "train.precision=\"auto\""]);
+            }
+            cmd.args(rest);
             status(cmd)
         }),
         "stoke" => setup(&root).and_then(|_| {
