@@ -144,6 +144,7 @@ fn torch_libraries(binary: &Path, torch: &Path) -> Result<Vec<PathBuf>, String> 
         .map_err(|e| format!("cannot run ldd: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
     let mut libraries = Vec::new();
+    let mut elsewhere = None;
     for line in text.lines() {
         let Some((name, rest)) = line.split_once("=>") else { continue };
         let path = rest.split_whitespace().next().unwrap_or("");
@@ -153,7 +154,20 @@ fn torch_libraries(binary: &Path, torch: &Path) -> Result<Vec<PathBuf>, String> 
         let Ok(path) = std::fs::canonicalize(path) else { continue };
         if path.starts_with(site_packages) {
             libraries.push(path);
+        } else if name.trim() == "libtorch_cpu.so" {
+            elsewhere = Some(path);
         }
+    }
+    // A binary built with LIBTORCH pointing at another checkout loads that one's libtorch, and an
+    // install of it would copy none: say so here rather than fail later on an empty lib folder.
+    if let Some(path) = elsewhere {
+        return Err(format!(
+            "{} loads libtorch_cpu.so from {}, not from this checkout's {}: it was built against another \
+             libtorch (a LIBTORCH set where it was built); build it again here without LIBTORCH set",
+            binary.display(),
+            path.display(),
+            site_packages.display()
+        ));
     }
     Ok(libraries)
 }
