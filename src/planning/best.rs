@@ -2,8 +2,9 @@
 //! the model the command trains on this machine's CPUs, turned into the command's settings.
 //!
 //! The command's `--config` and `--set` arguments are read as `train` reads them; the planner
-//! searches tensor x data layouts of `--nproc` devices (the `cpu` cluster with this machine's
-//! measured matmul peak, or a calibration's efficiencies), ZeRO stages, recomputation and
+//! searches tensor x data layouts of `--nproc` devices (the `cpu` cluster as one node with this
+//! machine's memory split between the workers and its measured matmul peak, or a calibration's
+//! efficiencies), ZeRO stages, recomputation and
 //! micro-batches at the run's global batch. Pipeline stages and sequence parallelism are not
 //! built, and ZeRO does not run beside a cut model yet, so those layouts are passed over. The
 //! chosen layout becomes `--set dist.tensor, dist.zero, train.micro_batch, train.grad_accum,
@@ -79,7 +80,11 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
     let model = stoke_train::plan_model_for(&config.model, &config.train)?;
     let train = &config.train;
     let precision = if train.precision == stoke_train::Precision::Fp32 { Precision::Fp32 } else { Precision::Bf16 };
-    let mut cluster = ClusterConfig::preset("cpu", nproc)?;
+    // The workers share this one machine: one node, its memory split between them.
+    let mut cluster = ClusterConfig { devices_per_node: nproc, ..ClusterConfig::preset("cpu", nproc)? };
+    if let Some(bytes) = stoke_train::memory_capacity_bytes(device) {
+        cluster.memory_bytes = bytes as f64 / nproc as f64;
+    }
     // This machine's peak at the run's precision and threads, measured once and cached.
     let peak = stoke_train::matmul_peak_flops_cached(train.precision, device, &crate::profiler::cache_dir())?;
     match precision {
