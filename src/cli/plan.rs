@@ -4,9 +4,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::Args;
-use stoke_plan::{ClusterConfig, Efficiency, ModelConfig, PlanConfig, Precision, Recompute, SearchConfig, ZeroStage};
+use stoke_plan::{ClusterConfig, ModelConfig, PlanConfig, Precision, Recompute, SearchConfig, ZeroStage};
 
 use crate::exit::{plan_error, usage};
 use crate::planning::{Calibration, ZeroTable};
@@ -137,15 +136,6 @@ pub struct PlanArgs {
     pub zero_gathered_units: usize,
 }
 
-fn read_efficiency(path: &PathBuf) -> anyhow::Result<Efficiency> {
-    let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::TABLE_CAP)
-        .with_context(|| format!("reading {}", path.display()))?;
-    let efficiency: Efficiency = serde_json::from_str(&text)
-        .map_err(|err| usage(format!("{}: not an efficiency file: {err}", path.display())))?;
-    efficiency.validate().map_err(plan_error)?;
-    Ok(efficiency)
-}
-
 fn cluster_from_args(args: &PlanArgs, precision: Precision) -> anyhow::Result<ClusterConfig> {
     let mut cluster = ClusterConfig::preset(&args.cluster, args.devices).map_err(plan_error)?;
     if let Some(per_node) = args.devices_per_node {
@@ -173,7 +163,7 @@ fn cluster_from_args(args: &PlanArgs, precision: Precision) -> anyhow::Result<Cl
         cluster.inter_node_latency_s = us * 1e-6;
     }
     if let Some(path) = &args.efficiency {
-        cluster.efficiency = read_efficiency(path)?;
+        cluster.efficiency = crate::planning::read_efficiency(path)?;
     }
     cluster.validate().map_err(plan_error)?;
     Ok(cluster)

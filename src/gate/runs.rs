@@ -90,11 +90,6 @@ fn gate_run(dir: &Path, name: &str, settings: &[String]) -> anyhow::Result<BTree
     Ok(run_figures(&paired.pairs, &report))
 }
 
-/// The gate's settings: `GATE_OVERRIDES`, then the command line's.
-fn settings(args: &GateSpec) -> Vec<String> {
-    gate_settings(&args.overrides)
-}
-
 /// `GATE_OVERRIDES`, the precision this machine multiplies fastest in (`train.precision = "auto"`
 /// resolved here, so that another revision's binary is given a precision it knows), then
 /// `overrides`. On a CPU without bf16 instructions the gate's step takes fifteen times longer in
@@ -109,16 +104,18 @@ pub fn gate_settings(overrides: &[String]) -> Vec<String> {
 /// Runs the gate: records a baseline (`update`) or compares with it (exit 4 on a regression).
 pub fn gate(args: &GateSpec) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
+    // Once: the precision in them is resolved from the machine.
+    let settings = gate_settings(&args.overrides);
     std::fs::create_dir_all(&args.dir).with_context(|| format!("cannot create {}", args.dir.display()))?;
     if !args.update {
         // Refused before the runs, not after them.
-        comparable(&load(&args.baseline)?, &settings(args), &machine_fingerprint())
+        comparable(&load(&args.baseline)?, &settings, &machine_fingerprint())
             .with_context(|| format!("baseline {}", args.baseline.display()))?;
     }
     let repeats = if args.update { args.repeats.max(UPDATE_REPEATS) } else { args.repeats.max(1) };
     let mut runs = Vec::with_capacity(repeats);
     for rep in 0..repeats {
-        runs.push(gate_run(&args.dir, &format!("gate-{rep}"), &settings(args))?);
+        runs.push(gate_run(&args.dir, &format!("gate-{rep}"), &settings)?);
     }
     let mut measured: BTreeMap<String, (Check, Vec<f64>)> = BTreeMap::new();
     for run in &runs {
@@ -126,12 +123,16 @@ pub fn gate(args: &GateSpec) -> anyhow::Result<ExitCode> {
             measured.entry(key.clone()).or_insert((check, Vec::new())).1.push(value);
         }
     }
-    let result = if args.update { record(args, &measured) } else { check(args, &measured) };
+    let result = if args.update { record(args, &settings, &measured) } else { check(args, &settings, &measured) };
     println!("gate: {repeats} runs in {:.1} s", started.elapsed().as_secs_f64());
     result
 }
 
-fn record(args: &GateSpec, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> anyhow::Result<ExitCode> {
+fn record(
+    args: &GateSpec,
+    settings: &[String],
+    measured: &BTreeMap<String, (Check, Vec<f64>)>,
+) -> anyhow::Result<ExitCode> {
     let mut figures = BTreeMap::new();
     for (key, (check, values)) in measured {
         if values.iter().any(|v| !v.is_finite()) {
@@ -154,7 +155,7 @@ fn record(args: &GateSpec, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> an
         figures.insert(key.clone(), Recorded { check: *check, value, runs: values.clone(), tolerance });
     }
     let baseline = Baseline {
-        overrides: settings(args),
+        overrides: settings.to_vec(),
         profile: build_profile().into(),
         machine: machine_fingerprint(),
         repeats: measured.values().next().map_or(0, |(_, v)| v.len()),
@@ -166,9 +167,13 @@ fn record(args: &GateSpec, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> an
     Ok(ExitCode::SUCCESS)
 }
 
-fn check(args: &GateSpec, measured: &BTreeMap<String, (Check, Vec<f64>)>) -> anyhow::Result<ExitCode> {
+fn check(
+    args: &GateSpec,
+    settings: &[String],
+    measured: &BTreeMap<String, (Check, Vec<f64>)>,
+) -> anyhow::Result<ExitCode> {
     let path = &args.baseline;
-    let regressions = compare(&load(path)?, &settings(args), &machine_fingerprint(), measured)
+    let regressions = compare(&load(path)?, settings, &machine_fingerprint(), measured)
         .with_context(|| format!("baseline {}", path.display()))?;
     if regressions.is_empty() {
         println!("gate: no regression");

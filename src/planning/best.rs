@@ -92,10 +92,7 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         Precision::Bf16 => cluster.peak_flops_bf16 = peak,
     }
     if let Some(path) = efficiency {
-        let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::TABLE_CAP)
-            .with_context(|| format!("reading {}", path.display()))?;
-        cluster.efficiency =
-            serde_json::from_str(&text).with_context(|| format!("{}: not an efficiency file", path.display()))?;
+        cluster.efficiency = super::calibration::read_efficiency(path)?;
     }
     let global_batch =
         if train.global_batch > 0 { train.global_batch } else { train.micro_batch * train.grad_accum * nproc };

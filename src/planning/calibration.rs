@@ -2,11 +2,11 @@
 //! held-out runs predicted with them.
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use stoke_plan::{calibrate, compare, merge_repeats, ClusterConfig, MeasuredRun, PlanError, RunFit};
+use stoke_plan::{calibrate, compare, merge_repeats, ClusterConfig, Efficiency, MeasuredRun, PlanError, RunFit};
 
 use super::output::emit;
 
@@ -23,6 +23,17 @@ pub struct Calibration {
     pub save: Option<PathBuf>,
     /// Print JSON instead of text.
     pub json: bool,
+}
+
+/// Efficiencies written by `--calibrate --save`, checked (`stoke plan --efficiency`, `stoke launch
+/// --plan best --efficiency`).
+pub fn read_efficiency(path: &Path) -> anyhow::Result<Efficiency> {
+    let text = stoke_fsio::read_to_string_capped(path, stoke_fsio::TABLE_CAP)
+        .with_context(|| format!("reading {}", path.display()))?;
+    let efficiency: Efficiency = serde_json::from_str(&text)
+        .map_err(|err| crate::exit::usage(format!("{}: not an efficiency file: {err}", path.display())))?;
+    efficiency.validate().map_err(crate::exit::plan_error)?;
+    Ok(efficiency)
 }
 
 fn load_runs(paths: &[PathBuf], cluster: &ClusterConfig) -> anyhow::Result<Vec<MeasuredRun>> {

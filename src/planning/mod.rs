@@ -11,6 +11,6 @@ mod search;
 mod zero_table;
 
 pub use best::best_layout;
-pub use calibration::{run_calibration, Calibration};
+pub use calibration::{read_efficiency, run_calibration, Calibration};
 pub use search::print_search;
 pub use zero_table::{run_zero_table, ZeroTable};

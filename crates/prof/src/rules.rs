@@ -78,35 +78,28 @@ pub fn diagnose(report: &RunReport, steps: &[StepSample], config: &ProfConfig) -
         );
     }
     if let (Some(fp32), Some(bf16)) = (report.machine.peak_flops_fp32, report.machine.peak_flops_bf16) {
-        let speedup = bf16 / fp32;
-        if report.train.precision == Precision::Fp32 && speedup >= config.bf16_speedup_min {
+        // The other precision's peak over the run's: fp32_on_bf16_hardware on an fp32 run,
+        // bf16_slower_than_fp32 on a 16-bit one.
+        let run = report.train.precision;
+        let (rule, faster, slower) = if run == Precision::Fp32 {
+            (RuleId::StepFp32OnBf16Hardware, ("bf16", bf16), ("fp32", fp32))
+        } else {
+            (RuleId::StepBf16SlowerThanFp32, ("fp32", fp32), ("bf16", bf16))
+        };
+        let ratio = faster.1 / slower.1;
+        if ratio >= config.bf16_speedup_min {
             let compute: f64 = Phase::COMPUTE.iter().map(|&p| ms(p)).sum();
-            let saved = compute * (1.0 - 1.0 / speedup);
+            let saved = compute * (1.0 - 1.0 / ratio);
             finding(
-            RuleId::StepFp32OnBf16Hardware,
-                format!("fp32 run where the bf16 peak is >= {:.1}x fp32", config.bf16_speedup_min),
-                speedup,
+                rule,
+                format!("{run} run where the {} peak is >= {:.1}x {}", faster.0, config.bf16_speedup_min, slower.0),
+                ratio,
                 format!(
-                    "measured peaks: bf16 {:.0} GFLOP/s, fp32 {:.0} GFLOP/s ({speedup:.1}x); compute phases {:.2} ms per step",
-                    bf16 / 1e9,
-                    fp32 / 1e9,
-                    compute
-                ),
-                Some(amdahl(step, saved)),
-            );
-        }
-        let slowdown = fp32 / bf16;
-        if report.train.precision != Precision::Fp32 && slowdown >= config.bf16_speedup_min {
-            let compute: f64 = Phase::COMPUTE.iter().map(|&p| ms(p)).sum();
-            let saved = compute * (1.0 - 1.0 / slowdown);
-            finding(
-                RuleId::StepBf16SlowerThanFp32,
-                format!("{} run where the fp32 peak is >= {:.1}x bf16", report.train.precision, config.bf16_speedup_min),
-                slowdown,
-                format!(
-                    "measured peaks: fp32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s ({slowdown:.1}x); compute phases {:.2} ms per step",
-                    fp32 / 1e9,
-                    bf16 / 1e9,
+                    "measured peaks: {} {:.0} GFLOP/s, {} {:.0} GFLOP/s ({ratio:.1}x); compute phases {:.2} ms per step",
+                    faster.0,
+                    faster.1 / 1e9,
+                    slower.0,
+                    slower.1 / 1e9,
                     compute
                 ),
                 Some(amdahl(step, saved)),

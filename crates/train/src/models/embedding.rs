@@ -24,7 +24,12 @@ pub(super) fn embedding_unit(shape: GptShape, std: f64) -> UnitSpec {
 
 /// `[batch, seq, d]` fp32: the tokens' rows of `wte` plus the positions' rows of `wpe`.
 pub(super) fn embed(wte: &Tensor, wpe: &Tensor, inputs: &Tensor) -> Tensor {
-    let seq = inputs.size()[1];
-    let positions = Tensor::arange(seq, (Kind::Int64, inputs.device()));
-    Tensor::embedding(wte, inputs, -1, false, false) + Tensor::embedding(wpe, &positions, -1, false, false)
+    with_positions(Tensor::embedding(wte, inputs, -1, false, false), wpe, inputs)
+}
+
+/// `tokens` (the token rows of `inputs`, however looked up: a cut model sums its vocabulary
+/// parts) plus the positions' rows of `wpe`.
+pub(super) fn with_positions(tokens: Tensor, wpe: &Tensor, inputs: &Tensor) -> Tensor {
+    let positions = Tensor::arange(inputs.size()[1], (Kind::Int64, inputs.device()));
+    tokens + Tensor::embedding(wpe, &positions, -1, false, false)
 }

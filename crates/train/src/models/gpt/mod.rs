@@ -15,7 +15,7 @@ use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::{AttentionPrecision, GptShape, Precision, TrainConfig};
-use crate::models::embedding::{embed, embedding_unit};
+use crate::models::embedding::{embed, embedding_unit, with_positions};
 use crate::models::tensor_group::{Split, TensorGroup};
 use crate::models::{Branch, ByHand, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
@@ -261,10 +261,7 @@ impl Gpt {
     /// The embedding unit: token plus position embeddings, `[batch, seq, d]` fp32.
     pub fn embed(&self, inputs: &Tensor) -> Tensor {
         match &self.tensor {
-            Some(cut) => {
-                let positions = Tensor::arange(inputs.size()[1], (Kind::Int64, inputs.device()));
-                cut.embedding(&self.wte, inputs) + Tensor::embedding(&self.wpe, &positions, -1, false, false)
-            }
+            Some(cut) => with_positions(cut.embedding(&self.wte, inputs), &self.wpe, inputs),
             None => embed(&self.wte, &self.wpe, inputs),
         }
     }

@@ -16,7 +16,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::{GptShape, Precision};
 use crate::kernels::LayerNormStats;
-use crate::models::embedding::{embed, embedding_unit};
+use crate::models::embedding::{embed, embedding_unit, with_positions};
 use crate::models::tensor_group::{Split, TensorGroup};
 use crate::models::tensor_parallel::Cut;
 use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, HeadLoss, Inputs, Model, Norm};
@@ -219,10 +219,7 @@ impl GptRms {
 
     fn embed_tokens(&self, inputs: &Tensor) -> Tensor {
         match &self.tensor {
-            Some(cut) => {
-                let positions = Tensor::arange(inputs.size()[1], (Kind::Int64, inputs.device()));
-                cut.embedding(&self.wte, inputs) + Tensor::embedding(&self.wpe, &positions, -1, false, false)
-            }
+            Some(cut) => with_positions(cut.embedding(&self.wte, inputs), &self.wpe, inputs),
             None => embed(&self.wte, &self.wpe, inputs),
         }
     }
