@@ -84,6 +84,22 @@ pub struct Cut {
     pub vocab: std::ops::Range<i64>,
 }
 
+/// Megatron-LM's cut of a model with nanoGPT's parameter names (the `gpt` and `gpt-rms`
+/// families): the token embedding (and so the tied head) and the MLP's first matrix by rows, q,
+/// k and v by rows in three blocks (their biases with them), both output projections' weights by
+/// columns; everything else, the output projections' biases included, replicated.
+pub fn nanogpt_split(name: &str) -> Split {
+    if name == "transformer.wte.weight" || name.contains(".mlp.c_fc.") {
+        Split::Rows { blocks: 1 }
+    } else if name.contains(".attn.c_attn.") {
+        Split::Rows { blocks: 3 }
+    } else if name.ends_with(".c_proj.weight") {
+        Split::Cols { blocks: 1 }
+    } else {
+        Split::Replicated
+    }
+}
+
 impl Cut {
     /// Cuts `params` (the whole model's, replaced by this rank's parts) over `group` by `split`;
     /// `vocab` is the vocabulary's size and `heads` the head counts that must divide evenly

@@ -411,7 +411,7 @@ impl Model for Gpt {
     }
 
     fn split_of(&self, name: &str) -> Split {
-        tensor::split_of(name)
+        crate::models::tensor_parallel::nanogpt_split(name)
     }
 
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {

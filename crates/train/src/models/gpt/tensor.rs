@@ -12,30 +12,17 @@ use std::sync::Arc;
 use tch::{Kind, Tensor};
 
 use super::parts::{handles, Gpt, Slot};
-use crate::models::tensor_group::{Split, TensorGroup};
-use crate::models::tensor_parallel::Cut;
+use crate::models::tensor_group::TensorGroup;
+use crate::models::tensor_parallel::{nanogpt_split, Cut};
 use crate::models::{CoreBackward, HeadLoss};
 use crate::TrainError;
-
-/// How parameter `name` is cut over a tensor-parallel group (see the module doc).
-pub(super) fn split_of(name: &str) -> Split {
-    if name == "transformer.wte.weight" || name.contains(".mlp.c_fc.") {
-        Split::Rows { blocks: 1 }
-    } else if name.contains(".attn.c_attn.") {
-        Split::Rows { blocks: 3 }
-    } else if name.ends_with(".c_proj.weight") {
-        Split::Cols { blocks: 1 }
-    } else {
-        Split::Replicated
-    }
-}
 
 impl Gpt {
     /// Cuts the model over `group` (`Model::split_tensor`): each rank keeps its parts, and the
     /// kernels and unit casts that assume whole weights are off.
     pub(super) fn split_tensor(&mut self, group: Arc<TensorGroup>) -> Result<(), TrainError> {
         let heads = [("model.n_head", self.shape.n_head)];
-        let cut = Cut::params(&mut self.params, group, &split_of, self.shape.vocab_size, &heads)?;
+        let cut = Cut::params(&mut self.params, group, &nanogpt_split, self.shape.vocab_size, &heads)?;
         (self.wte, self.wpe, self.ln_f, self.blocks) = handles(&self.params, self.shape.n_layer);
         self.fused_cross_entropy_threads = 0;
         self.fused_layer_norm_threads = 0;

@@ -18,7 +18,7 @@ use crate::config::{GptShape, Precision};
 use crate::kernels::LayerNormStats;
 use crate::models::embedding::{embed, embedding_unit, with_positions};
 use crate::models::tensor_group::{Split, TensorGroup};
-use crate::models::tensor_parallel::Cut;
+use crate::models::tensor_parallel::{nanogpt_split, Cut};
 use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
@@ -88,19 +88,6 @@ fn handles(params: &FlatParams, n_layer: usize) -> (Tensor, Tensor, Tensor, Vec<
         })
         .collect();
     (get("transformer.wte.weight"), get("transformer.wpe.weight"), get("transformer.ln_f.weight"), blocks)
-}
-
-/// How parameter `name` is cut over a tensor-parallel group (see the module doc).
-fn split_of(name: &str) -> Split {
-    if name == "transformer.wte.weight" || name.ends_with(".mlp.c_fc.weight") {
-        Split::Rows { blocks: 1 }
-    } else if name.ends_with(".attn.c_attn.weight") {
-        Split::Rows { blocks: 3 }
-    } else if name.ends_with(".c_proj.weight") {
-        Split::Cols { blocks: 1 }
-    } else {
-        Split::Replicated
-    }
 }
 
 impl GptRms {
@@ -318,14 +305,14 @@ impl Model for GptRms {
 
     fn split_tensor(&mut self, group: Arc<TensorGroup>) -> Result<(), crate::TrainError> {
         let heads = [("model.n_head", self.shape.n_head)];
-        let cut = Cut::params(&mut self.params, group, &split_of, self.shape.vocab_size, &heads)?;
+        let cut = Cut::params(&mut self.params, group, &nanogpt_split, self.shape.vocab_size, &heads)?;
         (self.wte, self.wpe, self.ln_f, self.blocks) = handles(&self.params, self.shape.n_layer);
         self.tensor = Some(cut);
         Ok(())
     }
 
     fn split_of(&self, name: &str) -> Split {
-        split_of(name)
+        nanogpt_split(name)
     }
 
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
