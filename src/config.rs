@@ -10,7 +10,10 @@ use stoke_train::{AdaptiveConfig, CkptConfig, EvalConfig, Injections, ModelConfi
 
 pub const DEFAULTS_TOML: &str = include_str!("defaults.toml");
 
+mod dist;
 mod precision;
+
+pub use dist::DistConfig;
 
 /// The whole configuration of a run.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -25,101 +28,6 @@ pub struct StokeConfig {
     pub adaptive: AdaptiveConfig,
     pub prof: stoke_prof::ProfConfig,
     pub dist: DistConfig,
-}
-
-/// `[dist]`: data-parallel training, used when a launcher (`stoke launch`, torchrun, mpirun,
-/// srun) starts more than one process.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DistConfig {
-    /// "shm" (processes on one machine, no system dependency), "mpi" (Open MPI; a binary built
-    /// with the `mpi` feature) or "nccl" (GPUs; the `nccl` feature). Default "shm".
-    pub backend: String,
-    /// Seconds any wait for another rank may take before the run fails naming that rank.
-    /// Default 300.
-    pub timeout_s: f64,
-    /// Folder for the shm backend's shared-memory segments (a tmpfs). Default "/dev/shm".
-    pub shm_dir: String,
-    /// Size of a gradient bucket in MiB: consecutive units, in backward order, reduced as one
-    /// message as soon as all their gradients are final. Default 25.
-    pub bucket_mb: f64,
-    /// Size of the first bucket in MiB (the last units: smaller, so the reduction starts early).
-    /// Default 1.
-    pub first_bucket_mb: f64,
-    /// Reduce each bucket while backward goes on (true), or only after backward has finished
-    /// (false: the reference the overlap is measured against). Default true.
-    pub overlap: bool,
-    /// ZeRO stage: 0 (every rank holds the whole model state), 1 (optimizer state sharded), 2
-    /// (and gradients: reduce-scattered, only this rank's slice kept), 3 (and parameters: each
-    /// unit gathered around its forward and backward). Default 0.
-    pub zero: u8,
-    /// Stage 3: units whose parameter gathers start ahead of the unit that runs. Default 1.
-    pub prefetch_blocks: usize,
-    /// Stages 2 and 3: full gradients alive at once (the one backward is filling, and the ones
-    /// whose reduce-scatter has not finished; the oldest is waited for beyond that). At least 1.
-    /// Default 2.
-    pub gradient_units: usize,
-    /// Gradient reductions: "none" (fp32, the communicator's collectives), "bf16" or "int8"
-    /// (block-wise: a scale per `compress_block` values), each an all-to-all of the encoded
-    /// shards, then (all-reduce) an all-gather of the encoded averages. Host memory only.
-    /// Default "none".
-    pub compress: String,
-    /// Values per int8 block (one f32 scale each). Default 256.
-    pub compress_block: usize,
-    /// Add each encoding's error to the next step's gradient before encoding it (error
-    /// feedback; the residuals are per rank). Default true.
-    pub error_feedback: bool,
-    /// Ranks one model is cut over (tensor parallelism, Megatron-LM's split of heads and the
-    /// MLP's inner dimension): consecutive ranks hold one model's parts, and data parallelism
-    /// runs over the copies. Default 1 (no cut).
-    pub tensor: usize,
-}
-
-impl Default for DistConfig {
-    fn default() -> Self {
-        DistConfig {
-            backend: "shm".into(),
-            timeout_s: 300.0,
-            shm_dir: "/dev/shm".into(),
-            bucket_mb: 25.0,
-            first_bucket_mb: 1.0,
-            overlap: true,
-            zero: 0,
-            prefetch_blocks: 1,
-            gradient_units: 2,
-            compress: "none".into(),
-            compress_block: 256,
-            error_feedback: true,
-            tensor: 1,
-        }
-    }
-}
-
-impl DistConfig {
-    /// The trainer's data-parallel settings.
-    pub fn data_parallel(&self) -> stoke_train::DataParallelConfig {
-        let bytes = |mib: f64| (mib * 1024.0 * 1024.0).round() as u64;
-        stoke_train::DataParallelConfig {
-            buckets: stoke_train::BucketSizes {
-                first_bytes: bytes(self.first_bucket_mb),
-                bytes: bytes(self.bucket_mb),
-            },
-            overlap: self.overlap,
-            zero: stoke_train::ZeroConfig {
-                stage: self.zero,
-                prefetch_units: self.prefetch_blocks,
-                gradient_units: self.gradient_units,
-            },
-            compress: stoke_train::CompressConfig {
-                compression: match self.compress.as_str() {
-                    "bf16" => stoke_train::Compression::Bf16,
-                    "int8" => stoke_train::Compression::Int8 { block: self.compress_block },
-                    _ => stoke_train::Compression::None,
-                },
-                error_feedback: self.error_feedback,
-            },
-        }
-    }
 }
 
 /// Keys that may differ between the ranks of one job: per-process or per-node resources (threads,
@@ -537,6 +445,27 @@ impl StokeConfig {
         Err(ConfigError::Invalid { key: "dist.tensor".into(), message })
     }
 
+    /// `dist.pipeline`, its schedule and split: at least one stage, and above one a family whose
+    /// embedding keeps no state for the blocks (every family but vla).
+    fn check_pipeline(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.into(), message });
+        if let Err(message) = self.dist.schedule() {
+            return invalid("dist.pipeline_schedule", message);
+        }
+        if let Err(message) = self.dist.split() {
+            return invalid("dist.pipeline_split", message);
+        }
+        match self.dist.pipeline {
+            0 => invalid("dist.pipeline", "must be at least 1".into()),
+            1 => Ok(()),
+            stages if self.model.family == "vla" => invalid(
+                "dist.pipeline",
+                format!("is {stages}, but a vla model's blocks read masks its embedding makes; keep dist.pipeline = 1"),
+            ),
+            _ => Ok(()),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |e: stoke_train::TrainError| match e {
             stoke_train::TrainError::InvalidConfig { key, message } => {
@@ -554,6 +483,7 @@ impl StokeConfig {
         })?;
         self.model.shape().map_err(invalid)?;
         self.check_tensor_parallel()?;
+        self.check_pipeline()?;
         stoke_train::parse_device(&self.run.device).map_err(invalid)?;
         if self.run.dir.is_empty() {
             return Err(ConfigError::Invalid { key: "run.dir".into(), message: "must not be empty".into() });

@@ -28,7 +28,8 @@ pub fn checkpoint_store(
     world_size: usize,
 ) -> anyhow::Result<CheckpointStore> {
     let store = CheckpointStore::new(run_dir.join("checkpoints"));
-    if config.dist.zero == 0 {
+    // ZeRO's shards and pipeline stages write their own pieces.
+    if config.dist.zero == 0 && config.dist.pipeline <= 1 {
         return Ok(store);
     }
     let wait = std::time::Duration::from_secs_f64(config.dist.timeout_s.max(1.0));

@@ -38,9 +38,21 @@ pub fn set_up(
         if config.dist.tensor > 1 {
             println!("tensor parallel: the model cut over {} ranks, {copies} copies of it", config.dist.tensor);
         }
+        if config.dist.pipeline > 1 {
+            println!(
+                "pipeline parallel: {} stages ({}), {copies} copies of the model",
+                config.dist.pipeline, config.dist.pipeline_schedule
+            );
+        }
         println!("data parallel: {how}; gradients in {plan}");
     }
     dist.shard(trainer)?;
+    let schedule = config.dist.schedule().map_err(|m| anyhow::anyhow!("dist.pipeline_schedule {m}"))?;
+    let split = config.dist.split().map_err(|m| anyhow::anyhow!("dist.pipeline_split {m}"))?;
+    if dist.pipeline_stage(trainer, schedule, &split)?.is_some() && rank == 0 {
+        let units: Vec<String> = dist.stage_units().iter().map(|u| format!("{}..{}", u.start, u.end)).collect();
+        println!("pipeline stages' units: {}", units.join(", "));
+    }
     if rank == 0 && config.dist.zero > 0 {
         println!(
             "ZeRO stage {}: {}",

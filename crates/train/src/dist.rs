@@ -19,12 +19,14 @@
 mod agree;
 mod buckets;
 pub(crate) mod compress;
+mod pipeline;
 mod region;
 mod tensor;
 mod zero;
 
 pub use agree::{Disagreement, KeyDifference, RankDifference};
 pub use buckets::{Bucket, BucketPlan, BucketSizes};
+pub use pipeline::{Schedule, StageLink};
 pub use zero::ZeroConfig;
 
 use std::ops::Range;
@@ -97,6 +99,8 @@ pub struct DataParallel {
     /// The groups of a job whose model is cut (`dist.tensor` above 1): gradients are averaged
     /// over the data-parallel group alone.
     tensor: Option<tensor::TensorParts>,
+    /// The groups of a job whose model is cut into pipeline stages (`dist.pipeline` above 1).
+    pipeline: Option<pipeline::PipelineParts>,
 }
 
 impl DataParallel {
@@ -116,6 +120,7 @@ impl DataParallel {
             host_buffers: true,
             grad_buffer: None,
             tensor: None,
+            pipeline: None,
         }
     }
 
@@ -140,6 +145,63 @@ impl DataParallel {
         Ok(())
     }
 
+    /// Cuts the job into copies of `stages` consecutive ranks, one pipeline stage each, and the
+    /// data-parallel groups of each stage across the copies (nothing for 1). Call once, right
+    /// after joining, on every rank; not with `dist.tensor`, ZeRO or compression yet.
+    pub fn split_pipeline(&mut self, stages: usize) -> Result<(), TrainError> {
+        if stages <= 1 {
+            return Ok(());
+        }
+        let refuse = |key: &'static str, what: &str| TrainError::InvalidConfig {
+            key,
+            message: format!("is {what}, which dist.pipeline = {stages} does not run with yet"),
+        };
+        if self.tensor.is_some() {
+            return Err(refuse("dist.tensor", "above 1"));
+        }
+        if self.config.zero.stage > 0 {
+            return Err(refuse("dist.zero", &self.config.zero.stage.to_string()));
+        }
+        if self.config.compress.compression != Compression::None {
+            return Err(refuse("dist.compress", "set"));
+        }
+        self.pipeline = Some(pipeline::split_groups(self.comm.as_ref(), stages)?);
+        Ok(())
+    }
+
+    /// This rank's stage: cuts `trainer`'s model into the stages (balanced by each unit's FLOPs,
+    /// or `split` units per stage), gives its optimizer this stage's units alone, and returns the
+    /// link the trainer's schedule sends activations over. None without pipeline stages. Call
+    /// after any restore, on every rank.
+    pub fn pipeline_stage(
+        &mut self,
+        trainer: &mut Trainer,
+        schedule: Schedule,
+        split: &[usize],
+    ) -> Result<Option<std::ops::Range<usize>>, TrainError> {
+        let Some(parts) = self.pipeline.as_mut() else { return Ok(None) };
+        let link = parts.plan(trainer.model(), schedule, split)?;
+        let units = link.units.clone();
+        let fused = trainer.fused_cpu_optimizer();
+        let starts = parts.shard(trainer.model().params(), fused);
+        trainer
+            .shard_optimizer(parts.shard.as_ref().expect("shard made"), &starts)
+            .map_err(|message| TrainError::InvalidConfig { key: "dist.pipeline", message })?;
+        trainer.set_stage(link)?;
+        self.grad_buffer = Some(trainer.model().params().flat_grad().shallow_clone());
+        Ok(Some(units))
+    }
+
+    /// Every stage's units (empty without pipeline stages).
+    pub fn stage_units(&self) -> Vec<std::ops::Range<usize>> {
+        self.pipeline.as_ref().map_or_else(Vec::new, |p| p.stage_units().to_vec())
+    }
+
+    /// (this rank's stage, the stages) of its model copy; (0, 1) without pipeline stages.
+    pub fn stage(&self) -> (usize, usize) {
+        self.pipeline.as_ref().map_or((0, 1), |p| (p.stage, p.stages))
+    }
+
     /// The group this rank's model is cut over (`split_groups`), for `Trainer::split_tensor`.
     pub fn tensor_group(&self) -> Option<std::sync::Arc<crate::models::TensorGroup>> {
         self.tensor.as_ref().map(|t| t.group.clone())
@@ -155,6 +217,9 @@ impl DataParallel {
     /// This rank's place among the model copies that read different rows: (its index, their
     /// number). The job's rank and size unless the model is cut.
     pub fn data_rank(&self) -> (usize, usize) {
+        if let Some(parts) = &self.pipeline {
+            return (parts.copy, self.comm.world_size() / parts.stages);
+        }
         match &self.tensor {
             Some(parts) => {
                 let group = parts.group.size();
@@ -167,6 +232,10 @@ impl DataParallel {
     /// The group gradients are averaged over: the job, or with a cut model the ranks holding
     /// the same parts (None: only one copy of the model).
     fn gradient_comm(&self) -> Option<&dyn Communicator> {
+        if self.pipeline.is_some() {
+            // A stage averages its own units over its copies (`PipelineParts::before_optimizer`).
+            return None;
+        }
         match &self.tensor {
             Some(parts) => parts.data.as_deref(),
             None => Some(self.comm.as_ref()),
@@ -250,8 +319,9 @@ impl DataParallel {
         let region = f32_region(flat, 0..flat.numel() as i64)
             .map_err(|reason| TrainError::InvalidConfig { key: "dist", message: reason })?;
         // A cut model: the copies of each part (every rank of the data-parallel group holds the
-        // same part).
-        let Some(comm) = self.gradient_comm() else { return Ok(()) };
+        // same part). Pipeline stages hold the whole model's buffers: every rank.
+        let comm = if self.pipeline.is_some() { Some(self.comm.as_ref()) } else { self.gradient_comm() };
+        let Some(comm) = comm else { return Ok(()) };
         // SAFETY: the region is the whole flat parameter buffer, alive as long as `trainer`, which
         // is borrowed for this whole call; nothing else runs on it until `wait` returns.
         let work = unsafe { comm.broadcast_async(region, 0) }.map_err(|e| self.error("broadcast parameters", e))?;
@@ -509,6 +579,12 @@ impl StepHooks for DataParallel {
     }
 
     fn before_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
+        if let Some(parts) = &self.pipeline {
+            clock.lap(Phase::Backward);
+            let result = parts.before_optimizer();
+            clock.lap(Phase::CommExposed);
+            return result;
+        }
         // A collective inside the cut model's forward or backward failed: the step is void.
         if let Some(failure) = self.tensor.as_ref().and_then(|t| t.group.take_failure()) {
             return Err(self.error("tensor-parallel all_reduce in the model", failure));
@@ -564,7 +640,18 @@ impl StepHooks for DataParallel {
     }
 
     fn optimizer_params(&self) -> Option<&FlatParams> {
+        if let Some(parts) = &self.pipeline {
+            return parts.shard.as_ref();
+        }
         self.zero.as_ref().map(|z| &z.shard)
+    }
+
+    fn checkpoint_params(&self) -> Option<&FlatParams> {
+        match &self.pipeline {
+            // The first copy's stages write the pieces; the others' are the same values.
+            Some(parts) if parts.copy > 0 => parts.nothing.as_ref(),
+            _ => self.optimizer_params(),
+        }
     }
 
     fn reduces_norm_on_host(&self) -> bool {
@@ -572,7 +659,7 @@ impl StepHooks for DataParallel {
         // NaN to every rank. Plain data parallelism all-reduces the gradients themselves, so each
         // rank's norm is the same and may stay on the device (`agree_first_bad` at the reads).
         // A cut model adds its parts' sums on the host.
-        self.zero.is_some() || self.compressor.is_some() || self.tensor.is_some()
+        self.zero.is_some() || self.compressor.is_some() || self.tensor.is_some() || self.pipeline.is_some()
     }
 
     fn agree_first_bad(&mut self, local: u64) -> Result<u64, TrainError> {
@@ -588,6 +675,9 @@ impl StepHooks for DataParallel {
     }
 
     fn global_sq_sum(&mut self, local: f64) -> Result<f64, TrainError> {
+        if let Some(parts) = &self.pipeline {
+            return parts.global_sq_sum(local);
+        }
         if let Some(parts) = &self.tensor {
             return parts.global_sq_sum(local).map_err(|e| self.error("all_gather tensor-parallel norm", e));
         }
@@ -605,6 +695,12 @@ impl StepHooks for DataParallel {
     }
 
     fn after_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
+        if let Some(parts) = &self.pipeline {
+            clock.lap(Phase::Optimizer);
+            let result = parts.after_optimizer();
+            clock.lap(Phase::CommExposed);
+            return result;
+        }
         let Some(zero) = self.zero.as_mut().filter(|z| z.stage() <= 2) else { return Ok(()) };
         clock.lap(Phase::Optimizer);
         let result = zero.all_gather_params(self.comm.as_ref());
@@ -642,6 +738,9 @@ impl StepHooks for DataParallel {
     }
 
     fn full_parameters(&mut self, needed: bool) -> Result<(), TrainError> {
+        if let Some(parts) = self.pipeline.as_ref().filter(|_| needed) {
+            return parts.broadcast_all();
+        }
         let Some(zero) = self.zero.as_mut().filter(|z| z.stage() >= 3) else { return Ok(()) };
         for unit in 0..zero.n_units() {
             if needed {
@@ -658,6 +757,9 @@ impl StepHooks for DataParallel {
     fn reduce_loss(&mut self, loss: f64) -> Result<f64, TrainError> {
         if self.comm.world_size() == 1 {
             return Ok(loss);
+        }
+        if let Some(parts) = &self.pipeline {
+            return parts.reduce_loss(self.comm.as_ref(), loss);
         }
         let mut value = [loss as f32];
         self.comm.all_reduce(&mut value, ReduceOp::Avg).map_err(|e| self.error("all_reduce loss", e))?;

@@ -80,6 +80,12 @@ pub trait StepHooks {
         None
     }
 
+    /// The buffers whose values a sharded checkpoint takes from this rank (its pieces):
+    /// `optimizer_params` unless another rank writes the same ones (a pipeline's later copies).
+    fn checkpoint_params(&self) -> Option<&FlatParams> {
+        self.optimizer_params()
+    }
+
     /// The sum of squared gradients of the whole model, from this process's part of it (`local`:
     /// of the buffers `optimizer_params` names). ZeRO adds the ranks' shard sums; NaN anywhere
     /// gives NaN everywhere, so every rank takes the same decision.
@@ -319,17 +325,55 @@ impl Executor {
         clock: &mut StepClock,
         hooks: &mut dyn StepHooks,
     ) -> Result<MicroBatch, TrainError> {
+        let units = 0..model.n_units();
+        let forwarded =
+            self.forward_units(model, units, StageInput::Batch, inputs, loss_multiplier, measure_memory, clock, hooks)?;
+        let activation_bytes = forwarded.activation_bytes.clone();
+        let backward = self.backward_units(model, forwarded, None, last, clock, hooks)?;
+        Ok(MicroBatch {
+            loss: backward.loss.expect("the whole model ends with its head"),
+            activation_bytes,
+            peak_bytes_in_use: backward.peak_bytes_in_use,
+        })
+    }
+
+    /// The forward of `units` (a contiguous run of the model's units: a pipeline stage's, or all
+    /// of them) for one micro-batch, from the batch (when `units` starts at the embedding) or from
+    /// the previous stage's output. What the backward needs is kept in the returned
+    /// [`Forwarded`]; its `output` is what the next stage receives (None when `units` ends with the
+    /// head: then the loss is computed here, and with the fused cross-entropy its logits'
+    /// gradient too).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_units<'m>(
+        &self,
+        model: &'m dyn Model,
+        units: Range<usize>,
+        input: StageInput,
+        inputs: &Inputs,
+        loss_multiplier: f64,
+        measure_memory: bool,
+        clock: &mut StepClock,
+        hooks: &mut dyn StepHooks,
+    ) -> Result<Forwarded<'m>, TrainError> {
         let n_layer = model.shape().n_layer;
         let head_unit = n_layer + 1;
         let measure_memory = measure_memory && inputs.tokens.device() == Device::Cpu;
         let chain = !hooks.between_blocks();
         let mut activation_bytes = Vec::with_capacity(n_layer);
 
-        hooks.before_forward(0, clock)?;
-        let embedded = model.embed(inputs);
-        let mut current = embedded.detach();
-        let mut segments: Vec<Segment> = Vec::with_capacity(2 * n_layer);
-        for layer_idx in 0..n_layer {
+        let (start, mut current) = match input {
+            StageInput::Batch => {
+                debug_assert_eq!(units.start, 0, "only the embedding's stage reads the batch");
+                hooks.before_forward(0, clock)?;
+                let embedded = model.embed(inputs);
+                let current = embedded.detach();
+                (Start::Embedded(embedded), current)
+            }
+            StageInput::Received(received) => (Start::Received, received.detach()),
+        };
+        let blocks = units.start.max(1) - 1..units.end.min(head_unit) - 1;
+        let mut segments: Vec<Segment> = Vec::with_capacity(2 * blocks.len());
+        for layer_idx in blocks {
             hooks.before_forward(layer_idx + 1, clock)?;
             let bytes_before = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
             for (half, recomputed) in self.block_segments(model, layer_idx) {
@@ -366,6 +410,22 @@ impl Executor {
                 activation_bytes.push(after.saturating_sub(before));
             }
         }
+        if units.end <= head_unit {
+            // A stage before the last: its output goes to the next stage, detached; the
+            // gradient that comes back is the gradient of `current`.
+            let output = current.detach();
+            let peak_bytes_in_use = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
+            clock.lap(Phase::Forward);
+            return Ok(Forwarded {
+                units,
+                start,
+                segments,
+                end: End::Output(current),
+                output: Some(output),
+                activation_bytes: measure_memory.then_some(activation_bytes),
+                peak_bytes_in_use,
+            });
+        }
         hooks.before_forward(head_unit, clock)?;
         let head_input = current.detach();
         drop(current);
@@ -381,40 +441,81 @@ impl Executor {
         };
         let peak_bytes_in_use = measure_memory.then(crate::peak::host_bytes_in_use).flatten();
         clock.lap(Phase::Forward);
+        Ok(Forwarded {
+            units,
+            start,
+            segments,
+            end: End::Head { head_input, head_normed, head, loss_multiplier },
+            output: None,
+            activation_bytes: measure_memory.then_some(activation_bytes),
+            peak_bytes_in_use,
+        })
+    }
 
-        hooks.before_backward(head_unit, clock)?;
-        let loss = head.loss;
-        // With the fused cross-entropy the head's matrix multiplies are backward-ed by hand, from
-        // the logits' gradient, to the gradient of the head's input in the compute type.
-        let head_grad = match head.by_hand {
-            Some(by_hand) => Some(by_hand.backward()),
-            None => {
-                (&loss * loss_multiplier).backward();
-                None
-            }
-        };
-        // The head's backward (logit gradients) runs while every activation is still alive.
-        let peak_bytes_in_use =
-            peak_bytes_in_use.zip(measure_memory.then(crate::peak::host_bytes_in_use).flatten()).map(|(a, b)| a.max(b));
-        let mut grad_output = match (head_normed, head_grad) {
-            // With the fused head the normed leaf is its input: its gradient is the one just computed.
-            (Some((normed, stats)), head_grad) => {
-                let grad_normed = head_grad.map_or_else(|| normed.grad(), |(_, grad)| grad);
-                hand(model).norm_backward(Norm::Final, &grad_normed, &head_input, &stats, None)
-            }
-            (None, Some((input, grad_input))) => {
-                backward_from(&input, &grad_input);
-                head_input.grad()
-            }
-            (None, None) => head_input.grad(),
-        };
-        model.add_cast_grads(None);
-        drop(head_input);
-        clock.lap(Phase::Backward);
-        grads_final(model, head_unit, last, clock, hooks)?;
-
+    /// The backward of a [`Forward`]'s units: from the loss (when they end with the head) or from
+    /// `grad_output`, the gradient of their output that the next stage sent back. Returns the
+    /// gradient of their input for the previous stage (None when they start with the
+    /// embedding) and, with the head, the micro-batch's loss.
+    pub fn backward_units(
+        &self,
+        model: &dyn Model,
+        forwarded: Forwarded<'_>,
+        grad_output: Option<Tensor>,
+        last: bool,
+        clock: &mut StepClock,
+        hooks: &mut dyn StepHooks,
+    ) -> Result<Backward, TrainError> {
+        let Forwarded { units, start, mut segments, end, peak_bytes_in_use, .. } = forwarded;
+        let measure_memory = peak_bytes_in_use.is_some();
+        let head_unit = model.shape().n_layer + 1;
+        let mut loss = None;
+        let mut peak_bytes_in_use = peak_bytes_in_use;
         // Invariant: `grad_output` is the gradient of the loss (times the multiplier) with respect
         // to the output of the segment on top of `segments`.
+        let mut grad_output = match end {
+            End::Output(output) => {
+                // The gradient of `output`, which the top segment keeps (or recomputes).
+                drop(output);
+                grad_output.expect("a stage before the last backward-s from the gradient sent back")
+            }
+            End::Head { head_input, head_normed, head, loss_multiplier } => {
+                hooks.before_backward(head_unit, clock)?;
+                let head_loss = head.loss;
+                // With the fused cross-entropy the head's matrix multiplies are backward-ed by
+                // hand, from the logits' gradient, to the gradient of the head's input in the
+                // compute type.
+                let head_grad = match head.by_hand {
+                    Some(by_hand) => Some(by_hand.backward()),
+                    None => {
+                        (&head_loss * loss_multiplier).backward();
+                        None
+                    }
+                };
+                // The head's backward (logit gradients) runs while every activation is still alive.
+                peak_bytes_in_use = peak_bytes_in_use
+                    .zip(measure_memory.then(crate::peak::host_bytes_in_use).flatten())
+                    .map(|(a, b)| a.max(b));
+                let grad = match (head_normed, head_grad) {
+                    // With the fused head the normed leaf is its input: its gradient is the one just computed.
+                    (Some((normed, stats)), head_grad) => {
+                        let grad_normed = head_grad.map_or_else(|| normed.grad(), |(_, grad)| grad);
+                        hand(model).norm_backward(Norm::Final, &grad_normed, &head_input, &stats, None)
+                    }
+                    (None, Some((input, grad_input))) => {
+                        backward_from(&input, &grad_input);
+                        head_input.grad()
+                    }
+                    (None, None) => head_input.grad(),
+                };
+                model.add_cast_grads(None);
+                drop(head_input);
+                clock.lap(Phase::Backward);
+                grads_final(model, head_unit, last, clock, hooks)?;
+                loss = Some(head_loss.detach());
+                grad
+            }
+        };
+
         while let Some(segment) = segments.pop() {
             let unit = segment.layer_idx + 1;
             // The units of the segment's blocks, last first (one, unless whole blocks are chained).
@@ -473,16 +574,69 @@ impl Executor {
                 }
             }
         }
-        hooks.before_backward(0, clock)?;
-        backward_from(&embedded, &grad_output);
-        clock.lap(Phase::Backward);
-        grads_final(model, 0, last, clock, hooks)?;
-        Ok(MicroBatch {
-            loss: loss.detach(),
-            activation_bytes: measure_memory.then_some(activation_bytes),
-            peak_bytes_in_use,
-        })
+        let grad_input = match start {
+            Start::Embedded(embedded) => {
+                debug_assert_eq!(units.start, 0);
+                hooks.before_backward(0, clock)?;
+                backward_from(&embedded, &grad_output);
+                clock.lap(Phase::Backward);
+                grads_final(model, 0, last, clock, hooks)?;
+                None
+            }
+            Start::Received => Some(grad_output),
+        };
+        Ok(Backward { grad_input, loss, peak_bytes_in_use })
     }
+}
+
+/// Where a run of units starts ([`Executor::forward_units`]).
+pub enum StageInput {
+    /// The embedding, from the micro-batch.
+    Batch,
+    /// The previous pipeline stage's output.
+    Received(Tensor),
+}
+
+enum Start {
+    /// The embedding's output, with its graph back to the embedding's parameters.
+    Embedded(Tensor),
+    /// A received tensor: the gradient of the first segment's input goes back to its sender.
+    Received,
+}
+
+enum End<'m> {
+    /// The last block's output (with its graph when kept).
+    Output(Tensor),
+    Head {
+        head_input: Tensor,
+        head_normed: Option<(Tensor, LayerNormStats)>,
+        head: crate::models::HeadLoss<'m>,
+        loss_multiplier: f64,
+    },
+}
+
+/// A run of units between its forward and its backward ([`Executor::forward_units`]).
+pub struct Forwarded<'m> {
+    units: Range<usize>,
+    start: Start,
+    segments: Vec<Segment<'m>>,
+    end: End<'m>,
+    /// What the next stage receives (None when the units end with the head).
+    pub output: Option<Tensor>,
+    /// Host bytes each block's kept activations hold, when measured.
+    pub activation_bytes: Option<Vec<u64>>,
+    /// Host bytes in use at the end of the forward, when measured.
+    pub peak_bytes_in_use: Option<u64>,
+}
+
+/// What a run of units' backward gave ([`Executor::backward_units`]).
+pub struct Backward {
+    /// The gradient of the units' input, for the previous stage (None from the embedding).
+    pub grad_input: Option<Tensor>,
+    /// The micro-batch's mean loss, detached and unscaled (the head's stage only).
+    pub loss: Option<Tensor>,
+    /// The forward's peak, raised by the head's backward (when measured).
+    pub peak_bytes_in_use: Option<u64>,
 }
 
 /// A half's forward from `input` (detached). With the norm by hand (a half, not a whole block,

@@ -42,7 +42,7 @@ pub use config::{
 pub use dist::compress::{CompressConfig, Compression, Compressor, Pending};
 pub use dist::{
     Bucket, BucketPlan, BucketSizes, DataParallel, DataParallelConfig, Disagreement, KeyDifference, RankDifference,
-    ZeroConfig,
+    Schedule, StageLink, ZeroConfig,
 };
 pub use error::TrainError;
 pub use executor::{Executor, MicroBatch, NoHooks, StepHooks};

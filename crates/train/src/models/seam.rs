@@ -246,6 +246,12 @@ pub trait Model {
         Split::Replicated
     }
 
+    /// Whether the head's matrix is the embedding's (unit 0's) weights: a pipeline's end stages
+    /// then share them. GPT-2's convention; an untied family says no.
+    fn head_ties_embedding(&self) -> bool {
+        true
+    }
+
     /// The tensor-parallel group the model is cut over, once [`Model::split_tensor`] ran.
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
         None

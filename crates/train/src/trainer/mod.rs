@@ -11,6 +11,7 @@ mod events;
 mod guards;
 mod inputs;
 mod nan_dump;
+mod pipeline;
 mod state;
 mod step;
 
@@ -145,6 +146,7 @@ impl Trainer {
             sharded: false,
             matmuls,
             episode_shape,
+            stage: None,
         })
     }
 
@@ -493,7 +495,7 @@ impl Trainer {
                 }
                 // Blocks only while every host buffer is still being written (back-pressure).
                 let mut snapshot = target.writer.begin(self.step)?;
-                let shard = if self.sharded { hooks.optimizer_params() } else { None };
+                let shard = if self.sharded { hooks.checkpoint_params() } else { None };
                 // The copy goes beside the next step when there is one and the writer is a
                 // background one (a synchronous save is the step's stall anyway).
                 let last = step_number == self.train.steps || interrupted || early_stopped;

@@ -43,6 +43,8 @@ pub struct Trainer {
     pub(super) matmuls: stoke_plan::ModelConfig,
     /// A vla model's shape, which its episode batches are checked against; None for token models.
     pub(super) episode_shape: Option<crate::config::VlaShape>,
+    /// The pipeline stage this trainer runs (`set_stage`); None: every unit.
+    pub(super) stage: Option<crate::dist::StageLink>,
 }
 
 /// The adaptive batch size's settings and state (the estimates are saved in checkpoints).

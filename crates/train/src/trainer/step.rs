@@ -27,6 +27,9 @@ impl Trainer {
         clock: &mut StepClock,
         hooks: &mut dyn StepHooks,
     ) -> Result<(Tensor, Option<MemoryReport>, Option<f64>), TrainError> {
+        if self.stage.is_some() {
+            return self.forward_backward_stage(source, step_number, measure_memory, clock, hooks);
+        }
         let shape = self.model.shape();
         let micro_batch = self.train.micro_batch;
         let n_micro = self.grad_accum;

@@ -414,6 +414,10 @@ impl Model for Llama {
         self.embed_tokens(&inputs.tokens)
     }
 
+    fn head_ties_embedding(&self) -> bool {
+        self.shape.tie_head
+    }
+
     fn norm(&self, which: Norm, x: &Tensor) -> Tensor {
         let scale = match which {
             Norm::Attention(layer_idx) => &self.blocks[layer_idx].input_layernorm,

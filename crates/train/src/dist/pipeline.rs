@@ -1,0 +1,412 @@
+//! Pipeline parallelism (`dist.pipeline`): each copy of the model cut into stages of consecutive
+//! units, one rank a stage (Megatron-LM's order: the ranks of one copy's stages are consecutive,
+//! data parallelism runs over the copies, stage s of every copy in one data-parallel group).
+//!
+//! A stage holds the whole model's buffers (built from the same seed as one process, so a stage
+//! that receives parameters it does not own never needs them) but owns only its units: its
+//! optimizer runs on a shard of them (`FlatParams::shard`, the model's own memory under the fused
+//! CPU kernel), so optimizer state is per stage. The head's weights tied to the embedding live
+//! in unit 0, which the first stage owns; the last stage keeps a copy for its head, sends the
+//! gradient its head gave that copy to the first stage before the optimizer, and receives the
+//! updated values after it (Megatron-LM's embedding group, over the two end stages).
+//!
+//! Every rank of a stage's data-parallel group holds the same units: their gradients are
+//! averaged over it before the optimizer. The gradient norm is the sum of the stages' sums,
+//! added in stage order (every rank decides clipping and the NaN guard alike); the logged loss
+//! is the last stages' mean. A checkpoint holds each stage's units as pieces written by the
+//! first copy's ranks (a sharded checkpoint), so it resumes on any layout; evaluation and a
+//! checkpoint's consumers see the whole model after `full_parameters`, which broadcasts each
+//! stage's units from its owner.
+
+use std::ops::Range;
+
+use stoke_comm::{CommError, Communicator, ReduceOp};
+use tch::Tensor;
+
+use super::region::f32_region;
+use super::zero::sum_over_ranks;
+use crate::models::Model;
+use crate::params::{FlatParams, ShardMap};
+use crate::TrainError;
+
+/// `dist.pipeline_schedule`: the order of a stage's forwards and backwards within a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// Every micro-batch's forward, then every backward (GPipe): m micro-batches' activations alive.
+    GPipe,
+    /// One forward, one backward once the pipeline is full (PipeDream-Flush, Megatron-LM's
+    /// default): at most (stages - stage) micro-batches' activations alive on a stage.
+    OneFOneB,
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "1f1b" => Ok(Schedule::OneFOneB),
+            "gpipe" => Ok(Schedule::GPipe),
+            other => Err(format!("is {other:?}; allowed: \"1f1b\", \"gpipe\"")),
+        }
+    }
+}
+
+/// What the trainer needs to run its stage: its units, its neighbours and the schedule.
+pub struct StageLink {
+    pub stage: usize,
+    pub stages: usize,
+    /// This stage's units (a contiguous run of the model's).
+    pub units: Range<usize>,
+    pub schedule: Schedule,
+    /// The copy's stages (its own handle, so activations never wait behind the hooks' sums).
+    pub comm: Box<dyn Communicator>,
+}
+
+/// The units of each of `stages` stages: contiguous runs minimizing the most expensive stage's
+/// cost (each unit's `costs`), every stage at least one unit; or `split`, units per stage.
+pub fn stage_units(costs: &[f64], stages: usize, split: &[usize]) -> Result<Vec<Range<usize>>, String> {
+    let n = costs.len();
+    if stages == 0 || stages > n {
+        return Err(format!("is {stages}, but the model has {n} units (the embedding, each block, the head)"));
+    }
+    if !split.is_empty() {
+        if split.len() != stages || split.contains(&0) || split.iter().sum::<usize>() != n {
+            return Err(format!(
+                "dist.pipeline_split {split:?} must give each of the {stages} stages at least one unit, {n} in all"
+            ));
+        }
+        let mut at = 0;
+        return Ok(split
+            .iter()
+            .map(|&k| {
+                at += k;
+                at - k..at
+            })
+            .collect());
+    }
+    // Binary search on the bound over the candidate sums is overkill for tens of units: dynamic
+    // programming over (units, stages) for the smallest maximum, then the cuts.
+    let prefix: Vec<f64> = std::iter::once(0.0).chain(costs.iter().scan(0.0, |s, c| Some(*s + c))).collect();
+    let cost = |a: usize, b: usize| prefix[b] - prefix[a];
+    // best[s][i]: the least maximum for units 0..i over s + 1 stages; cut[s][i] the last cut.
+    let mut best = vec![vec![f64::INFINITY; n + 1]; stages];
+    let mut cut = vec![vec![0usize; n + 1]; stages];
+    for i in 1..=n {
+        best[0][i] = cost(0, i);
+    }
+    for s in 1..stages {
+        for i in s + 1..=n {
+            for j in s..i {
+                let candidate = best[s - 1][j].max(cost(j, i));
+                // Ties go to the later cut: earlier stages (more micro-batches in flight under 1F1B) lighter.
+                if candidate <= best[s][i] {
+                    best[s][i] = candidate;
+                    cut[s][i] = j;
+                }
+            }
+        }
+    }
+    let mut ranges = Vec::with_capacity(stages);
+    let mut end = n;
+    for s in (0..stages).rev() {
+        let start = if s == 0 { 0 } else { cut[s][end] };
+        ranges.push(start..end);
+        end = start;
+    }
+    ranges.reverse();
+    Ok(ranges)
+}
+
+/// Each unit's training FLOPs per token, the balance's cost: six per weight a token meets (the
+/// head's tied matrix included), and the attention scores of a block.
+pub fn unit_costs(model: &dyn Model) -> Vec<f64> {
+    let shape = model.shape();
+    let units = model.params().units();
+    let (c, t, v) = (shape.d_model as f64, shape.seq_len as f64, shape.vocab_size as f64);
+    units
+        .iter()
+        .enumerate()
+        .map(|(u, unit)| {
+            let weights = (unit.range.end - unit.range.start) as f64;
+            if u == 0 {
+                // A lookup, not a matrix multiply.
+                0.0
+            } else if u + 1 == units.len() {
+                6.0 * (weights + if model.head_ties_embedding() { v * c } else { 0.0 })
+            } else {
+                6.0 * weights + 12.0 * t * c
+            }
+        })
+        .collect()
+}
+
+/// This rank's pipeline state inside `DataParallel`.
+pub(super) struct PipelineParts {
+    pub(super) stage: usize,
+    pub(super) stages: usize,
+    /// The copy's stages: the norm's sums, the tied weights, `full_parameters`.
+    group: Box<dyn Communicator>,
+    /// A second handle on the same ranks for the trainer's activations (taken once).
+    link: Option<Box<dyn Communicator>>,
+    /// The ranks holding this stage's units in the other copies (None: one copy).
+    pub(super) data: Option<Box<dyn Communicator>>,
+    /// The copy this rank's stage belongs to.
+    pub(super) copy: usize,
+    /// Every stage's units, and what they are in the model's buffers.
+    stage_units: Vec<Range<usize>>,
+    unit_ranges: Vec<Range<i64>>,
+    /// The head uses the embedding's weights (both end stages hold them).
+    tied: bool,
+    /// The optimizer's buffers: this stage's units (mapped: the model's own memory).
+    pub(super) shard: Option<FlatParams>,
+    mapped: bool,
+    /// An empty shard: what a copy other than the first writes into a checkpoint.
+    pub(super) nothing: Option<FlatParams>,
+    model_flat: Option<Tensor>,
+    model_grad: Option<Tensor>,
+}
+
+fn comm_error(rank: usize, size: usize, op: &'static str) -> impl FnOnce(CommError) -> TrainError {
+    move |source| TrainError::Comm { rank, world_size: size, op, source }
+}
+
+/// Cuts `world` into copies of `stages` consecutive ranks and the data-parallel groups of each
+/// stage across them. Collective: every rank creates every group, in the same order.
+pub(super) fn split_groups(world: &dyn Communicator, stages: usize) -> Result<PipelineParts, TrainError> {
+    let (rank, size) = (world.rank(), world.world_size());
+    if stages == 0 || size % stages != 0 {
+        return Err(TrainError::InvalidConfig {
+            key: "dist.pipeline",
+            message: format!("is {stages}, which does not divide the job's {size} ranks"),
+        });
+    }
+    let fail = || comm_error(rank, size, "creating the pipeline groups");
+    let copies = size / stages;
+    let mut groups = (None, None);
+    for copy in 0..copies {
+        let ranks: Vec<usize> = (copy * stages..(copy + 1) * stages).collect();
+        let sums = world.new_group(&ranks).map_err(fail())?;
+        let link = world.new_group(&ranks).map_err(fail())?;
+        if let (Some(sums), Some(link)) = (sums, link) {
+            groups = (Some(sums), Some(link));
+        }
+    }
+    let mut data = None;
+    if copies > 1 {
+        for stage in 0..stages {
+            let ranks: Vec<usize> = (0..copies).map(|c| c * stages + stage).collect();
+            if let Some(made) = world.new_group(&ranks).map_err(fail())? {
+                data = Some(made);
+            }
+        }
+    }
+    let (Some(group), link) = groups else { unreachable!("every rank is in one copy's pipeline group") };
+    Ok(PipelineParts {
+        stage: rank % stages,
+        stages,
+        group,
+        link,
+        data,
+        copy: rank / stages,
+        stage_units: Vec::new(),
+        unit_ranges: Vec::new(),
+        tied: false,
+        shard: None,
+        mapped: false,
+        nothing: None,
+        model_flat: None,
+        model_grad: None,
+    })
+}
+
+impl PipelineParts {
+    fn error(&self, op: &'static str) -> impl FnOnce(CommError) -> TrainError {
+        comm_error(self.group.rank(), self.group.world_size(), op)
+    }
+
+    /// Cuts `model`'s units into the stages and gives the trainer its link.
+    pub(super) fn plan(
+        &mut self,
+        model: &dyn Model,
+        schedule: Schedule,
+        split: &[usize],
+    ) -> Result<StageLink, TrainError> {
+        let invalid = |message: String| TrainError::InvalidConfig { key: "dist.pipeline", message };
+        self.stage_units = stage_units(&unit_costs(model), self.stages, split).map_err(invalid)?;
+        self.unit_ranges = model.params().units().iter().map(|u| u.range.clone()).collect();
+        self.tied = model.head_ties_embedding();
+        let comm = self.link.take().ok_or_else(|| invalid("the stage's link was already taken".into()))?;
+        Ok(StageLink {
+            stage: self.stage,
+            stages: self.stages,
+            units: self.stage_units[self.stage].clone(),
+            schedule,
+            comm,
+        })
+    }
+
+    /// The units of every stage (after `plan`).
+    pub(super) fn stage_units(&self) -> &[Range<usize>] {
+        &self.stage_units
+    }
+
+    /// This stage's part of the model's buffers.
+    fn own(&self) -> Range<i64> {
+        let units = &self.stage_units[self.stage];
+        self.unit_ranges[units.start].start..self.unit_ranges[units.end - 1].end
+    }
+
+    /// The shard this stage's optimizer runs on; `fused`: the model's own memory (the fused CPU
+    /// kernel updates it in place). Returns the starts of each piece in its parameter (whole
+    /// parameters: 0).
+    pub(super) fn shard(&mut self, params: &FlatParams, fused: bool) -> std::collections::HashMap<String, i64> {
+        let units = self.stage_units[self.stage].clone();
+        let segments: Vec<Range<i64>> = units.map(|u| self.unit_ranges[u].clone()).collect();
+        let map = ShardMap { params: fused, grads: fused };
+        let shard = params.shard(&segments, map);
+        let starts = shard.entries().iter().map(|e| (e.name.clone(), 0)).collect();
+        self.nothing = Some(params.shard(&[], ShardMap { params: false, grads: false }));
+        self.shard = Some(shard);
+        self.mapped = fused;
+        self.model_flat = Some(params.flat().shallow_clone());
+        self.model_grad = Some(params.flat_grad().shallow_clone());
+        starts
+    }
+
+    fn buffers(&self) -> (&Tensor, &Tensor) {
+        (
+            self.model_flat.as_ref().expect("the pipeline shard is made before training"),
+            self.model_grad.as_ref().expect("the pipeline shard is made before training"),
+        )
+    }
+
+    /// Before the optimizer: the tied weights' gradient from the last stage into the first's;
+    /// the stage's gradients averaged over its copies; a copied shard filled.
+    pub(super) fn before_optimizer(&self) -> Result<(), TrainError> {
+        let (_, grad) = self.buffers();
+        let last = self.stages - 1;
+        if self.tied && self.stages > 1 && (self.stage == 0 || self.stage == last) {
+            let unit0 = self.unit_ranges[0].clone();
+            let len = unit0.end - unit0.start;
+            let mine = grad.narrow(0, unit0.start, len);
+            if self.stage == last {
+                let region = f32_region(grad, unit0.clone()).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+                // SAFETY: the unit's gradient range, alive and untouched until `wait` returns.
+                unsafe { self.group.send_async(region, 0) }
+                    .and_then(|w| w.wait())
+                    .map_err(self.error("send the tied weights' gradient to the first stage"))?;
+                tch::no_grad(|| {
+                    let _ = mine.shallow_clone().zero_();
+                });
+            } else {
+                let received = Tensor::zeros([len], (tch::Kind::Float, grad.device()));
+                let region = f32_region(&received, 0..len).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+                // SAFETY: `received` is alive and untouched until `wait` returns.
+                unsafe { self.group.recv_async(region, last) }
+                    .and_then(|w| w.wait())
+                    .map_err(self.error("receive the tied weights' gradient from the last stage"))?;
+                tch::no_grad(|| {
+                    let mut mine = mine.shallow_clone();
+                    mine += &received;
+                });
+            }
+        }
+        let own = self.own();
+        if let Some(data) = self.data.as_deref() {
+            let region = f32_region(grad, own.clone()).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+            // SAFETY: the stage's gradient range; backward is over and nothing touches it until `wait`.
+            unsafe { data.all_reduce_async(region, ReduceOp::Avg) }
+                .and_then(|w| w.wait())
+                .map_err(self.error("all_reduce a stage's gradients over its copies"))?;
+        }
+        if !self.mapped {
+            let shard = self.shard.as_ref().expect("shard made");
+            tch::no_grad(|| {
+                shard.flat_grad().shallow_clone().copy_(&grad.narrow(0, own.start, own.end - own.start));
+                let _ = grad.shallow_clone().zero_();
+            });
+        }
+        Ok(())
+    }
+
+    /// The whole model's sum of squared gradients from this stage's (its shard's) sum: the
+    /// stages' sums added in stage order.
+    pub(super) fn global_sq_sum(&self, local: f64) -> Result<f64, TrainError> {
+        Ok(sum_over_ranks(self.group.as_ref(), &[local]).map_err(self.error("all_gather the stages' norms"))?[0])
+    }
+
+    /// After the optimizer: a copied shard's values back into the model, the tied weights from
+    /// the first stage to the last.
+    pub(super) fn after_optimizer(&self) -> Result<(), TrainError> {
+        let (flat, _) = self.buffers();
+        // A mapped shard is the model's own memory, updated in place.
+        if !self.mapped {
+            let own = self.own();
+            let shard = self.shard.as_ref().expect("shard made");
+            tch::no_grad(|| {
+                flat.narrow(0, own.start, own.end - own.start).copy_(shard.flat());
+            });
+        }
+        self.tied_weights_to_last()
+    }
+
+    fn tied_weights_to_last(&self) -> Result<(), TrainError> {
+        let last = self.stages - 1;
+        if !(self.tied && self.stages > 1 && (self.stage == 0 || self.stage == last)) {
+            return Ok(());
+        }
+        let (flat, _) = self.buffers();
+        let region =
+            f32_region(flat, self.unit_ranges[0].clone()).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+        // SAFETY: the embedding's parameter range: the first stage only reads it, the last only
+        // writes it, and neither touches it until `wait` returns.
+        let work = unsafe {
+            if self.stage == 0 {
+                self.group.send_async(region, last)
+            } else {
+                self.group.recv_async(region, 0)
+            }
+        };
+        work.and_then(|w| w.wait()).map_err(self.error("send the tied weights to the last stage"))
+    }
+
+    /// Every stage's units from their owner, so each rank holds the whole current model
+    /// (evaluation, or a consumer of the whole model). Collective over the copy.
+    pub(super) fn broadcast_all(&self) -> Result<(), TrainError> {
+        let (flat, _) = self.buffers();
+        for (stage, units) in self.stage_units.iter().enumerate() {
+            let range = self.unit_ranges[units.start].start..self.unit_ranges[units.end - 1].end;
+            let region = f32_region(flat, range).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+            // SAFETY: the model's parameter buffer, alive; no step runs during the broadcast.
+            unsafe { self.group.broadcast_async(region, stage) }
+                .and_then(|w| w.wait())
+                .map_err(self.error("broadcast a stage's parameters"))?;
+        }
+        Ok(())
+    }
+
+    /// The logged loss from this rank's `loss` (the last stage's; 0 elsewhere): the last stages'
+    /// mean over the copies.
+    pub(super) fn reduce_loss(&self, world: &dyn Communicator, loss: f64) -> Result<f64, TrainError> {
+        let mine = if self.stage + 1 == self.stages { loss } else { 0.0 };
+        let copies = world.world_size() / self.stages;
+        let sum = sum_over_ranks(world, &[mine]).map_err(self.error("all_gather the last stages' loss"))?[0];
+        Ok(sum / copies as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_balance_the_costs() {
+        // An embedding of no cost, four equal blocks, a head worth two blocks.
+        let costs = [0.0, 1.0, 1.0, 1.0, 1.0, 2.0];
+        assert_eq!(stage_units(&costs, 2, &[]).unwrap(), vec![0..4, 4..6]);
+        assert_eq!(stage_units(&costs, 3, &[]).unwrap(), vec![0..3, 3..5, 5..6]);
+        assert_eq!(stage_units(&costs, 6, &[]).unwrap().len(), 6);
+        assert_eq!(stage_units(&costs, 2, &[2, 4]).unwrap(), vec![0..2, 2..6]);
+        assert!(stage_units(&costs, 2, &[3, 4]).unwrap_err().contains("at least one unit"));
+        assert!(stage_units(&costs, 7, &[]).unwrap_err().contains("6 units"));
+    }
+}
