@@ -15,7 +15,7 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub nproc: Option<String>,
     /// T,P,D: T ranks per model copy cut by tensor parallelism (`dist.tensor`), P pipeline stages
-    /// (1: not built yet), D data-parallel copies; T x P x D workers.
+    /// (`dist.pipeline`), D data-parallel copies; T x P x D workers.
     #[arg(long, value_name = "T,P,D")]
     pub layout: Option<String>,
     /// `best`: the layout `stoke plan` ranks first for the command's model on --nproc workers of

@@ -98,7 +98,10 @@ impl DistConfig {
         text.split(',')
             .map(|part| {
                 part.trim().parse::<usize>().map_err(|_| {
-                    format!("is {:?}; give units per stage as whole numbers separated by commas, e.g. \"3,3\"", self.pipeline_split)
+                    format!(
+                        "is {:?}; give units per stage as whole numbers separated by commas, e.g. \"3,3\"",
+                        self.pipeline_split
+                    )
                 })
             })
             .collect()

@@ -38,9 +38,9 @@ pub struct Launch {
 }
 
 /// `--layout T,P,D`: T ranks per model copy cut by tensor parallelism, P pipeline stages, D data
-/// copies. Gives the worker count T x P x D and the command with `--set dist.tensor=T` added.
-/// Pipeline stages are not built: P above 1 is refused, as is a layout beside an `--nproc` that
-/// says otherwise or a command that sets `dist.tensor` itself.
+/// copies. Gives the worker count T x P x D and the command with `--set dist.tensor=T` and
+/// `--set dist.pipeline=P` added. Refused: a layout beside an `--nproc` that says otherwise, or a
+/// command that sets `dist.tensor` or `dist.pipeline` itself.
 pub fn apply_layout(layout: &str, nproc: Option<&str>, command: &[String]) -> Result<(String, Vec<String>), String> {
     let parts: Vec<usize> = layout
         .split(',')
@@ -49,20 +49,21 @@ pub fn apply_layout(layout: &str, nproc: Option<&str>, command: &[String]) -> Re
         .filter(|parts| parts.len() == 3)
         .ok_or_else(|| format!("--layout takes T,P,D (tensor, pipeline, data; each at least 1), got `{layout}`"))?;
     let (tensor, pipeline, data) = (parts[0], parts[1], parts[2]);
-    if pipeline > 1 {
-        return Err(format!(
-            "--layout {layout}: pipeline parallelism (P = {pipeline}) is not built yet; layouts run with P = 1"
-        ));
-    }
     let world = tensor * pipeline * data;
     if let Some(nproc) = nproc.filter(|n| *n != world.to_string()) {
         return Err(format!("--layout {layout} runs {world} workers, but --nproc says {nproc}; give one of the two"));
     }
-    if command.iter().any(|arg| arg.trim_start().starts_with("dist.tensor")) {
-        return Err(format!("--layout {layout} sets dist.tensor; the command sets it too"));
+    for key in ["dist.tensor", "dist.pipeline"] {
+        // `dist.pipeline_schedule` and `dist.pipeline_split` are the command's to set.
+        let sets =
+            |arg: &String| arg.trim_start().strip_prefix(key).is_some_and(|rest| rest.trim_start().starts_with('='));
+        if command.iter().any(sets) {
+            return Err(format!("--layout {layout} sets {key}; the command sets it too"));
+        }
     }
     let mut command = command.to_vec();
     command.extend(["--set".to_string(), format!("dist.tensor={tensor}")]);
+    command.extend(["--set".to_string(), format!("dist.pipeline={pipeline}")]);
     Ok((world.to_string(), command))
 }
 
@@ -78,7 +79,11 @@ mod tests {
     fn a_layout_gives_the_workers_and_the_tensor_split() {
         let (nproc, cmd) = apply_layout("2,1,3", None, &command(&["train", "--quiet"])).unwrap();
         assert_eq!(nproc, "6");
-        assert_eq!(cmd, command(&["train", "--quiet", "--set", "dist.tensor=2"]));
+        assert_eq!(cmd, command(&["train", "--quiet", "--set", "dist.tensor=2", "--set", "dist.pipeline=1"]));
+        let (nproc, cmd) =
+            apply_layout("1,2,2", None, &command(&["train", "--set", "dist.pipeline_schedule=\"gpipe\""])).unwrap();
+        assert_eq!(nproc, "4");
+        assert!(cmd.ends_with(&command(&["--set", "dist.tensor=1", "--set", "dist.pipeline=2"])), "{cmd:?}");
         assert_eq!(apply_layout("2,1,2", Some("4"), &command(&["train"])).unwrap().0, "4");
     }
 
@@ -86,7 +91,7 @@ mod tests {
     fn what_a_layout_cannot_run_is_refused_naming_why() {
         let train = command(&["train"]);
         for (layout, nproc, cmd, why) in [
-            ("2,2,1", None, &train, "pipeline parallelism (P = 2) is not built yet"),
+            ("1,2,1", None, &command(&["train", "--set", "dist.pipeline=4"]), "sets dist.pipeline; the command"),
             ("2,1", None, &train, "takes T,P,D"),
             ("0,1,2", None, &train, "takes T,P,D"),
             ("2,1,2", Some("2"), &train, "runs 4 workers, but --nproc says 2"),

@@ -78,8 +78,7 @@ fn connect(config: &StokeConfig, env: &DistEnv) -> anyhow::Result<DataParallel> 
     let comm = stoke_comm::connect(&comm_config, env)
         .with_context(|| format!("rank {} of {} cannot join the {} job", env.rank, env.world_size, dist.backend))?;
     let mut data_parallel = DataParallel::new(comm, dist.data_parallel());
-    data_parallel.split_groups(dist.tensor).map_err(crate::exit::train_error)?;
-    data_parallel.split_pipeline(dist.pipeline).map_err(crate::exit::train_error)?;
+    data_parallel.split_groups(dist.tensor, dist.pipeline).map_err(crate::exit::train_error)?;
     Ok(data_parallel)
 }
 

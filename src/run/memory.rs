@@ -18,8 +18,10 @@ pub enum MemoryCheck {
 /// the whole model and its optimizer state before ZeRO shards them, so the estimate is ZeRO-0's.
 pub fn check_memory(config: &StokeConfig, world_size: usize, local_ranks: usize) -> anyhow::Result<()> {
     let device = stoke_train::parse_device(&config.run.device)?;
-    let train = config.train.for_world(world_size)?;
-    let estimate = stoke_train::estimate_step_memory(&config.model, &train, world_size, 0)?;
+    // The batch is cut between the model's copies, not between a copy's stages or parts.
+    let copies = (world_size / (config.dist.tensor.max(1) * config.dist.pipeline.max(1))).max(1);
+    let train = config.train.for_world(copies)?;
+    let estimate = stoke_train::estimate_step_memory(&config.model, &train, copies, 0)?;
     let Some(limit) = stoke_train::memory_limit(device, local_ranks) else {
         return Ok(());
     };

@@ -96,7 +96,8 @@ impl Rank0 {
         // The checkpoint's `world_size` counts the copies of the model (the ranks reading
         // different rows), which the global batch depends on; `tensor` the ranks one is cut over.
         let data_world = dist.as_ref().map_or(1, |d| d.data_rank().1);
-        let tensor = world_size / data_world;
+        let (tensor, pipeline) =
+            if dist.is_some() { (config.dist.tensor.max(1), config.dist.pipeline.max(1)) } else { (1, 1) };
         // Measured after Trainer::new has set the thread count, so the peak is for the run's threads.
         let peaks = Peaks::measure(device)?;
         let environment = crate::environment::Environment::capture().to_json();
@@ -108,6 +109,7 @@ impl Rank0 {
             "config_toml": config.to_toml(),
             "world_size": data_world,
             "tensor": tensor,
+            "pipeline": pipeline,
             "environment": environment,
         });
         let store = checkpoint_store(config, run_dir, rank, world_size)?;

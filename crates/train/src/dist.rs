@@ -124,48 +124,35 @@ impl DataParallel {
         }
     }
 
-    /// Cuts the job into groups of `tensor` consecutive ranks, each holding one model's parts,
-    /// and the data-parallel groups across them (nothing for 1). Call once, right after joining,
-    /// on every rank. ZeRO and compressed reductions are not composed with it yet.
-    pub fn split_groups(&mut self, tensor: usize) -> Result<(), TrainError> {
-        if tensor <= 1 {
-            return Ok(());
+    /// Cuts the job into model copies of `pipeline` stages, each stage's model cut over `tensor`
+    /// consecutive ranks (rank = (copy x pipeline + stage) x tensor + part), and the groups
+    /// between them: tensor-parallel (one stage's parts), pipeline (one copy's stages of one
+    /// part), data-parallel (one stage's part across the copies). Nothing for 1 and 1. Call once,
+    /// right after joining, on every rank. ZeRO and compressed reductions are not composed with
+    /// either yet.
+    pub fn split_groups(&mut self, tensor: usize, pipeline: usize) -> Result<(), TrainError> {
+        for (key, ways) in [("dist.tensor", tensor), ("dist.pipeline", pipeline)] {
+            if ways <= 1 {
+                continue;
+            }
+            let refuse = |what_key: &'static str, what: &str| TrainError::InvalidConfig {
+                key: what_key,
+                message: format!("is {what}, which {key} = {ways} does not run with yet"),
+            };
+            if self.config.zero.stage > 0 {
+                return Err(refuse("dist.zero", &self.config.zero.stage.to_string()));
+            }
+            if self.config.compress.compression != Compression::None {
+                return Err(refuse("dist.compress", "set"));
+            }
         }
-        let refuse = |key: &'static str, what: &str| TrainError::InvalidConfig {
-            key,
-            message: format!("is {what}, which dist.tensor = {tensor} does not run with yet"),
-        };
-        if self.config.zero.stage > 0 {
-            return Err(refuse("dist.zero", &self.config.zero.stage.to_string()));
+        let (tensor, pipeline) = (tensor.max(1), pipeline.max(1));
+        if tensor > 1 {
+            self.tensor = Some(tensor::split_groups(self.comm.as_ref(), tensor, pipeline)?);
         }
-        if self.config.compress.compression != Compression::None {
-            return Err(refuse("dist.compress", "set"));
+        if pipeline > 1 {
+            self.pipeline = Some(pipeline::split_groups(self.comm.as_ref(), pipeline, tensor)?);
         }
-        self.tensor = Some(tensor::split_groups(self.comm.as_ref(), tensor)?);
-        Ok(())
-    }
-
-    /// Cuts the job into copies of `stages` consecutive ranks, one pipeline stage each, and the
-    /// data-parallel groups of each stage across the copies (nothing for 1). Call once, right
-    /// after joining, on every rank; not with `dist.tensor`, ZeRO or compression yet.
-    pub fn split_pipeline(&mut self, stages: usize) -> Result<(), TrainError> {
-        if stages <= 1 {
-            return Ok(());
-        }
-        let refuse = |key: &'static str, what: &str| TrainError::InvalidConfig {
-            key,
-            message: format!("is {what}, which dist.pipeline = {stages} does not run with yet"),
-        };
-        if self.tensor.is_some() {
-            return Err(refuse("dist.tensor", "above 1"));
-        }
-        if self.config.zero.stage > 0 {
-            return Err(refuse("dist.zero", &self.config.zero.stage.to_string()));
-        }
-        if self.config.compress.compression != Compression::None {
-            return Err(refuse("dist.compress", "set"));
-        }
-        self.pipeline = Some(pipeline::split_groups(self.comm.as_ref(), stages)?);
         Ok(())
     }
 
@@ -218,7 +205,7 @@ impl DataParallel {
     /// number). The job's rank and size unless the model is cut.
     pub fn data_rank(&self) -> (usize, usize) {
         if let Some(parts) = &self.pipeline {
-            return (parts.copy, self.comm.world_size() / parts.stages);
+            return (parts.copy, self.comm.world_size() / (parts.stages * parts.tensor));
         }
         match &self.tensor {
             Some(parts) => {
@@ -319,8 +306,11 @@ impl DataParallel {
         let region = f32_region(flat, 0..flat.numel() as i64)
             .map_err(|reason| TrainError::InvalidConfig { key: "dist", message: reason })?;
         // A cut model: the copies of each part (every rank of the data-parallel group holds the
-        // same part). Pipeline stages hold the whole model's buffers: every rank.
-        let comm = if self.pipeline.is_some() { Some(self.comm.as_ref()) } else { self.gradient_comm() };
+        // same part). Pipeline stages: each stage's part across the copies.
+        let comm = match &self.pipeline {
+            Some(parts) => parts.data.as_deref(),
+            None => self.gradient_comm(),
+        };
         let Some(comm) = comm else { return Ok(()) };
         // SAFETY: the region is the whole flat parameter buffer, alive as long as `trainer`, which
         // is borrowed for this whole call; nothing else runs on it until `wait` returns.
@@ -648,8 +638,9 @@ impl StepHooks for DataParallel {
 
     fn checkpoint_params(&self) -> Option<&FlatParams> {
         match &self.pipeline {
-            // The first copy's stages write the pieces; the others' are the same values.
-            Some(parts) if parts.copy > 0 => parts.nothing.as_ref(),
+            // The first copy's stages write the pieces (a cut stage's first part, its tensors
+            // gathered whole); the others' are the same values.
+            Some(parts) if parts.copy > 0 || parts.part > 0 => parts.nothing.as_ref(),
             _ => self.optimizer_params(),
         }
     }
@@ -676,7 +667,12 @@ impl StepHooks for DataParallel {
 
     fn global_sq_sum(&mut self, local: f64) -> Result<f64, TrainError> {
         if let Some(parts) = &self.pipeline {
-            return parts.global_sq_sum(local);
+            // A cut stage's parts first (its replicated tensors counted once), then the stages.
+            let stage = match &self.tensor {
+                Some(cut) => cut.global_sq_sum(local).map_err(|e| self.error("all_gather tensor-parallel norm", e))?,
+                None => local,
+            };
+            return parts.global_sq_sum(stage);
         }
         if let Some(parts) = &self.tensor {
             return parts.global_sq_sum(local).map_err(|e| self.error("all_gather tensor-parallel norm", e));

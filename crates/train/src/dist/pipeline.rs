@@ -143,6 +143,9 @@ pub fn unit_costs(model: &dyn Model) -> Vec<f64> {
 pub(super) struct PipelineParts {
     pub(super) stage: usize,
     pub(super) stages: usize,
+    /// This rank's part of its stage's cut model (`dist.tensor`; 0 of 1 when not cut).
+    pub(super) part: usize,
+    pub(super) tensor: usize,
     /// The copy's stages: the norm's sums, the tied weights, `full_parameters`.
     group: Box<dyn Communicator>,
     /// A second handle on the same ranks for the trainer's activations (taken once).
@@ -169,44 +172,58 @@ fn comm_error(rank: usize, size: usize, op: &'static str) -> impl FnOnce(CommErr
     move |source| TrainError::Comm { rank, world_size: size, op, source }
 }
 
-/// Cuts `world` into copies of `stages` consecutive ranks and the data-parallel groups of each
-/// stage across them. Collective: every rank creates every group, in the same order.
-pub(super) fn split_groups(world: &dyn Communicator, stages: usize) -> Result<PipelineParts, TrainError> {
+/// Cuts `world` into model copies of `stages` x `tensor` consecutive ranks (rank = (copy x
+/// stages + stage) x tensor + part, Megatron-LM's order with the tensor-parallel parts
+/// innermost): the pipeline groups (one copy's stages holding the same part) and the
+/// data-parallel groups (one stage's part across the copies). Collective: every rank creates
+/// every group, in the same order.
+pub(super) fn split_groups(
+    world: &dyn Communicator,
+    stages: usize,
+    tensor: usize,
+) -> Result<PipelineParts, TrainError> {
     let (rank, size) = (world.rank(), world.world_size());
-    if stages == 0 || size % stages != 0 {
+    if stages == 0 || tensor == 0 || size % (stages * tensor) != 0 {
         return Err(TrainError::InvalidConfig {
             key: "dist.pipeline",
-            message: format!("is {stages}, which does not divide the job's {size} ranks"),
+            message: format!("is {stages}, which with dist.tensor = {tensor} does not divide the job's {size} ranks"),
         });
     }
     let fail = || comm_error(rank, size, "creating the pipeline groups");
-    let copies = size / stages;
+    let copies = size / (stages * tensor);
+    let rank_of = |copy: usize, stage: usize, part: usize| (copy * stages + stage) * tensor + part;
     let mut groups = (None, None);
     for copy in 0..copies {
-        let ranks: Vec<usize> = (copy * stages..(copy + 1) * stages).collect();
-        let sums = world.new_group(&ranks).map_err(fail())?;
-        let link = world.new_group(&ranks).map_err(fail())?;
-        if let (Some(sums), Some(link)) = (sums, link) {
-            groups = (Some(sums), Some(link));
+        for part in 0..tensor {
+            let ranks: Vec<usize> = (0..stages).map(|stage| rank_of(copy, stage, part)).collect();
+            let sums = world.new_group(&ranks).map_err(fail())?;
+            let link = world.new_group(&ranks).map_err(fail())?;
+            if let (Some(sums), Some(link)) = (sums, link) {
+                groups = (Some(sums), Some(link));
+            }
         }
     }
     let mut data = None;
     if copies > 1 {
         for stage in 0..stages {
-            let ranks: Vec<usize> = (0..copies).map(|c| c * stages + stage).collect();
-            if let Some(made) = world.new_group(&ranks).map_err(fail())? {
-                data = Some(made);
+            for part in 0..tensor {
+                let ranks: Vec<usize> = (0..copies).map(|copy| rank_of(copy, stage, part)).collect();
+                if let Some(made) = world.new_group(&ranks).map_err(fail())? {
+                    data = Some(made);
+                }
             }
         }
     }
     let (Some(group), link) = groups else { unreachable!("every rank is in one copy's pipeline group") };
     Ok(PipelineParts {
-        stage: rank % stages,
+        stage: rank / tensor % stages,
         stages,
+        part: rank % tensor,
+        tensor,
         group,
         link,
         data,
-        copy: rank / stages,
+        copy: rank / (stages * tensor),
         stage_units: Vec::new(),
         unit_ranges: Vec::new(),
         tied: false,
@@ -289,7 +306,8 @@ impl PipelineParts {
             let len = unit0.end - unit0.start;
             let mine = grad.narrow(0, unit0.start, len);
             if self.stage == last {
-                let region = f32_region(grad, unit0.clone()).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+                let region = f32_region(grad, unit0.clone())
+                    .map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
                 // SAFETY: the unit's gradient range, alive and untouched until `wait` returns.
                 unsafe { self.group.send_async(region, 0) }
                     .and_then(|w| w.wait())
@@ -299,7 +317,8 @@ impl PipelineParts {
                 });
             } else {
                 let received = Tensor::zeros([len], (tch::Kind::Float, grad.device()));
-                let region = f32_region(&received, 0..len).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+                let region =
+                    f32_region(&received, 0..len).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
                 // SAFETY: `received` is alive and untouched until `wait` returns.
                 unsafe { self.group.recv_async(region, last) }
                     .and_then(|w| w.wait())
@@ -312,17 +331,19 @@ impl PipelineParts {
         }
         let own = self.own();
         if let Some(data) = self.data.as_deref() {
-            let region = f32_region(grad, own.clone()).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+            let region =
+                f32_region(grad, own.clone()).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
             // SAFETY: the stage's gradient range; backward is over and nothing touches it until `wait`.
             unsafe { data.all_reduce_async(region, ReduceOp::Avg) }
                 .and_then(|w| w.wait())
                 .map_err(self.error("all_reduce a stage's gradients over its copies"))?;
         }
         if !self.mapped {
+            // The model's gradients are cleared after the optimizer: a cut model's norm still
+            // reads its replicated parameters' gradients there.
             let shard = self.shard.as_ref().expect("shard made");
             tch::no_grad(|| {
                 shard.flat_grad().shallow_clone().copy_(&grad.narrow(0, own.start, own.end - own.start));
-                let _ = grad.shallow_clone().zero_();
             });
         }
         Ok(())
@@ -337,13 +358,14 @@ impl PipelineParts {
     /// After the optimizer: a copied shard's values back into the model, the tied weights from
     /// the first stage to the last.
     pub(super) fn after_optimizer(&self) -> Result<(), TrainError> {
-        let (flat, _) = self.buffers();
-        // A mapped shard is the model's own memory, updated in place.
+        let (flat, grad) = self.buffers();
+        // A mapped shard is the model's own memory, updated in place (its gradients cleared).
         if !self.mapped {
             let own = self.own();
             let shard = self.shard.as_ref().expect("shard made");
             tch::no_grad(|| {
                 flat.narrow(0, own.start, own.end - own.start).copy_(shard.flat());
+                let _ = grad.shallow_clone().zero_();
             });
         }
         self.tied_weights_to_last()
@@ -355,8 +377,8 @@ impl PipelineParts {
             return Ok(());
         }
         let (flat, _) = self.buffers();
-        let region =
-            f32_region(flat, self.unit_ranges[0].clone()).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+        let region = f32_region(flat, self.unit_ranges[0].clone())
+            .map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
         // SAFETY: the embedding's parameter range: the first stage only reads it, the last only
         // writes it, and neither touches it until `wait` returns.
         let work = unsafe {
@@ -385,10 +407,10 @@ impl PipelineParts {
     }
 
     /// The logged loss from this rank's `loss` (the last stage's; 0 elsewhere): the last stages'
-    /// mean over the copies.
+    /// mean over the copies (a cut model's parts all hold it: the first part's counts).
     pub(super) fn reduce_loss(&self, world: &dyn Communicator, loss: f64) -> Result<f64, TrainError> {
-        let mine = if self.stage + 1 == self.stages { loss } else { 0.0 };
-        let copies = world.world_size() / self.stages;
+        let mine = if self.stage + 1 == self.stages && self.part == 0 { loss } else { 0.0 };
+        let copies = world.world_size() / (self.stages * self.tensor);
         let sum = sum_over_ranks(world, &[mine]).map_err(self.error("all_gather the last stages' loss"))?[0];
         Ok(sum / copies as f64)
     }

@@ -23,9 +23,10 @@ pub(super) struct TensorParts {
     pub(super) replicated: Vec<Tensor>,
 }
 
-/// Cuts `world` into the groups of `tensor` consecutive ranks and the data-parallel groups across
-/// them. Collective: every rank creates every group, in the same order.
-pub(super) fn split_groups(world: &dyn Communicator, tensor: usize) -> Result<TensorParts, TrainError> {
+/// Cuts `world` into the groups of `tensor` consecutive ranks and, without pipeline stages, the
+/// data-parallel groups across them (with stages, `pipeline::split_groups` makes those: one per
+/// stage and part). Collective: every rank creates every group, in the same order.
+pub(super) fn split_groups(world: &dyn Communicator, tensor: usize, stages: usize) -> Result<TensorParts, TrainError> {
     let size = world.world_size();
     if tensor == 0 || size % tensor != 0 {
         return Err(TrainError::InvalidConfig {
@@ -48,7 +49,7 @@ pub(super) fn split_groups(world: &dyn Communicator, tensor: usize) -> Result<Te
         }
     }
     let mut data_group = None;
-    if data > 1 {
+    if data > 1 && stages == 1 {
         for t in 0..tensor {
             let ranks: Vec<usize> = (0..data).map(|d| d * tensor + t).collect();
             if let Some(made) = world.new_group(&ranks).map_err(comm_error)? {

@@ -190,14 +190,29 @@ impl Trainer {
     /// A cut model's state made whole for a checkpoint, as one process's would be: every split
     /// parameter and its optimizer state gathered over the tensor-parallel group, so any layout
     /// resumes from it. Collective: every rank of the group calls it at the same checkpoints.
-    /// None for a model that is not cut.
-    pub(super) fn whole_state(&self) -> Result<Option<Vec<WholeTensor>>, TrainError> {
+    /// None for a model that is not cut. `shard`: the buffers a sharded optimizer runs on (a
+    /// pipeline stage's units, whole parameters flattened); then only those are gathered.
+    pub(super) fn whole_state(&self, shard: Option<&FlatParams>) -> Result<Option<Vec<WholeTensor>>, TrainError> {
         let Some(group) = self.model.tensor_group() else { return Ok(None) };
         let params = self.model.params();
-        let model = params.entries().iter().map(|e| ("model", e.name.clone(), e.name.clone(), e.tensor.detach()));
-        let optim = self.optimizer.state_tensors(params).into_iter().map(|s| {
+        let shard = shard.filter(|_| self.sharded);
+        let owned: Option<std::collections::HashSet<&str>> =
+            shard.map(|s| s.entries().iter().map(|e| e.name.as_str()).collect());
+        let shapes: std::collections::HashMap<&str, &[i64]> =
+            params.entries().iter().map(|e| (e.name.as_str(), e.shape.as_slice())).collect();
+        let model = params
+            .entries()
+            .iter()
+            .filter(|e| owned.as_ref().is_none_or(|o| o.contains(e.name.as_str())))
+            .map(|e| ("model", e.name.clone(), e.name.clone(), e.tensor.detach()));
+        let optim = self.optimizer.state_tensors(shard.unwrap_or(params)).into_iter().map(|s| {
             let param = s.name.rsplit_once('.').map_or(s.name.as_str(), |(param, _)| param).to_string();
-            ("optim", s.name, param, s.tensor)
+            // A stage's state is flat, one piece per whole parameter: shaped like it again.
+            let tensor = match shapes.get(param.as_str()) {
+                Some(shape) if s.tensor.numel() as i64 == shape.iter().product::<i64>() => s.tensor.reshape(*shape),
+                _ => s.tensor,
+            };
+            ("optim", s.name, param, tensor)
         });
         let gathered = model.chain(optim).map(|(stem, name, param, tensor)| {
             let whole =
@@ -233,8 +248,24 @@ impl Trainer {
         let mut deferred = Vec::new();
         let params = self.model.params();
         let shape_of = |shape: &[i64]| -> Vec<usize> { shape.iter().map(|&s| s as usize).collect() };
-        match shard {
-            Some(shard) => {
+        match (shard, whole) {
+            // A cut pipeline stage: its units' tensors gathered whole, each one piece.
+            (Some(shard), Some(whole)) => {
+                let mine: std::collections::HashSet<&str> = shard.entries().iter().map(|e| e.name.as_str()).collect();
+                for (stem, name, shape, tensor) in whole {
+                    let param =
+                        if stem == "optim" { name.rsplit_once('.').map_or(name.as_str(), |(p, _)| p) } else { &name };
+                    if !mine.contains(param) {
+                        continue;
+                    }
+                    let shape = shape_of(&shape);
+                    let numel = shape.iter().product::<usize>();
+                    let room = snapshot.piece(stem, &name, DType::F32, &shape, 0..numel);
+                    let checksum = copy_into(&tensor, room);
+                    snapshot.add_checksums(checksum);
+                }
+            }
+            (Some(shard), None) => {
                 // Each shard entry is this rank's piece of the parameter of that name: elements
                 // from `source - offset` of it (a unit's slice is contiguous, so one per parameter).
                 let whole: std::collections::HashMap<&str, (i64, Vec<usize>)> =
@@ -257,7 +288,7 @@ impl Trainer {
                     snapshot.add_checksums(checksum);
                 }
             }
-            None => {
+            (None, whole) => {
                 let sources: Vec<(&str, String, Vec<i64>, Tensor)> = params
                     .entries()
                     .iter()

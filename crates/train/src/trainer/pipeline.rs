@@ -78,9 +78,17 @@ impl<'a> Link<'a> {
     }
 
     fn send_now(&self, peer: usize, header: &[u64; HEADER], host: &Tensor) -> Result<(), TrainError> {
-        let op = if peer > self.link.stage { "send activations to the next stage" } else { "send gradients to the previous stage" };
+        let op = if peer > self.link.stage {
+            "send activations to the next stage"
+        } else {
+            "send gradients to the previous stage"
+        };
         let bytes: Vec<u8> = header.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let region = Region::new(host.data_ptr() as *mut u8, header[7] as usize * host.kind().elt_size_in_bytes(), stoke_comm::DType::U8);
+        let region = Region::new(
+            host.data_ptr() as *mut u8,
+            header[7] as usize * host.kind().elt_size_in_bytes(),
+            stoke_comm::DType::U8,
+        );
         stoke_comm::CommunicatorExt::send(self.comm(), &bytes, peer).map_err(|e| self.error(op, e))?;
         // SAFETY: `host` is a contiguous CPU tensor alive until `wait` returns; a send only reads it.
         unsafe { self.comm().send_async(region, peer) }.and_then(|w| w.wait()).map_err(|e| self.error(op, e))
@@ -126,10 +134,15 @@ impl<'a> Link<'a> {
         if !held_for_peer {
             self.flush()?;
         }
-        let op = if peer < self.link.stage { "receive activations from the previous stage" } else { "receive gradients from the next stage" };
+        let op = if peer < self.link.stage {
+            "receive activations from the previous stage"
+        } else {
+            "receive gradients from the next stage"
+        };
         let mut bytes = [0u8; 8 * HEADER];
         stoke_comm::CommunicatorExt::recv(self.comm(), &mut bytes, peer).map_err(|e| self.error(op, e))?;
-        let header: Vec<u64> = bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        let header: Vec<u64> =
+            bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
         let kind = match header[0] {
             0 => Kind::Float,
             1 => Kind::BFloat16,
@@ -153,7 +166,11 @@ impl<'a> Link<'a> {
             });
         }
         let host = Tensor::empty(dims.as_slice(), (kind, Device::Cpu));
-        let region = Region::new(host.data_ptr() as *mut u8, header[7] as usize * kind.elt_size_in_bytes(), stoke_comm::DType::U8);
+        let region = Region::new(
+            host.data_ptr() as *mut u8,
+            header[7] as usize * kind.elt_size_in_bytes(),
+            stoke_comm::DType::U8,
+        );
         // SAFETY: `host` is a fresh contiguous tensor of exactly those bytes, alive until `wait`.
         unsafe { self.comm().recv_async(region, peer) }.and_then(|w| w.wait()).map_err(|e| self.error(op, e))?;
         if held_for_peer {
