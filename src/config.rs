@@ -458,6 +458,10 @@ impl StokeConfig {
         match self.dist.pipeline {
             0 => invalid("dist.pipeline", "must be at least 1".into()),
             1 => Ok(()),
+            stages if self.dist.zero == 1 && self.train.optimizer == stoke_train::OptimizerKind::Lamb => invalid(
+                "dist.zero",
+                format!("is 1 with dist.pipeline = {stages}: LAMB's per-tensor ratios need whole tensors; use AdamW or dist.zero = 0"),
+            ),
             stages if self.model.family == "vla" => invalid(
                 "dist.pipeline",
                 format!("is {stages}, but a vla model's blocks read masks its embedding makes; keep dist.pipeline = 1"),

@@ -139,7 +139,10 @@ impl DataParallel {
                 key: what_key,
                 message: format!("is {what}, which {key} = {ways} does not run with yet"),
             };
-            if self.config.zero.stage > 0 {
+            // Pipeline stages shard their optimizer state over their copies (ZeRO-1); a cut
+            // model runs without ZeRO.
+            let zero_runs = key == "dist.pipeline" && tensor <= 1 && self.config.zero.stage <= 1;
+            if self.config.zero.stage > 0 && !zero_runs {
                 return Err(refuse("dist.zero", &self.config.zero.stage.to_string()));
             }
             if self.config.compress.compression != Compression::None {
@@ -151,7 +154,9 @@ impl DataParallel {
             self.tensor = Some(tensor::split_groups(self.comm.as_ref(), tensor, pipeline)?);
         }
         if pipeline > 1 {
-            self.pipeline = Some(pipeline::split_groups(self.comm.as_ref(), pipeline, tensor)?);
+            let mut parts = pipeline::split_groups(self.comm.as_ref(), pipeline, tensor)?;
+            parts.zero = self.config.zero.stage == 1 && parts.data.is_some();
+            self.pipeline = Some(parts);
         }
         Ok(())
     }
@@ -323,7 +328,8 @@ impl DataParallel {
     /// trainer's optimizer is replaced by one over this rank's shard, its state carried over.
     pub fn shard(&mut self, trainer: &mut Trainer) -> Result<(), TrainError> {
         let config = self.config.zero;
-        if config.stage == 0 || self.comm.world_size() == 1 {
+        // Pipeline stages shard their own optimizer (`pipeline_stage`).
+        if config.stage == 0 || self.comm.world_size() == 1 || self.pipeline.is_some() {
             return Ok(());
         }
         let invalid = |message: String| TrainError::InvalidConfig { key: "dist.zero", message };
@@ -640,7 +646,7 @@ impl StepHooks for DataParallel {
         match &self.pipeline {
             // The first copy's stages write the pieces (a cut stage's first part, its tensors
             // gathered whole); the others' are the same values.
-            Some(parts) if parts.copy > 0 || parts.part > 0 => parts.nothing.as_ref(),
+            Some(parts) if !parts.zero && (parts.copy > 0 || parts.part > 0) => parts.nothing.as_ref(),
             _ => self.optimizer_params(),
         }
     }

@@ -159,8 +159,14 @@ pub(super) struct PipelineParts {
     unit_ranges: Vec<Range<i64>>,
     /// The head uses the embedding's weights (both end stages hold them).
     tied: bool,
-    /// The optimizer's buffers: this stage's units (mapped: the model's own memory).
+    /// ZeRO-1 over each stage's copies: this rank's optimizer holds its slice
+    /// (`shard_range` over the copies) of each of the stage's units.
+    pub(super) zero: bool,
+    /// The optimizer's buffers: this stage's units, or their slices under ZeRO-1 (mapped: the
+    /// model's own memory).
     pub(super) shard: Option<FlatParams>,
+    /// The shard's segments, in the model's buffers.
+    segments: Vec<Range<i64>>,
     mapped: bool,
     /// An empty shard: what a copy other than the first writes into a checkpoint.
     pub(super) nothing: Option<FlatParams>,
@@ -227,7 +233,9 @@ pub(super) fn split_groups(
         stage_units: Vec::new(),
         unit_ranges: Vec::new(),
         tied: false,
+        zero: false,
         shard: None,
+        segments: Vec::new(),
         mapped: false,
         nothing: None,
         model_flat: None,
@@ -272,21 +280,51 @@ impl PipelineParts {
         self.unit_ranges[units.start].start..self.unit_ranges[units.end - 1].end
     }
 
-    /// The shard this stage's optimizer runs on; `fused`: the model's own memory (the fused CPU
-    /// kernel updates it in place). Returns the starts of each piece in its parameter (whole
-    /// parameters: 0).
+    /// The shard this stage's optimizer runs on: its units, or under ZeRO-1 this copy's slice of
+    /// each; `fused`: the model's own memory (the fused CPU kernel updates it in place). Returns
+    /// where each piece starts in its parameter.
     pub(super) fn shard(&mut self, params: &FlatParams, fused: bool) -> std::collections::HashMap<String, i64> {
         let units = self.stage_units[self.stage].clone();
-        let segments: Vec<Range<i64>> = units.map(|u| self.unit_ranges[u].clone()).collect();
+        let copies = self.data.as_ref().map_or(1, |d| d.world_size());
+        let segments: Vec<Range<i64>> = units
+            .map(|u| {
+                let unit = self.unit_ranges[u].clone();
+                if !self.zero {
+                    return unit;
+                }
+                let cut = stoke_comm::shard_range((unit.end - unit.start) as usize, copies, self.copy);
+                unit.start + cut.start as i64..unit.start + cut.end as i64
+            })
+            .collect();
         let map = ShardMap { params: fused, grads: fused };
         let shard = params.shard(&segments, map);
-        let starts = shard.entries().iter().map(|e| (e.name.clone(), 0)).collect();
+        let offsets: std::collections::HashMap<&str, i64> =
+            params.entries().iter().map(|e| (e.name.as_str(), e.offset)).collect();
+        let starts = shard.entries().iter().map(|e| (e.name.clone(), e.source - offsets[e.name.as_str()])).collect();
         self.nothing = Some(params.shard(&[], ShardMap { params: false, grads: false }));
         self.shard = Some(shard);
+        self.segments = segments;
         self.mapped = fused;
         self.model_flat = Some(params.flat().shallow_clone());
         self.model_grad = Some(params.flat_grad().shallow_clone());
         starts
+    }
+
+    /// Copies between the model's buffer and a copied shard's (`to_shard`: into the shard).
+    fn copy_shard(&self, model: &Tensor, shard: &Tensor, to_shard: bool) {
+        let mut at = 0;
+        tch::no_grad(|| {
+            for segment in &self.segments {
+                let len = segment.end - segment.start;
+                let (ours, theirs) = (shard.narrow(0, at, len), model.narrow(0, segment.start, len));
+                if to_shard {
+                    ours.shallow_clone().copy_(&theirs);
+                } else {
+                    theirs.shallow_clone().copy_(&ours);
+                }
+                at += len;
+            }
+        });
     }
 
     fn buffers(&self) -> (&Tensor, &Tensor) {
@@ -342,17 +380,19 @@ impl PipelineParts {
             // The model's gradients are cleared after the optimizer: a cut model's norm still
             // reads its replicated parameters' gradients there.
             let shard = self.shard.as_ref().expect("shard made");
-            tch::no_grad(|| {
-                shard.flat_grad().shallow_clone().copy_(&grad.narrow(0, own.start, own.end - own.start));
-            });
+            self.copy_shard(grad, shard.flat_grad(), true);
         }
         Ok(())
     }
 
-    /// The whole model's sum of squared gradients from this stage's (its shard's) sum: the
-    /// stages' sums added in stage order.
+    /// The whole model's sum of squared gradients from this rank's shard's sum: under ZeRO-1 the
+    /// copies' slices added first, then the stages' sums, each in rank order.
     pub(super) fn global_sq_sum(&self, local: f64) -> Result<f64, TrainError> {
-        Ok(sum_over_ranks(self.group.as_ref(), &[local]).map_err(self.error("all_gather the stages' norms"))?[0])
+        let stage = match self.data.as_deref().filter(|_| self.zero) {
+            Some(data) => sum_over_ranks(data, &[local]).map_err(self.error("all_gather the copies' norms"))?[0],
+            None => local,
+        };
+        Ok(sum_over_ranks(self.group.as_ref(), &[stage]).map_err(self.error("all_gather the stages' norms"))?[0])
     }
 
     /// After the optimizer: a copied shard's values back into the model, the tied weights from
@@ -361,12 +401,33 @@ impl PipelineParts {
         let (flat, grad) = self.buffers();
         // A mapped shard is the model's own memory, updated in place (its gradients cleared).
         if !self.mapped {
-            let own = self.own();
             let shard = self.shard.as_ref().expect("shard made");
+            self.copy_shard(flat, shard.flat(), false);
             tch::no_grad(|| {
-                flat.narrow(0, own.start, own.end - own.start).copy_(shard.flat());
                 let _ = grad.shallow_clone().zero_();
             });
+        } else if self.zero {
+            // The update cleared this rank's slices of the mapped gradients; the copies' too.
+            let own = self.own();
+            tch::no_grad(|| {
+                let _ = grad.narrow(0, own.start, own.end - own.start).zero_();
+            });
+        }
+        if let Some(data) = self.data.as_deref().filter(|_| self.zero) {
+            // Every copy's updated slices, unit by unit (the cut every slice was made by).
+            for u in self.stage_units[self.stage].clone() {
+                let range = self.unit_ranges[u].clone();
+                if range.is_empty() {
+                    continue;
+                }
+                let region =
+                    f32_region(flat, range).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+                // SAFETY: the unit's parameter range; the optimizer is done and nothing reads it
+                // until `wait` returns.
+                unsafe { data.all_gather_async(region) }
+                    .and_then(|w| w.wait())
+                    .map_err(self.error("all_gather a stage's parameters over its copies"))?;
+            }
         }
         self.tied_weights_to_last()
     }
