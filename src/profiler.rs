@@ -79,6 +79,7 @@ fn sample_of(record: &stoke_train::StepRecord) -> StepSample {
             augment_ns: s.augment_ns,
             busy_ns: s.busy_ns,
         }),
+        pipeline: record.pipeline.map(|(wait_ms, span_ms)| stoke_prof::StageStep { wait_ms, span_ms }),
     }
 }
 
@@ -90,6 +91,8 @@ pub struct Profiler {
     world_size: usize,
     /// The ranks one model is cut over (`dist.tensor`): they train the same rows.
     tensor: usize,
+    /// Pipeline stages of one model copy (`dist.pipeline`) and their schedule.
+    pipeline: (usize, String),
     name: String,
     peaks: Peaks,
     facts: Option<RunFacts>,
@@ -192,6 +195,7 @@ impl Profiler {
             rank,
             world_size,
             tensor: 1,
+            pipeline: (1, String::new()),
             name: name.to_string(),
             peaks,
             facts: None,
@@ -264,6 +268,8 @@ impl Profiler {
                 precision: info.precision,
                 world_size: self.world_size,
                 tensor: self.tensor,
+                pipeline: self.pipeline.0,
+                pipeline_schedule: self.pipeline.1.clone(),
                 recompute: info.recompute.to_string(),
                 activation_bytes_per_block: Vec::new(),
                 activation_bytes: None,
@@ -463,6 +469,16 @@ impl Profiler {
         self.tensor = tensor.max(1);
         if let Some(facts) = &mut self.facts {
             facts.train.tensor = self.tensor;
+        }
+    }
+
+    /// The pipeline stages one model copy is cut into and their schedule (the report's bubble).
+    pub fn set_pipeline(&mut self, stages: usize, schedule: &str) {
+        let schedule = if stages > 1 { schedule.to_string() } else { String::new() };
+        self.pipeline = (stages.max(1), schedule);
+        if let Some(facts) = &mut self.facts {
+            facts.train.pipeline = self.pipeline.0;
+            facts.train.pipeline_schedule = self.pipeline.1.clone();
         }
     }
 

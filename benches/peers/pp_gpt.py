@@ -45,8 +45,9 @@ World size 1 runs the whole model with the same init, data and optimizer, the mi
 another with their gradients accumulated (the head truly tied): the reference the pipelined runs' losses
 are checked against with `--losses`.
 
-`--compile` compiles each block on its own (torch.compile, Inductor), before the stages are built, as
-torchtitan compiles under pipelining; the stage modules stay eager around them.
+`--compile` wraps each stage's module in torch.compile (Inductor) before its PipelineStage is built: one
+graph a stage and micro-batch shape, its backward through AOTAutograd, which the schedule's
+`stage_backward` drives as it drives an eager module's.
 """
 import argparse
 import json
@@ -129,7 +130,7 @@ def main():
                          "workers its own group's)")
     ap.add_argument("--losses", action="store_true",
                     help="also print every step's grad norm and the tied copies' largest difference at the end")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each block (Inductor)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each stage's module (Inductor)")
     args = ap.parse_args()
     if args.warmup_steps >= args.steps:
         sys.exit(f"pp_gpt.py: --warmup-steps {args.warmup_steps} leaves no step of --steps {args.steps} to measure")
@@ -144,9 +145,6 @@ def main():
 
     torch.manual_seed(args.seed)  # the same whole model on every rank before it is cut
     model = GPT(args.n_layer, args.n_head, args.d_model, args.seq_len, args.vocab)
-    if args.compile:
-        for i, block in enumerate(model.h):
-            model.h[i] = torch.compile(block)
     m = args.micro_batches
     pp = world > 1
     if pp:
@@ -154,7 +152,8 @@ def main():
         chunks = world * (2 if args.schedule == "interleaved" else 1)
         bounds = chunk_bounds(args.n_layer, chunks)
         mine = [c for c in range(chunks) if c % world == rank]  # rank r: chunks r, r + world, ...
-        stages = [PipelineStage(Stage(model, range(bounds[c], bounds[c + 1]), c == 0, c == chunks - 1),
+        wrap = torch.compile if args.compile else (lambda module: module)
+        stages = [PipelineStage(wrap(Stage(model, range(bounds[c], bounds[c + 1]), c == 0, c == chunks - 1)),
                                 c, chunks, torch.device("cpu")) for c in mine]
         if args.schedule == "interleaved":
             schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=cross_entropy)
@@ -171,6 +170,7 @@ def main():
                   f"{', wte+wpe' if c == 0 else ''}{', ln_f+head' if c == chunks - 1 else ''})" for c in range(chunks)]
         del model
     else:
+        model = torch.compile(model) if args.compile else model
         modules, tied, layout = [model], [], ["rank 0: the whole model"]
         holds_first = holds_last = True
         last_rank = 0

@@ -124,6 +124,7 @@ impl Rank0 {
         let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks, rank, world_size)?;
         profiler.set_environment(environment);
         profiler.set_tensor(tensor);
+        profiler.set_pipeline(pipeline, &config.dist.pipeline_schedule);
         let mut bar = Progress::new(progress);
         let mut heartbeat = Heartbeat::from_env(rank);
         let mut no_hooks = NoHooks;

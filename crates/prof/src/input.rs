@@ -29,6 +29,9 @@ pub struct StepSample {
     /// A loader that decodes and augments frames: its counters so far (cumulative).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frame_stages: Option<FrameCounters>,
+    /// A pipeline stage's waits on its neighbours and its schedule's span.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<crate::pipeline::StageStep>,
 }
 
 /// A frame loader's cumulative counters: batches made, and nanoseconds its threads spent decoding,
@@ -72,6 +75,12 @@ pub struct TrainFacts {
     /// copies are `world_size / tensor`. 0 (absent from an older report) means 1.
     #[serde(default)]
     pub tensor: usize,
+    /// Pipeline stages one model copy is cut into (`dist.pipeline`); 0 (absent) means 1.
+    #[serde(default)]
+    pub pipeline: usize,
+    /// The pipeline's schedule (`dist.pipeline_schedule`); empty without stages.
+    #[serde(default)]
+    pub pipeline_schedule: String,
     /// The activation recomputation policy (`train.recompute`).
     #[serde(default)]
     pub recompute: String,

@@ -60,6 +60,7 @@ mod findings;
 mod gpu;
 mod html;
 mod input;
+mod pipeline;
 mod prom;
 mod rank_report;
 mod ranks;
@@ -81,6 +82,7 @@ pub use gpu::{
 };
 pub use html::render_html;
 pub use input::{FrameCounters, MachineFacts, ModelFacts, ProfConfig, RunFacts, StepSample, TrainFacts};
+pub use pipeline::{bubble_formula, PipelineReport, StageBubble, StageStep};
 pub use prom::{scrape, validate_exposition, LiveMetrics, MetricsServer};
 pub use rank_report::{ClockOffset, RankMemory, RankStepReport, RankSummary, RanksReport, TimedStep};
 pub use ranks::merge_ranks;

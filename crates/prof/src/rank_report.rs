@@ -28,6 +28,9 @@ pub struct RankSummary {
     /// `step_ms - comm_exposed_ms`: the time the rank worked rather than waited for the others.
     pub busy_ms: f64,
     pub tokens_per_s: f64,
+    /// A pipeline stage's waits and span, medians (`RunReport::pipeline_stage`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<crate::pipeline::StageStep>,
 }
 
 /// One rank's memory: the model states it holds by the formula of its ZeRO stage (bytes of

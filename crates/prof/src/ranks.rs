@@ -30,6 +30,7 @@ impl RankSummary {
             data_wait_ms: phase(Phase::DataWait),
             busy_ms: (report.step_ms - phase(Phase::CommExposed)).max(0.0),
             tokens_per_s: report.tokens_per_s,
+            pipeline: report.pipeline_stage,
         }
     }
 }
@@ -37,7 +38,8 @@ impl RankSummary {
 /// Adds the `ranks` section to rank 0's `report` from every rank's summary (rank 0's included) and,
 /// when the slowest rank's busy time exceeds the median rank's by more than
 /// `config.straggler_min`, the `straggler` finding (findings re-sorted by bound). `tensor`: the
-/// ranks one model is cut over (tensor parallelism), which train the same rows.
+/// ranks one model is cut over (tensor parallelism), which train the same rows, as do a copy's
+/// pipeline stages (`report.train.pipeline`), whose bubble the `pipeline` section gives.
 pub fn merge_ranks(
     report: &mut RunReport,
     world_size: usize,
@@ -88,9 +90,20 @@ pub fn merge_ranks(
     // The job's rates: every copy of the model trains its own rows in the same steps, so the job's
     // rate is the sum of the ranks' over the ranks of a copy; ranks that sent no summary count at
     // the reporting ranks' mean.
+    let stages = report.train.pipeline.max(1);
+    if stages > 1 {
+        // The first copy's stages, one part of each (rank = (copy x stages + stage) x tensor + part).
+        let measured = ranks
+            .iter()
+            .filter(|r| r.rank < stages * tensor.max(1) && r.rank % tensor.max(1) == 0)
+            .filter_map(|r| r.pipeline.map(|p| (r.rank / tensor.max(1), r.rank, p)))
+            .collect();
+        let schedule = report.train.pipeline_schedule.clone();
+        report.pipeline = Some(crate::pipeline::PipelineReport::new(stages, report.train.grad_accum, &schedule, measured));
+    }
     let reported: f64 = ranks.iter().map(|r| r.tokens_per_s).sum();
     if reported > 0.0 && report.tokens_per_s > 0.0 {
-        let job = reported * world_size as f64 / ranks.len() as f64 / tensor.max(1) as f64;
+        let job = reported * world_size as f64 / ranks.len() as f64 / (tensor.max(1) * stages) as f64;
         let scale = job / report.tokens_per_s;
         report.rank0 = Some(crate::report::RankRates {
             tokens_per_s: report.tokens_per_s,
@@ -144,6 +157,7 @@ mod tests {
             data_wait_ms: 0.0,
             busy_ms,
             tokens_per_s: 1.0,
+            pipeline: None,
         }
     }
 

@@ -65,6 +65,12 @@ pub struct RunReport {
     /// A frame loader's stages per batch (the episode loader); absent for other sources.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frame_stages: Option<FrameStages>,
+    /// A pipeline stage's medians over the measured steps (this rank's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_stage: Option<crate::pipeline::StageStep>,
+    /// A pipeline-parallel run's bubble, stage by stage (rank 0's merged report).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<crate::pipeline::PipelineReport>,
     /// Why `mfu` is withheld: above 1 even against a peak measured again at the end of the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mfu_withheld: Option<String>,
@@ -184,6 +190,11 @@ pub(crate) fn measure_report(
     let compute_mfu = if compute_share > 0.0 { mfu / compute_share } else { 0.0 };
     let amdahl = Phase::REMOVABLE.iter().map(|&p| (p, amdahl(step_ms, phases[&p]))).collect();
     let frame_stages = measured.last().and_then(|last| FrameStages::of(last));
+    let stage_steps: Vec<crate::pipeline::StageStep> = measured.iter().filter_map(|s| s.pipeline).collect();
+    let pipeline_stage = (!stage_steps.is_empty()).then(|| crate::pipeline::StageStep {
+        wait_ms: stoke_stats::median(&stage_steps.iter().map(|s| s.wait_ms).collect::<Vec<_>>()),
+        span_ms: stoke_stats::median(&stage_steps.iter().map(|s| s.span_ms).collect::<Vec<_>>()),
+    });
     RunReport {
         name: facts.name.clone(),
         steps_measured: measured.len() as u64,
@@ -220,6 +231,8 @@ pub(crate) fn measure_report(
         gpus: Vec::new(),
         gpu_health_error: None,
         frame_stages,
+        pipeline_stage,
+        pipeline: None,
     }
 }
 
@@ -372,6 +385,9 @@ impl RunReport {
         );
         if let Some(ranks) = &self.ranks {
             out.push_str(&ranks.render_text());
+        }
+        if let Some(pipeline) = &self.pipeline {
+            out.push_str(&pipeline.render_text());
         }
         if self.findings.is_empty() {
             let _ = writeln!(out, "findings: none");

@@ -85,7 +85,12 @@ pub fn stage_units(costs: &[f64], stages: usize, split: &[usize]) -> Result<Vec<
     }
     // Binary search on the bound over the candidate sums is overkill for tens of units: dynamic
     // programming over (units, stages) for the smallest maximum, then the cuts.
-    let prefix: Vec<f64> = std::iter::once(0.0).chain(costs.iter().scan(0.0, |s, c| Some(*s + c))).collect();
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(costs.iter().scan(0.0, |sum, c| {
+            *sum += c;
+            Some(*sum)
+        }))
+        .collect();
     let cost = |a: usize, b: usize| prefix[b] - prefix[a];
     // best[s][i]: the least maximum for units 0..i over s + 1 stages; cut[s][i] the last cut.
     let mut best = vec![vec![f64::INFINITY; n + 1]; stages];
@@ -488,6 +493,10 @@ mod tests {
         assert_eq!(stage_units(&costs, 2, &[]).unwrap(), vec![0..4, 4..6]);
         assert_eq!(stage_units(&costs, 3, &[]).unwrap(), vec![0..3, 3..5, 5..6]);
         assert_eq!(stage_units(&costs, 6, &[]).unwrap().len(), 6);
+        // A small head: the blocks split evenly.
+        let costs = [0.0, 5.0, 5.0, 5.0, 5.0, 0.4];
+        assert_eq!(stage_units(&costs, 2, &[]).unwrap(), vec![0..3, 3..6]);
+        assert_eq!(stage_units(&costs, 4, &[]).unwrap(), vec![0..2, 2..3, 3..4, 4..6]);
         assert_eq!(stage_units(&costs, 2, &[2, 4]).unwrap(), vec![0..2, 2..6]);
         assert!(stage_units(&costs, 2, &[3, 4]).unwrap_err().contains("at least one unit"));
         assert!(stage_units(&costs, 7, &[]).unwrap_err().contains("6 units"));

@@ -49,6 +49,8 @@ pub struct StepRecord {
     /// The episode loader's counters so far (decode, augmentation, its threads' busy time); None
     /// for sources that decode no frames.
     pub frame_stages: Option<stoke_data::EpisodeLoaderStats>,
+    /// A pipeline stage: milliseconds blocked on its neighbours, and the schedule's span.
+    pub pipeline: Option<(f64, f64)>,
 }
 
 /// Per-unit (embedding, each block, head) figures of one step, in unit order (`RunInfo::units`).

@@ -147,6 +147,7 @@ impl Trainer {
             matmuls,
             episode_shape,
             stage: None,
+            stage_times: None,
         })
     }
 
@@ -538,6 +539,7 @@ impl Trainer {
                 noise_scale: self.adaptive.as_ref().and_then(|a| a.noise.estimate()),
                 batch_change,
                 frame_stages: source.frame_stages(),
+                pipeline: self.stage_times.take(),
             };
             notify(observers, &TrainEvent::Step(&record))?;
             if let Some(target) = checkpoints.as_deref_mut() {

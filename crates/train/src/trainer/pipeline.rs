@@ -66,6 +66,8 @@ struct Link<'a> {
     device: Device,
     /// A send held back until the receive from the same peer: (peer, header, host tensor).
     held: Option<(usize, [u64; HEADER], Tensor)>,
+    /// Time spent blocked sending and receiving.
+    waited: std::time::Duration,
 }
 
 impl<'a> Link<'a> {
@@ -77,7 +79,14 @@ impl<'a> Link<'a> {
         TrainError::Comm { rank: self.comm().rank(), world_size: self.comm().world_size(), op, source }
     }
 
-    fn send_now(&self, peer: usize, header: &[u64; HEADER], host: &Tensor) -> Result<(), TrainError> {
+    fn send_now(&mut self, peer: usize, header: &[u64; HEADER], host: &Tensor) -> Result<(), TrainError> {
+        let start = std::time::Instant::now();
+        let result = self.send_blocking(peer, header, host);
+        self.waited += start.elapsed();
+        result
+    }
+
+    fn send_blocking(&self, peer: usize, header: &[u64; HEADER], host: &Tensor) -> Result<(), TrainError> {
         let op = if peer > self.link.stage {
             "send activations to the next stage"
         } else {
@@ -140,6 +149,7 @@ impl<'a> Link<'a> {
             "receive gradients from the next stage"
         };
         let mut bytes = [0u8; 8 * HEADER];
+        let start = std::time::Instant::now();
         stoke_comm::CommunicatorExt::recv(self.comm(), &mut bytes, peer).map_err(|e| self.error(op, e))?;
         let header: Vec<u64> =
             bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
@@ -173,6 +183,7 @@ impl<'a> Link<'a> {
         );
         // SAFETY: `host` is a fresh contiguous tensor of exactly those bytes, alive until `wait`.
         unsafe { self.comm().recv_async(region, peer) }.and_then(|w| w.wait()).map_err(|e| self.error(op, e))?;
+        self.waited += start.elapsed();
         if held_for_peer {
             self.flush()?;
         }
@@ -231,7 +242,8 @@ impl Trainer {
         let (first, last_stage) = (link.stage == 0, link.stage + 1 == link.stages);
         let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
         let mut memory = None;
-        let mut net = Link { link, device: self.device, held: None };
+        let mut net = Link { link, device: self.device, held: None, waited: std::time::Duration::ZERO };
+        let span = std::time::Instant::now();
         // Micro-batches between their forward and backward: their inputs and kept activations.
         let mut pending: std::collections::VecDeque<(usize, Inputs, Forwarded)> = std::collections::VecDeque::new();
         self.model.begin_step_casts(false);
@@ -310,6 +322,7 @@ impl Trainer {
         }
         net.flush()?;
         clock.lap(Phase::CommExposed);
+        self.stage_times = Some((net.waited.as_secs_f64() * 1e3, span.elapsed().as_secs_f64() * 1e3));
         drop(pending);
         self.model.end_step_casts();
         Ok((loss_sum, memory, None))

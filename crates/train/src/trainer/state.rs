@@ -45,6 +45,8 @@ pub struct Trainer {
     pub(super) episode_shape: Option<crate::config::VlaShape>,
     /// The pipeline stage this trainer runs (`set_stage`); None: every unit.
     pub(super) stage: Option<crate::dist::StageLink>,
+    /// The last step's pipeline waits and span, ms (a stage's `StepRecord::pipeline`).
+    pub(super) stage_times: Option<(f64, f64)>,
 }
 
 /// The adaptive batch size's settings and state (the estimates are saved in checkpoints).
