@@ -40,11 +40,18 @@ pub fn set_up(
         }
         if config.dist.pipeline > 1 {
             println!(
-                "pipeline parallel: {} stages ({}), {copies} copies of the model",
+                "pipeline parallel: {} stages ({}), {copies} copy(ies) of the model",
                 config.dist.pipeline, config.dist.pipeline_schedule
             );
         }
-        println!("data parallel: {how}; gradients in {plan}");
+        if config.dist.pipeline <= 1 {
+            println!("data parallel: {how}; gradients in {plan}");
+        } else if copies > 1 {
+            println!(
+                "data parallel: {copies} copies over {}; each stage's gradients averaged over its copies after backward",
+                dist.communicator().backend()
+            );
+        }
     }
     dist.shard(trainer)?;
     let schedule = config.dist.schedule().map_err(|m| anyhow::anyhow!("dist.pipeline_schedule {m}"))?;

@@ -24,7 +24,7 @@
 //! let phases = PhaseTimes { ms: [4.0, 0.1, 3.0, 6.0, 0.0, 0.0, 1.0, 0.0, 0.4] };
 //! let steps: Vec<StepSample> = (1..=50).map(|step| StepSample { step, wall_ms: phases.total(),
 //!     phases, comm_total_ms: 0.0, tokens: 16_384, loss: 2.0, loss_scale: None, timed: true,
-//!     frame_stages: None }).collect();
+//!     frame_stages: None, pipeline: None }).collect();
 //! let report = build_report(&facts, &steps, 1 << 30, 0.0, &ProfConfig::default());
 //! assert!((report.phases.values().sum::<f64>() - report.step_ms).abs() < 1e-9);
 //! assert_eq!(report.findings[0].id, "data_wait"); // 4 of 14.5 ms: removing it bounds the gain at 1.38x

@@ -457,6 +457,7 @@ pub(crate) mod tests {
             loss_scale: None,
             timed: true,
             frame_stages: None,
+            pipeline: None,
         }
     }
 
