@@ -57,7 +57,12 @@ pub fn bubble_formula(stages: usize, micro_batches: usize, chunks: usize) -> f64
 
 impl PipelineReport {
     /// From each stage's medians `(stage, rank, step)` of the first copy.
-    pub fn new(stages: usize, micro_batches: usize, schedule: &str, mut measured: Vec<(usize, usize, StageStep)>) -> Self {
+    pub fn new(
+        stages: usize,
+        micro_batches: usize,
+        schedule: &str,
+        mut measured: Vec<(usize, usize, StageStep)>,
+    ) -> Self {
         measured.sort_by_key(|(stage, rank, _)| (*stage, *rank));
         let span_ms = measured.iter().map(|(_, _, s)| s.span_ms).fold(0.0, f64::max);
         let per_stage: Vec<StageBubble> = measured
@@ -95,7 +100,11 @@ impl PipelineReport {
             self.span_ms,
             100.0 * self.formula
         );
-        let _ = writeln!(out, "  {:>5} {:>5} {:>10} {:>10} {:>10} {:>7}", "stage", "rank", "busy ms", "wait ms", "span ms", "bubble");
+        let _ = writeln!(
+            out,
+            "  {:>5} {:>5} {:>10} {:>10} {:>10} {:>7}",
+            "stage", "rank", "busy ms", "wait ms", "span ms", "bubble"
+        );
         for s in &self.per_stage {
             let _ = writeln!(
                 out,
@@ -126,10 +135,7 @@ mod tests {
             2,
             4,
             "1f1b",
-            vec![
-                (1, 1, StageStep { wait_ms: 2.0, span_ms: 9.0 }),
-                (0, 0, StageStep { wait_ms: 1.0, span_ms: 10.0 }),
-            ],
+            vec![(1, 1, StageStep { wait_ms: 2.0, span_ms: 9.0 }), (0, 0, StageStep { wait_ms: 1.0, span_ms: 10.0 })],
         );
         assert_eq!(report.per_stage[0].stage, 0);
         assert_eq!(report.span_ms, 10.0);

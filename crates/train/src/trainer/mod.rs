@@ -530,7 +530,8 @@ impl Trainer {
                 phases,
                 logged,
                 timed,
-                comm_total_ms: hooks.take_comm_ms(),
+                // A pipeline stage's sends and receives (its waits on its neighbours) too.
+                comm_total_ms: hooks.take_comm_ms() + self.stage_times.map_or(0.0, |(wait, _)| wait),
                 loss_scale,
                 skipped: outcome.skipped,
                 monitors,
