@@ -2,13 +2,13 @@
 //! the model the command trains on this machine's CPUs, turned into the command's settings.
 //!
 //! The command's `--config` and `--set` arguments are read as `train` reads them; the planner
-//! searches tensor x data layouts of `--nproc` devices (the `cpu` cluster as one node with this
-//! machine's memory split between the workers and its measured matmul peak, or a calibration's
-//! efficiencies), ZeRO stages, recomputation and
-//! micro-batches at the run's global batch. Pipeline stages and sequence parallelism are not
-//! built, and ZeRO does not run beside a cut model yet, so those layouts are passed over. The
-//! chosen layout becomes `--set dist.tensor, dist.zero, train.micro_batch, train.grad_accum,
-//! train.recompute`, which the command must not set itself.
+//! searches tensor x pipeline x data layouts of `--nproc` devices (the `cpu` cluster as one node
+//! with this machine's memory split between the workers and its measured matmul peak, or a
+//! calibration's efficiencies), ZeRO stages, recomputation and micro-batches at the run's global
+//! batch. Sequence parallelism and interleaved stages are not built, ZeRO does not run beside a
+//! cut model, and pipeline stages shard at most the optimizer state, so those layouts are passed
+//! over. The chosen layout becomes `--set dist.tensor, dist.pipeline, dist.zero,
+//! train.micro_batch, train.grad_accum, train.recompute`, which the command must not set itself.
 
 use std::path::{Path, PathBuf};
 
@@ -18,7 +18,8 @@ use stoke_plan::{search, ClusterConfig, Estimate, PlanConfig, Precision, Recompu
 use crate::config::StokeConfig;
 
 /// The keys a plan sets.
-const PLANNED: &[&str] = &["dist.tensor", "dist.zero", "train.micro_batch", "train.grad_accum", "train.recompute"];
+const PLANNED: &[&str] =
+    &["dist.tensor", "dist.pipeline", "dist.zero", "train.micro_batch", "train.grad_accum", "train.recompute"];
 
 /// The chosen layout: the command with its settings added, and a line that says what was chosen.
 pub struct BestLayout {
@@ -48,10 +49,12 @@ fn config_args(command: &[String]) -> (Option<PathBuf>, Vec<String>) {
 
 /// Whether `layout` is one stoke runs for a model of `family`.
 fn runnable(layout: &stoke_plan::Layout, family: &str) -> bool {
-    layout.pipeline == 1
-        && !layout.sequence_parallel
-        && (layout.tensor == 1
-            || (layout.zero == ZeroStage::None && stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family)))
+    let staged = layout.pipeline > 1;
+    let cut = layout.tensor > 1;
+    !layout.sequence_parallel
+        && layout.virtual_stages <= 1
+        && (!cut || (layout.zero == ZeroStage::None && stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family)))
+        && (!staged || (family != "vla" && matches!(layout.zero, ZeroStage::None | ZeroStage::Optimizer)))
 }
 
 /// stoke's `train.recompute` for the planner's policy: selective recomputation is the attention's.
@@ -101,12 +104,7 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         cluster,
         precision,
         global_batch,
-        search: SearchConfig {
-            pipeline: vec![1],
-            sequence_parallel: vec![false],
-            max_virtual_stages: 1,
-            ..Default::default()
-        },
+        search: SearchConfig { sequence_parallel: vec![false], max_virtual_stages: 1, ..Default::default() },
     };
     let outcome = search(&plan)?;
     let ranked = outcome.plans.len();
@@ -118,6 +116,7 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
     let layout = &best.layout;
     let mut settings = vec![
         format!("dist.tensor={}", layout.tensor),
+        format!("dist.pipeline={}", layout.pipeline),
         format!("dist.zero={}", layout.zero.number()),
         format!("train.micro_batch={}", layout.micro_batch),
         format!("train.recompute=\"{}\"", recompute_name(layout.recompute)),
@@ -131,8 +130,10 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         planned.extend(["--set".to_string(), setting.clone()]);
     }
     let summary = format!(
-        "plan best of {ranked}: tensor {} x data {}, ZeRO {}, recompute {}, micro-batch {} x {} (predicted {:.1} ms a step)",
+        "plan best of {ranked}: tensor {} x pipeline {} x data {}, ZeRO {}, recompute {}, micro-batch {} x {} \
+         (predicted {:.1} ms a step)",
         layout.tensor,
+        layout.pipeline,
         layout.data,
         layout.zero.number(),
         layout.recompute.name(),
@@ -171,7 +172,13 @@ mod tests {
         assert!(runnable(&layout(2, 1, ZeroStage::None, false), "gpt"));
         assert!(runnable(&layout(1, 1, ZeroStage::Parameters, false), "vla"));
         assert!(!runnable(&layout(2, 1, ZeroStage::None, false), "vla"), "vla declares no split");
-        assert!(!runnable(&layout(1, 2, ZeroStage::None, false), "gpt"), "pipeline stages");
+        assert!(runnable(&layout(1, 2, ZeroStage::None, false), "gpt"));
+        assert!(runnable(&layout(1, 2, ZeroStage::Optimizer, false), "gpt"));
+        assert!(runnable(&layout(2, 2, ZeroStage::None, false), "llama"));
+        assert!(!runnable(&layout(1, 2, ZeroStage::Gradients, false), "gpt"), "ZeRO-2 beside stages");
+        assert!(!runnable(&layout(1, 2, ZeroStage::None, false), "vla"), "vla in stages");
+        let interleaved = stoke_plan::Layout { virtual_stages: 2, ..layout(1, 2, ZeroStage::None, false) };
+        assert!(!runnable(&interleaved, "gpt"), "interleaved stages");
         assert!(!runnable(&layout(2, 1, ZeroStage::None, true), "gpt"), "sequence parallelism");
         assert!(!runnable(&layout(2, 1, ZeroStage::Optimizer, false), "gpt"), "ZeRO beside a cut model");
     }

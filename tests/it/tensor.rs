@@ -236,17 +236,24 @@ fn the_planned_layout_is_announced_and_run() {
     let out = run_ok(&mut stoke(&["launch", "--nproc", "2", "--plan", "best", "--", "train", "--quiet"], &refs(&args)));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let line = stdout.lines().find(|l| l.starts_with("[launch] plan best of")).unwrap_or_else(|| panic!("{stdout}"));
-    // "tensor T x data D, ZeRO Z, recompute R, micro-batch B x M"
+    // "tensor T x pipeline P x data D, ZeRO Z, recompute R, micro-batch B x M"
     let number_after = |word: &str| -> String {
         let rest = line.split(word).nth(1).unwrap_or_else(|| panic!("no {word:?} in {line}"));
         rest.trim_start().chars().take_while(|c| c.is_ascii_digit()).collect()
     };
-    let (tensor, data, zero, micro) =
-        (number_after("tensor "), number_after(" x data "), number_after("ZeRO "), number_after("micro-batch "));
-    assert_eq!(tensor.parse::<usize>().unwrap() * data.parse::<usize>().unwrap(), 2, "{line}");
+    let (tensor, pipeline, data, zero, micro) = (
+        number_after("tensor "),
+        number_after(" x pipeline "),
+        number_after(" x data "),
+        number_after("ZeRO "),
+        number_after("micro-batch "),
+    );
+    let ways = |n: &str| n.parse::<usize>().unwrap();
+    assert_eq!(ways(&tensor) * ways(&pipeline) * ways(&data), 2, "{line}");
     let config = std::fs::read_to_string(dir.path().join("planned/config.toml")).unwrap();
     let table: toml::Table = config.parse().unwrap();
     assert_eq!(table["dist"]["tensor"].as_integer().unwrap().to_string(), tensor, "{line}\n{config}");
+    assert_eq!(table["dist"]["pipeline"].as_integer().unwrap().to_string(), pipeline, "{line}\n{config}");
     assert_eq!(table["dist"]["zero"].as_integer().unwrap().to_string(), zero, "{line}\n{config}");
     assert_eq!(table["train"]["micro_batch"].as_integer().unwrap().to_string(), micro, "{line}\n{config}");
     assert_eq!(losses(&dir.path().join("planned")).len(), 3);

@@ -61,6 +61,9 @@ pub struct ReportTrain {
     /// Ranks one model is cut over (tensor parallelism); 0 or absent is 1.
     #[serde(default = "one")]
     pub tensor: usize,
+    /// Pipeline stages of one model copy; 0 or absent is 1.
+    #[serde(default = "one")]
+    pub pipeline: usize,
 }
 
 /// `report.json`'s `machine` object.
@@ -124,9 +127,12 @@ impl MeasuredRun {
         if train.micro_batch == 0 || train.grad_accum == 0 || train.world_size == 0 {
             return Err("train.micro_batch, grad_accum and world_size must be positive".into());
         }
-        let tensor = train.tensor.max(1);
-        if train.world_size % tensor != 0 {
-            return Err(format!("train.tensor {tensor} does not divide world_size {}", train.world_size));
+        let (tensor, pipeline) = (train.tensor.max(1), train.pipeline.max(1));
+        if train.world_size % (tensor * pipeline) != 0 {
+            return Err(format!(
+                "train.tensor {tensor} x train.pipeline {pipeline} does not divide world_size {}",
+                train.world_size
+            ));
         }
         let mut cluster = ClusterConfig { n_devices: train.world_size, ..cluster.clone() };
         if report.machine.device == "cpu" {
@@ -140,8 +146,9 @@ impl MeasuredRun {
         // A run that spent time recomputing ran with full recomputation (stoke's only policy).
         let recomputed = report.phases.get("recompute").and_then(|v| v.as_f64()).unwrap_or(0.0) > 0.0;
         let layout = Layout {
-            data: train.world_size / tensor,
+            data: train.world_size / (tensor * pipeline),
             tensor,
+            pipeline,
             recompute: if recomputed { Recompute::Full } else { Recompute::None },
             n_micro_batches: train.grad_accum,
             ..Layout::single(train.micro_batch)
@@ -413,7 +420,14 @@ mod tests {
             step_ms: 1.0,
             phases: BTreeMap::new(),
             model: ReportModel { n_layer, n_head: 4, d_model, seq_len: 128, vocab_size: 256 },
-            train: ReportTrain { micro_batch, grad_accum, precision: Precision::Fp32, world_size: 1, tensor: 1 },
+            train: ReportTrain {
+                micro_batch,
+                grad_accum,
+                precision: Precision::Fp32,
+                world_size: 1,
+                tensor: 1,
+                pipeline: 1,
+            },
             machine: ReportMachine { peak_flops: 205e9, device: "cpu".into() },
         };
         MeasuredRun::from_report("synthetic".into(), &report, &ClusterConfig::default()).unwrap()
@@ -425,7 +439,14 @@ mod tests {
             step_ms: 1.0,
             phases: BTreeMap::new(),
             model: ReportModel { n_layer: 2, n_head: 4, d_model: 128, seq_len: 64, vocab_size: 256 },
-            train: ReportTrain { micro_batch: 4, grad_accum: 1, precision: Precision::Fp32, world_size, tensor },
+            train: ReportTrain {
+                micro_batch: 4,
+                grad_accum: 1,
+                precision: Precision::Fp32,
+                world_size,
+                tensor,
+                pipeline: 1,
+            },
             machine: ReportMachine { peak_flops: 205e9, device: "cpu".into() },
         };
         let cluster = ClusterConfig::default();
