@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The planner against measured tensor- and data-parallel runs on this machine.
+# The planner against measured tensor-, pipeline- and data-parallel runs on this machine.
 #
 # Trains shapes of the gpt family on one process (layout 1,1,1), cut over two processes (tensor
-# parallelism, 2,1,1) and as two data-parallel copies (1,1,2), ROUNDS times each (default 3), one
+# parallelism, 2,1,1), in two pipeline stages (1F1B, 1,2,1, 4 or 8 micro-batches) and as two
+# data-parallel copies (1,1,2), ROUNDS times each (default 3), one
 # libtorch thread per process, fp32, under the real-time FIFO scheduler when allowed (`chrt -f`,
 # see plan_calibration.sh for why). Then `stoke plan --calibrate` fits this machine's efficiencies
 # on the CALIBRATION runs (every single-process shape, and some cut and data-parallel ones) and
@@ -49,6 +50,8 @@ CALIBRATION=(
     "$PREFIX-tf 2,1,1 model.n_layer=8 model.d_model=128 model.n_head=2 train.micro_batch=16"
     "$PREFIX-db 1,1,2 model.n_layer=4 train.micro_batch=8"
     "$PREFIX-de 1,1,2 model.n_layer=2 model.d_model=512 model.n_head=8 train.micro_batch=8"
+    "$PREFIX-pb 1,2,1 model.n_layer=4 train.micro_batch=2 train.grad_accum=4"
+    "$PREFIX-pf 1,2,1 model.n_layer=8 model.d_model=128 model.n_head=2 train.micro_batch=4 train.grad_accum=4"
 )
 HELD_OUT=(
     "$PREFIX-tb 2,1,1 model.n_layer=4 train.micro_batch=8"
@@ -58,6 +61,8 @@ HELD_OUT=(
     "$PREFIX-tc 2,1,1 model.n_layer=4 train.micro_batch=4 train.grad_accum=2"
     "$PREFIX-dd 1,1,2 model.n_layer=6 model.d_model=384 model.n_head=6 train.micro_batch=8"
     "$PREFIX-dg 1,1,2 model.n_layer=3 model.d_model=384 model.n_head=6 train.micro_batch=16"
+    "$PREFIX-pd 1,2,1 model.n_layer=6 model.d_model=384 model.n_head=6 train.micro_batch=2 train.grad_accum=4"
+    "$PREFIX-ph 1,2,1 model.n_layer=4 model.d_model=512 model.n_head=8 train.micro_batch=1 train.grad_accum=8"
 )
 
 train_spec() {
