@@ -274,6 +274,9 @@ def main():
             if tie_diff is not None:
                 out["tied_copies_max_diff"] = tie_diff
         print(json.dumps(out), flush=True)
+    # Both ranks reach the teardown together: a rank tearing gloo down while its peer still sends
+    # aborted one run in three here ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

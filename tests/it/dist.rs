@@ -82,6 +82,33 @@ pub(crate) fn assert_same_trajectory(reference: &[(u64, f64)], run: &Path, what:
     assert!(metrics.lines().all(|l| l.contains("\"comm_total_ms\"")), "{metrics}");
 }
 
+/// Each case `(nproc, overrides, key, why)` launched for 2 steps exits before any step with an
+/// error naming `key` and `why`; and a vla model with `vla_setting` is refused naming `vla_key`
+/// and `vla_why`.
+pub(crate) fn assert_refused(
+    dir: &Path,
+    cases: &[(&str, &[&str], &str, &str)],
+    vla_setting: &str,
+    (vla_key, vla_why): (&str, &str),
+) {
+    let vla = ["model.family=\"vla\"", "model.preset=\"vla-tiny\"", "data.builtin_episodes=64", vla_setting];
+    let run_dir = format!("run.dir={}", dir.display());
+    let args: Vec<&str> = vla.iter().copied().chain([run_dir.as_str(), "train.steps=2"]).collect();
+    let out = stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "vla ran with {vla_setting}: {stderr}");
+    assert!(stderr.contains(vla_key) && stderr.contains(vla_why), "{stderr}");
+    for (i, (nproc, extra, key, why)) in cases.iter().enumerate() {
+        let mut all = extra.to_vec();
+        all.extend(["train.steps=2", "ckpt.every=0", "ckpt.at_end=false"]);
+        let args = overrides(dir, &format!("refused-{i}"), &all);
+        let out = stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "case {i} ran: {stderr}");
+        assert!(stderr.contains(key) && stderr.contains(why), "case {i}: want {key:?} and {why:?} in:\n{stderr}");
+    }
+}
+
 /// The number of buckets the run's log line reports (`... gradients in N buckets ...`).
 fn buckets_reported(stdout: &[u8]) -> usize {
     let text = String::from_utf8_lossy(stdout);

@@ -219,20 +219,5 @@ fn what_stages_do_not_run_with_is_refused_naming_the_key() {
         ("2", &["dist.pipeline=2", "dist.pipeline_schedule=\"zb\""], "dist.pipeline_schedule", "allowed"),
         ("2", &["dist.pipeline=2", "train.executor=\"single-graph\""], "train.executor", "single-graph"),
     ];
-    let vla = ["model.family=\"vla\"", "model.preset=\"vla-tiny\"", "data.builtin_episodes=64", "dist.pipeline=2"];
-    let run_dir = format!("run.dir={}", dir.path().display());
-    let args: Vec<&str> = vla.iter().copied().chain([run_dir.as_str(), "train.steps=2"]).collect();
-    let out = stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &args).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "vla ran in stages: {stderr}");
-    assert!(stderr.contains("dist.pipeline") && stderr.contains("vla"), "{stderr}");
-    for (i, (nproc, extra, key, why)) in cases.iter().enumerate() {
-        let mut all = extra.to_vec();
-        all.extend(["train.steps=2", "ckpt.every=0", "ckpt.at_end=false"]);
-        let args = overrides(dir.path(), &format!("refused-{i}"), &all);
-        let out = stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)).output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "case {i} ran: {stderr}");
-        assert!(stderr.contains(key) && stderr.contains(why), "case {i}: want {key:?} and {why:?} in:\n{stderr}");
-    }
+    crate::dist::assert_refused(dir.path(), cases, "dist.pipeline=2", ("dist.pipeline", "vla"));
 }

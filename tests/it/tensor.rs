@@ -118,12 +118,7 @@ fn mpirun_runs_a_model_cut_over_two_ranks() {
 fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
     let cases: &[(&str, &[&str], &str, &str)] = &[
-        (
-            "2",
-            &["model.family=\"gpt-rms\"", "dist.tensor=3", "ckpt.every=0", "ckpt.at_end=false"],
-            "dist.tensor",
-            "does not divide the job's 2 ranks",
-        ),
+        ("2", &["model.family=\"gpt-rms\"", "dist.tensor=3"], "dist.tensor", "does not divide the job's 2 ranks"),
         (
             "2",
             &[
@@ -137,12 +132,7 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
             "dist.tensor",
             "does not divide model.n_head = 3",
         ),
-        (
-            "4",
-            &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.zero=1", "ckpt.every=0", "ckpt.at_end=false"],
-            "dist.zero",
-            "does not run with yet",
-        ),
+        ("4", &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.zero=1"], "dist.zero", "does not run with yet"),
         (
             "2",
             &["model.family=\"llama\"", "model.n_kv_head=1", "dist.tensor=2"],
@@ -157,22 +147,12 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
         ),
     ];
     // The vla family declares no split (its own keys, not the text families' overrides).
-    let vla = ["model.family=\"vla\"", "model.preset=\"vla-tiny\"", "data.builtin_episodes=64", "dist.tensor=2"];
-    let run_dir = format!("run.dir={}", dir.path().display());
-    let args: Vec<&str> = vla.iter().copied().chain([run_dir.as_str(), "train.steps=2"]).collect();
-    let out = stoke(&["launch", "--nproc", "2", "--", "train", "--quiet"], &args).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "vla ran cut: {stderr}");
-    assert!(stderr.contains("dist.tensor") && stderr.contains("declares no tensor-parallel split"), "{stderr}");
-    for (i, (nproc, extra, key, why)) in cases.iter().enumerate() {
-        let mut all = extra.to_vec();
-        all.push("train.steps=2");
-        let args = overrides(dir.path(), &format!("refused-{i}"), &all);
-        let out = stoke(&["launch", "--nproc", nproc, "--", "train", "--quiet"], &refs(&args)).output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "case {i} ran: {stderr}");
-        assert!(stderr.contains(key) && stderr.contains(why), "case {i}: want {key:?} and {why:?} in:\n{stderr}");
-    }
+    crate::dist::assert_refused(
+        dir.path(),
+        cases,
+        "dist.tensor=2",
+        ("dist.tensor", "declares no tensor-parallel split"),
+    );
 }
 
 /// A cut model's checkpoint holds the whole tensors, written as one process's would be: a run cut

@@ -210,24 +210,11 @@ impl Trainer {
         Ok(())
     }
 
-    /// `forward_backward` of a pipeline stage; see the module doc. The loss is the step's mean
-    /// on the last stage and zero elsewhere (the hooks' `reduce_loss` takes the last stages').
-    pub(super) fn forward_backward_stage(
-        &mut self,
-        source: &mut dyn BatchSource,
-        step_number: u64,
-        measure_memory: bool,
-        clock: &mut StepClock,
-        hooks: &mut dyn StepHooks,
-    ) -> Result<(Tensor, Option<MemoryReport>, Option<f64>), TrainError> {
-        let link = self.stage.take().expect("a pipeline stage");
-        let result = self.run_stage(&link, source, step_number, measure_memory, clock, hooks);
-        self.stage = Some(link);
-        result
-    }
-
+    /// `forward_backward` of a pipeline stage (`link`); see the module doc. The loss is the
+    /// step's mean on the last stage and zero elsewhere (the hooks' `reduce_loss` takes the last
+    /// stages').
     #[allow(clippy::too_many_arguments)]
-    fn run_stage(
+    pub(super) fn run_stage(
         &mut self,
         link: &StageLink,
         source: &mut dyn BatchSource,
@@ -236,7 +223,6 @@ impl Trainer {
         clock: &mut StepClock,
         hooks: &mut dyn StepHooks,
     ) -> Result<(Tensor, Option<MemoryReport>, Option<f64>), TrainError> {
-        let shape = self.model.shape();
         let n_micro = self.grad_accum;
         let loss_multiplier = self.scaler.as_ref().map_or(1.0, crate::precision::LossScaler::scale) / n_micro as f64;
         let (first, last_stage) = (link.stage == 0, link.stage + 1 == link.stages);
@@ -251,18 +237,7 @@ impl Trainer {
         for work in schedule(link.schedule, link.stage, link.stages, n_micro) {
             match work {
                 Work::Forward(micro) => {
-                    let batch = source.next_batch()?;
-                    clock.lap(Phase::DataWait);
-                    let inputs = super::inputs::inputs_of(
-                        &batch,
-                        shape,
-                        self.episode_shape.as_ref(),
-                        self.train.micro_batch,
-                        step_number,
-                        self.device,
-                    )?;
-                    source.recycle(batch);
-                    clock.lap(Phase::H2d);
+                    let inputs = self.next_inputs(source, step_number, clock)?;
                     let input = if first {
                         StageInput::Batch
                     } else {

@@ -27,11 +27,11 @@ impl Trainer {
         clock: &mut StepClock,
         hooks: &mut dyn StepHooks,
     ) -> Result<(Tensor, Option<MemoryReport>, Option<f64>), TrainError> {
-        if self.stage.is_some() {
-            return self.forward_backward_stage(source, step_number, measure_memory, clock, hooks);
+        if let Some(link) = self.stage.take() {
+            let result = self.run_stage(&link, source, step_number, measure_memory, clock, hooks);
+            self.stage = Some(link);
+            return result;
         }
-        let shape = self.model.shape();
-        let micro_batch = self.train.micro_batch;
         let n_micro = self.grad_accum;
         // Adaptive batch size: the mean squared norm of the micro-batches' own gradients.
         let mut micro_sq_sum = 0.0;
@@ -42,19 +42,7 @@ impl Trainer {
         // does not keep them (stage 3 releases the parameters between uses).
         self.model.begin_step_casts(n_micro > 1 && !self.sharded);
         for micro_idx in 0..n_micro {
-            let batch = source.next_batch()?;
-            clock.lap(Phase::DataWait);
-            let inputs = super::inputs::inputs_of(
-                &batch,
-                shape,
-                self.episode_shape.as_ref(),
-                micro_batch,
-                step_number,
-                self.device,
-            )?;
-            // The inputs are copies: the buffer goes back to the source for a later batch.
-            source.recycle(batch);
-            clock.lap(Phase::H2d);
+            let inputs = self.next_inputs(source, step_number, clock)?;
             let measure = measure_memory && micro_idx == 0;
             let before = measure.then(crate::peak::host_bytes_in_use).flatten();
             let last = micro_idx + 1 == n_micro;
@@ -100,6 +88,30 @@ impl Trainer {
             });
         }
         Ok((loss_sum, memory, micro_sq))
+    }
+
+    /// The next micro-batch from `source` as the model's inputs on the device (`data_wait`, then
+    /// `h2d`); the batch's buffer goes back to the source.
+    pub(super) fn next_inputs(
+        &self,
+        source: &mut dyn BatchSource,
+        step_number: u64,
+        clock: &mut StepClock,
+    ) -> Result<crate::models::Inputs, TrainError> {
+        let batch = source.next_batch()?;
+        clock.lap(Phase::DataWait);
+        let inputs = super::inputs::inputs_of(
+            &batch,
+            self.model.shape(),
+            self.episode_shape.as_ref(),
+            self.train.micro_batch,
+            step_number,
+            self.device,
+        )?;
+        // The inputs are copies: the buffer goes back to the source for a later batch.
+        source.recycle(batch);
+        clock.lap(Phase::H2d);
+        Ok(inputs)
     }
 
     /// Adaptive batch size after a step: feeds the noise-scale estimate and, every
