@@ -175,7 +175,10 @@ impl DataParallel {
         let link = parts.plan(trainer.model(), schedule, split)?;
         let units = link.units.clone();
         let fused = trainer.fused_cpu_optimizer();
-        let starts = parts.shard(trainer.model().params(), fused);
+        let starts = parts.shard(trainer.params_mut(), fused).map_err(|e| TrainError::InvalidConfig {
+            key: "dist.pipeline",
+            message: format!("cannot map memory for a stage's buffers: {e}"),
+        })?;
         trainer
             .shard_optimizer(parts.shard.as_ref().expect("shard made"), &starts)
             .map_err(|message| TrainError::InvalidConfig { key: "dist.pipeline", message })?;
@@ -740,8 +743,13 @@ impl StepHooks for DataParallel {
     }
 
     fn full_parameters(&mut self, needed: bool) -> Result<(), TrainError> {
-        if let Some(parts) = self.pipeline.as_ref().filter(|_| needed) {
-            return parts.broadcast_all();
+        if let Some(parts) = self.pipeline.as_ref() {
+            // The other stages' units for an evaluation, given back after it.
+            if needed {
+                return parts.broadcast_all();
+            }
+            parts.release_others(false);
+            return Ok(());
         }
         let Some(zero) = self.zero.as_mut().filter(|z| z.stage() >= 3) else { return Ok(()) };
         for unit in 0..zero.n_units() {

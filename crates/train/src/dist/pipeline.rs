@@ -2,9 +2,9 @@
 //! units, one rank a stage (Megatron-LM's order: the ranks of one copy's stages are consecutive,
 //! data parallelism runs over the copies, stage s of every copy in one data-parallel group).
 //!
-//! A stage holds the whole model's buffers (built from the same seed as one process, so a stage
-//! that receives parameters it does not own never needs them) but owns only its units: its
-//! optimizer runs on a shard of them (`FlatParams::shard`, the model's own memory under the fused
+//! A stage builds the whole model (from the same seed as one process) and then keeps only its
+//! units: the other units' parameter and gradient pages go back to the kernel (releasable memory,
+//! as ZeRO-3's), and its optimizer runs on a shard of its own units (`FlatParams::shard`, the model's own memory under the fused
 //! CPU kernel), so optimizer state is per stage. The head's weights tied to the embedding live
 //! in unit 0, which the first stage owns; the last stage keeps a copy for its head, sends the
 //! gradient its head gave that copy to the first stage before the optimizer, and receives the
@@ -26,7 +26,7 @@ use tch::Tensor;
 use super::region::f32_region;
 use super::zero::sum_over_ranks;
 use crate::models::Model;
-use crate::params::{FlatParams, ShardMap};
+use crate::params::{Buffer, FlatParams, Releaser, ShardMap};
 use crate::TrainError;
 
 /// `dist.pipeline_schedule`: the order of a stage's forwards and backwards within a step.
@@ -177,6 +177,8 @@ pub(super) struct PipelineParts {
     pub(super) nothing: Option<FlatParams>,
     model_flat: Option<Tensor>,
     model_grad: Option<Tensor>,
+    /// Give the other stages' units' pages back (`release_others`).
+    releasers: Option<(Releaser, Releaser)>,
 }
 
 fn comm_error(rank: usize, size: usize, op: &'static str) -> impl FnOnce(CommError) -> TrainError {
@@ -245,6 +247,7 @@ pub(super) fn split_groups(
         nothing: None,
         model_flat: None,
         model_grad: None,
+        releasers: None,
     })
 }
 
@@ -288,7 +291,15 @@ impl PipelineParts {
     /// The shard this stage's optimizer runs on: its units, or under ZeRO-1 this copy's slice of
     /// each; `fused`: the model's own memory (the fused CPU kernel updates it in place). Returns
     /// where each piece starts in its parameter.
-    pub(super) fn shard(&mut self, params: &FlatParams, fused: bool) -> std::collections::HashMap<String, i64> {
+    pub(super) fn shard(
+        &mut self,
+        params: &mut FlatParams,
+        fused: bool,
+    ) -> std::io::Result<std::collections::HashMap<String, i64>> {
+        // Releasable first: a mapped shard points into the buffers it moves them to.
+        params.make_releasable(Buffer::Params)?;
+        params.make_releasable(Buffer::Grads)?;
+        self.releasers = Some((params.releaser(Buffer::Params), params.releaser(Buffer::Grads)));
         let units = self.stage_units[self.stage].clone();
         let copies = self.data.as_ref().map_or(1, |d| d.world_size());
         let segments: Vec<Range<i64>> = units
@@ -312,7 +323,35 @@ impl PipelineParts {
         self.mapped = fused;
         self.model_flat = Some(params.flat().shallow_clone());
         self.model_grad = Some(params.flat_grad().shallow_clone());
-        starts
+        self.release_others(true);
+        Ok(starts)
+    }
+
+    /// The ranges of the model's buffers this rank keeps: its stage's units, and on the last stage
+    /// the embedding its head shares.
+    fn kept(&self) -> Vec<Range<i64>> {
+        let mut kept = vec![self.own()];
+        if self.tied && self.stages > 1 && self.stage + 1 == self.stages {
+            kept.insert(0, self.unit_ranges[0].clone());
+        }
+        kept
+    }
+
+    /// Gives back the pages of every unit this rank does not keep (parameters; with `grads` their
+    /// gradients too): they read as zero until written again.
+    pub(super) fn release_others(&self, grads: bool) {
+        let Some((params, gradients)) = &self.releasers else { return };
+        let whole = self.unit_ranges.first().map_or(0, |u| u.start)..self.unit_ranges.last().map_or(0, |u| u.end);
+        let mut at = whole.start;
+        for keep in self.kept().into_iter().chain(std::iter::once(whole.end..whole.end)) {
+            if at < keep.start {
+                params.release(at..keep.start);
+                if grads {
+                    gradients.release(at..keep.start);
+                }
+            }
+            at = at.max(keep.end);
+        }
     }
 
     /// Copies between the model's buffer and a copied shard's (`to_shard`: into the shard).
@@ -408,8 +447,11 @@ impl PipelineParts {
         if !self.mapped {
             let shard = self.shard.as_ref().expect("shard made");
             self.copy_shard(flat, shard.flat(), false);
+            // Only what this rank keeps: the other units' pages stay given back.
             tch::no_grad(|| {
-                let _ = grad.shallow_clone().zero_();
+                for keep in self.kept() {
+                    let _ = grad.narrow(0, keep.start, keep.end - keep.start).zero_();
+                }
             });
         } else if self.zero {
             // The update cleared this rank's slices of the mapped gradients; the copies' too.
