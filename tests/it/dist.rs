@@ -346,17 +346,21 @@ fn worker(rank: usize, world: usize, port: u16, args: &[String]) -> Child {
 
 #[test]
 fn a_killed_rank_stops_the_others_naming_it_and_the_checkpoints_verify() {
+    kill_one_rank(3, 2, &["train.micro_batch=2"]);
+}
+
+/// `world` workers train far more steps than the test waits for, a checkpoint every 2 steps;
+/// once a checkpoint is committed and a few steps are logged, `victim` is SIGKILLed. Every other
+/// rank must stop on its own with an error naming the victim, and the committed checkpoints
+/// verify.
+pub(crate) fn kill_one_rank(world: usize, victim: usize, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("killed");
-    // Far more steps than the test waits for; a checkpoint every 2 steps.
-    let args = overrides(
-        dir.path(),
-        "killed",
-        &["train.steps=100000", "train.micro_batch=2", "ckpt.every=2", "ckpt.keep=2", "dist.timeout_s=30"],
-    );
+    let mut all = vec!["train.steps=100000", "ckpt.every=2", "ckpt.keep=2", "dist.timeout_s=30"];
+    all.extend_from_slice(extra);
+    let args = overrides(dir.path(), "killed", &all);
     let port = free_port();
-    let mut workers: Vec<Child> = (0..3).map(|rank| worker(rank, 3, port, &args)).collect();
-    // Wait until a checkpoint is committed and a few steps are logged, then SIGKILL rank 2.
+    let mut workers: Vec<Child> = (0..world).map(|rank| worker(rank, world, port, &args)).collect();
     let deadline = Instant::now() + Duration::from_secs(240);
     let committed = |run: &Path| {
         std::fs::read_dir(run.join("checkpoints"))
@@ -374,26 +378,29 @@ fn a_killed_rank_stops_the_others_naming_it_and_the_checkpoints_verify() {
         assert!(Instant::now() < deadline, "the run did not reach a checkpoint");
         std::thread::sleep(Duration::from_millis(50));
     }
-    workers[2].kill().unwrap();
-    workers[2].wait().unwrap();
+    workers[victim].kill().unwrap();
+    workers[victim].wait().unwrap();
     // The others must stop on their own: bounded here (well above dist.timeout_s) so a hang fails
     // the test instead of blocking it.
     let deadline = Instant::now() + Duration::from_secs(180);
-    for (rank, w) in workers.iter_mut().enumerate().take(2) {
+    for (rank, w) in workers.iter_mut().enumerate().filter(|(rank, _)| *rank != victim) {
         let status = loop {
             if let Some(status) = w.try_wait().unwrap() {
                 break status;
             }
             if Instant::now() > deadline {
                 let _ = w.kill();
-                panic!("rank {rank} hangs after rank 2 was killed");
+                panic!("rank {rank} hangs after rank {victim} was killed");
             }
             std::thread::sleep(Duration::from_millis(50));
         };
         let mut err = String::new();
         std::io::Read::read_to_string(w.stderr.as_mut().unwrap(), &mut err).unwrap();
-        assert!(!status.success(), "rank {rank} succeeded after losing rank 2: {err}");
-        assert!(err.contains("rank 2"), "rank {rank}'s error does not name the lost rank 2: {err}");
+        assert!(!status.success(), "rank {rank} succeeded after losing rank {victim}: {err}");
+        assert!(
+            err.contains(&format!("rank {victim}")),
+            "rank {rank}'s error does not name the lost rank {victim}: {err}"
+        );
     }
     let verify = Command::new(env!("CARGO_BIN_EXE_stoke")).args(["ckpt", "verify"]).arg(&run).output().unwrap();
     assert!(

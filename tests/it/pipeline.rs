@@ -5,7 +5,8 @@
 //! over 20 steps, under `stoke launch` and `mpirun`; a tensor 2 x pipeline 2 checkpoint
 //! resumes on one process, on 2 data-parallel ranks and in 2 GPipe stages with the uninterrupted
 //! losses and consolidates into the same model one process writes; the report gives the bubble;
-//! what stages do not run with is refused at start, naming the key.
+//! a killed stage is named by the other; what stages do not run with is refused at start,
+//! naming the key.
 
 use std::path::Path;
 
@@ -202,6 +203,13 @@ fn the_report_gives_each_stages_bubble_beside_the_formula() {
         let (busy, span) = (s["busy_ms"].as_f64().unwrap(), s["span_ms"].as_f64().unwrap());
         assert!(busy > 0.0 && busy <= span, "{s}");
     }
+}
+
+/// The last stage killed mid-run: the first stage, waiting for its gradients, stops naming it,
+/// and the stages' committed checkpoints verify.
+#[test]
+fn a_killed_stage_stops_the_other_naming_it() {
+    crate::dist::kill_one_rank(2, 1, &["train.micro_batch=3", "dist.pipeline=2"]);
 }
 
 /// Each refusal exits 2 before any step, naming the key and why.
