@@ -246,6 +246,11 @@ pub trait Model {
         Split::Replicated
     }
 
+    /// From now on a step's micro-batches interleave: a pipeline stage runs a later micro-batch's
+    /// forward before an earlier one's backward. A family that keeps per-block state from a
+    /// forward to its backward (the GPT's 16-bit leaves, one per weight) stops keeping it.
+    fn interleave_micro_batches(&mut self) {}
+
     /// Whether the head's matrix is the embedding's (unit 0's) weights: a pipeline's end stages
     /// then share them. GPT-2's convention; an untied family says no.
     fn head_ties_embedding(&self) -> bool {

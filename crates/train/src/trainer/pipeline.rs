@@ -206,6 +206,7 @@ impl Trainer {
                 message: "reads each micro-batch's whole gradient, which no pipeline stage holds".into(),
             });
         }
+        self.model.interleave_micro_batches();
         self.stage = Some(link);
         Ok(())
     }

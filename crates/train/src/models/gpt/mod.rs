@@ -355,6 +355,13 @@ impl Model for Gpt {
         Gpt::begin_step_casts(self, reuse)
     }
 
+    /// A leaf serves every forward until its block's backward adds its gradient and drops it, so
+    /// a later micro-batch's forward before that backward would share it and lose its part.
+    fn interleave_micro_batches(&mut self) {
+        self.unit_casts = false;
+        self.end_step_casts();
+    }
+
     fn end_step_casts(&mut self) {
         Gpt::end_step_casts(self)
     }
