@@ -1,5 +1,5 @@
 //! Pipeline parallelism with real processes over loopback: the small model cut into 2 stages
-//! (1F1B and GPipe), 3 stages by a given split, 2 stages beside 2 data-parallel copies with and
+//! (1F1B, GPipe, recomputing every block), 3 stages by a given split, 2 stages beside 2 data-parallel copies with and
 //! without ZeRO-1, an untied Llama in 2 stages, and 2 stages of a model cut over 2 ranks (tensor
 //! x pipeline, with a gradient clip that bites) follow one process's fp32 losses within 1e-5
 //! over 20 steps, under `stoke launch` and `mpirun`; a tensor 2 x pipeline 2 checkpoint
@@ -40,6 +40,7 @@ fn stages_follow_one_process_under_each_schedule_beside_copies_and_zero() {
     for (name, layout, extra) in [
         ("p2-1f1b", "1,2,1", &["train.micro_batch=3"][..]),
         ("p2-gpipe", "1,2,1", &["train.micro_batch=1", "dist.pipeline_schedule=\"gpipe\""][..]),
+        ("p2-recompute", "1,2,1", &["train.micro_batch=3", "train.recompute=\"block\""][..]),
         ("p3-split", "1,3,1", &["train.micro_batch=2", "dist.pipeline_split=\"1,2,1\""][..]),
         ("p2-d2", "1,2,2", &["train.micro_batch=1"][..]),
         ("p2-d2-zero1", "1,2,2", &["train.micro_batch=1", "dist.zero=1"][..]),
