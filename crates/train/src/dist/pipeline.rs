@@ -95,8 +95,8 @@ pub fn stage_units(costs: &[f64], stages: usize, split: &[usize]) -> Result<Vec<
     // best[s][i]: the least maximum for units 0..i over s + 1 stages; cut[s][i] the last cut.
     let mut best = vec![vec![f64::INFINITY; n + 1]; stages];
     let mut cut = vec![vec![0usize; n + 1]; stages];
-    for i in 1..=n {
-        best[0][i] = cost(0, i);
+    for (i, first) in best[0].iter_mut().enumerate().skip(1) {
+        *first = cost(0, i);
     }
     for s in 1..stages {
         for i in s + 1..=n {
