@@ -95,3 +95,30 @@ pub fn losses(run_dir: &Path) -> Vec<(u64, f64)> {
         })
         .collect()
 }
+
+/// Two safetensors files of the same tensors (names, shapes, f32): the largest difference of any
+/// tensor as a share of that tensor's largest value in `a`, and the sorted names.
+pub fn largest_tensor_difference(a: &Path, b: &Path) -> (f32, Vec<String>) {
+    let (a, b) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
+    let (a, b) =
+        (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
+    let (mut names, mut other) = (a.names(), b.names());
+    names.sort();
+    other.sort();
+    assert_eq!(names, other);
+    let values = |t: safetensors::tensor::TensorView<'_>| -> Vec<f32> {
+        assert_eq!(t.dtype(), safetensors::Dtype::F32);
+        t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    };
+    let mut worst = 0.0f32;
+    for name in &names {
+        let (x, y) = (a.tensor(name).unwrap(), b.tensor(name).unwrap());
+        assert_eq!(x.shape(), y.shape(), "{name}");
+        let (x, y) = (values(x), values(y));
+        let scale = x.iter().fold(1e-12f32, |m, v| m.max(v.abs()));
+        let diff = x.iter().zip(&y).fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+        worst = worst.max(diff / scale);
+    }
+    println!("{} tensors, largest difference {worst:e} of a tensor's largest value", names.len());
+    (worst, names.into_iter().map(str::to_string).collect())
+}

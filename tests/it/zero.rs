@@ -269,14 +269,7 @@ fn a_sharded_compressed_run_resumes_bit_identically_and_consolidates() {
     }
     // The files are plain safetensors (PyTorch reads them with `safetensors.torch.load_file`), by
     // nanoGPT's names, and the sharded run's tensors are the unsharded run's.
-    let (a, b) = (std::fs::read(&plain).unwrap(), std::fs::read(&sharded).unwrap());
-    let (a, b) =
-        (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
-    let mut names = a.names();
-    names.sort();
-    let mut other = b.names();
-    other.sort();
-    assert_eq!(names, other);
+    let (worst, names) = crate::largest_tensor_difference(&plain, &sharded);
     for name in [
         "transformer.wte.weight",
         "transformer.wpe.weight",
@@ -284,22 +277,8 @@ fn a_sharded_compressed_run_resumes_bit_identically_and_consolidates() {
         "transformer.h.1.mlp.c_proj.weight",
         "transformer.ln_f.weight",
     ] {
-        assert!(names.contains(&name), "{name} missing from {names:?}");
+        assert!(names.iter().any(|n| n == name), "{name} missing from {names:?}");
     }
-    let values = |t: safetensors::tensor::TensorView<'_>| -> Vec<f32> {
-        assert_eq!(t.dtype(), safetensors::Dtype::F32);
-        t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-    };
-    let mut worst = 0.0f32;
-    for name in &names {
-        let (x, y) = (a.tensor(name).unwrap(), b.tensor(name).unwrap());
-        assert_eq!(x.shape(), y.shape(), "{name}");
-        let (x, y) = (values(x), values(y));
-        let scale = x.iter().fold(1e-12f32, |m, v| m.max(v.abs()));
-        let diff = x.iter().zip(&y).fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
-        worst = worst.max(diff / scale);
-    }
-    println!("{} tensors, largest difference {worst:e} of a tensor's largest value", names.len());
     // The same arithmetic but for the order of fp32 sums in the reductions.
     assert!(worst < 1e-5, "{worst}");
 
