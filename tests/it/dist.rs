@@ -235,6 +235,21 @@ fn wait_until(w: &mut Child, deadline: Instant, rank: usize) -> std::process::Ex
 /// Adds `mpirun`'s flags for this machine: more ranks than cores, root in CI containers, and a
 /// temporary directory of its own under `session` (Open MPI's default, ompi.<host>.<uid> in the temp folder, is
 /// created racily when two MPI jobs start at once: "mkdir ... File exists").
+/// `stoke train --quiet` with `args` under `mpirun -np np` (None, said, when this build lacks MPI).
+pub(crate) fn mpirun_train(np: &str, args: &[String]) -> Option<Output> {
+    if !stoke_comm::Backend::Mpi.is_built() {
+        eprintln!("SKIPPED: this build lacks stoke-comm/mpi (cargo xtask test builds it)");
+        return None;
+    }
+    let session = tempfile::tempdir().unwrap();
+    let mut cmd = mpirun(np, session.path());
+    cmd.arg(env!("CARGO_BIN_EXE_stoke")).args(["train", "--quiet"]);
+    for o in args {
+        cmd.arg("--set").arg(o);
+    }
+    Some(run_ok(&mut cmd))
+}
+
 pub(crate) fn mpirun(np: &str, session: &Path) -> Command {
     let mut cmd = Command::new("timeout");
     cmd.env("OMPI_MCA_orte_tmpdir_base", session);

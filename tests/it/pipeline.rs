@@ -101,21 +101,11 @@ fn bf16_stages_with_unit_casts_keep_every_micro_batchs_gradient() {
 
 #[test]
 fn mpirun_runs_two_pipeline_stages() {
-    if !stoke_comm::Backend::Mpi.is_built() {
-        eprintln!("SKIPPED: this build lacks stoke-comm/mpi (cargo xtask test builds it)");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
-    let reference = family_reference_losses(dir.path(), GPT);
     let args =
         staged_run(GPT, dir.path(), "mpi-p2", &["train.micro_batch=3", "dist.pipeline=2", "dist.backend=\"mpi\""]);
-    let session = tempfile::tempdir().unwrap();
-    let mut cmd = crate::dist::mpirun("2", session.path());
-    cmd.arg(env!("CARGO_BIN_EXE_stoke")).args(["train", "--quiet"]);
-    for o in &args {
-        cmd.arg("--set").arg(o);
-    }
-    let out = run_ok(&mut cmd);
+    let Some(out) = crate::dist::mpirun_train("2", &args) else { return };
+    let reference = family_reference_losses(dir.path(), GPT);
     assert_same_trajectory(&reference, &dir.path().join("mpi-p2"), "mpirun -np 2, pipeline 2", &out);
 }
 

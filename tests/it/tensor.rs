@@ -96,20 +96,10 @@ fn the_clip_sees_the_whole_models_norm_when_cut_over_four_ranks() {
 
 #[test]
 fn mpirun_runs_a_model_cut_over_two_ranks() {
-    if !stoke_comm::Backend::Mpi.is_built() {
-        eprintln!("SKIPPED: this build lacks stoke-comm/mpi (cargo xtask test builds it)");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
-    let reference = family_reference_losses(dir.path(), RMS);
     let args = cut_run(dir.path(), "mpi-t2", &["dist.tensor=2", "train.micro_batch=6", "dist.backend=\"mpi\""]);
-    let session = tempfile::tempdir().unwrap();
-    let mut cmd = crate::dist::mpirun("2", session.path());
-    cmd.arg(env!("CARGO_BIN_EXE_stoke")).args(["train", "--quiet"]);
-    for o in &args {
-        cmd.arg("--set").arg(o);
-    }
-    let out = run_ok(&mut cmd);
+    let Some(out) = crate::dist::mpirun_train("2", &args) else { return };
+    let reference = family_reference_losses(dir.path(), RMS);
     assert_same_trajectory(&reference, &dir.path().join("mpi-t2"), "mpirun -np 2, tensor 2", &out);
 }
 
