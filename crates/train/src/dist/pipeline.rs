@@ -20,7 +20,7 @@
 
 use std::ops::Range;
 
-use stoke_comm::{CommError, Communicator, ReduceOp};
+use stoke_comm::{CommError, Communicator, ReduceOp, Region, Work};
 use tch::Tensor;
 
 use super::region::f32_region;
@@ -83,8 +83,8 @@ pub fn stage_units(costs: &[f64], stages: usize, split: &[usize]) -> Result<Vec<
             })
             .collect());
     }
-    // Binary search on the bound over the candidate sums is overkill for tens of units: dynamic
-    // programming over (units, stages) for the smallest maximum, then the cuts.
+    // Dynamic programming over (units, stages) for the smallest maximum stage cost (tens of
+    // units: O(units^2 x stages) is nothing), then the cuts.
     let prefix: Vec<f64> = std::iter::once(0.0)
         .chain(costs.iter().scan(0.0, |sum, c| {
             *sum += c;
@@ -181,6 +181,11 @@ pub(super) struct PipelineParts {
     releasers: Option<(Releaser, Releaser)>,
 }
 
+/// `range` of a contiguous fp32 buffer as a communicator's region.
+fn region(t: &Tensor, range: Range<i64>) -> Result<Region, TrainError> {
+    f32_region(t, range).map_err(|message| TrainError::InvalidConfig { key: "dist", message })
+}
+
 fn comm_error(rank: usize, size: usize, op: &'static str) -> impl FnOnce(CommError) -> TrainError {
     move |source| TrainError::Comm { rank, world_size: size, op, source }
 }
@@ -254,6 +259,16 @@ pub(super) fn split_groups(
 impl PipelineParts {
     fn error(&self, op: &'static str) -> impl FnOnce(CommError) -> TrainError {
         comm_error(self.group.rank(), self.group.world_size(), op)
+    }
+
+    /// Waits for `work` just submitted, naming `op` on failure.
+    fn wait(&self, work: Result<Work, CommError>, op: &'static str) -> Result<(), TrainError> {
+        work.and_then(|w| w.wait()).map_err(self.error(op))
+    }
+
+    /// Whether this rank is an end stage sharing the embedding's weights with the other end.
+    fn shares_embedding(&self) -> bool {
+        self.tied && self.stages > 1 && (self.stage == 0 || self.stage + 1 == self.stages)
     }
 
     /// Cuts `model`'s units into the stages and gives the trainer its link.
@@ -331,7 +346,7 @@ impl PipelineParts {
     /// the embedding its head shares.
     fn kept(&self) -> Vec<Range<i64>> {
         let mut kept = vec![self.own()];
-        if self.tied && self.stages > 1 && self.stage + 1 == self.stages {
+        if self.shares_embedding() && self.stage > 0 {
             kept.insert(0, self.unit_ranges[0].clone());
         }
         kept
@@ -383,28 +398,24 @@ impl PipelineParts {
     pub(super) fn before_optimizer(&self) -> Result<(), TrainError> {
         let (_, grad) = self.buffers();
         let last = self.stages - 1;
-        if self.tied && self.stages > 1 && (self.stage == 0 || self.stage == last) {
+        if self.shares_embedding() {
             let unit0 = self.unit_ranges[0].clone();
             let len = unit0.end - unit0.start;
             let mine = grad.narrow(0, unit0.start, len);
             if self.stage == last {
-                let region = f32_region(grad, unit0.clone())
-                    .map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+                let region = region(grad, unit0.clone())?;
                 // SAFETY: the unit's gradient range, alive and untouched until `wait` returns.
-                unsafe { self.group.send_async(region, 0) }
-                    .and_then(|w| w.wait())
-                    .map_err(self.error("send the tied weights' gradient to the first stage"))?;
+                let work = unsafe { self.group.send_async(region, 0) };
+                self.wait(work, "send the tied weights' gradient to the first stage")?;
                 tch::no_grad(|| {
                     let _ = mine.shallow_clone().zero_();
                 });
             } else {
                 let received = Tensor::zeros([len], (tch::Kind::Float, grad.device()));
-                let region =
-                    f32_region(&received, 0..len).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+                let region = region(&received, 0..len)?;
                 // SAFETY: `received` is alive and untouched until `wait` returns.
-                unsafe { self.group.recv_async(region, last) }
-                    .and_then(|w| w.wait())
-                    .map_err(self.error("receive the tied weights' gradient from the last stage"))?;
+                let work = unsafe { self.group.recv_async(region, last) };
+                self.wait(work, "receive the tied weights' gradient from the last stage")?;
                 tch::no_grad(|| {
                     let mut mine = mine.shallow_clone();
                     mine += &received;
@@ -413,12 +424,10 @@ impl PipelineParts {
         }
         let own = self.own();
         if let Some(data) = self.data.as_deref() {
-            let region =
-                f32_region(grad, own.clone()).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+            let region = region(grad, own.clone())?;
             // SAFETY: the stage's gradient range; backward is over and nothing touches it until `wait`.
-            unsafe { data.all_reduce_async(region, ReduceOp::Avg) }
-                .and_then(|w| w.wait())
-                .map_err(self.error("all_reduce a stage's gradients over its copies"))?;
+            let work = unsafe { data.all_reduce_async(region, ReduceOp::Avg) };
+            self.wait(work, "all_reduce a stage's gradients over its copies")?;
         }
         if !self.mapped {
             // The model's gradients are cleared after the optimizer: a cut model's norm still
@@ -467,36 +476,32 @@ impl PipelineParts {
                 if range.is_empty() {
                     continue;
                 }
-                let region =
-                    f32_region(flat, range).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+                let region = region(flat, range)?;
                 // SAFETY: the unit's parameter range; the optimizer is done and nothing reads it
                 // until `wait` returns.
-                unsafe { data.all_gather_async(region) }
-                    .and_then(|w| w.wait())
-                    .map_err(self.error("all_gather a stage's parameters over its copies"))?;
+                let work = unsafe { data.all_gather_async(region) };
+                self.wait(work, "all_gather a stage's parameters over its copies")?;
             }
         }
         self.tied_weights_to_last()
     }
 
     fn tied_weights_to_last(&self) -> Result<(), TrainError> {
-        let last = self.stages - 1;
-        if !(self.tied && self.stages > 1 && (self.stage == 0 || self.stage == last)) {
+        if !self.shares_embedding() {
             return Ok(());
         }
         let (flat, _) = self.buffers();
-        let region = f32_region(flat, self.unit_ranges[0].clone())
-            .map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+        let region = region(flat, self.unit_ranges[0].clone())?;
         // SAFETY: the embedding's parameter range: the first stage only reads it, the last only
         // writes it, and neither touches it until `wait` returns.
         let work = unsafe {
             if self.stage == 0 {
-                self.group.send_async(region, last)
+                self.group.send_async(region, self.stages - 1)
             } else {
                 self.group.recv_async(region, 0)
             }
         };
-        work.and_then(|w| w.wait()).map_err(self.error("send the tied weights to the last stage"))
+        self.wait(work, "send the tied weights to the last stage")
     }
 
     /// Every stage's units from their owner, so each rank holds the whole current model
@@ -505,11 +510,10 @@ impl PipelineParts {
         let (flat, _) = self.buffers();
         for (stage, units) in self.stage_units.iter().enumerate() {
             let range = self.unit_ranges[units.start].start..self.unit_ranges[units.end - 1].end;
-            let region = f32_region(flat, range).map_err(|m| TrainError::InvalidConfig { key: "dist", message: m })?;
+            let region = region(flat, range)?;
             // SAFETY: the model's parameter buffer, alive; no step runs during the broadcast.
-            unsafe { self.group.broadcast_async(region, stage) }
-                .and_then(|w| w.wait())
-                .map_err(self.error("broadcast a stage's parameters"))?;
+            let work = unsafe { self.group.broadcast_async(region, stage) };
+            self.wait(work, "broadcast a stage's parameters")?;
         }
         Ok(())
     }

@@ -261,12 +261,7 @@ impl Trainer {
                     if let (Some(before), Some(per_block), Some(peak)) =
                         (before, forwarded.activation_bytes.clone(), forwarded.peak_bytes_in_use)
                     {
-                        memory = Some(MemoryReport {
-                            recompute: self.executor.recompute(),
-                            activation_bytes_per_block: per_block,
-                            activation_bytes: peak.saturating_sub(before),
-                            peak_bytes_in_use: peak,
-                        });
+                        memory = Some(self.memory_report(before, per_block, peak));
                     }
                     if let Some(output) = &forwarded.output {
                         net.send(link.stage + 1, output, micro)?;

@@ -57,12 +57,7 @@ impl Trainer {
             )?;
             if let (Some(before), Some(per_block)) = (before, result.activation_bytes) {
                 let peak = result.peak_bytes_in_use.unwrap_or(before);
-                memory = Some(MemoryReport {
-                    recompute: self.executor.recompute(),
-                    activation_bytes_per_block: per_block,
-                    activation_bytes: peak.saturating_sub(before),
-                    peak_bytes_in_use: peak,
-                });
+                memory = Some(self.memory_report(before, per_block, peak));
             }
             loss_sum += result.loss / n_micro as f64;
             if let Some(adaptive) = &self.adaptive {
@@ -88,6 +83,17 @@ impl Trainer {
             });
         }
         Ok((loss_sum, memory, micro_sq))
+    }
+
+    /// A micro-batch's activation memory: host bytes in use `before` its forward and at its
+    /// `peak`, and each block's kept activations.
+    pub(super) fn memory_report(&self, before: u64, per_block: Vec<u64>, peak: u64) -> MemoryReport {
+        MemoryReport {
+            recompute: self.executor.recompute(),
+            activation_bytes_per_block: per_block,
+            activation_bytes: peak.saturating_sub(before),
+            peak_bytes_in_use: peak,
+        }
     }
 
     /// The next micro-batch from `source` as the model's inputs on the device (`data_wait`, then
