@@ -1,7 +1,8 @@
 //! `stoke bench gate --against REV`: code compared with code. The other revision's `stoke` (built
 //! from a git worktree into the same target folder, or a binary given by path) and this one train
 //! the gate's model in turn, A B, B A, ..., in one invocation on one machine; each pair's
-//! candidate-over-baseline ratio of every phase time, the step time and the peak memory is taken,
+//! candidate-over-baseline ratio of every phase time and the step time (each a low percentile
+//! over the run's steps, see `figures_of`) and of the peak memory is taken,
 //! and a figure regresses when the median ratio exceeds 1 by more than its tolerance, which comes
 //! from the spread of those ratios (never below a floor, never above a ceiling that would hide a
 //! 10% change). A phase must also have grown by more than `MIN_PHASE_GROWTH_MS` and by more than
@@ -11,7 +12,10 @@
 //! `--self-test` runs the same binary against itself: five unchanged series and five with an
 //! injection each (`STOKE_TEST_*`: 10% slower forward, backward, optimizer, 2 ms more data wait per
 //! batch, 10% more memory), interleaved with the baseline's runs round by round. Every unchanged
-//! series must pass and every injected one must be caught in the figure it touches.
+//! series must pass and every injected one must be caught in the figure it touches. Its reference
+//! in a round is the median of the unchanged code's runs in that round (the baseline's and the
+//! unchanged series', less the series being checked): six runs of the same code, so one slow run
+//! cannot shift every comparison of its round, as a single baseline run does.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -20,7 +24,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use serde_json::Value;
-use stoke_prof::median;
+use stoke_prof::{median, percentile};
 
 use crate::config::INJECTIONS;
 use crate::exit::EXIT_GATE_REGRESSION;
@@ -105,21 +109,46 @@ fn run_once(series: &Series, dir: &Path, name: &str, settings: &[String]) -> any
     let path = run_dir.join("report.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let report: Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
-    figures_of(&report).with_context(|| format!("{} ({})", path.display(), series.name))
+    let path = run_dir.join("metrics.jsonl");
+    let metrics = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    figures_of(&metrics, &report).with_context(|| format!("{} ({})", run_dir.display(), series.name))
 }
 
-/// The compared figures of a report: the median step, every phase's median, the peak memory.
-pub fn figures_of(report: &Value) -> anyhow::Result<Figures> {
+/// A time figure of a run is this percentile of its steps after the first.
+const RUN_PERCENTILE: f64 = 10.0;
+
+/// The compared figures of a run: the 10th percentile (`RUN_PERCENTILE`) of the step time and of
+/// every phase over its steps after the first (metrics.jsonl), and the peak memory (report.json).
+/// On a shared machine noise only ever adds to a wall time, and a disturbance that takes a core
+/// for a second slows a whole stretch of steps, which moves a run's median but not its fast
+/// steps (the baseline gate's `run_figures` takes the fastest for the same reason); a low
+/// percentile rather than the fastest keeps one lucky step from setting the figure. An injected or
+/// real slowdown of a phase slows every instance of it.
+pub fn figures_of(metrics: &str, report: &Value) -> anyhow::Result<Figures> {
     let number = |v: &Value, what: &str| -> anyhow::Result<f64> {
-        v.as_f64().filter(|x| x.is_finite()).with_context(|| format!("no finite {what} in the report"))
+        v.as_f64().filter(|x| x.is_finite()).with_context(|| format!("no finite {what}"))
     };
-    let mut figures = Figures::new();
-    figures.insert("step".into(), number(&report["step_ms"], "step_ms")?);
-    let phases = report["phases"].as_object().context("no phases in the report")?;
-    for (phase, ms) in phases {
-        figures.insert(phase.clone(), number(ms, &format!("phases.{phase}"))?);
+    let mut values: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (i, line) in metrics.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let record: Value =
+            serde_json::from_str(line).with_context(|| format!("metrics.jsonl line {} is not JSON", i + 1))?;
+        if record["step"].as_u64().is_none_or(|s| s <= 1) {
+            continue;
+        }
+        let step = number(&record["step_ms"], &format!("step_ms on metrics.jsonl line {}", i + 1))?;
+        values.entry("step".into()).or_default().push(step);
+        let phases =
+            record["phases_ms"].as_object().with_context(|| format!("no phases_ms on metrics.jsonl line {}", i + 1))?;
+        for (phase, ms) in phases {
+            let ms = number(ms, &format!("phases_ms.{phase} on metrics.jsonl line {}", i + 1))?;
+            values.entry(phase.clone()).or_default().push(ms);
+        }
     }
-    figures.insert("peak_memory".into(), number(&report["peak_memory_bytes"], "peak_memory_bytes")?);
+    if values.is_empty() {
+        bail!("metrics.jsonl has no step after the first");
+    }
+    let mut figures: Figures = values.iter().map(|(key, v)| (key.clone(), percentile(v, RUN_PERCENTILE))).collect();
+    figures.insert("peak_memory".into(), number(&report["peak_memory_bytes"], "peak_memory_bytes in the report")?);
     Ok(figures)
 }
 
@@ -283,10 +312,15 @@ pub fn self_test(dir: &Path, pairs: usize, settings: &[String]) -> anyhow::Resul
         });
     }
     let (base_runs, runs) = interleaved(&base, &series, dir, pairs.max(3), settings)?;
+    let unchanged: Vec<usize> = (0..series.len()).filter(|&i| series[i].must_catch.is_none()).collect();
     let mut failures = Vec::new();
-    for (s, runs) in series.iter().zip(&runs) {
-        let verdicts = compare(&base_runs, runs)?;
-        print_verdicts(&format!("{} over the baseline ({} pairs)", s.name, runs.len()), &verdicts);
+    for (i, (s, own)) in series.iter().zip(&runs).enumerate() {
+        let others: Vec<&[Figures]> = std::iter::once(base_runs.as_slice())
+            .chain(unchanged.iter().filter(|&&u| u != i).map(|&u| runs[u].as_slice()))
+            .collect();
+        let reference = round_medians(&others)?;
+        let verdicts = compare(&reference, own)?;
+        print_verdicts(&format!("{} over the unchanged runs ({} rounds)", s.name, own.len()), &verdicts);
         let flagged: Vec<&str> = verdicts.iter().filter(|v| v.regressed).map(|v| v.figure.as_str()).collect();
         match &s.must_catch {
             None if !flagged.is_empty() => failures.push(format!("{} flagged in {}", s.name, flagged.join(", "))),
@@ -308,6 +342,26 @@ pub fn self_test(dir: &Path, pairs: usize, settings: &[String]) -> anyhow::Resul
         println!("gate self-test failed: {}", failures.join("; "));
         Ok(ExitCode::from(EXIT_GATE_REGRESSION))
     }
+}
+
+/// Per round, each figure's median over the series' runs of that round (every series has one run
+/// a round).
+fn round_medians(series: &[&[Figures]]) -> anyhow::Result<Vec<Figures>> {
+    let rounds = series.first().map_or(0, |s| s.len());
+    (0..rounds)
+        .map(|round| {
+            series[0][round]
+                .keys()
+                .map(|key| {
+                    let values: Vec<f64> = series
+                        .iter()
+                        .map(|runs| runs[round].get(key).copied().with_context(|| format!("a run has no {key}")))
+                        .collect::<anyhow::Result<_>>()?;
+                    Ok((key.clone(), median(&values)))
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// The STOKE_TEST_* variables this process was given, passed to its own runs (so a caller can
@@ -421,6 +475,52 @@ mod tests {
         let fat: Vec<Figures> =
             base.iter().map(|f| run(f["step"], f["forward"], f["optimizer"], 0.010, 198e6)).collect();
         assert_eq!(flagged(&compare(&base, &fat).unwrap()), vec!["peak_memory"]);
+    }
+
+    #[test]
+    fn a_run_is_its_fast_steps_so_a_disturbed_stretch_does_not_move_it() {
+        let line = |step: u64, forward: f64, backward: f64| {
+            format!(
+                r#"{{"step":{step},"step_ms":{},"phases_ms":{{"forward":{forward},"backward":{backward}}}}}"#,
+                forward + backward
+            )
+        };
+        let report = serde_json::json!({ "peak_memory_bytes": 1.5e8 });
+        // The first step (warm-up) is left out; of the other 20, half lost their core for a while
+        // and one was lucky: the 10th percentile is the second fastest.
+        let mut lines = vec![line(1, 1.0, 2.0)];
+        lines.extend((2..=21).map(|s| match s {
+            2 => line(s, 4.0, 9.0),
+            s if s % 2 == 0 => line(s, 8.0, 16.0),
+            s => line(s, 5.0 + s as f64 * 0.01, 10.0),
+        }));
+        let figures = figures_of(&lines.join("\n"), &report).unwrap();
+        assert_eq!(figures["forward"], 5.03);
+        assert_eq!(figures["backward"], 10.0);
+        assert_eq!(figures["step"], 15.03);
+        assert_eq!(figures["peak_memory"], 1.5e8);
+        // A step without its time, a line that is not JSON, or no step after the first: errors naming it.
+        let broken = format!("{}\n{}", line(2, 5.0, 10.0), r#"{"step":3,"phases_ms":{}}"#);
+        assert!(figures_of(&broken, &report).unwrap_err().to_string().contains("step_ms on metrics.jsonl line 2"));
+        assert!(figures_of("{\"step\":2,", &report).unwrap_err().to_string().contains("line 1 is not JSON"));
+        assert!(figures_of(&line(1, 1.0, 2.0), &report).unwrap_err().to_string().contains("no step after the first"));
+    }
+
+    #[test]
+    fn the_self_tests_reference_is_each_rounds_median_so_one_slow_run_moves_nothing() {
+        let at = |j: f64| run(10.0 * j, 5.0 * j, 1.0, 0.0, 1e8);
+        // Three series of unchanged code, two rounds; the first series' second run lost its core.
+        let (a, b, c) = ([at(1.0), at(1.5)], [at(1.02), at(0.99)], [at(0.98), at(1.01)]);
+        let reference = round_medians(&[&a, &b, &c]).unwrap();
+        assert_eq!(reference[0]["step"], 10.0);
+        assert_eq!(reference[1]["forward"], 5.05);
+        // A slowdown of a tenth is a tenth over that reference, where the slow run alone would hide it.
+        let slow = [run(11.0, 5.5, 1.0, 0.0, 1e8), run(11.1, 5.55, 1.0, 0.0, 1e8)];
+        assert!(flagged(&compare(&reference, &slow).unwrap()).contains(&"forward"));
+        assert!(!flagged(&compare(&a, &slow).unwrap()).contains(&"forward"));
+        let mut lacking = c.clone();
+        lacking[1].remove("step");
+        assert!(round_medians(&[&a, &b, &lacking]).unwrap_err().to_string().contains("step"));
     }
 
     #[test]
