@@ -430,12 +430,16 @@ impl StokeConfig {
         Ok(config)
     }
 
-    /// `dist.tensor`: at least 1, and above 1 a family that declares its split.
+    /// `dist.tensor`: at least 1, and above 1 a family that declares its split and an optimizer
+    /// whose update needs no whole tensor (not LAMB).
     fn check_tensor_parallel(&self) -> Result<(), ConfigError> {
         let (tensor, family, families) = (self.dist.tensor, &self.model.family, stoke_train::TENSOR_PARALLEL_FAMILIES);
         let message = match tensor {
             0 => "must be at least 1".to_string(),
             1 => return Ok(()),
+            _ if self.train.optimizer == stoke_train::OptimizerKind::Lamb => format!(
+                "is {tensor} with train.optimizer = \"lamb\": LAMB's per-tensor trust ratios need whole tensors, which a cut model's ranks do not hold; use AdamW or dist.tensor = 1"
+            ),
             _ if families.contains(&family.as_str()) => return Ok(()),
             _ => format!(
                 "is {tensor}, but model.family {family:?} declares no tensor-parallel split (those that do: {})",

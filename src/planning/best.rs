@@ -5,9 +5,9 @@
 //! searches tensor x pipeline x data layouts of `--nproc` devices (the `cpu` cluster as one node
 //! with this machine's memory split between the workers and its measured matmul peak, or a
 //! calibration's efficiencies), ZeRO stages, recomputation and micro-batches at the run's global
-//! batch. Sequence parallelism and interleaved stages are not built, ZeRO does not run beside a
-//! cut model, and pipeline stages shard at most the optimizer state, so those layouts are passed
-//! over. The chosen layout becomes `--set dist.tensor, dist.pipeline, dist.zero,
+//! batch. Sequence parallelism and interleaved stages are not built, a cut model's copies and
+//! pipeline stages shard at most the optimizer state (and not both in one layout), so those
+//! layouts are passed over. The chosen layout becomes `--set dist.tensor, dist.pipeline, dist.zero,
 //! train.micro_batch, train.grad_accum, train.recompute`, which the command must not set itself.
 
 use std::path::{Path, PathBuf};
@@ -51,10 +51,12 @@ fn config_args(command: &[String]) -> (Option<PathBuf>, Vec<String>) {
 fn runnable(layout: &stoke_plan::Layout, family: &str) -> bool {
     let staged = layout.pipeline > 1;
     let cut = layout.tensor > 1;
+    let zero_at_most_1 = matches!(layout.zero, ZeroStage::None | ZeroStage::Optimizer);
     !layout.sequence_parallel
         && layout.virtual_stages <= 1
-        && (!cut || (layout.zero == ZeroStage::None && stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family)))
-        && (!staged || (family != "vla" && matches!(layout.zero, ZeroStage::None | ZeroStage::Optimizer)))
+        && (!cut || (zero_at_most_1 && stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family)))
+        && (!staged || (family != "vla" && zero_at_most_1))
+        && !(cut && staged && layout.zero != ZeroStage::None)
 }
 
 /// stoke's `train.recompute` for the planner's policy: selective recomputation is the attention's.
@@ -180,7 +182,9 @@ mod tests {
         let interleaved = stoke_plan::Layout { virtual_stages: 2, ..layout(1, 2, ZeroStage::None, false) };
         assert!(!runnable(&interleaved, "gpt"), "interleaved stages");
         assert!(!runnable(&layout(2, 1, ZeroStage::None, true), "gpt"), "sequence parallelism");
-        assert!(!runnable(&layout(2, 1, ZeroStage::Optimizer, false), "gpt"), "ZeRO beside a cut model");
+        assert!(runnable(&layout(2, 1, ZeroStage::Optimizer, false), "gpt"), "ZeRO-1 beside a cut model");
+        assert!(!runnable(&layout(2, 1, ZeroStage::Gradients, false), "gpt"), "ZeRO-2 beside a cut model");
+        assert!(!runnable(&layout(2, 2, ZeroStage::Optimizer, false), "gpt"), "ZeRO beside a cut model in stages");
     }
 
     #[test]

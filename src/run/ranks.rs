@@ -126,8 +126,9 @@ pub fn rank_memory(dist: &DataParallel, trainer: &Trainer, rss_start: Option<u64
         .and_then(|zero| {
             stoke_plan::zero_rank_bytes(
                 &units,
-                dist.world_size(),
-                dist.rank(),
+                // A cut model's part is sharded over its copies.
+                dist.data_rank().1,
+                dist.data_rank().0,
                 zero,
                 trainer.optimizer_buffers() as u64,
                 slices,

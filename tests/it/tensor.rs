@@ -2,8 +2,9 @@
 //! ranks (`gpt` and `llama` over 2), and over 2 ranks with data parallelism over 2 copies, follows one process's fp32
 //! losses within 1e-5 over 20 steps (with the gradient clip biting too), under `stoke launch`
 //! and `mpirun`; a cut model's checkpoint holds whole tensors and resumes on one process, on
-//! two data-parallel ranks and cut again with the uninterrupted losses; what a cut model does
-//! not run with yet is refused at start, naming the key.
+//! two data-parallel ranks and cut again with the uninterrupted losses; ZeRO-1 within the copies
+//! of a cut model follows one process too and resumes on one; what a cut model does not run with
+//! yet is refused at start, naming the key.
 
 use std::path::Path;
 
@@ -122,7 +123,19 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
             "dist.tensor",
             "does not divide model.n_head = 3",
         ),
-        ("4", &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.zero=1"], "dist.zero", "does not run with yet"),
+        ("4", &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.zero=2"], "dist.zero", "does not run with yet"),
+        (
+            "4",
+            &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.pipeline=2", "dist.zero=1"],
+            "dist.zero",
+            "does not run with yet",
+        ),
+        (
+            "2",
+            &["model.family=\"gpt-rms\"", "dist.tensor=2", "train.optimizer=\"lamb\""],
+            "dist.tensor",
+            "whole tensors",
+        ),
         (
             "2",
             &["model.family=\"llama\"", "model.n_kv_head=1", "dist.tensor=2"],
@@ -190,6 +203,50 @@ fn a_cut_models_checkpoint_resumes_on_any_layout_with_the_uninterrupted_losses()
             assert!(rel <= 1e-5, "{name}, step {step}: {loss} against one uninterrupted process's {want}");
         }
     }
+}
+
+/// ZeRO-1 within the copies of a cut model (tensor 2 x data 2: each copy's rank holds half of
+/// its part's optimizer state) follows one process; its checkpoint holds whole tensors, the
+/// optimizer's state gathered over the copies and then the parts, and resumes on one process
+/// with the uninterrupted losses.
+#[test]
+fn zero_1_beside_a_cut_model_follows_one_process_and_resumes_on_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let batch: &[&str] = &["train.micro_batch=3", "train.global_batch=6", "ckpt.every=0"];
+    let mut family = RMS.1.to_vec();
+    family.extend_from_slice(batch);
+    let one = overrides(dir.path(), "one", &[&family[..], &["train.steps=20"]].concat());
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
+    let reference = losses(&dir.path().join("one"));
+    let close = |name: &str, got: &[(u64, f64)], n: usize| {
+        assert_eq!(got.len(), n, "{name}: {got:?}");
+        for (&(step, want), &(_, loss)) in reference.iter().zip(got) {
+            let rel = (loss - want).abs() / want.abs();
+            assert!(rel <= 1e-5, "{name}, step {step}: {loss} against one process's {want}");
+        }
+    };
+    let first =
+        [&family[..], &["dist.tensor=2", "dist.zero=1", "train.steps=10", "train.lr_horizon=20", "ckpt.at_end=true"]]
+            .concat();
+    let out = launch("4", &overrides(dir.path(), "cut", &first));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("the model cut over 2 ranks, 2 copies"), "{stdout}");
+    assert!(stdout.contains("ZeRO stage 1: optimizer state sharded"), "{stdout}");
+    close("tensor 2 x data 2, ZeRO-1", &losses(&dir.path().join("cut")), 10);
+    let checkpoint = dir.path().join("cut/checkpoints/step-10");
+    run_ok(&mut stoke(&["ckpt", "verify", checkpoint.to_str().unwrap()], &[]));
+    // The parameters whole in one file; the moments' slices are checked by the resume below (a
+    // moment out of place would move its losses).
+    let consolidated = dir.path().join("whole.safetensors");
+    run_ok(&mut stoke(
+        &["ckpt", "consolidate", checkpoint.to_str().unwrap(), "--out", consolidated.to_str().unwrap()],
+        &[],
+    ));
+    let folder = dir.path().join("on-one");
+    copy_dir(&dir.path().join("cut"), &folder);
+    let args = overrides(dir.path(), "on-one", &[&family[..], &["train.steps=20"]].concat());
+    run_ok(&mut stoke(&["train", "--quiet", "--resume"], &refs(&args)));
+    close("resumed on one process", &losses(&folder), 20);
 }
 
 fn copy_dir(from: &Path, to: &Path) {

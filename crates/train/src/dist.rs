@@ -19,6 +19,7 @@
 mod agree;
 mod buckets;
 pub(crate) mod compress;
+mod layout;
 mod pipeline;
 mod region;
 mod tensor;
@@ -121,106 +122,6 @@ impl DataParallel {
             grad_buffer: None,
             tensor: None,
             pipeline: None,
-        }
-    }
-
-    /// Cuts the job into model copies of `pipeline` stages, each stage's model cut over `tensor`
-    /// consecutive ranks (rank = (copy x pipeline + stage) x tensor + part), and the groups
-    /// between them: tensor-parallel (one stage's parts), pipeline (one copy's stages of one
-    /// part), data-parallel (one stage's part across the copies). Nothing for 1 and 1. Call once,
-    /// right after joining, on every rank. ZeRO and compressed reductions are not composed with
-    /// either yet.
-    pub fn split_groups(&mut self, tensor: usize, pipeline: usize) -> Result<(), TrainError> {
-        for (key, ways) in [("dist.tensor", tensor), ("dist.pipeline", pipeline)] {
-            if ways <= 1 {
-                continue;
-            }
-            let refuse = |what_key: &'static str, what: &str| TrainError::InvalidConfig {
-                key: what_key,
-                message: format!("is {what}, which {key} = {ways} does not run with yet"),
-            };
-            // Pipeline stages shard their optimizer state over their copies (ZeRO-1); a cut
-            // model runs without ZeRO.
-            let zero_runs = key == "dist.pipeline" && tensor <= 1 && self.config.zero.stage <= 1;
-            if self.config.zero.stage > 0 && !zero_runs {
-                return Err(refuse("dist.zero", &self.config.zero.stage.to_string()));
-            }
-            if self.config.compress.compression != Compression::None {
-                return Err(refuse("dist.compress", "set"));
-            }
-        }
-        let (tensor, pipeline) = (tensor.max(1), pipeline.max(1));
-        if tensor > 1 {
-            self.tensor = Some(tensor::split_groups(self.comm.as_ref(), tensor, pipeline)?);
-        }
-        if pipeline > 1 {
-            let mut parts = pipeline::split_groups(self.comm.as_ref(), pipeline, tensor)?;
-            parts.zero = self.config.zero.stage == 1 && parts.data.is_some();
-            self.pipeline = Some(parts);
-        }
-        Ok(())
-    }
-
-    /// This rank's stage: cuts `trainer`'s model into the stages (balanced by each unit's FLOPs,
-    /// or `split` units per stage), gives its optimizer this stage's units alone, and returns the
-    /// link the trainer's schedule sends activations over. None without pipeline stages. Call
-    /// after any restore, on every rank.
-    pub fn pipeline_stage(
-        &mut self,
-        trainer: &mut Trainer,
-        schedule: Schedule,
-        split: &[usize],
-    ) -> Result<Option<std::ops::Range<usize>>, TrainError> {
-        let Some(parts) = self.pipeline.as_mut() else { return Ok(None) };
-        let link = parts.plan(trainer.model(), schedule, split)?;
-        let units = link.units.clone();
-        let fused = trainer.fused_cpu_optimizer();
-        let starts = parts.shard(trainer.params_mut(), fused).map_err(|e| TrainError::InvalidConfig {
-            key: "dist.pipeline",
-            message: format!("cannot map memory for a stage's buffers: {e}"),
-        })?;
-        trainer
-            .shard_optimizer(parts.shard.as_ref().expect("shard made"), &starts)
-            .map_err(|message| TrainError::InvalidConfig { key: "dist.pipeline", message })?;
-        trainer.set_stage(link)?;
-        self.grad_buffer = Some(trainer.model().params().flat_grad().shallow_clone());
-        Ok(Some(units))
-    }
-
-    /// Every stage's units (empty without pipeline stages).
-    pub fn stage_units(&self) -> Vec<std::ops::Range<usize>> {
-        self.pipeline.as_ref().map_or_else(Vec::new, |p| p.stage_units().to_vec())
-    }
-
-    /// (this rank's stage, the stages) of its model copy; (0, 1) without pipeline stages.
-    pub fn stage(&self) -> (usize, usize) {
-        self.pipeline.as_ref().map_or((0, 1), |p| (p.stage, p.stages))
-    }
-
-    /// The group this rank's model is cut over (`split_groups`), for `Trainer::split_tensor`.
-    pub fn tensor_group(&self) -> Option<std::sync::Arc<crate::models::TensorGroup>> {
-        self.tensor.as_ref().map(|t| t.group.clone())
-    }
-
-    /// After `Trainer::split_tensor`: keeps what the whole model's gradient norm needs.
-    pub fn track_cut_model(&mut self, trainer: &Trainer) {
-        if let Some(parts) = self.tensor.as_mut() {
-            parts.track(trainer.model());
-        }
-    }
-
-    /// This rank's place among the model copies that read different rows: (its index, their
-    /// number). The job's rank and size unless the model is cut.
-    pub fn data_rank(&self) -> (usize, usize) {
-        if let Some(parts) = &self.pipeline {
-            return (parts.copy, self.comm.world_size() / (parts.stages * parts.tensor));
-        }
-        match &self.tensor {
-            Some(parts) => {
-                let group = parts.group.size();
-                (self.comm.rank() / group, self.comm.world_size() / group)
-            }
-            None => (self.comm.rank(), self.comm.world_size()),
         }
     }
 
@@ -340,7 +241,18 @@ impl DataParallel {
             return Err(invalid(format!("must be 0, 1, 2 or 3; got {}", config.stage)));
         }
         trainer.check_shardable(config.stage).map_err(invalid)?;
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        // A cut model's shards are cut over the ranks holding the same part (none: one copy).
+        let group = match &self.tensor {
+            Some(parts) => match parts.data.as_deref() {
+                Some(data) => data,
+                None => return Ok(()),
+            },
+            None => self.comm.as_ref(),
+        };
+        let (rank, world) = (group.rank(), group.world_size());
+        if let Some(parts) = self.tensor.as_mut() {
+            parts.checkpoint_pieces(trainer.model().params(), rank);
+        }
         let fused = trainer.fused_cpu_optimizer();
         let zero = Zero::new(config, trainer.params_mut(), rank, world, fused)
             .map_err(|e| invalid(format!("cannot map memory for the sharded buffers: {e}")))?;
@@ -645,7 +557,18 @@ impl StepHooks for DataParallel {
         self.zero.as_ref().map(|z| &z.shard)
     }
 
+    fn gather_optimizer_state(&self, buffers: &[(&'static str, Tensor)]) -> Result<Option<Vec<Tensor>>, TrainError> {
+        let (Some(zero), Some(data)) = (&self.zero, self.tensor.as_ref().and_then(|t| t.data.as_deref())) else {
+            return Ok(None);
+        };
+        let gathered = buffers.iter().map(|(_, buffer)| zero.gather_shard_buffer(data, buffer));
+        gathered.collect::<Result<Vec<_>, _>>().map(Some).map_err(|e| self.zero_error(e))
+    }
+
     fn checkpoint_params(&self) -> Option<&FlatParams> {
+        if let Some(pieces) = self.tensor.as_ref().and_then(|t| t.pieces.as_ref()) {
+            return Some(pieces);
+        }
         match &self.pipeline {
             // The first copy's stages write the pieces (a cut stage's first part, its tensors
             // gathered whole); the others' are the same values.
@@ -684,7 +607,12 @@ impl StepHooks for DataParallel {
             return parts.global_sq_sum(stage);
         }
         if let Some(parts) = &self.tensor {
-            return parts.global_sq_sum(local).map_err(|e| self.error("all_gather tensor-parallel norm", e));
+            // The copies' shards of this part first (ZeRO-1), then the parts.
+            let part = match (&self.zero, parts.data.as_deref()) {
+                (Some(zero), Some(data)) => zero.global_sq_sum(data, local).map_err(|e| self.zero_error(e))?,
+                _ => local,
+            };
+            return parts.global_sq_sum(part).map_err(|e| self.error("all_gather tensor-parallel norm", e));
         }
         match &self.zero {
             Some(zero) => zero.global_sq_sum(self.comm.as_ref(), local).map_err(|e| self.zero_error(e)),
@@ -708,7 +636,9 @@ impl StepHooks for DataParallel {
         }
         let Some(zero) = self.zero.as_mut().filter(|z| z.stage() <= 2) else { return Ok(()) };
         clock.lap(Phase::Optimizer);
-        let result = zero.all_gather_params(self.comm.as_ref());
+        // A cut model's copies of this part (`shard`).
+        let group = self.tensor.as_ref().and_then(|t| t.data.as_deref()).unwrap_or(self.comm.as_ref());
+        let result = zero.all_gather_params(group);
         clock.lap(Phase::CommExposed);
         result.map_err(|e| self.zero_error(e))
     }

@@ -80,6 +80,12 @@ pub trait StepHooks {
         None
     }
 
+    /// ZeRO-1 beside a cut model: the optimizer's state `buffers` (laid out like
+    /// `optimizer_params`) gathered over the copies in the model's layout. Collective.
+    fn gather_optimizer_state(&self, _buffers: &[(&'static str, Tensor)]) -> Result<Option<Vec<Tensor>>, TrainError> {
+        Ok(None)
+    }
+
     /// The buffers whose values a sharded checkpoint takes from this rank (its pieces):
     /// `optimizer_params` unless another rank writes the same ones (a pipeline's later copies).
     fn checkpoint_params(&self) -> Option<&FlatParams> {

@@ -11,6 +11,7 @@ use tch::{Kind, Tensor};
 use super::zero::sum_over_ranks;
 
 use crate::models::{Model, TensorGroup};
+use crate::params::{FlatParams, ShardMap};
 use crate::TrainError;
 
 /// This rank's groups when the model is cut.
@@ -21,6 +22,8 @@ pub(super) struct TensorParts {
     /// The gradients of the parameters every rank of the group holds whole (once the model is
     /// cut: `DataParallel::cut_model`), counted once in the norm.
     pub(super) replicated: Vec<Tensor>,
+    /// ZeRO-1 over `data`: what this rank writes of a checkpoint (`checkpoint_pieces`).
+    pub(super) pieces: Option<FlatParams>,
 }
 
 /// Cuts `world` into the groups of `tensor` consecutive ranks and, without pipeline stages, the
@@ -58,7 +61,7 @@ pub(super) fn split_groups(world: &dyn Communicator, tensor: usize, stages: usiz
         }
     }
     let group = group.expect("every rank is in one tensor-parallel group");
-    Ok(TensorParts { group: TensorGroup::new(group), data: data_group, replicated: Vec::new() })
+    Ok(TensorParts { group: TensorGroup::new(group), data: data_group, replicated: Vec::new(), pieces: None })
 }
 
 impl TensorParts {
@@ -71,6 +74,16 @@ impl TensorParts {
             .filter(|e| !model.split_of(&e.name).is_split())
             .map(|e| e.tensor.grad())
             .collect();
+    }
+
+    /// ZeRO-1 over the copies: a checkpoint's tensors are gathered whole over the copies and the
+    /// parts, and the first copy's first part writes every one (as a sharded checkpoint's
+    /// pieces: `params` mapped, nothing copied); the other ranks write nothing.
+    pub(super) fn checkpoint_pieces(&mut self, params: &FlatParams, data_rank: usize) {
+        let writes = data_rank == 0 && self.group.rank() == 0;
+        let units = params.units().iter().map(|u| u.range.clone());
+        let segments: Vec<std::ops::Range<i64>> = if writes { units.collect() } else { Vec::new() };
+        self.pieces = Some(params.shard(&segments, ShardMap { params: writes, grads: writes }));
     }
 
     /// The whole model's sum of squared gradients from this rank's `local` sum over its parts:

@@ -451,6 +451,24 @@ impl Zero {
         wait_all(works, "all_gather parameters")
     }
 
+    /// A buffer laid out like this rank's shard (an optimizer state) made whole in the model's
+    /// layout: this rank's slices put in place and every rank's gathered. Collective over `comm`.
+    pub(crate) fn gather_shard_buffer(&self, comm: &dyn Communicator, buffer: &Tensor) -> Result<Tensor> {
+        let whole = Tensor::zeros([self.model_flat.numel() as i64], (tch::Kind::Float, buffer.device()));
+        tch::no_grad(|| {
+            for unit in 0..self.units.len() {
+                self.model_slice(unit, &whole).copy_(&self.shard_slice(unit, buffer));
+            }
+        });
+        let op = "all_gather optimizer state";
+        let mut works = Vec::with_capacity(self.units.len());
+        for unit in 0..self.units.len() {
+            works.extend(self.submit_gather(comm, &whole, unit, op)?);
+        }
+        wait_all(works, op)?;
+        Ok(whole)
+    }
+
     /// Copies this rank's slice of `unit` from the shard into the model's buffer.
     fn place_shard(&self, unit: usize) {
         tch::no_grad(|| self.model_slice(unit, &self.model_flat).copy_(&self.shard_slice(unit, self.shard.flat())));

@@ -4,7 +4,8 @@
 use stoke_ckpt::{CheckpointStore, CheckpointWriter, DType, Loaded, Snapshot, TensorRecord};
 use tch::{Device, Kind, Tensor};
 
-use crate::params::FlatParams;
+use crate::optim::StateTensor;
+use crate::params::{FlatParams, ParamEntry};
 use crate::snapcopy::PendingCopy;
 use crate::TrainError;
 
@@ -192,10 +193,16 @@ impl Trainer {
     /// resumes from it. Collective: every rank of the group calls it at the same checkpoints.
     /// None for a model that is not cut. `shard`: the buffers a sharded optimizer runs on (a
     /// pipeline stage's units, whole parameters flattened); then only those are gathered.
-    pub(super) fn whole_state(&self, shard: Option<&FlatParams>) -> Result<Option<Vec<WholeTensor>>, TrainError> {
+    /// `gathered`: the optimizer's state buffers in the model's layout, already gathered over the
+    /// copies that shard it (ZeRO-1 beside the cut); then every parameter is gathered.
+    pub(super) fn whole_state(
+        &self,
+        shard: Option<&FlatParams>,
+        gathered: Option<Vec<Tensor>>,
+    ) -> Result<Option<Vec<WholeTensor>>, TrainError> {
         let Some(group) = self.model.tensor_group() else { return Ok(None) };
         let params = self.model.params();
-        let shard = shard.filter(|_| self.sharded);
+        let shard = shard.filter(|_| self.sharded && gathered.is_none());
         let owned: Option<std::collections::HashSet<&str>> =
             shard.map(|s| s.entries().iter().map(|e| e.name.as_str()).collect());
         let shapes: std::collections::HashMap<&str, &[i64]> =
@@ -205,7 +212,23 @@ impl Trainer {
             .iter()
             .filter(|e| owned.as_ref().is_none_or(|o| o.contains(e.name.as_str())))
             .map(|e| ("model", e.name.clone(), e.name.clone(), e.tensor.detach()));
-        let optim = self.optimizer.state_tensors(shard.unwrap_or(params)).into_iter().map(|s| {
+        let states = match gathered {
+            Some(buffers) => {
+                let suffixes = self.optimizer.buffers().into_iter().map(|(suffix, _)| suffix);
+                let buffers: Vec<(&str, Tensor)> = suffixes.zip(buffers).collect();
+                let views = |e: &ParamEntry| {
+                    let view = |(suffix, b): &(&str, Tensor)| StateTensor {
+                        name: format!("{}.{suffix}", e.name),
+                        shape: e.shape.clone(),
+                        tensor: b.narrow(0, e.offset, e.numel).view(e.shape.as_slice()),
+                    };
+                    buffers.iter().map(view).collect::<Vec<_>>()
+                };
+                params.entries().iter().flat_map(views).collect()
+            }
+            None => self.optimizer.state_tensors(shard.unwrap_or(params)),
+        };
+        let optim = states.into_iter().map(|s| {
             let param = s.name.rsplit_once('.').map_or(s.name.as_str(), |(param, _)| param).to_string();
             // A stage's state is flat, one piece per whole parameter: shaped like it again.
             let tensor = match shapes.get(param.as_str()) {

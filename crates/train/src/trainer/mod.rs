@@ -481,7 +481,14 @@ impl Trainer {
                 }
             }
             // A cut model's parts gathered whole, on every rank of its group.
-            let whole = if checkpoint_now { self.whole_state(hooks.optimizer_params())? } else { None };
+            let whole = match checkpoint_now {
+                true => {
+                    // ZeRO-1 beside the cut: the copies' state slices first, then the parts.
+                    let gathered = hooks.gather_optimizer_state(&self.optimizer.buffers())?;
+                    self.whole_state(hooks.optimizer_params(), gathered)?
+                }
+                false => None,
+            };
             // A sharded run: every rank writes its own pieces and residuals (a sharded writer).
             let extras = if checkpoint_now { hooks.checkpoint_extras(self.sharded)? } else { Vec::new() };
             if let Some(target) = checkpoints.as_deref_mut().filter(|_| checkpoint_now) {
