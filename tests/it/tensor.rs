@@ -2,8 +2,8 @@
 //! ranks (`gpt` and `llama` over 2), and over 2 ranks with data parallelism over 2 copies, follows one process's fp32
 //! losses within 1e-5 over 20 steps (with the gradient clip biting too), under `stoke launch`
 //! and `mpirun`; a cut model's checkpoint holds whole tensors and resumes on one process, on
-//! two data-parallel ranks and cut again with the uninterrupted losses; ZeRO-1 within the copies
-//! of a cut model follows one process too and resumes on one; what a cut model does not run with
+//! two data-parallel ranks and cut again with the uninterrupted losses; ZeRO 1 and 2 within the
+//! copies of a cut model follow one process too and resume on one; what a cut model does not run with
 //! yet is refused at start, naming the key.
 
 use std::path::Path;
@@ -123,7 +123,7 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
             "dist.tensor",
             "does not divide model.n_head = 3",
         ),
-        ("4", &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.zero=2"], "dist.zero", "does not run with yet"),
+        ("4", &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.zero=3"], "dist.zero", "does not run with yet"),
         (
             "4",
             &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.pipeline=2", "dist.zero=1"],
@@ -205,14 +205,15 @@ fn a_cut_models_checkpoint_resumes_on_any_layout_with_the_uninterrupted_losses()
     }
 }
 
-/// ZeRO-1 within the copies of a cut model (tensor 2 x data 2: each copy's rank holds half of
-/// its part's optimizer state) follows one process; its checkpoint holds whole tensors, the
-/// optimizer's state gathered over the copies and then the parts, and resumes on one process
-/// with the uninterrupted losses.
+/// ZeRO within the copies of a cut model (tensor 2 x data 2): at stage 1 each copy's rank holds
+/// half of its part's optimizer state, at stage 2 half of its gradients too (the replicated
+/// tensors' share of the norm then comes from the shards). Each follows one process with a clip
+/// that bites; its checkpoint holds whole tensors, the optimizer's state gathered over the
+/// copies and then the parts, and resumes on one process with the uninterrupted losses.
 #[test]
-fn zero_1_beside_a_cut_model_follows_one_process_and_resumes_on_one() {
+fn zero_beside_a_cut_model_follows_one_process_and_resumes_on_one() {
     let dir = tempfile::tempdir().unwrap();
-    let batch: &[&str] = &["train.micro_batch=3", "train.global_batch=6", "ckpt.every=0"];
+    let batch: &[&str] = &["train.micro_batch=3", "train.global_batch=6", "ckpt.every=0", "train.grad_clip=0.05"];
     let mut family = RMS.1.to_vec();
     family.extend_from_slice(batch);
     let one = overrides(dir.path(), "one", &[&family[..], &["train.steps=20"]].concat());
@@ -225,28 +226,32 @@ fn zero_1_beside_a_cut_model_follows_one_process_and_resumes_on_one() {
             assert!(rel <= 1e-5, "{name}, step {step}: {loss} against one process's {want}");
         }
     };
-    let first =
-        [&family[..], &["dist.tensor=2", "dist.zero=1", "train.steps=10", "train.lr_horizon=20", "ckpt.at_end=true"]]
-            .concat();
-    let out = launch("4", &overrides(dir.path(), "cut", &first));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("the model cut over 2 ranks, 2 copies"), "{stdout}");
-    assert!(stdout.contains("ZeRO stage 1: optimizer state sharded"), "{stdout}");
-    close("tensor 2 x data 2, ZeRO-1", &losses(&dir.path().join("cut")), 10);
-    let checkpoint = dir.path().join("cut/checkpoints/step-10");
-    run_ok(&mut stoke(&["ckpt", "verify", checkpoint.to_str().unwrap()], &[]));
-    // The parameters whole in one file; the moments' slices are checked by the resume below (a
-    // moment out of place would move its losses).
-    let consolidated = dir.path().join("whole.safetensors");
-    run_ok(&mut stoke(
-        &["ckpt", "consolidate", checkpoint.to_str().unwrap(), "--out", consolidated.to_str().unwrap()],
-        &[],
-    ));
-    let folder = dir.path().join("on-one");
-    copy_dir(&dir.path().join("cut"), &folder);
-    let args = overrides(dir.path(), "on-one", &[&family[..], &["train.steps=20"]].concat());
-    run_ok(&mut stoke(&["train", "--quiet", "--resume"], &refs(&args)));
-    close("resumed on one process", &losses(&folder), 20);
+    for (stage, sharded) in [(1, "optimizer state sharded"), (2, "optimizer state and gradients sharded")] {
+        let (cut, resumed) = (format!("cut-zero{stage}"), format!("on-one-zero{stage}"));
+        let zero = format!("dist.zero={stage}");
+        let first =
+            [&family[..], &["dist.tensor=2", &zero, "train.steps=10", "train.lr_horizon=20", "ckpt.at_end=true"]]
+                .concat();
+        let out = launch("4", &overrides(dir.path(), &cut, &first));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("the model cut over 2 ranks, 2 copies"), "{stdout}");
+        assert!(stdout.contains(&format!("ZeRO stage {stage}: {sharded}")), "{stdout}");
+        close(&format!("tensor 2 x data 2, ZeRO-{stage}"), &losses(&dir.path().join(&cut)), 10);
+        let checkpoint = dir.path().join(&cut).join("checkpoints/step-10");
+        run_ok(&mut stoke(&["ckpt", "verify", checkpoint.to_str().unwrap()], &[]));
+        // The moments' slices are checked by the resume: a moment out of place moves its losses.
+        let folder = dir.path().join(&resumed);
+        copy_dir(&dir.path().join(&cut), &folder);
+        let args = overrides(dir.path(), &resumed, &[&family[..], &["train.steps=20"]].concat());
+        run_ok(&mut stoke(&["train", "--quiet", "--resume"], &refs(&args)));
+        close(&format!("ZeRO-{stage}, resumed on one process"), &losses(&folder), 20);
+    }
+    // The clip did bite: without it the same run ends elsewhere.
+    let plain: Vec<&str> = family.iter().copied().filter(|s| !s.starts_with("train.grad_clip")).collect();
+    let plain = overrides(dir.path(), "unclipped", &[&plain[..], &["train.steps=20"]].concat());
+    run_ok(&mut stoke(&["train", "--quiet"], &refs(&plain)));
+    let unclipped = losses(&dir.path().join("unclipped"));
+    assert_ne!(reference.last().unwrap().1, unclipped.last().unwrap().1, "a clip of 0.05 changed nothing");
 }
 
 fn copy_dir(from: &Path, to: &Path) {

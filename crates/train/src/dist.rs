@@ -385,7 +385,7 @@ impl DataParallel {
             return Ok(());
         }
         clock.lap(before);
-        let result = zero.ensure(self.comm.as_ref(), unit);
+        let result = zero.ensure(zero_group(self.comm.as_ref(), self.tensor.as_ref()), unit);
         clock.lap(Phase::CommExposed);
         result.map_err(|e| self.zero_error(e))
     }
@@ -393,12 +393,17 @@ impl DataParallel {
     fn prefetch(&mut self, units: impl Iterator<Item = usize>) -> Result<(), TrainError> {
         let Some(zero) = self.zero.as_mut() else { return Ok(()) };
         for unit in units {
-            if let Err(e) = zero.prefetch(self.comm.as_ref(), unit) {
+            if let Err(e) = zero.prefetch(zero_group(self.comm.as_ref(), self.tensor.as_ref()), unit) {
                 return Err(self.zero_error(e));
             }
         }
         Ok(())
     }
+}
+
+/// The group ZeRO shards over: a cut model's copies of this rank's part, or the job.
+fn zero_group<'a>(comm: &'a dyn Communicator, tensor: Option<&'a tensor::TensorParts>) -> &'a dyn Communicator {
+    tensor.and_then(|t| t.data.as_deref()).unwrap_or(comm)
 }
 
 impl StepHooks for DataParallel {
@@ -449,7 +454,12 @@ impl StepHooks for DataParallel {
             let overlap = self.config.overlap;
             let zero = self.zero.as_mut().expect("stage 2 or 3");
             return zero
-                .grads_final(self.comm.as_ref(), unit, overlap, self.compressor.as_mut())
+                .grads_final(
+                    zero_group(self.comm.as_ref(), self.tensor.as_ref()),
+                    unit,
+                    overlap,
+                    self.compressor.as_mut(),
+                )
                 .map_err(|e| self.zero_error(e));
         }
         let plan = self.plan.as_ref().ok_or_else(|| TrainError::InvalidConfig {
@@ -535,7 +545,8 @@ impl StepHooks for DataParallel {
                 }
                 let result = if zero.grads_in_flight() {
                     clock.lap(Phase::Backward);
-                    let result = zero.finish_grads(self.comm.as_ref(), self.compressor.as_mut());
+                    let result = zero
+                        .finish_grads(zero_group(self.comm.as_ref(), self.tensor.as_ref()), self.compressor.as_mut());
                     clock.lap(Phase::CommExposed);
                     result
                 } else {
@@ -601,18 +612,26 @@ impl StepHooks for DataParallel {
         if let Some(parts) = &self.pipeline {
             // A cut stage's parts first (its replicated tensors counted once), then the stages.
             let stage = match &self.tensor {
-                Some(cut) => cut.global_sq_sum(local).map_err(|e| self.error("all_gather tensor-parallel norm", e))?,
+                Some(cut) => {
+                    cut.global_sq_sum(local, None).map_err(|e| self.error("all_gather tensor-parallel norm", e))?
+                }
                 None => local,
             };
             return parts.global_sq_sum(stage);
         }
         if let Some(parts) = &self.tensor {
-            // The copies' shards of this part first (ZeRO-1), then the parts.
-            let part = match (&self.zero, parts.data.as_deref()) {
-                (Some(zero), Some(data)) => zero.global_sq_sum(data, local).map_err(|e| self.zero_error(e))?,
-                _ => local,
+            // The copies' shards of this part first (ZeRO), then the parts. From stage 2 on the
+            // replicated tensors' gradients are in the shards only, so their sum comes from there.
+            let (part, replicated) = match (&self.zero, parts.data.as_deref()) {
+                (Some(zero), Some(data)) => {
+                    let replicated = if zero.stage() >= 2 { parts.replicated_sq_sum(&zero.shard) } else { 0.0 };
+                    let sums = zero::sum_over_ranks(data, &[local, replicated])
+                        .map_err(|e| self.error("all_gather gradient norm", e))?;
+                    (sums[0], (zero.stage() >= 2).then_some(sums[1]))
+                }
+                _ => (local, None),
             };
-            return parts.global_sq_sum(part).map_err(|e| self.error("all_gather tensor-parallel norm", e));
+            return parts.global_sq_sum(part, replicated).map_err(|e| self.error("all_gather tensor-parallel norm", e));
         }
         match &self.zero {
             Some(zero) => zero.global_sq_sum(self.comm.as_ref(), local).map_err(|e| self.zero_error(e)),
@@ -636,9 +655,7 @@ impl StepHooks for DataParallel {
         }
         let Some(zero) = self.zero.as_mut().filter(|z| z.stage() <= 2) else { return Ok(()) };
         clock.lap(Phase::Optimizer);
-        // A cut model's copies of this part (`shard`).
-        let group = self.tensor.as_ref().and_then(|t| t.data.as_deref()).unwrap_or(self.comm.as_ref());
-        let result = zero.all_gather_params(group);
+        let result = zero.all_gather_params(zero_group(self.comm.as_ref(), self.tensor.as_ref()));
         clock.lap(Phase::CommExposed);
         result.map_err(|e| self.zero_error(e))
     }
@@ -684,7 +701,7 @@ impl StepHooks for DataParallel {
         let Some(zero) = self.zero.as_mut().filter(|z| z.stage() >= 3) else { return Ok(()) };
         for unit in 0..zero.n_units() {
             if needed {
-                if let Err(e) = zero.ensure(self.comm.as_ref(), unit) {
+                if let Err(e) = zero.ensure(zero_group(self.comm.as_ref(), self.tensor.as_ref()), unit) {
                     return Err(self.zero_error(e));
                 }
             } else {

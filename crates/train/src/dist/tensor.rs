@@ -11,7 +11,7 @@ use tch::{Kind, Tensor};
 use super::zero::sum_over_ranks;
 
 use crate::models::{Model, TensorGroup};
-use crate::params::{FlatParams, ShardMap};
+use crate::params::{FlatParams, ParamEntry, ShardMap};
 use crate::TrainError;
 
 /// This rank's groups when the model is cut.
@@ -22,7 +22,9 @@ pub(super) struct TensorParts {
     /// The gradients of the parameters every rank of the group holds whole (once the model is
     /// cut: `DataParallel::cut_model`), counted once in the norm.
     pub(super) replicated: Vec<Tensor>,
-    /// ZeRO-1 over `data`: what this rank writes of a checkpoint (`checkpoint_pieces`).
+    /// Their names (the pieces of a ZeRO shard are named after their parameters).
+    pub(super) replicated_names: std::collections::HashSet<String>,
+    /// ZeRO over `data`: what this rank writes of a checkpoint (`checkpoint_pieces`).
     pub(super) pieces: Option<FlatParams>,
 }
 
@@ -61,22 +63,40 @@ pub(super) fn split_groups(world: &dyn Communicator, tensor: usize, stages: usiz
         }
     }
     let group = group.expect("every rank is in one tensor-parallel group");
-    Ok(TensorParts { group: TensorGroup::new(group), data: data_group, replicated: Vec::new(), pieces: None })
+    Ok(TensorParts {
+        group: TensorGroup::new(group),
+        data: data_group,
+        replicated: Vec::new(),
+        replicated_names: Default::default(),
+        pieces: None,
+    })
 }
 
 impl TensorParts {
-    /// Keeps the gradients of `model`'s replicated parameters (after the model is cut).
+    /// Keeps the gradients and names of `model`'s replicated parameters (after the model is cut).
     pub(super) fn track(&mut self, model: &dyn Model) {
-        self.replicated = model
-            .params()
-            .entries()
-            .iter()
-            .filter(|e| !model.split_of(&e.name).is_split())
-            .map(|e| e.tensor.grad())
-            .collect();
+        let replicated: Vec<&ParamEntry> =
+            model.params().entries().iter().filter(|e| !model.split_of(&e.name).is_split()).collect();
+        self.replicated = replicated.iter().map(|e| e.tensor.grad()).collect();
+        self.replicated_names = replicated.iter().map(|e| e.name.clone()).collect();
     }
 
-    /// ZeRO-1 over the copies: a checkpoint's tensors are gathered whole over the copies and the
+    /// The sum of squared gradients of this rank's pieces of the replicated parameters in a ZeRO
+    /// `shard` whose gradients it holds itself (stage 2: the model's are given back).
+    pub(super) fn replicated_sq_sum(&self, shard: &FlatParams) -> f64 {
+        let grads = shard.flat_grad();
+        let pieces = shard.entries().iter().filter(|e| self.replicated_names.contains(&e.name));
+        let sums: Vec<Tensor> = pieces
+            .map(|e| grads.narrow(0, e.offset, e.numel).to_kind(Kind::Double).square().sum(Kind::Double))
+            .collect();
+        if sums.is_empty() {
+            0.0
+        } else {
+            Tensor::stack(&sums, 0).sum(Kind::Double).double_value(&[])
+        }
+    }
+
+    /// ZeRO over the copies: a checkpoint's tensors are gathered whole over the copies and the
     /// parts, and the first copy's first part writes every one (as a sharded checkpoint's
     /// pieces: `params` mapped, nothing copied); the other ranks write nothing.
     pub(super) fn checkpoint_pieces(&mut self, params: &FlatParams, data_rank: usize) {
@@ -89,13 +109,19 @@ impl TensorParts {
     /// The whole model's sum of squared gradients from this rank's `local` sum over its parts:
     /// the group adds every rank's sum with the replicated parameters' share taken out of all but
     /// one copy (each rank removes (size - 1) / size of it), in rank order, so every rank gets
-    /// the same bits. The replicated sums are read from the device once.
-    pub(super) fn global_sq_sum(&self, local: f64) -> Result<f64, CommError> {
+    /// the same bits. The replicated sum is `replicated` when given (ZeRO-2: from the shards,
+    /// `replicated_sq_sum`), else read from the tracked gradients on the device once.
+    pub(super) fn global_sq_sum(&self, local: f64, replicated: Option<f64>) -> Result<f64, CommError> {
         let size = self.group.size();
-        let sums: Vec<Tensor> =
-            self.replicated.iter().map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double)).collect();
-        let replicated =
-            if sums.is_empty() { 0.0 } else { Tensor::stack(&sums, 0).sum(Kind::Double).double_value(&[]) };
+        let replicated = replicated.unwrap_or_else(|| {
+            let sums: Vec<Tensor> =
+                self.replicated.iter().map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double)).collect();
+            if sums.is_empty() {
+                0.0
+            } else {
+                Tensor::stack(&sums, 0).sum(Kind::Double).double_value(&[])
+            }
+        });
         let mine = local - replicated * (size - 1) as f64 / size as f64;
         Ok(sum_over_ranks(self.group.communicator(), &[mine])?[0])
     }
