@@ -5,9 +5,8 @@
 //! searches tensor x pipeline x data layouts of `--nproc` devices (the `cpu` cluster as one node
 //! with this machine's memory split between the workers and its measured matmul peak, or a
 //! calibration's efficiencies), ZeRO stages, recomputation and micro-batches at the run's global
-//! batch. Sequence parallelism and interleaved stages are not built, a cut model's copies shard
-//! at most the gradients and pipeline stages the optimizer state (not both in one layout), so
-//! those layouts are passed over. The chosen layout becomes `--set dist.tensor, dist.pipeline, dist.zero,
+//! batch. Sequence parallelism and interleaved stages are not built, and pipeline stages shard
+//! at most the optimizer state and not beside a cut model, so those layouts are passed over. The chosen layout becomes `--set dist.tensor, dist.pipeline, dist.zero,
 //! train.micro_batch, train.grad_accum, train.recompute`, which the command must not set itself.
 
 use std::path::{Path, PathBuf};
@@ -54,7 +53,7 @@ fn runnable(layout: &stoke_plan::Layout, family: &str) -> bool {
     let zero_at_most_1 = matches!(layout.zero, ZeroStage::None | ZeroStage::Optimizer);
     !layout.sequence_parallel
         && layout.virtual_stages <= 1
-        && (!cut || (layout.zero != ZeroStage::Parameters && stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family)))
+        && (!cut || stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family))
         && (!staged || (family != "vla" && zero_at_most_1))
         && !(cut && staged && layout.zero != ZeroStage::None)
 }
@@ -184,7 +183,7 @@ mod tests {
         assert!(!runnable(&layout(2, 1, ZeroStage::None, true), "gpt"), "sequence parallelism");
         assert!(runnable(&layout(2, 1, ZeroStage::Optimizer, false), "gpt"), "ZeRO-1 beside a cut model");
         assert!(runnable(&layout(2, 1, ZeroStage::Gradients, false), "gpt"), "ZeRO-2 beside a cut model");
-        assert!(!runnable(&layout(2, 1, ZeroStage::Parameters, false), "gpt"), "ZeRO-3 beside a cut model");
+        assert!(runnable(&layout(2, 1, ZeroStage::Parameters, false), "gpt"), "ZeRO-3 beside a cut model");
         assert!(!runnable(&layout(2, 2, ZeroStage::Optimizer, false), "gpt"), "ZeRO beside a cut model in stages");
     }
 

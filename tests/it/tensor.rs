@@ -2,7 +2,7 @@
 //! ranks (`gpt` and `llama` over 2), and over 2 ranks with data parallelism over 2 copies, follows one process's fp32
 //! losses within 1e-5 over 20 steps (with the gradient clip biting too), under `stoke launch`
 //! and `mpirun`; a cut model's checkpoint holds whole tensors and resumes on one process, on
-//! two data-parallel ranks and cut again with the uninterrupted losses; ZeRO 1 and 2 within the
+//! two data-parallel ranks and cut again with the uninterrupted losses; ZeRO 1-3 within the
 //! copies of a cut model follow one process too and resume on one; what a cut model does not run with
 //! yet is refused at start, naming the key.
 
@@ -123,7 +123,12 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
             "dist.tensor",
             "does not divide model.n_head = 3",
         ),
-        ("4", &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.zero=3"], "dist.zero", "does not run with yet"),
+        (
+            "4",
+            &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.compress=\"int8\""],
+            "dist.compress",
+            "does not run with yet",
+        ),
         (
             "4",
             &["model.family=\"gpt-rms\"", "dist.tensor=2", "dist.pipeline=2", "dist.zero=1"],
@@ -207,9 +212,10 @@ fn a_cut_models_checkpoint_resumes_on_any_layout_with_the_uninterrupted_losses()
 
 /// ZeRO within the copies of a cut model (tensor 2 x data 2): at stage 1 each copy's rank holds
 /// half of its part's optimizer state, at stage 2 half of its gradients too (the replicated
-/// tensors' share of the norm then comes from the shards). Each follows one process with a clip
-/// that bites; its checkpoint holds whole tensors, the optimizer's state gathered over the
-/// copies and then the parts, and resumes on one process with the uninterrupted losses.
+/// tensors' share of the norm then comes from the shards), at stage 3 half of its parameters
+/// too. Each follows one process with a clip that bites; its checkpoint holds whole tensors,
+/// the sharded state gathered over the copies and then the parts, and resumes on one process
+/// with the uninterrupted losses.
 #[test]
 fn zero_beside_a_cut_model_follows_one_process_and_resumes_on_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -226,7 +232,12 @@ fn zero_beside_a_cut_model_follows_one_process_and_resumes_on_one() {
             assert!(rel <= 1e-5, "{name}, step {step}: {loss} against one process's {want}");
         }
     };
-    for (stage, sharded) in [(1, "optimizer state sharded"), (2, "optimizer state and gradients sharded")] {
+    let stages = [
+        (1, "optimizer state sharded"),
+        (2, "optimizer state and gradients sharded"),
+        (3, "optimizer state, gradients and parameters sharded"),
+    ];
+    for (stage, sharded) in stages {
         let (cut, resumed) = (format!("cut-zero{stage}"), format!("on-one-zero{stage}"));
         let zero = format!("dist.zero={stage}");
         let first =

@@ -39,7 +39,7 @@ use tch::Tensor;
 use crate::clock::StepClock;
 use crate::dist::compress::{CompressConfig, Compression, Compressor, Pending};
 use crate::dist::zero::{Zero, ZeroError};
-use crate::executor::StepHooks;
+use crate::executor::{Gathered, StepHooks};
 use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::trainer::{Phase, Trainer};
@@ -568,12 +568,14 @@ impl StepHooks for DataParallel {
         self.zero.as_ref().map(|z| &z.shard)
     }
 
-    fn gather_optimizer_state(&self, buffers: &[(&'static str, Tensor)]) -> Result<Option<Vec<Tensor>>, TrainError> {
+    fn gather_sharded_state(&self, buffers: &[(&'static str, Tensor)]) -> Result<Option<Gathered>, TrainError> {
         let (Some(zero), Some(data)) = (&self.zero, self.tensor.as_ref().and_then(|t| t.data.as_deref())) else {
             return Ok(None);
         };
-        let gathered = buffers.iter().map(|(_, buffer)| zero.gather_shard_buffer(data, buffer));
-        gathered.collect::<Result<Vec<_>, _>>().map(Some).map_err(|e| self.zero_error(e))
+        let gather = |buffer: &Tensor| zero.gather_shard_buffer(data, buffer).map_err(|e| self.zero_error(e));
+        let params = if zero.stage() >= 3 { Some(gather(zero.shard.flat())?) } else { None };
+        let state = buffers.iter().map(|(_, buffer)| gather(buffer)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Some((params, state)))
     }
 
     fn checkpoint_params(&self) -> Option<&FlatParams> {

@@ -33,6 +33,9 @@ use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::{Phase, TrainError};
 
+/// A sharded state gathered whole: (the parameters when the model's are given back, the optimizer's buffers).
+pub type Gathered = (Option<Tensor>, Vec<Tensor>);
+
 /// Code that acts between units. Every method has a do-nothing default.
 pub trait StepHooks {
     /// Unit `unit` is about to run its forward (a sharded step gathers its parameters here).
@@ -80,9 +83,9 @@ pub trait StepHooks {
         None
     }
 
-    /// ZeRO-1 beside a cut model: the optimizer's state `buffers` (laid out like
-    /// `optimizer_params`) gathered over the copies in the model's layout. Collective.
-    fn gather_optimizer_state(&self, _buffers: &[(&'static str, Tensor)]) -> Result<Option<Vec<Tensor>>, TrainError> {
+    /// ZeRO beside a cut model: the optimizer's `buffers` (laid out like `optimizer_params`), and
+    /// at stage 3 the parameters, gathered over the copies in the model's layout. Collective.
+    fn gather_sharded_state(&self, _buffers: &[(&'static str, Tensor)]) -> Result<Option<Gathered>, TrainError> {
         Ok(None)
     }
 

@@ -45,7 +45,7 @@ pub use dist::{
     Schedule, StageLink, ZeroConfig,
 };
 pub use error::TrainError;
-pub use executor::{Executor, MicroBatch, NoHooks, StepHooks};
+pub use executor::{Executor, Gathered, MicroBatch, NoHooks, StepHooks};
 pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use host_memory::retain_env;
 pub use kernels::{

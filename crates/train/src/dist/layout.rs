@@ -13,7 +13,7 @@ impl DataParallel {
     /// between them: tensor-parallel (one stage's parts), pipeline (one copy's stages of one
     /// part), data-parallel (one stage's part across the copies). Nothing for 1 and 1. Call once,
     /// right after joining, on every rank. ZeRO runs within the data-parallel groups of either (not
-    /// of both at once): stage 1 beside stages, 1 and 2 beside a cut model; ZeRO-3 and compressed
+    /// of both at once): stage 1 beside stages, any stage beside a cut model; compressed
     /// reductions are not composed with them yet.
     pub fn split_groups(&mut self, tensor: usize, pipeline: usize) -> Result<(), TrainError> {
         for (key, ways) in [("dist.tensor", tensor), ("dist.pipeline", pipeline)] {
@@ -25,11 +25,10 @@ impl DataParallel {
                 message: format!("is {what}, which {key} = {ways} does not run with yet"),
             };
             // Pipeline stages shard their optimizer state over their copies (ZeRO-1); the copies
-            // of a cut model's parts their optimizer state and gradients (ZeRO-1 and 2); not both
-            // at once.
+            // of a cut model's parts shard at any stage; not both at once.
             let zero_runs = match key {
                 "dist.pipeline" => tensor <= 1 && self.config.zero.stage <= 1,
-                _ => pipeline <= 1 && self.config.zero.stage <= 2,
+                _ => pipeline <= 1,
             };
             if self.config.zero.stage > 0 && !zero_runs {
                 return Err(refuse("dist.zero", &self.config.zero.stage.to_string()));

@@ -4,6 +4,7 @@
 use stoke_ckpt::{CheckpointStore, CheckpointWriter, DType, Loaded, Snapshot, TensorRecord};
 use tch::{Device, Kind, Tensor};
 
+use crate::executor::Gathered;
 use crate::optim::StateTensor;
 use crate::params::{FlatParams, ParamEntry};
 use crate::snapcopy::PendingCopy;
@@ -194,11 +195,12 @@ impl Trainer {
     /// None for a model that is not cut. `shard`: the buffers a sharded optimizer runs on (a
     /// pipeline stage's units, whole parameters flattened); then only those are gathered.
     /// `gathered`: the optimizer's state buffers in the model's layout, already gathered over the
-    /// copies that shard it (ZeRO-1 beside the cut); then every parameter is gathered.
+    /// copies that shard it (ZeRO beside the cut), and the parameters when the model's own are
+    /// given back (stage 3); then every parameter is gathered.
     pub(super) fn whole_state(
         &self,
         shard: Option<&FlatParams>,
-        gathered: Option<Vec<Tensor>>,
+        gathered: Option<Gathered>,
     ) -> Result<Option<Vec<WholeTensor>>, TrainError> {
         let Some(group) = self.model.tensor_group() else { return Ok(None) };
         let params = self.model.params();
@@ -207,11 +209,19 @@ impl Trainer {
             shard.map(|s| s.entries().iter().map(|e| e.name.as_str()).collect());
         let shapes: std::collections::HashMap<&str, &[i64]> =
             params.entries().iter().map(|e| (e.name.as_str(), e.shape.as_slice())).collect();
+        let (gathered_params, gathered) = match gathered {
+            Some((params, buffers)) => (params, Some(buffers)),
+            None => (None, None),
+        };
+        let value = |e: &ParamEntry| match &gathered_params {
+            Some(flat) => flat.narrow(0, e.offset, e.numel).view(e.shape.as_slice()),
+            None => e.tensor.detach(),
+        };
         let model = params
             .entries()
             .iter()
             .filter(|e| owned.as_ref().is_none_or(|o| o.contains(e.name.as_str())))
-            .map(|e| ("model", e.name.clone(), e.name.clone(), e.tensor.detach()));
+            .map(|e| ("model", e.name.clone(), e.name.clone(), value(e)));
         let states = match gathered {
             Some(buffers) => {
                 let suffixes = self.optimizer.buffers().into_iter().map(|(suffix, _)| suffix);

@@ -483,8 +483,8 @@ impl Trainer {
             // A cut model's parts gathered whole, on every rank of its group.
             let whole = match checkpoint_now {
                 true => {
-                    // ZeRO-1 beside the cut: the copies' state slices first, then the parts.
-                    let gathered = hooks.gather_optimizer_state(&self.optimizer.buffers())?;
+                    // ZeRO beside the cut: the copies' slices first, then the parts.
+                    let gathered = hooks.gather_sharded_state(&self.optimizer.buffers())?;
                     self.whole_state(hooks.optimizer_params(), gathered)?
                 }
                 false => None,
