@@ -135,7 +135,9 @@ fn main() -> ExitCode {
                 println!("xtask: {what}: flagged; once more");
                 gate(args)
             };
-            let code = twice(&["--self-test", "--pairs", "5"], "the gate's self-test")?;
+            // Seven rounds: a run's speed moves by 3-5% on a shared machine, and a 10% injection
+            // must read above the tolerance's 8% ceiling in the median of the rounds.
+            let code = twice(&["--self-test", "--pairs", "7"], "the gate's self-test")?;
             if code != 0 {
                 return Err(format!("the gate's self-test failed (exit {code})"));
             }
