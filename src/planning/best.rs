@@ -6,8 +6,9 @@
 //! with this machine's memory split between the workers and its measured matmul peak, or a
 //! calibration's efficiencies), ZeRO stages, recomputation and micro-batches at the run's global
 //! batch. Sequence parallelism and interleaved stages are not built, and pipeline stages shard
-//! at most the optimizer state and not beside a cut model, so those layouts are passed over. The chosen layout becomes `--set dist.tensor, dist.pipeline, dist.zero,
-//! train.micro_batch, train.grad_accum, train.recompute`, which the command must not set itself.
+//! at most the optimizer state and not beside a cut model, so those layouts are passed over. The
+//! chosen layout becomes `--set dist.tensor, dist.pipeline, dist.zero, train.micro_batch,
+//! train.grad_accum, train.recompute`, which the command must not set itself.
 
 use std::path::{Path, PathBuf};
 
