@@ -250,12 +250,13 @@ impl DataParallel {
             None => self.comm.as_ref(),
         };
         let (rank, world) = (group.rank(), group.world_size());
-        if let Some(parts) = self.tensor.as_mut() {
-            parts.checkpoint_pieces(trainer.model().params(), rank);
-        }
         let fused = trainer.fused_cpu_optimizer();
         let zero = Zero::new(config, trainer.params_mut(), rank, world, fused)
             .map_err(|e| invalid(format!("cannot map memory for the sharded buffers: {e}")))?;
+        // After the shard: from stage 2 on it moves the model's buffers, which the pieces map.
+        if let Some(parts) = self.tensor.as_mut() {
+            parts.checkpoint_pieces(trainer.model().params(), rank);
+        }
         let starts: std::collections::HashMap<String, i64> = trainer
             .model()
             .params()
