@@ -575,7 +575,8 @@ impl StepHooks for DataParallel {
         };
         let gather = |buffer: &Tensor| zero.gather_shard_buffer(data, buffer).map_err(|e| self.zero_error(e));
         let params = if zero.stage() >= 3 { Some(gather(zero.shard.flat())?) } else { None };
-        let state = buffers.iter().map(|(_, buffer)| gather(buffer)).collect::<Result<Vec<_>, _>>()?;
+        let state = buffers.iter().map(|(suffix, buffer)| gather(buffer).map(|t| (*suffix, t)));
+        let state = state.collect::<Result<Vec<_>, _>>()?;
         Ok(Some((params, state)))
     }
 

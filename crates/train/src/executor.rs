@@ -33,8 +33,8 @@ use crate::optimizers::TensorNorms;
 use crate::params::FlatParams;
 use crate::{Phase, TrainError};
 
-/// A sharded state gathered whole: (the parameters when the model's are given back, the optimizer's buffers).
-pub type Gathered = (Option<Tensor>, Vec<Tensor>);
+/// A sharded state gathered whole: (the parameters when the model's are given back, the optimizer's buffers by suffix).
+pub type Gathered = (Option<Tensor>, Vec<(&'static str, Tensor)>);
 
 /// Code that acts between units. Every method has a do-nothing default.
 pub trait StepHooks {

@@ -127,7 +127,7 @@ fn overlaps(params: &FlatParams, range: &Range<i64>) -> Vec<(usize, i64, i64)> {
 }
 
 /// The state as named tensors: for every parameter, one view per (suffix, buffer).
-fn state_views(params: &FlatParams, buffers: &[(&str, &Tensor)]) -> Vec<StateTensor> {
+pub(crate) fn state_views(params: &FlatParams, buffers: &[(&str, &Tensor)]) -> Vec<StateTensor> {
     let mut out = Vec::with_capacity(buffers.len() * params.entries().len());
     for entry in params.entries() {
         for (suffix, buffer) in buffers {

@@ -86,14 +86,7 @@ impl TensorParts {
     pub(super) fn replicated_sq_sum(&self, shard: &FlatParams) -> f64 {
         let grads = shard.flat_grad();
         let pieces = shard.entries().iter().filter(|e| self.replicated_names.contains(&e.name));
-        let sums: Vec<Tensor> = pieces
-            .map(|e| grads.narrow(0, e.offset, e.numel).to_kind(Kind::Double).square().sum(Kind::Double))
-            .collect();
-        if sums.is_empty() {
-            0.0
-        } else {
-            Tensor::stack(&sums, 0).sum(Kind::Double).double_value(&[])
-        }
+        sq_sum(pieces.map(|e| grads.narrow(0, e.offset, e.numel)))
     }
 
     /// ZeRO over the copies: a checkpoint's tensors are gathered whole over the copies and the
@@ -113,16 +106,18 @@ impl TensorParts {
     /// `replicated_sq_sum`), else read from the tracked gradients on the device once.
     pub(super) fn global_sq_sum(&self, local: f64, replicated: Option<f64>) -> Result<f64, CommError> {
         let size = self.group.size();
-        let replicated = replicated.unwrap_or_else(|| {
-            let sums: Vec<Tensor> =
-                self.replicated.iter().map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double)).collect();
-            if sums.is_empty() {
-                0.0
-            } else {
-                Tensor::stack(&sums, 0).sum(Kind::Double).double_value(&[])
-            }
-        });
+        let replicated = replicated.unwrap_or_else(|| sq_sum(self.replicated.iter().map(Tensor::shallow_clone)));
         let mine = local - replicated * (size - 1) as f64 / size as f64;
         Ok(sum_over_ranks(self.group.communicator(), &[mine])?[0])
+    }
+}
+
+/// The sum of squares of every element of `tensors`, in f64, read from the device once.
+fn sq_sum(tensors: impl Iterator<Item = Tensor>) -> f64 {
+    let sums: Vec<Tensor> = tensors.map(|t| t.to_kind(Kind::Double).square().sum(Kind::Double)).collect();
+    if sums.is_empty() {
+        0.0
+    } else {
+        Tensor::stack(&sums, 0).sum(Kind::Double).double_value(&[])
     }
 }

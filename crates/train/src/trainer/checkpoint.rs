@@ -5,7 +5,7 @@ use stoke_ckpt::{CheckpointStore, CheckpointWriter, DType, Loaded, Snapshot, Ten
 use tch::{Device, Kind, Tensor};
 
 use crate::executor::Gathered;
-use crate::optim::StateTensor;
+use crate::optimizers::state_views;
 use crate::params::{FlatParams, ParamEntry};
 use crate::snapcopy::PendingCopy;
 use crate::TrainError;
@@ -224,17 +224,8 @@ impl Trainer {
             .map(|e| ("model", e.name.clone(), e.name.clone(), value(e)));
         let states = match gathered {
             Some(buffers) => {
-                let suffixes = self.optimizer.buffers().into_iter().map(|(suffix, _)| suffix);
-                let buffers: Vec<(&str, Tensor)> = suffixes.zip(buffers).collect();
-                let views = |e: &ParamEntry| {
-                    let view = |(suffix, b): &(&str, Tensor)| StateTensor {
-                        name: format!("{}.{suffix}", e.name),
-                        shape: e.shape.clone(),
-                        tensor: b.narrow(0, e.offset, e.numel).view(e.shape.as_slice()),
-                    };
-                    buffers.iter().map(view).collect::<Vec<_>>()
-                };
-                params.entries().iter().flat_map(views).collect()
+                let buffers: Vec<(&str, &Tensor)> = buffers.iter().map(|(suffix, t)| (*suffix, t)).collect();
+                state_views(params, &buffers)
             }
             None => self.optimizer.state_tensors(shard.unwrap_or(params)),
         };
