@@ -90,7 +90,11 @@ pub fn image(root: &Path, args: &ImageArgs) -> Result<(), String> {
         .args(["-t", &args.tag, "-f"])
         .arg(root.join("Containerfile"))
         .arg(root);
-    run_checked(&mut bud)?;
+    enough_disk_for_layers()?;
+    let built = run_checked(&mut bud);
+    // The staging tree is in the image now (or the build failed): its copy goes either way.
+    let _ = std::fs::remove_dir_all(&dist);
+    built?;
     println!("xtask: image {} built: {}", args.tag, image_size(&args.tag)?);
     if args.check {
         let result = check(&args.tag, prefix.join("share/stoke/wheels").is_dir());
@@ -195,6 +199,27 @@ fn check(tag: &str, has_wheel: bool) -> Result<(), String> {
     })();
     let _ = Command::new("buildah").args(["rm", &ctr]).output();
     result
+}
+
+/// buildah writes each layer as a file under `$TMPDIR` (or /var/tmp) before it commits it to
+/// its store: the runtime layer is about 1.2 GB, so a fuller disk fails mid-commit with ENOSPC.
+/// This says so before the build starts, with the place and the figures.
+fn enough_disk_for_layers() -> Result<(), String> {
+    const NEEDED: u64 = 3 << 30;
+    let tmp = std::env::var("TMPDIR").ok().filter(|t| !t.is_empty()).unwrap_or_else(|| "/var/tmp".into());
+    let out = Command::new("df").args(["--output=avail", "-B1", &tmp]).output();
+    let free = out
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).lines().nth(1).and_then(|l| l.trim().parse::<u64>().ok()));
+    match free {
+        Some(free) if free < NEEDED => Err(format!(
+            "the image needs about {} GiB free under {tmp} for buildah's layers; {:.1} GiB are free there",
+            NEEDED >> 30,
+            free as f64 / (1u64 << 30) as f64
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn image_size(tag: &str) -> Result<String, String> {
