@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 
-use crate::launch::Launch;
+use crate::launch::{Launch, Nodes};
 
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
@@ -50,8 +50,20 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "FILE")]
     pub cpus_file: Option<PathBuf>,
     /// Port of the rendezvous store on 127.0.0.1 (default: a free port, a new one per start).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "master_addr")]
     pub master_port: Option<u16>,
+    /// Machines ("nodes") of the job: one `stoke launch` on each, with the same --nproc (workers
+    /// per node), --nnodes and --master-addr, and its own --node-rank. The workers talk over TCP
+    /// between nodes and shared memory inside one (`dist.backend = "tcp"`, added to the command
+    /// unless it names a backend).
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This machine's place among the --nnodes: its workers are ranks R x nproc onwards.
+    #[arg(long, default_value_t = 0, value_name = "R")]
+    pub node_rank: usize,
+    /// HOST:PORT of node 0, where rank 0 serves the rendezvous (every node gives the same).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub master_addr: Option<String>,
     /// Run this program instead of this `stoke` binary (for scripts that start their own
     /// workers, like torchrun's `--no-python`).
     #[arg(long)]
@@ -78,11 +90,42 @@ pub struct LaunchArgs {
 }
 
 pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
+    let usage = |m: String| crate::usage::UsageError(m);
+    let nodes = Nodes::parse(args.nnodes, args.node_rank, args.master_addr.as_deref()).map_err(usage)?;
+    if nodes.count > 1 {
+        if args.nproc.as_deref().is_some_and(|n| n.contains(':')) || args.slot_check.is_some() || args.slurm {
+            return Err(usage(format!(
+                "--nnodes {} runs a fixed --nproc on each node: not with MIN:MAX, --slot-check or --slurm",
+                nodes.count
+            ))
+            .into());
+        }
+        if args.plan.is_some() {
+            return Err(
+                usage("--plan best plans for this machine's workers; give --layout T,P,D over nodes".into()).into()
+            );
+        }
+    }
     let (nproc, command) = match (&args.layout, &args.plan) {
+        (Some(layout), _) if nodes.count > 1 => {
+            // The layout covers every node; --nproc is this node's share of it.
+            let whole = args.nproc.as_deref().map(|n| n.parse::<usize>().map(|n| (n * nodes.count).to_string()));
+            let whole = whole.transpose().map_err(|_| usage(format!("--nproc takes N, got {:?}", args.nproc)))?;
+            let (world, command) =
+                crate::launch::apply_layout(layout, whole.as_deref(), &args.command).map_err(usage)?;
+            let world: usize = world.parse().expect("apply_layout gives a count");
+            if world % nodes.count != 0 {
+                return Err(usage(format!(
+                    "--layout {layout} runs {world} workers, which {} nodes cannot share evenly",
+                    nodes.count
+                ))
+                .into());
+            }
+            ((world / nodes.count).to_string(), command)
+        }
         (Some(layout), _) => crate::launch::apply_layout(layout, args.nproc.as_deref(), &args.command)
             .map_err(crate::usage::UsageError)?,
         (None, Some(plan)) => {
-            let usage = |m: String| crate::usage::UsageError(m);
             if plan != "best" {
                 return Err(usage(format!("--plan takes `best`, got `{plan}`")).into());
             }
@@ -95,6 +138,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         }
         (None, None) => (args.nproc.unwrap_or_else(|| "1".into()), args.command),
     };
+    let command = if nodes.count > 1 { crate::launch::across_nodes(&command) } else { command };
     crate::launch::launch(&Launch {
         nproc,
         max_restarts: args.max_restarts,
@@ -109,6 +153,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         slurm: args.slurm,
         job_name: args.job_name,
         state_dir: args.state_dir,
+        nodes,
         command,
     })
 }

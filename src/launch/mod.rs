@@ -17,6 +17,12 @@
 //! `--cpus-file`, each start pins worker RANK to the RANK-th CPU the file lists (how
 //! `stoke sched serve` keeps jobs on their own cores).
 //!
+//! Over several machines, one launcher per machine (`--nnodes N --node-rank R --master-addr
+//! HOST:PORT`) starts its `--nproc` workers as ranks `R * nproc ..`; rank 0, on node 0, serves the
+//! rendezvous at HOST:PORT, and the workers talk over the `tcp` backend (shared memory between
+//! the ranks of one node). Each launcher watches and stops its own workers; a worker lost on
+//! another node fails the others' collectives, naming the rank, and so this node's start too.
+//!
 //! With `--slurm` a start is not workers here but one Slurm allocation and one `srun` step in it
 //! (`slurm`): the same loop, slot checks, heartbeats and preemption path, so a resize is a
 //! checkpoint and a new step with another task and node count.
@@ -32,5 +38,5 @@ mod spec;
 mod supervisor;
 mod workers;
 
-pub use spec::{apply_layout, Launch};
+pub use spec::{across_nodes, apply_layout, Launch, Nodes};
 pub use supervisor::launch;

@@ -202,6 +202,7 @@ pub fn run_step(
         stop,
         resize: args.slot_check.is_some().then_some((args, min, max)),
         world,
+        first_rank: 0,
         ask_to_stop: &signal,
         child_name: &|_| format!("srun of Slurm step {step}"),
     };

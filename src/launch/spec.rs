@@ -33,8 +33,56 @@ pub struct Launch {
     /// The launcher's folder for heartbeats and the run folder's name (default a new folder under
     /// the temporary directory, removed at the end); under Slurm, one every node sees.
     pub state_dir: Option<PathBuf>,
+    /// This launcher's place in a job over several machines (`--nnodes`).
+    pub nodes: Nodes,
     /// The command each worker runs.
     pub command: Vec<String>,
+}
+
+/// One launcher per machine ("node"): node `rank` of `count` starts its `--nproc` workers as the
+/// ranks `rank * nproc ..`, and every worker meets the others at `master` (served by rank 0, on
+/// node 0). One node: `master` is `None` and the store is on 127.0.0.1.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nodes {
+    pub count: usize,
+    pub rank: usize,
+    pub master: Option<(String, u16)>,
+}
+
+impl Nodes {
+    /// `--nnodes N --node-rank R --master-addr HOST:PORT`, checked: R below N, and an address
+    /// with a port whenever there is more than one node.
+    pub fn parse(count: usize, rank: usize, master: Option<&str>) -> Result<Nodes, String> {
+        if count == 0 || rank >= count {
+            return Err(format!("--node-rank {rank} must be below --nnodes {count}"));
+        }
+        let master = match master {
+            None if count > 1 => return Err(format!(
+                "--nnodes {count} needs --master-addr HOST:PORT: node 0's address, where rank 0 serves the rendezvous"
+            )),
+            None => None,
+            Some(text) => {
+                let (host, port) = text
+                    .rsplit_once(':')
+                    .and_then(|(h, p)| Some((h.trim_matches(|c| c == '[' || c == ']'), p.parse::<u16>().ok()?)))
+                    .filter(|(h, p)| !h.is_empty() && *p > 0)
+                    .ok_or_else(|| format!("--master-addr takes HOST:PORT, got `{text}`"))?;
+                Some((host.to_string(), port))
+            }
+        };
+        Ok(Nodes { count, rank, master })
+    }
+}
+
+/// A job over several nodes talks between them over TCP (shared memory inside each node): the
+/// command gets `--set dist.backend="tcp"` unless it names a backend itself.
+pub fn across_nodes(command: &[String]) -> Vec<String> {
+    let mut command = command.to_vec();
+    let sets_backend = command.iter().any(|a| a.trim_start().starts_with("dist.backend"));
+    if command.first().map(String::as_str) == Some("train") && !sets_backend {
+        command.extend(["--set".to_string(), "dist.backend=\"tcp\"".to_string()]);
+    }
+    command
 }
 
 /// `--layout T,P,D`: T ranks per model copy cut by tensor parallelism, P pipeline stages, D data
@@ -85,6 +133,29 @@ mod tests {
         assert_eq!(nproc, "4");
         assert!(cmd.ends_with(&command(&["--set", "dist.tensor=1", "--set", "dist.pipeline=2"])), "{cmd:?}");
         assert_eq!(apply_layout("2,1,2", Some("4"), &command(&["train"])).unwrap().0, "4");
+    }
+
+    #[test]
+    fn nodes_need_an_address_and_a_rank_below_their_count() {
+        assert_eq!(Nodes::parse(1, 0, None).unwrap(), Nodes { count: 1, rank: 0, master: None });
+        let two = Nodes::parse(2, 1, Some("10.0.0.2:29500")).unwrap();
+        assert_eq!(two.master, Some(("10.0.0.2".to_string(), 29500)));
+        assert_eq!(Nodes::parse(2, 0, Some("[::1]:7")).unwrap().master.unwrap().0, "::1");
+        for (count, rank, master, why) in [
+            (2, 0, None, "needs --master-addr"),
+            (2, 2, Some("h:1"), "must be below --nnodes 2"),
+            (0, 0, None, "must be below"),
+            (2, 0, Some("h"), "HOST:PORT"),
+            (2, 0, Some(":29500"), "HOST:PORT"),
+            (2, 0, Some("h:0"), "HOST:PORT"),
+        ] {
+            let err = Nodes::parse(count, rank, master).unwrap_err();
+            assert!(err.contains(why), "{count} {rank} {master:?}: {err}");
+        }
+        let cmd = across_nodes(&command(&["train", "--quiet"]));
+        assert_eq!(cmd, command(&["train", "--quiet", "--set", "dist.backend=\"tcp\""]));
+        let own = command(&["train", "--set", "dist.backend=\"mpi\""]);
+        assert_eq!(across_nodes(&own), own);
     }
 
     #[test]

@@ -53,7 +53,7 @@ pub fn launch(args: &Launch) -> anyhow::Result<ExitCode> {
         loop {
             let slots = wait_for_slots(args, min, max, stop)?;
             let world = slots.len();
-            let port = match args.master_port {
+            let port = match args.nodes.master.as_ref().map(|(_, port)| *port).or(args.master_port) {
                 Some(port) => port,
                 None => free_port()?,
             };

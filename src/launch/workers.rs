@@ -40,26 +40,32 @@ pub fn run_workers(
     stop: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<Outcome> {
     let world = slots.len();
+    // Over several nodes this node's workers are the ranks `first..first + world`.
+    let nodes = &args.nodes;
+    let first = nodes.rank * world;
+    let (master_addr, _) = nodes.master.clone().unwrap_or(("127.0.0.1".into(), port));
     let mut children: Vec<Option<Child>> = Vec::with_capacity(world);
     let mut pumps = Vec::new();
-    for rank in 0..world {
-        let _ = std::fs::remove_file(heartbeat_path(launch_dir, rank));
+    for local in 0..world {
+        let _ = std::fs::remove_file(heartbeat_path(launch_dir, first + local));
     }
     let cpus = match &args.cpus_file {
         Some(path) => read_cpus(path)?,
         None => Vec::new(),
     };
-    for (rank, slot) in slots.iter().enumerate() {
+    for (local, slot) in slots.iter().enumerate() {
+        let rank = first + local;
         let mut cmd = Command::new(program);
-        if let Some(&cpu) = cpus.get(rank) {
+        if let Some(&cpu) = cpus.get(local) {
             pin_to(&mut cmd, cpu);
         }
         cmd.args(command)
             .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", (world * nodes.count).to_string())
+            .env("LOCAL_RANK", local.to_string())
             .env("LOCAL_WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
+            .env("GROUP_RANK", nodes.rank.to_string())
+            .env("MASTER_ADDR", &master_addr)
             .env("MASTER_PORT", port.to_string())
             .env("STOKE_SLOT", slot.to_string())
             .env(LAUNCH_DIR_VAR, launch_dir)
@@ -70,7 +76,7 @@ pub fn run_workers(
             Ok(child) => child,
             Err(err) => {
                 stop_all(&mut children, Duration::ZERO);
-                let pinned = cpus.get(rank).map_or(String::new(), |cpu| format!(" pinned to CPU {cpu}"));
+                let pinned = cpus.get(local).map_or(String::new(), |cpu| format!(" pinned to CPU {cpu}"));
                 return Err(err).with_context(|| format!("cannot start worker {rank}{pinned}: {}", program.display()));
             }
         };
@@ -94,8 +100,9 @@ pub fn run_workers(
         stop,
         resize: args.slot_check.is_some().then_some((args, min, max)),
         world,
+        first_rank: first,
         ask_to_stop: &signal,
-        child_name: &|rank| format!("worker {rank}"),
+        child_name: &|local| format!("worker {}", first + local),
     };
     let outcome = supervise(&mut children, &watch);
     for pump in pumps {
@@ -115,6 +122,8 @@ pub struct Watch<'a> {
     pub resize: Option<(&'a Launch, usize, usize)>,
     /// The ranks the children run (one child per rank here; one srun for them all under Slurm).
     pub world: usize,
+    /// The job's rank of the first of them (this node's first rank over several nodes).
+    pub first_rank: usize,
     /// Asks the workers to stop through their preemption path (SIGTERM to each one here).
     pub ask_to_stop: &'a dyn Fn(&[Option<Child>]),
     /// How a message names child `k`.
@@ -164,6 +173,7 @@ pub fn supervise(children: &mut [Option<Child>], watch: &Watch<'_>) -> Outcome {
             } else {
                 (0..watch.world).collect()
             };
+            let ranks: Vec<usize> = ranks.iter().map(|r| watch.first_rank + r).collect();
             if let Some(rank) = hung_worker(&ranks, watch.launch_dir, started, watch.hang_timeout) {
                 let cause =
                     format!("rank {rank} sent no heartbeat for {:.0} s (hung)", watch.hang_timeout.as_secs_f64());

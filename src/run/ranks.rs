@@ -36,7 +36,11 @@ pub fn set_up(
     if rank == 0 {
         let (_, copies) = dist.data_rank();
         if config.dist.tensor > 1 {
-            println!("tensor parallel: the model cut over {} ranks, {copies} copies of it", config.dist.tensor);
+            let over = dist.tensor_transports().unwrap_or_default();
+            println!(
+                "tensor parallel: the model cut over {} ranks, {copies} copies of it ({over})",
+                config.dist.tensor
+            );
         }
         if config.dist.pipeline > 1 {
             println!(

@@ -15,6 +15,7 @@ mod house;
 mod instructions;
 mod launch;
 mod mirror;
+mod nodes;
 mod pipeline;
 mod plan;
 mod prep;

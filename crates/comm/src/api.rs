@@ -23,7 +23,8 @@ pub trait Communicator: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of processes in the group.
     fn world_size(&self) -> usize;
-    /// The backend's name: `shm`, `mpi` or `nccl`.
+    /// The backend's name: `shm`, `mpi`, `nccl` or `tcp`. With the `tcp` backend it names what
+    /// moves this group's bytes: `shm` for a group whose members share one node.
     fn backend(&self) -> &'static str;
 
     /// All-reduce in place: afterwards every rank holds the reduction of all ranks' regions.
@@ -229,7 +230,7 @@ impl Communicator for ProcessGroup {
                 ),
             ));
         }
-        if send.count() % self.size != 0 {
+        if !send.count().is_multiple_of(self.size) {
             return Err(
                 self.invalid(name, format!("{} elements do not cut into {} equal chunks", send.count(), self.size))
             );
@@ -272,7 +273,7 @@ impl Communicator for ProcessGroup {
                 group: info.id,
                 rank: info.rank,
                 size: info.size,
-                backend: self.backend,
+                backend: info.backend.unwrap_or(self.backend),
             }) as Box<dyn Communicator>
         }))
     }

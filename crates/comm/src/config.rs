@@ -14,23 +14,28 @@ pub enum Backend {
     Mpi,
     /// NCCL on GPUs (feature `nccl`, libraries loaded at run time).
     Nccl,
+    /// TCP between machines and shared memory inside one (no system dependency): a group whose
+    /// members share a node runs over shared memory, a group that spans nodes over TCP.
+    Tcp,
 }
 
 impl Backend {
-    /// Parses `shm`, `mpi` or `nccl`.
+    /// Parses `shm`, `mpi`, `nccl` or `tcp`.
     pub fn parse(name: &str) -> Result<Backend> {
         match name {
             "shm" => Ok(Backend::Shm),
             "mpi" => Ok(Backend::Mpi),
             "nccl" => Ok(Backend::Nccl),
-            other => Err(CommError::Environment(format!("unknown backend `{other}` (shm, mpi, nccl)"))),
+            "tcp" => Ok(Backend::Tcp),
+            other => Err(CommError::Environment(format!("unknown backend `{other}` (shm, mpi, nccl, tcp)"))),
         }
     }
 
-    /// Whether this build carries the backend (`mpi` and `nccl` are features; `shm` always is).
+    /// Whether this build carries the backend (`mpi` and `nccl` are features; `shm` and `tcp`
+    /// always are).
     pub fn is_built(self) -> bool {
         match self {
-            Backend::Shm => true,
+            Backend::Shm | Backend::Tcp => true,
             Backend::Mpi => crate::mpi::BUILT,
             Backend::Nccl => crate::nccl::BUILT,
         }
@@ -79,7 +84,7 @@ impl CommConfig {
         if !(self.timeout_s > 0.0 && self.timeout_s.is_finite()) {
             return bad(format!("timeout_s must be a positive number of seconds, got {}", self.timeout_s));
         }
-        if self.slot_bytes == 0 || self.slot_bytes % 64 != 0 || self.slot_bytes > (1 << 30) {
+        if self.slot_bytes == 0 || !self.slot_bytes.is_multiple_of(64) || self.slot_bytes > (1 << 30) {
             return bad(format!("slot_bytes must be a positive multiple of 64 up to 1 GiB, got {}", self.slot_bytes));
         }
         if self.slots == 0 || self.slots > 1024 {
@@ -116,6 +121,10 @@ pub struct DistEnv {
     /// A name unique to this job step (Open MPI's job id, Slurm's job and step ids), used for a
     /// path rendezvous when there is no MASTER_ADDR/MASTER_PORT.
     pub job_key: Option<String>,
+    /// Which node (machine) this process runs on, `0..n_nodes`: torchrun's GROUP_RANK, Slurm's
+    /// SLURM_NODEID; `None` under Open MPI and for a single process. The `tcp` backend groups
+    /// ranks by it, and by hostname and boot id when it is `None`.
+    pub node_rank: Option<usize>,
     pub source: EnvSource,
 }
 
@@ -130,6 +139,7 @@ impl DistEnv {
             master_addr: None,
             master_port: None,
             job_key: None,
+            node_rank: None,
             source: EnvSource::Single,
         }
     }
@@ -169,6 +179,7 @@ impl DistEnv {
                 master_addr,
                 master_port,
                 job_key: None,
+                node_rank: num("GROUP_RANK")?,
                 source: EnvSource::Torchrun,
             }
         } else if get("OMPI_COMM_WORLD_RANK").is_some() {
@@ -181,6 +192,7 @@ impl DistEnv {
                 master_addr,
                 master_port,
                 job_key: get("OMPI_MCA_orte_ess_jobid").or(get("PMIX_NAMESPACE")).map(|id| format!("ompi-{id}")),
+                node_rank: None,
                 source: EnvSource::OpenMpi,
             }
         } else if get("SLURM_PROCID").is_some() {
@@ -199,6 +211,7 @@ impl DistEnv {
                 master_addr,
                 master_port,
                 job_key: get("SLURM_JOB_ID").map(|job| format!("slurm-{job}-{}", get("SLURM_STEP_ID").unwrap_or("0"))),
+                node_rank: num("SLURM_NODEID")?,
                 source: EnvSource::Slurm,
             }
         } else {
@@ -275,8 +288,24 @@ mod tests {
             Some((1, 2, 1, 2, EnvSource::Slurm)),
         );
         check(&[("RANK", "2"), ("WORLD_SIZE", "2")], None);
+        check(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("GROUP_RANK", "x")], None);
         check(&[("RANK", "0")], None);
         check(&[("RANK", "x"), ("WORLD_SIZE", "2")], None);
+    }
+
+    #[test]
+    fn node_rank_comes_from_group_rank_or_slurm_nodeid() {
+        let node = |vars: &[(&str, &str)]| {
+            let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            DistEnv::from_vars(&map).unwrap().node_rank
+        };
+        assert_eq!(node(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("GROUP_RANK", "1")]), Some(1));
+        assert_eq!(node(&[("RANK", "3"), ("WORLD_SIZE", "4")]), None);
+        assert_eq!(node(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("SLURM_NODEID", "1")]), Some(1));
+        assert_eq!(node(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]), None);
+        assert_eq!(Backend::parse("tcp").unwrap(), Backend::Tcp);
+        assert!(Backend::Tcp.is_built());
+        assert!(Backend::parse("gloo").unwrap_err().to_string().contains("tcp"));
     }
 
     #[test]

@@ -85,7 +85,7 @@ pub(crate) unsafe fn add_into(dtype: DType, dst: *mut u8, src: *const u8, count:
         DType::F32 => {
             // Slot memory is 64-byte aligned and caller buffers of f32 are 4-byte aligned, but the
             // raw API promises nothing, so read unaligned when needed.
-            if (dst as usize) % 4 == 0 && (src as usize) % 4 == 0 {
+            if (dst as usize).is_multiple_of(4) && (src as usize).is_multiple_of(4) {
                 // SAFETY: aligned, valid for `count` f32 and non-overlapping (caller's contract).
                 let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut f32, count) };
                 let s = unsafe { std::slice::from_raw_parts(src as *const f32, count) };

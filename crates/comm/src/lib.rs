@@ -9,8 +9,12 @@
 //! error ([`CommError::PeerLost`]) instead of hanging the job.
 //!
 //! Backends ([`Backend`]): `shm`, shared memory between processes of one machine (the default, no
-//! system dependency); `mpi`, Open MPI (feature `mpi`); `nccl`, NCCL on GPUs (feature `nccl`, the
-//! libraries are loaded at run time and their absence is an error, not a crash).
+//! system dependency); `tcp`, for jobs on several machines without MPI: TCP between nodes and
+//! shared memory inside one (a group whose members share a node runs on shared memory, an
+//! all-reduce across nodes reduces inside each node first; nodes come from
+//! [`DistEnv::node_rank`], else hostname and boot id); `mpi`, Open MPI (feature `mpi`); `nccl`,
+//! NCCL on GPUs (feature `nccl`, the libraries are loaded at run time and their absence is an
+//! error, not a crash).
 //!
 //! [`DistEnv::from_vars`] reads a process's rank and world from the variables of torchrun (and
 //! `stoke launch`), Open MPI or Slurm; the binary passes the environment in.
@@ -37,6 +41,7 @@ mod mpi;
 mod nccl;
 mod shm;
 mod store;
+mod tcp;
 mod work;
 
 pub use api::{shard_range, Communicator, CommunicatorExt};
@@ -56,6 +61,7 @@ pub fn connect(config: &CommConfig, env: &DistEnv) -> Result<Box<dyn Communicato
         Backend::Shm => connect_shm(config, env),
         Backend::Mpi => mpi::connect(config, env),
         Backend::Nccl => nccl::connect(config, env),
+        Backend::Tcp => tcp::connect(config, env),
     }
 }
 

@@ -102,6 +102,9 @@ pub(crate) struct GroupInfo {
     pub id: usize,
     pub rank: usize,
     pub size: usize,
+    /// What moves the new group's bytes when that differs from the parent's (`tcp` gives a group
+    /// inside one node to `shm`); `None` keeps the parent's name.
+    pub backend: Option<&'static str>,
 }
 
 /// A backend's executor. It lives on the communication thread; engines whose `any_thread` is

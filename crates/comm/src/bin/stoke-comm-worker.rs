@@ -2,9 +2,12 @@
 //! test (over loopback), by `mpirun`, or by `srun`. It reads its rank from the launcher's
 //! environment like any stoke worker.
 //!
-//! - `check [--backend B] [--timeout S]`: every operation, every element type, odd sizes,
-//!   sub-groups and overlapping async operations, each result compared with its exact value.
+//! - `check [--backend B] [--timeout S] [--expect-backend NAME]`: every operation, every element
+//!   type, odd sizes, sub-groups and overlapping async operations, each result compared with its
+//!   exact value (and the world's `backend()` with NAME).
 //!   Exit 0 when all agree, 1 on a wrong value, 3 on a communication error.
+//! - `nodes [--backend tcp]`: with two ranks per node, sub-groups inside a node must run on
+//!   shared memory and sub-groups across nodes on TCP; every operation is checked on each.
 //! - `victim --victim R [--op all_to_all] [--backend B] [--timeout S]`: all ranks join and print
 //!   `ready`; rank R then sleeps (for a test to kill or stop it) while the others all-reduce (or
 //!   all-to-all) and report what happened.
@@ -260,6 +263,49 @@ fn check(comm: &dyn Communicator) -> stoke_comm::Result<usize> {
     Ok(checker.failures)
 }
 
+/// For the `tcp` backend with two ranks per node (node = rank / 2, four or more ranks): a group
+/// inside a node must run on shared memory, one across nodes on TCP, and both must be right.
+fn nodes(comm: &dyn Communicator) -> stoke_comm::Result<usize> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let mut checker = Checker { comm, failures: 0 };
+    let expect_backend = |what: &str, got: &str, want: &str| {
+        if got != want {
+            eprintln!("rank {rank}: {what} runs on `{got}`, expected `{want}`");
+            1
+        } else {
+            0
+        }
+    };
+    checker.failures += expect_backend("the world", comm.backend(), "tcp");
+    // Inside node 0, inside the last node, across two nodes, and two ranks of node 0 with one of
+    // node 1 (the hierarchical all-reduce).
+    let last_node = [n / 2 * 2 - 2, n / 2 * 2 - 1];
+    let groups: [(&[usize], &str); 4] = [(&[0, 1], "shm"), (&last_node, "shm"), (&[1, 2], "tcp"), (&[0, 1, 2], "tcp")];
+    for (members, want) in groups {
+        let sub = comm.new_group(members)?;
+        match (sub, members.contains(&rank)) {
+            (Some(sub), true) => {
+                checker.failures += expect_backend(&format!("group {members:?}"), sub.backend(), want);
+                let mut inner = Checker { comm: sub.as_ref(), failures: 0 };
+                for len in [1usize, 7, 1001, 70_001] {
+                    inner.all_ops::<f32>(len)?;
+                    inner.all_ops::<bf16>(len)?;
+                    inner.all_ops::<u8>(len)?;
+                }
+                sub.barrier()?;
+                checker.failures += inner.failures;
+            }
+            (None, false) => {}
+            _ => {
+                eprintln!("rank {rank}: new_group({members:?}) returned the wrong membership");
+                checker.failures += 1;
+            }
+        }
+    }
+    comm.barrier()?;
+    Ok(checker.failures)
+}
+
 /// Iterations per size when not given: about 256 MiB moved, 5..200 iterations (the gloo peer
 /// script uses the same rule).
 fn iterations(bytes: usize) -> usize {
@@ -314,7 +360,7 @@ fn main() -> ExitCode {
     };
     let mut config = CommConfig::default();
     if let Some(backend) = arg(&args, "--backend") {
-        config.backend = Backend::parse(&backend).expect("backend is shm, mpi or nccl");
+        config.backend = Backend::parse(&backend).expect("backend is shm, mpi, nccl or tcp");
     }
     if let Some(timeout) = arg(&args, "--timeout") {
         config.timeout_s = timeout.parse().expect("--timeout takes seconds");
@@ -331,6 +377,18 @@ fn main() -> ExitCode {
     };
     let outcome = match args.first().map(String::as_str) {
         Some("check") => check(comm.as_ref()).map(|failures| {
+            let backend = arg(&args, "--expect-backend");
+            if let Some(want) = backend.as_deref().filter(|&want| want != comm.backend()) {
+                eprintln!("rank {}: the world runs on `{}`, expected `{want}`", comm.rank(), comm.backend());
+                1
+            } else if failures == 0 {
+                println!("rank {} of {}: all checks passed", comm.rank(), comm.world_size());
+                0
+            } else {
+                1
+            }
+        }),
+        Some("nodes") => nodes(comm.as_ref()).map(|failures| {
             if failures == 0 {
                 println!("rank {} of {}: all checks passed", comm.rank(), comm.world_size());
                 0
@@ -403,7 +461,7 @@ fn main() -> ExitCode {
             bench(comm.as_ref(), &sizes, iters, all_to_all).map(|_| 0)
         }
         _ => {
-            eprintln!("usage: stoke-comm-worker check|victim|leave|bench [--backend B] [--timeout S]");
+            eprintln!("usage: stoke-comm-worker check|nodes|victim|leave|bench [--backend B] [--timeout S]");
             Ok(2)
         }
     };

@@ -349,7 +349,7 @@ impl Engine for MpiEngine {
                 // SAFETY: child is a valid communicator for members.
                 unsafe { ffi::MPI_Comm_set_errhandler(child, ffi::RSMPI_ERRORS_RETURN) };
                 self.groups.push(MpiGroup { comm: child, rank, size: ranks.len() });
-                return Ok(Some(GroupInfo { id: self.groups.len() - 1, rank, size: ranks.len() }));
+                return Ok(Some(GroupInfo { id: self.groups.len() - 1, rank, size: ranks.len(), backend: None }));
             }
         }
         Ok(None)

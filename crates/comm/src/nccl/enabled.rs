@@ -479,7 +479,12 @@ impl Engine for NcclEngine {
                     .map_err(|e| nccl_failed(name, rank, e))?;
                 let Some(sub_rank) = member else { return Ok(None) };
                 self.groups.push(NcclGroup { comm: child, rank: sub_rank, size: ranks.len() });
-                return Ok(Some(GroupInfo { id: self.groups.len() - 1, rank: sub_rank, size: ranks.len() }));
+                return Ok(Some(GroupInfo {
+                    id: self.groups.len() - 1,
+                    rank: sub_rank,
+                    size: ranks.len(),
+                    backend: None,
+                }));
             }
         };
         status.map_err(|e| nccl_failed(name, rank, e))?;

@@ -80,6 +80,22 @@ impl ShmEngine {
         Ok(engine)
     }
 
+    /// An engine with no group yet, for the `tcp` backend, which adds one shm group per group
+    /// whose members share a node ([`ShmEngine::add_group`]).
+    pub(crate) fn without_groups(config: CommConfig, rendezvous: Rendezvous) -> ShmEngine {
+        ShmEngine { config, rendezvous, groups: Vec::new() }
+    }
+
+    /// Builds a group of `world_ranks` (ascending) in which this process is `rank`, and returns
+    /// its id for [`Engine::execute`]. Every member calls it with the same `key`, which must be
+    /// unique among the job's groups (it names the store key and the segment). Collective over
+    /// the members only.
+    pub(crate) fn add_group(&mut self, world_ranks: Vec<usize>, rank: usize, key: String) -> Result<usize> {
+        let group = self.make_group(world_ranks, rank, key)?;
+        self.groups.push(group);
+        Ok(self.groups.len() - 1)
+    }
+
     fn timeout(&self) -> Duration {
         Duration::from_secs_f64(self.config.timeout_s)
     }
@@ -162,7 +178,7 @@ impl Engine for ShmEngine {
             let size = world_ranks.len();
             let child = self.make_group(world_ranks, rank, key)?;
             self.groups.push(child);
-            return Ok(Some(GroupInfo { id: self.groups.len() - 1, rank, size }));
+            return Ok(Some(GroupInfo { id: self.groups.len() - 1, rank, size, backend: None }));
         }
         let direct_max = self.config.direct_max_bytes.min(self.config.slot_bytes);
         let g = &mut self.groups[group];
@@ -453,7 +469,7 @@ impl Group {
 
 /// This machine's boot id (the kernel's, shared by every process and network namespace here);
 /// empty where it cannot be read, which then matches only another empty one.
-fn boot_id() -> String {
+pub(crate) fn boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 

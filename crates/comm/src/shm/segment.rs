@@ -274,7 +274,7 @@ impl Segment {
     }
 
     fn atomic32(&self, offset: usize) -> &AtomicU32 {
-        debug_assert!(offset + 4 <= self.len && offset % 4 == 0);
+        debug_assert!(offset + 4 <= self.len && offset.is_multiple_of(4));
         // SAFETY: in bounds and 4-aligned (the mapping is page-aligned); shared words are only
         // accessed atomically.
         unsafe { &*(self.base.add(offset) as *const AtomicU32) }
@@ -423,7 +423,7 @@ impl Segment {
                 return Ok(value);
             }
             spins += 1;
-            if spins % 64 == 0 {
+            if spins.is_multiple_of(64) {
                 let waited = start.elapsed();
                 if waited >= YIELD {
                     break;

@@ -116,6 +116,27 @@ pub fn spawn_torchrun(n: usize, args: &[&str]) -> Vec<Worker> {
         .collect()
 }
 
+/// Starts `n` workers with torchrun's variables, `per_node` ranks to a node (GROUP_RANK is
+/// `rank / per_node`), on a fresh loopback port; `skip` ranks are left out (they never arrive).
+pub fn spawn_nodes(n: usize, per_node: usize, args: &[&str], skip: &[usize]) -> Vec<Worker> {
+    let port = free_port();
+    (0..n)
+        .filter(|rank| !skip.contains(rank))
+        .map(|rank| {
+            let mut cmd = Command::new(WORKER);
+            cmd.args(args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", (rank % per_node).to_string())
+                .env("LOCAL_WORLD_SIZE", per_node.to_string())
+                .env("GROUP_RANK", (rank / per_node).to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string());
+            Worker::spawn(cmd, rank)
+        })
+        .collect()
+}
+
 pub fn finish_all(workers: Vec<Worker>) -> Vec<Outcome> {
     let deadline = Instant::now() + HANG_LIMIT;
     workers.into_iter().map(|w| w.finish(deadline)).collect()

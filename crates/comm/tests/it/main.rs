@@ -1,5 +1,5 @@
 //! stoke-comm's integration tests: real worker processes (`stoke-comm-worker`) talking over
-//! shared memory and loopback, started directly, by `mpirun`, or by `srun`.
+//! shared memory and loopback (shm, and tcp with simulated nodes), started directly, by `mpirun`, or by `srun`.
 
 mod harness;
 #[cfg(feature = "mpi")]
@@ -8,3 +8,4 @@ mod mpi;
 mod nccl;
 mod shm;
 mod slurm;
+mod tcp;

@@ -90,6 +90,17 @@ impl DataParallel {
         self.tensor.as_ref().map(|t| t.group.clone())
     }
 
+    /// What moves the bytes of a cut model's groups, "tensor over shm, data over tcp": with the
+    /// `tcp` backend a group inside one node runs over shared memory. None for an uncut model.
+    pub fn tensor_transports(&self) -> Option<String> {
+        let parts = self.tensor.as_ref()?;
+        let mut text = format!("tensor over {}", parts.group.communicator().backend());
+        if let Some(data) = &parts.data {
+            text.push_str(&format!(", data over {}", data.backend()));
+        }
+        Some(text)
+    }
+
     /// After `Trainer::split_tensor`: keeps what the whole model's gradient norm needs.
     pub fn track_cut_model(&mut self, trainer: &Trainer) {
         if let Some(parts) = self.tensor.as_mut() {

@@ -1,0 +1,241 @@
+//! Two "nodes" on this machine: two network namespaces that the test makes, joined by a veth
+//! pair, each with its own address, hostname and a private /dev/shm (its own mount namespace), so
+//! shared memory cannot cross from one to the other and everything between them goes over real
+//! TCP. Each node runs its own `stoke launch --nnodes 2 --node-rank R --master-addr
+//! NODE0:PORT --nproc 2`.
+//!
+//! Tensor 2 inside each node and data 2 across them follows one process's fp32 losses within
+//! 1e-5 over 20 steps (node 1 started first: the rendezvous takes nodes in any order); a node that
+//! never arrives is named by the other's error within `dist.timeout_s`; a node killed mid-run
+//! (every process in its namespace) is named by the survivors, which stop instead of hanging.
+//! Needs root (namespaces); without it the tests say SKIPPED.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::dist::{assert_same_trajectory, family_reference_losses, overrides};
+
+/// One pair of namespaces at a time: the tests share the address plan and the 2 cores.
+static ONE_NETWORK: Mutex<()> = Mutex::new(());
+
+const RMS: (&str, &[&str]) = ("gpt-rms", &["model.family=\"gpt-rms\""]);
+const PORT: u16 = 29517;
+
+/// Two namespaces and the veth pair between them; deleted (with whatever still runs in them)
+/// however the test ends.
+struct Network {
+    namespaces: [String; 2],
+    addresses: [String; 2],
+}
+
+impl Network {
+    fn make() -> Network {
+        let id = std::process::id();
+        let namespaces = [format!("stoke-n0-{id}"), format!("stoke-n1-{id}")];
+        // A subnet of this test's own, between its own two namespaces.
+        let subnet = format!("10.234.{}", id % 250);
+        let addresses = [format!("{subnet}.1"), format!("{subnet}.2")];
+        let network = Network { namespaces, addresses };
+        let (a, b) = (&network.namespaces[0], &network.namespaces[1]);
+        let (va, vb) = (format!("stkn{id}a"), format!("stkn{id}b"));
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns".into(), "add".into(), a.clone()],
+            vec!["netns".into(), "add".into(), b.clone()],
+            ["link", "add", &va, "netns", a, "type", "veth", "peer", "name", &vb, "netns", b]
+                .map(String::from)
+                .to_vec(),
+            ["-n", a, "addr", "add", &format!("{}/24", network.addresses[0]), "dev", &va].map(String::from).to_vec(),
+            ["-n", b, "addr", "add", &format!("{}/24", network.addresses[1]), "dev", &vb].map(String::from).to_vec(),
+            ["-n", a, "link", "set", &va, "up"].map(String::from).to_vec(),
+            ["-n", b, "link", "set", &vb, "up"].map(String::from).to_vec(),
+            ["-n", a, "link", "set", "lo", "up"].map(String::from).to_vec(),
+            ["-n", b, "link", "set", "lo", "up"].map(String::from).to_vec(),
+        ];
+        for step in steps {
+            let out = Command::new("ip").args(&step).output().expect("ip runs");
+            assert!(out.status.success(), "ip {}: {}", step.join(" "), String::from_utf8_lossy(&out.stderr));
+        }
+        network
+    }
+
+    fn master(&self) -> String {
+        format!("{}:{PORT}", self.addresses[0])
+    }
+
+    /// `stoke launch` as node `rank`: in its network namespace, with a mount namespace of its own
+    /// whose /dev/shm is a fresh tmpfs, and its own hostname.
+    fn launch(&self, rank: usize, log: &Path, args: &[String]) -> Launched {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{}", self.namespaces[rank]))
+            .args(["unshare", "--mount", "--uts", "sh", "-c"])
+            .arg(format!("mount -t tmpfs -o size=1g stoke-shm /dev/shm && hostname stoke-node{rank} && exec \"$@\""))
+            .arg("node")
+            .arg(env!("CARGO_BIN_EXE_stoke"))
+            .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string(), "--master-addr", &self.master()])
+            .args(["--nproc", "2", "--", "train", "--quiet"]);
+        for a in args {
+            cmd.arg("--set").arg(a);
+        }
+        let file = std::fs::File::create(log).unwrap();
+        cmd.stdin(Stdio::null()).stdout(file.try_clone().unwrap()).stderr(file);
+        Launched { child: Some(cmd.spawn().expect("nsenter runs")), log: log.to_path_buf() }
+    }
+
+    /// SIGKILL to every process in node `rank`'s namespace.
+    fn kill_node(&self, rank: usize) -> usize {
+        let out = Command::new("ip").args(["netns", "pids", &self.namespaces[rank]]).output().unwrap();
+        let pids: Vec<i32> =
+            String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect();
+        for &pid in &pids {
+            // SAFETY: kill(2) of a process in a namespace this test made.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        pids.len()
+    }
+}
+
+impl Drop for Network {
+    fn drop(&mut self) {
+        for rank in 0..2 {
+            self.kill_node(rank);
+        }
+        for ns in &self.namespaces {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+/// A node's launcher; killed if the test ends before it does.
+struct Launched {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Launched {
+    /// Waits at most `limit` for the launcher to end: its exit status and everything it printed.
+    fn finish(mut self, limit: Duration) -> (std::process::ExitStatus, String) {
+        let mut child = self.child.take().unwrap();
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "a node's launcher ran past {limit:?}:\n{}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        (status, std::fs::read_to_string(&self.log).unwrap_or_default())
+    }
+}
+
+impl Drop for Launched {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn can_run() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let tools = ["ip", "nsenter", "unshare"].iter().all(|t| Command::new(t).arg("-V").output().is_ok());
+    if !(root && tools) {
+        eprintln!("SKIPPED: two network namespaces need root and iproute2/util-linux");
+    }
+    root && tools
+}
+
+fn run_args(dir: &Path, name: &str, extra: &[&str]) -> Vec<String> {
+    let mut all: Vec<&str> = RMS.1.to_vec();
+    all.extend(["train.steps=20", "ckpt.every=0", "ckpt.at_end=false", "dist.tensor=2", "train.micro_batch=3"]);
+    all.extend_from_slice(extra);
+    overrides(dir, name, &all)
+}
+
+fn as_output(status: std::process::ExitStatus, log: String) -> Output {
+    Output { status, stdout: log.into_bytes(), stderr: Vec::new() }
+}
+
+#[test]
+fn tensor_two_inside_each_node_and_data_two_across_follow_one_process() {
+    if !can_run() {
+        return;
+    }
+    let _one = ONE_NETWORK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let reference = family_reference_losses(dir.path(), RMS);
+    let network = Network::make();
+    let args = run_args(dir.path(), "nodes", &[]);
+    // Node 1 first: its ranks wait for node 0's store.
+    let one = network.launch(1, &dir.path().join("node1.log"), &args);
+    std::thread::sleep(Duration::from_millis(500));
+    let zero = network.launch(0, &dir.path().join("node0.log"), &args);
+    let (status0, log0) = zero.finish(Duration::from_secs(300));
+    let (status1, log1) = one.finish(Duration::from_secs(60));
+    assert!(status0.success() && status1.success(), "node 0 {status0}:\n{log0}\nnode 1 {status1}:\n{log1}");
+    // Each node's tensor group over its own shared memory, the copies across nodes over TCP.
+    assert!(log0.contains("the model cut over 2 ranks, 2 copies of it (tensor over shm, data over tcp)"), "{log0}");
+    assert_same_trajectory(
+        &reference,
+        &dir.path().join("nodes"),
+        "tensor 2 x data 2 over two nodes",
+        &as_output(status0, log0),
+    );
+}
+
+#[test]
+fn a_node_that_never_arrives_is_named() {
+    if !can_run() {
+        return;
+    }
+    let _one = ONE_NETWORK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let network = Network::make();
+    let args = run_args(dir.path(), "alone", &["dist.timeout_s=5"]);
+    let (status, log) = network.launch(0, &dir.path().join("node0.log"), &args).finish(Duration::from_secs(120));
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("ranks 2, 3") && log.contains("node 1"), "the error names the missing node:\n{log}");
+    println!("{}", log.lines().find(|l| l.contains("never joined")).unwrap_or_default());
+}
+
+#[test]
+fn a_node_killed_mid_run_is_named_by_the_other() {
+    if !can_run() {
+        return;
+    }
+    let _one = ONE_NETWORK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let network = Network::make();
+    let args = run_args(dir.path(), "killed", &["train.steps=100000", "dist.timeout_s=30"]);
+    let zero = network.launch(0, &dir.path().join("node0.log"), &args);
+    let one = network.launch(1, &dir.path().join("node1.log"), &args);
+    // Killed once both nodes train: a few steps are in rank 0's metrics.
+    let metrics = dir.path().join("killed/metrics.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "no steps trained:\n{}",
+            std::fs::read_to_string(&zero.log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(network.kill_node(1) > 0, "node 1's processes are found in its namespace");
+    let _ = one.finish(Duration::from_secs(10));
+    let (status, log) = zero.finish(Duration::from_secs(120));
+    assert!(!status.success(), "{log}");
+    let named: Vec<&str> =
+        log.lines().filter(|l| l.contains("rank 2 was lost") || l.contains("rank 3 was lost")).collect();
+    assert!(!named.is_empty(), "the survivors name a lost rank of node 1:\n{log}");
+    println!("{}", named.join("\n"));
+}
