@@ -114,7 +114,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             let (world, command) =
                 crate::launch::apply_layout(layout, whole.as_deref(), &args.command).map_err(usage)?;
             let world: usize = world.parse().expect("apply_layout gives a count");
-            if world % nodes.count != 0 {
+            if !world.is_multiple_of(nodes.count) {
                 return Err(usage(format!(
                     "--layout {layout} runs {world} workers, which {} nodes cannot share evenly",
                     nodes.count

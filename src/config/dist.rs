@@ -8,8 +8,10 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DistConfig {
-    /// "shm" (processes on one machine, no system dependency), "mpi" (Open MPI; a binary built
-    /// with the `mpi` feature) or "nccl" (GPUs; the `nccl` feature). Default "shm".
+    /// "shm" (processes on one machine, no system dependency), "tcp" (several machines: shared
+    /// memory inside a node, TCP between nodes; what `stoke launch --nnodes` sets), "mpi" (Open
+    /// MPI; a binary built with the `mpi` feature) or "nccl" (GPUs; the `nccl` feature). Default
+    /// "shm".
     pub backend: String,
     /// Seconds any wait for another rank may take before the run fails naming that rank.
     /// Default 300.

@@ -57,9 +57,11 @@ impl Nodes {
             return Err(format!("--node-rank {rank} must be below --nnodes {count}"));
         }
         let master = match master {
-            None if count > 1 => return Err(format!(
+            None if count > 1 => {
+                return Err(format!(
                 "--nnodes {count} needs --master-addr HOST:PORT: node 0's address, where rank 0 serves the rendezvous"
-            )),
+            ))
+            }
             None => None,
             Some(text) => {
                 let (host, port) = text

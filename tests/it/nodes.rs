@@ -7,7 +7,8 @@
 //! Tensor 2 inside each node and data 2 across them follows one process's fp32 losses within
 //! 1e-5 over 20 steps (node 1 started first: the rendezvous takes nodes in any order); a node that
 //! never arrives is named by the other's error within `dist.timeout_s`; a node killed mid-run
-//! (every process in its namespace) is named by the survivors, which stop instead of hanging.
+//! (every process in its namespace) is named by the survivors, whose launcher starts them again
+//! from the latest checkpoint, and the job ends on one process's losses once the node is back.
 //! Needs root (namespaces); without it the tests say SKIPPED.
 
 use std::path::{Path, PathBuf};
@@ -67,6 +68,11 @@ impl Network {
     /// `stoke launch` as node `rank`: in its network namespace, with a mount namespace of its own
     /// whose /dev/shm is a fresh tmpfs, and its own hostname.
     fn launch(&self, rank: usize, log: &Path, args: &[String]) -> Launched {
+        self.launch_with(rank, log, &[], &[], args)
+    }
+
+    /// `launch` with flags for the launcher and for `train`.
+    fn launch_with(&self, rank: usize, log: &Path, launcher: &[&str], train: &[&str], args: &[String]) -> Launched {
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net=/run/netns/{}", self.namespaces[rank]))
             .args(["unshare", "--mount", "--uts", "sh", "-c"])
@@ -74,7 +80,10 @@ impl Network {
             .arg("node")
             .arg(env!("CARGO_BIN_EXE_stoke"))
             .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string(), "--master-addr", &self.master()])
-            .args(["--nproc", "2", "--", "train", "--quiet"]);
+            .args(["--nproc", "2"])
+            .args(launcher)
+            .args(["--", "train", "--quiet"])
+            .args(train);
         for a in args {
             cmd.arg("--set").arg(a);
         }
@@ -208,34 +217,71 @@ fn a_node_that_never_arrives_is_named() {
     println!("{}", log.lines().find(|l| l.contains("never joined")).unwrap_or_default());
 }
 
+/// Node 1 dies (every process in its namespace killed) after a checkpoint: node 0's workers name
+/// a lost rank of node 1 and stop; its launcher (`--max-restarts 1`) starts them again from the
+/// run's latest checkpoint, and they wait at the rendezvous until node 1 is back (its launcher
+/// started again with `train --resume`, as an operator would). The job ends on the losses of one
+/// process that ran throughout.
 #[test]
-fn a_node_killed_mid_run_is_named_by_the_other() {
+fn a_node_killed_mid_run_is_named_and_the_job_resumes_when_it_is_back() {
     if !can_run() {
         return;
     }
     let _one = ONE_NETWORK.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
+    let steps = 60;
+    let mut one = RMS.1.to_vec();
+    let steps_set = format!("train.steps={steps}");
+    one.extend([steps_set.as_str(), "train.micro_batch=6"]);
+    crate::run_ok(&mut crate::stoke(&["train", "--quiet"], &crate::dist::refs(&overrides(dir.path(), "one", &one))));
+    let reference = crate::losses(&dir.path().join("one"));
     let network = Network::make();
-    let args = run_args(dir.path(), "killed", &["train.steps=100000", "dist.timeout_s=30"]);
-    let zero = network.launch(0, &dir.path().join("node0.log"), &args);
+    let mut args = run_args(dir.path(), "restart", &[&steps_set, "ckpt.every=5", "dist.timeout_s=60"]);
+    args.retain(|a| !a.starts_with("ckpt.every=0"));
+    let zero = network.launch_with(0, &dir.path().join("node0.log"), &["--max-restarts", "1"], &[], &args);
     let one = network.launch(1, &dir.path().join("node1.log"), &args);
-    // Killed once both nodes train: a few steps are in rank 0's metrics.
-    let metrics = dir.path().join("killed/metrics.jsonl");
+    let run = dir.path().join("restart");
     let deadline = Instant::now() + Duration::from_secs(240);
-    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 3 {
+    let trained = || std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |t| t.lines().count());
+    while trained() < 12 {
         assert!(
             Instant::now() < deadline,
             "no steps trained:\n{}",
             std::fs::read_to_string(&zero.log).unwrap_or_default()
         );
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(Duration::from_millis(20));
     }
     assert!(network.kill_node(1) > 0, "node 1's processes are found in its namespace");
     let _ = one.finish(Duration::from_secs(10));
-    let (status, log) = zero.finish(Duration::from_secs(120));
-    assert!(!status.success(), "{log}");
+    let restarting = Instant::now() + Duration::from_secs(120);
+    while !std::fs::read_to_string(&zero.log).unwrap_or_default().contains("restarting from the latest checkpoint") {
+        assert!(
+            Instant::now() < restarting,
+            "node 0 did not restart:\n{}",
+            std::fs::read_to_string(&zero.log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let one = network.launch_with(1, &dir.path().join("node1-again.log"), &[], &["--resume"], &args);
+    let (status0, log0) = zero.finish(Duration::from_secs(300));
+    let (status1, log1) = one.finish(Duration::from_secs(60));
+    assert!(status0.success() && status1.success(), "node 0 {status0}:\n{log0}\nnode 1 {status1}:\n{log1}");
     let named: Vec<&str> =
-        log.lines().filter(|l| l.contains("rank 2 was lost") || l.contains("rank 3 was lost")).collect();
-    assert!(!named.is_empty(), "the survivors name a lost rank of node 1:\n{log}");
+        log0.lines().filter(|l| l.contains("rank 2 was lost") || l.contains("rank 3 was lost")).collect();
+    assert!(!named.is_empty(), "the survivors name a lost rank of node 1:\n{log0}");
     println!("{}", named.join("\n"));
+    // Node 0's launcher logged the restart, from a checkpoint, in the run's events.
+    let events = std::fs::read_to_string(run.join("events.jsonl")).unwrap_or_default();
+    let restart = events
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|e| e["event"] == "start" && e["restarts"] == 1)
+        .unwrap_or_else(|| panic!("no restart in the run's events:\n{events}"));
+    assert!(restart["latest_checkpoint"].as_u64().is_some_and(|s| s >= 5), "{restart}");
+    assert_same_trajectory(
+        &reference,
+        &run,
+        "tensor 2 x data 2 over two nodes, node 1 killed and back",
+        &as_output(status0, log0),
+    );
 }
