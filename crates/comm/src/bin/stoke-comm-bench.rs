@@ -3,8 +3,12 @@
 //! style: f32, 2 processes, 4 KiB to 64 MiB. Rounds are interleaved (shm, MPI, gloo, memcpy,
 //! shm, ...); each figure is the median of the rounds' medians with their min and max.
 //!
+//! With `--tcp`, the transport between machines instead: the `tcp` backend with each process a
+//! node of its own (`GROUP_RANK`), against Open MPI restricted to TCP (`--mca btl tcp,self`) and
+//! gloo, all over loopback.
+//!
 //! ```text
-//! cargo run --release -p stoke-comm --features mpi --bin stoke-comm-bench -- --rounds 5
+//! cargo run --release -p stoke-comm --features mpi --bin stoke-comm-bench -- --rounds 5 [--tcp]
 //! ```
 //!
 //! Bus bandwidth = bytes * 2 (n - 1) / n / time (NCCL's and osu's definition); memcpy bandwidth
@@ -27,12 +31,15 @@ fn free_port() -> u16 {
 }
 
 /// Runs NPROC copies of `program args` with torchrun's variables; returns rank 0's stdout.
-fn run_torchrun(program: &Path, args: &[String]) -> Result<String, String> {
+fn run_torchrun(program: &Path, args: &[String], node_per_rank: bool) -> Result<String, String> {
     let port = free_port();
     let children: Vec<_> = (0..NPROC)
         .map(|rank| {
-            Command::new(program)
-                .args(args)
+            let mut cmd = Command::new(program);
+            if node_per_rank {
+                cmd.env("GROUP_RANK", rank.to_string());
+            }
+            cmd.args(args)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", NPROC.to_string())
                 .env("LOCAL_RANK", rank.to_string())
@@ -62,11 +69,14 @@ fn run_torchrun(program: &Path, args: &[String]) -> Result<String, String> {
     Ok(rank0)
 }
 
-fn run_mpirun(worker: &Path, sizes: &str) -> Result<String, String> {
+fn run_mpirun(worker: &Path, sizes: &str, tcp_only: bool) -> Result<String, String> {
     let mut cmd = Command::new("mpirun");
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         cmd.arg("--allow-run-as-root");
+    }
+    if tcp_only {
+        cmd.args(["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]);
     }
     let out = cmd
         .args(["-np", &NPROC.to_string()])
@@ -140,18 +150,22 @@ fn main() {
     let gloo_script =
         arg(&args, "--gloo-script").map(PathBuf::from).unwrap_or_else(|| root.join("benches/peers/comm_gloo.py"));
     let worker = std::env::current_exe().expect("own path").with_file_name("stoke-comm-worker");
+    let tcp = args.iter().any(|a| a == "--tcp");
+    let ours = if tcp { "tcp" } else { "shm" };
     let bench_args: Vec<String> =
-        ["bench", "--backend", "shm", "--sizes", &sizes].iter().map(|s| s.to_string()).collect();
+        ["bench", "--backend", ours, "--sizes", &sizes].iter().map(|s| s.to_string()).collect();
 
-    let mut peers: Vec<&str> = vec!["shm", "mpi", "gloo"];
+    let mut peers: Vec<&str> = vec![ours, "mpi", "gloo"];
     let mut results: BTreeMap<(&str, usize), Vec<f64>> = BTreeMap::new();
     let mut memcpy = Vec::new();
     for round in 0..rounds {
         for peer in peers.clone() {
             let outcome = match peer {
-                "shm" => run_torchrun(&worker, &bench_args),
-                "mpi" => run_mpirun(&worker, &sizes),
-                _ => run_torchrun(&python, &[gloo_script.display().to_string(), "--sizes".into(), sizes.clone()]),
+                "shm" | "tcp" => run_torchrun(&worker, &bench_args, tcp),
+                "mpi" => run_mpirun(&worker, &sizes, tcp),
+                _ => {
+                    run_torchrun(&python, &[gloo_script.display().to_string(), "--sizes".into(), sizes.clone()], false)
+                }
             };
             match outcome {
                 Ok(stdout) => {
@@ -173,7 +187,8 @@ fn main() {
     let (mc, mc_min, mc_max) = stats(&memcpy);
     println!("memcpy, one thread, 64 MiB, bytes counted once: {mc:.1} GB/s (min {mc_min:.1}, max {mc_max:.1})");
     println!();
-    println!("| size | shm GB/s | Open MPI GB/s | gloo GB/s | shm / MPI | shm / memcpy |");
+    let mpi = if tcp { "Open MPI (TCP)" } else { "Open MPI" };
+    println!("| size | {ours} GB/s | {mpi} GB/s | gloo GB/s | {ours} / MPI | {ours} / memcpy |");
     println!("|---|---|---|---|---|---|");
     for bytes in sizes.split(',').map(|s| s.parse::<usize>().expect("sizes are byte counts")) {
         let cell = |peer: &str| match results.get(&(peer, bytes)) {
@@ -184,12 +199,12 @@ fn main() {
             None => "-".into(),
         };
         let median = |peer: &str| results.get(&(peer, bytes)).map(|v| stats(v).0);
-        let ratio = match (median("shm"), median("mpi")) {
+        let ratio = match (median(ours), median("mpi")) {
             (Some(s), Some(m)) => format!("{:.2}x", s / m),
             _ => "-".into(),
         };
-        let vs_memcpy = median("shm").map_or("-".into(), |s| format!("{:.0}%", 100.0 * s / mc));
-        println!("| {} | {} | {} | {} | {ratio} | {vs_memcpy} |", human(bytes), cell("shm"), cell("mpi"), cell("gloo"));
+        let vs_memcpy = median(ours).map_or("-".into(), |s| format!("{:.0}%", 100.0 * s / mc));
+        println!("| {} | {} | {} | {} | {ratio} | {vs_memcpy} |", human(bytes), cell(ours), cell("mpi"), cell("gloo"));
     }
     println!();
     println!("{rounds} interleaved rounds; each cell: median of the rounds' medians (min-max over rounds).");
