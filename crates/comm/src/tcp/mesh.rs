@@ -1,6 +1,7 @@
 //! The collectives of a group that spans nodes, over one TCP link per pair of members.
 //!
-//! - all-reduce: a reduce-scatter ring then an all-gather ring, one message per shard and step;
+//! - all-reduce: up to 16 KiB, every rank sends its buffer to every other and sums them in rank
+//!   order; above, a reduce-scatter ring then an all-gather ring, one message per shard and step;
 //!   the receiver reduces the payload as it arrives, a scratch buffer at a time.
 //! - reduce-scatter and all-gather: one half of that ring, with the shards of `shard_range`.
 //! - broadcast: the root writes to every other member. All-to-all: at step `s` every rank sends
@@ -85,6 +86,38 @@ impl Mesh {
             });
             received.and(sent)
         })
+    }
+
+    /// All-reduce: `all_reduce_direct` up to `INLINE_BYTES`, the ring above.
+    pub(super) fn all_reduce(&mut self, op: &'static str, region: &Region, reduce: ReduceOp) -> Result<()> {
+        if region.bytes() <= INLINE_BYTES {
+            self.all_reduce_direct(op, region, reduce)
+        } else {
+            self.ring(op, region, Some(reduce), true)
+        }
+    }
+
+    /// Small buffers: every rank sends its whole region to every other member and sums them all
+    /// in rank order (`sum_inputs`), so every rank ends with the same bits: one round of messages
+    /// where the ring takes 2(n - 1) (a 4 KiB all-reduce is latency, not bandwidth).
+    fn all_reduce_direct(&mut self, op: &'static str, region: &Region, reduce: ReduceOp) -> Result<()> {
+        let (n, rank, bytes, ptr) = (self.size, self.rank, region.bytes(), region.ptr());
+        // SAFETY: the caller keeps the region valid and untouched until the operation completes;
+        // it is only read until every message is in.
+        let own = unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) };
+        let mut inbox = vec![0u8; bytes * n];
+        for step in 1..n {
+            let (dst, src) = ((rank + step) % n, (rank + n - step) % n);
+            let into = &mut inbox[src * bytes..(src + 1) * bytes];
+            self.exchange(op, Kind::AllReduce, dst, own, src, Inbound::Copy(into))?;
+        }
+        let inputs: Vec<*const u8> =
+            (0..n).map(|r| if r == rank { ptr as *const u8 } else { inbox[r * bytes..].as_ptr() }).collect();
+        let divisor = (reduce == ReduceOp::Avg).then_some(n as f32);
+        // SAFETY: every input holds `count` elements (the region, or a received copy of one of the
+        // same size); the output aliases only our own input, which sum_inputs allows.
+        unsafe { dtype::sum_inputs(region.dtype(), ptr, &inputs, region.count(), divisor) };
+        Ok(())
     }
 
     /// The ring: with `reduce`, reduce-scatter steps; with `gather`, all-gather steps; both make

@@ -235,7 +235,7 @@ impl TcpEngine {
         match op {
             Op::AllReduce { region, op: reduce } => match hierarchy {
                 Some(h) => hierarchical_all_reduce(&mut self.shm, h, mesh.size, region, *reduce),
-                None => mesh.ring(name, region, Some(*reduce), true),
+                None => mesh.all_reduce(name, region, *reduce),
             },
             Op::ReduceScatter { region, op } => mesh.ring(name, region, Some(*op), false),
             Op::AllGather { region } => mesh.ring(name, region, None, true),
@@ -262,7 +262,7 @@ fn hierarchical_all_reduce(
         shm.execute(local, &Op::AllReduce { region: *region, op: ReduceOp::Sum })?;
     }
     if let Some(leaders) = &mut hierarchy.leaders {
-        leaders.ring("all_reduce", region, Some(ReduceOp::Sum), true)?;
+        leaders.all_reduce("all_reduce", region, ReduceOp::Sum)?;
         if reduce == ReduceOp::Avg {
             // SAFETY: the region is the caller's, valid and untouched by others until completion.
             unsafe { dtype::divide(region.dtype(), region.ptr(), region.count(), group_size as f32) };
