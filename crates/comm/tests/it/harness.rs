@@ -155,3 +155,28 @@ pub fn assert_all_passed(outcomes: &[Outcome], what: &str) {
         assert!(outcome.stdout.contains("all checks passed"), "{what}: rank {rank} said: {}", outcome.stdout);
     }
 }
+
+/// Stops rank 1 of `workers` (SIGSTOP) once every rank is ready; rank 0 must fail naming rank 1,
+/// `op` and `timeout_s`. The victim is killed after.
+pub fn assert_stopped_victim_times_out(mut workers: Vec<Worker>, op: &str) {
+    let deadline = Instant::now() + HANG_LIMIT;
+    for w in &mut workers {
+        let line = format!("ready {}", w.rank);
+        w.wait_line(&line, deadline);
+    }
+    let victim_pid = workers[1].child.id() as i32;
+    // SAFETY: signals to a child we started and have not reaped.
+    unsafe { libc::kill(victim_pid, libc::SIGSTOP) };
+    let mut workers = workers.into_iter();
+    let rank0 = workers.next().unwrap().finish(Instant::now() + HANG_LIMIT);
+    let mut victim = workers.next().unwrap();
+    // SAFETY: as above.
+    unsafe { libc::kill(victim_pid, libc::SIGKILL) };
+    let _ = victim.child.wait();
+    assert_eq!(rank0.code, Some(3), "rank 0 should fail: {}", rank0.stderr);
+    assert!(
+        rank0.stderr.contains("for rank 1") && rank0.stderr.contains("timeout_s") && rank0.stderr.contains(op),
+        "rank 0 should name rank 1, `{op}` and the timeout, said: {}",
+        rank0.stderr
+    );
+}

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use crate::harness::{assert_all_passed, finish_all, spawn_torchrun, HANG_LIMIT};
+use crate::harness::{assert_all_passed, assert_stopped_victim_times_out, finish_all, spawn_torchrun, HANG_LIMIT};
 
 #[test]
 fn every_op_dtype_and_odd_size_with_one_to_four_processes() {
@@ -114,29 +114,8 @@ fn a_stopped_worker_times_out_in_an_all_to_all() {
 fn stopped_worker_times_out(op: &[&str]) {
     let mut args = vec!["victim", "--victim", "1", "--timeout", "2"];
     args.extend_from_slice(op);
-    let mut workers = spawn_torchrun(2, &args);
-    let deadline = Instant::now() + HANG_LIMIT;
-    for w in &mut workers {
-        let line = format!("ready {}", w.rank);
-        w.wait_line(&line, deadline);
-    }
-    let victim_pid = workers[1].child.id() as i32;
-    // SAFETY: signals to a child we started and have not reaped.
-    unsafe { libc::kill(victim_pid, libc::SIGSTOP) };
-    let mut workers = workers.into_iter();
-    let rank0 = workers.next().unwrap().finish(Instant::now() + HANG_LIMIT);
-    let mut victim = workers.next().unwrap();
-    // SAFETY: as above.
-    unsafe { libc::kill(victim_pid, libc::SIGKILL) };
-    let _ = victim.child.wait();
-    assert_eq!(rank0.code, Some(3), "rank 0 should fail: {}", rank0.stderr);
-    assert!(
-        rank0.stderr.contains("for rank 1") && rank0.stderr.contains("timeout_s"),
-        "rank 0 should name rank 1 and the timeout, said: {}",
-        rank0.stderr
-    );
     let op_name = if op.is_empty() { "all_reduce" } else { "all_to_all" };
-    assert!(rank0.stderr.contains(op_name), "rank 0 should name `{op_name}`, said: {}", rank0.stderr);
+    assert_stopped_victim_times_out(spawn_torchrun(2, &args), op_name);
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::harness::{assert_all_passed, finish_all, spawn_nodes, HANG_LIMIT};
+use crate::harness::{assert_all_passed, assert_stopped_victim_times_out, finish_all, spawn_nodes, HANG_LIMIT};
 
 #[test]
 fn every_op_dtype_and_odd_size_with_one_to_three_nodes_of_one_rank() {
@@ -99,29 +99,8 @@ fn a_killed_rank_of_another_node_fails_every_survivor_of_the_hierarchical_all_re
 
 #[test]
 fn a_stopped_worker_times_out_with_its_rank_named() {
-    let mut workers = spawn_nodes(2, 1, &["victim", "--victim", "1", "--backend", "tcp", "--timeout", "2"], &[]);
-    let deadline = Instant::now() + HANG_LIMIT;
-    for w in &mut workers {
-        let line = format!("ready {}", w.rank);
-        w.wait_line(&line, deadline);
-    }
-    let victim_pid = workers[1].child.id() as i32;
-    // SAFETY: signals to a child we started and have not reaped.
-    unsafe { libc::kill(victim_pid, libc::SIGSTOP) };
-    let mut workers = workers.into_iter();
-    let rank0 = workers.next().unwrap().finish(Instant::now() + HANG_LIMIT);
-    let mut victim = workers.next().unwrap();
-    // SAFETY: as above.
-    unsafe { libc::kill(victim_pid, libc::SIGKILL) };
-    let _ = victim.child.wait();
-    assert_eq!(rank0.code, Some(3), "rank 0 should fail: {}", rank0.stderr);
-    assert!(
-        rank0.stderr.contains("for rank 1")
-            && rank0.stderr.contains("timeout_s")
-            && rank0.stderr.contains("all_reduce"),
-        "rank 0 should name rank 1, the operation and the timeout, said: {}",
-        rank0.stderr
-    );
+    let args = ["victim", "--victim", "1", "--backend", "tcp", "--timeout", "2"];
+    assert_stopped_victim_times_out(spawn_nodes(2, 1, &args, &[]), "all_reduce");
 }
 
 #[test]
