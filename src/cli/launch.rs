@@ -55,7 +55,8 @@ pub struct LaunchArgs {
     /// Machines ("nodes") of the job: one `stoke launch` on each, with the same --nproc (workers
     /// per node), --nnodes and --master-addr, and its own --node-rank. The workers talk over TCP
     /// between nodes and shared memory inside one (`dist.backend = "tcp"`, added to the command
-    /// unless it names a backend).
+    /// unless it names a backend). The run folder (`run.dir`) must be one every node sees: pipeline
+    /// stages and ZeRO write their pieces of a checkpoint from every rank.
     #[arg(long, default_value_t = 1)]
     pub nnodes: usize,
     /// This machine's place among the --nnodes: its workers are ranks R x nproc onwards.
