@@ -52,6 +52,7 @@ fn inputs(shape: &VlaShape, batch: i64, seed: i64) -> Inputs {
 
 #[test]
 fn parameters_fill_the_declared_units() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let shape = shape();
     let model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
     assert_eq!(model.params().n_elements() as usize, model.n_params());
@@ -70,6 +71,7 @@ fn parameters_fill_the_declared_units() {
 /// the vision blocks' pass-through and the projector go through the seam.
 #[test]
 fn the_block_executor_gives_the_single_graphs_gradients() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let shape = shape();
     for (loss, instruction_lm) in [(ActionLoss::Flow, 0.0), (ActionLoss::L1, 0.0), (ActionLoss::Flow, 0.5)] {
         tch::manual_seed(3);
@@ -100,6 +102,7 @@ fn the_block_executor_gives_the_single_graphs_gradients() {
 /// one frame leaves the other frame's vision tokens alone after the tower.
 #[test]
 fn the_prefix_does_not_see_the_chunk_and_frames_do_not_see_each_other_in_the_tower() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let shape = shape();
     let model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
     let batch = inputs(&shape, 2, 5);
@@ -144,6 +147,7 @@ fn the_prefix_does_not_see_the_chunk_and_frames_do_not_see_each_other_in_the_tow
 /// over a full chunk's values.
 #[test]
 fn evaluation_integrates_the_flow_by_euler_steps() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let shape = shape();
     let model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
     let batch = inputs(&shape, 2, 6);
@@ -171,12 +175,26 @@ fn evaluation_integrates_the_flow_by_euler_steps() {
 /// itself both ways, so the same change reaches the first token.
 #[test]
 fn with_the_instruction_loss_no_token_sees_the_ones_after_it() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let shape = shape();
     let (vision, later) = (shape.vision_tokens() as i64, 3);
     let mut model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
     let batch = inputs(&shape, 2, 7);
-    let mut changed = inputs(&shape, 2, 7);
-    changed.tokens = batch.tokens.copy();
+    // A copy, not a second draw with the same seed: the tests beside this one share libtorch's
+    // generator and may take numbers from it between the seed and the draws.
+    let episode = batch.episode.as_ref().expect("a vla batch");
+    let changed = Inputs {
+        tokens: batch.tokens.copy(),
+        targets: batch.targets.copy(),
+        episode: Some(EpisodeInputs {
+            frames: episode.frames.copy(),
+            state: episode.state.copy(),
+            actions: episode.actions.copy(),
+            action_mask: episode.action_mask.copy(),
+            noise: episode.noise.copy(),
+            time: episode.time.copy(),
+        }),
+    };
     let _ = changed.tokens.narrow(1, later, 1).copy_(&(batch.tokens.narrow(1, later, 1) + 1).remainder(256));
     let states = |model: &Vla, inputs: &Inputs| tch::no_grad(|| model.trunk(model.embed(inputs)));
     let moved = |model: &Vla, from: i64, len: i64| {
@@ -195,6 +213,7 @@ fn with_the_instruction_loss_no_token_sees_the_ones_after_it() {
 /// the batch's possible targets.
 #[test]
 fn the_instruction_loss_is_the_weighted_next_token_cross_entropy() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let shape = shape();
     let mut model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
     model.set_instruction_lm(0.25);
