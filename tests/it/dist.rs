@@ -47,14 +47,20 @@ pub(crate) fn reference_losses(dir: &Path) -> Vec<(u64, f64)> {
 
 /// `reference_losses` of the model family `(tag, override)` (one of `FAMILIES`), run as
 /// `one-<tag>`.
-pub(crate) fn family_reference_losses(dir: &Path, (tag, family): (&str, &[&str])) -> Vec<(u64, f64)> {
+pub(crate) fn family_reference_losses(dir: &Path, family: (&str, &[&str])) -> Vec<(u64, f64)> {
+    reference_losses_over(dir, family, 20)
+}
+
+/// `family_reference_losses` over `steps` steps.
+pub(crate) fn reference_losses_over(dir: &Path, (tag, family): (&str, &[&str]), steps: usize) -> Vec<(u64, f64)> {
     let name = format!("one-{tag}");
     let mut extra = family.to_vec();
-    extra.extend(["train.steps=20", "train.micro_batch=6"]);
+    let steps_set = format!("train.steps={steps}");
+    extra.extend([steps_set.as_str(), "train.micro_batch=6"]);
     let one = overrides(dir, &name, &extra);
     run_ok(&mut stoke(&["train", "--quiet"], &refs(&one)));
     let reference = losses(&dir.join(&name));
-    assert_eq!(reference.len(), 20, "{reference:?}");
+    assert_eq!(reference.len(), steps, "{reference:?}");
     reference
 }
 

@@ -16,7 +16,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::dist::{assert_same_trajectory, family_reference_losses, overrides};
+use crate::dist::{assert_same_trajectory, family_reference_losses, overrides, reference_losses_over};
 
 /// One pair of namespaces at a time: the tests share the address plan and the 2 cores.
 static ONE_NETWORK: Mutex<()> = Mutex::new(());
@@ -174,6 +174,16 @@ fn can_run() -> bool {
     true
 }
 
+/// One test at a time on the network, with a folder of its own; None (skipped) without root.
+fn two_nodes() -> Option<(std::sync::MutexGuard<'static, ()>, tempfile::TempDir)> {
+    if !can_run() {
+        return None;
+    }
+    let one = ONE_NETWORK.lock().unwrap_or_else(|e| e.into_inner());
+    Some((one, tempfile::tempdir().unwrap()))
+}
+
+/// Tensor 2 x data 2 for 20 steps (later `--set`s of the same key win).
 fn run_args(dir: &Path, name: &str, extra: &[&str]) -> Vec<String> {
     let mut all: Vec<&str> = RMS.1.to_vec();
     all.extend(["train.steps=20", "ckpt.every=0", "ckpt.at_end=false", "dist.tensor=2", "train.micro_batch=3"]);
@@ -187,11 +197,7 @@ fn as_output(status: std::process::ExitStatus, log: String) -> Output {
 
 #[test]
 fn tensor_two_inside_each_node_and_data_two_across_follow_one_process() {
-    if !can_run() {
-        return;
-    }
-    let _one = ONE_NETWORK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = tempfile::tempdir().unwrap();
+    let Some((_one, dir)) = two_nodes() else { return };
     let reference = family_reference_losses(dir.path(), RMS);
     let network = Network::make();
     let args = run_args(dir.path(), "nodes", &[]);
@@ -214,11 +220,7 @@ fn tensor_two_inside_each_node_and_data_two_across_follow_one_process() {
 
 #[test]
 fn a_node_that_never_arrives_is_named() {
-    if !can_run() {
-        return;
-    }
-    let _one = ONE_NETWORK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = tempfile::tempdir().unwrap();
+    let Some((_one, dir)) = two_nodes() else { return };
     let network = Network::make();
     let args = run_args(dir.path(), "alone", &["dist.timeout_s=5"]);
     let (status, log) = network.launch(0, &dir.path().join("node0.log"), &args).finish(Duration::from_secs(120));
@@ -234,20 +236,10 @@ fn a_node_that_never_arrives_is_named() {
 /// process that ran throughout.
 #[test]
 fn a_node_killed_mid_run_is_named_and_the_job_resumes_when_it_is_back() {
-    if !can_run() {
-        return;
-    }
-    let _one = ONE_NETWORK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = tempfile::tempdir().unwrap();
-    let steps = 60;
-    let mut one = RMS.1.to_vec();
-    let steps_set = format!("train.steps={steps}");
-    one.extend([steps_set.as_str(), "train.micro_batch=6"]);
-    crate::run_ok(&mut crate::stoke(&["train", "--quiet"], &crate::dist::refs(&overrides(dir.path(), "one", &one))));
-    let reference = crate::losses(&dir.path().join("one"));
+    let Some((_one, dir)) = two_nodes() else { return };
+    let reference = reference_losses_over(dir.path(), RMS, 60);
     let network = Network::make();
-    let mut args = run_args(dir.path(), "restart", &[&steps_set, "ckpt.every=5", "dist.timeout_s=60"]);
-    args.retain(|a| !a.starts_with("ckpt.every=0"));
+    let args = run_args(dir.path(), "restart", &["train.steps=60", "ckpt.every=5", "dist.timeout_s=60"]);
     let zero = network.launch_with(0, &dir.path().join("node0.log"), &["--max-restarts", "1"], &[], &args);
     let one = network.launch(1, &dir.path().join("node1.log"), &args);
     let run = dir.path().join("restart");

@@ -91,13 +91,14 @@ pub fn image(root: &Path, args: &ImageArgs) -> Result<(), String> {
         .arg(root.join("Containerfile"))
         .arg(root);
     enough_disk_for_layers()?;
+    let has_wheel = prefix.join("share/stoke/wheels").is_dir();
     let built = run_checked(&mut bud);
     // The staging tree is in the image now (or the build failed): its copy goes either way.
     let _ = std::fs::remove_dir_all(&dist);
     built?;
     println!("xtask: image {} built: {}", args.tag, image_size(&args.tag)?);
     if args.check {
-        let result = check(&args.tag, prefix.join("share/stoke/wheels").is_dir());
+        let result = check(&args.tag, has_wheel);
         let _ = Command::new("buildah").args(["rmi", "-f", &args.tag]).output();
         result?;
     }

@@ -96,6 +96,22 @@ impl Op {
     }
 }
 
+/// A message's kind, in the header of every shm slot and tcp message, so ranks that disagree on
+/// the call sequence get an error instead of garbage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Kind {
+    AllReduce = 1,
+    ReduceScatter = 2,
+    AllGather = 3,
+    Broadcast = 4,
+    Send = 5,
+    Barrier = 6,
+    AllToAll = 7,
+    /// tcp only: the sender gave up because the rank in the byte count was lost.
+    Abort = 0xAB,
+}
+
 /// A new sub-group as the engine registered it: its id on the thread, this rank in it, its size.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct GroupInfo {

@@ -376,26 +376,22 @@ fn main() -> ExitCode {
         }
     };
     let outcome = match args.first().map(String::as_str) {
-        Some("check") => check(comm.as_ref()).map(|failures| {
-            let backend = arg(&args, "--expect-backend");
-            if let Some(want) = backend.as_deref().filter(|&want| want != comm.backend()) {
-                eprintln!("rank {}: the world runs on `{}`, expected `{want}`", comm.rank(), comm.backend());
-                1
-            } else if failures == 0 {
-                println!("rank {} of {}: all checks passed", comm.rank(), comm.world_size());
-                0
-            } else {
-                1
-            }
-        }),
-        Some("nodes") => nodes(comm.as_ref()).map(|failures| {
-            if failures == 0 {
-                println!("rank {} of {}: all checks passed", comm.rank(), comm.world_size());
-                0
-            } else {
-                1
-            }
-        }),
+        Some(what @ ("check" | "nodes")) => {
+            let run = if what == "check" { check } else { nodes };
+            run(comm.as_ref()).map(|mut failures| {
+                let backend = arg(&args, "--expect-backend");
+                if let Some(want) = backend.as_deref().filter(|&want| want != comm.backend()) {
+                    eprintln!("rank {}: the world runs on `{}`, expected `{want}`", comm.rank(), comm.backend());
+                    failures += 1;
+                }
+                if failures == 0 {
+                    println!("rank {} of {}: all checks passed", comm.rank(), comm.world_size());
+                    0
+                } else {
+                    1
+                }
+            })
+        }
         Some("victim") => {
             let victim: usize = arg(&args, "--victim").and_then(|v| v.parse().ok()).expect("--victim RANK");
             comm.barrier().map(|_| {

@@ -25,7 +25,7 @@ use crate::config::CommConfig;
 use crate::dtype::{self, DType, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::store::StoreClient;
-use crate::work::{Engine, GroupInfo, Op, Region};
+use crate::work::{Engine, GroupInfo, Kind, Op, Region};
 use segment::{Segment, WaitFor};
 
 /// Where the members of a group find its segment.
@@ -34,20 +34,6 @@ pub(crate) enum Rendezvous {
     Store(StoreClient),
     /// At a fixed path (sub-groups append `.g<key>`).
     Path(PathBuf),
-}
-
-/// A message kind in each slot header, so ranks that disagree on the call sequence get an error
-/// instead of garbage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-enum Kind {
-    AllReduce = 1,
-    ReduceScatter = 2,
-    AllGather = 3,
-    Broadcast = 4,
-    Send = 5,
-    Barrier = 6,
-    AllToAll = 7,
 }
 
 struct Group {
@@ -176,9 +162,8 @@ impl Engine for ShmEngine {
             };
             let world_ranks: Vec<usize> = ranks.iter().map(|&r| parent.world_ranks[r]).collect();
             let size = world_ranks.len();
-            let child = self.make_group(world_ranks, rank, key)?;
-            self.groups.push(child);
-            return Ok(Some(GroupInfo { id: self.groups.len() - 1, rank, size, backend: None }));
+            let id = self.add_group(world_ranks, rank, key)?;
+            return Ok(Some(GroupInfo { id, rank, size, backend: None }));
         }
         let direct_max = self.config.direct_max_bytes.min(self.config.slot_bytes);
         let g = &mut self.groups[group];

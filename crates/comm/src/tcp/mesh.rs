@@ -16,9 +16,9 @@ use std::time::Duration;
 use crate::api::shard_range;
 use crate::dtype::{self, ReduceOp};
 use crate::error::{CommError, Result};
-use crate::work::Region;
+use crate::work::{Kind, Region};
 
-use super::wire::{Ctx, Inbound, Kind, Link};
+use super::wire::{Ctx, Inbound, Link};
 
 /// Messages up to this size are written before the matching receive starts: the peer's socket
 /// buffers (far larger on any Linux) take them without the peer reading.

@@ -13,25 +13,12 @@ use std::time::Duration;
 
 use crate::dtype::{self, DType};
 use crate::error::{CommError, Result};
+use crate::work::Kind;
 
 pub(super) const HEADER_BYTES: usize = 16;
 
 /// Payload bytes read per reduction pass: the receiver reduces out of a scratch buffer this big.
 const SCRATCH_BYTES: usize = 1 << 20;
-
-/// A message kind in each header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub(super) enum Kind {
-    AllReduce = 1,
-    ReduceScatter = 2,
-    AllGather = 3,
-    Broadcast = 4,
-    Send = 5,
-    Barrier = 6,
-    AllToAll = 7,
-    Abort = 0xAB,
-}
 
 /// Who is calling and for what: what an error on a link names.
 #[derive(Debug, Clone, Copy)]

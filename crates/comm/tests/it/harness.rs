@@ -98,22 +98,9 @@ impl Worker {
     }
 }
 
-/// Starts `n` workers with torchrun's variables on a fresh loopback port.
+/// Starts `n` workers with torchrun's variables on a fresh loopback port, all on one node.
 pub fn spawn_torchrun(n: usize, args: &[&str]) -> Vec<Worker> {
-    let port = free_port();
-    (0..n)
-        .map(|rank| {
-            let mut cmd = Command::new(WORKER);
-            cmd.args(args)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", n.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", n.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string());
-            Worker::spawn(cmd, rank)
-        })
-        .collect()
+    spawn_nodes(n, n, args, &[])
 }
 
 /// Starts `n` workers with torchrun's variables, `per_node` ranks to a node (GROUP_RANK is
