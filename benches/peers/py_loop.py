@@ -1,5 +1,9 @@
-"""One PyTorch training loop, fed three ways over the same prepared token shards; prints one JSON
-line with tokens/s and the share of the loop spent waiting for data.
+"""One PyTorch training loop, fed three ways over the same prepared data; prints one JSON line with
+its rate (tokens/s, or samples/s and frames/s) and the share of the loop spent waiting for data.
+
+``--kind tokens`` (the default) trains a byte-level model on prepared token shards; ``--kind
+episodes`` trains a small vision-to-action model on robot episodes (a frame, the state, an action
+chunk), with the frames decoded from JPEG and augmented at training time.
 
 Feeds:
 - ``stoke``: ``stoke.data.TokenLoader`` (the wheel), batches as zero-copy tensors.
@@ -13,7 +17,17 @@ Feeds:
 - ``memory``: 64 batches of the same data cut before the clock starts and cycled: the loop with no
   data cost at all.
 
-Usage: py_loop.py --feed stoke|torch|memory --data DIR [--workers W] [--batch 16 --seq 256]
+With ``--kind episodes``, ``--data`` is the JSON-lines episode layout (``stoke corpus --episodes``,
+JPEG frames) and ``--prepared`` its ``stoke prep episodes --keep-encoded`` records:
+- ``stoke``: ``stoke.data.EpisodeLoader`` over the records, its worker threads decoding the JPEG
+  bytes and augmenting (random resized crop, colour jitter);
+- ``torch``: a ``DataLoader`` over the JSON lines and JPEG files (benches/peers/episodes_torch.py's
+  ``Episodes``: torchvision's ``decode_jpeg``, transforms.v2 ``RandomResizedCrop`` and
+  ``ColorJitter`` with the same ranges), ``num_workers=W``, persistent workers;
+- ``memory``: 64 of the peer's batches made before the clock starts.
+
+Usage: py_loop.py --feed stoke|torch|torch-sample|memory --data DIR [--kind tokens|episodes]
+       [--prepared DIR] [--workers W] [--batch 16 --seq 256]
 """
 
 import argparse
@@ -88,7 +102,14 @@ def as_is(batch):
     return batch
 
 
+def forever(loader):
+    while True:
+        yield from loader
+
+
 def batches(args):
+    if args.kind == "episodes":
+        return episode_batches(args)
     if args.feed == "stoke":
         import stoke.data
 
@@ -107,25 +128,53 @@ def batches(args):
             pin_memory=False,
             collate_fn=None if per_sample else as_is,
         )
-
-        def forever():
-            while True:
-                yield from loader
-
-        return forever()
+        return forever(loader)
     if args.feed == "memory":
         # Real rows of the same data (so the model computes on the same kind of tokens), cut
         # before the clock starts.
         dataset = ShardTokens(args.data, args.seq)
         g = torch.Generator().manual_seed(1)
         made = [dataset.__getitems__(torch.randint(0, len(dataset), (args.batch,), generator=g).tolist()) for _ in range(64)]
-
-        def cycle():
-            while True:
-                yield from made
-
-        return cycle()
+        return forever(made)
     raise SystemExit(f"unknown feed {args.feed}")
+
+
+def episode_batches(args):
+    """Batches of (frames [B, F, 3, S, S] uint8, state, actions, action mask) from either side."""
+    if args.feed == "stoke":
+        import stoke.data
+
+        loader = stoke.data.EpisodeLoader(
+            args.prepared, args.batch, seed=1, chunk=args.chunk, resolution=args.side, workers=args.workers or 2
+        )
+
+        def adapt():
+            # Channels first and compact, as the peer's batches are: counted in stoke's data wait.
+            for b in loader:
+                yield b["frames"].permute(0, 1, 4, 2, 3).contiguous(), b["state"], b["actions"], b["action_mask"]
+
+        return adapt()
+    from episodes_torch import Episodes
+
+    dataset = Episodes(args.data, args.side, args.chunk)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.batch,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+        drop_last=True,
+        num_workers=args.workers if args.feed == "torch" else 0,
+        persistent_workers=args.feed == "torch" and args.workers > 0,
+        prefetch_factor=4 if args.feed == "torch" and args.workers > 0 else None,
+    )
+    if args.feed == "torch":
+        return forever(loader)
+    if args.feed == "memory":
+        made, it = [], iter(loader)
+        for _ in range(64):
+            made.append(next(it))
+        return forever(made)
+    raise SystemExit(f"unknown feed {args.feed} for episodes")
 
 
 class Model(torch.nn.Module):
@@ -138,17 +187,46 @@ class Model(torch.nn.Module):
         self.down = torch.nn.Linear(hidden, d_model)
         self.head = torch.nn.Linear(d_model, 256)
 
-    def forward(self, x, y):
+    def forward(self, batch):
+        x, y = batch[:, :-1], batch[:, 1:]
         h = self.embed(x)
         h = h + self.down(torch.nn.functional.gelu(self.up(h)))
         logits = self.head(h)
         return torch.nn.functional.cross_entropy(logits.view(-1, 256), y.reshape(-1))
 
 
+class VisionAction(torch.nn.Module):
+    """Frames to an action chunk: patches as one strided convolution, an MLP block with a residual
+    over the patches, their mean with the state's projection, a linear head; masked L1 loss."""
+
+    def __init__(self, d_model: int, hidden: int, patch: int, state_dim: int, chunk: int, action_dim: int) -> None:
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, d_model, patch, stride=patch)
+        self.up = torch.nn.Linear(d_model, hidden)
+        self.down = torch.nn.Linear(hidden, d_model)
+        self.state = torch.nn.Linear(state_dim, d_model)
+        self.head = torch.nn.Linear(d_model, chunk * action_dim)
+
+    def forward(self, batch):
+        frames, state, actions, mask = batch
+        b, f = frames.shape[:2]
+        x = frames.flatten(0, 1).float().mul_(1 / 255)
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
+        h = h.mean(1).view(b, f, -1).mean(1) + self.state(state)
+        err = (self.head(h).view_as(actions) - actions).abs().mean(-1) * mask
+        return err.sum() / mask.sum().clamp(min=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--feed", required=True)
     ap.add_argument("--data", required=True)
+    ap.add_argument("--kind", choices=["tokens", "episodes"], default="tokens")
+    ap.add_argument("--prepared", help="episodes: the records `stoke prep episodes --keep-encoded` wrote")
+    ap.add_argument("--side", type=int, default=224, help="episodes: the frames' side after the crop")
+    ap.add_argument("--chunk", type=int, default=8, help="episodes: actions per sample")
+    ap.add_argument("--patch", type=int, default=16, help="episodes: the patch side")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
@@ -163,9 +241,14 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = Model(args.d_model, args.hidden)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     it = iter(batches(args))
+    first = next(it)
+    if args.kind == "episodes":
+        state_dim, action_dim = first[1].shape[-1], first[2].shape[-1]
+        model = VisionAction(args.d_model, args.hidden, args.patch, state_dim, args.chunk, action_dim)
+    else:
+        model = Model(args.d_model, args.hidden)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     wait_s, checksum = 0.0, 0
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -173,17 +256,23 @@ def main():
         t = time.perf_counter()
         batch = next(it)
         wait_s += time.perf_counter() - t
-        loss = model(batch[:, :-1], batch[:, 1:])
+        loss = model(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        checksum ^= int(batch[0, 0])
+        checksum ^= int(batch[0].flatten()[0])
     seconds = time.perf_counter() - start
+    if args.kind == "episodes":
+        samples = args.steps * args.batch
+        rates = {"samples_per_s": samples / seconds, "frames_per_s": samples * batch[0].shape[1] / seconds}
+    else:
+        rates = {"tokens_per_s": args.steps * args.batch * args.seq / seconds}
     print(json.dumps({
         "feed": args.feed,
+        "kind": args.kind,
         "workers": args.workers,
         "threads": args.threads,
-        "tokens_per_s": args.steps * args.batch * args.seq / seconds,
+        **rates,
         "step_ms": 1e3 * seconds / args.steps,
         "data_wait_share": wait_s / seconds,
         "loss": loss.item(),

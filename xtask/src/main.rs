@@ -53,6 +53,9 @@ const PEER_DEPS: &[&str] = &[
     "filelock",
     "safetensors",
     "HolisticTraceAnalysis",
+    // The episode peers' JPEG decoding and augmentation (benches/peers/episodes_torch.py), the
+    // release built for TORCH.
+    "torchvision==0.26.0",
     // Peer (c) of benches/data_vs_peers.sh; it depends on torch with its CUDA wheels, which also
     // makes `import torch` load (the lean install lacks libcudnn and friends).
     "mosaicml-streaming",
