@@ -1,7 +1,10 @@
-//! `cargo xtask image [--check] [--debug] [--features F] [--no-build] [--tag T]`: the container image of the
-//! `Containerfile`, built with buildah (daemonless, from Debian's packages). Its runtime stage is
-//! built over an install made here (`cargo xtask install`, passed as the `build` stage with
-//! `--build-context`), so the image holds what this checkout built. The base is
+//! `cargo xtask image [--check] [--debug] [--features F] [--no-build] [--full] [--tag T]`: the container
+//! image of the `Containerfile`, built with buildah (daemonless, from Debian's packages). Its runtime
+//! stage is built over an install made here (`cargo xtask install`, passed as the `build` stage with
+//! `--build-context`), so the image holds what this checkout built. `--full` runs the build stage
+//! instead: the checkout compiled inside the image by this machine's Rust toolchain (passed as the
+//! `rust` stage), crates and torch fetched from their registries, trusting the extra CA
+//! certificates this machine trusts (`/usr/local/share/ca-certificates`, passed as `certs`). The base is
 //! `STOKE_IMAGE_BASE` when set, else Debian 12 made from Debian's packages with debootstrap
 //! (`localhost/stoke-base:bookworm`, made once and kept).
 //!
@@ -24,6 +27,7 @@ pub struct ImageArgs {
     pub debug: bool,
     pub features: Option<String>,
     pub no_build: bool,
+    pub full: bool,
     pub tag: String,
 }
 
@@ -34,6 +38,7 @@ impl ImageArgs {
             debug: false,
             features: None,
             no_build: false,
+            full: false,
             tag: "localhost/stoke:latest".into(),
         };
         let mut it = args.iter();
@@ -43,13 +48,19 @@ impl ImageArgs {
                 "--debug" => parsed.debug = true,
                 "--features" => parsed.features = it.next().cloned(),
                 "--no-build" => parsed.no_build = true,
+                "--full" => parsed.full = true,
                 "--tag" => parsed.tag = it.next().cloned().ok_or("image: --tag needs a name")?,
                 other => {
                     return Err(format!(
-                        "image: unknown argument `{other}`; usage: image [--check] [--debug] [--features F] [--no-build] [--tag T]"
+                        "image: unknown argument `{other}`; usage: image [--check] [--debug] [--features F] [--no-build] [--full] [--tag T]"
                     ))
                 }
             }
+        }
+        if parsed.full && (parsed.debug || parsed.no_build || parsed.features.is_some()) {
+            return Err("image: --full builds in the image with the Containerfile's own settings; \
+                        --debug, --no-build and --features apply to the build made here"
+                .into());
         }
         Ok(parsed)
     }
@@ -65,6 +76,9 @@ pub fn image(root: &Path, args: &ImageArgs) -> Result<(), String> {
         _ => debian_base(root)?,
     };
     let work = root.join("target/image");
+    if args.full {
+        return full_image(root, &work, &base, args);
+    }
     let dist = work.join("dist");
     let _ = std::fs::remove_dir_all(&dist);
     let prefix = dist.join("opt/stoke");
@@ -96,6 +110,10 @@ pub fn image(root: &Path, args: &ImageArgs) -> Result<(), String> {
     // The staging tree is in the image now (or the build failed): its copy goes either way.
     let _ = std::fs::remove_dir_all(&dist);
     built?;
+    finish(args, has_wheel)
+}
+
+fn finish(args: &ImageArgs, has_wheel: bool) -> Result<(), String> {
     println!("xtask: image {} built: {}", args.tag, image_size(&args.tag)?);
     if args.check {
         let result = check(&args.tag, has_wheel);
@@ -103,6 +121,47 @@ pub fn image(root: &Path, args: &ImageArgs) -> Result<(), String> {
         result?;
     }
     Ok(())
+}
+
+/// Every stage of the `Containerfile` built by buildah: the checkout compiled in the build stage.
+/// Its `rust` stage is this machine's toolchain (hard links to `rustc --print sysroot`'s files
+/// where the file system allows, else a copy), its `certs` stage the CA certificates this machine
+/// adds to Debian's.
+fn full_image(root: &Path, work: &Path, base: &str, args: &ImageArgs) -> Result<(), String> {
+    let sysroot = output_of(Command::new("rustc").args(["--print", "sysroot"]))?;
+    let rust = work.join("rust");
+    let certs = work.join("certs");
+    for dir in [&rust, &certs] {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let linked = Command::new("cp").arg("-al").arg(sysroot.trim()).arg(rust.join("rust")).status();
+    if !linked.is_ok_and(|s| s.success()) {
+        let _ = std::fs::remove_dir_all(rust.join("rust"));
+        run_checked(Command::new("cp").arg("-a").arg(sysroot.trim()).arg(rust.join("rust")))?;
+    }
+    std::fs::create_dir_all(certs.join("certs")).map_err(|e| format!("{}: {e}", certs.display()))?;
+    if let Ok(entries) = std::fs::read_dir("/usr/local/share/ca-certificates") {
+        for cert in entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "crt")) {
+            let to = certs.join("certs").join(cert.file_name().unwrap_or_default());
+            std::fs::copy(&cert, &to).map_err(|e| format!("{}: {e}", cert.display()))?;
+        }
+    }
+    let mut bud = Command::new("buildah");
+    bud.args(["bud", "--isolation", "chroot", "--network", "host"])
+        .arg("--build-context")
+        .arg(format!("rust={}", rust.display()))
+        .arg("--build-context")
+        .arg(format!("certs={}", certs.display()))
+        .args(["--build-arg", &format!("BASE={base}"), "--build-arg", &format!("STOKE_COMMIT={}", git_commit(root))])
+        .args(["-t", &args.tag, "-f"])
+        .arg(root.join("Containerfile"))
+        .arg(root);
+    enough_disk_for_layers()?;
+    let built = run_checked(&mut bud);
+    let _ = std::fs::remove_dir_all(&rust);
+    built?;
+    finish(args, true)
 }
 
 /// Debian 12 from Debian's packages: debootstrap's minimal variant, committed as an image once.

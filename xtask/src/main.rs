@@ -24,7 +24,7 @@
 //! - `peers`: set up, then add what the PyTorch peer scripts in `benches/peers/` import.
 //! - `install --prefix DIR`: a release build laid out as DIR/bin and DIR/lib that runs with no
 //!   checkout (see `install.rs`).
-//! - `image [--check]`: the `Containerfile`'s image, built with buildah (see `image.rs`).
+//! - `image [--check] [--full]`: the `Containerfile`'s image, built with buildah (see `image.rs`).
 //!
 //! `test` also installs what the Hugging Face tests import (transformers, peft, torch's CUDA
 //! wheels: Python's `import torch` needs them) when Python cannot import them yet.
@@ -113,6 +113,7 @@ fn main() -> ExitCode {
                 debug: true,
                 features: None,
                 no_build: true,
+                full: false,
                 tag: "localhost/stoke:check".into(),
             };
             image::image(&root, &image_args)?;

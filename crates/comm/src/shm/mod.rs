@@ -86,6 +86,14 @@ impl ShmEngine {
         Duration::from_secs_f64(self.config.timeout_s)
     }
 
+    /// Aborts every group's segment naming world rank `lost_rank`, lost outside them (see
+    /// `Segment::abort_outside`).
+    pub(crate) fn abort_outside(&self, lost_rank: usize) {
+        for segment in self.groups.iter().filter_map(|g| g.segment.as_ref()) {
+            segment.abort_outside(lost_rank);
+        }
+    }
+
     fn make_group(&mut self, world_ranks: Vec<usize>, rank: usize, key: String) -> Result<Group> {
         let size = world_ranks.len();
         let timeout = self.timeout();

@@ -2,8 +2,9 @@
 //! through byte-range locks; waiting that spins briefly, yields, then sleeps on a futex.
 //!
 //! Layout (offsets in bytes):
-//! - `0..4096` header: magic, version, group size, slots, slot bytes, `ready`, `joined`, `abort`,
-//!   then from byte 256 one `departed` byte per rank.
+//! - `0..4096` header: magic, version, group size, slots, slot bytes, `ready`, `joined`, `abort`
+//!   (and beside it the world rank of a rank lost outside the group), then from byte 256 one
+//!   `departed` byte per rank.
 //! - `4096..` one 256-byte control block per ordered pair (src, dst): `posted` (chunks src has
 //!   written), `post_waiter`, `freed` (chunks dst has consumed), `free_waiter`, each on its own
 //!   cache line.
@@ -48,6 +49,10 @@ const H_SLOT_BYTES: usize = 24;
 const H_READY: usize = 64;
 const H_JOINED: usize = 128;
 const H_ABORT: usize = 192;
+/// The world rank + 1 of a rank lost outside the group, which `abort_outside` reports.
+const H_LOST_OUTSIDE: usize = 196;
+/// `abort`'s value when the lost rank is outside the group (else it holds the lost member + 1).
+const ABORT_OUTSIDE: u32 = u32::MAX;
 /// One byte per rank, set when that rank leaves through `Drop`.
 const H_DEPARTED: usize = 256;
 /// The most ranks the header has `departed` bytes for.
@@ -493,13 +498,22 @@ impl Segment {
             }
         }
         if lost != 0 {
-            return Err(CommError::PeerLost {
-                rank: why.world_ranks[why.rank],
-                lost_rank: why.world_ranks[lost as usize - 1],
-                op: why.op,
-            });
+            let lost_rank = if lost == ABORT_OUTSIDE {
+                self.atomic32(H_LOST_OUTSIDE).load(Ordering::SeqCst) as usize - 1
+            } else {
+                why.world_ranks[lost as usize - 1]
+            };
+            return Err(CommError::PeerLost { rank: why.world_ranks[why.rank], lost_rank, op: why.op });
         }
         Ok(())
+    }
+
+    /// Fails every member's current and later waits naming world rank `lost_rank`, a rank outside
+    /// this group (another node's, lost to this node's leader over TCP); a group already aborted
+    /// keeps the rank it names. The waiters see it within one sleep slice.
+    pub(crate) fn abort_outside(&self, lost_rank: usize) {
+        self.atomic32(H_LOST_OUTSIDE).store(lost_rank as u32 + 1, Ordering::SeqCst);
+        let _ = self.atomic32(H_ABORT).compare_exchange(0, ABORT_OUTSIDE, Ordering::SeqCst, Ordering::SeqCst);
     }
 }
 

@@ -9,7 +9,8 @@
 //! broadcast from each leader.
 //!
 //! When a rank finds a peer lost it tells the peers it still has links to (an abort header naming
-//! the lost rank) before it gives up, so ranks that never talked to the lost one name it too.
+//! the lost rank, and on its node the shared-memory segments' abort word) before it gives up, so
+//! ranks that never talked to the lost one name it too.
 
 mod connect;
 mod mesh;
@@ -202,8 +203,11 @@ impl TcpEngine {
         Ok(Some(GroupInfo { id: self.groups.len() - 1, rank: me, size, backend }))
     }
 
-    /// Tells every peer this rank has a link to that it gives up because `lost_rank` was lost.
+    /// Tells every peer this rank has a link to that it gives up because `lost_rank` was lost:
+    /// over TCP an abort header, and on this node's shared memory the segments' abort word (so a
+    /// rank waiting there for this one names `lost_rank`, not this rank).
     fn abort_all(&self, lost_rank: usize) {
+        self.shm.abort_outside(lost_rank);
         for group in &self.groups {
             if let Transport::Tcp { mesh, hierarchy } = &group.transport {
                 let leaders = hierarchy.as_ref().and_then(|h| h.leaders.as_ref());

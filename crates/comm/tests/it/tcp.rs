@@ -75,7 +75,8 @@ fn a_killed_worker_is_named_by_the_others_well_within_the_timeout() {
 #[test]
 fn a_killed_rank_of_another_node_fails_every_survivor_of_the_hierarchical_all_reduce() {
     // Rank 3 shares node 1 with rank 2; rank 1 waits on shared memory for its leader, rank 0, which
-    // learns of the loss over TCP. Nobody may return as if the all-reduce had worked.
+    // learns of the loss over TCP and passes the name on through its node's segment. Nobody may
+    // return as if the all-reduce had worked, and every survivor names rank 3.
     let victim = 3;
     let mut workers = spawn_nodes(4, 2, &["victim", "--victim", "3", "--backend", "tcp", "--timeout", "120"], &[]);
     let deadline = Instant::now() + HANG_LIMIT;
@@ -90,9 +91,7 @@ fn a_killed_rank_of_another_node_fails_every_survivor_of_the_hierarchical_all_re
     assert!(killed_at.elapsed() < Duration::from_secs(60), "the survivors waited for the timeout");
     for (rank, outcome) in outcomes.iter().enumerate().filter(|(rank, _)| *rank != victim) {
         assert_eq!(outcome.code, Some(3), "rank {rank} should fail with a comm error: {}", outcome.stderr);
-        // Rank 1 only hears that its leader left (shared memory carries no lost rank's name from
-        // another node).
-        let named = if rank == 1 { "was lost" } else { "rank 3 was lost" };
+        let named = "rank 3 was lost";
         assert!(outcome.stderr.contains(named), "rank {rank} should say `{named}`, said: {}", outcome.stderr);
     }
 }
