@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{CommError, Result};
-use crate::work::{Op, Region, Work, Worker};
+use crate::work::{Op, P2p, Region, Work, Worker};
 
 /// Collective and point-to-point communication within one group of processes.
 ///
@@ -75,6 +75,17 @@ pub trait Communicator: Send + Sync {
     /// # Safety
     /// See the trait's contract.
     unsafe fn recv_async(&self, region: Region, peer: usize) -> Result<Work>;
+
+    /// Runs the sends and receives of `ops` together and completes when all are done, so
+    /// transfers that would wait on each other as blocking calls (a ring, two ranks sending to
+    /// each other) cannot deadlock (`torch.distributed.batch_isend_irecv`, an NCCL group). Between
+    /// one pair of ranks, messages match in the order they are sent and received, within the
+    /// batch and across plain `send`/`recv`; a batch's send may meet a plain `recv` on the peer.
+    ///
+    /// # Safety
+    /// See the trait's contract; it applies to every region (sends' are only read). No region
+    /// may overlap a receive's.
+    unsafe fn p2p_batch_async(&self, ops: &[P2p]) -> Result<Work>;
 
     /// Completes once every rank of the group has submitted its barrier.
     fn barrier_async(&self) -> Result<Work>;
@@ -250,6 +261,23 @@ impl Communicator for ProcessGroup {
     unsafe fn recv_async(&self, region: Region, peer: usize) -> Result<Work> {
         self.check_peer("recv", peer)?;
         self.worker.submit(self.group, Op::Recv { region, peer })
+    }
+
+    unsafe fn p2p_batch_async(&self, ops: &[P2p]) -> Result<Work> {
+        let name = "p2p_batch";
+        for op in ops {
+            self.check_peer(name, op.peer())?;
+        }
+        for (i, a) in ops.iter().enumerate() {
+            for b in ops.iter().skip(i + 1).filter(|b| !a.is_send() || !b.is_send()) {
+                let (x, y) = (a.region(), b.region());
+                let (p, q) = (x.ptr() as usize, y.ptr() as usize);
+                if x.bytes() > 0 && y.bytes() > 0 && p < q + y.bytes() && q < p + x.bytes() {
+                    return Err(self.invalid(name, "a receive's region overlaps another region of the batch".into()));
+                }
+            }
+        }
+        self.worker.submit(self.group, Op::Batch(ops.to_vec()))
     }
 
     fn barrier_async(&self) -> Result<Work> {

@@ -49,7 +49,7 @@ pub use config::{threads_per_worker, Backend, CommConfig, DistEnv, EnvSource};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use half::{bf16, f16};
-pub use work::{Region, Work};
+pub use work::{P2p, Region, Work};
 
 use std::time::{Duration, Instant};
 

@@ -66,18 +66,67 @@ impl Region {
     }
 }
 
+/// One transfer of a batch of point-to-point operations ([`crate::Communicator::p2p_batch_async`]).
+#[derive(Debug, Clone, Copy)]
+pub enum P2p {
+    /// Sends the region to `peer`.
+    Send { region: Region, peer: usize },
+    /// Receives from `peer` into the region.
+    Recv { region: Region, peer: usize },
+}
+
+impl P2p {
+    pub fn region(&self) -> &Region {
+        match self {
+            P2p::Send { region, .. } | P2p::Recv { region, .. } => region,
+        }
+    }
+    pub fn peer(&self) -> usize {
+        match self {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+        }
+    }
+    pub fn is_send(&self) -> bool {
+        matches!(self, P2p::Send { .. })
+    }
+}
+
 /// One queued operation, as the engines see it.
 #[derive(Debug, Clone)]
 pub(crate) enum Op {
-    AllReduce { region: Region, op: ReduceOp },
-    ReduceScatter { region: Region, op: ReduceOp },
-    AllGather { region: Region },
-    Broadcast { region: Region, root: usize },
-    AllToAll { send: Region, recv: Region },
-    Send { region: Region, peer: usize },
-    Recv { region: Region, peer: usize },
+    AllReduce {
+        region: Region,
+        op: ReduceOp,
+    },
+    ReduceScatter {
+        region: Region,
+        op: ReduceOp,
+    },
+    AllGather {
+        region: Region,
+    },
+    Broadcast {
+        region: Region,
+        root: usize,
+    },
+    AllToAll {
+        send: Region,
+        recv: Region,
+    },
+    Send {
+        region: Region,
+        peer: usize,
+    },
+    Recv {
+        region: Region,
+        peer: usize,
+    },
+    /// Sends and receives that progress together.
+    Batch(Vec<P2p>),
     Barrier,
-    NewGroup { ranks: Vec<usize> },
+    NewGroup {
+        ranks: Vec<usize>,
+    },
 }
 
 impl Op {
@@ -90,6 +139,7 @@ impl Op {
             Op::AllToAll { .. } => "all_to_all",
             Op::Send { .. } => "send",
             Op::Recv { .. } => "recv",
+            Op::Batch(_) => "p2p_batch",
             Op::Barrier => "barrier",
             Op::NewGroup { .. } => "new_group",
         }

@@ -3,7 +3,7 @@
 //! environment like any stoke worker.
 //!
 //! - `check [--backend B] [--timeout S] [--expect-backend NAME]`: every operation, every element
-//!   type, odd sizes, sub-groups and overlapping async operations, each result compared with its
+//!   type, odd sizes, batches of sends and receives, sub-groups and overlapping async operations, each result compared with its
 //!   exact value (and the world's `backend()` with NAME).
 //!   Exit 0 when all agree, 1 on a wrong value, 3 on a communication error.
 //! - `nodes [--backend tcp]`: with two ranks per node, sub-groups inside a node must run on
@@ -152,6 +152,40 @@ impl Checker<'_> {
         Ok(())
     }
 
+    /// A batch of sends and receives that would deadlock as blocking calls of this size (every rank
+    /// sends first): two messages to the next rank and one to the previous, the matching three
+    /// received, each a different value; between one pair the messages must arrive in order.
+    fn p2p_batch(&mut self, len: usize) -> stoke_comm::Result<()> {
+        let (rank, n) = (self.comm.rank(), self.comm.world_size());
+        if n < 2 {
+            return Ok(());
+        }
+        let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+        let message = |from: usize, tag: usize, i: usize| value(from, i) + (1000 * tag) as f32;
+        let out: Vec<Vec<f32>> = (0..3).map(|tag| (0..len).map(|i| message(rank, tag, i)).collect()).collect();
+        let mut got = vec![vec![-1.0f32; len]; 3];
+        let send = |tag: usize, peer: usize| {
+            let region = Region::new(out[tag].as_ptr() as *mut u8, len, stoke_comm::DType::F32);
+            stoke_comm::P2p::Send { region, peer }
+        };
+        let [a, b, c] = &mut got[..] else { unreachable!() };
+        let ops = [
+            stoke_comm::P2p::Recv { region: Region::of(a), peer: prev },
+            send(0, next),
+            send(1, next),
+            stoke_comm::P2p::Recv { region: Region::of(b), peer: prev },
+            send(2, prev),
+            stoke_comm::P2p::Recv { region: Region::of(c), peer: next },
+        ];
+        // SAFETY: every region lives until `wait` returns; the sends' are only read.
+        unsafe { self.comm.p2p_batch_async(&ops) }?.wait()?;
+        // With two ranks next and prev are one peer, whose three messages come in the order sent.
+        self.expect("p2p_batch first to next", &got[0], 0..len, |i| message(prev, 0, i));
+        self.expect("p2p_batch second to next", &got[1], 0..len, |i| message(prev, 1, i));
+        self.expect("p2p_batch to prev", &got[2], 0..len, |i| message(next, 2, i));
+        Ok(())
+    }
+
     /// All-to-all with `per_rank` elements per chunk: chunk `j` of rank `r`'s send buffer holds
     /// `value(r, j * per_rank + k)`, so chunk `i` of the receive buffer must hold rank `i`'s chunk
     /// for this rank.
@@ -179,6 +213,10 @@ fn check(comm: &dyn Communicator) -> stoke_comm::Result<usize> {
         checker.all_ops::<bf16>(len)?;
         checker.all_ops::<f16>(len)?;
         checker.all_ops::<u8>(len)?;
+    }
+    // Batches of sends and receives, up to 8 MiB a message (many slots per pair).
+    for len in [1usize, 70_001, 2_000_003] {
+        checker.p2p_batch(len)?;
     }
     // Large all-to-alls: 4 MiB of f32 and 3 MiB + 1 byte of u8 per chunk (many slots per pair).
     checker.all_to_all::<f32>(1 << 20)?;

@@ -15,7 +15,7 @@ use crate::api::shard_range;
 use crate::config::{CommConfig, DistEnv};
 use crate::dtype::{self, DType, ReduceOp};
 use crate::error::{CommError, Result};
-use crate::work::{Engine, GroupInfo, Op, Region, Worker};
+use crate::work::{Engine, GroupInfo, Op, P2p, Region, Worker};
 use crate::Communicator;
 
 /// The largest element count one MPI call takes (its counts are C ints).
@@ -299,6 +299,35 @@ impl MpiEngine {
     }
 }
 
+impl MpiEngine {
+    /// A batch of sends and receives: `MPI_Isend`/`MPI_Irecv` for each (each piece of one), then
+    /// `MPI_Waitall`. MPI keeps a pair's messages in order (same communicator and tag).
+    fn batch(&self, comm: ffi::MPI_Comm, ops: &[P2p]) -> Result<()> {
+        let name = "p2p_batch";
+        let mut requests: Vec<ffi::MPI_Request> = Vec::new();
+        for p in ops {
+            let (region, peer) = (p.region(), p.peer() as c_int);
+            let (datatype, _) = self.types(region.dtype());
+            // SAFETY (closure): each piece lies in the region, valid until the requests complete
+            // below (the batch's contract); the request is an out pointer.
+            self.pieces(region.ptr(), region.count(), region.dtype(), name, |ptr, n| unsafe {
+                let mut request = ffi::RSMPI_REQUEST_NULL;
+                let code = if p.is_send() {
+                    ffi::MPI_Isend(ptr, n, datatype, peer, 0, comm, &mut request)
+                } else {
+                    ffi::MPI_Irecv(ptr, n, datatype, peer, 0, comm, &mut request)
+                };
+                requests.push(request);
+                code
+            })?;
+        }
+        // SAFETY: the requests were started above; statuses are ignored.
+        let code =
+            unsafe { ffi::MPI_Waitall(requests.len() as c_int, requests.as_mut_ptr(), ffi::RSMPI_STATUSES_IGNORE) };
+        check(code, name, self.world_rank)
+    }
+}
+
 impl Engine for MpiEngine {
     fn execute(&mut self, g: usize, op: &Op) -> Result<Option<GroupInfo>> {
         let comm = self.groups[g].comm;
@@ -330,6 +359,7 @@ impl Engine for MpiEngine {
                     ffi::MPI_Recv(p, n, datatype, *peer as c_int, 0, comm, ffi::RSMPI_STATUS_IGNORE)
                 })?
             }
+            Op::Batch(ops) => self.batch(comm, ops)?,
             // SAFETY: comm is a valid communicator.
             Op::Barrier => check(unsafe { ffi::MPI_Barrier(comm) }, "barrier", self.world_rank)?,
             Op::NewGroup { ranks } => {

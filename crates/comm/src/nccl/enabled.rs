@@ -57,7 +57,7 @@ use crate::config::{CommConfig, DistEnv};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::store::StoreClient;
-use crate::work::{Engine, GroupInfo, Op, Region, Worker};
+use crate::work::{Engine, GroupInfo, Op, P2p, Region, Worker};
 use crate::Communicator;
 
 fn unavailable(reason: impl Into<String>) -> CommError {
@@ -308,6 +308,64 @@ impl NcclEngine {
         self.finish(g, name)
     }
 
+    /// A batch of sends and receives as one NCCL group. Host regions are staged one after another
+    /// in the staging buffer (sends copied in first) and the receives copied back after the group.
+    fn batch(&mut self, g: usize, ops: &[P2p]) -> Result<()> {
+        let name = "p2p_batch";
+        let rank = self.world_rank;
+        let (comm, stream, cu_stream) = (self.groups[g].comm, self.cu_stream(), self.stream.cu_stream());
+        let host = |p: &P2p| !is_device_memory(p.region().ptr());
+        self.ensure_staging(ops.iter().filter(|p| host(p)).map(|p| p.region().bytes()).sum())?;
+        let mut offset: CuPtr = 0;
+        let mut places = Vec::with_capacity(ops.len());
+        for p in ops {
+            let region = p.region();
+            if !host(p) {
+                places.push(region.ptr() as CuPtr);
+                continue;
+            }
+            let dev = self.staging + offset;
+            offset += region.bytes() as CuPtr;
+            if p.is_send() {
+                // SAFETY: the host region holds its bytes; the staging buffer has room at `dev`.
+                let status = unsafe {
+                    driver::cuMemcpyHtoDAsync_v2(dev, region.ptr() as *const c_void, region.bytes(), cu_stream)
+                };
+                check_cu(status, name, rank)?;
+            }
+            places.push(dev);
+        }
+        cudarc::nccl::result::group_start().map_err(|e| nccl_failed(name, rank, e))?;
+        for (p, &dev) in ops.iter().zip(&places) {
+            let (region, peer) = (p.region(), p.peer() as i32);
+            let (datatype, _) = Self::types(region.dtype(), ReduceOp::Sum);
+            // SAFETY: `dev` is device memory of the region's size (the caller's or staged); comm
+            // and stream are live; the group is ended below and the stream waited on.
+            let status = unsafe {
+                if p.is_send() {
+                    let ptr = dev as *const c_void;
+                    cudarc::nccl::result::send(ptr, region.count(), datatype, peer, comm, stream)
+                } else {
+                    cudarc::nccl::result::recv(dev as *mut c_void, region.count(), datatype, peer, comm, stream)
+                }
+            };
+            status.map_err(|e| nccl_failed(name, rank, e))?;
+        }
+        cudarc::nccl::result::group_end().map_err(|e| nccl_failed(name, rank, e))?;
+        for (p, &dev) in ops.iter().zip(&places) {
+            if !p.is_send() && host(p) {
+                let region = p.region();
+                // SAFETY: copies the received bytes into the caller's host region, after the group
+                // on the same stream.
+                let status = unsafe {
+                    driver::cuMemcpyDtoHAsync_v2(region.ptr() as *mut c_void, dev, region.bytes(), cu_stream)
+                };
+                check_cu(status, name, rank)?;
+            }
+        }
+        self.finish(g, name)
+    }
+
     fn cu_stream(&self) -> nccl::cudaStream_t {
         self.stream.cu_stream() as nccl::cudaStream_t
     }
@@ -382,6 +440,10 @@ impl Engine for NcclEngine {
             self.all_to_all(g, send, recv)?;
             return Ok(None);
         }
+        if let Op::Batch(ops) = op {
+            self.batch(g, ops)?;
+            return Ok(None);
+        }
         let staged = match op {
             Op::AllReduce { region, .. }
             | Op::ReduceScatter { region, .. }
@@ -389,7 +451,7 @@ impl Engine for NcclEngine {
             | Op::Broadcast { region, .. }
             | Op::Send { region, .. }
             | Op::Recv { region, .. } => Some((self.stage_in(region)?, region.bytes())),
-            Op::Barrier | Op::NewGroup { .. } | Op::AllToAll { .. } => None,
+            Op::Barrier | Op::NewGroup { .. } | Op::AllToAll { .. } | Op::Batch(_) => None,
         };
         let op = &match (op, staged.as_ref()) {
             (Op::AllReduce { op, .. }, Some(((dev, _), _))) => Op::AllReduce { region: *dev, op: *op },
@@ -454,7 +516,7 @@ impl Engine for NcclEngine {
                     )
                 }
             }
-            Op::AllToAll { .. } => unreachable!("handled above"),
+            Op::AllToAll { .. } | Op::Batch(_) => unreachable!("handled above"),
             Op::Barrier => {
                 let p = self.barrier_buf as *mut c_void;
                 unsafe {

@@ -25,7 +25,7 @@ use crate::config::CommConfig;
 use crate::dtype::{self, DType, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::store::StoreClient;
-use crate::work::{Engine, GroupInfo, Kind, Op, Region};
+use crate::work::{Engine, GroupInfo, Kind, Op, P2p, Region};
 use segment::{Segment, WaitFor};
 
 /// Where the members of a group find its segment.
@@ -194,6 +194,7 @@ impl Engine for ShmEngine {
             Op::AllToAll { send, recv } => g.all_to_all(name, send, recv),
             Op::Send { region, peer } => g.send(name, region, *peer),
             Op::Recv { region, peer } => g.recv(name, region, *peer),
+            Op::Batch(ops) => g.batch(name, ops),
             Op::Barrier => g.barrier(name),
             Op::NewGroup { .. } => unreachable!("handled above"),
         }?;
@@ -257,7 +258,30 @@ impl Group {
         let received = self.received[src];
         let (posted, waiter) = seg.posted(src, self.rank);
         seg.wait(posted, waiter, |p| p != received, self.why(op, src))?;
-        let (header, data) = seg.slot(src, self.rank, (received % seg.slots as u32) as usize);
+        self.posted_chunk(op, src, kind, bytes)
+    }
+
+    /// `send_begin` without waiting: the free slot towards `dst`, if there is one.
+    fn try_send_begin(&self, dst: usize) -> Option<*mut u8> {
+        let seg = self.seg();
+        let (sent, slots) = (self.sent[dst], seg.slots as u32);
+        let freed = seg.freed(self.rank, dst).0.load(std::sync::atomic::Ordering::Acquire);
+        (sent.wrapping_sub(freed) < slots).then(|| seg.slot(self.rank, dst, (sent % slots) as usize).1)
+    }
+
+    /// `recv_begin` without waiting: the next chunk from `src`, if it was posted.
+    fn try_recv_begin(&self, op: &'static str, src: usize, kind: Kind, bytes: usize) -> Result<Option<*const u8>> {
+        let posted = self.seg().posted(src, self.rank).0.load(std::sync::atomic::Ordering::Acquire);
+        if posted == self.received[src] {
+            return Ok(None);
+        }
+        self.posted_chunk(op, src, kind, bytes).map(Some)
+    }
+
+    /// The next chunk from `src`, posted: its data, once its kind and size are checked.
+    fn posted_chunk(&self, op: &'static str, src: usize, kind: Kind, bytes: usize) -> Result<*const u8> {
+        let seg = self.seg();
+        let (header, data) = seg.slot(src, self.rank, (self.received[src] % seg.slots as u32) as usize);
         // SAFETY: the sender wrote the header before posting; it is ours until recv_end.
         let (got_kind, got_bytes) = unsafe { ((header as *const u32).read(), (header.add(8) as *const u64).read()) };
         if got_kind != kind as u32 || got_bytes != bytes as u64 {
@@ -443,6 +467,57 @@ impl Group {
             self.recv_end(peer);
         }
         Ok(())
+    }
+
+    /// A batch of sends and receives (`Op::Batch`), each cut into slot-sized chunks as `send`
+    /// and `recv` cut them (so either end may be a plain call). Every pass moves the chunks that
+    /// can move without waiting, of the first unfinished transfer of each direction and peer only
+    /// (a pair's messages keep their order), and pauses when none could; the timeout counts from
+    /// the last chunk moved.
+    fn batch(&mut self, op: &'static str, ops: &[P2p]) -> Result<()> {
+        let spans: Vec<Vec<(usize, usize)>> = ops
+            .iter()
+            .map(|p| chunk_spans(p.region().count(), self.chunk_elems(p.region().dtype())).collect())
+            .collect();
+        let mut next = vec![0usize; ops.len()];
+        let mut progress = Instant::now();
+        loop {
+            let (mut moved, mut waiting_on) = (false, None);
+            for (i, p) in ops.iter().enumerate() {
+                let unfinished = |j: usize| next[j] < spans[j].len();
+                let behind = |j: usize| ops[j].is_send() == p.is_send() && ops[j].peer() == p.peer();
+                if !unfinished(i) || (0..i).any(|j| unfinished(j) && behind(j)) {
+                    continue;
+                }
+                waiting_on.get_or_insert(p.peer());
+                let (region, size) = (p.region(), p.region().dtype().size());
+                let (at, len) = spans[i][next[i]];
+                // SAFETY: at <= count; the region is valid (the batch's contract).
+                let ptr = unsafe { region.ptr().add(at * size) };
+                let done = match *p {
+                    P2p::Send { peer, .. } => self.try_send_begin(peer).map(|slot| {
+                        // SAFETY: the slot holds slot_bytes >= len * size and is ours until send_end.
+                        unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, slot, len * size) };
+                        self.send_end(peer, Kind::Send, len * size);
+                    }),
+                    P2p::Recv { peer, .. } => self.try_recv_begin(op, peer, Kind::Send, len * size)?.map(|data| {
+                        // SAFETY: the slot holds len elements (checked); the region has room for them.
+                        unsafe { std::ptr::copy_nonoverlapping(data, ptr, len * size) };
+                        self.recv_end(peer);
+                    }),
+                };
+                if done.is_some() {
+                    next[i] += 1;
+                    moved = true;
+                }
+            }
+            let Some(peer) = waiting_on else { return Ok(()) };
+            if moved {
+                progress = Instant::now();
+            } else {
+                self.seg().pause(progress, self.why(op, peer))?;
+            }
+        }
     }
 
     fn barrier(&mut self, op: &'static str) -> Result<()> {

@@ -405,6 +405,33 @@ impl Segment {
         }
     }
 
+    /// One pause of a wait on several words at once (a batch's channels), which no futex covers:
+    /// spins, then yields, then sleeps a slice that grows with the wait (20 us to 1 ms), checking
+    /// between sleeps whether the segment was aborted or a member died, and giving up once
+    /// `start` (the last progress) is `timeout_s` ago.
+    pub(crate) fn pause(&self, start: Instant, why: WaitFor<'_>) -> Result<()> {
+        let waited = start.elapsed();
+        if waited < SPIN {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        if waited < YIELD {
+            std::thread::yield_now();
+            return Ok(());
+        }
+        self.check_peers(why)?;
+        if waited >= self.timeout {
+            return Err(CommError::Timeout {
+                rank: why.world_ranks[why.rank],
+                peer: why.world_ranks[why.peer],
+                op: why.op,
+                timeout_s: self.timeout.as_secs_f64(),
+            });
+        }
+        std::thread::sleep((waited / 16).clamp(Duration::from_micros(20), Duration::from_millis(1)));
+        Ok(())
+    }
+
     /// Waits until `ready(word)` holds: spins briefly, then sleeps on the futex in slices,
     /// checking after each slice whether the segment was aborted or any member died, and giving
     /// up after `timeout_s`. Returns the word's value.

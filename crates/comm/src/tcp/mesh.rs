@@ -5,7 +5,8 @@
 //!   the receiver reduces the payload as it arrives, a scratch buffer at a time.
 //! - reduce-scatter and all-gather: one half of that ring, with the shards of `shard_range`.
 //! - broadcast: the root writes to every other member. All-to-all: at step `s` every rank sends
-//!   to `rank + s` while it receives from `rank - s`.
+//!   to `rank + s` while it receives from `rank - s`. A batch of sends and receives: a thread per
+//!   destination sends while the caller's thread receives.
 //!
 //! Whenever a rank sends a message of more than `INLINE_BYTES` while it receives one, the send
 //! runs on a scoped thread: both sides of a pair may write at once, and a message larger than the
@@ -16,7 +17,7 @@ use std::time::Duration;
 use crate::api::shard_range;
 use crate::dtype::{self, ReduceOp};
 use crate::error::{CommError, Result};
-use crate::work::{Kind, Region};
+use crate::work::{Kind, P2p, Region};
 
 use super::wire::{Ctx, Inbound, Link};
 
@@ -242,6 +243,63 @@ impl Mesh {
         let into = unsafe { std::slice::from_raw_parts_mut(region.ptr(), region.bytes()) };
         let Mesh { links, scratch, .. } = self;
         links[peer].as_ref().expect("the peer is another member").recv(ctx, Kind::Send, Inbound::Copy(into), scratch)
+    }
+
+    /// A batch of sends and receives: a thread per destination sends that destination's messages
+    /// in order while this thread receives in the batch's order, so no send waits on a receive.
+    pub(super) fn batch(&mut self, op: &'static str, ops: &[P2p]) -> Result<()> {
+        let ctx = self.ctx(op);
+        let Mesh { links, scratch, .. } = self;
+        let links = &*links;
+        let mut dests: Vec<usize> = ops.iter().filter(|p| p.is_send()).map(P2p::peer).collect();
+        dests.sort_unstable();
+        dests.dedup();
+        // (address, bytes) of each destination's messages: plain numbers cross to the threads.
+        let outbound = |dst: usize| -> Vec<(usize, usize)> {
+            let sends = ops.iter().filter(|p| p.is_send() && p.peer() == dst);
+            sends.map(|p| (p.region().ptr() as usize, p.region().bytes())).collect()
+        };
+        std::thread::scope(|scope| {
+            let senders: Vec<_> = dests
+                .iter()
+                .map(|&dst| {
+                    let (link, messages) = (links[dst].as_ref().expect("the peer is another member"), outbound(dst));
+                    scope.spawn(move || -> Result<()> {
+                        for (ptr, bytes) in messages {
+                            // SAFETY: a send's region is valid for reads until the batch completes.
+                            let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, bytes) };
+                            link.send(ctx, Kind::Send, data)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            let mut received = Ok(());
+            for p in ops.iter().filter(|p| !p.is_send()) {
+                let region = p.region();
+                // SAFETY: a receive's region is valid for writes and untouched by anyone else until
+                // completion (and overlaps no other region of the batch).
+                let into = unsafe { std::slice::from_raw_parts_mut(region.ptr(), region.bytes()) };
+                let link = links[p.peer()].as_ref().expect("the peer is another member");
+                received = link.recv(ctx, Kind::Send, Inbound::Copy(into), scratch);
+                if received.is_err() {
+                    break;
+                }
+            }
+            let mut sent = Ok(());
+            for (sender, dst) in senders.into_iter().zip(&dests) {
+                let outcome = sender.join().unwrap_or_else(|_| {
+                    Err(CommError::Backend {
+                        backend: "tcp",
+                        op,
+                        rank: ctx.rank,
+                        reason: format!("the thread sending to rank {dst} panicked"),
+                    })
+                });
+                sent = sent.and(outcome);
+            }
+            received.and(sent)
+        })
     }
 
     /// An empty message to every other member, then one from each.

@@ -247,6 +247,7 @@ impl TcpEngine {
             Op::AllToAll { send, recv } => mesh.all_to_all(name, send, recv),
             Op::Send { region, peer } => mesh.send(name, region, *peer),
             Op::Recv { region, peer } => mesh.recv(name, region, *peer),
+            Op::Batch(ops) => mesh.batch(name, ops),
             Op::Barrier => mesh.barrier(name),
             Op::NewGroup { .. } => unreachable!("handled by execute"),
         }
