@@ -11,7 +11,7 @@
 # measured bubble (mean over the stages), each stage's busy ms and the formula; at the end the median and
 # [min, max] over the rounds of each.
 #
-#   benches/pipeline_bubble.sh                # ROUNDS=3 STEPS=12 SIZE=small
+#   benches/pipeline_bubble.sh                # ROUNDS=3 STEPS=12 SIZE=small STOKE=target/release/stoke
 #
 # SIZE small: 4 layers, d_model 256, 8 heads, context 256, micro-batch 4, vocab 256 (bytes).
 # Needs a release build (cargo build --release --bin stoke).
@@ -28,7 +28,7 @@ case "${SIZE:-small}" in
   small) n_layer=4 d_model=256 n_head=8 seq_len=256 micro_batch=4 ;;
   *) echo "pipeline_bubble: SIZE is small" >&2; exit 2 ;;
 esac
-stoke=target/release/stoke
+stoke=${STOKE:-target/release/stoke}
 [ -x "$stoke" ] || { echo "pipeline_bubble: no $stoke (cargo build --release --bin stoke)" >&2; exit 1; }
 dir=runs/pipeline-bubble
 rm -rf "$dir" && mkdir -p "$dir"

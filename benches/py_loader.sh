@@ -25,7 +25,8 @@ mkdir -p "$WORK"
 echo "== the wheel, into a fresh environment (torch read from .stoke/venv through a .pth file)"
 rm -f target/wheels/stoke-*.whl
 "$PY" -m maturin build --release --quiet --manifest-path crates/py/Cargo.toml --out target/wheels
-"$PY" -m venv --clear "$WORK/venv"
+rm -rf "$WORK/venv"
+"$PY" -m venv "$WORK/venv"
 VPY=$WORK/venv/bin/python
 "$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
   > "$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/stoke-torch.pth"

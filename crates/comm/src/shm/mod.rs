@@ -7,7 +7,9 @@
 //! - larger all-reduce, reduce-scatter, all-gather: a ring, chunk by chunk. Each chunk of each of
 //!   the `n` shards travels `n - 1` hops being reduced, then `n - 1` hops being copied; a sender
 //!   runs up to `slots` chunks ahead of its receiver.
-//! - broadcast: a chain from the root, chunk by chunk. Send/recv: the pair's channel.
+//! - broadcast: a chain from the root, chunk by chunk. Send/recv: the pair's channel. A batch
+//!   of sends and receives: every channel's chunks moved as their slots allow, in passes, with a
+//!   polling pause when none could move (no one futex covers several channels).
 //! - all-to-all: `n - 1` pairwise exchanges per chunk; at step `s` every rank sends to
 //!   `rank + s` and receives from `rank - s`, chunk by chunk, so no rank ever waits on a channel
 //!   whose receiver is not also making progress (any message size, any slot count).
