@@ -20,7 +20,7 @@ Feeds:
 With ``--kind episodes``, ``--data`` is the JSON-lines episode layout (``stoke corpus --episodes``,
 JPEG frames) and ``--prepared`` its ``stoke prep episodes --keep-encoded`` records:
 - ``stoke``: ``stoke.data.EpisodeLoader`` over the records, its worker threads decoding the JPEG
-  bytes and augmenting (random resized crop, colour jitter);
+  bytes, augmenting (random resized crop, colour jitter) and laying frames out channels first;
 - ``torch``: a ``DataLoader`` over the JSON lines and JPEG files (benches/peers/episodes_torch.py's
   ``Episodes``: torchvision's ``decode_jpeg``, transforms.v2 ``RandomResizedCrop`` and
   ``ColorJitter`` with the same ranges), ``num_workers=W``, persistent workers;
@@ -145,13 +145,18 @@ def episode_batches(args):
         import stoke.data
 
         loader = stoke.data.EpisodeLoader(
-            args.prepared, args.batch, seed=1, chunk=args.chunk, resolution=args.side, workers=args.workers or 2
+            args.prepared,
+            args.batch,
+            seed=1,
+            chunk=args.chunk,
+            resolution=args.side,
+            workers=args.workers or 2,
+            channels_first=True,  # [B, F, 3, S, S], as the peer's batches
         )
 
         def adapt():
-            # Channels first and compact, as the peer's batches are: counted in stoke's data wait.
             for b in loader:
-                yield b["frames"].permute(0, 1, 4, 2, 3).contiguous(), b["state"], b["actions"], b["action_mask"]
+                yield b["frames"], b["state"], b["actions"], b["action_mask"]
 
         return adapt()
     from episodes_torch import Episodes

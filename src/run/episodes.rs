@@ -96,6 +96,7 @@ pub fn episode_source(
         prefetch: data.prefetch,
         episodes,
         blank,
+        channels_first: false,
     };
     Ok(Box::new(EpisodeSource::new(EpisodeLoader::new(store, loader)?)))
 }

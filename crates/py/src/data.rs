@@ -174,6 +174,7 @@ pub struct EpisodeBatches {
 
 #[derive(Clone, Copy)]
 struct EpisodeDims {
+    channels_first: bool,
     micro_batch: usize,
     chunk: usize,
     max_tokens: usize,
@@ -185,7 +186,7 @@ struct EpisodeDims {
 impl EpisodeBatches {
     #[new]
     #[pyo3(signature = (path, micro_batch, *, seed=1337, rank=0, world_size=1, chunk=8, history=0, resolution=0,
-        augment=true, max_tokens=32, workers=2, prefetch=4, verify=true))]
+        augment=true, max_tokens=32, workers=2, prefetch=4, verify=true, channels_first=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -202,6 +203,7 @@ impl EpisodeBatches {
         workers: usize,
         prefetch: usize,
         verify: bool,
+        channels_first: bool,
     ) -> PyResult<EpisodeBatches> {
         let config = EpisodeLoaderConfig {
             micro_batch,
@@ -215,6 +217,7 @@ impl EpisodeBatches {
             max_tokens,
             workers,
             prefetch,
+            channels_first,
             ..EpisodeLoaderConfig::default()
         };
         let loader = py.detach(|| {
@@ -223,6 +226,7 @@ impl EpisodeBatches {
         })?;
         let manifest = loader.store().manifest();
         let dims = EpisodeDims {
+            channels_first,
             micro_batch,
             chunk,
             max_tokens,
@@ -232,7 +236,8 @@ impl EpisodeBatches {
         Ok(EpisodeBatches { loader: Mutex::new(loader), seed, dims })
     }
 
-    /// The next batch: a dict of DLPack buffers (`frames` `[B, F, S, S, 3]` uint8, `state`
+    /// The next batch: a dict of DLPack buffers (`frames` `[B, F, S, S, 3]` uint8, or
+    /// `[B, F, 3, S, S]` with `channels_first`, `state`
     /// `[B, state_dim]` and `actions` `[B, chunk, action_dim]` float32, `action_mask` `[B, chunk]`
     /// and `token_mask` `[B, max_tokens]` uint8, `tokens` `[B, max_tokens]` int64, `steps` `[B]`
     /// int64).
@@ -242,7 +247,8 @@ impl EpisodeBatches {
         let (b, side, n_frames) = (d.micro_batch as i64, batch.side as i64, batch.n_frames as i64);
         let steps: Vec<i64> = batch.steps.iter().map(|&s| s as i64).collect();
         let dict = PyDict::new(py);
-        dict.set_item("frames", Exported::from_vec(batch.frames, ElemType::U8, vec![b, n_frames, side, side, 3]))?;
+        let frame = if d.channels_first { vec![b, n_frames, 3, side, side] } else { vec![b, n_frames, side, side, 3] };
+        dict.set_item("frames", Exported::from_vec(batch.frames, ElemType::U8, frame))?;
         dict.set_item("state", Exported::from_vec(batch.state, ElemType::F32, vec![b, d.state_dim as i64]))?;
         let chunk = d.chunk as i64;
         dict.set_item(

@@ -49,6 +49,9 @@ pub struct EpisodeLoaderConfig {
     /// What to blank for an ablation: frames (every pixel 0) or instructions (no token).
     /// Default: nothing.
     pub blank: Blank,
+    /// Frames as `[3, side, side]` (PyTorch's NCHW) instead of `[side, side, 3]`, transposed by the
+    /// worker that assembles the batch. Default false.
+    pub channels_first: bool,
 }
 
 /// What an ablation blanks in every sample ([`EpisodeLoaderConfig::blank`]).
@@ -78,6 +81,7 @@ impl Default for EpisodeLoaderConfig {
             prefetch: 4,
             episodes: None,
             blank: Blank::Nothing,
+            channels_first: false,
         }
     }
 }
@@ -89,7 +93,8 @@ pub struct EpisodeBatch {
     /// Frames per sample: cameras x (history + 1), cameras outer, oldest frame first.
     pub n_frames: usize,
     pub side: u32,
-    /// `[micro_batch, n_frames, side, side, 3]` uint8, normalized on the compute side.
+    /// `[micro_batch, n_frames, side, side, 3]` uint8 (`[.., 3, side, side]` with
+    /// `channels_first`), normalized on the compute side.
     pub frames: Vec<u8>,
     /// `[micro_batch, state_dim]`, normalized by the dataset's statistics.
     pub state: Vec<f32>,
@@ -232,8 +237,28 @@ fn assemble(shared: &Shared, start: u64) -> Result<(EpisodeBatch, EpisodeLoaderS
         batch.tokens.extend(std::iter::repeat_n(0, pad));
         batch.token_mask.extend(std::iter::repeat_n(0, pad));
     }
+    if config.channels_first {
+        to_channels_first(&mut batch.frames, shared.side as usize);
+    }
     stats.busy_ns = busy.elapsed().as_nanos() as u64;
     Ok((batch, stats))
+}
+
+/// Each `[side, side, 3]` frame of `frames` rewritten as `[3, side, side]`.
+fn to_channels_first(frames: &mut [u8], side: usize) {
+    let pixels = side * side;
+    if pixels == 0 {
+        return;
+    }
+    let mut planar = vec![0u8; 3 * pixels];
+    for frame in frames.chunks_exact_mut(3 * pixels) {
+        let (r, rest) = planar.split_at_mut(pixels);
+        let (g, b) = rest.split_at_mut(pixels);
+        for (p, rgb) in frame.chunks_exact(3).enumerate() {
+            (r[p], g[p], b[p]) = (rgb[0], rgb[1], rgb[2]);
+        }
+        frame.copy_from_slice(&planar);
+    }
 }
 
 /// Keeps the flow's draws apart from the cameras' augmentation keys.
@@ -459,6 +484,21 @@ mod tests {
             assert_eq!(epoch_0.len(), 28.min(30), "distinct steps within an epoch");
             let b = &whole[0];
             assert_eq!((b.n_frames, b.frames.len()), (2, 4 * 2 * 24 * 24 * 3));
+            // Channels first: the same pixels, each frame's planes red, green, blue.
+            let planar = batches(&mut loader(&data, EpisodeLoaderConfig { channels_first: true, ..config.clone() }), 2);
+            for (hwc, chw) in whole[..2].iter().zip(&planar) {
+                assert_eq!(
+                    EpisodeBatch { frames: vec![], ..hwc.clone() },
+                    EpisodeBatch { frames: vec![], ..chw.clone() }
+                );
+                for (frame_hwc, frame_chw) in hwc.frames.chunks(24 * 24 * 3).zip(chw.frames.chunks(24 * 24 * 3)) {
+                    for p in 0..24 * 24 {
+                        for c in 0..3 {
+                            assert_eq!(frame_chw[c * 24 * 24 + p], frame_hwc[p * 3 + c], "pixel {p} channel {c}");
+                        }
+                    }
+                }
+            }
             assert_eq!((b.state.len(), b.actions.len(), b.action_mask.len()), (4 * 2, 4 * 3 * 2, 4 * 3));
         }
     }

@@ -105,7 +105,8 @@ class TokenLoader:
 class EpisodeLoader:
     """Batches of robot-episode samples from a prepared directory (``stoke prep episodes`` or
     :func:`stoke.prep.episodes`): a dict of ``frames`` ``[B, F, S, S, 3]`` uint8 (``F`` = cameras x
-    ``(history + 1)``, cropped and colour-jittered when ``augment``), ``state`` ``[B, state_dim]``
+    ``(history + 1)``, cropped and colour-jittered when ``augment``; ``[B, F, 3, S, S]`` with
+    ``channels_first``, transposed by the worker threads), ``state`` ``[B, state_dim]``
     and ``actions`` ``[B, chunk, action_dim]`` float32 (normalized), ``action_mask`` ``[B, chunk]``
     and ``token_mask`` ``[B, max_tokens]`` uint8, ``tokens`` ``[B, max_tokens]`` and ``steps``
     ``[B]`` int64. Order, rank split and resume as :class:`TokenLoader`'s.
@@ -127,6 +128,7 @@ class EpisodeLoader:
         workers: int = 2,
         prefetch: int = 4,
         verify: bool = True,
+        channels_first: bool = False,
         output: str = "torch",
     ) -> None:
         rank = _env_int("RANK", 0) if rank is None else rank
@@ -146,6 +148,7 @@ class EpisodeLoader:
             workers=workers,
             prefetch=prefetch,
             verify=verify,
+            channels_first=channels_first,
         )
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:

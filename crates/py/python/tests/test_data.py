@@ -152,3 +152,10 @@ def test_episode_batches_resume_exactly(tmp_path):
         got = next(resumed)
         assert set(got) == set(expected)
         assert all(torch.equal(got[k], expected[k]) for k in expected), "an episode batch differs after the resume"
+    # Channels first: the same batches, each frame [3, S, S].
+    planar = EpisodeLoader(tmp_path / "episodes", 4, chunk=4, seed=9, channels_first=True)
+    for expected in batches[:2]:
+        got = next(planar)
+        assert got["frames"].shape == (4, 1, 3, 32, 32)
+        assert torch.equal(got["frames"], expected["frames"].permute(0, 1, 4, 2, 3))
+        assert all(torch.equal(got[k], expected[k]) for k in expected if k != "frames")
