@@ -8,8 +8,9 @@
 //!   the `n` shards travels `n - 1` hops being reduced, then `n - 1` hops being copied; a sender
 //!   runs up to `slots` chunks ahead of its receiver.
 //! - broadcast: a chain from the root, chunk by chunk. Send/recv: the pair's channel. A batch
-//!   of sends and receives: every channel's chunks moved as their slots allow, in passes, with a
-//!   polling pause when none could move (no one futex covers several channels).
+//!   of sends and receives: every channel's chunks moved as their slots allow, in passes; when
+//!   none could move, a sleep on the first blocked channel's futex (1 ms at most, then the others
+//!   are looked at again).
 //! - all-to-all: `n - 1` pairwise exchanges per chunk; at step `s` every rank sends to
 //!   `rank + s` and receives from `rank - s`, chunk by chunk, so no rank ever waits on a channel
 //!   whose receiver is not also making progress (any message size, any slot count).
@@ -484,14 +485,13 @@ impl Group {
         let mut next = vec![0usize; ops.len()];
         let mut progress = Instant::now();
         loop {
-            let (mut moved, mut waiting_on) = (false, None);
+            let (mut moved, mut waiting_on) = (false, None::<P2p>);
             for (i, p) in ops.iter().enumerate() {
                 let unfinished = |j: usize| next[j] < spans[j].len();
                 let behind = |j: usize| ops[j].is_send() == p.is_send() && ops[j].peer() == p.peer();
                 if !unfinished(i) || (0..i).any(|j| unfinished(j) && behind(j)) {
                     continue;
                 }
-                waiting_on.get_or_insert(p.peer());
                 let (region, size) = (p.region(), p.region().dtype().size());
                 let (at, len) = spans[i][next[i]];
                 // SAFETY: at <= count; the region is valid (the batch's contract).
@@ -512,13 +512,28 @@ impl Group {
                     next[i] += 1;
                     moved = true;
                 }
+                if next[i] < spans[i].len() {
+                    waiting_on.get_or_insert(*p);
+                }
             }
-            let Some(peer) = waiting_on else { return Ok(()) };
             if moved {
                 progress = Instant::now();
-            } else {
-                self.seg().pause(progress, self.why(op, peer))?;
+                continue;
             }
+            // Nothing moved: sleep on the first blocked transfer's channel, which its peer wakes.
+            let Some(blocked) = waiting_on else { return Ok(()) };
+            let (seg, peer) = (self.seg(), blocked.peer());
+            let (word, waiter, seen) = match blocked {
+                P2p::Recv { .. } => {
+                    let (posted, waiter) = seg.posted(peer, self.rank);
+                    (posted, waiter, self.received[peer])
+                }
+                P2p::Send { .. } => {
+                    let (freed, waiter) = seg.freed(self.rank, peer);
+                    (freed, waiter, freed.load(std::sync::atomic::Ordering::SeqCst))
+                }
+            };
+            seg.pause(word, waiter, seen, progress, self.why(op, peer))?;
         }
     }
 

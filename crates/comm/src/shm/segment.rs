@@ -405,11 +405,19 @@ impl Segment {
         }
     }
 
-    /// One pause of a wait on several words at once (a batch's channels), which no futex covers:
-    /// spins, then yields, then sleeps a slice that grows with the wait (20 us to 1 ms), checking
-    /// between sleeps whether the segment was aborted or a member died, and giving up once
-    /// `start` (the last progress) is `timeout_s` ago.
-    pub(crate) fn pause(&self, start: Instant, why: WaitFor<'_>) -> Result<()> {
+    /// One pause of a wait on several channels at once (a batch's): spins, then yields, then
+    /// sleeps on `word`, one blocked channel's control word last seen at `seen`, with its `waiter`
+    /// flag set so the peer's `publish` wakes this rank at once; a sleep lasts 1 ms at most, so the
+    /// other channels are looked at again. Between sleeps it checks whether the segment was aborted
+    /// or a member died, and gives up once `start` (the last progress) is `timeout_s` ago.
+    pub(crate) fn pause(
+        &self,
+        word: &AtomicU32,
+        waiter: &AtomicU32,
+        seen: u32,
+        start: Instant,
+        why: WaitFor<'_>,
+    ) -> Result<()> {
         let waited = start.elapsed();
         if waited < SPIN {
             std::hint::spin_loop();
@@ -428,7 +436,10 @@ impl Segment {
                 timeout_s: self.timeout.as_secs_f64(),
             });
         }
-        std::thread::sleep((waited / 16).clamp(Duration::from_micros(20), Duration::from_millis(1)));
+        waiter.store(1, Ordering::SeqCst);
+        if word.load(Ordering::SeqCst) == seen {
+            futex_wait(word, seen, Duration::from_millis(1));
+        }
         Ok(())
     }
 
