@@ -39,6 +39,8 @@ import time
 import numpy as np
 import torch
 
+from _measure import forever
+
 
 class ShardTokens(torch.utils.data.Dataset):
     """Rows of ``seq + 1`` tokens from raw u16 shards, memory-mapped once per worker."""
@@ -100,11 +102,6 @@ class ShardSamples(ShardTokens):
 def as_is(batch):
     """``__getitems__`` already returns the batch tensor."""
     return batch
-
-
-def forever(loader):
-    while True:
-        yield from loader
 
 
 def batches(args):

@@ -159,7 +159,9 @@ fn full_image(root: &Path, work: &Path, base: &str, args: &ImageArgs) -> Result<
         .arg(root);
     enough_disk_for_layers()?;
     let built = run_checked(&mut bud);
+    // The build contexts are in the image now (or the build failed): they go either way.
     let _ = std::fs::remove_dir_all(&rust);
+    let _ = std::fs::remove_dir_all(&certs);
     built?;
     finish(args, true)
 }

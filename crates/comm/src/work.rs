@@ -91,42 +91,20 @@ impl P2p {
     }
 }
 
-/// One queued operation, as the engines see it.
+/// One queued operation, as the engines see it (`Batch`: sends and receives that progress
+/// together).
 #[derive(Debug, Clone)]
 pub(crate) enum Op {
-    AllReduce {
-        region: Region,
-        op: ReduceOp,
-    },
-    ReduceScatter {
-        region: Region,
-        op: ReduceOp,
-    },
-    AllGather {
-        region: Region,
-    },
-    Broadcast {
-        region: Region,
-        root: usize,
-    },
-    AllToAll {
-        send: Region,
-        recv: Region,
-    },
-    Send {
-        region: Region,
-        peer: usize,
-    },
-    Recv {
-        region: Region,
-        peer: usize,
-    },
-    /// Sends and receives that progress together.
+    AllReduce { region: Region, op: ReduceOp },
+    ReduceScatter { region: Region, op: ReduceOp },
+    AllGather { region: Region },
+    Broadcast { region: Region, root: usize },
+    AllToAll { send: Region, recv: Region },
+    Send { region: Region, peer: usize },
+    Recv { region: Region, peer: usize },
     Batch(Vec<P2p>),
     Barrier,
-    NewGroup {
-        ranks: Vec<usize>,
-    },
+    NewGroup { ranks: Vec<usize> },
 }
 
 impl Op {

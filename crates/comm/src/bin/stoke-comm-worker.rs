@@ -3,8 +3,8 @@
 //! environment like any stoke worker.
 //!
 //! - `check [--backend B] [--timeout S] [--expect-backend NAME]`: every operation, every element
-//!   type, odd sizes, batches of sends and receives, sub-groups and overlapping async operations, each result compared with its
-//!   exact value (and the world's `backend()` with NAME).
+//!   type, odd sizes, batches of sends and receives, sub-groups and overlapping async operations,
+//!   each result compared with its exact value (and the world's `backend()` with NAME).
 //!   Exit 0 when all agree, 1 on a wrong value, 3 on a communication error.
 //! - `nodes [--backend tcp]`: with two ranks per node, sub-groups inside a node must run on
 //!   shared memory and sub-groups across nodes on TCP; every operation is checked on each.

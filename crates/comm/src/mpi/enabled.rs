@@ -297,9 +297,7 @@ impl MpiEngine {
             }
         }
     }
-}
 
-impl MpiEngine {
     /// A batch of sends and receives: `MPI_Isend`/`MPI_Irecv` for each (each piece of one), then
     /// `MPI_Waitall`. MPI keeps a pair's messages in order (same communicator and tag).
     fn batch(&self, comm: ffi::MPI_Comm, ops: &[P2p]) -> Result<()> {

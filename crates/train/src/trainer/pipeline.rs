@@ -101,12 +101,13 @@ impl<'a> Link<'a> {
         inbound: Option<(usize, usize)>,
     ) -> Result<Option<Tensor>, TrainError> {
         let start = std::time::Instant::now();
-        let result = self.exchange_timed(out, inbound);
+        let result = self.transfer(out, inbound);
         self.waited += start.elapsed();
         result
     }
 
-    fn exchange_timed(
+    /// `exchange` without its timing.
+    fn transfer(
         &mut self,
         out: Option<(usize, &Tensor, usize)>,
         inbound: Option<(usize, usize)>,
