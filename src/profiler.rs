@@ -167,8 +167,12 @@ impl Profiler {
                 Ok(started) => {
                     let addr = started.addr();
                     if let Some(run_dir) = run_dir {
-                        std::fs::write(run_dir.join("metrics.addr"), format!("{addr}\n"))
-                            .with_context(|| format!("cannot write {}", run_dir.join("metrics.addr").display()))?;
+                        // Written whole and renamed into place: a reader polling for the file never
+                        // sees it empty or half-written.
+                        let (path, tmp) = (run_dir.join("metrics.addr"), run_dir.join("metrics.addr.tmp"));
+                        std::fs::write(&tmp, format!("{addr}\n"))
+                            .and_then(|()| std::fs::rename(&tmp, &path))
+                            .with_context(|| format!("cannot write {}", path.display()))?;
                     }
                     eprintln!("metrics: http://{addr}/metrics");
                     server = Some(started);
