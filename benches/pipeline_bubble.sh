@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The pipeline bubble stoke measures against the formula, in interleaved rounds over schedules and
-# micro-batch counts (round 1: 1f1b m=4, 1f1b m=8, gpipe m=4, gpipe m=8; round 2: the same ...):
+# micro-batch counts (round 1: 1f1b m=4, 1f1b m=8, gpipe m=4, gpipe m=8, interleaved m=4, interleaved
+# m=8; round 2: the same ...):
 #
 #   `stoke launch --nproc 2 -- train --set dist.pipeline=2 --set train.grad_accum=M` on the built-in corpus,
 #   the profiler on; report.json's `pipeline` section gives each stage's busy time (its schedule's span less
 #   its waits on the other stage), the schedule's span (the longer stage's) and the bubble 1 - busy / span,
-#   against (p - 1) / (m + p - 1).
+#   against (p - 1) / (m + p - 1), and for the interleaved schedule (2 chunks a stage, one block each with
+#   the embedding in the first and the head in the last) against (p - 1) / (2m + p - 1).
 #
 # fp32 on the CPU, 1 libtorch thread per rank, no loader thread, no checkpoints. Per run it prints the
 # measured bubble (mean over the stages), each stage's busy ms and the formula; at the end the median and
@@ -39,7 +41,7 @@ echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg); cores: $(nproc)"
 results="$dir/runs.txt"
 : >"$results"
 for round in $(seq 1 "$rounds"); do
-  for schedule in 1f1b gpipe; do
+  for schedule in 1f1b gpipe interleaved; do
     for m in 4 8; do
       name="$schedule-m$m-$round"
       "$stoke" launch --nproc 2 -- train --quiet --set dist.pipeline=2 --set "dist.pipeline_schedule=\"$schedule\"" \
@@ -47,6 +49,7 @@ for round in $(seq 1 "$rounds"); do
         --set model.n_head="$n_head" --set model.seq_len="$seq_len" --set train.micro_batch="$micro_batch" \
         --set train.grad_accum="$m" --set train.steps="$steps" --set train.precision=fp32 --set train.threads=1 \
         --set data.workers=0 --set ckpt.every=0 --set ckpt.at_end=false --set prof.enabled=true \
+        $([ "$schedule" = interleaved ] && echo '--set dist.pipeline_split="2,1,1,2"') \
         >"$dir/$name.log" 2>&1 || { tail -20 "$dir/$name.log" >&2; exit 1; }
       python3 - "$dir/$name/report.json" "$schedule" "$m" <<'PY' | tee -a "$results"
 import json, sys
@@ -67,7 +70,7 @@ for line in open(sys.argv[1]):
     if line.startswith("RUN"):
         kv = dict(x.split("=") for x in line.split()[1:])
         runs[(kv["schedule"], int(kv["m"]))].append(kv)
-print("| schedule | m | bubble measured, median [min, max] | (p-1)/(m+p-1) | stage busy ms (median) | span ms |")
+print("| schedule | m | bubble measured, median [min, max] | formula | stage busy ms (median) | span ms |")
 print("|---|---|---|---|---|---|")
 for (schedule, m), rs in sorted(runs.items()):
     b = sorted(float(r["bubble"]) for r in rs)

@@ -3,9 +3,9 @@
 #
 #   stoke   `stoke launch --nproc 2 -- train --set dist.pipeline=2`: one copy of the default gpt model cut
 #           into 2 stages (the embedding and the first half of the blocks; the second half, the final
-#           norm and the tied head), train.grad_accum = M micro-batches a step run by the 1F1B or
-#           GPipe schedule over blocking shm send/receive, the tied embedding's gradient sent to the
-#           first stage and its values back, the built-in byte corpus;
+#           norm and the tied head), train.grad_accum = M micro-batches a step run by the 1F1B,
+#           GPipe or interleaved schedule over batched shm sends and receives, the tied embedding's
+#           gradient sent to the first stage and its values back, the built-in byte corpus;
 #   peer    benches/peers/pp_gpt.py under `torchrun --nproc_per_node 2` (gloo): the same model cut at the
 #           same block with torch.distributed.pipelining (a PipelineStage a rank, Schedule1F1B or
 #           ScheduleGPipe over the same M micro-batches), the head's copy of the tied matrix on the
@@ -22,12 +22,12 @@
 #
 #   benches/pipeline_parallel.sh                          # ROUNDS=5 SIZE=small STEPS=30 SKIP=5 SCHEDULE=1f1b M=4
 #   SCHEDULE=gpipe M=8 benches/pipeline_parallel.sh
-#   SCHEDULE=interleaved benches/pipeline_parallel.sh     # the peer alone (stoke has no interleaved schedule)
+#   SCHEDULE=interleaved benches/pipeline_parallel.sh
 #   PEER_COMPILE=1 benches/pipeline_parallel.sh           # each of the peer's stages under torch.compile
 #
-# SCHEDULE interleaved runs PyTorch's ScheduleInterleaved1F1B with 2 virtual stages a rank (the blocks
-# cut into 4 chunks, rank r holding chunks r and r + 2), which stoke does not have: only the peer's
-# figures are printed, against nothing.
+# SCHEDULE interleaved: 2 chunks a rank on both sides, the blocks cut into 4 chunks at the same blocks
+# (rank r holding chunks r and r + 2; the embedding in chunk 0, the head in chunk 3): stoke's
+# dist.pipeline_schedule "interleaved" against PyTorch's ScheduleInterleaved1F1B.
 #
 # SIZE small: 4 layers, d_model 256, 8 heads, context 256, micro-batch 8, vocab 256 (bytes);
 #      medium: 6 layers, d_model 512, 8 heads, context 256, micro-batch 8, vocab 256.
@@ -51,8 +51,7 @@ case "$size" in
   *) echo "pipeline_parallel: SIZE is small or medium, not $size" >&2; exit 2 ;;
 esac
 case "$schedule" in
-  1f1b | gpipe) with_stoke=1 ;;
-  interleaved) with_stoke= ;;
+  1f1b | gpipe | interleaved) with_stoke=1 ;;
   *) echo "pipeline_parallel: SCHEDULE is 1f1b, gpipe or interleaved, not $schedule" >&2; exit 2 ;;
 esac
 vocab=256
@@ -69,13 +68,16 @@ rm -rf "$dir" && mkdir -p "$dir"
 echo "code $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates src 2>/dev/null || echo ' (+ uncommitted Rust changes)'); binary built $(date -r "$stoke" '+%F %T')"
 echo "shape $size: n_layer $n_layer, d_model $d_model ($n_head heads of $((d_model / n_head))), context $seq_len, vocab $vocab;" \
   "schedule $schedule, $micro_batches micro-batches of $micro_batch rows ($tokens tokens a step); $steps steps, first $skip left out; $rounds rounds"
-[ -n "$with_stoke" ] || echo "stoke has no interleaved schedule: the peer alone"
 echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg); cores: $(nproc); scheduling group: $(cat /proc/$$/autogroup 2>/dev/null)"
 
 # Both cut at the same block: the first stage the embedding and n_layer / 2 blocks, the second the rest and
-# the head (stoke's units: the embedding, each block, the head).
+# the head (stoke's units: the embedding, each block, the head); interleaved, chunk c the blocks from
+# c n_layer / 4 (the peer's chunk_bounds), the embedding with chunk 0 and the head with chunk 3.
+chunks=$([ "$schedule" = interleaved ] && echo 4 || echo 2)
+split=$(python3 -c "import sys; n, c = int(sys.argv[1]), int(sys.argv[2]); b = [i * n // c for i in range(c + 1)]
+print(','.join(str(b[i + 1] - b[i] + (i == 0) + (i == c - 1)) for i in range(c)))" "$n_layer" "$chunks")
 stoke_args=(--quiet --set dist.pipeline=2 --set "dist.pipeline_schedule=\"$schedule\""
-  --set "dist.pipeline_split=\"$((1 + n_layer / 2)),$((n_layer - n_layer / 2 + 1))\"" --set run.dir="$dir"
+  --set "dist.pipeline_split=\"$split\"" --set run.dir="$dir"
   --set model.n_layer="$n_layer" --set model.d_model="$d_model" --set model.n_head="$n_head"
   --set model.seq_len="$seq_len" --set model.vocab_size="$vocab" --set train.micro_batch="$micro_batch"
   --set train.grad_accum="$micro_batches" --set train.steps="$steps" --set train.precision=fp32

@@ -453,8 +453,15 @@ impl StokeConfig {
     /// embedding keeps no state for the blocks (every family but vla).
     fn check_pipeline(&self) -> Result<(), ConfigError> {
         let invalid = |key: &str, message: String| Err(ConfigError::Invalid { key: key.into(), message });
-        if let Err(message) = self.dist.schedule() {
-            return invalid("dist.pipeline_schedule", message);
+        match self.dist.schedule() {
+            Err(message) => return invalid("dist.pipeline_schedule", message),
+            Ok(stoke_train::Schedule::Interleaved { chunks }) if chunks < 2 => {
+                return invalid(
+                    "dist.pipeline_chunks",
+                    format!("is {chunks}; the interleaved schedule needs at least 2 chunks a stage (\"1f1b\" is one)"),
+                )
+            }
+            Ok(_) => {}
         }
         if let Err(message) = self.dist.split() {
             return invalid("dist.pipeline_split", message);

@@ -91,8 +91,8 @@ pub struct Profiler {
     world_size: usize,
     /// The ranks one model is cut over (`dist.tensor`): they train the same rows.
     tensor: usize,
-    /// Pipeline stages of one model copy (`dist.pipeline`) and their schedule.
-    pipeline: (usize, String),
+    /// Pipeline stages of one model copy (`dist.pipeline`), their schedule and chunks a stage.
+    pipeline: (usize, String, usize),
     name: String,
     peaks: Peaks,
     facts: Option<RunFacts>,
@@ -199,7 +199,7 @@ impl Profiler {
             rank,
             world_size,
             tensor: 1,
-            pipeline: (1, String::new()),
+            pipeline: (1, String::new(), 1),
             name: name.to_string(),
             peaks,
             facts: None,
@@ -274,6 +274,7 @@ impl Profiler {
                 tensor: self.tensor,
                 pipeline: self.pipeline.0,
                 pipeline_schedule: self.pipeline.1.clone(),
+                pipeline_chunks: self.pipeline.2,
                 recompute: info.recompute.to_string(),
                 activation_bytes_per_block: Vec::new(),
                 activation_bytes: None,
@@ -477,12 +478,13 @@ impl Profiler {
     }
 
     /// The pipeline stages one model copy is cut into and their schedule (the report's bubble).
-    pub fn set_pipeline(&mut self, stages: usize, schedule: &str) {
+    pub fn set_pipeline(&mut self, stages: usize, schedule: &str, chunks: usize) {
         let schedule = if stages > 1 { schedule.to_string() } else { String::new() };
-        self.pipeline = (stages.max(1), schedule);
+        self.pipeline = (stages.max(1), schedule, chunks.max(1));
         if let Some(facts) = &mut self.facts {
             facts.train.pipeline = self.pipeline.0;
             facts.train.pipeline_schedule = self.pipeline.1.clone();
+            facts.train.pipeline_chunks = self.pipeline.2;
         }
     }
 

@@ -54,11 +54,15 @@ pub struct DistConfig {
     /// Pipeline stages one model copy is cut into (consecutive units per stage, balanced by their
     /// FLOPs; one rank a stage, consecutive ranks a copy). Default 1.
     pub pipeline: usize,
-    /// "1f1b" (one forward, one backward once the pipeline is full) or "gpipe" (every forward,
-    /// then every backward). Default "1f1b".
+    /// "1f1b" (one forward, one backward once the pipeline is full), "gpipe" (every forward,
+    /// then every backward) or "interleaved" (1F1B over `pipeline_chunks` chunks a stage,
+    /// Megatron-LM's virtual stages; micro-batches a multiple of the stages). Default "1f1b".
     pub pipeline_schedule: String,
-    /// Units per stage, comma-separated (the embedding and the head are units), overriding the
-    /// balance; empty: balanced. Default "".
+    /// Model chunks per stage under "interleaved": the model is cut into stages x chunks
+    /// pieces, stage s holding pieces s, s + stages, ... Default 2.
+    pub pipeline_chunks: usize,
+    /// Units per stage (per chunk when interleaved), comma-separated (the embedding and the head
+    /// are units), overriding the balance; empty: balanced. Default "".
     pub pipeline_split: String,
 }
 
@@ -80,6 +84,7 @@ impl Default for DistConfig {
             tensor: 1,
             pipeline: 1,
             pipeline_schedule: "1f1b".into(),
+            pipeline_chunks: 2,
             pipeline_split: String::new(),
         }
     }
@@ -88,7 +93,12 @@ impl Default for DistConfig {
 impl DistConfig {
     /// `dist.pipeline_schedule`, parsed.
     pub fn schedule(&self) -> Result<stoke_train::Schedule, String> {
-        self.pipeline_schedule.parse()
+        match self.pipeline_schedule.parse()? {
+            stoke_train::Schedule::Interleaved { .. } => {
+                Ok(stoke_train::Schedule::Interleaved { chunks: self.pipeline_chunks })
+            }
+            other => Ok(other),
+        }
     }
 
     /// `dist.pipeline_split`, parsed (empty: balanced).

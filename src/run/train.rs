@@ -124,7 +124,8 @@ impl Rank0 {
         let mut profiler = Profiler::new(&config.prof, run_dir, &config.run.name, peaks, rank, world_size)?;
         profiler.set_environment(environment);
         profiler.set_tensor(tensor);
-        profiler.set_pipeline(pipeline, &config.dist.pipeline_schedule);
+        let chunks = config.dist.schedule().map_or(1, |s| s.chunks());
+        profiler.set_pipeline(pipeline, &config.dist.pipeline_schedule, chunks);
         let mut bar = Progress::new(progress);
         let mut heartbeat = Heartbeat::from_env(rank);
         let mut no_hooks = NoHooks;

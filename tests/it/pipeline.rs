@@ -1,5 +1,5 @@
 //! Pipeline parallelism with real processes over loopback: the small model cut into 2 stages
-//! (1F1B, GPipe, recomputing every block), 3 stages by a given split, 2 stages beside 2 data-parallel copies with and
+//! (1F1B, GPipe, interleaved 1F1B, recomputing every block), 3 stages by a given split, 2 stages beside 2 data-parallel copies with and
 //! without ZeRO-1, an untied Llama in 2 stages, and 2 stages of a model cut over 2 ranks (tensor
 //! x pipeline, with a gradient clip that bites) follow one process's fp32 losses within 1e-5
 //! over 20 steps, under `stoke launch` and `mpirun`; a tensor 2 x pipeline 2 checkpoint
@@ -40,6 +40,9 @@ fn stages_follow_one_process_under_each_schedule_beside_copies_and_zero() {
     for (name, layout, extra) in [
         ("p2-1f1b", "1,2,1", &["train.micro_batch=3"][..]),
         ("p2-gpipe", "1,2,1", &["train.micro_batch=1", "dist.pipeline_schedule=\"gpipe\""][..]),
+        // Interleaved: 6 micro-batches (its steady rounds), and 2 (every forward first).
+        ("p2-interleaved", "1,2,1", &["train.micro_batch=1", "dist.pipeline_schedule=\"interleaved\""][..]),
+        ("p2-interleaved-m2", "1,2,1", &["train.micro_batch=3", "dist.pipeline_schedule=\"interleaved\""][..]),
         ("p2-recompute", "1,2,1", &["train.micro_batch=3", "train.recompute=\"block\""][..]),
         ("p3-split", "1,3,1", &["train.micro_batch=2", "dist.pipeline_split=\"1,2,1\""][..]),
         ("p2-d2", "1,2,2", &["train.micro_batch=1"][..]),
@@ -48,8 +51,13 @@ fn stages_follow_one_process_under_each_schedule_beside_copies_and_zero() {
     ] {
         let out = launch_layout(layout, &staged_run(GPT, dir.path(), name, extra));
         let stdout = String::from_utf8_lossy(&out.stdout);
-        // The small model's units: the embedding, 2 blocks, the head; a given split is taken.
-        let units = if name == "p3-split" { "0..1, 1..3, 3..4" } else { "0..2, 2..4" };
+        // The small model's units: the embedding, 2 blocks, the head; a given split is taken;
+        // interleaved, stage 0 holds chunks 0 and 2, stage 1 chunks 1 and 3.
+        let units = match name {
+            "p3-split" => "0..1, 1..3, 3..4",
+            n if n.contains("interleaved") => "0..1, 1..2, 2..3, 3..4",
+            _ => "0..2, 2..4",
+        };
         assert!(stdout.contains(&format!("pipeline stages' units: {units}")), "{name}: {stdout}");
         assert_same_trajectory(&reference, &dir.path().join(name), name, &out);
     }
@@ -221,6 +229,29 @@ fn what_stages_do_not_run_with_is_refused_naming_the_key() {
         ("2", &["dist.pipeline=2", "dist.pipeline_split=\"2,9\""], "dist.pipeline", "at least one unit"),
         ("2", &["dist.pipeline=2", "dist.pipeline_split=\"two\""], "dist.pipeline_split", "whole numbers"),
         ("2", &["dist.pipeline=2", "dist.pipeline_schedule=\"zb\""], "dist.pipeline_schedule", "allowed"),
+        (
+            "2",
+            &["dist.pipeline=2", "dist.pipeline_schedule=\"interleaved\"", "dist.pipeline_chunks=1"],
+            "dist.pipeline_chunks",
+            "at least 2",
+        ),
+        (
+            "2",
+            &["dist.pipeline=2", "dist.pipeline_schedule=\"interleaved\"", "dist.pipeline_chunks=3"],
+            "dist.pipeline",
+            "2 stages of 3 chunks",
+        ),
+        (
+            "2",
+            &[
+                "dist.pipeline=2",
+                "dist.pipeline_schedule=\"interleaved\"",
+                "train.micro_batch=1",
+                "train.global_batch=3",
+            ],
+            "dist.pipeline_schedule",
+            "a multiple of the stages (2)",
+        ),
         ("2", &["dist.pipeline=2", "train.executor=\"single-graph\""], "train.executor", "single-graph"),
     ];
     crate::dist::assert_refused(dir.path(), cases, "dist.pipeline=2", ("dist.pipeline", "vla"));

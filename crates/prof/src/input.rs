@@ -81,6 +81,9 @@ pub struct TrainFacts {
     /// The pipeline's schedule (`dist.pipeline_schedule`); empty without stages.
     #[serde(default)]
     pub pipeline_schedule: String,
+    /// Model chunks per stage (the interleaved schedule's); 0 (absent) means 1.
+    #[serde(default)]
+    pub pipeline_chunks: usize,
     /// The activation recomputation policy (`train.recompute`).
     #[serde(default)]
     pub recompute: String,

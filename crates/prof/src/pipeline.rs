@@ -19,9 +19,12 @@ pub struct StageStep {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PipelineReport {
     pub stages: usize,
+    /// Model chunks per stage (1 unless interleaved).
+    #[serde(default = "one")]
+    pub chunks: usize,
     pub micro_batches: usize,
     pub schedule: String,
-    /// `(p - 1) / (m + p - 1)`: the share of the span each stage idles with equal stages.
+    /// `(p - 1) / (v m + p - 1)`: the share of the span each stage idles with equal stages.
     pub formula: f64,
     /// The mean over the stages of their `bubble`.
     pub bubble: f64,
@@ -29,6 +32,10 @@ pub struct PipelineReport {
     /// previous step's collectives).
     pub span_ms: f64,
     pub per_stage: Vec<StageBubble>,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// One stage's medians over the measured steps.
@@ -56,9 +63,9 @@ pub fn bubble_formula(stages: usize, micro_batches: usize, chunks: usize) -> f64
 }
 
 impl PipelineReport {
-    /// From each stage's medians `(stage, rank, step)` of the first copy.
+    /// From each stage's medians `(stage, rank, step)` of the first copy; `(stages, chunks)`.
     pub fn new(
-        stages: usize,
+        (stages, chunks): (usize, usize),
         micro_batches: usize,
         schedule: &str,
         mut measured: Vec<(usize, usize, StageStep)>,
@@ -76,9 +83,10 @@ impl PipelineReport {
         let bubble = per_stage.iter().map(|s| s.bubble).sum::<f64>() / per_stage.len().max(1) as f64;
         PipelineReport {
             stages,
+            chunks,
             micro_batches,
             schedule: schedule.to_string(),
-            formula: bubble_formula(stages, micro_batches, 1),
+            formula: bubble_formula(stages, micro_batches, chunks),
             bubble,
             span_ms,
             per_stage,
@@ -92,13 +100,18 @@ impl PipelineReport {
         let _ = writeln!(
             out,
             "pipeline: {} stages, {} micro-batches, {}: bubble {:.1}% of the {:.2} ms schedule measured (mean over \
-             stages: 1 - busy / span), {:.1}% by (p-1)/(m+p-1)",
+             stages: 1 - busy / span), {:.1}% by (p-1)/({}m+p-1)",
             self.stages,
             self.micro_batches,
-            self.schedule,
+            if self.chunks > 1 {
+                format!("{} ({} chunks a stage)", self.schedule, self.chunks)
+            } else {
+                self.schedule.clone()
+            },
             100.0 * self.bubble,
             self.span_ms,
-            100.0 * self.formula
+            100.0 * self.formula,
+            if self.chunks > 1 { format!("{}", self.chunks) } else { String::new() }
         );
         let _ = writeln!(
             out,
@@ -132,7 +145,7 @@ mod tests {
         assert_eq!(bubble_formula(2, 4, 2), 1.0 / 9.0);
         assert_eq!(bubble_formula(1, 4, 1), 0.0);
         let report = PipelineReport::new(
-            2,
+            (2, 1),
             4,
             "1f1b",
             vec![(1, 1, StageStep { wait_ms: 2.0, span_ms: 9.0 }), (0, 0, StageStep { wait_ms: 1.0, span_ms: 10.0 })],

@@ -99,8 +99,12 @@ pub fn merge_ranks(
             .filter_map(|r| r.pipeline.map(|p| (r.rank / tensor.max(1), r.rank, p)))
             .collect();
         let schedule = report.train.pipeline_schedule.clone();
-        report.pipeline =
-            Some(crate::pipeline::PipelineReport::new(stages, report.train.grad_accum, &schedule, measured));
+        report.pipeline = Some(crate::pipeline::PipelineReport::new(
+            (stages, report.train.pipeline_chunks.max(1)),
+            report.train.grad_accum,
+            &schedule,
+            measured,
+        ));
     }
     let reported: f64 = ranks.iter().map(|r| r.tokens_per_s).sum();
     if reported > 0.0 && report.tokens_per_s > 0.0 {

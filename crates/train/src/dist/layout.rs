@@ -49,19 +49,19 @@ impl DataParallel {
         Ok(())
     }
 
-    /// This rank's stage: cuts `trainer`'s model into the stages (balanced by each unit's FLOPs,
-    /// or `split` units per stage), gives its optimizer this stage's units alone, and returns the
-    /// link the trainer's schedule sends activations over. None without pipeline stages. Call
+    /// This rank's stage: cuts `trainer`'s model into the stages' chunks (balanced by each unit's
+    /// FLOPs, or `split` units per chunk), gives its optimizer this stage's units alone, and
+    /// returns its chunks' units. None without pipeline stages. Call
     /// after any restore, on every rank.
     pub fn pipeline_stage(
         &mut self,
         trainer: &mut Trainer,
         schedule: Schedule,
         split: &[usize],
-    ) -> Result<Option<std::ops::Range<usize>>, TrainError> {
+    ) -> Result<Option<Vec<std::ops::Range<usize>>>, TrainError> {
         let Some(parts) = self.pipeline.as_mut() else { return Ok(None) };
         let link = parts.plan(trainer.model(), schedule, split)?;
-        let units = link.units.clone();
+        let units = link.chunks.clone();
         let fused = trainer.fused_cpu_optimizer();
         let starts = parts.shard(trainer.params_mut(), fused).map_err(|e| TrainError::InvalidConfig {
             key: "dist.pipeline",
@@ -75,7 +75,7 @@ impl DataParallel {
         Ok(Some(units))
     }
 
-    /// Every stage's units (empty without pipeline stages).
+    /// Every chunk's units, stage by stage in the model's order (empty without pipeline stages).
     pub fn stage_units(&self) -> Vec<std::ops::Range<usize>> {
         self.pipeline.as_ref().map_or_else(Vec::new, |p| p.stage_units().to_vec())
     }

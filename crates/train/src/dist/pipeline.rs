@@ -37,6 +37,20 @@ pub enum Schedule {
     /// One forward, one backward once the pipeline is full (PipeDream-Flush, Megatron-LM's
     /// default): at most (stages - stage) micro-batches' activations alive on a stage.
     OneFOneB,
+    /// 1F1B over virtual stages (Megatron-LM's interleaved schedule): the model cut into
+    /// stages x `chunks` pieces, stage s holding pieces s, s + stages, ...; the bubble shrinks
+    /// by `chunks` for `chunks` times the transfers. Micro-batches a multiple of the stages.
+    Interleaved { chunks: usize },
+}
+
+impl Schedule {
+    /// Model chunks per stage (1 unless interleaved).
+    pub fn chunks(&self) -> usize {
+        match self {
+            Schedule::Interleaved { chunks } => *chunks,
+            _ => 1,
+        }
+    }
 }
 
 impl std::str::FromStr for Schedule {
@@ -45,7 +59,8 @@ impl std::str::FromStr for Schedule {
         match s {
             "1f1b" => Ok(Schedule::OneFOneB),
             "gpipe" => Ok(Schedule::GPipe),
-            other => Err(format!("is {other:?}; allowed: \"1f1b\", \"gpipe\"")),
+            "interleaved" => Ok(Schedule::Interleaved { chunks: 2 }),
+            other => Err(format!("is {other:?}; allowed: \"1f1b\", \"gpipe\", \"interleaved\"")),
         }
     }
 }
@@ -54,8 +69,9 @@ impl std::str::FromStr for Schedule {
 pub struct StageLink {
     pub stage: usize,
     pub stages: usize,
-    /// This stage's units (a contiguous run of the model's).
-    pub units: Range<usize>,
+    /// This stage's chunks' units (each a contiguous run of the model's; one chunk unless
+    /// interleaved), in the model's order.
+    pub chunks: Vec<Range<usize>>,
     pub schedule: Schedule,
     /// The copy's stages (its own handle, so activations never wait behind the hooks' sums).
     pub comm: Box<dyn Communicator>,
@@ -159,7 +175,8 @@ pub(super) struct PipelineParts {
     pub(super) data: Option<Box<dyn Communicator>>,
     /// The copy this rank's stage belongs to.
     pub(super) copy: usize,
-    /// Every stage's units, and what they are in the model's buffers.
+    /// Every chunk's units (stages x chunks of them; chunk c on stage c mod stages), and what
+    /// the units are in the model's buffers.
     stage_units: Vec<Range<usize>>,
     unit_ranges: Vec<Range<i64>>,
     /// The head uses the embedding's weights (both end stages hold them).
@@ -279,28 +296,50 @@ impl PipelineParts {
         split: &[usize],
     ) -> Result<StageLink, TrainError> {
         let invalid = |message: String| TrainError::InvalidConfig { key: "dist.pipeline", message };
-        self.stage_units = stage_units(&unit_costs(model), self.stages, split).map_err(invalid)?;
+        let chunks = schedule.chunks();
+        self.stage_units = stage_units(&unit_costs(model), self.stages * chunks, split).map_err(|message| {
+            invalid(if chunks > 1 {
+                format!("{message} ({} stages of {chunks} chunks each)", self.stages)
+            } else {
+                message
+            })
+        })?;
         self.unit_ranges = model.params().units().iter().map(|u| u.range.clone()).collect();
         self.tied = model.head_ties_embedding();
         let comm = self.link.take().ok_or_else(|| invalid("the stage's link was already taken".into()))?;
         Ok(StageLink {
             stage: self.stage,
             stages: self.stages,
-            units: self.stage_units[self.stage].clone(),
+            chunks: self.owned_chunks().map(|c| self.stage_units[c].clone()).collect(),
             schedule,
             comm,
         })
     }
 
-    /// The units of every stage (after `plan`).
+    /// The units of every chunk (every stage's, in the model's order; after `plan`).
     pub(super) fn stage_units(&self) -> &[Range<usize>] {
         &self.stage_units
     }
 
-    /// This stage's part of the model's buffers.
-    fn own(&self) -> Range<i64> {
-        let units = &self.stage_units[self.stage];
+    /// The chunks this rank's stage holds.
+    fn owned_chunks(&self) -> impl Iterator<Item = usize> {
+        (self.stage..self.stage_units.len()).step_by(self.stages)
+    }
+
+    /// Chunk `chunk`'s part of the model's buffers.
+    fn chunk_range(&self, chunk: usize) -> Range<i64> {
+        let units = &self.stage_units[chunk];
         self.unit_ranges[units.start].start..self.unit_ranges[units.end - 1].end
+    }
+
+    /// This stage's parts of the model's buffers, in order.
+    fn own(&self) -> Vec<Range<i64>> {
+        self.owned_chunks().map(|c| self.chunk_range(c)).collect()
+    }
+
+    /// The units this stage holds, in order.
+    fn own_units(&self) -> Vec<usize> {
+        self.owned_chunks().flat_map(|c| self.stage_units[c].clone()).collect()
     }
 
     /// The shard this stage's optimizer runs on: its units, or under ZeRO-1 this copy's slice of
@@ -315,9 +354,10 @@ impl PipelineParts {
         params.make_releasable(Buffer::Params)?;
         params.make_releasable(Buffer::Grads)?;
         self.releasers = Some((params.releaser(Buffer::Params), params.releaser(Buffer::Grads)));
-        let units = self.stage_units[self.stage].clone();
         let copies = self.data.as_ref().map_or(1, |d| d.world_size());
-        let segments: Vec<Range<i64>> = units
+        let segments: Vec<Range<i64>> = self
+            .own_units()
+            .into_iter()
             .map(|u| {
                 let unit = self.unit_ranges[u].clone();
                 if !self.zero {
@@ -345,7 +385,7 @@ impl PipelineParts {
     /// The ranges of the model's buffers this rank keeps: its stage's units, and on the last stage
     /// the embedding its head shares.
     fn kept(&self) -> Vec<Range<i64>> {
-        let mut kept = vec![self.own()];
+        let mut kept = self.own();
         if self.shares_embedding() && self.stage > 0 {
             kept.insert(0, self.unit_ranges[0].clone());
         }
@@ -422,12 +462,13 @@ impl PipelineParts {
                 });
             }
         }
-        let own = self.own();
         if let Some(data) = self.data.as_deref() {
-            let region = region(grad, own.clone())?;
-            // SAFETY: the stage's gradient range; backward is over and nothing touches it until `wait`.
-            let work = unsafe { data.all_reduce_async(region, ReduceOp::Avg) };
-            self.wait(work, "all_reduce a stage's gradients over its copies")?;
+            for own in self.own() {
+                let region = region(grad, own)?;
+                // SAFETY: a chunk's gradient range; backward is over and nothing touches it until `wait`.
+                let work = unsafe { data.all_reduce_async(region, ReduceOp::Avg) };
+                self.wait(work, "all_reduce a stage's gradients over its copies")?;
+            }
         }
         if !self.mapped {
             // The model's gradients are cleared after the optimizer: a cut model's norm still
@@ -464,14 +505,15 @@ impl PipelineParts {
             });
         } else if self.zero {
             // The update cleared this rank's slices of the mapped gradients; the copies' too.
-            let own = self.own();
             tch::no_grad(|| {
-                let _ = grad.narrow(0, own.start, own.end - own.start).zero_();
+                for own in self.own() {
+                    let _ = grad.narrow(0, own.start, own.end - own.start).zero_();
+                }
             });
         }
         if let Some(data) = self.data.as_deref().filter(|_| self.zero) {
             // Every copy's updated slices, unit by unit (the cut every slice was made by).
-            for u in self.stage_units[self.stage].clone() {
+            for u in self.own_units() {
                 let range = self.unit_ranges[u].clone();
                 if range.is_empty() {
                     continue;
@@ -508,11 +550,10 @@ impl PipelineParts {
     /// (evaluation, or a consumer of the whole model). Collective over the copy.
     pub(super) fn broadcast_all(&self) -> Result<(), TrainError> {
         let (flat, _) = self.buffers();
-        for (stage, units) in self.stage_units.iter().enumerate() {
-            let range = self.unit_ranges[units.start].start..self.unit_ranges[units.end - 1].end;
-            let region = region(flat, range)?;
+        for chunk in 0..self.stage_units.len() {
+            let region = region(flat, self.chunk_range(chunk))?;
             // SAFETY: the model's parameter buffer, alive; no step runs during the broadcast.
-            let work = unsafe { self.group.broadcast_async(region, stage) };
+            let work = unsafe { self.group.broadcast_async(region, chunk % self.stages) };
             self.wait(work, "broadcast a stage's parameters")?;
         }
         Ok(())

@@ -12,6 +12,7 @@ mod guards;
 mod inputs;
 mod nan_dump;
 mod pipeline;
+mod rounds;
 mod state;
 mod step;
 
