@@ -1,12 +1,12 @@
 //! Pipeline parallelism with real processes over loopback: the small model cut into 2 stages
-//! (1F1B, GPipe, interleaved 1F1B, recomputing every block), 3 stages by a given split, 2 stages beside 2 data-parallel copies with and
-//! without ZeRO-1, an untied Llama in 2 stages, and 2 stages of a model cut over 2 ranks (tensor
-//! x pipeline, with a gradient clip that bites) follow one process's fp32 losses within 1e-5
-//! over 20 steps, under `stoke launch` and `mpirun`; a tensor 2 x pipeline 2 checkpoint
-//! resumes on one process, on 2 data-parallel ranks and in 2 GPipe stages with the uninterrupted
-//! losses and consolidates into the same model one process writes; the report gives the bubble;
-//! a killed stage is named by the other; what stages do not run with is refused at start,
-//! naming the key.
+//! (1F1B, GPipe, interleaved 1F1B, recomputing every block), 3 stages by a given split, 2 stages
+//! (1F1B and interleaved) beside 2 data-parallel copies with and without ZeRO-1, an untied Llama
+//! in 2 stages, and 2 stages of a model cut over 2 ranks (tensor x pipeline, with a gradient clip
+//! that bites) follow one process's fp32 losses within 1e-5 over 20 steps, under `stoke launch`
+//! and `mpirun`; a tensor 2 x pipeline 2 checkpoint resumes on one process, on 2 data-parallel
+//! ranks and in 2 GPipe stages with the uninterrupted losses and consolidates into the same model
+//! one process writes; the report gives the bubble; a killed stage is named by the other; what
+//! stages do not run with is refused at start, naming the key.
 
 use std::path::Path;
 
@@ -59,6 +59,20 @@ fn stages_follow_one_process_under_each_schedule_beside_copies_and_zero() {
             _ => "0..2, 2..4",
         };
         assert!(stdout.contains(&format!("pipeline stages' units: {units}")), "{name}: {stdout}");
+        assert_same_trajectory(&reference, &dir.path().join(name), name, &out);
+    }
+}
+
+/// Interleaved stages beside 2 data-parallel copies, with and without ZeRO-1: 12 rows a step,
+/// 6 a copy, 2 micro-batches of 3 through each copy's 2 stages of 2 chunks.
+#[test]
+fn interleaved_stages_beside_copies_and_zero_follow_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = "train.global_batch=12";
+    let reference = family_reference_losses(dir.path(), ("gpt-12", &[GPT.1[0], rows]));
+    for (name, zero) in [("i-p2-d2", "dist.zero=0"), ("i-p2-d2-zero1", "dist.zero=1")] {
+        let extra = ["train.micro_batch=3", "dist.pipeline_schedule=\"interleaved\"", rows, zero];
+        let out = launch_layout("1,2,2", &staged_run(GPT, dir.path(), name, &extra));
         assert_same_trajectory(&reference, &dir.path().join(name), name, &out);
     }
 }
@@ -119,8 +133,9 @@ fn mpirun_runs_two_pipeline_stages() {
 
 /// Tensor 2 x pipeline 2 stops at step 10 with a checkpoint: each stage's first part writes its
 /// units' tensors gathered whole. Copies of the folder resume on one process, on 2
-/// data-parallel ranks and in 2 GPipe stages, each with one uninterrupted process's losses; the
-/// checkpoint consolidates into the model one process checkpoints at step 10.
+/// data-parallel ranks and in 2 GPipe and 2 interleaved stages, and 2 interleaved stages'
+/// checkpoint (each stage's two chunks) resumes on one process, each with one uninterrupted
+/// process's losses; the checkpoint consolidates into the model one process checkpoints at step 10.
 #[test]
 fn a_tensor_by_pipeline_checkpoint_resumes_on_any_layout_and_consolidates() {
     let dir = tempfile::tempdir().unwrap();
@@ -137,13 +152,17 @@ fn a_tensor_by_pipeline_checkpoint_resumes_on_any_layout_and_consolidates() {
     let manifest = std::fs::read_to_string(checkpoint.join("manifest.json")).unwrap();
     assert!(manifest.contains("\"pipeline\": 2") || manifest.contains("\"pipeline\":2"), "{manifest}");
     drop(out);
-    for (name, launch, layout) in [
-        ("on-one", None, &["dist.pipeline=1", "dist.tensor=1"][..]),
-        ("on-data-2", Some("2"), &["dist.pipeline=1", "dist.tensor=1"][..]),
-        ("gpipe-2", Some("2"), &["dist.pipeline=2", "dist.tensor=1", "dist.pipeline_schedule=\"gpipe\""][..]),
+    let interleaved = "dist.pipeline_schedule=\"interleaved\"";
+    launch_layout("1,2,1", &overrides(dir.path(), "interleaved", &[&first[..], &[interleaved]].concat()));
+    for (name, from, launch, layout) in [
+        ("on-one", "staged", None, &["dist.pipeline=1", "dist.tensor=1"][..]),
+        ("on-data-2", "staged", Some("2"), &["dist.pipeline=1", "dist.tensor=1"][..]),
+        ("gpipe-2", "staged", Some("2"), &["dist.pipeline=2", "dist.tensor=1", "dist.pipeline_schedule=\"gpipe\""][..]),
+        ("interleaved-2", "staged", Some("2"), &["dist.pipeline=2", "dist.tensor=1", interleaved][..]),
+        ("interleaved-on-one", "interleaved", None, &["dist.pipeline=1", "dist.tensor=1"][..]),
     ] {
         let folder = dir.path().join(name);
-        copy_dir(&dir.path().join("staged"), &folder);
+        copy_dir(&dir.path().join(from), &folder);
         let args = overrides(dir.path(), name, &[&family[..], &["train.steps=20"], layout].concat());
         let out = match launch {
             None => run_ok(&mut stoke(&["train", "--quiet", "--resume"], &refs(&args))),

@@ -340,6 +340,19 @@ mod tests {
         assert!(interleaved(2, 2, 3).unwrap_err().contains("multiple of the stages (2)"));
     }
 
+    /// The check above catches a plan that does deadlock: two stages that each send before
+    /// they receive, in separate rounds.
+    #[test]
+    #[should_panic(expected = "deadlock")]
+    fn sending_before_receiving_in_separate_rounds_deadlocks() {
+        let message = Message { forward: true, chunk: 1, micro: 0 };
+        let stage = vec![
+            Round { send_next: Some(message), ..Round::default() },
+            Round { recv_prev: Some(message), ..Round::default() },
+        ];
+        run_blocking(&[stage.clone(), stage]);
+    }
+
     #[test]
     fn two_stages_of_two_chunks_follow_megatron_lms_order() {
         let plans = interleaved(2, 2, 4).unwrap();
