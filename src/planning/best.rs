@@ -5,10 +5,11 @@
 //! searches tensor x pipeline x data layouts of `--nproc` devices (the `cpu` cluster as one node
 //! with this machine's memory split between the workers and its measured matmul peak, or a
 //! calibration's efficiencies), ZeRO stages, recomputation and micro-batches at the run's global
-//! batch. Sequence parallelism and interleaved stages are not built, and pipeline stages shard
-//! at most the optimizer state and not beside a cut model, so those layouts are passed over. The
-//! chosen layout becomes `--set dist.tensor, dist.pipeline, dist.zero, train.micro_batch,
-//! train.grad_accum, train.recompute`, which the command must not set itself.
+//! batch. Sequence parallelism is not built, and pipeline stages shard at most the optimizer
+//! state and not beside a cut model, so those layouts are passed over. The chosen layout becomes
+//! `--set dist.tensor, dist.pipeline, dist.zero, train.micro_batch, train.grad_accum,
+//! train.recompute` (and for interleaved stages `dist.pipeline_schedule, dist.pipeline_chunks`),
+//! which the command must not set itself; a command that sets the schedule gets no interleaving.
 
 use std::path::{Path, PathBuf};
 
@@ -18,8 +19,15 @@ use stoke_plan::{search, ClusterConfig, Estimate, PlanConfig, Precision, Recompu
 use crate::config::StokeConfig;
 
 /// The keys a plan sets.
-const PLANNED: &[&str] =
-    &["dist.tensor", "dist.pipeline", "dist.zero", "train.micro_batch", "train.grad_accum", "train.recompute"];
+const PLANNED: &[&str] = &[
+    "dist.tensor",
+    "dist.pipeline",
+    "dist.zero",
+    "train.micro_batch",
+    "train.grad_accum",
+    "train.recompute",
+    "dist.pipeline_chunks",
+];
 
 /// The chosen layout: the command with its settings added, and a line that says what was chosen.
 pub struct BestLayout {
@@ -53,7 +61,6 @@ fn runnable(layout: &stoke_plan::Layout, family: &str) -> bool {
     let cut = layout.tensor > 1;
     let zero_at_most_1 = matches!(layout.zero, ZeroStage::None | ZeroStage::Optimizer);
     !layout.sequence_parallel
-        && layout.virtual_stages <= 1
         && (!cut || stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family))
         && (!staged || (family != "vla" && zero_at_most_1))
         && !(cut && staged && layout.zero != ZeroStage::None)
@@ -78,6 +85,7 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         bail!("--plan best sets {key}; the command sets it too");
     }
     let config = StokeConfig::load(file.as_deref(), &overrides).context("--plan best reads the command's config")?;
+    let sets_schedule = overrides.iter().any(|o| o.trim_start().starts_with("dist.pipeline_schedule"));
     let device = stoke_train::parse_device(&config.run.device)?;
     if device.is_cuda() {
         bail!("--plan best plans this machine's CPUs; on a GPU, name the layout (--layout T,P,D)");
@@ -106,7 +114,11 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         cluster,
         precision,
         global_batch,
-        search: SearchConfig { sequence_parallel: vec![false], max_virtual_stages: 1, ..Default::default() },
+        search: SearchConfig {
+            sequence_parallel: vec![false],
+            max_virtual_stages: if sets_schedule { 1 } else { SearchConfig::default().max_virtual_stages },
+            ..Default::default()
+        },
     };
     let outcome = search(&plan)?;
     let ranked = outcome.plans.len();
@@ -123,6 +135,10 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         format!("train.micro_batch={}", layout.micro_batch),
         format!("train.recompute=\"{}\"", recompute_name(layout.recompute)),
     ];
+    if layout.virtual_stages > 1 {
+        settings.push("dist.pipeline_schedule=\"interleaved\"".to_string());
+        settings.push(format!("dist.pipeline_chunks={}", layout.virtual_stages));
+    }
     // A run that fixes its global batch derives the accumulation from it.
     if train.global_batch == 0 {
         settings.push(format!("train.grad_accum={}", layout.n_micro_batches));
@@ -132,10 +148,11 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         planned.extend(["--set".to_string(), setting.clone()]);
     }
     let summary = format!(
-        "plan best of {ranked}: tensor {} x pipeline {} x data {}, ZeRO {}, recompute {}, micro-batch {} x {} \
+        "plan best of {ranked}: tensor {} x pipeline {}{} x data {}, ZeRO {}, recompute {}, micro-batch {} x {} \
          (predicted {:.1} ms a step)",
         layout.tensor,
         layout.pipeline,
+        if layout.virtual_stages > 1 { format!(" ({} chunks a stage)", layout.virtual_stages) } else { String::new() },
         layout.data,
         layout.zero.number(),
         layout.recompute.name(),
@@ -180,7 +197,7 @@ mod tests {
         assert!(!runnable(&layout(1, 2, ZeroStage::Gradients, false), "gpt"), "ZeRO-2 beside stages");
         assert!(!runnable(&layout(1, 2, ZeroStage::None, false), "vla"), "vla in stages");
         let interleaved = stoke_plan::Layout { virtual_stages: 2, ..layout(1, 2, ZeroStage::None, false) };
-        assert!(!runnable(&interleaved, "gpt"), "interleaved stages");
+        assert!(runnable(&interleaved, "gpt"), "interleaved stages");
         assert!(!runnable(&layout(2, 1, ZeroStage::None, true), "gpt"), "sequence parallelism");
         assert!(runnable(&layout(2, 1, ZeroStage::Optimizer, false), "gpt"), "ZeRO-1 beside a cut model");
         assert!(runnable(&layout(2, 1, ZeroStage::Gradients, false), "gpt"), "ZeRO-2 beside a cut model");

@@ -77,8 +77,8 @@ fn interleaved_stages_beside_copies_and_zero_follow_one_process() {
     }
 }
 
-/// An untied head (the last stage's own matrix, nothing to share with the first), and stages of
-/// a model cut over 2 ranks each with a clip that bites: the norm is the whole model's, its
+/// An untied head (the last stage's own matrix, nothing to share with the first), and stages
+/// (1F1B and interleaved) of a model cut over 2 ranks each with a clip that bites: the norm is the whole model's, its
 /// parts' sums added over each stage's group and then over the stages.
 #[test]
 fn an_untied_llama_and_a_cut_clipped_model_in_stages_follow_one_process() {
@@ -91,10 +91,13 @@ fn an_untied_llama_and_a_cut_clipped_model_in_stages_follow_one_process() {
     let mut family = RMS.1.to_vec();
     family.push(clip);
     let reference = family_reference_losses(dir.path(), ("clipped", &family));
-    let args = staged_run(("clipped", &family), dir.path(), "t2p2", &["train.micro_batch=3"]);
-    let out = launch_layout("2,2,1", &args);
-    assert!(String::from_utf8_lossy(&out.stdout).contains("the model cut over 2 ranks"));
-    assert_same_trajectory(&reference, &dir.path().join("t2p2"), "tensor 2 x pipeline 2, clip 0.05", &out);
+    for (name, schedule) in [("t2p2", "1f1b"), ("t2p2-interleaved", "interleaved")] {
+        let schedule = format!("dist.pipeline_schedule=\"{schedule}\"");
+        let args = staged_run(("clipped", &family), dir.path(), name, &["train.micro_batch=3", &schedule]);
+        let out = launch_layout("2,2,1", &args);
+        assert!(String::from_utf8_lossy(&out.stdout).contains("the model cut over 2 ranks"));
+        assert_same_trajectory(&reference, &dir.path().join(name), &format!("{name}, clip 0.05"), &out);
+    }
 }
 
 /// bf16 with the GPT's 16-bit leaves (its kernels off, so its linear layers take them): a
