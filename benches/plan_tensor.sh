@@ -2,7 +2,8 @@
 # The planner against measured tensor-, pipeline- and data-parallel runs on this machine.
 #
 # Trains shapes of the gpt family on one process (layout 1,1,1), cut over two processes (tensor
-# parallelism, 2,1,1), in two pipeline stages (1F1B, 1,2,1, 4 or 8 micro-batches) and as two
+# parallelism, 2,1,1), in two pipeline stages (1F1B, 1,2,1, 4 or 8 micro-batches; two held-out
+# shapes interleaved, 2 chunks a stage) and as two
 # data-parallel copies (1,1,2), ROUNDS times each (default 3), one
 # libtorch thread per process, fp32, under the real-time FIFO scheduler when allowed (`chrt -f`,
 # see plan_calibration.sh for why). Then `stoke plan --calibrate` fits this machine's efficiencies
@@ -63,6 +64,8 @@ HELD_OUT=(
     "$PREFIX-dg 1,1,2 model.n_layer=3 model.d_model=384 model.n_head=6 train.micro_batch=16"
     "$PREFIX-pd 1,2,1 model.n_layer=6 model.d_model=384 model.n_head=6 train.micro_batch=2 train.grad_accum=4"
     "$PREFIX-ph 1,2,1 model.n_layer=4 model.d_model=512 model.n_head=8 train.micro_batch=1 train.grad_accum=8"
+    "$PREFIX-ib 1,2,1 model.n_layer=4 train.micro_batch=2 train.grad_accum=4 dist.pipeline_schedule=\"interleaved\""
+    "$PREFIX-if 1,2,1 model.n_layer=8 model.d_model=128 model.n_head=2 train.micro_batch=4 train.grad_accum=4 dist.pipeline_schedule=\"interleaved\""
 )
 
 train_spec() {

@@ -64,6 +64,9 @@ pub struct ReportTrain {
     /// Pipeline stages of one model copy; 0 or absent is 1.
     #[serde(default = "one")]
     pub pipeline: usize,
+    /// Model chunks per stage (the interleaved schedule's); 0 or absent is 1.
+    #[serde(default = "one")]
+    pub pipeline_chunks: usize,
 }
 
 /// `report.json`'s `machine` object.
@@ -151,6 +154,7 @@ impl MeasuredRun {
             pipeline,
             recompute: if recomputed { Recompute::Full } else { Recompute::None },
             n_micro_batches: train.grad_accum,
+            virtual_stages: if pipeline > 1 { train.pipeline_chunks.max(1) } else { 1 },
             ..Layout::single(train.micro_batch)
         };
         let config = PlanConfig {
@@ -427,6 +431,7 @@ mod tests {
                 world_size: 1,
                 tensor: 1,
                 pipeline: 1,
+                pipeline_chunks: 1,
             },
             machine: ReportMachine { peak_flops: 205e9, device: "cpu".into() },
         };
@@ -446,6 +451,7 @@ mod tests {
                 world_size,
                 tensor,
                 pipeline: 1,
+                pipeline_chunks: 1,
             },
             machine: ReportMachine { peak_flops: 205e9, device: "cpu".into() },
         };
