@@ -11,7 +11,8 @@
 //! updated values after it (Megatron-LM's embedding group, over the two end stages).
 //!
 //! Every rank of a stage's data-parallel group holds the same units: their gradients are
-//! averaged over it before the optimizer. The gradient norm is the sum of the stages' sums,
+//! averaged over it before the optimizer (under ZeRO-1 reduce-scattered: each copy gets the
+//! average of the slices it updates, Megatron-LM's distributed optimizer). The gradient norm is the sum of the stages' sums,
 //! added in stage order (every rank decides clipping and the NaN guard alike); the logged loss
 //! is the last stages' mean. A checkpoint holds each stage's units as pieces written by the
 //! first copy's ranks (a sharded checkpoint), so it resumes on any layout; evaluation and a
@@ -462,13 +463,31 @@ impl PipelineParts {
                 });
             }
         }
-        if let Some(data) = self.data.as_deref() {
-            for own in self.own() {
-                let region = region(grad, own)?;
-                // SAFETY: a chunk's gradient range; backward is over and nothing touches it until `wait`.
-                let work = unsafe { data.all_reduce_async(region, ReduceOp::Avg) };
-                self.wait(work, "all_reduce a stage's gradients over its copies")?;
+        match self.data.as_deref() {
+            // ZeRO-1 (Megatron-LM's distributed optimizer): each copy updates its slice of every
+            // unit, so it needs that slice's average alone; the rest of the buffer is scratch
+            // until the next step clears it.
+            Some(data) if self.zero => {
+                for unit in self.own_units() {
+                    let range = self.unit_ranges[unit].clone();
+                    if range.is_empty() {
+                        continue;
+                    }
+                    let region = region(grad, range)?;
+                    // SAFETY: the unit's gradient range; backward is over and nothing touches it until `wait`.
+                    let work = unsafe { data.reduce_scatter_async(region, ReduceOp::Avg) };
+                    self.wait(work, "reduce_scatter a stage's gradients over its copies")?;
+                }
             }
+            Some(data) => {
+                for own in self.own() {
+                    let region = region(grad, own)?;
+                    // SAFETY: a chunk's gradient range; backward is over and nothing touches it until `wait`.
+                    let work = unsafe { data.all_reduce_async(region, ReduceOp::Avg) };
+                    self.wait(work, "all_reduce a stage's gradients over its copies")?;
+                }
+            }
+            None => {}
         }
         if !self.mapped {
             // The model's gradients are cleared after the optimizer: a cut model's norm still
