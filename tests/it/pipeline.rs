@@ -244,7 +244,8 @@ fn what_stages_do_not_run_with_is_refused_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
     let cases: &[(&str, &[&str], &str, &str)] = &[
         ("2", &["dist.pipeline=3"], "dist.pipeline", "does not divide the job's 2 ranks"),
-        ("2", &["dist.pipeline=2", "dist.zero=2"], "dist.zero", "does not run with yet"),
+        ("2", &["dist.pipeline=2", "dist.zero=2"], "dist.zero", "sharding them would reduce every micro-batch's"),
+        ("2", &["dist.pipeline=2", "dist.zero=3"], "dist.zero", "dist.zero = 1 shards the optimizer state"),
         ("4", &["dist.pipeline=2", "dist.tensor=2", "dist.zero=1"], "dist.zero", "does not run with yet"),
         ("4", &["dist.pipeline=2", "dist.zero=1", "train.optimizer=\"lamb\""], "dist.zero", "whole tensors"),
         ("2", &["dist.pipeline=2", "dist.compress=\"int8\""], "dist.compress", "does not run with yet"),

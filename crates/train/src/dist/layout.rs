@@ -30,6 +30,20 @@ impl DataParallel {
                 "dist.pipeline" => tensor <= 1 && self.config.zero.stage <= 1,
                 _ => pipeline <= 1,
             };
+            if key == "dist.pipeline" && tensor <= 1 && self.config.zero.stage >= 2 {
+                // A stage's gradients build up over every micro-batch's backward until the step's
+                // last: sharding them would reduce each micro-batch's (m times the traffic) to save
+                // one stage's gradient buffer, which DeepSpeed's pipeline engine refuses too.
+                return Err(TrainError::InvalidConfig {
+                    key: "dist.zero",
+                    message: format!(
+                        "is {}, which {key} = {ways} does not run with: a stage's gradients build up over the step's \
+                         micro-batches, so sharding them would reduce every micro-batch's; dist.zero = 1 shards the \
+                         optimizer state and reduce-scatters the gradients once a step",
+                        self.config.zero.stage
+                    ),
+                });
+            }
             if self.config.zero.stage > 0 && !zero_runs {
                 return Err(refuse("dist.zero", &self.config.zero.stage.to_string()));
             }
