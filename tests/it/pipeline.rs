@@ -232,10 +232,14 @@ fn the_report_gives_each_stages_bubble_beside_the_formula() {
 }
 
 /// The last stage killed mid-run: the first stage, waiting for its gradients, stops naming it,
-/// and the stages' committed checkpoints verify.
+/// and the stages' committed checkpoints verify; the same with interleaved stages, the first
+/// killed.
 #[test]
 fn a_killed_stage_stops_the_other_naming_it() {
     crate::dist::kill_one_rank(2, 1, &["train.micro_batch=3", "dist.pipeline=2"]);
+    let interleaved =
+        ["train.micro_batch=1", "train.global_batch=4", "dist.pipeline=2", "dist.pipeline_schedule=\"interleaved\""];
+    crate::dist::kill_one_rank(2, 0, &interleaved);
 }
 
 /// Each refusal exits 2 before any step, naming the key and why.
