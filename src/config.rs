@@ -434,6 +434,23 @@ impl StokeConfig {
     /// whose update needs no whole tensor (not LAMB).
     fn check_tensor_parallel(&self) -> Result<(), ConfigError> {
         let (tensor, family, families) = (self.dist.tensor, &self.model.family, stoke_train::TENSOR_PARALLEL_FAMILIES);
+        if self.dist.sequence_parallel {
+            let why = if tensor < 2 {
+                Some("needs dist.tensor above 1 (it cuts the sequence over the model's cut)".to_string())
+            } else if !["gpt", "gpt-rms"].contains(&family.as_str()) {
+                Some(format!("runs with model.family \"gpt\" or \"gpt-rms\", not {family:?}"))
+            } else if self.dist.zero > 1 || self.dist.pipeline > 1 {
+                Some("does not run with dist.zero above 1 or with pipeline stages yet".to_string())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(ConfigError::Invalid {
+                    key: "dist.sequence_parallel".into(),
+                    message: format!("is true, but {why}"),
+                });
+            }
+        }
         let message = match tensor {
             0 => "must be at least 1".to_string(),
             1 => return Ok(()),

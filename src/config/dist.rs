@@ -51,6 +51,11 @@ pub struct DistConfig {
     /// MLP's inner dimension): consecutive ranks hold one model's parts, and data parallelism
     /// runs over the copies. Default 1 (no cut).
     pub tensor: usize,
+    /// With `tensor` above 1: the residual stream between the branches as each rank's piece of
+    /// the sequence (norms and residual additions on pieces; all-gather and reduce-scatter in
+    /// place of the branches' all-reduces). Families gpt and gpt-rms; `dist.zero` at most 1, no
+    /// pipeline stages. Default false.
+    pub sequence_parallel: bool,
     /// Pipeline stages one model copy is cut into (consecutive units per stage, balanced by their
     /// FLOPs; one rank a stage, consecutive ranks a copy). Default 1.
     pub pipeline: usize,
@@ -82,6 +87,7 @@ impl Default for DistConfig {
             compress_block: 256,
             error_feedback: true,
             tensor: 1,
+            sequence_parallel: false,
             pipeline: 1,
             pipeline_schedule: "1f1b".into(),
             pipeline_chunks: 2,

@@ -51,6 +51,9 @@ impl RunSpec<'_> {
         if let Some(dist) = dist.as_deref_mut() {
             if let Some(group) = dist.tensor_group() {
                 trainer.split_tensor(group)?;
+                if config.dist.sequence_parallel {
+                    trainer.enable_sequence_parallel()?;
+                }
                 dist.track_cut_model(&trainer);
             }
         }

@@ -77,6 +77,34 @@ fn a_gpt_cut_over_two_ranks_follows_one_process() {
     assert_same_trajectory(&reference, &dir.path().join("gpt-t2"), "gpt, tensor 2", &out);
 }
 
+/// Sequence parallelism: the residual stream between the branches as each rank's piece of the
+/// sequence, the norms and biases on pieces, their gradients' shares summed over the cut. The
+/// GPT and gpt-rms over 2 ranks, gpt-rms over 2 ranks x 2 copies, and gpt-rms over 2 ranks with
+/// a clip that bites (the norm counts the summed shares once) follow one process.
+#[test]
+fn sequence_parallel_cuts_follow_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let sp = "dist.sequence_parallel=true";
+    let reference = family_reference_losses(dir.path(), GPT);
+    let args = family_cut_run(GPT, dir.path(), "gpt-sp2", &["dist.tensor=2", "train.micro_batch=6", sp]);
+    let out = launch("2", &args);
+    assert_same_trajectory(&reference, &dir.path().join("gpt-sp2"), "gpt, tensor 2, sequence parallel", &out);
+    let reference = family_reference_losses(dir.path(), RMS);
+    for (name, nproc, micro) in [("sp2", "2", "train.micro_batch=6"), ("sp2d2", "4", "train.micro_batch=3")] {
+        let out = launch(nproc, &cut_run(dir.path(), name, &["dist.tensor=2", micro, sp]));
+        assert_same_trajectory(&reference, &dir.path().join(name), &format!("gpt-rms {name}"), &out);
+    }
+    let clip = "train.grad_clip=0.05";
+    let reference = family_reference_losses(dir.path(), ("clipped", &[RMS.1[0], clip]));
+    let out = launch("2", &cut_run(dir.path(), "sp2-clip", &["dist.tensor=2", "train.micro_batch=6", sp, clip]));
+    assert_same_trajectory(
+        &reference,
+        &dir.path().join("sp2-clip"),
+        "gpt-rms, tensor 2, sequence parallel, clip",
+        &out,
+    );
+}
+
 /// A clip that bites on every step: the norm it divides by is the whole model's, its cut
 /// parts' sums added over the group with the replicated tensors counted once.
 #[test]
@@ -110,6 +138,25 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
     let cases: &[(&str, &[&str], &str, &str)] = &[
         ("2", &["model.family=\"gpt-rms\"", "dist.tensor=3"], "dist.tensor", "does not divide the job's 2 ranks"),
+        ("2", &["dist.sequence_parallel=true"], "dist.sequence_parallel", "needs dist.tensor above 1"),
+        (
+            "2",
+            &["model.family=\"llama\"", "model.n_kv_head=2", "dist.tensor=2", "dist.sequence_parallel=true"],
+            "dist.sequence_parallel",
+            "runs with model.family \"gpt\" or \"gpt-rms\"",
+        ),
+        (
+            "4",
+            &["dist.tensor=2", "dist.sequence_parallel=true", "dist.zero=2"],
+            "dist.sequence_parallel",
+            "dist.zero above 1",
+        ),
+        (
+            "2",
+            &["dist.tensor=2", "dist.sequence_parallel=true", "model.seq_len=63"],
+            "dist.sequence_parallel",
+            "does not cut into dist.tensor = 2 pieces",
+        ),
         (
             "2",
             &[

@@ -531,6 +531,14 @@ impl StepHooks for DataParallel {
                     }
                     self.wait_in_flight(clock)?;
                 }
+                if let Some(parts) = self.tensor.as_ref().filter(|t| !t.shares.is_empty()) {
+                    // Sequence parallelism: the shares of the replicated gradients used on pieces
+                    // summed over the cut, once the copies' reductions of them are waited for.
+                    clock.lap(Phase::Backward);
+                    let result = parts.sum_shares();
+                    clock.lap(Phase::CommExposed);
+                    result.map_err(|e| self.error("all_reduce sequence-parallel gradient shares", e))?;
+                }
                 if let Some(zero) = &self.zero {
                     zero.take_reduced_grads();
                 }

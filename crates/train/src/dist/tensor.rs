@@ -24,6 +24,9 @@ pub(super) struct TensorParts {
     pub(super) replicated: Vec<Tensor>,
     /// Their names (the pieces of a ZeRO shard are named after their parameters).
     pub(super) replicated_names: std::collections::HashSet<String>,
+    /// Under sequence parallelism the replicated gradients that hold each rank's share
+    /// (`Cut::sums_gradient_over_pieces`), summed over the group before the optimizer.
+    pub(super) shares: Vec<Tensor>,
     /// ZeRO over `data`: what this rank writes of a checkpoint (`checkpoint_pieces`).
     pub(super) pieces: Option<FlatParams>,
 }
@@ -68,6 +71,7 @@ pub(super) fn split_groups(world: &dyn Communicator, tensor: usize, stages: usiz
         data: data_group,
         replicated: Vec::new(),
         replicated_names: Default::default(),
+        shares: Vec::new(),
         pieces: None,
     })
 }
@@ -79,6 +83,27 @@ impl TensorParts {
             model.params().entries().iter().filter(|e| !model.split_of(&e.name).is_split()).collect();
         self.replicated = replicated.iter().map(|e| e.tensor.grad()).collect();
         self.replicated_names = replicated.iter().map(|e| e.name.clone()).collect();
+        self.shares = match model.tensor_cut() {
+            Some(cut) => replicated
+                .iter()
+                .filter(|e| cut.sums_gradient_over_pieces(&e.name, model.split_of(&e.name)))
+                .map(|e| e.tensor.grad())
+                .collect(),
+            None => Vec::new(),
+        };
+    }
+
+    /// Sequence parallelism: each share's sum over the group, in place (every rank gets the same
+    /// bits, so the replicated parameters stay equal).
+    pub(super) fn sum_shares(&self) -> Result<(), CommError> {
+        for grad in &self.shares {
+            let summed = self.group.all_reduce(grad);
+            if let Some(failure) = self.group.take_failure() {
+                return Err(failure);
+            }
+            tch::no_grad(|| grad.shallow_clone().copy_(&summed));
+        }
+        Ok(())
     }
 
     /// The sum of squared gradients of this rank's pieces of the replicated parameters in a ZeRO

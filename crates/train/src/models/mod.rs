@@ -16,7 +16,7 @@ mod hf;
 mod llama;
 mod seam;
 mod tensor_group;
-mod tensor_parallel;
+pub mod tensor_parallel;
 mod vla;
 
 use tch::Device;

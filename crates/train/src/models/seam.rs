@@ -261,4 +261,13 @@ pub trait Model {
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
         None
     }
+
+    /// The model's cut, for the families cut by `models::tensor_parallel` (sequence parallelism).
+    fn tensor_cut(&self) -> Option<&crate::models::tensor_parallel::Cut> {
+        None
+    }
+
+    fn tensor_cut_mut(&mut self) -> Option<&mut crate::models::tensor_parallel::Cut> {
+        None
+    }
 }

@@ -120,13 +120,7 @@ impl TensorGroup {
         if self.size() == 1 {
             return out;
         }
-        let dtype = match t.kind() {
-            Kind::Float => DType::F32,
-            Kind::BFloat16 => DType::BF16,
-            Kind::Half => DType::F16,
-            other => panic!("tensor-parallel reductions take fp32, bf16 or fp16, not {other:?}"),
-        };
-        let region = Region::new(out.data_ptr() as *mut u8, out.numel(), dtype);
+        let region = Region::new(out.data_ptr() as *mut u8, out.numel(), dtype_of(t.kind()));
         // SAFETY: `out` is a new contiguous tensor that nothing else can see until this returns,
         // and the work is waited for before it does.
         let result =
@@ -135,6 +129,56 @@ impl TensorGroup {
             self.fail(error);
         }
         out
+    }
+
+    /// Sequence parallelism's gather: every rank's `[batch, seq / n, ..]` piece joined along the
+    /// sequence in rank order, as a new tensor outside any graph. After a failure the pieces not
+    /// received read as zero (see the module doc).
+    pub fn all_gather_seq(&self, piece: &Tensor) -> Tensor {
+        let n = self.size() as i64;
+        if n == 1 {
+            return piece.detach().copy();
+        }
+        let piece = piece.detach().contiguous();
+        let mut shape = piece.size();
+        shape.insert(0, n);
+        let all = Tensor::zeros(shape.as_slice(), (piece.kind(), piece.device()));
+        tch::no_grad(|| all.get(self.rank() as i64).copy_(&piece));
+        let region = Region::new(all.data_ptr() as *mut u8, all.numel(), dtype_of(all.kind()));
+        // SAFETY: `all` is a new contiguous tensor that nothing else can see until this returns,
+        // and the work is waited for before it does; its n equal pieces are the shards.
+        let result = self.timed(|| unsafe { self.comm.all_gather_async(region) }.and_then(|work| work.wait()));
+        if let Err(error) = result {
+            self.fail(error);
+        }
+        // [n, batch, piece, ..] -> [batch, n x piece, ..]
+        let mut whole = piece.size();
+        whole[1] *= n;
+        all.transpose(0, 1).contiguous().view(whole.as_slice())
+    }
+
+    /// Sequence parallelism's reduce-scatter: `[batch, seq, ..]` summed over the group, this
+    /// rank's `[batch, seq / n, ..]` piece, as a new tensor outside any graph (unreduced after a
+    /// failure).
+    pub fn reduce_scatter_seq(&self, whole: &Tensor) -> Tensor {
+        let n = self.size() as i64;
+        let size = whole.size();
+        let piece = size[1] / n;
+        let mut split = vec![size[0], n, piece];
+        split.extend_from_slice(&size[2..]);
+        // [batch, n, piece, ..] -> [n, batch, piece, ..]: each rank's piece contiguous, in rank order.
+        let all = whole.detach().reshape(split.as_slice()).transpose(0, 1).contiguous();
+        if n > 1 {
+            let region = Region::new(all.data_ptr() as *mut u8, all.numel(), dtype_of(all.kind()));
+            // SAFETY: as in `all_gather_seq`; the other pieces are scratch afterwards.
+            let result = self.timed(|| {
+                unsafe { self.comm.reduce_scatter_async(region, ReduceOp::Sum) }.and_then(|work| work.wait())
+            });
+            if let Err(error) = result {
+                self.fail(error);
+            }
+        }
+        all.get(self.rank() as i64).contiguous()
     }
 
     /// `g`: the sum of `t` over the group forward, `t`'s own gradient backward.
@@ -199,6 +243,16 @@ impl TensorGroup {
             .view([self.size() as i64, n as i64])
             .amax([0i64].as_slice(), false)
             .to_device(t.device())
+    }
+}
+
+/// The element type of a tensor the group's collectives carry.
+fn dtype_of(kind: Kind) -> DType {
+    match kind {
+        Kind::Float => DType::F32,
+        Kind::BFloat16 => DType::BF16,
+        Kind::Half => DType::F16,
+        other => panic!("tensor-parallel collectives take fp32, bf16 or fp16, not {other:?}"),
     }
 }
 

@@ -19,11 +19,22 @@
 //! biases after a row-parallel matrix are replicated: every rank computes them from the same
 //! values, so their gradients and updates stay identical without a reduction.
 //!
+//! Sequence parallelism (`dist.sequence_parallel`, Korthikanti et al., 2022) keeps the residual
+//! stream between the branches as each rank's piece of the sequence, `[batch, seq / n, d]`: the
+//! norms, the residual additions and the replicated biases run on the piece; `f` becomes an
+//! all-gather of the normed pieces (its backward a reduce-scatter of the leaf's gradient) and `g`
+//! a reduce-scatter of the partial sums into a new leaf (its backward an all-gather of that
+//! leaf's gradient, run by the core's backward before `f`'s). The embedding's output (summed over
+//! the group as without it) is cut to the rank's piece, and the head gathers the final norm's
+//! pieces back. The replicated parameters used on pieces (the norms, the biases after a
+//! row-parallel matrix) get each rank's share of their gradient, summed over the group before the
+//! optimizer (`DataParallel`); the position embedding, used before the cut, gets the whole.
+//!
 //! A failed collective inside a forward (a peer that died) cannot return an error through the
 //! model's functions: the group keeps the first failure and returns the tensor unreduced; the
 //! step hooks turn it into the run's error before the optimizer (`TensorGroup::take_failure`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use stoke_comm::shard_range;
 use tch::{Kind, Tensor};
@@ -82,6 +93,11 @@ pub struct Cut {
     pub group: Arc<TensorGroup>,
     /// The vocabulary rows this rank's embedding (and head) holds.
     pub vocab: std::ops::Range<i64>,
+    /// Sequence parallelism on (see the module doc).
+    sequence: bool,
+    /// Inside a branch under sequence parallelism: where its row-parallel output's partial sum
+    /// and the leaf its reduce-scatter became are left for the branch's core.
+    pending: Mutex<Option<Option<(Tensor, Tensor)>>>,
 }
 
 /// Megatron-LM's cut of a model with nanoGPT's parameter names (the `gpt` and `gpt-rms`
@@ -119,7 +135,39 @@ impl Cut {
             });
         }
         *params = split_params(params, split, rank, size)?;
-        Ok(Cut { vocab: vocab_rows(vocab, rank, size), group })
+        Ok(Cut { vocab: vocab_rows(vocab, rank, size), group, sequence: false, pending: Mutex::new(None) })
+    }
+
+    /// Turns sequence parallelism on for sequences of `seq_len` tokens.
+    pub fn enable_sequence(&mut self, seq_len: usize) -> Result<(), TrainError> {
+        let n = self.group.size();
+        if seq_len % n != 0 {
+            return Err(TrainError::InvalidConfig {
+                key: "dist.sequence_parallel",
+                message: format!("is true, but model.seq_len = {seq_len} does not cut into dist.tensor = {n} pieces"),
+            });
+        }
+        self.sequence = true;
+        Ok(())
+    }
+
+    /// Whether sequence parallelism is on.
+    pub fn sequence(&self) -> bool {
+        self.sequence
+    }
+
+    /// This rank's piece of `[batch, seq, ..]` `whole` (the same on every rank), detached.
+    pub fn piece(&self, whole: &Tensor) -> Tensor {
+        let n = self.group.size() as i64;
+        let len = whole.size()[1] / n;
+        whole.detach().narrow(1, self.group.rank() as i64 * len, len).contiguous()
+    }
+
+    /// Whether parameter `name` (not cut by `split`) is used on the sequence's pieces, so each
+    /// rank's gradient is its share: under sequence parallelism every replicated parameter but
+    /// the position embedding.
+    pub fn sums_gradient_over_pieces(&self, name: &str, split: Split) -> bool {
+        self.sequence && !split.is_split() && !name.contains(".wpe.")
     }
 
     /// Heads on this rank of `n` in all.
@@ -127,8 +175,18 @@ impl Cut {
         (n / self.group.size()) as i64
     }
 
-    /// `g`: a row-parallel matrix's partial output summed over the group.
+    /// `g`: a row-parallel matrix's partial output summed over the group; inside a branch under
+    /// sequence parallelism reduce-scattered into this rank's piece, a leaf the branch's core
+    /// takes the gradient of.
     pub fn reduced(&self, partial: &Tensor) -> Tensor {
+        if self.sequence {
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(slot) = pending.as_mut() {
+                let out = self.group.reduce_scatter_seq(partial).set_requires_grad(true);
+                *slot = Some((partial.shallow_clone(), out.shallow_clone()));
+                return out;
+            }
+        }
         self.group.reduce_from_ranks(partial)
     }
 
@@ -152,8 +210,16 @@ impl Cut {
         normed: &Tensor,
         run: impl FnOnce(&Tensor) -> Tensor,
     ) -> (Tensor, Box<dyn CoreBackward + 'm>) {
-        let (leaf, input_grads) = copy_to_ranks(&self.group, normed);
-        (run(&leaf), input_grads)
+        if !self.sequence {
+            let (leaf, input_grads) = copy_to_ranks(&self.group, normed);
+            return (run(&leaf), input_grads);
+        }
+        let leaf = self.group.all_gather_seq(normed).set_requires_grad(true);
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(None);
+        let output = run(&leaf);
+        let taken = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take().flatten();
+        let (partial, out) = taken.expect("a branch under sequence parallelism ends in a row-parallel matrix");
+        (output, Box::new(SequenceCore { group: &self.group, before: normed.shallow_clone(), leaf, partial, out }))
     }
 
     /// The head on the final norm's output `normed` (part of the graph from the head's input):
@@ -164,7 +230,14 @@ impl Cut {
         loss_multiplier: f64,
         loss: impl FnOnce(&Tensor) -> Tensor,
     ) -> HeadLoss<'m> {
-        let (leaf, input_grads) = copy_to_ranks(&self.group, normed);
+        let (leaf, input_grads) = if self.sequence {
+            let leaf = self.group.all_gather_seq(normed).set_requires_grad(true);
+            let backward =
+                ScatterInputGrads { group: &self.group, before: normed.shallow_clone(), leaf: leaf.shallow_clone() };
+            (leaf, Box::new(backward) as Box<dyn CoreBackward + 'm>)
+        } else {
+            copy_to_ranks(&self.group, normed)
+        };
         let loss = loss(&leaf);
         let by_hand = CutHead { loss: loss.shallow_clone(), loss_multiplier, input_grads };
         HeadLoss { loss, by_hand: Some(Box::new(by_hand)) }
@@ -202,6 +275,38 @@ struct SumInputGrads<'m> {
 impl CoreBackward for SumInputGrads<'_> {
     fn backward(&self) -> (Tensor, Tensor) {
         (self.before.shallow_clone(), self.group.all_reduce(&self.leaf.grad()))
+    }
+}
+
+/// `f` under sequence parallelism: the gathered leaf's gradient reduce-scattered back to the
+/// rank's piece.
+struct ScatterInputGrads<'m> {
+    group: &'m TensorGroup,
+    before: Tensor,
+    leaf: Tensor,
+}
+
+impl CoreBackward for ScatterInputGrads<'_> {
+    fn backward(&self) -> (Tensor, Tensor) {
+        (self.before.shallow_clone(), self.group.reduce_scatter_seq(&self.leaf.grad()))
+    }
+}
+
+/// A branch under sequence parallelism: `g`'s leaf's gradient all-gathered and run back through
+/// the branch from its partial sum, then `f`'s reduce-scatter.
+struct SequenceCore<'m> {
+    group: &'m TensorGroup,
+    before: Tensor,
+    leaf: Tensor,
+    partial: Tensor,
+    out: Tensor,
+}
+
+impl CoreBackward for SequenceCore<'_> {
+    fn backward(&self) -> (Tensor, Tensor) {
+        let whole = self.group.all_gather_seq(&self.out.grad());
+        (&self.partial * whole).sum(self.partial.kind()).backward();
+        (self.before.shallow_clone(), self.group.reduce_scatter_seq(&self.leaf.grad()))
     }
 }
 

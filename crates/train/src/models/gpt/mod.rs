@@ -424,4 +424,12 @@ impl Model for Gpt {
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
         self.tensor.as_ref().map(|cut| &cut.group)
     }
+
+    fn tensor_cut(&self) -> Option<&crate::models::tensor_parallel::Cut> {
+        self.tensor.as_ref()
+    }
+
+    fn tensor_cut_mut(&mut self) -> Option<&mut crate::models::tensor_parallel::Cut> {
+        self.tensor.as_mut()
+    }
 }

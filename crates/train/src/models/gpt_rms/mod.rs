@@ -318,6 +318,14 @@ impl Model for GptRms {
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
         self.tensor.as_ref().map(|cut| &cut.group)
     }
+
+    fn tensor_cut(&self) -> Option<&crate::models::tensor_parallel::Cut> {
+        self.tensor.as_ref()
+    }
+
+    fn tensor_cut_mut(&mut self) -> Option<&mut crate::models::tensor_parallel::Cut> {
+        self.tensor.as_mut()
+    }
 }
 
 /// Cut over a group, every branch runs as a core by hand: `f` (`copy_to_ranks`) before it, its
