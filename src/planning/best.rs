@@ -5,11 +5,12 @@
 //! searches tensor x pipeline x data layouts of `--nproc` devices (the `cpu` cluster as one node
 //! with this machine's memory split between the workers and its measured matmul peak, or a
 //! calibration's efficiencies), ZeRO stages, recomputation and micro-batches at the run's global
-//! batch. Sequence parallelism is not built, and pipeline stages shard at most the optimizer
-//! state and not beside a cut model, so those layouts are passed over. The chosen layout becomes
-//! `--set dist.tensor, dist.pipeline, dist.zero, train.micro_batch, train.grad_accum,
-//! train.recompute` (and for interleaved stages `dist.pipeline_schedule, dist.pipeline_chunks`),
-//! which the command must not set itself; a command that sets the schedule gets no interleaving.
+//! batch. Sequence parallelism runs for gpt and gpt-rms without stages and beside ZeRO-1 at most,
+//! and pipeline stages shard at most the optimizer state and not beside a cut model, so other
+//! layouts are passed over. The chosen layout becomes `--set dist.tensor, dist.pipeline,
+//! dist.zero, train.micro_batch, train.grad_accum, train.recompute` (and `dist.sequence_parallel`,
+//! and for interleaved stages `dist.pipeline_schedule, dist.pipeline_chunks`), which the command
+//! must not set itself; a command that sets the schedule gets no interleaving.
 
 use std::path::{Path, PathBuf};
 
@@ -27,6 +28,7 @@ const PLANNED: &[&str] = &[
     "train.grad_accum",
     "train.recompute",
     "dist.pipeline_chunks",
+    "dist.sequence_parallel",
 ];
 
 /// The chosen layout: the command with its settings added, and a line that says what was chosen.
@@ -60,7 +62,8 @@ fn runnable(layout: &stoke_plan::Layout, family: &str) -> bool {
     let staged = layout.pipeline > 1;
     let cut = layout.tensor > 1;
     let zero_at_most_1 = matches!(layout.zero, ZeroStage::None | ZeroStage::Optimizer);
-    !layout.sequence_parallel
+    let sequence_runs = !staged && zero_at_most_1 && ["gpt", "gpt-rms"].contains(&family);
+    (!layout.sequence_parallel || sequence_runs)
         && (!cut || stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family))
         && (!staged || (family != "vla" && zero_at_most_1))
         && !(cut && staged && layout.zero != ZeroStage::None)
@@ -115,7 +118,7 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         precision,
         global_batch,
         search: SearchConfig {
-            sequence_parallel: vec![false],
+            sequence_parallel: vec![false, true],
             max_virtual_stages: if sets_schedule { 1 } else { SearchConfig::default().max_virtual_stages },
             ..Default::default()
         },
@@ -135,6 +138,9 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         format!("train.micro_batch={}", layout.micro_batch),
         format!("train.recompute=\"{}\"", recompute_name(layout.recompute)),
     ];
+    if layout.sequence_parallel {
+        settings.push("dist.sequence_parallel=true".to_string());
+    }
     if layout.virtual_stages > 1 {
         settings.push("dist.pipeline_schedule=\"interleaved\"".to_string());
         settings.push(format!("dist.pipeline_chunks={}", layout.virtual_stages));
@@ -148,9 +154,10 @@ pub fn best_layout(nproc: usize, command: &[String], efficiency: Option<&Path>) 
         planned.extend(["--set".to_string(), setting.clone()]);
     }
     let summary = format!(
-        "plan best of {ranked}: tensor {} x pipeline {}{} x data {}, ZeRO {}, recompute {}, micro-batch {} x {} \
+        "plan best of {ranked}: tensor {}{} x pipeline {}{} x data {}, ZeRO {}, recompute {}, micro-batch {} x {} \
          (predicted {:.1} ms a step)",
         layout.tensor,
+        if layout.sequence_parallel { " (sequence parallel)" } else { "" },
         layout.pipeline,
         if layout.virtual_stages > 1 { format!(" ({} chunks a stage)", layout.virtual_stages) } else { String::new() },
         layout.data,
@@ -198,7 +205,9 @@ mod tests {
         assert!(!runnable(&layout(1, 2, ZeroStage::None, false), "vla"), "vla in stages");
         let interleaved = stoke_plan::Layout { virtual_stages: 2, ..layout(1, 2, ZeroStage::None, false) };
         assert!(runnable(&interleaved, "gpt"), "interleaved stages");
-        assert!(!runnable(&layout(2, 1, ZeroStage::None, true), "gpt"), "sequence parallelism");
+        assert!(runnable(&layout(2, 1, ZeroStage::None, true), "gpt"), "sequence parallelism");
+        assert!(!runnable(&layout(2, 1, ZeroStage::None, true), "llama"), "llama's sequence parallelism");
+        assert!(!runnable(&layout(2, 1, ZeroStage::Gradients, true), "gpt"), "sequence parallelism beside ZeRO-2");
         assert!(runnable(&layout(2, 1, ZeroStage::Optimizer, false), "gpt"), "ZeRO-1 beside a cut model");
         assert!(runnable(&layout(2, 1, ZeroStage::Gradients, false), "gpt"), "ZeRO-2 beside a cut model");
         assert!(runnable(&layout(2, 1, ZeroStage::Parameters, false), "gpt"), "ZeRO-3 beside a cut model");
