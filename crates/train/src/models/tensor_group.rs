@@ -178,7 +178,8 @@ impl TensorGroup {
                 self.fail(error);
             }
         }
-        all.get(self.rank() as i64).contiguous()
+        // A copy: a view would keep the whole buffer alive as long as the piece.
+        all.get(self.rank() as i64).copy()
     }
 
     /// `g`: the sum of `t` over the group forward, `t`'s own gradient backward.

@@ -219,7 +219,16 @@ impl Cut {
         let output = run(&leaf);
         let taken = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take().flatten();
         let (partial, out) = taken.expect("a branch under sequence parallelism ends in a row-parallel matrix");
-        (output, Box::new(SequenceCore { group: &self.group, before: normed.shallow_clone(), leaf, partial, out }))
+        // The core needs these three's places in the graph (and `out`'s gradient), not their
+        // values, which nothing after the branch reads (unless `out` is the branch's output, as
+        // with no bias to add): the activations kept are the graph's.
+        let before = normed.shallow_clone();
+        keep_place_only(&partial);
+        keep_place_only(&before);
+        if out.data_ptr() != output.data_ptr() {
+            keep_place_only(&out);
+        }
+        (output, Box::new(SequenceCore { group: &self.group, before, leaf, partial, out }))
     }
 
     /// The head on the final norm's output `normed` (part of the graph from the head's input):
@@ -276,6 +285,13 @@ impl CoreBackward for SumInputGrads<'_> {
     fn backward(&self) -> (Tensor, Tensor) {
         (self.before.shallow_clone(), self.group.all_reduce(&self.leaf.grad()))
     }
+}
+
+/// Replaces `t`'s values with one zero seen at every position (the same shape, no memory), so
+/// a handle kept for its place in the graph does not keep its activations alive.
+fn keep_place_only(t: &Tensor) {
+    let zero = Tensor::zeros([1], (t.kind(), t.device())).expand(t.size(), false);
+    t.shallow_clone().set_data(&zero);
 }
 
 /// `f` under sequence parallelism: the gathered leaf's gradient reduce-scattered back to the
