@@ -241,8 +241,8 @@ impl Cut {
     ) -> HeadLoss<'m> {
         let (leaf, input_grads) = if self.sequence {
             let leaf = self.group.all_gather_seq(normed).set_requires_grad(true);
-            let backward =
-                ScatterInputGrads { group: &self.group, before: normed.shallow_clone(), leaf: leaf.shallow_clone() };
+            let before = normed.shallow_clone();
+            let backward = InputGrads { group: &self.group, before, leaf: leaf.shallow_clone(), scatter: true };
             (leaf, Box::new(backward) as Box<dyn CoreBackward + 'm>)
         } else {
             copy_to_ranks(&self.group, normed)
@@ -271,19 +271,24 @@ impl HeadBackward for CutHead<'_> {
 /// and the backward that sums the leaf's gradient over the group and hands it to `x`'s graph.
 pub fn copy_to_ranks<'m>(group: &'m TensorGroup, x: &Tensor) -> (Tensor, Box<dyn CoreBackward + 'm>) {
     let leaf = x.detach().set_requires_grad(true);
-    let backward = SumInputGrads { group, before: x.shallow_clone(), leaf: leaf.shallow_clone() };
+    let backward = InputGrads { group, before: x.shallow_clone(), leaf: leaf.shallow_clone(), scatter: false };
     (leaf, Box::new(backward))
 }
 
-struct SumInputGrads<'m> {
+/// `f`'s backward: the leaf's gradient summed over the group, or under sequence parallelism
+/// (`scatter`, the leaf gathered from the pieces) reduce-scattered back to the rank's piece.
+struct InputGrads<'m> {
     group: &'m TensorGroup,
     before: Tensor,
     leaf: Tensor,
+    scatter: bool,
 }
 
-impl CoreBackward for SumInputGrads<'_> {
+impl CoreBackward for InputGrads<'_> {
     fn backward(&self) -> (Tensor, Tensor) {
-        (self.before.shallow_clone(), self.group.all_reduce(&self.leaf.grad()))
+        let grad = self.leaf.grad();
+        let summed = if self.scatter { self.group.reduce_scatter_seq(&grad) } else { self.group.all_reduce(&grad) };
+        (self.before.shallow_clone(), summed)
     }
 }
 
@@ -292,20 +297,6 @@ impl CoreBackward for SumInputGrads<'_> {
 fn keep_place_only(t: &Tensor) {
     let zero = Tensor::zeros([1], (t.kind(), t.device())).expand(t.size(), false);
     t.shallow_clone().set_data(&zero);
-}
-
-/// `f` under sequence parallelism: the gathered leaf's gradient reduce-scattered back to the
-/// rank's piece.
-struct ScatterInputGrads<'m> {
-    group: &'m TensorGroup,
-    before: Tensor,
-    leaf: Tensor,
-}
-
-impl CoreBackward for ScatterInputGrads<'_> {
-    fn backward(&self) -> (Tensor, Tensor) {
-        (self.before.shallow_clone(), self.group.reduce_scatter_seq(&self.leaf.grad()))
-    }
 }
 
 /// A branch under sequence parallelism: `g`'s leaf's gradient all-gathered and run back through
