@@ -83,14 +83,8 @@ impl TensorParts {
             model.params().entries().iter().filter(|e| !model.split_of(&e.name).is_split()).collect();
         self.replicated = replicated.iter().map(|e| e.tensor.grad()).collect();
         self.replicated_names = replicated.iter().map(|e| e.name.clone()).collect();
-        self.shares = match model.tensor_cut() {
-            Some(cut) => replicated
-                .iter()
-                .filter(|e| cut.sums_gradient_over_pieces(&e.name, model.split_of(&e.name)))
-                .map(|e| e.tensor.grad())
-                .collect(),
-            None => Vec::new(),
-        };
+        self.shares =
+            replicated.iter().filter(|e| model.gradient_is_a_share(&e.name)).map(|e| e.tensor.grad()).collect();
     }
 
     /// Sequence parallelism: each share's sum over the group, in place (every rank gets the same

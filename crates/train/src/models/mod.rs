@@ -16,7 +16,7 @@ mod hf;
 mod llama;
 mod seam;
 mod tensor_group;
-pub mod tensor_parallel;
+mod tensor_parallel;
 mod vla;
 
 use tch::Device;

@@ -262,12 +262,23 @@ pub trait Model {
         None
     }
 
-    /// The model's cut, for the families cut by `models::tensor_parallel` (sequence parallelism).
-    fn tensor_cut(&self) -> Option<&crate::models::tensor_parallel::Cut> {
+    /// After `split_tensor`: the blocks pass pieces of the sequence (`dist.sequence_parallel`,
+    /// `models::tensor_parallel`).
+    fn enable_sequence_parallel(&mut self) -> Result<(), TrainError> {
+        Err(TrainError::InvalidConfig {
+            key: "dist.sequence_parallel",
+            message: "is true, but this model is not cut by dist.tensor (families gpt and gpt-rms are)".into(),
+        })
+    }
+
+    /// The group the sequence is cut over once sequence parallelism is on (None: off).
+    fn sequence_group(&self) -> Option<&Arc<TensorGroup>> {
         None
     }
 
-    fn tensor_cut_mut(&mut self) -> Option<&mut crate::models::tensor_parallel::Cut> {
-        None
+    /// Under sequence parallelism, whether parameter `name`'s gradient on this rank is its share
+    /// of the sequence's, to be summed over the group.
+    fn gradient_is_a_share(&self, _name: &str) -> bool {
+        false
     }
 }

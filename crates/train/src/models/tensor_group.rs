@@ -131,6 +131,13 @@ impl TensorGroup {
         out
     }
 
+    /// This rank's piece of `[batch, seq, ..]` `whole` (the same on every rank), detached.
+    pub fn piece(&self, whole: &Tensor) -> Tensor {
+        let n = self.size() as i64;
+        let len = whole.size()[1] / n;
+        whole.detach().narrow(1, self.rank() as i64 * len, len).contiguous()
+    }
+
     /// Sequence parallelism's gather: every rank's `[batch, seq / n, ..]` piece joined along the
     /// sequence in rank order, as a new tensor outside any graph. After a failure the pieces not
     /// received read as zero (see the module doc).

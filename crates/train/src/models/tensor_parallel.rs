@@ -156,13 +156,6 @@ impl Cut {
         self.sequence
     }
 
-    /// This rank's piece of `[batch, seq, ..]` `whole` (the same on every rank), detached.
-    pub fn piece(&self, whole: &Tensor) -> Tensor {
-        let n = self.group.size() as i64;
-        let len = whole.size()[1] / n;
-        whole.detach().narrow(1, self.group.rank() as i64 * len, len).contiguous()
-    }
-
     /// Whether parameter `name` (not cut by `split`) is used on the sequence's pieces, so each
     /// rank's gradient is its share: under sequence parallelism every replicated parameter but
     /// the position embedding.

@@ -267,14 +267,7 @@ impl Trainer {
     /// After `split_tensor`: the cut model's blocks pass pieces of the sequence
     /// (`dist.sequence_parallel`, `models::tensor_parallel`).
     pub fn enable_sequence_parallel(&mut self) -> Result<(), TrainError> {
-        let seq_len = self.model.shape().seq_len;
-        match self.model.tensor_cut_mut() {
-            Some(cut) => cut.enable_sequence(seq_len),
-            None => Err(TrainError::InvalidConfig {
-                key: "dist.sequence_parallel",
-                message: "is true, but this model is not cut by dist.tensor (families gpt and gpt-rms are)".into(),
-            }),
-        }
+        self.model.enable_sequence_parallel()
     }
 
     pub fn step(&self) -> u64 {
