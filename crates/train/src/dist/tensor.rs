@@ -25,7 +25,7 @@ pub(super) struct TensorParts {
     /// Their names (the pieces of a ZeRO shard are named after their parameters).
     pub(super) replicated_names: std::collections::HashSet<String>,
     /// Under sequence parallelism the replicated gradients that hold each rank's share
-    /// (`Cut::sums_gradient_over_pieces`), summed over the group before the optimizer.
+    /// (`Model::gradient_is_a_share`), summed over the group before the optimizer.
     pub(super) shares: Vec<Tensor>,
     /// ZeRO over `data`: what this rank writes of a checkpoint (`checkpoint_pieces`).
     pub(super) pieces: Option<FlatParams>,

@@ -262,23 +262,31 @@ pub trait Model {
         None
     }
 
-    /// After `split_tensor`: the blocks pass pieces of the sequence (`dist.sequence_parallel`,
-    /// `models::tensor_parallel`).
+    /// Whether the family's cut runs sequence parallelism (`models::tensor_parallel`).
+    fn cuts_sequence(&self) -> bool {
+        false
+    }
+
+    /// After `split_tensor`: the blocks pass pieces of the sequence (`dist.sequence_parallel`).
     fn enable_sequence_parallel(&mut self) -> Result<(), TrainError> {
-        Err(TrainError::InvalidConfig {
-            key: "dist.sequence_parallel",
-            message: "is true, but this model is not cut by dist.tensor (families gpt and gpt-rms are)".into(),
-        })
+        let invalid = |message: String| TrainError::InvalidConfig { key: "dist.sequence_parallel", message };
+        match self.tensor_group().filter(|_| self.cuts_sequence()) {
+            Some(group) => {
+                group.enable_sequence(self.shape().seq_len).map_err(|m| invalid(format!("is true, but {m}")))
+            }
+            None => Err(invalid("is true, but the model is not cut by dist.tensor (gpt and gpt-rms cut it)".into())),
+        }
     }
 
     /// The group the sequence is cut over once sequence parallelism is on (None: off).
     fn sequence_group(&self) -> Option<&Arc<TensorGroup>> {
-        None
+        self.tensor_group().filter(|group| group.sequence())
     }
 
     /// Under sequence parallelism, whether parameter `name`'s gradient on this rank is its share
-    /// of the sequence's, to be summed over the group.
-    fn gradient_is_a_share(&self, _name: &str) -> bool {
-        false
+    /// of the sequence's, summed over the group: every parameter used on the pieces, the
+    /// replicated ones but the position embedding (added before the sequence is cut).
+    fn gradient_is_a_share(&self, name: &str) -> bool {
+        self.sequence_group().is_some() && !self.split_of(name).is_split() && !name.contains(".wpe.")
     }
 }

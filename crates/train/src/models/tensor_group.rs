@@ -2,7 +2,7 @@
 //! the group of ranks one model is cut over, with the collectives its forward and backward need
 //! ([`TensorGroup`]). It imports nothing of the model seam, which names both.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -64,6 +64,8 @@ pub struct TensorGroup {
     /// Nanoseconds spent in the group's collectives since `take_comm_ms` (all exposed: the
     /// model waits for each).
     comm_ns: AtomicU64,
+    /// Sequence parallelism on: the model's blocks pass pieces of the sequence.
+    sequence: AtomicBool,
 }
 
 impl std::fmt::Debug for TensorGroup {
@@ -75,7 +77,26 @@ impl std::fmt::Debug for TensorGroup {
 impl TensorGroup {
     /// The group over `comm`'s ranks (a sub-group of the job: ranks that hold one model's parts).
     pub fn new(comm: Box<dyn Communicator>) -> Arc<TensorGroup> {
-        Arc::new(TensorGroup { comm, failure: Mutex::new(None), comm_ns: AtomicU64::new(0) })
+        Arc::new(TensorGroup {
+            comm,
+            failure: Mutex::new(None),
+            comm_ns: AtomicU64::new(0),
+            sequence: AtomicBool::new(false),
+        })
+    }
+
+    /// Turns sequence parallelism on for sequences of `seq_len` tokens (a multiple of the size).
+    pub fn enable_sequence(&self, seq_len: usize) -> Result<(), String> {
+        if seq_len % self.size() != 0 {
+            return Err(format!("model.seq_len = {seq_len} does not cut into dist.tensor = {} pieces", self.size()));
+        }
+        self.sequence.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether sequence parallelism is on.
+    pub fn sequence(&self) -> bool {
+        self.sequence.load(Ordering::Relaxed)
     }
 
     pub fn rank(&self) -> usize {

@@ -93,8 +93,6 @@ pub struct Cut {
     pub group: Arc<TensorGroup>,
     /// The vocabulary rows this rank's embedding (and head) holds.
     pub vocab: std::ops::Range<i64>,
-    /// Sequence parallelism on (see the module doc).
-    sequence: bool,
     /// Inside a branch under sequence parallelism: where its row-parallel output's partial sum
     /// and the leaf its reduce-scatter became are left for the branch's core.
     pending: Mutex<Option<Option<(Tensor, Tensor)>>>,
@@ -135,32 +133,7 @@ impl Cut {
             });
         }
         *params = split_params(params, split, rank, size)?;
-        Ok(Cut { vocab: vocab_rows(vocab, rank, size), group, sequence: false, pending: Mutex::new(None) })
-    }
-
-    /// Turns sequence parallelism on for sequences of `seq_len` tokens.
-    pub fn enable_sequence(&mut self, seq_len: usize) -> Result<(), TrainError> {
-        let n = self.group.size();
-        if seq_len % n != 0 {
-            return Err(TrainError::InvalidConfig {
-                key: "dist.sequence_parallel",
-                message: format!("is true, but model.seq_len = {seq_len} does not cut into dist.tensor = {n} pieces"),
-            });
-        }
-        self.sequence = true;
-        Ok(())
-    }
-
-    /// Whether sequence parallelism is on.
-    pub fn sequence(&self) -> bool {
-        self.sequence
-    }
-
-    /// Whether parameter `name` (not cut by `split`) is used on the sequence's pieces, so each
-    /// rank's gradient is its share: under sequence parallelism every replicated parameter but
-    /// the position embedding.
-    pub fn sums_gradient_over_pieces(&self, name: &str, split: Split) -> bool {
-        self.sequence && !split.is_split() && !name.contains(".wpe.")
+        Ok(Cut { vocab: vocab_rows(vocab, rank, size), group, pending: Mutex::new(None) })
     }
 
     /// Heads on this rank of `n` in all.
@@ -172,7 +145,7 @@ impl Cut {
     /// sequence parallelism reduce-scattered into this rank's piece, a leaf the branch's core
     /// takes the gradient of.
     pub fn reduced(&self, partial: &Tensor) -> Tensor {
-        if self.sequence {
+        if self.group.sequence() {
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(slot) = pending.as_mut() {
                 let out = self.group.reduce_scatter_seq(partial).set_requires_grad(true);
@@ -203,7 +176,7 @@ impl Cut {
         normed: &Tensor,
         run: impl FnOnce(&Tensor) -> Tensor,
     ) -> (Tensor, Box<dyn CoreBackward + 'm>) {
-        if !self.sequence {
+        if !self.group.sequence() {
             let (leaf, input_grads) = copy_to_ranks(&self.group, normed);
             return (run(&leaf), input_grads);
         }
@@ -232,7 +205,7 @@ impl Cut {
         loss_multiplier: f64,
         loss: impl FnOnce(&Tensor) -> Tensor,
     ) -> HeadLoss<'m> {
-        let (leaf, input_grads) = if self.sequence {
+        let (leaf, input_grads) = if self.group.sequence() {
             let leaf = self.group.all_gather_seq(normed).set_requires_grad(true);
             let before = normed.shallow_clone();
             let backward = InputGrads { group: &self.group, before, leaf: leaf.shallow_clone(), scatter: true };

@@ -319,23 +319,8 @@ impl Model for GptRms {
         self.tensor.as_ref().map(|cut| &cut.group)
     }
 
-    fn enable_sequence_parallel(&mut self) -> Result<(), crate::TrainError> {
-        let seq_len = self.shape.seq_len;
-        match self.tensor.as_mut() {
-            Some(cut) => cut.enable_sequence(seq_len),
-            None => Err(crate::TrainError::InvalidConfig {
-                key: "dist.sequence_parallel",
-                message: "is true, but the model is not cut".into(),
-            }),
-        }
-    }
-
-    fn sequence_group(&self) -> Option<&Arc<TensorGroup>> {
-        self.tensor.as_ref().filter(|cut| cut.sequence()).map(|cut| &cut.group)
-    }
-
-    fn gradient_is_a_share(&self, name: &str) -> bool {
-        self.tensor.as_ref().is_some_and(|cut| cut.sums_gradient_over_pieces(name, Model::split_of(self, name)))
+    fn cuts_sequence(&self) -> bool {
+        true
     }
 }
 
