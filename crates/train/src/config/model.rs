@@ -290,6 +290,9 @@ pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama", "vla"];
 /// The families whose blocks declare their tensor-parallel split (`dist.tensor` above 1).
 pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama"];
 
+/// The families whose cut runs sequence parallelism (`dist.sequence_parallel`; `Model::cuts_sequence`).
+pub const SEQUENCE_PARALLEL_FAMILIES: &[&str] = &["gpt", "gpt-rms"];
+
 /// What a vla preset fixes beyond its backbone's shape.
 struct VlaPreset {
     vision_layers: usize,

@@ -87,16 +87,22 @@ impl TensorParts {
             replicated.iter().filter(|e| model.gradient_is_a_share(&e.name)).map(|e| e.tensor.grad()).collect();
     }
 
-    /// Sequence parallelism: each share's sum over the group, in place (every rank gets the same
-    /// bits, so the replicated parameters stay equal).
+    /// Sequence parallelism: the shares summed over the group in one all-reduce, in place (every
+    /// rank gets the same bits, so the replicated parameters stay equal).
     pub(super) fn sum_shares(&self) -> Result<(), CommError> {
-        for grad in &self.shares {
-            let summed = self.group.all_reduce(grad);
-            if let Some(failure) = self.group.take_failure() {
-                return Err(failure);
-            }
-            tch::no_grad(|| grad.shallow_clone().copy_(&summed));
+        let flat: Vec<Tensor> = self.shares.iter().map(|g| g.view([-1])).collect();
+        let summed = self.group.all_reduce(&Tensor::cat(&flat, 0));
+        if let Some(failure) = self.group.take_failure() {
+            return Err(failure);
         }
+        let mut at = 0;
+        tch::no_grad(|| {
+            for grad in &self.shares {
+                let n = grad.numel() as i64;
+                grad.shallow_clone().view([-1]).copy_(&summed.narrow(0, at, n));
+                at += n;
+            }
+        });
         Ok(())
     }
 

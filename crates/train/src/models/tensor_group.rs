@@ -128,6 +128,13 @@ impl TensorGroup {
         out
     }
 
+    /// Submits a collective and waits for it, timed; a failure is kept (see the module doc).
+    fn run(&self, submit: impl FnOnce() -> Result<stoke_comm::Work, CommError>) {
+        if let Err(error) = self.timed(|| submit().and_then(|work| work.wait())) {
+            self.fail(error);
+        }
+    }
+
     fn fail(&self, error: CommError) {
         let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
         failure.get_or_insert(error);
@@ -144,11 +151,7 @@ impl TensorGroup {
         let region = Region::new(out.data_ptr() as *mut u8, out.numel(), dtype_of(t.kind()));
         // SAFETY: `out` is a new contiguous tensor that nothing else can see until this returns,
         // and the work is waited for before it does.
-        let result =
-            self.timed(|| unsafe { self.comm.all_reduce_async(region, ReduceOp::Sum) }.and_then(|work| work.wait()));
-        if let Err(error) = result {
-            self.fail(error);
-        }
+        self.run(|| unsafe { self.comm.all_reduce_async(region, ReduceOp::Sum) });
         out
     }
 
@@ -175,10 +178,7 @@ impl TensorGroup {
         let region = Region::new(all.data_ptr() as *mut u8, all.numel(), dtype_of(all.kind()));
         // SAFETY: `all` is a new contiguous tensor that nothing else can see until this returns,
         // and the work is waited for before it does; its n equal pieces are the shards.
-        let result = self.timed(|| unsafe { self.comm.all_gather_async(region) }.and_then(|work| work.wait()));
-        if let Err(error) = result {
-            self.fail(error);
-        }
+        self.run(|| unsafe { self.comm.all_gather_async(region) });
         // [n, batch, piece, ..] -> [batch, n x piece, ..]
         let mut whole = piece.size();
         whole[1] *= n;
@@ -199,12 +199,7 @@ impl TensorGroup {
         if n > 1 {
             let region = Region::new(all.data_ptr() as *mut u8, all.numel(), dtype_of(all.kind()));
             // SAFETY: as in `all_gather_seq`; the other pieces are scratch afterwards.
-            let result = self.timed(|| {
-                unsafe { self.comm.reduce_scatter_async(region, ReduceOp::Sum) }.and_then(|work| work.wait())
-            });
-            if let Err(error) = result {
-                self.fail(error);
-            }
+            self.run(|| unsafe { self.comm.reduce_scatter_async(region, ReduceOp::Sum) });
         }
         // A copy: a view would keep the whole buffer alive as long as the piece.
         all.get(self.rank() as i64).copy()

@@ -205,14 +205,7 @@ impl Cut {
         loss_multiplier: f64,
         loss: impl FnOnce(&Tensor) -> Tensor,
     ) -> HeadLoss<'m> {
-        let (leaf, input_grads) = if self.group.sequence() {
-            let leaf = self.group.all_gather_seq(normed).set_requires_grad(true);
-            let before = normed.shallow_clone();
-            let backward = InputGrads { group: &self.group, before, leaf: leaf.shallow_clone(), scatter: true };
-            (leaf, Box::new(backward) as Box<dyn CoreBackward + 'm>)
-        } else {
-            copy_to_ranks(&self.group, normed)
-        };
+        let (leaf, input_grads) = copy_to_ranks(&self.group, normed);
         let loss = loss(&leaf);
         let by_hand = CutHead { loss: loss.shallow_clone(), loss_multiplier, input_grads };
         HeadLoss { loss, by_hand: Some(Box::new(by_hand)) }
@@ -235,9 +228,12 @@ impl HeadBackward for CutHead<'_> {
 
 /// `f` at a column-parallel region's input `x` (part of a graph): the leaf the region runs from,
 /// and the backward that sums the leaf's gradient over the group and hands it to `x`'s graph.
+/// Under sequence parallelism `x` is this rank's piece: the leaf is the pieces gathered, and its
+/// gradient is reduce-scattered back.
 pub fn copy_to_ranks<'m>(group: &'m TensorGroup, x: &Tensor) -> (Tensor, Box<dyn CoreBackward + 'm>) {
-    let leaf = x.detach().set_requires_grad(true);
-    let backward = InputGrads { group, before: x.shallow_clone(), leaf: leaf.shallow_clone(), scatter: false };
+    let scatter = group.sequence();
+    let leaf = if scatter { group.all_gather_seq(x) } else { x.detach() }.set_requires_grad(true);
+    let backward = InputGrads { group, before: x.shallow_clone(), leaf: leaf.shallow_clone(), scatter };
     (leaf, Box::new(backward))
 }
 

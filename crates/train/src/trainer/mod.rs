@@ -148,6 +148,7 @@ impl Trainer {
             matmuls,
             episode_shape,
             stage: None,
+            stage_rounds: Vec::new(),
             stage_times: None,
         })
     }

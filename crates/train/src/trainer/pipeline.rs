@@ -307,8 +307,9 @@ impl Trainer {
             });
         }
         if let Schedule::Interleaved { chunks } = link.schedule {
-            super::rounds::interleaved(link.stages, chunks, self.grad_accum)
+            let mut plans = super::rounds::interleaved(link.stages, chunks, self.grad_accum)
                 .map_err(|message| TrainError::InvalidConfig { key: "dist.pipeline_schedule", message })?;
+            self.stage_rounds = plans.swap_remove(link.stage);
         }
         self.model.interleave_micro_batches();
         self.stage = Some(link);
@@ -414,7 +415,7 @@ impl Trainer {
         Ok(())
     }
 
-    /// Interleaved 1F1B over `chunks` chunks a stage: the rounds of `super::rounds`.
+    /// Interleaved 1F1B over `chunks` chunks a stage: the rounds `set_stage` planned (`super::rounds`).
     fn run_rounds<'m>(
         &'m self,
         link: &StageLink,
@@ -425,13 +426,10 @@ impl Trainer {
         hooks: &mut dyn StepHooks,
     ) -> Result<(), TrainError> {
         let (p, s) = (link.stages, link.stage);
-        let mut plans = super::rounds::interleaved(p, chunks, step.n_micro)
-            .map_err(|message| TrainError::InvalidConfig { key: "dist.pipeline_schedule", message })?;
-        let rounds = plans.swap_remove(s);
         let (next, prev) = ((s + 1) % p, (s + p - 1) % p);
         // Received activations and gradients until their task: (forward, chunk, micro).
         let mut held: std::collections::HashMap<(bool, usize, usize), Tensor> = std::collections::HashMap::new();
-        for round in &rounds {
+        for round in &self.stage_rounds {
             let mut sends: Vec<(Tensor, super::rounds::Message, usize)> = Vec::with_capacity(2);
             for task in &round.tasks {
                 let virtual_stage = task.chunk * p + s;

@@ -45,6 +45,8 @@ pub struct Trainer {
     pub(super) episode_shape: Option<crate::config::VlaShape>,
     /// The pipeline stage this trainer runs (`set_stage`); None: every unit.
     pub(super) stage: Option<crate::dist::StageLink>,
+    /// An interleaved stage's rounds (`super::rounds`), planned once in `set_stage`.
+    pub(super) stage_rounds: Vec<super::rounds::Round>,
     /// The last step's pipeline waits and span, ms (a stage's `StepRecord::pipeline`).
     pub(super) stage_times: Option<(f64, f64)>,
 }
