@@ -79,7 +79,7 @@ fn a_gpt_cut_over_two_ranks_follows_one_process() {
 
 /// Sequence parallelism: the residual stream between the branches as each rank's piece of the
 /// sequence, the norms and biases on pieces, their gradients' shares summed over the cut. The
-/// GPT and gpt-rms over 2 ranks, gpt-rms over 2 ranks x 2 copies, and gpt-rms over 2 ranks with
+/// GPT, gpt-rms and llama (rotary positions on the gathered sequence, grouped-query heads) over 2 ranks, gpt-rms over 2 ranks x 2 copies, and gpt-rms over 2 ranks with
 /// a clip that bites (the norm counts the summed shares once) follow one process.
 #[test]
 fn sequence_parallel_cuts_follow_one_process() {
@@ -94,6 +94,12 @@ fn sequence_parallel_cuts_follow_one_process() {
         let out = launch(nproc, &cut_run(dir.path(), name, &["dist.tensor=2", micro, sp]));
         assert_same_trajectory(&reference, &dir.path().join(name), &format!("gpt-rms {name}"), &out);
     }
+    let reference = family_reference_losses(dir.path(), LLAMA);
+    let args = family_cut_run(LLAMA, dir.path(), "llama-sp2", &["dist.tensor=2", "train.micro_batch=6", sp]);
+    let out = launch("2", &args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("the sequence in 2 pieces between its branches"), "{stdout}");
+    assert_same_trajectory(&reference, &dir.path().join("llama-sp2"), "llama, tensor 2, sequence parallel", &out);
     let clip = "train.grad_clip=0.05";
     let reference = family_reference_losses(dir.path(), ("clipped", &[RMS.1[0], clip]));
     let out = launch("2", &cut_run(dir.path(), "sp2-clip", &["dist.tensor=2", "train.micro_batch=6", sp, clip]));
@@ -141,9 +147,9 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
         ("2", &["dist.sequence_parallel=true"], "dist.sequence_parallel", "needs dist.tensor above 1"),
         (
             "2",
-            &["model.family=\"llama\"", "model.n_kv_head=2", "dist.tensor=2", "dist.sequence_parallel=true"],
+            &["model.family=\"vla\"", "model.preset=\"vla-tiny\"", "dist.tensor=2", "dist.sequence_parallel=true"],
             "dist.sequence_parallel",
-            "runs with model.family \"gpt\" or \"gpt-rms\"",
+            "runs with model.family \"gpt\" or \"gpt-rms\" or \"llama\"",
         ),
         (
             "4",

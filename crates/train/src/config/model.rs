@@ -291,7 +291,7 @@ pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama", "vla"];
 pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama"];
 
 /// The families whose cut runs sequence parallelism (`dist.sequence_parallel`; `Model::cuts_sequence`).
-pub const SEQUENCE_PARALLEL_FAMILIES: &[&str] = &["gpt", "gpt-rms"];
+pub const SEQUENCE_PARALLEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama"];
 
 /// What a vla preset fixes beyond its backbone's shape.
 struct VlaPreset {

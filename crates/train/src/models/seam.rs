@@ -274,7 +274,9 @@ pub trait Model {
             Some(group) => {
                 group.enable_sequence(self.shape().seq_len).map_err(|m| invalid(format!("is true, but {m}")))
             }
-            None => Err(invalid("is true, but the model is not cut by dist.tensor (gpt and gpt-rms cut it)".into())),
+            None => {
+                Err(invalid("is true, but the model is not cut by dist.tensor (gpt, gpt-rms and llama cut it)".into()))
+            }
         }
     }
 
