@@ -25,6 +25,10 @@ normalised without weight or bias; with TOLD_SUM_SCALE=K instead K times the sum
 embedding rows (`text.wte`, N(0, 0.02)) of those tokens; with TOLD_ORACLE=K instead K times the
 model's own embedding of the colour word's first token, which names the colour alone: an oracle
 that knows where to read). WORD_TOKENS=1: instructions as one token a word instead of a byte a token.
+ABSOLUTE=1: the chunk is the commanded positions (where the effector is sent, position control)
+instead of the moves; ACTION_GAIN=G: the move is G times the distance to the block instead of
+clipped at 0.08 (a proportional controller); STATE_INTO_CHUNK=1: the state's embedding is added to
+every chunk token.
 """
 import argparse
 import math
@@ -44,6 +48,8 @@ PALETTE = np.array([[220, 40, 40], [40, 180, 60], [50, 80, 220], [230, 210, 40],
 WORDS = ["red", "green", "blue", "yellow", "purple", "orange"]
 SIDE, CHUNK, MAX_STEP, STEPS_PER_EPISODE = 64, 8, 0.08, 16
 WORD_TOKENS = os.environ.get("WORD_TOKENS") == "1"
+ABSOLUTE = os.environ.get("ABSOLUTE") == "1"
+ACTION_GAIN = float(os.environ.get("ACTION_GAIN", "0"))
 
 
 def square(frame, center, half, colour):
@@ -65,6 +71,8 @@ def sample(rng, n_objects):
     states, actions = [], []
     for _ in range(STEPS_PER_EPISODE):
         move = np.clip(blocks[named] - effector, -MAX_STEP, MAX_STEP)
+        if ACTION_GAIN:
+            move = ACTION_GAIN * (blocks[named] - effector)
         states.append(effector.copy())
         actions.append(move)
         effector = effector + move
@@ -82,6 +90,8 @@ def sample(rng, n_objects):
     for k in range(CHUNK):
         if t + k < STEPS_PER_EPISODE:
             chunk[k], mask[k] = actions[t + k], 1.0
+            if ABSOLUTE:
+                chunk[k] = (states[t + k] + actions[t + k] - 0.5) / 0.2 * 0.06
     return frame, tokens, states[t], blocks[named], chunk, mask
 
 
@@ -132,6 +142,8 @@ def error(model, head, frames, tokens, state, target, mask, readout):
         chunk = model.action_in(zeros) + model.time_embedding(torch.zeros(rows)) + model.action_pos
         if readout in ("pooled-into-chunk", "told"):
             chunk = chunk + v.mean(1, keepdim=True)
+        if os.environ.get("STATE_INTO_CHUNK") == "1":
+            chunk = chunk + model.state_proj(state).unsqueeze(1)
         x = torch.cat([v, text, model.state_proj(state).unsqueeze(1), chunk], 1)
         for block in model.backbone.blocks:
             x = block(x, model.backbone_attend, model.backbone_mask)
