@@ -5,7 +5,7 @@
 //! searches tensor x pipeline x data layouts of `--nproc` devices (the `cpu` cluster as one node
 //! with this machine's memory split between the workers and its measured matmul peak, or a
 //! calibration's efficiencies), ZeRO stages, recomputation and micro-batches at the run's global
-//! batch. Sequence parallelism runs for gpt and gpt-rms without stages and beside ZeRO-1 at most,
+//! batch. Sequence parallelism runs for gpt, gpt-rms and llama without stages and beside ZeRO-1 at most,
 //! and pipeline stages shard at most the optimizer state and not beside a cut model, so other
 //! layouts are passed over. The chosen layout becomes `--set dist.tensor, dist.pipeline,
 //! dist.zero, train.micro_batch, train.grad_accum, train.recompute` (and `dist.sequence_parallel`,

@@ -146,12 +146,6 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
         ("2", &["model.family=\"gpt-rms\"", "dist.tensor=3"], "dist.tensor", "does not divide the job's 2 ranks"),
         ("2", &["dist.sequence_parallel=true"], "dist.sequence_parallel", "needs dist.tensor above 1"),
         (
-            "2",
-            &["model.family=\"vla\"", "model.preset=\"vla-tiny\"", "dist.tensor=2", "dist.sequence_parallel=true"],
-            "dist.sequence_parallel",
-            "runs with model.family \"gpt\" or \"gpt-rms\" or \"llama\"",
-        ),
-        (
             "4",
             &["dist.tensor=2", "dist.sequence_parallel=true", "dist.zero=2"],
             "dist.sequence_parallel",
