@@ -206,7 +206,8 @@ mod tests {
         let interleaved = stoke_plan::Layout { virtual_stages: 2, ..layout(1, 2, ZeroStage::None, false) };
         assert!(runnable(&interleaved, "gpt"), "interleaved stages");
         assert!(runnable(&layout(2, 1, ZeroStage::None, true), "gpt"), "sequence parallelism");
-        assert!(!runnable(&layout(2, 1, ZeroStage::None, true), "llama"), "llama's sequence parallelism");
+        assert!(runnable(&layout(2, 1, ZeroStage::None, true), "llama"), "llama's sequence parallelism");
+        assert!(!runnable(&layout(2, 1, ZeroStage::None, true), "vla"), "vla's sequence parallelism");
         assert!(!runnable(&layout(2, 1, ZeroStage::Gradients, true), "gpt"), "sequence parallelism beside ZeRO-2");
         assert!(runnable(&layout(2, 1, ZeroStage::Optimizer, false), "gpt"), "ZeRO-1 beside a cut model");
         assert!(runnable(&layout(2, 1, ZeroStage::Gradients, false), "gpt"), "ZeRO-2 beside a cut model");
