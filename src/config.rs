@@ -437,9 +437,8 @@ impl StokeConfig {
         if self.dist.sequence_parallel {
             let why = if tensor < 2 {
                 Some("needs dist.tensor above 1 (it cuts the sequence over the model's cut)".to_string())
-            } else if !stoke_train::SEQUENCE_PARALLEL_FAMILIES.contains(&family.as_str()) {
-                let families: Vec<String> =
-                    stoke_train::SEQUENCE_PARALLEL_FAMILIES.iter().map(|f| format!("{f:?}")).collect();
+            } else if !families.contains(&family.as_str()) {
+                let families: Vec<String> = families.iter().map(|f| format!("{f:?}")).collect();
                 Some(format!("runs with model.family {}, not {family:?}", families.join(" or ")))
             } else if self.dist.zero > 1 || self.dist.pipeline > 1 {
                 Some("does not run with dist.zero above 1 or with pipeline stages yet".to_string())

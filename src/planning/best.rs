@@ -62,7 +62,7 @@ fn runnable(layout: &stoke_plan::Layout, family: &str) -> bool {
     let staged = layout.pipeline > 1;
     let cut = layout.tensor > 1;
     let zero_at_most_1 = matches!(layout.zero, ZeroStage::None | ZeroStage::Optimizer);
-    let sequence_runs = !staged && zero_at_most_1 && stoke_train::SEQUENCE_PARALLEL_FAMILIES.contains(&family);
+    let sequence_runs = !staged && zero_at_most_1 && stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family);
     (!layout.sequence_parallel || sequence_runs)
         && (!cut || stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family))
         && (!staged || (family != "vla" && zero_at_most_1))

@@ -37,9 +37,10 @@ pub fn set_up(
         let (_, copies) = dist.data_rank();
         if config.dist.tensor > 1 {
             let over = dist.tensor_transports().unwrap_or_default();
-            let pieces = match trainer.model().sequence_group() {
-                Some(_) => format!(", the sequence in {} pieces between its branches", config.dist.tensor),
-                None => String::new(),
+            let pieces = if trainer.model().sequence_group().is_some() {
+                format!(", the sequence in {} pieces between its branches", config.dist.tensor)
+            } else {
+                String::new()
             };
             println!(
                 "tensor parallel: the model cut over {} ranks, {copies} copies of it ({over}){pieces}",

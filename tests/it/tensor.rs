@@ -79,8 +79,9 @@ fn a_gpt_cut_over_two_ranks_follows_one_process() {
 
 /// Sequence parallelism: the residual stream between the branches as each rank's piece of the
 /// sequence, the norms and biases on pieces, their gradients' shares summed over the cut. The
-/// GPT, gpt-rms and llama (rotary positions on the gathered sequence, grouped-query heads) over 2 ranks, gpt-rms over 2 ranks x 2 copies, and gpt-rms over 2 ranks with
-/// a clip that bites (the norm counts the summed shares once) follow one process.
+/// GPT, gpt-rms and llama (rotary positions on the gathered sequence, grouped-query heads) over 2
+/// ranks, gpt-rms over 2 ranks x 2 copies, and gpt-rms over 2 ranks with a clip that bites (the
+/// norm counts the summed shares once) follow one process.
 #[test]
 fn sequence_parallel_cuts_follow_one_process() {
     let dir = tempfile::tempdir().unwrap();

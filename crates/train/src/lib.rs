@@ -56,7 +56,7 @@ pub use memory_fit::{check_fits, estimate_step_memory, memory_limit, MemoryEstim
 pub use models::{
     build_model, export_hf, export_peft, merged_parameters, plan_model, plan_model_for, resolve_from, Branch,
     BranchBackward, ByHand, CoreBackward, EpisodeInputs, Gpt, GptRms, HeadBackward, HeadLoss, Inputs, Llama, Model,
-    Norm, Split, TensorGroup, Vla, SEQUENCE_PARALLEL_FAMILIES, TENSOR_PARALLEL_FAMILIES,
+    Norm, Split, TensorGroup, Vla, TENSOR_PARALLEL_FAMILIES,
 };
 pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};

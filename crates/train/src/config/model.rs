@@ -287,11 +287,9 @@ impl VlaShape {
 /// The values `model.family` takes.
 pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama", "vla"];
 
-/// The families whose blocks declare their tensor-parallel split (`dist.tensor` above 1).
+/// The families whose blocks declare their tensor-parallel split (`dist.tensor` above 1); each
+/// runs sequence parallelism too (`dist.sequence_parallel`).
 pub const TENSOR_PARALLEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama"];
-
-/// The families whose cut runs sequence parallelism (`dist.sequence_parallel`; `Model::cuts_sequence`).
-pub const SEQUENCE_PARALLEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama"];
 
 /// What a vla preset fixes beyond its backbone's shape.
 struct VlaPreset {

@@ -21,8 +21,8 @@ mod vla;
 
 use tch::Device;
 
+pub use crate::config::TENSOR_PARALLEL_FAMILIES;
 use crate::config::{ModelConfig, TrainConfig, MODEL_FAMILIES};
-pub use crate::config::{SEQUENCE_PARALLEL_FAMILIES, TENSOR_PARALLEL_FAMILIES};
 use crate::TrainError;
 
 pub use finetune::{export_peft, merged_parameters};

@@ -262,15 +262,11 @@ pub trait Model {
         None
     }
 
-    /// Whether the family's cut runs sequence parallelism (`models::tensor_parallel`).
-    fn cuts_sequence(&self) -> bool {
-        false
-    }
-
-    /// After `split_tensor`: the blocks pass pieces of the sequence (`dist.sequence_parallel`).
+    /// After `split_tensor`: the blocks pass pieces of the sequence (`dist.sequence_parallel`;
+    /// every family that declares its split runs it, through `models::tensor_parallel`).
     fn enable_sequence_parallel(&mut self) -> Result<(), TrainError> {
         let invalid = |message: String| TrainError::InvalidConfig { key: "dist.sequence_parallel", message };
-        match self.tensor_group().filter(|_| self.cuts_sequence()) {
+        match self.tensor_group() {
             Some(group) => {
                 group.enable_sequence(self.shape().seq_len).map_err(|m| invalid(format!("is true, but {m}")))
             }

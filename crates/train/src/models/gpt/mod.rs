@@ -424,8 +424,4 @@ impl Model for Gpt {
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
         self.tensor.as_ref().map(|cut| &cut.group)
     }
-
-    fn cuts_sequence(&self) -> bool {
-        true
-    }
 }

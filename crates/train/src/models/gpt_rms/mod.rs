@@ -318,10 +318,6 @@ impl Model for GptRms {
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
         self.tensor.as_ref().map(|cut| &cut.group)
     }
-
-    fn cuts_sequence(&self) -> bool {
-        true
-    }
 }
 
 /// Cut over a group, every branch runs as a core by hand: `f` (`copy_to_ranks`) before it, its

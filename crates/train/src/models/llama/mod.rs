@@ -474,10 +474,6 @@ impl Model for Llama {
     fn tensor_group(&self) -> Option<&Arc<TensorGroup>> {
         self.tensor.as_ref().map(|cut| &cut.group)
     }
-
-    fn cuts_sequence(&self) -> bool {
-        true
-    }
 }
 
 /// The blocks' RMSNorms by the kernel, every branch in libtorch's graph; or, cut, every branch a
