@@ -50,6 +50,7 @@ SIDE, CHUNK, MAX_STEP, STEPS_PER_EPISODE = 64, 8, 0.08, 16
 WORD_TOKENS = os.environ.get("WORD_TOKENS") == "1"
 ABSOLUTE = os.environ.get("ABSOLUTE") == "1"
 ACTION_GAIN = float(os.environ.get("ACTION_GAIN", "0"))
+STATE_INTO_CHUNK = os.environ.get("STATE_INTO_CHUNK") == "1"
 
 
 def square(frame, center, half, colour):
@@ -70,9 +71,8 @@ def sample(rng, n_objects):
     effector = rng.uniform(0.05, 0.95, 2)
     states, actions = [], []
     for _ in range(STEPS_PER_EPISODE):
-        move = np.clip(blocks[named] - effector, -MAX_STEP, MAX_STEP)
-        if ACTION_GAIN:
-            move = ACTION_GAIN * (blocks[named] - effector)
+        to_block = blocks[named] - effector
+        move = ACTION_GAIN * to_block if ACTION_GAIN else np.clip(to_block, -MAX_STEP, MAX_STEP)
         states.append(effector.copy())
         actions.append(move)
         effector = effector + move
@@ -89,9 +89,7 @@ def sample(rng, n_objects):
     chunk, mask = np.zeros((CHUNK, 2)), np.zeros(CHUNK)
     for k in range(CHUNK):
         if t + k < STEPS_PER_EPISODE:
-            chunk[k], mask[k] = actions[t + k], 1.0
-            if ABSOLUTE:
-                chunk[k] = (states[t + k] + actions[t + k] - 0.5) / 0.2 * 0.06
+            chunk[k], mask[k] = states[t + k] + actions[t + k] if ABSOLUTE else actions[t + k], 1.0
     return frame, tokens, states[t], blocks[named], chunk, mask
 
 
@@ -105,7 +103,9 @@ def batch(rng, n, args):
         target = torch.tensor((stack(3) - 0.5) / 0.2, dtype=torch.float32)[:, None, :].repeat(1, CHUNK, 1)
         mask = torch.ones(n, CHUNK)
     else:
-        target = torch.tensor(stack(4) / 0.06, dtype=torch.float32)
+        # Positions normalised as the block's are; moves by their largest step.
+        scaled = (stack(4) - 0.5) / 0.2 if ABSOLUTE else stack(4) / 0.06
+        target = torch.tensor(scaled, dtype=torch.float32)
         mask = torch.tensor(stack(5), dtype=torch.float32)
     return frames, tokens, state, target, mask
 
@@ -142,9 +142,10 @@ def error(model, head, frames, tokens, state, target, mask, readout):
         chunk = model.action_in(zeros) + model.time_embedding(torch.zeros(rows)) + model.action_pos
         if readout in ("pooled-into-chunk", "told"):
             chunk = chunk + v.mean(1, keepdim=True)
-        if os.environ.get("STATE_INTO_CHUNK") == "1":
-            chunk = chunk + model.state_proj(state).unsqueeze(1)
-        x = torch.cat([v, text, model.state_proj(state).unsqueeze(1), chunk], 1)
+        state_token = model.state_proj(state).unsqueeze(1)
+        if STATE_INTO_CHUNK:
+            chunk = chunk + state_token
+        x = torch.cat([v, text, state_token, chunk], 1)
         for block in model.backbone.blocks:
             x = block(x, model.backbone_attend, model.backbone_mask)
         predicted = model.action_out(model.ln_f(x[:, -CHUNK:]))
