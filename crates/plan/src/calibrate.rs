@@ -185,21 +185,28 @@ impl MeasuredRun {
 
     /// The step's time as a linear function of the fitted unknowns: the coefficients of
     /// 1/compute, 1/memory, layer_overhead_s and step_overhead_s, and the constant rest
-    /// (the optimizer at its share, communication).
+    /// (the optimizer at its share, communication). Each coefficient is read off the time model
+    /// itself, as the step's change when its unknown moves by one, so the fit and the prediction
+    /// count alike what scales with it: a pipeline's bubble repeats the slowest stage's compute,
+    /// memory traffic and per-block cost, not only its micro-batches.
     fn features(&self, optimizer_share: f64) -> ([f64; 4], f64) {
-        let unit = Efficiency {
-            compute: 1.0,
-            memory: 1.0,
-            optimizer: optimizer_share,
-            layer_overhead_s: 0.0,
-            step_overhead_s: 0.0,
-            ..self.config.cluster.efficiency.clone()
+        let step_s = |inverse_compute: f64, inverse_memory: f64, layer_overhead_s: f64| {
+            let mut config = self.config.clone();
+            config.cluster.efficiency = Efficiency {
+                compute: 1.0 / inverse_compute,
+                memory: 1.0 / inverse_memory,
+                optimizer: optimizer_share,
+                layer_overhead_s,
+                step_overhead_s: 0.0,
+                ..self.config.cluster.efficiency.clone()
+            };
+            evaluate(&config, &self.layout).time.step_s
         };
-        let mut config = self.config.clone();
-        config.cluster.efficiency = unit;
-        let time = evaluate(&config, &self.layout).time;
-        let layer_passes = (self.config.model.n_layer / self.layout.pipeline * self.layout.n_micro_batches) as f64;
-        ([time.compute_s, time.memory_s, layer_passes, 1.0], time.step_s - time.compute_s - time.memory_s)
+        let base = step_s(1.0, 1.0, 0.0);
+        let compute = step_s(2.0, 1.0, 0.0) - base;
+        let memory = step_s(1.0, 2.0, 0.0) - base;
+        let layer_passes = step_s(1.0, 1.0, 1.0) - base;
+        ([compute, memory, layer_passes, 1.0], base - compute - memory)
     }
 }
 
@@ -494,6 +501,36 @@ mod tests {
         assert!(close(got.compute, 0.45) && close(got.memory, 0.2) && close(got.optimizer, 0.1), "{got:?}");
         assert!(close(got.layer_overhead_s, 0.002) && close(got.step_overhead_s, 0.01), "{got:?}");
         assert!(got.relative_error < 1e-6);
+    }
+
+    #[test]
+    fn pipeline_runs_are_fitted_with_their_bubble() {
+        // Runs in 2 stages (1F1B and 2 chunks a stage) beside single-process ones: the per-block
+        // cost enters a pipeline's step once per micro-batch and once per bubble slot, so a fit
+        // that counted the micro-batches alone would not recover what generated the runs.
+        let truth = Efficiency {
+            compute: 0.6,
+            memory: 0.3,
+            optimizer: 0.5,
+            layer_overhead_s: 0.004,
+            step_overhead_s: 0.02,
+            ..Efficiency::default()
+        };
+        let mut runs = synthetic(&truth);
+        for (l, d, b, m, chunks) in [(4, 256, 2, 4, 1), (8, 128, 4, 4, 1), (4, 256, 2, 4, 2), (8, 128, 1, 8, 2)] {
+            let mut r = run(l, d, b, m);
+            r.layout = Layout { pipeline: 2, virtual_stages: chunks, data: 1, ..r.layout };
+            r.config.cluster.n_devices = 2;
+            r.config.cluster.devices_per_node = r.config.cluster.devices_per_node.max(2);
+            r.measured_step_s = r.predict_s(&truth);
+            r.measured_optimizer_s = Some(r.optimizer_s_at_full_share() / truth.optimizer);
+            runs.push(r);
+        }
+        let got = calibrate(&runs, &Efficiency::default()).unwrap().efficiency;
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs().max(1e-3);
+        assert!(close(got.compute, 0.6) && close(got.memory, 0.3), "{got:?}");
+        assert!(close(got.layer_overhead_s, 0.004) && close(got.step_overhead_s, 0.02), "{got:?}");
+        assert!(got.relative_error < 1e-6, "{got:?}");
     }
 
     #[test]
