@@ -65,20 +65,48 @@ impl Network {
         format!("{}:{PORT}", self.addresses[0])
     }
 
-    /// `stoke launch` as node `rank`: in its network namespace, with a mount namespace of its own
-    /// whose /dev/shm is a fresh tmpfs, and its own hostname.
+    /// `stoke launch` as node `rank` (see `in_node`).
     fn launch(&self, rank: usize, log: &Path, args: &[String]) -> Launched {
         self.launch_with(rank, log, &[], &[], args)
     }
 
-    /// `launch` with flags for the launcher and for `train`.
-    fn launch_with(&self, rank: usize, log: &Path, launcher: &[&str], train: &[&str], args: &[String]) -> Launched {
+    /// A command that runs in node `rank`: its network namespace, a mount namespace of its own
+    /// whose /dev/shm is a fresh tmpfs, and its own hostname; the program and its arguments follow.
+    fn in_node(&self, rank: usize) -> Command {
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net=/run/netns/{}", self.namespaces[rank]))
             .args(["unshare", "--mount", "--uts", "sh", "-c"])
-            .arg(format!("mount -t tmpfs -o size=1g stoke-shm /dev/shm && hostname stoke-node{rank} && exec \"$@\""))
-            .arg("node")
-            .arg(env!("CARGO_BIN_EXE_stoke"))
+            .arg(format!("{} && exec \"$@\"", Self::node_setup(rank)))
+            .arg("node");
+        cmd
+    }
+
+    fn node_setup(rank: usize) -> String {
+        format!("mount -t tmpfs -o size=1g stoke-shm /dev/shm && hostname stoke-node{rank}")
+    }
+
+    /// Open MPI's launch agent (`plm_rsh_agent`, called as ssh would be: options, the host, then
+    /// one command line for a shell) that enters the node whose address is the host.
+    fn launch_agent(&self) -> String {
+        let mut script = String::from(
+            "#!/bin/sh\nwhile [ \"${1#-}\" != \"$1\" ]; do shift; done\nhost=$1\nshift\ncase \"$host\" in\n",
+        );
+        for rank in 0..2 {
+            script.push_str(&format!(
+                "  {}) exec nsenter --net=/run/netns/{} unshare --mount --uts sh -c \"{} && $*\" ;;\n",
+                self.addresses[rank],
+                self.namespaces[rank],
+                Self::node_setup(rank)
+            ));
+        }
+        script.push_str("  *) echo \"no node at $host\" >&2; exit 1 ;;\nesac\n");
+        script
+    }
+
+    /// `launch` with flags for the launcher and for `train`.
+    fn launch_with(&self, rank: usize, log: &Path, launcher: &[&str], train: &[&str], args: &[String]) -> Launched {
+        let mut cmd = self.in_node(rank);
+        cmd.arg(env!("CARGO_BIN_EXE_stoke"))
             .args(["launch", "--nnodes", "2", "--node-rank", &rank.to_string(), "--master-addr", &self.master()])
             .args(["--nproc", "2"])
             .args(launcher)
@@ -215,6 +243,56 @@ fn tensor_two_inside_each_node_and_data_two_across_follow_one_process() {
         &dir.path().join("nodes"),
         "tensor 2 x data 2 over two nodes",
         &as_output(status0, log0),
+    );
+}
+
+/// Open MPI over the same two nodes: `mpirun` in node 0 starts two ranks there and, through a
+/// launch agent standing in for ssh (it enters node 1's namespaces and runs the command Open MPI
+/// gives it), its daemon and two ranks in node 1. The ranks take their places from Open MPI's
+/// variables and group by hostname: tensor 2 inside each node over shared memory, data 2 across
+/// over TCP, one process's losses.
+#[test]
+fn mpirun_across_two_nodes_cuts_inside_each_and_follows_one_process() {
+    if !stoke_comm::Backend::Mpi.is_built() {
+        // `cargo xtask test` installs Open MPI and builds with it; a plain `cargo test` has neither.
+        eprintln!("SKIPPED: this build lacks stoke-comm/mpi (cargo xtask test builds it and installs Open MPI)");
+        return;
+    }
+    let Some((_one, dir)) = two_nodes() else { return };
+    let reference = family_reference_losses(dir.path(), RMS);
+    let network = Network::make();
+    let agent = dir.path().join("node-agent.sh");
+    std::fs::write(&agent, network.launch_agent()).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let session = dir.path().join("ompi");
+    std::fs::create_dir(&session).unwrap();
+    let subnet = network.addresses[0].rsplit_once('.').unwrap().0.to_string() + ".0/24";
+    let hosts = format!("{}:2,{}:2", network.addresses[0], network.addresses[1]);
+    let mut cmd = network.in_node(0);
+    cmd.args(["timeout", "300", "mpirun", "--allow-run-as-root", "-np", "4", "--host", &hosts])
+        .args(["--mca", "plm_rsh_agent"])
+        .arg(&agent)
+        .args(["--mca", "oob_tcp_if_include", &subnet, "--mca", "orte_tmpdir_base"])
+        .arg(&session)
+        .args(["-x", &format!("MASTER_ADDR={}", network.addresses[0]), "-x", &format!("MASTER_PORT={}", PORT + 1)])
+        .arg(env!("CARGO_BIN_EXE_stoke"))
+        .args(["train", "--quiet"]);
+    for a in run_args(dir.path(), "mpi-nodes", &["dist.backend=\"tcp\""]) {
+        cmd.arg("--set").arg(a);
+    }
+    let log = dir.path().join("mpirun.log");
+    let file = std::fs::File::create(&log).unwrap();
+    cmd.stdin(Stdio::null()).stdout(file.try_clone().unwrap()).stderr(file);
+    let (status, text) =
+        Launched { child: Some(cmd.spawn().expect("nsenter runs")), log }.finish(Duration::from_secs(320));
+    assert!(status.success(), "mpirun over two nodes {status}:\n{text}");
+    assert!(text.contains("the model cut over 2 ranks, 2 copies of it (tensor over shm, data over tcp)"), "{text}");
+    assert_same_trajectory(
+        &reference,
+        &dir.path().join("mpi-nodes"),
+        "tensor 2 x data 2 over two nodes under mpirun",
+        &as_output(status, text),
     );
 }
 

@@ -184,29 +184,34 @@ impl MeasuredRun {
     }
 
     /// The step's time as a linear function of the fitted unknowns: the coefficients of
-    /// 1/compute, 1/memory, layer_overhead_s and step_overhead_s, and the constant rest
-    /// (the optimizer at its share, communication). Each coefficient is read off the time model
-    /// itself, as the step's change when its unknown moves by one, so the fit and the prediction
-    /// count alike what scales with it: a pipeline's bubble repeats the slowest stage's compute,
-    /// memory traffic and per-block cost, not only its micro-batches.
-    fn features(&self, optimizer_share: f64) -> ([f64; 4], f64) {
-        let step_s = |inverse_compute: f64, inverse_memory: f64, layer_overhead_s: f64| {
+    /// 1/compute, 1/memory, layer_overhead_s, step_overhead_s and 1/comm (the links' share of
+    /// their bandwidth), and the constant rest (the optimizer at its share, the links' latency).
+    /// Each coefficient is read off the time model itself, as the step's change when its unknown
+    /// moves by one, so the fit and the prediction count alike what scales with it: a pipeline's
+    /// bubble repeats the slowest stage's compute, memory traffic, per-block cost and transfers.
+    fn features(&self, optimizer_share: f64) -> ([f64; UNKNOWNS], f64) {
+        let step_s = |x: [f64; UNKNOWNS]| {
             let mut config = self.config.clone();
             config.cluster.efficiency = Efficiency {
-                compute: 1.0 / inverse_compute,
-                memory: 1.0 / inverse_memory,
+                compute: 1.0 / x[0],
+                memory: 1.0 / x[1],
                 optimizer: optimizer_share,
-                layer_overhead_s,
-                step_overhead_s: 0.0,
+                layer_overhead_s: x[2],
+                step_overhead_s: x[3],
+                comm: 1.0 / x[4],
                 ..self.config.cluster.efficiency.clone()
             };
             evaluate(&config, &self.layout).time.step_s
         };
-        let base = step_s(1.0, 1.0, 0.0);
-        let compute = step_s(2.0, 1.0, 0.0) - base;
-        let memory = step_s(1.0, 2.0, 0.0) - base;
-        let layer_passes = step_s(1.0, 1.0, 1.0) - base;
-        ([compute, memory, layer_passes, 1.0], base - compute - memory)
+        let unit = [1.0, 1.0, 0.0, 0.0, 1.0];
+        let base = step_s(unit);
+        let coefficients: [f64; UNKNOWNS] = std::array::from_fn(|i| {
+            let mut moved = unit;
+            moved[i] += 1.0;
+            step_s(moved) - base
+        });
+        let at_unit: f64 = coefficients.iter().zip(unit).map(|(c, x)| c * x).sum();
+        (coefficients, base - at_unit)
     }
 }
 
@@ -279,8 +284,9 @@ pub fn compare(runs: &[MeasuredRun], efficiency: &Efficiency) -> Vec<RunFit> {
         .collect()
 }
 
-/// Fits compute efficiency, per-block overhead and per-step overhead to `runs`, starting from
-/// `prior` (whose memory, comm and overlap shares are kept). The relative error recorded is the
+/// Fits the compute and memory shares, the per-block and per-step overheads and (when some run
+/// communicates) the links' share to `runs`, and the optimizer's share to their optimizer phases;
+/// `prior` gives the rest (the overlap share). The relative error recorded is the
 /// root mean square of leave-one-out errors when there are at least four runs (each run predicted
 /// by a fit to the others), else of the in-sample errors.
 pub fn calibrate(runs: &[MeasuredRun], prior: &Efficiency) -> Result<Calibration, PlanError> {
@@ -310,7 +316,7 @@ pub fn calibrate(runs: &[MeasuredRun], prior: &Efficiency) -> Result<Calibration
 fn fit(runs: &[MeasuredRun], prior: &Efficiency) -> Efficiency {
     let optimizer = fit_optimizer_share(runs).unwrap_or(prior.optimizer);
     // Rows scaled by 1/measured: least squares on relative error.
-    let rows: Vec<([f64; 4], f64)> = runs
+    let rows: Vec<([f64; UNKNOWNS], f64)> = runs
         .iter()
         .map(|run| {
             let (features, constant) = run.features(optimizer);
@@ -318,6 +324,8 @@ fn fit(runs: &[MeasuredRun], prior: &Efficiency) -> Efficiency {
             (features.map(|f| f * scale), (run.measured_step_s - constant) * scale)
         })
         .collect();
+    // Without runs that communicate the links' column is zero: their share stays the prior's.
+    let communicates = rows.iter().any(|(a, _)| a[4] > 0.0);
     let x = bounded_least_squares(&rows);
     Efficiency {
         compute: 1.0 / x[0],
@@ -325,6 +333,7 @@ fn fit(runs: &[MeasuredRun], prior: &Efficiency) -> Efficiency {
         optimizer,
         layer_overhead_s: x[2],
         step_overhead_s: x[3],
+        comm: if communicates { 1.0 / x[4] } else { prior.comm },
         ..prior.clone()
     }
 }
@@ -348,25 +357,28 @@ fn fit_optimizer_share(runs: &[MeasuredRun]) -> Option<f64> {
     Some((1.0 / coefficient).min(1.0))
 }
 
-/// Lower bounds of the four coefficients: 1/compute and 1/memory at least 1 (a share of at most
-/// the peak), the overheads at least 0.
-const FLOORS: [f64; 4] = [1.0, 1.0, 0.0, 0.0];
+/// The fitted unknowns: 1/compute, 1/memory, layer_overhead_s, step_overhead_s, 1/comm.
+const UNKNOWNS: usize = 5;
+
+/// Lower bounds of the coefficients: 1/compute, 1/memory and 1/comm at least 1 (a share of at
+/// most the peak), the overheads at least 0.
+const FLOORS: [f64; UNKNOWNS] = [1.0, 1.0, 0.0, 0.0, 1.0];
 
 /// Minimises Σ (a_i·x - y_i)² subject to x >= FLOORS. At the optimum each coefficient is either
-/// free or at its floor, so trying all 16 such patterns and keeping the best feasible solution is
-/// exact.
-fn bounded_least_squares(rows: &[([f64; 4], f64)]) -> [f64; 4] {
-    let residual = |x: &[f64; 4]| -> f64 {
-        rows.iter().map(|(a, y)| (0..4).map(|i| a[i] * x[i]).sum::<f64>() - y).map(|r| r * r).sum()
+/// free or at its floor, so trying all 2^UNKNOWNS such patterns and keeping the best feasible
+/// solution is exact.
+fn bounded_least_squares(rows: &[([f64; UNKNOWNS], f64)]) -> [f64; UNKNOWNS] {
+    let residual = |x: &[f64; UNKNOWNS]| -> f64 {
+        rows.iter().map(|(a, y)| (0..UNKNOWNS).map(|i| a[i] * x[i]).sum::<f64>() - y).map(|r| r * r).sum()
     };
     let mut best = FLOORS;
     let mut best_residual = residual(&best);
-    for mask in 0u8..16 {
-        let free: Vec<usize> = (0..4).filter(|i| mask & (1 << i) != 0).collect();
+    for mask in 0u32..(1 << UNKNOWNS) {
+        let free: Vec<usize> = (0..UNKNOWNS).filter(|i| mask & (1 << i) != 0).collect();
         let reduced: Vec<(Vec<f64>, f64)> = rows
             .iter()
             .map(|(a, y)| {
-                let at_floor: f64 = (0..4).filter(|i| !free.contains(i)).map(|i| a[i] * FLOORS[i]).sum();
+                let at_floor: f64 = (0..UNKNOWNS).filter(|i| !free.contains(i)).map(|i| a[i] * FLOORS[i]).sum();
                 (free.iter().map(|&i| a[i]).collect(), y - at_floor)
             })
             .collect();
@@ -387,7 +399,7 @@ fn bounded_least_squares(rows: &[([f64; 4], f64)]) -> [f64; 4] {
     best
 }
 
-/// Ordinary least squares through the normal equations (n <= 3 unknowns); None when singular.
+/// Ordinary least squares through the normal equations (a few unknowns); None when singular.
 fn least_squares(rows: &[(Vec<f64>, f64)], n: usize) -> Option<Vec<f64>> {
     if n == 0 {
         return Some(Vec::new());
@@ -530,6 +542,7 @@ mod tests {
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * b.abs().max(1e-3);
         assert!(close(got.compute, 0.6) && close(got.memory, 0.3), "{got:?}");
         assert!(close(got.layer_overhead_s, 0.004) && close(got.step_overhead_s, 0.02), "{got:?}");
+        assert!(close(got.comm, Efficiency::default().comm), "the stages' transfers give the links' share: {got:?}");
         assert!(got.relative_error < 1e-6, "{got:?}");
     }
 
