@@ -249,8 +249,9 @@ fn tensor_two_inside_each_node_and_data_two_across_follow_one_process() {
 /// Open MPI over the same two nodes: `mpirun` in node 0 starts two ranks there and, through a
 /// launch agent standing in for ssh (it enters node 1's namespaces and runs the command Open MPI
 /// gives it), its daemon and two ranks in node 1. The ranks take their places from Open MPI's
-/// variables and group by hostname: tensor 2 inside each node over shared memory, data 2 across
-/// over TCP, one process's losses.
+/// variables: with the tcp backend they group by hostname (tensor 2 inside each node over shared
+/// memory, data 2 across over TCP), with the mpi backend Open MPI carries both; one process's
+/// losses either way.
 #[test]
 fn mpirun_across_two_nodes_cuts_inside_each_and_follows_one_process() {
     if !stoke_comm::Backend::Mpi.is_built() {
@@ -269,31 +270,36 @@ fn mpirun_across_two_nodes_cuts_inside_each_and_follows_one_process() {
     std::fs::create_dir(&session).unwrap();
     let subnet = network.addresses[0].rsplit_once('.').unwrap().0.to_string() + ".0/24";
     let hosts = format!("{}:2,{}:2", network.addresses[0], network.addresses[1]);
-    let mut cmd = network.in_node(0);
-    cmd.args(["timeout", "300", "mpirun", "--allow-run-as-root", "-np", "4", "--host", &hosts])
-        .args(["--mca", "plm_rsh_agent"])
-        .arg(&agent)
-        .args(["--mca", "oob_tcp_if_include", &subnet, "--mca", "orte_tmpdir_base"])
-        .arg(&session)
-        .args(["-x", &format!("MASTER_ADDR={}", network.addresses[0]), "-x", &format!("MASTER_PORT={}", PORT + 1)])
-        .arg(env!("CARGO_BIN_EXE_stoke"))
-        .args(["train", "--quiet"]);
-    for a in run_args(dir.path(), "mpi-nodes", &["dist.backend=\"tcp\""]) {
-        cmd.arg("--set").arg(a);
+    // stoke's own collectives (shared memory inside a node, TCP between), then Open MPI's.
+    for (backend, groups) in [("tcp", "(tensor over shm, data over tcp)"), ("mpi", "(tensor over mpi, data over mpi)")] {
+        let mut cmd = network.in_node(0);
+        cmd.args(["timeout", "300", "mpirun", "--allow-run-as-root", "-np", "4", "--host", &hosts])
+            .args(["--mca", "plm_rsh_agent"])
+            .arg(&agent)
+            .args(["--mca", "oob_tcp_if_include", &subnet, "--mca", "btl_tcp_if_include", &subnet])
+            .args(["--mca", "orte_tmpdir_base"])
+            .arg(&session)
+            .args(["-x", &format!("MASTER_ADDR={}", network.addresses[0]), "-x", &format!("MASTER_PORT={}", PORT + 1)])
+            .arg(env!("CARGO_BIN_EXE_stoke"))
+            .args(["train", "--quiet"]);
+        let name = format!("mpirun-{backend}");
+        for a in run_args(dir.path(), &name, &[&format!("dist.backend=\"{backend}\"")]) {
+            cmd.arg("--set").arg(a);
+        }
+        let log = dir.path().join(format!("{name}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        cmd.stdin(Stdio::null()).stdout(file.try_clone().unwrap()).stderr(file);
+        let (status, text) =
+            Launched { child: Some(cmd.spawn().expect("nsenter runs")), log }.finish(Duration::from_secs(320));
+        assert!(status.success(), "mpirun over two nodes ({backend}) {status}:\n{text}");
+        assert!(text.contains(&format!("the model cut over 2 ranks, 2 copies of it {groups}")), "{text}");
+        assert_same_trajectory(
+            &reference,
+            &dir.path().join(&name),
+            &format!("tensor 2 x data 2 over two nodes under mpirun ({backend})"),
+            &as_output(status, text),
+        );
     }
-    let log = dir.path().join("mpirun.log");
-    let file = std::fs::File::create(&log).unwrap();
-    cmd.stdin(Stdio::null()).stdout(file.try_clone().unwrap()).stderr(file);
-    let (status, text) =
-        Launched { child: Some(cmd.spawn().expect("nsenter runs")), log }.finish(Duration::from_secs(320));
-    assert!(status.success(), "mpirun over two nodes {status}:\n{text}");
-    assert!(text.contains("the model cut over 2 ranks, 2 copies of it (tensor over shm, data over tcp)"), "{text}");
-    assert_same_trajectory(
-        &reference,
-        &dir.path().join("mpi-nodes"),
-        "tensor 2 x data 2 over two nodes under mpirun",
-        &as_output(status, text),
-    );
 }
 
 #[test]
