@@ -271,7 +271,8 @@ fn mpirun_across_two_nodes_cuts_inside_each_and_follows_one_process() {
     let subnet = network.addresses[0].rsplit_once('.').unwrap().0.to_string() + ".0/24";
     let hosts = format!("{}:2,{}:2", network.addresses[0], network.addresses[1]);
     // stoke's own collectives (shared memory inside a node, TCP between), then Open MPI's.
-    for (backend, groups) in [("tcp", "(tensor over shm, data over tcp)"), ("mpi", "(tensor over mpi, data over mpi)")] {
+    for (backend, groups) in [("tcp", "(tensor over shm, data over tcp)"), ("mpi", "(tensor over mpi, data over mpi)")]
+    {
         let mut cmd = network.in_node(0);
         cmd.args(["timeout", "300", "mpirun", "--allow-run-as-root", "-np", "4", "--host", &hosts])
             .args(["--mca", "plm_rsh_agent"])
