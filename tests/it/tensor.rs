@@ -110,6 +110,20 @@ fn sequence_parallel_cuts_follow_one_process() {
         "gpt-rms, tensor 2, sequence parallel, clip",
         &out,
     );
+    // In 2 interleaved pipeline stages (each of its 2 chunks one unit), each stage cut over 2
+    // ranks: a stage's parts sum their shares before the optimizer, and the clip sees them.
+    let stages = ["dist.tensor=2", "dist.pipeline=2", "dist.pipeline_schedule=\"interleaved\""];
+    let batch = ["train.micro_batch=3", "train.global_batch=6"];
+    let args = cut_run(dir.path(), "sp2p2-clip", &[&stages[..], &batch[..], &[sp, clip]].concat());
+    let out = launch("4", &args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("the sequence in 2 pieces") && stdout.contains("2 stages (interleaved)"), "{stdout}");
+    assert_same_trajectory(
+        &reference,
+        &dir.path().join("sp2p2-clip"),
+        "gpt-rms, tensor 2 x pipeline 2 interleaved, sequence parallel, clip",
+        &out,
+    );
 }
 
 /// A clip that bites on every step: the norm it divides by is the whole model's, its cut

@@ -503,7 +503,13 @@ impl StepHooks for DataParallel {
     fn before_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
         if let Some(parts) = &self.pipeline {
             clock.lap(Phase::Backward);
-            let result = parts.before_optimizer();
+            let mut result = Ok(());
+            if let Some(cut) = self.tensor.as_ref().filter(|t| !t.shares.is_empty()) {
+                // Sequence parallelism in a stage: its parts' shares summed first, so that the
+                // copies average whole gradients.
+                result = cut.sum_shares().map_err(|e| self.error("all_reduce sequence-parallel gradient shares", e));
+            }
+            let result = result.and_then(|()| parts.before_optimizer());
             clock.lap(Phase::CommExposed);
             return result;
         }
