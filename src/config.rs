@@ -440,8 +440,6 @@ impl StokeConfig {
             } else if !families.contains(&family.as_str()) {
                 let families: Vec<String> = families.iter().map(|f| format!("{f:?}")).collect();
                 Some(format!("runs with model.family {}, not {family:?}", families.join(" or ")))
-            } else if self.dist.zero > 1 {
-                Some("does not run with dist.zero above 1 yet".to_string())
             } else {
                 None
             };

@@ -53,8 +53,8 @@ pub struct DistConfig {
     pub tensor: usize,
     /// With `tensor` above 1: the residual stream between the branches as each rank's piece of
     /// the sequence (norms and residual additions on pieces; all-gather and reduce-scatter in
-    /// place of the branches' all-reduces). Families gpt, gpt-rms and llama; `dist.zero` at most 1, no
-    /// pipeline stages. Default false.
+    /// place of the branches' all-reduces). Families gpt, gpt-rms and llama, beside any ZeRO stage
+    /// and pipeline stages. Default false.
     pub sequence_parallel: bool,
     /// Pipeline stages one model copy is cut into (consecutive units per stage, balanced by their
     /// FLOPs; one rank a stage, consecutive ranks a copy). Default 1.

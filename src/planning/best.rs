@@ -62,7 +62,7 @@ fn runnable(layout: &stoke_plan::Layout, family: &str) -> bool {
     let staged = layout.pipeline > 1;
     let cut = layout.tensor > 1;
     let zero_at_most_1 = matches!(layout.zero, ZeroStage::None | ZeroStage::Optimizer);
-    let sequence_runs = zero_at_most_1 && stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family);
+    let sequence_runs = stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family);
     (!layout.sequence_parallel || sequence_runs)
         && (!cut || stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family))
         && (!staged || (family != "vla" && zero_at_most_1))
@@ -208,7 +208,8 @@ mod tests {
         assert!(runnable(&layout(2, 1, ZeroStage::None, true), "gpt"), "sequence parallelism");
         assert!(runnable(&layout(2, 1, ZeroStage::None, true), "llama"), "llama's sequence parallelism");
         assert!(!runnable(&layout(2, 1, ZeroStage::None, true), "vla"), "vla's sequence parallelism");
-        assert!(!runnable(&layout(2, 1, ZeroStage::Gradients, true), "gpt"), "sequence parallelism beside ZeRO-2");
+        assert!(runnable(&layout(2, 1, ZeroStage::Gradients, true), "gpt"), "sequence parallelism beside ZeRO-2");
+        assert!(runnable(&layout(2, 1, ZeroStage::Parameters, true), "llama"), "sequence parallelism beside ZeRO-3");
         assert!(runnable(&layout(2, 2, ZeroStage::None, true), "gpt-rms"), "sequence parallelism in stages");
         assert!(runnable(&layout(2, 1, ZeroStage::Optimizer, false), "gpt"), "ZeRO-1 beside a cut model");
         assert!(runnable(&layout(2, 1, ZeroStage::Gradients, false), "gpt"), "ZeRO-2 beside a cut model");

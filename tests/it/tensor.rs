@@ -3,7 +3,8 @@
 //! losses within 1e-5 over 20 steps (with the gradient clip biting too), under `stoke launch`
 //! and `mpirun`; a cut model's checkpoint holds whole tensors and resumes on one process, on
 //! two data-parallel ranks and cut again with the uninterrupted losses; ZeRO 1-3 within the
-//! copies of a cut model follow one process too and resume on one; what a cut model does not run with
+//! copies of a cut model follow one process too (2 and 3 also with the sequence in pieces, and the
+//! sequence in pieces in pipeline stages) and resume on one; what a cut model does not run with
 //! yet is refused at start, naming the key.
 
 use std::path::Path;
@@ -161,12 +162,6 @@ fn what_a_cut_model_does_not_run_with_yet_is_refused_naming_the_key() {
         ("2", &["model.family=\"gpt-rms\"", "dist.tensor=3"], "dist.tensor", "does not divide the job's 2 ranks"),
         ("2", &["dist.sequence_parallel=true"], "dist.sequence_parallel", "needs dist.tensor above 1"),
         (
-            "4",
-            &["dist.tensor=2", "dist.sequence_parallel=true", "dist.zero=2"],
-            "dist.sequence_parallel",
-            "dist.zero above 1",
-        ),
-        (
             "2",
             &["dist.tensor=2", "dist.sequence_parallel=true", "model.seq_len=63"],
             "dist.sequence_parallel",
@@ -318,6 +313,20 @@ fn zero_beside_a_cut_model_follows_one_process_and_resumes_on_one() {
         let args = overrides(dir.path(), &resumed, &[&family[..], &["train.steps=20"]].concat());
         run_ok(&mut stoke(&["train", "--quiet", "--resume"], &refs(&args)));
         close(&format!("ZeRO-{stage}, resumed on one process"), &losses(&folder), 20);
+    }
+    // The sequence in pieces beside ZeRO 2 and 3: the norms' gradient shares are summed over the
+    // cut in the shards, where the copies' reduce-scatters left them.
+    for stage in [2, 3] {
+        let name = format!("cut-sp-zero{stage}");
+        let zero = format!("dist.zero={stage}");
+        let args = [&family[..], &["dist.tensor=2", "dist.sequence_parallel=true", &zero, "train.steps=20"]].concat();
+        let out = launch("4", &overrides(dir.path(), &name, &args));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("2 copies of it (tensor over shm, data over shm), the sequence in 2 pieces"),
+            "{stdout}"
+        );
+        close(&format!("tensor 2 x data 2, sequence parallel, ZeRO-{stage}"), &losses(&dir.path().join(&name)), 20);
     }
     // The clip did bite: without it the same run ends elsewhere.
     let plain: Vec<&str> = family.iter().copied().filter(|s| !s.starts_with("train.grad_clip")).collect();

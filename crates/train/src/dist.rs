@@ -571,7 +571,16 @@ impl StepHooks for DataParallel {
                 if let Some(start) = self.first_submit.take() {
                     self.comm_ms = start.elapsed().as_secs_f64() * 1e3;
                 }
-                result.map_err(|e| self.zero_error(e))
+                result.map_err(|e| self.zero_error(e))?;
+                if let Some(parts) = self.tensor.as_ref().filter(|t| !t.shares.is_empty()) {
+                    // Sequence parallelism: the shares' pieces in the shards summed over the cut.
+                    let zero = self.zero.as_ref().expect("stage 2 or 3");
+                    clock.lap(Phase::Backward);
+                    let result = parts.sum_shard_shares(&zero.shard);
+                    clock.lap(Phase::CommExposed);
+                    result.map_err(|e| self.error("all_reduce sequence-parallel gradient shares", e))?;
+                }
+                Ok(())
             }
         }
     }

@@ -27,6 +27,8 @@ pub(super) struct TensorParts {
     /// Under sequence parallelism the replicated gradients that hold each rank's share
     /// (`Model::gradient_is_a_share`), summed over the group before the optimizer.
     pub(super) shares: Vec<Tensor>,
+    /// Their names (ZeRO 2 and 3 sum the shares' pieces in the shards).
+    share_names: std::collections::HashSet<String>,
     /// ZeRO over `data`: what this rank writes of a checkpoint (`checkpoint_pieces`).
     pub(super) pieces: Option<FlatParams>,
 }
@@ -72,6 +74,7 @@ pub(super) fn split_groups(world: &dyn Communicator, tensor: usize, stages: usiz
         replicated: Vec::new(),
         replicated_names: Default::default(),
         shares: Vec::new(),
+        share_names: Default::default(),
         pieces: None,
     })
 }
@@ -83,23 +86,46 @@ impl TensorParts {
             model.params().entries().iter().filter(|e| !model.split_of(&e.name).is_split()).collect();
         self.replicated = replicated.iter().map(|e| e.tensor.grad()).collect();
         self.replicated_names = replicated.iter().map(|e| e.name.clone()).collect();
-        self.shares =
-            replicated.iter().filter(|e| model.gradient_is_a_share(&e.name)).map(|e| e.tensor.grad()).collect();
+        let shares: Vec<&&ParamEntry> = replicated.iter().filter(|e| model.gradient_is_a_share(&e.name)).collect();
+        self.shares = shares.iter().map(|e| e.tensor.grad()).collect();
+        self.share_names = shares.iter().map(|e| e.name.clone()).collect();
     }
 
     /// Sequence parallelism: the shares summed over the group in one all-reduce, in place (every
     /// rank gets the same bits, so the replicated parameters stay equal).
     pub(super) fn sum_shares(&self) -> Result<(), CommError> {
-        let flat: Vec<Tensor> = self.shares.iter().map(|g| g.view([-1])).collect();
-        let summed = self.group.all_reduce(&Tensor::cat(&flat, 0));
+        self.sum_in_place(&self.shares.iter().map(|g| g.view([-1])).collect::<Vec<_>>())
+    }
+
+    /// `sum_shares` under ZeRO 2 and 3, where the reduced gradients live in `shard`: the pieces of
+    /// the shares this rank's shard holds. The parts of a cut model have the same layout (every
+    /// split even), so the ranks of the group hold the same pieces at the same offsets.
+    pub(super) fn sum_shard_shares(&self, shard: &FlatParams) -> Result<(), CommError> {
+        let grads = shard.flat_grad();
+        let pieces: Vec<Tensor> = shard
+            .entries()
+            .iter()
+            .filter(|e| self.share_names.contains(&e.name))
+            .map(|e| grads.narrow(0, e.offset, e.numel))
+            .collect();
+        self.sum_in_place(&pieces)
+    }
+
+    /// `flat` (1-D views) summed over the group in one all-reduce, written back in place.
+    fn sum_in_place(&self, flat: &[Tensor]) -> Result<(), CommError> {
+        if flat.is_empty() {
+            // Every rank of the group holds the same pieces, so none of them all-reduces.
+            return Ok(());
+        }
+        let summed = self.group.all_reduce(&Tensor::cat(flat, 0));
         if let Some(failure) = self.group.take_failure() {
             return Err(failure);
         }
         let mut at = 0;
         tch::no_grad(|| {
-            for grad in &self.shares {
-                let n = grad.numel() as i64;
-                grad.shallow_clone().view([-1]).copy_(&summed.narrow(0, at, n));
+            for piece in flat {
+                let n = piece.numel() as i64;
+                piece.shallow_clone().copy_(&summed.narrow(0, at, n));
                 at += n;
             }
         });
