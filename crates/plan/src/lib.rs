@@ -34,6 +34,7 @@ mod memory;
 mod model;
 mod render;
 mod search;
+mod stages;
 mod time;
 mod zero;
 
@@ -51,6 +52,7 @@ pub use memory::{
 pub use model::{ExplicitUnits, LayerActivations, ModelConfig, LORA_TARGETS, MODEL_PRESETS};
 pub use render::{format_seconds, render_table};
 pub use search::{candidate_layouts, evaluate, search, Estimate, PlanConfig, SearchConfig, SearchOutcome};
+pub use stages::stage_units;
 pub use time::{hardware_flops_per_step, stage_flops_per_micro_batch, step_time, Link, StepTime};
 pub use zero::{
     largest_window, model_units, optimizer_state_buffers, shard_elements, zero_rank_bytes, PublishedStates, RankBytes,

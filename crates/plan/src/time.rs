@@ -8,6 +8,7 @@ use crate::cluster::{ClusterConfig, Precision};
 use crate::layout::{Layout, Recompute, ZeroStage};
 use crate::memory::{layer_activation_bytes, logits_bytes, stage_params, stage_trainable_params, Stage};
 use crate::model::ModelConfig;
+use crate::stages::stage_units;
 
 /// Bytes the optimizer moves per parameter it updates: Adam reads the weight (or fp32 master),
 /// gradient and two moments and writes the weight and the moments, 7 four-byte words.
@@ -109,10 +110,62 @@ impl StepTime {
     }
 }
 
-/// FLOPs a device runs for one micro-batch on `stage`, recomputation included.
+/// What one pipeline stage runs for a micro-batch: its blocks (all its chunks') and whether it
+/// holds the head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageWork {
+    pub blocks: usize,
+    pub head: bool,
+}
+
+impl StageWork {
+    /// The even cut (Megatron-LM's): n_layer / p blocks a stage, the head on the last.
+    pub fn even(model: &ModelConfig, layout: &Layout, stage: Stage) -> StageWork {
+        StageWork { blocks: model.n_layer / layout.pipeline, head: stage == Stage::Last || layout.pipeline == 1 }
+    }
+}
+
+/// Each stage's work as stoke's trainer cuts the model: the units (the embedding, each block, the
+/// head) in p·v contiguous chunks balanced by their training FLOPs as if every weight trained
+/// (`stage_units`, the trainer's own cut), stage s holding chunks s, s + p, ... With a large
+/// vocabulary the head weighs several blocks, and the last stage gets fewer blocks than the first.
+pub fn stage_works(model: &ModelConfig, layout: &Layout) -> Vec<StageWork> {
+    let (n, p) = (model.n_layer, layout.pipeline.max(1));
+    if p == 1 {
+        return vec![StageWork { blocks: n, head: true }];
+    }
+    let costs: Vec<f64> = std::iter::once(0.0)
+        .chain(std::iter::repeat_n(3.0 * model.layer_forward_flops(1), n))
+        .chain(std::iter::once(3.0 * model.head_forward_flops(1)))
+        .collect();
+    let chunks = p * layout.virtual_stages.max(1);
+    let Ok(ranges) = stage_units(&costs, chunks, &[]) else {
+        // More chunks than units: no cut exists (the search never proposes one).
+        return (0..p)
+            .map(|s| StageWork::even(model, layout, if s + 1 == p { Stage::Last } else { Stage::First }))
+            .collect();
+    };
+    (0..p)
+        .map(|stage| {
+            let mut work = StageWork { blocks: 0, head: false };
+            for chunk in (stage..chunks).step_by(p) {
+                work.blocks += ranges[chunk].clone().filter(|&unit| (1..=n).contains(&unit)).count();
+                work.head |= ranges[chunk].contains(&(n + 1));
+            }
+            work
+        })
+        .collect()
+}
+
+/// FLOPs a device runs for one micro-batch on `stage` of the even cut, recomputation included.
 pub fn stage_flops_per_micro_batch(model: &ModelConfig, layout: &Layout, stage: Stage) -> f64 {
+    work_flops(model, layout, StageWork::even(model, layout, stage))
+}
+
+/// FLOPs a device runs for one micro-batch of `work`, recomputation included.
+fn work_flops(model: &ModelConfig, layout: &Layout, work: StageWork) -> f64 {
     let b = layout.micro_batch;
-    let layers = (model.n_layer / layout.pipeline) as f64;
+    let layers = work.blocks as f64;
     let forward = model.layer_forward_flops(b);
     let training = model.layer_training_flops(b);
     // Fused attention recomputes the scores in its backward, whatever the policy; selective
@@ -125,7 +178,7 @@ pub fn stage_flops_per_micro_batch(model: &ModelConfig, layout: &Layout, stage: 
         Recompute::Full => forward + fused,
     };
     let mut flops = layers * (training + recompute);
-    if stage == Stage::Last || layout.pipeline == 1 {
+    if work.head {
         flops += model.head_training_flops(b);
     }
     flops / layout.tensor as f64
@@ -140,8 +193,8 @@ pub fn hardware_flops_per_step(model: &ModelConfig, layout: &Layout) -> f64 {
 
 /// Bytes a device moves through memory for one micro-batch on `stage`, outside the matrix
 /// multiplies' own traffic: activations written and read, weights read, logits.
-pub fn stage_bytes_per_micro_batch(model: &ModelConfig, layout: &Layout, precision: Precision, stage: Stage) -> f64 {
-    let layers = (model.n_layer / layout.pipeline) as f64;
+fn stage_bytes_per_micro_batch(model: &ModelConfig, layout: &Layout, precision: Precision, work: StageWork) -> f64 {
+    let layers = work.blocks as f64;
     let scale = precision.element_bytes() / 2.0;
     let kept = layer_activation_bytes(model, layout, Recompute::None) * scale;
     let recomputed = match layout.recompute {
@@ -153,7 +206,7 @@ pub fn stage_bytes_per_micro_batch(model: &ModelConfig, layout: &Layout, precisi
     };
     let weights = model.params_per_layer() as f64 / layout.tensor as f64 * precision.element_bytes();
     let mut bytes = layers * (ACTIVATION_PASSES * kept + recomputed + WEIGHT_PASSES * weights);
-    if stage == Stage::Last || layout.pipeline == 1 {
+    if work.head {
         let head_weights = (model.vocab_size * model.d_model) as f64 / layout.tensor as f64 * precision.element_bytes();
         bytes += 2.0 * logits_bytes(model, layout, precision) + WEIGHT_PASSES * head_weights;
     }
@@ -181,13 +234,13 @@ fn micro_batch_time(
     cluster: &ClusterConfig,
     precision: Precision,
     layout: &Layout,
-    stage: Stage,
+    work: StageWork,
 ) -> MicroBatchTime {
     let eff = &cluster.efficiency;
-    let layers = (model.n_layer / layout.pipeline) as f64;
-    let compute_s = stage_flops_per_micro_batch(model, layout, stage) / (cluster.peak_flops(precision) * eff.compute);
+    let layers = work.blocks as f64;
+    let compute_s = work_flops(model, layout, work) / (cluster.peak_flops(precision) * eff.compute);
     let memory_s =
-        stage_bytes_per_micro_batch(model, layout, precision, stage) / (cluster.memory_bandwidth * eff.memory);
+        stage_bytes_per_micro_batch(model, layout, precision, work) / (cluster.memory_bandwidth * eff.memory);
     let overhead_s = layers * eff.layer_overhead_s;
     let element = precision.element_bytes();
     let sbh_bytes = (model.seq_len * layout.micro_batch * model.d_model) as f64 * element;
@@ -221,30 +274,28 @@ fn micro_batch_time(
 /// Step time of `layout` for `model` on `cluster`.
 pub fn step_time(model: &ModelConfig, cluster: &ClusterConfig, precision: Precision, layout: &Layout) -> StepTime {
     let eff = &cluster.efficiency;
-    // The pipeline runs at the pace of its slowest stage.
-    let first = micro_batch_time(model, cluster, precision, layout, Stage::First);
-    let (slow, stage) = if layout.pipeline > 1 {
-        let last = micro_batch_time(model, cluster, precision, layout, Stage::Last);
-        if last.total() > first.total() {
-            (last, Stage::Last)
-        } else {
-            (first, Stage::First)
-        }
-    } else {
-        (first, Stage::First)
-    };
+    // The pipeline runs at the pace of its slowest stage, as stoke cuts it.
+    let (slow, work) = stage_works(model, layout)
+        .into_iter()
+        .map(|work| (micro_batch_time(model, cluster, precision, layout, work), work))
+        .fold(None, |slowest: Option<(MicroBatchTime, StageWork)>, candidate| match slowest {
+            Some(s) if s.0.total() >= candidate.0.total() => Some(s),
+            _ => Some(candidate),
+        })
+        .expect("a layout has at least one stage");
+    // Model states and their reductions: the stage with the head, or the first (the even cut's).
+    let stage = if work.head { Stage::Last } else { Stage::First };
     let m = layout.n_micro_batches as f64;
     let p = layout.pipeline as f64;
     let bubble_units = (p - 1.0) / layout.virtual_stages as f64;
     let bubble_s = bubble_units * slow.total();
     // The backward's share of a micro-batch, the window gradients' reduction can hide in.
-    let layers = (model.n_layer / layout.pipeline) as f64;
-    let mut flops_forward = layers * model.layer_forward_flops(layout.micro_batch);
-    if stage == Stage::Last || layout.pipeline == 1 {
+    let mut flops_forward = work.blocks as f64 * model.layer_forward_flops(layout.micro_batch);
+    if work.head {
         flops_forward += model.head_forward_flops(layout.micro_batch);
     }
     let flops_forward = flops_forward / layout.tensor as f64;
-    let flops_all = stage_flops_per_micro_batch(model, layout, stage);
+    let flops_all = work_flops(model, layout, work);
     let backward_s = slow.total() * (flops_all - flops_forward) / flops_all;
 
     let params = stage_params(model, layout, stage);
@@ -344,6 +395,32 @@ mod tests {
             let expected = units / (m as f64 + units);
             assert!((time.bubble_s / busy - expected).abs() < 1e-9, "p={p} m={m} v={v}");
         }
+    }
+
+    #[test]
+    fn stages_are_cut_as_stoke_cuts_them() {
+        // GPT-2's width and vocabulary: a block costs 6·7.1M + 12·1024·768 = 51.9M FLOPs a token,
+        // the head 6·50257·768 = 231.6M, about 4.5 blocks; the head's stage gets 4 blocks, not 6.
+        let model = ModelConfig::gpt(12, 768, 12, 1024, 50257);
+        let layout = Layout { pipeline: 2, n_micro_batches: 8, ..Layout::single(1) };
+        let works = stage_works(&model, &layout);
+        assert_eq!(works, vec![StageWork { blocks: 8, head: false }, StageWork { blocks: 4, head: true }]);
+        // Interleaved, 2 chunks a stage: chunks of 5, 4, 2 blocks and 1 with the head (the
+        // smallest largest chunk), stage 0 holding the first and third.
+        let interleaved = Layout { virtual_stages: 2, ..layout };
+        let works = stage_works(&model, &interleaved);
+        assert_eq!(works.iter().map(|w| w.blocks).sum::<usize>(), 12);
+        assert!(works[1].head && !works[0].head, "{works:?}");
+        // The even cut's last stage (6 blocks and the head) is slower than either stage here.
+        let cluster = ClusterConfig::preset("a100-80g", 2).unwrap();
+        let even_last =
+            micro_batch_time(&model, &cluster, Precision::Bf16, &layout, StageWork::even(&model, &layout, Stage::Last));
+        let time = step_time(&model, &cluster, Precision::Bf16, &layout);
+        assert!(time.step_s - time.optimizer_s - time.data_comm_exposed_s < (8.0 + 1.0) * even_last.total());
+        // A byte vocabulary: the head is tiny, and the cut is the even one.
+        let small = ModelConfig::gpt(4, 256, 8, 256, 256);
+        let works = stage_works(&small, &layout);
+        assert_eq!(works, vec![StageWork { blocks: 2, head: false }, StageWork { blocks: 2, head: true }]);
     }
 
     #[test]
