@@ -19,6 +19,10 @@
 #   benches/tensor_parallel.sh                      # ROUNDS=5 SIZE=small STEPS=30 SKIP=5
 #   ROUNDS=3 SIZE=medium benches/tensor_parallel.sh
 #   PEER_COMPILE=1 benches/tensor_parallel.sh       # the peer's blocks under torch.compile
+#   SP=1 benches/tensor_parallel.sh                 # sequence parallelism on both sides: stoke's
+#                                                   # dist.sequence_parallel, the peer's --sequence-parallel
+#                                                   # (SequenceParallel norms, the sequence in pieces
+#                                                   # between the branches)
 #
 # SIZE small: 4 layers, d_model 256, 8 heads, context 256, micro-batch 8, vocab 256 (bytes);
 #      medium: 6 layers, d_model 512, 8 heads, context 256, micro-batch 8, vocab 256.
@@ -51,19 +55,25 @@ rm -rf "$dir" && mkdir -p "$dir"
   || { echo "tensor_parallel: the peer needs torch 2.11.0 (cargo xtask peers)" >&2; exit 1; }
 echo "code $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- crates src 2>/dev/null || echo ' (+ uncommitted Rust changes)'); binary built $(date -r "$stoke" '+%F %T')"
 echo "shape $size: n_layer $n_layer, d_model $d_model ($n_head heads of $((d_model / n_head))), context $seq_len, micro-batch $micro_batch, vocab $vocab; $steps steps, first $skip left out; $rounds rounds"
+if [ -n "${SP:-}" ]; then
+  echo "sequence parallelism on both sides (SP): stoke dist.sequence_parallel=true, the peer's --sequence-parallel"
+else
+  echo "sequence parallelism off (SP=1 turns it on for both)"
+fi
 echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg); cores: $(nproc); scheduling group: $(cat /proc/$$/autogroup 2>/dev/null)"
 
 stoke_args=(--quiet --set dist.tensor=2 --set 'model.family="gpt-rms"' --set run.dir="$dir"
   --set model.n_layer="$n_layer" --set model.d_model="$d_model" --set model.n_head="$n_head"
   --set model.seq_len="$seq_len" --set model.vocab_size="$vocab" --set train.micro_batch="$micro_batch"
   --set train.steps="$steps" --set train.precision=fp32 --set train.threads=1 --set train.beta2=0.95
-  --set data.workers=0 --set ckpt.every=0 --set ckpt.at_end=false --set prof.enabled=false)
+  --set data.workers=0 --set ckpt.every=0 --set ckpt.at_end=false --set prof.enabled=false
+  ${SP:+--set dist.sequence_parallel=true})
 # torchrun starts each worker in a session of its own (start_new_session), so out of this script's scheduling
 # group: the workers set their groups to this group's nice (stoke's ranks inherit it).
 group_nice=$(sed -n 's/.* nice \(-\{0,1\}[0-9]*\)$/\1/p' "/proc/$$/autogroup" 2>/dev/null)
 peer_args=(${group_nice:+--autogroup-nice "$group_nice"} --n-layer "$n_layer" --d-model "$d_model" --n-head "$n_head" --seq-len "$seq_len" --vocab "$vocab"
   --micro-batch "$micro_batch" --steps "$steps" --warmup-steps "$skip" --threads 1 --adamw fused
-  --host-memory retain --head vocab --data "$dir/corpus.txt" ${PEER_COMPILE:+--compile})
+  --host-memory retain --head vocab --data "$dir/corpus.txt" ${PEER_COMPILE:+--compile} ${SP:+--sequence-parallel})
 
 # metrics.jsonl -> "step_ms final_loss" (median of rank 0's steps after the first $skip).
 stoke_stats() {

@@ -18,6 +18,23 @@ stoke's three-block split of nanoGPT's [q; k; v] rows does. It is a permutation 
 same model at a random init. `--head replicated` keeps wte and the head whole on every rank instead
 (no loss_parallel), the other cut PyTorch's tutorial allows.
 
+`--sequence-parallel` adds PyTorch's sequence parallelism as its TP tutorial lays it out (Korthikanti et
+al., 2022; stoke's `dist.sequence_parallel`): between the branches the residual stream is this rank's piece
+of the sequence, Shard(1), [batch, seq / N, d]. SequenceParallel() on ln_1, ln_2 and ln_f (their weights
+Replicate DTensors, the norms and the residual additions on the pieces); c_attn and c_fc
+ColwiseParallel(input_layouts=Shard(1)), which all-gathers the normed pieces (attention needs the whole
+sequence; backward, a reduce-scatter); both c_proj RowwiseParallel(output_layouts=Shard(1)), a
+reduce-scatter in place of the all-reduce; wte RowwiseParallel(output_layouts=Shard(1)), the embedding's
+reduce-scatter, and the tied head ColwiseParallel(input_layouts=Shard(1)), ln_f's pieces gathered before the
+vocabulary-parallel logits. wpe stays a plain tensor: its [t, d] output, whole on every rank, is cut to the
+rows of this rank's positions by PrepareModuleOutput(Replicate -> Shard(0)), no collective forward, an
+all-gather of that [t, d] gradient backward (so every rank gets wpe's whole gradient). With `--head
+replicated` wte's output is cut the same way (PrepareModuleOutput Replicate -> Shard(1)) and the head's
+input gathered (PrepareModuleInput Shard(1) -> Replicate). The norms' weights come out of backward with
+Partial(sum) gradients (each piece's share), which DTensor leaves unreduced: `reduce_partial_grads` sums
+them in one all-reduce into Replicate gradients before clipping, which counts them once. seq_len must
+divide by N.
+
 The rest as a strong engineer runs it: AdamW (betas 0.9/0.95, eps 1e-8, decay 0.1 on the 2-D weights
 only, lr warmup then cosine as stoke's `TrainConfig::lr_at`) with `fused=True` over the DTensor and the
 plain parameters alike (one call, under `implicit_replication()`, which treats the plain ones as
@@ -41,6 +58,14 @@ to within 5e-7 (max |diff| over the 6 steps, losses 5.62 -> 4.22) with `--head v
 and with `--head replicated`, the gradient norms before clipping to within 2e-6 relative. `--compile`
 (each cut block under torch.compile) gives the eager run's losses within 1e-6 over 6 steps (2 layers,
 d_model 64, 2 ranks).
+
+`--sequence-parallel` checked the same way (2 layers, d_model 64, 4 heads, seq_len 32, micro_batch 4,
+`stoke corpus` data, `--steps 6 --losses --threads 1`): world size 2's losses agree with world size 1's
+within 1e-6, max |diff| 9.5e-7 with `--head vocab` and 4.8e-7 with `--head replicated` (losses 5.54 ->
+5.43); with `--lr-warmup 1` 4.8e-7 with either head (5.54 -> 4.70); random tokens 9.5e-7; the gradient
+norms within 4e-7 relative. With the norms' gradients left Partial (no `reduce_partial_grads`) the
+gradient norm is 1.6e-3 relative off and the losses 4.3e-6. `--compile --sequence-parallel` gives the
+eager run's losses within 5e-7.
 """
 import argparse
 import contextlib
@@ -134,19 +159,38 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-def parallelize(model, mesh, head):
+def parallelize(model, mesh, head, sequence_parallel):
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
 
+    # Under sequence parallelism the residual stream is Shard(1) (this rank's piece of the sequence):
+    # each branch's Colwise input all-gathers it, its Rowwise output reduce-scatters back into it.
+    seq = Shard(1) if sequence_parallel else Replicate()
     plan = {}
     for i in range(len(model.transformer.h)):
-        plan[f"transformer.h.{i}.attn.c_attn"] = ColwiseParallel()
-        plan[f"transformer.h.{i}.attn.c_proj"] = RowwiseParallel()
-        plan[f"transformer.h.{i}.mlp.c_fc"] = ColwiseParallel()
-        plan[f"transformer.h.{i}.mlp.c_proj"] = RowwiseParallel()
+        plan[f"transformer.h.{i}.attn.c_attn"] = ColwiseParallel(input_layouts=seq)
+        plan[f"transformer.h.{i}.attn.c_proj"] = RowwiseParallel(output_layouts=seq)
+        plan[f"transformer.h.{i}.mlp.c_fc"] = ColwiseParallel(input_layouts=seq)
+        plan[f"transformer.h.{i}.mlp.c_proj"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel:
+            plan[f"transformer.h.{i}.ln_1"] = SequenceParallel()
+            plan[f"transformer.h.{i}.ln_2"] = SequenceParallel()
+    if sequence_parallel:
+        plan["transformer.ln_f"] = SequenceParallel()
+        # The positions' embedding [t, d], whole on every rank (wpe stays a plain tensor), cut to this
+        # rank's rows, the positions of its piece: no collective forward, an all-gather of the [t, d]
+        # gradient backward, after which every rank holds wpe's whole gradient.
+        plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
     if head == "vocab":
-        plan["transformer.wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        plan["lm_head"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
+        plan["transformer.wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    elif sequence_parallel:
+        # wte and the head whole: the embedding's output cut to this rank's piece (its gradient
+        # all-gathered), the final norm's pieces gathered for the head (its gradient cut).
+        plan["transformer.wte"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        plan["lm_head"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                              use_local_output=True)
     parallelize_module(model, mesh, plan)
     if head == "vocab":
         # Each style made its own DTensor from the tied matrix; both are Shard(0) of [vocab, d]: tie again.
@@ -158,11 +202,36 @@ def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def reduce_partial_grads(params, group):
+    """SequenceParallel's norm weights are Replicate DTensors used on this rank's piece of the sequence: the
+    backward leaves each a Partial(sum) gradient (the piece's share), which DTensor does not reduce. All of
+    them summed in one all-reduce, made Replicate (whole and equal on every rank) for clipping and AdamW."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    partial = [p for p in params
+               if isinstance(p.grad, DTensor) and any(isinstance(q, Partial) for q in p.grad.placements)]
+    if not partial:
+        return
+    flat = torch.cat([p.grad.to_local().reshape(-1) for p in partial])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in partial:
+        shard = p.grad.to_local()
+        whole = flat[offset: offset + shard.numel()].view_as(shard)
+        mesh = p.grad.device_mesh
+        p.grad = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        offset += shard.numel()
+
+
 def clip_grad_norm(params, max_norm, sharded_group):
-    """Global-norm clipping over sharded (DTensor) and replicated (plain) parameters: the sharded
-    shards' squared norms all-reduced once, the replicated ones (whole on every rank) added once."""
-    sharded = [local(p.grad) for p in params if p.grad is not None and hasattr(p.grad, "to_local")]
-    plain = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "to_local")]
+    """Global-norm clipping over sharded (DTensor Shard) and replicated (plain or DTensor Replicate)
+    parameters: the shards' squared norms all-reduced once, the replicated ones (whole on every rank)
+    added once."""
+    def sharded_grad(g):
+        placements = getattr(g, "placements", ())
+        assert not any(q.is_partial() for q in placements), "reduce_partial_grads first"
+        return any(q.is_shard() for q in placements)
+    sharded = [local(p.grad) for p in params if p.grad is not None and sharded_grad(p.grad)]
+    plain = [local(p.grad) for p in params if p.grad is not None and not sharded_grad(p.grad)]
     zero = torch.zeros((), dtype=torch.float32)
     sq_sharded = torch.stack(torch._foreach_norm(sharded)).square().sum() if sharded else zero.clone()
     if sharded:
@@ -202,6 +271,9 @@ def main():
     ap.add_argument("--losses", action="store_true", help="also print every step's loss and grad norm")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile each block after it is cut (Inductor fuses the norms, GELU and residuals)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="the residual stream as each rank's piece of the sequence (SequenceParallel norms; "
+                         "all-gather / reduce-scatter around the branches in place of the all-reduces)")
     args = ap.parse_args()
     if args.autogroup_nice is not None:
         with open("/proc/self/autogroup", "w") as f:
@@ -213,6 +285,9 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.n_head % world or args.vocab % world:
         sys.exit(f"tp_gpt.py: n_head {args.n_head} and vocab {args.vocab} must divide by the world size {world}")
+    if args.sequence_parallel and args.seq_len % world:
+        sys.exit(f"tp_gpt.py: --sequence-parallel cuts seq_len {args.seq_len} in equal pieces: it must divide by "
+                 f"the world size {world}")
 
     torch.manual_seed(args.seed)  # the same whole model on every rank before it is cut
     model = GPT(args.n_layer, args.d_model, args.n_head, args.seq_len, args.vocab)
@@ -222,12 +297,13 @@ def main():
         from torch.distributed.tensor.experimental import implicit_replication
         from torch.distributed.tensor.parallel import loss_parallel
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        parallelize(model, mesh, args.head)
+        parallelize(model, mesh, args.head, args.sequence_parallel)
         group = mesh.get_group()
     else:
         implicit_replication = contextlib.nullcontext
         group = None
     vocab_parallel = tp and args.head == "vocab"
+    sequence_parallel = tp and args.sequence_parallel
     if args.compile:
         # Each block on its own (the cut modules' DTensor collectives inside), as torchtitan compiles.
         for i, block in enumerate(model.transformer.h):
@@ -262,6 +338,8 @@ def main():
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(0, 1))
             loss.backward()
+        if sequence_parallel:
+            reduce_partial_grads(params, group)
         norms.append(clip_grad_norm(params, 1.0, group))
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -280,9 +358,12 @@ def main():
             "threads": torch.get_num_threads(),
             "styles": ("Colwise c_attn/c_fc, Rowwise c_proj" +
                        (", Rowwise wte + Colwise tied head + loss_parallel" if vocab_parallel else
-                        ", wte/head replicated")) if tp else "none",
+                        ", wte/head replicated") +
+                       (", SequenceParallel norms (sequence pieces between the branches)" if sequence_parallel else "")
+                       ) if tp else "none",
             "adamw": args.adamw,
             "compiled": args.compile,
+            "sequence_parallel": sequence_parallel,
             "host_memory": args.host_memory,
             "steps": args.steps,
             **figures,
