@@ -13,7 +13,8 @@
 //! they rendezvous over TCP at MASTER_ADDR, the address (`NodeAddr`) of the allocation's first
 //! node, where rank 0 runs, and a port free here (a new one each start; one taken on that node
 //! fails the step's rendezvous, which counts as a failure and restarts). The shm backend then needs
-//! the ranks on one machine (it says so otherwise); across machines `dist.backend` is mpi or nccl. The launcher asks the workers to stop by
+//! the ranks on one machine (it says so otherwise); across machines `dist.backend` is tcp (grouping ranks by
+//! SLURM_NODEID), mpi or nccl. The launcher asks the workers to stop by
 //! signalling the step's tasks (`scancel --signal=TERM`), so every rank stops after the same step
 //! with a checkpoint and exits 75; it does not signal srun, which would kill the tasks. A task that
 //! fails ends the step once the others have gone on for `STEP_WAIT_S` (srun's `--wait`), and a node

@@ -7,7 +7,8 @@
 //! nodes, is shrunk to one task on one node when the others arrive (a checkpoint, the end of the
 //! step, a new allocation and step), and grown back over both nodes when they have finished; it
 //! trains every step once and ends on the losses of a job that ran on one worker throughout, and
-//! `sacct` lists every job and step.
+//! `sacct` lists every job and step. With 2 CPUs a node, `stoke launch --slurm` runs tensor 2
+//! inside each node and data 2 across them as one step of 4 tasks, on one process's losses.
 //!
 //! One node (slots = its CPUs): a job shares the node with another and finishes, a cancelled job
 //! stops with a checkpoint, a killed launcher leaves no allocation or task behind, and a step whose
@@ -39,9 +40,14 @@ struct Cluster {
 
 impl Cluster {
     fn start(mode: &str, port: u16) -> Cluster {
+        Cluster::start_with(mode, port, 1)
+    }
+
+    /// `start` with `cpus` CPUs a node.
+    fn start_with(mode: &str, port: u16, cpus: usize) -> Cluster {
         let state = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("slurm-{mode}-{}", std::process::id()));
         let cluster = Cluster { state, port };
-        let out = cluster.script_command(mode).output().unwrap();
+        let out = cluster.script_command(mode).env("STOKE_SLURM_NODE_CPUS", cpus.to_string()).output().unwrap();
         assert!(
             out.status.success(),
             "slurm-local.sh {mode} failed: {}{}",
@@ -218,6 +224,49 @@ fn three_jobs_on_two_slurm_nodes_one_resized_across_nodes_keeps_its_losses_and_s
     for row in &rows {
         println!("sacct: {}", row.join(" | "));
     }
+}
+
+/// `stoke launch --slurm` over the two nodes with 2 CPUs each: one step of 4 tasks, 2 a node, the
+/// ranks placed by Slurm's variables (SLURM_NODEID their node); tensor 2 inside each node over
+/// shared memory, data 2 across over TCP, one process's losses.
+#[test]
+fn launch_slurm_cuts_inside_each_node_and_follows_one_process() {
+    if !can_run() {
+        return;
+    }
+    let _one = ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let cluster = Cluster::start_with("start-two", 16877, 2);
+    let dir = tempfile::tempdir().unwrap();
+    let rms: (&str, &[&str]) = ("gpt-rms", &["model.family=\"gpt-rms\""]);
+    let reference = crate::dist::family_reference_losses(dir.path(), rms);
+    let settings = [
+        "model.family=\"gpt-rms\"",
+        "train.steps=20",
+        "ckpt.every=0",
+        "ckpt.at_end=false",
+        "dist.tensor=2",
+        "train.micro_batch=3",
+        "dist.backend=\"tcp\"",
+    ];
+    let args = crate::dist::overrides(dir.path(), "slurm-t2d2", &settings);
+    let state = dir.path().join("launcher");
+    let out = stoke(&["launch", "--slurm", "--nproc", "4", "--state-dir", state.to_str().unwrap()], &[])
+        .args(["--", "train", "--quiet"])
+        .args(args.iter().flat_map(|a| ["--set", a.as_str()]))
+        .env("SLURM_CONF", cluster.conf())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("over 2 node(s)"), "one step over both nodes: {log}");
+    assert!(log.contains("the model cut over 2 ranks, 2 copies of it (tensor over shm, data over tcp)"), "{log}");
+    crate::dist::assert_same_trajectory(
+        &reference,
+        &dir.path().join("slurm-t2d2"),
+        "tensor 2 x data 2 over two Slurm nodes",
+        &out,
+    );
 }
 
 #[test]
