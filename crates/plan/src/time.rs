@@ -191,8 +191,8 @@ pub fn hardware_flops_per_step(model: &ModelConfig, layout: &Layout) -> f64 {
     stage_flops_per_micro_batch(model, &whole, Stage::Last) * layout.global_batch() as f64 / layout.micro_batch as f64
 }
 
-/// Bytes a device moves through memory for one micro-batch on `stage`, outside the matrix
-/// multiplies' own traffic: activations written and read, weights read, logits.
+/// Bytes a device moves through memory for one micro-batch of `work`, outside the matrix
+/// multiplies' own traffic: activations written and read, the weight gradients added, logits.
 fn stage_bytes_per_micro_batch(model: &ModelConfig, layout: &Layout, precision: Precision, work: StageWork) -> f64 {
     let layers = work.blocks as f64;
     let scale = precision.element_bytes() / 2.0;
@@ -278,10 +278,7 @@ pub fn step_time(model: &ModelConfig, cluster: &ClusterConfig, precision: Precis
     let (slow, work) = stage_works(model, layout)
         .into_iter()
         .map(|work| (micro_batch_time(model, cluster, precision, layout, work), work))
-        .fold(None, |slowest: Option<(MicroBatchTime, StageWork)>, candidate| match slowest {
-            Some(s) if s.0.total() >= candidate.0.total() => Some(s),
-            _ => Some(candidate),
-        })
+        .reduce(|slowest, other| if other.0.total() > slowest.0.total() { other } else { slowest })
         .expect("a layout has at least one stage");
     // Model states and their reductions: the stage with the head, or the first (the even cut's).
     let stage = if work.head { Stage::Last } else { Stage::First };
