@@ -5,9 +5,9 @@
 //! searches tensor x pipeline x data layouts of `--nproc` devices (the `cpu` cluster as one node
 //! with this machine's memory split between the workers and its measured matmul peak, or a
 //! calibration's efficiencies), ZeRO stages, recomputation and micro-batches at the run's global
-//! batch. Sequence parallelism runs for gpt, gpt-rms and llama without stages and beside ZeRO-1 at most,
-//! and pipeline stages shard at most the optimizer state and not beside a cut model, so other
-//! layouts are passed over. The chosen layout becomes `--set dist.tensor, dist.pipeline,
+//! batch. Cuts and sequence parallelism run for the families that declare their split, and
+//! pipeline stages shard at most the optimizer state and not beside a cut model, so other layouts
+//! are passed over. The chosen layout becomes `--set dist.tensor, dist.pipeline,
 //! dist.zero, train.micro_batch, train.grad_accum, train.recompute` (and `dist.sequence_parallel`,
 //! and for interleaved stages `dist.pipeline_schedule, dist.pipeline_chunks`), which the command
 //! must not set itself; a command that sets the schedule gets no interleaving.
@@ -62,9 +62,7 @@ fn runnable(layout: &stoke_plan::Layout, family: &str) -> bool {
     let staged = layout.pipeline > 1;
     let cut = layout.tensor > 1;
     let zero_at_most_1 = matches!(layout.zero, ZeroStage::None | ZeroStage::Optimizer);
-    let sequence_runs = stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family);
-    (!layout.sequence_parallel || sequence_runs)
-        && (!cut || stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family))
+    (!(cut || layout.sequence_parallel) || stoke_train::TENSOR_PARALLEL_FAMILIES.contains(&family))
         && (!staged || (family != "vla" && zero_at_most_1))
         && !(cut && staged && layout.zero != ZeroStage::None)
 }

@@ -378,6 +378,20 @@ impl DataParallel {
         self.error(e.op, e.source)
     }
 
+    /// Sequence parallelism: the norms' gradient shares summed over the cut, in the model's
+    /// gradients or, under ZeRO 2 and 3, in `shard`, where the copies' reduce-scatters left them;
+    /// the wait is `comm_exposed`. Nothing to do without shares.
+    fn sum_sequence_shares(&self, clock: &mut StepClock, shard: Option<&FlatParams>) -> Result<(), TrainError> {
+        let Some(cut) = self.tensor.as_ref().filter(|t| !t.shares.is_empty()) else { return Ok(()) };
+        clock.lap(Phase::Backward);
+        let result = match shard {
+            Some(shard) => cut.sum_shard_shares(shard),
+            None => cut.sum_shares(),
+        };
+        clock.lap(Phase::CommExposed);
+        result.map_err(|e| self.error("all_reduce sequence-parallel gradient shares", e))
+    }
+
     /// Stage 3: `unit`'s parameters in place before it runs; the wait, if any, is `comm_exposed`
     /// (the time before it is charged to `before`).
     fn ensure_gathered(&mut self, unit: usize, before: Phase, clock: &mut StepClock) -> Result<(), TrainError> {
@@ -502,14 +516,10 @@ impl StepHooks for DataParallel {
 
     fn before_optimizer(&mut self, clock: &mut StepClock) -> Result<(), TrainError> {
         if let Some(parts) = &self.pipeline {
+            // A cut stage's parts sum their shares first, so that the copies average whole gradients.
+            self.sum_sequence_shares(clock, None)?;
             clock.lap(Phase::Backward);
-            let mut result = Ok(());
-            if let Some(cut) = self.tensor.as_ref().filter(|t| !t.shares.is_empty()) {
-                // Sequence parallelism in a stage: its parts' shares summed first, so that the
-                // copies average whole gradients.
-                result = cut.sum_shares().map_err(|e| self.error("all_reduce sequence-parallel gradient shares", e));
-            }
-            let result = result.and_then(|()| parts.before_optimizer());
+            let result = parts.before_optimizer();
             clock.lap(Phase::CommExposed);
             return result;
         }
@@ -537,14 +547,8 @@ impl StepHooks for DataParallel {
                     }
                     self.wait_in_flight(clock)?;
                 }
-                if let Some(parts) = self.tensor.as_ref().filter(|t| !t.shares.is_empty()) {
-                    // Sequence parallelism: the shares of the replicated gradients used on pieces
-                    // summed over the cut, once the copies' reductions of them are waited for.
-                    clock.lap(Phase::Backward);
-                    let result = parts.sum_shares();
-                    clock.lap(Phase::CommExposed);
-                    result.map_err(|e| self.error("all_reduce sequence-parallel gradient shares", e))?;
-                }
+                // Once the copies' reductions of the shares are waited for.
+                self.sum_sequence_shares(clock, None)?;
                 if let Some(zero) = &self.zero {
                     zero.take_reduced_grads();
                 }
@@ -572,15 +576,7 @@ impl StepHooks for DataParallel {
                     self.comm_ms = start.elapsed().as_secs_f64() * 1e3;
                 }
                 result.map_err(|e| self.zero_error(e))?;
-                if let Some(parts) = self.tensor.as_ref().filter(|t| !t.shares.is_empty()) {
-                    // Sequence parallelism: the shares' pieces in the shards summed over the cut.
-                    let zero = self.zero.as_ref().expect("stage 2 or 3");
-                    clock.lap(Phase::Backward);
-                    let result = parts.sum_shard_shares(&zero.shard);
-                    clock.lap(Phase::CommExposed);
-                    result.map_err(|e| self.error("all_reduce sequence-parallel gradient shares", e))?;
-                }
-                Ok(())
+                self.sum_sequence_shares(clock, self.zero.as_ref().map(|zero| &zero.shard))
             }
         }
     }
