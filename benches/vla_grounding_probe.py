@@ -25,10 +25,12 @@ normalised without weight or bias; with TOLD_SUM_SCALE=K instead K times the sum
 embedding rows (`text.wte`, N(0, 0.02)) of those tokens; with TOLD_ORACLE=K instead K times the
 model's own embedding of the colour word's first token, which names the colour alone: an oracle
 that knows where to read). WORD_TOKENS=1: instructions as one token a word instead of a byte a token.
-ABSOLUTE=1: the chunk is the commanded positions (where the effector is sent, position control)
+ABSOLUTE=1: the chunk is the commanded positions (where the effector is sent)
 instead of the moves; ACTION_GAIN=G: the move is G times the distance to the block instead of
 clipped at 0.08 (a proportional controller); STATE_INTO_CHUNK=1: the state's embedding is added to
-every chunk token.
+every chunk token (stoke's model does). keypoints (told, without the tower's mean:
+32 maps, each a softmax over the projected patches, their expected patch coordinates through a linear
+layer added to every chunk token, stoke's model's readout); NO_FILM=1 leaves its FiLM layers out.
 """
 import argparse
 import math
@@ -50,7 +52,11 @@ SIDE, CHUNK, MAX_STEP, STEPS_PER_EPISODE = 64, 8, 0.08, 16
 WORD_TOKENS = os.environ.get("WORD_TOKENS") == "1"
 ABSOLUTE = os.environ.get("ABSOLUTE") == "1"
 ACTION_GAIN = float(os.environ.get("ACTION_GAIN", "0"))
-STATE_INTO_CHUNK = os.environ.get("STATE_INTO_CHUNK") == "1"
+NO_FILM = os.environ.get("NO_FILM") == "1"
+FLOW = os.environ.get("FLOW") == "1"
+STOP_AT_ARRIVAL = os.environ.get("STOP_AT_ARRIVAL") == "1"
+BETA_TIME = os.environ.get("BETA_TIME") == "1"
+KEYPOINTS = 32
 
 
 def square(frame, center, half, colour):
@@ -71,12 +77,15 @@ def sample(rng, n_objects):
     effector = rng.uniform(0.05, 0.95, 2)
     states, actions = [], []
     for _ in range(STEPS_PER_EPISODE):
-        to_block = blocks[named] - effector
-        move = ACTION_GAIN * to_block if ACTION_GAIN else np.clip(to_block, -MAX_STEP, MAX_STEP)
+        move = np.clip(blocks[named] - effector, -MAX_STEP, MAX_STEP)
+        if ACTION_GAIN:
+            move = ACTION_GAIN * (blocks[named] - effector)
         states.append(effector.copy())
         actions.append(move)
         effector = effector + move
-    t = rng.integers(STEPS_PER_EPISODE)
+        if STOP_AT_ARRIVAL and np.abs(blocks[named] - effector).max() < 1e-9:
+            break
+    t = rng.integers(len(states))
     frame = np.full((SIDE, SIDE, 3), 90, np.uint8)
     for colour, block in zip(colours, blocks):
         square(frame, block, 0.08, PALETTE[colour])
@@ -88,8 +97,10 @@ def sample(rng, n_objects):
     tokens[:len(text)] = list(text)
     chunk, mask = np.zeros((CHUNK, 2)), np.zeros(CHUNK)
     for k in range(CHUNK):
-        if t + k < STEPS_PER_EPISODE:
-            chunk[k], mask[k] = states[t + k] + actions[t + k] if ABSOLUTE else actions[t + k], 1.0
+        if t + k < len(states):
+            chunk[k], mask[k] = actions[t + k], 1.0
+            if ABSOLUTE:
+                chunk[k] = (states[t + k] + actions[t + k] - 0.5) / 0.2 * 0.06
     return frame, tokens, states[t], blocks[named], chunk, mask
 
 
@@ -103,9 +114,7 @@ def batch(rng, n, args):
         target = torch.tensor((stack(3) - 0.5) / 0.2, dtype=torch.float32)[:, None, :].repeat(1, CHUNK, 1)
         mask = torch.ones(n, CHUNK)
     else:
-        # Positions normalised as the block's are; moves by their largest step.
-        scaled = (stack(4) - 0.5) / 0.2 if ABSOLUTE else stack(4) / 0.06
-        target = torch.tensor(scaled, dtype=torch.float32)
+        target = torch.tensor(stack(4) / 0.06, dtype=torch.float32)
         mask = torch.tensor(stack(5), dtype=torch.float32)
     return frames, tokens, state, target, mask
 
@@ -123,32 +132,59 @@ def summary(model, tokens):
     return torch.nn.functional.layer_norm(rows.sum(1), (model.shape.d_model,))
 
 
-def error(model, head, frames, tokens, state, target, mask, readout):
+def predict(model, head, frames, tokens, state, readout, flow=None):
     s = model.shape
     rows = frames.shape[0]
     v = model.patches(frames).view(rows * s.frames, s.patches_per_frame, s.d_model)
-    told = summary(model, tokens).repeat_interleave(s.frames, 0).unsqueeze(1) if readout == "told" else None
+    told = summary(model, tokens).repeat_interleave(s.frames, 0).unsqueeze(1) if readout in ("told", "keypoints") else None
     for block_idx, block in enumerate(model.vision.blocks):
-        if told is not None:
+        if told is not None and not NO_FILM:
             scale, shift = model.films[block_idx](told).chunk(2, -1)
             v = v * (1.0 + scale) + shift
         v = block(v, model.vision_attend, None)
     if readout == "tower-mean":
-        predicted = head(v.mean(1)).unsqueeze(1).expand_as(target)
+        return head(v.mean(1)).unsqueeze(1).expand(-1, CHUNK, -1)
     else:
         v = model.projector(v.view(rows, s.vision_tokens, s.d_model))
         text = model.text.wte(tokens) + model.text.wpe(model.text_positions)
-        zeros = torch.zeros(rows, CHUNK, 2)
-        chunk = model.action_in(zeros) + model.time_embedding(torch.zeros(rows)) + model.action_pos
+        chunk_in, time = flow if flow is not None else (torch.zeros(rows, CHUNK, 2), torch.zeros(rows))
+        chunk = model.action_in(chunk_in) + model.time_embedding(time) + model.action_pos
         if readout in ("pooled-into-chunk", "told"):
             chunk = chunk + v.mean(1, keepdim=True)
-        state_token = model.state_proj(state).unsqueeze(1)
-        if STATE_INTO_CHUNK:
-            chunk = chunk + state_token
-        x = torch.cat([v, text, state_token, chunk], 1)
+        if readout == "keypoints":
+            weights = model.kp_logits(v).softmax(1)  # [rows, patches, maps]
+            chunk = chunk + model.kp_proj(torch.einsum("rpk,pc->rkc", weights, model.kp_grid).flatten(1)).unsqueeze(1)
+        if os.environ.get("STATE_INTO_CHUNK") == "1":
+            chunk = chunk + model.state_proj(state).unsqueeze(1)
+        x = torch.cat([v, text, model.state_proj(state).unsqueeze(1), chunk], 1)
         for block in model.backbone.blocks:
             x = block(x, model.backbone_attend, model.backbone_mask)
         predicted = model.action_out(model.ln_f(x[:, -CHUNK:]))
+    return predicted
+
+
+def error(model, head, frames, tokens, state, target, mask, readout, evaluate=False):
+    """Plain regression's squared error; under FLOW=1 flow matching's (the velocity target - noise
+    from the noised chunk at a uniform time) and, evaluating, the squared error of the chunk 10
+    Euler steps integrate to from noise (what stoke's eval_loss reports)."""
+    if FLOW and readout not in ("tower-mean",):
+        fixed = torch.Generator().manual_seed(12345) if evaluate else None  # the same noise every evaluation
+        noise = torch.randn(target.shape, generator=fixed)
+        if evaluate:
+            actions = noise
+            for step in range(10):
+                time = torch.full((target.shape[0],), step / 10)
+                actions = actions + predict(model, head, frames, tokens, state, readout, (actions, time)) / 10
+            predicted = actions
+        else:
+            time = torch.rand(target.shape[0])
+            if BETA_TIME:  # pi0's: 0.999 (1 - u), u ~ Beta(1.5, 1), more of the noisy end
+                time = 0.999 * (1 - time.pow(2 / 3))
+            noised = (1 - time.view(-1, 1, 1)) * noise + time.view(-1, 1, 1) * target
+            predicted = predict(model, head, frames, tokens, state, readout, (noised, time))
+            target = target - noise
+    else:
+        predicted = predict(model, head, frames, tokens, state, readout)
     return ((predicted - target).square() * mask.unsqueeze(-1)).sum() / target.numel()
 
 
@@ -156,19 +192,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", choices=["block", "actions"], default="block")
     ap.add_argument("--objects", type=int, choices=[1, 2, 3], default=1)
-    ap.add_argument("--readout", choices=["backbone", "tower-mean", "pooled-into-chunk", "told"], default="backbone")
+    ap.add_argument("--readout", choices=["backbone", "tower-mean", "pooled-into-chunk", "told", "keypoints"], default="backbone")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
+    torch.set_num_threads(int(os.environ.get("THREADS", torch.get_num_threads())))
     rng = np.random.default_rng(args.seed + 1)
     model = Vla(Shape("vla-tiny", 1, 2, 2), "matmul", "matmul", torch.float32)
     head = nn.Linear(model.shape.d_model, 2)
     d = model.shape.d_model
     model.told_wte = nn.Embedding(256, d)  # N(0, 1), PyTorch's default
     model.films = nn.ModuleList(nn.Linear(d, 2 * d) for _ in model.vision.blocks)  # PyTorch's default init
+    model.kp_logits = nn.Linear(d, KEYPOINTS)  # PyTorch's default init
+    model.kp_proj = nn.Linear(2 * KEYPOINTS, d)
+    grid = model.shape.image_side // model.shape.patch
+    rows, cols = torch.meshgrid(torch.linspace(-1, 1, grid), torch.linspace(-1, 1, grid), indexing="ij")
+    model.register_buffer("kp_grid", torch.stack([cols, rows], -1).reshape(-1, 2))
     params = list(model.parameters()) + list(head.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -189,7 +231,7 @@ def main():
         opt.step()
         if (step + 1) % 250 == 0:
             with torch.no_grad():
-                held = error(model, head, *held_out, args.readout).item()
+                held = error(model, head, *held_out, args.readout, evaluate=True).item()
             print(f"step {step + 1}: held-out error {held:.4f} ({held / variance:.3f} of reading nothing), "
                   f"{time.time() - start:.0f} s", flush=True)
 

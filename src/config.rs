@@ -100,8 +100,8 @@ pub struct DataConfig {
     /// The token (by its text, e.g. "<|eot_id|>") appended to each instruction's response; ""
     /// for none. Default "".
     pub eos: String,
-    /// Episodes of the built-in robot set (model.family = "vla" with `path` ""), 16 steps each.
-    /// Default 2048.
+    /// Episodes of the built-in robot set (model.family = "vla" with `path` ""), each of at most
+    /// 16 steps (it ends at the move that reaches its block; about 5 on average). Default 8192.
     pub builtin_episodes: usize,
     /// Robot episodes (model.family = "vla"): past frames per camera besides the current one.
     /// Default 0.
@@ -128,7 +128,7 @@ impl Default for DataConfig {
             weights: Vec::new(),
             tokenizer: "bytes".into(),
             eos: String::new(),
-            builtin_episodes: 2048,
+            builtin_episodes: 8192,
             history: 0,
             augment: true,
             blank: "none".into(),

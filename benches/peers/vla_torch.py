@@ -9,14 +9,19 @@ the attention it picked, then one JSON line of figures (also written to `--json 
 The model, parameter for parameter (names as stoke's, shapes as stoke's):
 - the embedding: frames (uint8, `[batch, frames, side, side, 3]`) normalised to x/127.5 - 1, cut
   into patches and projected by one matrix multiply (`vision.patch_embed`), plus `vision.pos_embed`;
-  the instruction's tokens (`text.wte`) plus their positions (`text.wpe`); the state
+  the instruction's tokens (`text.wte`) plus their positions (`text.wpe`), zero where padding; the state
   (`state_proj`); the action chunk: `action_in` of the noised chunk (1 - t)·noise + t·actions, plus
   the time MLP (`time_mlp.0`, SiLU, `time_mlp.2`) of sinusoidal features of 1000·t (sines, then
-  cosines, frequencies exp(-ln(10000)·i/half)), plus `action_pos`;
+  cosines, frequencies exp(-ln(10000)·i/half)), plus `action_pos`, plus the state's embedding;
 - `vision.blocks.*`: GPT-2 blocks (pre-LayerNorm, fused qkv with bias, exact-GELU MLP of 4d) over
-  the vision tokens, attending both ways within each frame's patches;
-- `projector` (a linear layer) on the tower's output; stoke applies it at the start of the first
-  backbone block, to the same vision tokens, which is the same function;
+  the vision tokens, attending both ways within each frame's patches, each block's input first
+  scaled and shifted, v·(1 + scale) + shift, by its FiLM layer (`vision.blocks.N.film`, a linear
+  layer, weight U(-1/sqrt(d), 1/sqrt(d))) of 30 times the sum of the instruction's positions;
+- `projector` (a linear layer) on the tower's output, and its keypoints added to the chunk's
+  tokens: 32 maps (`keypoints.logits`, weight U(-1/sqrt(d), 1/sqrt(d)), zero bias), each a softmax
+  over a frame's patches, their expected patch coordinates (column, row in [-1, 1]) through
+  `keypoints.proj` (weight U(-1/sqrt(fan_in), 1/sqrt(fan_in)), zero bias); stoke does both at the
+  start of the first backbone block, which is the same function;
 - `backbone.blocks.*`: the same blocks over the whole sequence [patches, instruction, state,
   chunk] under the prefix mask: the prefix attends to the prefix only, the chunk to everything;
 - `ln_f` and `action_out` on the chunk's positions; the loss is flow matching's: the mean squared
@@ -40,9 +45,9 @@ What makes it the strong peer, all chosen here and reported:
 - glibc keeping freed memory (`--host-memory retain`, default; what stoke's `train.host_memory`
   default sets).
 
-Timing. The batches (random uint8 frames, random token ids, normal state, actions and noise, uniform
-flow times, every action present) have the shapes a `stoke train` run of the preset feeds on its
-built-in robot set (1 frame, state and action width 2) and are made once before timing: the peer's
+Timing. The batches (random uint8 frames, random token ids (none of them padding), normal state,
+actions and noise, flow times drawn as stoke draws them, every action present) have the shapes a
+`stoke train` run of the preset feeds on its built-in robot set (1 frame, state and action width 2) and are made once before timing: the peer's
 step excludes data loading, while stoke's step includes its data wait (under 1% of its step here).
 A step is timed from setting its learning rate to reading its loss after `zero_grad`; the first
 `--warmup` steps are left out (compilation happens in the first; `compile_s` is the first step's
@@ -71,6 +76,8 @@ PRESETS = {
                       patch=16, image_side=224, chunk=16, instruction_tokens=32),
 }
 LAYER_NORM_EPS = 1e-5
+KEYPOINTS = 32  # stoke's VLA_KEYPOINTS: the spatial-softmax readout's maps
+SUMMARY_SCALE = 30.0  # stoke's: what the FiLM layers read is 30x the instruction's summed positions
 ATTENTION_KINDS = ("sdpa", "matmul")
 
 
@@ -94,9 +101,11 @@ class Shape:
                      + self.instruction_tokens * d + (self.state_dim + 1) * d + (self.action_dim + 1) * d
                      + 2 * (d * d + d) + self.chunk * d)
         block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
-        projector = d * d + d
+        k = KEYPOINTS
+        projector = (d * d + d) + (d * k + k) + (self.frames * 2 * k * d + d)
+        film = 2 * d * d + 2 * d
         head = 2 * d + (d + 1) * self.action_dim
-        return embedding + self.n_layer * block + projector + head
+        return embedding + self.n_layer * block + self.vision_layers * film + projector + head
 
 
 def attend_sdpa(q, k, v, mask):
@@ -166,6 +175,8 @@ class Vision(nn.Module):
         self.patch_embed = nn.Linear(shape.patch_dim, d)
         self.pos_embed = nn.Parameter(torch.empty(shape.vision_tokens, d))
         self.blocks = nn.ModuleList(Block(d, shape.n_head) for _ in range(shape.vision_layers))
+        for block in self.blocks:
+            block.film = nn.Linear(d, 2 * d)  # vision.blocks.N.film: the instruction's FiLM layer
 
 
 class Text(nn.Module):
@@ -193,6 +204,8 @@ class Vla(nn.Module):
         self.time_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
         self.action_pos = nn.Parameter(torch.empty(shape.chunk, d))
         self.projector = nn.Linear(d, d)
+        self.keypoint_logits = nn.Linear(d, KEYPOINTS)
+        self.keypoint_proj = nn.Linear(shape.frames * 2 * KEYPOINTS, d)
         self.backbone = Backbone(shape)
         self.ln_f = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
         self.action_out = nn.Linear(d, shape.action_dim)
@@ -218,9 +231,17 @@ class Vla(nn.Module):
                 nn.init.zeros_(p)
             else:
                 nn.init.ones_(p)
+        for block in self.vision.blocks:  # FiLM weights as stoke's: U(-1/sqrt(d), 1/sqrt(d))
+            nn.init.uniform_(block.film.weight, -1.0 / math.sqrt(d), 1.0 / math.sqrt(d))
+        nn.init.uniform_(self.keypoint_logits.weight, -1.0 / math.sqrt(d), 1.0 / math.sqrt(d))
+        kp_in = shape.frames * 2 * KEYPOINTS
+        nn.init.uniform_(self.keypoint_proj.weight, -1.0 / math.sqrt(kp_in), 1.0 / math.sqrt(kp_in))
         # The patches' positions start as MAE's 2-D sine-cosine table, as stoke's do.
+        grid = shape.image_side // shape.patch
+        scale = torch.linspace(-1.0, 1.0, grid) if grid > 1 else torch.zeros(1)
+        rows, cols = torch.meshgrid(scale, scale, indexing="ij")
+        self.register_buffer("keypoint_grid", torch.stack([cols, rows], -1).reshape(-1, 2), persistent=False)
         with torch.no_grad():
-            grid = shape.image_side // shape.patch
             self.vision.pos_embed.copy_(sincos_2d(grid, shape.d_model).repeat(shape.frames, 1))
 
     def patches(self, frames):
@@ -237,18 +258,26 @@ class Vla(nn.Module):
         angles = (t * 1000.0).unsqueeze(1) * self.freqs.unsqueeze(0)
         return self.time_mlp(torch.cat([angles.sin(), angles.cos()], dim=1)).float().unsqueeze(1)
 
-    def forward(self, frames, tokens, state, actions, action_mask, noise, t):
+    def forward(self, frames, tokens, token_mask, state, actions, action_mask, noise, t):
         s = self.shape
         batch, d = frames.shape[0], s.d_model
-        # The vision tower, frame by frame, then the projector.
+        # Padding's positions hold zeros (token_mask 0), as stoke's do.
+        text = (self.text.wte(tokens) + self.text.wpe(self.text_positions)) * token_mask.unsqueeze(-1)
+        # The vision tower, frame by frame, each block's input scaled and shifted by its FiLM
+        # layer from 30 times the sum of the instruction's positions; then the projector.
+        summary = (text.float().sum(1) * SUMMARY_SCALE).repeat_interleave(s.frames, 0)
         v = self.patches(frames).view(batch * s.frames, s.patches_per_frame, d)
         for block in self.vision.blocks:
-            v = block(v, self.vision_attend, None)
+            scale, shift = block.film(summary).float().unsqueeze(1).chunk(2, -1)
+            v = block(v * (1.0 + scale) + shift, self.vision_attend, None)
         v = self.projector(v.view(batch, s.vision_tokens, d)).float()
-        text = self.text.wte(tokens) + self.text.wpe(self.text_positions)
         state_token = self.state_proj(state).float().unsqueeze(1)
         chunk_in = (1.0 - t.view(-1, 1, 1)) * noise + t.view(-1, 1, 1) * actions
-        chunk = self.action_in(chunk_in).float() + self.time_embedding(t) + self.action_pos
+        # The chunk's tokens carry the state and the projected tower's keypoints in their own stream.
+        maps = self.keypoint_logits(v).float().view(batch, s.frames, s.patches_per_frame, KEYPOINTS).softmax(2)
+        keypoints = self.keypoint_proj((maps.transpose(2, 3) @ self.keypoint_grid).reshape(batch, -1)).float()
+        chunk = (self.action_in(chunk_in).float() + self.time_embedding(t) + self.action_pos + state_token
+                 + keypoints.unsqueeze(1))
         x = torch.cat([v, text, state_token, chunk], dim=1)
         for block in self.backbone.blocks:
             x = block(x, self.backbone_attend, self.backbone_mask)
@@ -292,11 +321,12 @@ def make_batches(shape, micro_batch, n_batches, seed):
         out.append((
             torch.randint(0, 256, (micro_batch, s.frames, s.image_side, s.image_side, 3), dtype=torch.uint8, generator=g),
             torch.randint(0, s.vocab_size, (micro_batch, s.instruction_tokens), generator=g),
+            torch.ones(micro_batch, s.instruction_tokens),
             torch.randn(micro_batch, s.state_dim, generator=g),
             torch.randn(micro_batch, s.chunk, s.action_dim, generator=g),
             torch.ones(micro_batch, s.chunk),
             torch.randn(micro_batch, s.chunk, s.action_dim, generator=g),
-            torch.rand(micro_batch, generator=g),
+            0.999 * (1.0 - torch.rand(micro_batch, generator=g).pow(2.0 / 3.0)),  # the flow time, as stoke draws it
         ))
     return out
 

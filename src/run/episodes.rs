@@ -22,7 +22,7 @@ fn builtin_episodes(n_episodes: usize, seed: u64) -> anyhow::Result<PathBuf> {
         return Err(UsageError(format!("data.builtin_episodes must be at least 2; got {n_episodes}")).into());
     }
     let root = crate::profiler::cache_dir().join("episodes");
-    let done = root.join(format!("builtin-{n_episodes}x{steps}-{resolution}px-seed{seed}"));
+    let done = root.join(format!("builtin-v3-{n_episodes}x{steps}-{resolution}px-seed{seed}"));
     if done.join("prepared/manifest.json").exists() {
         return Ok(done.join("prepared"));
     }

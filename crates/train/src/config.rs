@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 
 pub use executor::{ExecutorKind, Recompute};
 pub use finetune::{glob_match, LoraConfig};
-pub use model::{GptShape, LlamaShape, ModelConfig, RopeScaling, VlaShape, MODEL_FAMILIES, TENSOR_PARALLEL_FAMILIES};
+pub use model::{
+    GptShape, LlamaShape, ModelConfig, RopeScaling, VlaShape, MODEL_FAMILIES, TENSOR_PARALLEL_FAMILIES, VLA_KEYPOINTS,
+};
 
 use crate::TrainError;
 

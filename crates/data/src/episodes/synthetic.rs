@@ -29,6 +29,7 @@ const MAX_STEP: f64 = 0.08;
 #[derive(Debug, Clone, PartialEq)]
 pub struct SyntheticEpisodes {
     pub n_episodes: usize,
+    /// The most steps an episode holds: it ends at the step whose move reaches the named block.
     pub steps_per_episode: usize,
     /// Side of the square frames, in pixels.
     pub resolution: u32,
@@ -65,7 +66,8 @@ fn render(side: u32, blocks: &[([f64; 2], [u8; 3])], effector: [f64; 2]) -> imag
 }
 
 /// One episode of the built-in dataset, drawn but not yet written: the blocks, the instruction,
-/// and per step the effector's position (the state) and its move (the action). Both layouts write
+/// and per step the effector's position (the state) and its move (the action), up to the move
+/// that reaches the block (at most `steps_per_episode` steps). Both layouts write
 /// these, so they hold the same episodes.
 struct Scene {
     blocks: Vec<([f64; 2], [u8; 3])>,
@@ -102,10 +104,16 @@ impl Scene {
         let mut effector = [uniform(rng, 0.05, 0.95), uniform(rng, 0.05, 0.95)];
         let (mut states, mut actions) = (Vec::with_capacity(n_steps), Vec::with_capacity(n_steps));
         for _ in 0..n_steps {
-            let action = [0, 1].map(|axis| (target[axis] - effector[axis]).clamp(-MAX_STEP, MAX_STEP));
+            let to_target = [0, 1].map(|axis| target[axis] - effector[axis]);
+            let action = to_target.map(|delta| delta.clamp(-MAX_STEP, MAX_STEP));
             states.push(effector);
             actions.push(action);
             effector = [effector[0] + action[0], effector[1] + action[1]];
+            // This move lands on the block: the task is done and the episode ends, as a recorded
+            // demonstration does (no steps of standing still, which the state alone would predict).
+            if to_target.iter().all(|delta| delta.abs() <= MAX_STEP) {
+                break;
+            }
         }
         Scene { blocks, instruction, states, actions }
     }
@@ -132,7 +140,7 @@ pub fn write_synthetic_episodes(dir: &Path, spec: &SyntheticEpisodes) -> Result<
     for (episode_idx, scene) in scenes(spec).enumerate() {
         let frames_dir = dir.join(format!("frames/ep-{episode_idx:05}"));
         std::fs::create_dir_all(&frames_dir).map_err(DataError::write(&frames_dir))?;
-        for t in 0..spec.steps_per_episode {
+        for t in 0..scene.states.len() {
             let frame_name = format!("frames/ep-{episode_idx:05}/front-{t:04}.jpg");
             let frame_path = dir.join(&frame_name);
             let file = std::fs::File::create(&frame_path).map_err(DataError::write(&frame_path))?;
@@ -178,4 +186,38 @@ pub fn write_synthetic_lerobot(dir: &Path, spec: &SyntheticEpisodes) -> Result<u
             .write_episode(&scene.instruction, &states, &actions, |_, t| scene.frame(spec.resolution, t).into_raw())?;
     }
     writer.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every move heads for the named block at most MAX_STEP an axis, and an episode ends with
+    /// the move that lands on it (or at the most steps): no step stands still.
+    #[test]
+    fn an_episode_moves_toward_its_block_and_ends_on_it() {
+        let spec = SyntheticEpisodes { n_episodes: 200, steps_per_episode: 16, ..Default::default() };
+        let (mut ended_early, mut total) = (0, 0);
+        for scene in scenes(&spec) {
+            let word = scene.instruction.trim_start_matches("move to the ").trim_end_matches(" block");
+            let colour = PALETTE.iter().find(|(name, _)| *name == word).unwrap().1;
+            let target = scene.blocks.iter().find(|(_, c)| *c == colour).unwrap().0;
+            let n = scene.states.len();
+            assert!((1..=16).contains(&n) && scene.actions.len() == n);
+            for (state, action) in scene.states.iter().zip(&scene.actions) {
+                for axis in 0..2 {
+                    let to_target = target[axis] - state[axis];
+                    assert!(action[axis].abs() <= MAX_STEP + 1e-12 && action[axis] * to_target >= 0.0);
+                }
+                assert!(action.iter().any(|a| a.abs() > 0.0), "a step stands still");
+            }
+            let last = scene.states[n - 1];
+            let end = [last[0] + scene.actions[n - 1][0], last[1] + scene.actions[n - 1][1]];
+            let reached = (0..2).all(|axis| (end[axis] - target[axis]).abs() < 1e-9);
+            assert!(reached || n == 16, "an episode of {n} steps ends away from its block");
+            ended_early += usize::from(n < 16);
+            total += n;
+        }
+        assert!(ended_early > 150 && total < 200 * 10, "{ended_early} of 200 ended early, {total} steps");
+    }
 }

@@ -251,10 +251,19 @@ impl VlaShape {
         2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
     }
 
-    /// Parameters of the projector from the vision tower into the backbone (in the first
-    /// backbone block's unit).
+    /// Parameters of the projector from the vision tower into the backbone and of the keypoint
+    /// readout beside it (in the first backbone block's unit): the projector, the
+    /// [`VLA_KEYPOINTS`] maps' logits, and the layer from each frame's keypoints to the chunk's width.
     pub fn projector_params(&self) -> usize {
-        self.base.d_model * self.base.d_model + self.base.d_model
+        let (d, k) = (self.base.d_model, VLA_KEYPOINTS);
+        (d * d + d) + (d * k + k) + (self.frames * 2 * k * d + d)
+    }
+
+    /// Parameters of a vision block's FiLM layer (the instruction's summary to a scale and a
+    /// shift of the block's input), in that block's unit.
+    pub fn film_params(&self) -> usize {
+        let d = self.base.d_model;
+        2 * d * d + 2 * d
     }
 
     /// Parameters of the head unit: the final LayerNorm and the action projection.
@@ -263,7 +272,11 @@ impl VlaShape {
     }
 
     pub fn n_params(&self) -> usize {
-        self.embedding_params() + self.base.n_layer * self.block_params() + self.projector_params() + self.head_params()
+        self.embedding_params()
+            + self.base.n_layer * self.block_params()
+            + self.vision_layers * self.film_params()
+            + self.projector_params()
+            + self.head_params()
     }
 
     /// Training FLOPs of one sample, forward and backward: 6 per weight per token that meets it
@@ -277,12 +290,19 @@ impl VlaShape {
         let per_frame = self.patches_per_frame() as f64;
         let matmul = vision * (self.patch_dim() as f64 * d + self.vision_layers as f64 * block_matmul + d * d)
             + seq * self.backbone_layers() as f64 * block_matmul
-            + self.chunk as f64 * (self.action_dim as f64 * d * 2.0 + 2.0 * d * d);
+            + self.chunk as f64 * (self.action_dim as f64 * d * 2.0 + 2.0 * d * d)
+            + self.vision_layers as f64 * 2.0 * d * d
+            + vision * (VLA_KEYPOINTS as f64) * (d + 2.0)
+            + self.frames as f64 * 2.0 * VLA_KEYPOINTS as f64 * d;
         let attention = self.vision_layers as f64 * vision * per_frame * 2.0 * d
             + self.backbone_layers() as f64 * seq * seq * 2.0 * d;
         6.0 * matmul + 3.0 * attention
     }
 }
+
+/// Keypoint maps of the vla model's spatial-softmax readout: each a softmax over a frame's
+/// patches whose expected patch coordinates reach the action chunk's tokens.
+pub const VLA_KEYPOINTS: usize = 32;
 
 /// The values `model.family` takes.
 pub const MODEL_FAMILIES: &[&str] = &["gpt", "gpt-rms", "llama", "vla"];

@@ -44,6 +44,8 @@ pub struct EpisodeInputs {
     pub noise: Tensor,
     /// `[batch]` fp32 in [0, 1): where on the flow from noise (0) to the actions (1) a sample trains.
     pub time: Tensor,
+    /// `[batch, instruction_tokens]` fp32: 1 where the instruction has a token, 0 where it is padding.
+    pub token_mask: Tensor,
 }
 
 /// One of a block's two residual branches.

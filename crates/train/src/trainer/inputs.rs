@@ -103,6 +103,9 @@ fn episode_inputs(
         action_mask: to(Tensor::from_slice(&batch.action_mask).view([b, chunk]).to_kind(tch::Kind::Float)),
         noise: to(Tensor::from_slice(&batch.noise).view([b, chunk, action])),
         time: to(Tensor::from_slice(&batch.time)),
+        token_mask: to(Tensor::from_slice(&batch.token_mask)
+            .view([b, vla.instruction_tokens as i64])
+            .to_kind(tch::Kind::Float)),
     };
     let n = vla.instruction_tokens as i64;
     let tokens = Tensor::from_slice(&batch.tokens).view([b, n]);

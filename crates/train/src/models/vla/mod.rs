@@ -6,11 +6,16 @@
 //! with one matrix multiply (a ViT's patch embedding), embeds the instruction's tokens, projects
 //! the state, and embeds the action chunk the head is trained on: under flow matching the noised
 //! chunk `(1 - t)·noise + t·actions` with its time t (sinusoidal features through a two-layer
-//! MLP), as GR00T's and π0's action experts take it. The first `vision_layers` blocks are the
-//! vision tower: bidirectional attention within each frame's patches, the rest of the sequence
+//! MLP), as GR00T's and π0's action experts take it, plus the state's embedding. The first
+//! `vision_layers` blocks are the vision tower: bidirectional attention within each frame's
+//! patches, each block's input first scaled and shifted by a FiLM layer of the instruction's
+//! summary (RT-1's conditioning: the tower is told what to look for), the rest of the sequence
 //! passed through untouched. A projector (a linear layer at the start of the first backbone
-//! block's unit) maps the tower's output into the backbone, whose blocks attend over the whole
-//! sequence with a prefix mask: frames, instruction and state attend to one another both ways,
+//! block's unit) maps the tower's output into the backbone, and a spatial-softmax readout of it
+//! (keypoints: the expected patch coordinates under learned maps, as visuomotor policies read an
+//! image) is added to the chunk's tokens (where things are, in the chunk's own stream); the
+//! backbone's blocks attend over the
+//! whole sequence with a prefix mask: frames, instruction and state attend to one another both ways,
 //! the action chunk attends to everything, and nothing in the prefix attends to the chunk. The
 //! head (final LayerNorm, a linear layer) reads the chunk's positions: the velocity `actions -
 //! noise` under flow matching (the squared error over the actions that exist, divided by the
@@ -30,13 +35,21 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::config::{ActionLoss, GptShape, Precision, VlaShape};
+use crate::config::{ActionLoss, GptShape, Precision, VlaShape, VLA_KEYPOINTS};
 use crate::models::embedding::embed;
 use crate::models::{Branch, EpisodeInputs, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
 const LAYER_NORM_EPS: f64 = 1e-5;
+
+/// What the vision blocks' FiLM layers read: this times the sum of the instruction's positions of
+/// the stream (its tokens' embedding rows and positions, which the tower passes through; padding
+/// holds zeros). The
+/// rows start at N(0, 0.02); at this scale an Adam step moves the modulation as much as a step
+/// moves a weight of the tower, so the tower learns to look for the colour it is told within a
+/// thousand steps (`benches/vla_grounding_probe.py`, RESULTS "What the tower needs to be told").
+const SUMMARY_SCALE: f64 = 30.0;
 
 /// The planner's description of this family: its units' parameters and FLOPs (`models::plan_model`).
 pub(crate) fn plan_model(shape: &VlaShape) -> stoke_plan::ModelConfig {
@@ -49,7 +62,8 @@ pub(crate) fn plan_model(shape: &VlaShape) -> stoke_plan::ModelConfig {
             blocks: (0..base.n_layer)
                 .map(|layer_idx| {
                     let projector = if layer_idx == shape.vision_layers { shape.projector_params() } else { 0 };
-                    (shape.block_params() + projector) as u64
+                    let film = if layer_idx < shape.vision_layers { shape.film_params() } else { 0 };
+                    (shape.block_params() + projector + film) as u64
                 })
                 .collect(),
             head: shape.head_params() as u64,
@@ -86,6 +100,14 @@ pub struct Vla {
     action_pos: Tensor,
     blocks: Vec<BlockParams>,
     projector: (Tensor, Tensor),
+    /// The spatial-softmax readout: per frame, `VLA_KEYPOINTS` maps' logits over the projected
+    /// patches, and the layer from their expected coordinates into the chunk's tokens.
+    keypoint_logits: (Tensor, Tensor),
+    keypoint_proj: (Tensor, Tensor),
+    /// `[patches_per_frame, 2]` fp32: each patch's column and row, scaled to [-1, 1].
+    keypoint_grid: Tensor,
+    /// Per vision block, the FiLM layer that scales and shifts its input by the instruction.
+    films: Vec<(Tensor, Tensor)>,
     ln_f: (Tensor, Tensor),
     action_out: (Tensor, Tensor),
     /// `[seq, seq]` bool, true where a backbone position may attend: the prefix within itself,
@@ -144,6 +166,14 @@ fn sincos_2d(grid: usize, d: usize) -> Tensor {
     Tensor::from_slice(&table).view([(grid * grid) as i64, d as i64])
 }
 
+/// Each patch's (column, row) of a `grid` x `grid` patch grid, scaled to [-1, 1], `[grid * grid, 2]`
+/// fp32, rows in row-major patch order.
+fn keypoint_grid(grid: usize) -> Tensor {
+    let scale = |i: usize| if grid > 1 { 2.0 * i as f32 / (grid - 1) as f32 - 1.0 } else { 0.0 };
+    let table: Vec<f32> = (0..grid * grid).flat_map(|patch| [scale(patch % grid), scale(patch / grid)]).collect();
+    Tensor::from_slice(&table).view([(grid * grid) as i64, 2])
+}
+
 fn block_prefix(shape: &VlaShape, layer_idx: usize) -> String {
     if layer_idx < shape.vision_layers {
         format!("vision.blocks.{layer_idx}")
@@ -192,6 +222,20 @@ impl Vla {
             let mut params = Vec::new();
             if layer_idx == shape.vision_layers {
                 params.extend(linear("projector", d, d, std));
+                // PyTorch's default bound for a linear layer's weight: the maps start sharp enough
+                // that their coordinates move with what the patches hold.
+                let (k, kp_in) = (VLA_KEYPOINTS as i64, (shape.frames * 2 * VLA_KEYPOINTS) as i64);
+                let uniform = |fan_in: i64| Init::Uniform { bound: 1.0 / (fan_in as f64).sqrt() };
+                params.push(spec("keypoints.logits.weight".into(), &[k, d], uniform(d)));
+                params.push(spec("keypoints.logits.bias".into(), &[k], Init::Zeros));
+                params.push(spec("keypoints.proj.weight".into(), &[d, kp_in], uniform(kp_in)));
+                params.push(spec("keypoints.proj.bias".into(), &[d], Init::Zeros));
+            }
+            if layer_idx < shape.vision_layers {
+                // PyTorch's default init for a linear layer's weight, as the probe's FiLM layers.
+                let bound = 1.0 / (d as f64).sqrt();
+                params.push(spec(format!("{p}.film.weight"), &[2 * d, d], Init::Uniform { bound }));
+                params.push(spec(format!("{p}.film.bias"), &[2 * d], Init::Zeros));
             }
             params.extend(norm(&format!("{p}.ln_1")));
             params.extend(linear(&format!("{p}.attn.c_attn"), 3 * d, d, std));
@@ -238,6 +282,10 @@ impl Vla {
             time_mlp: [pair("time_mlp.0"), pair("time_mlp.2")],
             action_pos: get("action_pos"),
             projector: pair("projector"),
+            keypoint_logits: pair("keypoints.logits"),
+            keypoint_proj: pair("keypoints.proj"),
+            keypoint_grid: keypoint_grid(shape.image_side / shape.patch).to_device(device),
+            films: (0..shape.vision_layers).map(|layer_idx| pair(&format!("vision.blocks.{layer_idx}.film"))).collect(),
             ln_f: pair("ln_f"),
             action_out: pair("action_out"),
             blocks,
@@ -270,6 +318,41 @@ impl Vla {
             return x.linear(weight, Some(bias));
         }
         x.to_kind(self.compute).linear(&weight.to_kind(self.compute), Some(&bias.to_kind(self.compute)))
+    }
+
+    /// Vision block `layer_idx`'s input `v` scaled and shifted by its FiLM layer, `v·(1 + scale) +
+    /// shift`, from the instruction's summary in the stream `x` (RT-1's conditioning of its vision
+    /// tower): the tower looks for what it is told to. Under the instruction's language-model
+    /// loss the summary is zero (the frames, which every instruction token reads, would carry the
+    /// tokens after it).
+    fn film(&self, layer_idx: usize, x: &Tensor, v: &Tensor) -> Tensor {
+        let (vision, text) = (self.shape.vision_tokens() as i64, self.shape.instruction_tokens as i64);
+        let summary = x.narrow(1, vision, text).sum_dim_intlist([1i64].as_slice(), false, Kind::Float) * SUMMARY_SCALE;
+        let summary = if self.instruction_lm > 0.0 { summary.zeros_like() } else { summary };
+        let modulation = self.linear(&summary, &self.films[layer_idx]).to_kind(Kind::Float).unsqueeze(1);
+        let parts = modulation.chunk(2, -1);
+        v * (&parts[0] + 1.0) + &parts[1]
+    }
+
+    /// The spatial-softmax readout of the projected vision tokens `[batch, vision_tokens, d]`
+    /// fp32 (as Diffusion Policy's and Levine et al.'s visuomotor encoders read an image): each of
+    /// `VLA_KEYPOINTS` maps is a softmax over a frame's patches, its keypoint the expected patch
+    /// coordinates under it; every frame's keypoints through a linear layer, `[batch, 1, d]` fp32.
+    /// Coordinates, not features: the chunk reads where the tower found something without
+    /// finding the patch itself through attention, which the backbone learns far more slowly
+    /// (`benches/vla_grounding_probe.py`, RESULTS "Where things are, as coordinates").
+    fn keypoints(&self, projected: &Tensor) -> Tensor {
+        let coords = self.keypoint_coords(projected).flatten(1, -1);
+        self.linear(&coords, &self.keypoint_proj).to_kind(Kind::Float).unsqueeze(1)
+    }
+
+    /// Each frame's keypoints, `[batch, frames, VLA_KEYPOINTS, 2]` fp32: (column, row) in [-1, 1].
+    fn keypoint_coords(&self, projected: &Tensor) -> Tensor {
+        let (batch, frames) = (projected.size()[0], self.shape.frames as i64);
+        let per_frame = self.shape.patches_per_frame() as i64;
+        let logits = self.linear(projected, &self.keypoint_logits).to_kind(Kind::Float);
+        let maps = logits.view([batch, frames, per_frame, VLA_KEYPOINTS as i64]).softmax(2, Kind::Float);
+        maps.transpose(2, 3).matmul(&self.keypoint_grid)
     }
 
     /// LayerNorm, in fp32.
@@ -308,9 +391,19 @@ impl Vla {
         self.linear(&hidden, &self.time_mlp[1]).to_kind(Kind::Float).unsqueeze(1)
     }
 
-    /// The action chunk's tokens from `actions_in` (the noised chunk) at flow time `time`.
-    fn action_tokens(&self, actions_in: &Tensor, time: &Tensor) -> Tensor {
-        self.linear(actions_in, &self.action_in).to_kind(Kind::Float) + self.time_embedding(time) + &self.action_pos
+    /// The state's embedding, `[batch, 1, d]` fp32.
+    fn state_embedding(&self, episode: &EpisodeInputs) -> Tensor {
+        self.linear(&episode.state, &self.state_proj).to_kind(Kind::Float).unsqueeze(1)
+    }
+
+    /// The action chunk's tokens from `actions_in` (the noised chunk) at flow time `time`, each
+    /// with the state's embedding `state` added (what the chunk moves from, read without a hop
+    /// through attention).
+    fn action_tokens(&self, actions_in: &Tensor, time: &Tensor, state: &Tensor) -> Tensor {
+        self.linear(actions_in, &self.action_in).to_kind(Kind::Float)
+            + self.time_embedding(time)
+            + &self.action_pos
+            + state
     }
 
     /// What the head reads in the chunk's place: the noised chunk and its time under flow
@@ -328,9 +421,10 @@ impl Vla {
     /// The sequence `[batch, seq, d]` fp32 with the chunk's tokens made from `chunk_in` at `time`.
     fn sequence(&self, inputs: &Inputs, chunk_in: &Tensor, time: &Tensor) -> Tensor {
         let episode = Self::episode(inputs);
-        let text = embed(&self.wte, &self.wpe, &inputs.tokens);
-        let state = self.linear(&episode.state, &self.state_proj).to_kind(Kind::Float).unsqueeze(1);
-        let chunk = self.action_tokens(chunk_in, time);
+        // Padding's positions hold zeros, so the instruction's positions sum to its tokens alone.
+        let text = embed(&self.wte, &self.wpe, &inputs.tokens) * episode.token_mask.unsqueeze(-1);
+        let state = self.state_embedding(episode);
+        let chunk = self.action_tokens(chunk_in, time, &state);
         Tensor::cat(&[self.patches(&episode.frames), text, state, chunk], 1)
     }
 
@@ -454,11 +548,12 @@ impl Vla {
                 // the chunk's new tokens after them and runs the backbone.
                 let first = self.blocks_in(0..tower, self.sequence(inputs, &actions, &episode.time.zeros_like()));
                 let seen = first.narrow(1, 0, prefix);
+                let state = self.state_embedding(episode);
                 let mut x = first;
                 for step in 0..steps {
                     if step > 0 {
                         let time = episode.time.full_like(step as f64 / steps as f64);
-                        x = Tensor::cat(&[&seen, &self.action_tokens(&actions, &time)], 1);
+                        x = Tensor::cat(&[&seen, &self.action_tokens(&actions, &time, &state)], 1);
                     }
                     let velocity = self.predict(&self.blocks_in(tower..self.shape.base.n_layer, x.shallow_clone()));
                     actions = actions + velocity / steps as f64;
@@ -530,12 +625,24 @@ impl Model for Vla {
         let norm = Norm::before(layer_idx, branch);
         if layer_idx < self.shape.vision_layers {
             let v = x.narrow(1, 0, vision);
+            let v = if branch == Branch::Attention { self.film(layer_idx, x, &v) } else { v };
             let v = &v + self.branch(layer_idx, branch, &self.norm(norm, &v));
             return Tensor::cat(&[v, x.narrow(1, vision, rest)], 1);
         }
         let x = if layer_idx == self.shape.vision_layers && branch == Branch::Attention {
+            // The projected tower, and its keypoints added to the chunk's tokens: where things
+            // are in the frames, in the chunk's own stream from the first backbone block on.
             let projected = self.linear(&x.narrow(1, 0, vision), &self.projector).to_kind(Kind::Float);
-            Tensor::cat(&[projected, x.narrow(1, vision, rest)], 1)
+            let chunk = self.shape.chunk as i64;
+            let keypoints = self.keypoints(&projected);
+            Tensor::cat(
+                &[
+                    &projected,
+                    &x.narrow(1, vision, rest - chunk),
+                    &(x.narrow(1, vision + rest - chunk, chunk) + keypoints),
+                ],
+                1,
+            )
         } else {
             x.shallow_clone()
         };

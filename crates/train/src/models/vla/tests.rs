@@ -36,6 +36,7 @@ fn inputs(shape: &VlaShape, batch: i64, seed: i64) -> Inputs {
     // About a third of the instruction's next tokens are padding, skipped as -100.
     let padded = Tensor::rand([batch, n - 1], f32s).le(0.3);
     let targets = tokens.narrow(1, 1, n - 1).masked_fill(&padded, -100);
+    let token_mask = Tensor::cat(&[Tensor::ones([batch, 1], f32s), padded.logical_not().to_kind(Kind::Float)], 1);
     Inputs {
         tokens,
         targets,
@@ -46,7 +47,21 @@ fn inputs(shape: &VlaShape, batch: i64, seed: i64) -> Inputs {
             action_mask: mask,
             noise: Tensor::randn([batch, chunk, action], f32s),
             time: Tensor::rand([batch], f32s),
+            token_mask,
         }),
+    }
+}
+
+/// A copy of `e`'s tensors.
+fn copied(e: &EpisodeInputs) -> EpisodeInputs {
+    EpisodeInputs {
+        frames: e.frames.copy(),
+        state: e.state.copy(),
+        actions: e.actions.copy(),
+        action_mask: e.action_mask.copy(),
+        noise: e.noise.copy(),
+        time: e.time.copy(),
+        token_mask: e.token_mask.copy(),
     }
 }
 
@@ -183,18 +198,7 @@ fn with_the_instruction_loss_no_token_sees_the_ones_after_it() {
     // A copy, not a second draw with the same seed: the tests beside this one share libtorch's
     // generator and may take numbers from it between the seed and the draws.
     let episode = batch.episode.as_ref().expect("a vla batch");
-    let changed = Inputs {
-        tokens: batch.tokens.copy(),
-        targets: batch.targets.copy(),
-        episode: Some(EpisodeInputs {
-            frames: episode.frames.copy(),
-            state: episode.state.copy(),
-            actions: episode.actions.copy(),
-            action_mask: episode.action_mask.copy(),
-            noise: episode.noise.copy(),
-            time: episode.time.copy(),
-        }),
-    };
+    let changed = Inputs { tokens: batch.tokens.copy(), targets: batch.targets.copy(), episode: Some(copied(episode)) };
     let _ = changed.tokens.narrow(1, later, 1).copy_(&(batch.tokens.narrow(1, later, 1) + 1).remainder(256));
     let states = |model: &Vla, inputs: &Inputs| tch::no_grad(|| model.trunk(model.embed(inputs)));
     let moved = |model: &Vla, from: i64, len: i64| {
@@ -242,4 +246,62 @@ fn the_instruction_loss_is_the_weighted_next_token_cross_entropy() {
     }
     let expected = actions + 0.25 * sum / possible;
     assert!(sum > 0.0 && (total - expected).abs() <= 1e-5 * expected, "{total} against {expected}");
+}
+
+/// The vision tower is told what to look for: an instruction token changes the vision tokens
+/// after the tower (through the FiLM layers), unless the instruction's loss is on. The chunk's
+/// tokens carry the state from the embedding on, without a hop through attention.
+#[test]
+fn the_tower_reads_the_instruction_and_the_chunk_the_state() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let shape = shape();
+    let mut model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
+    let batch = inputs(&shape, 2, 9);
+    let vision = shape.vision_tokens() as i64;
+    let with_tokens =
+        |tokens: Tensor| Inputs { tokens, targets: batch.targets.copy(), episode: batch.episode.as_ref().map(copied) };
+    let changed = with_tokens((&batch.tokens + 1).remainder(256));
+    let tower = |model: &Vla, inputs: &Inputs| {
+        tch::no_grad(|| model.blocks_in(0..shape.vision_layers, model.embed(inputs)).narrow(1, 0, vision))
+    };
+    let moved = |model: &Vla| (tower(model, &batch) - tower(model, &changed)).abs().max().double_value(&[]);
+    assert!(moved(&model) > 0.0, "the tower did not read the instruction");
+    model.set_instruction_lm(1.0);
+    assert_eq!(moved(&model), 0.0, "under the instruction's loss the frames read the instruction");
+
+    let episode = batch.episode.as_ref().unwrap();
+    let mut moved_state = with_tokens(batch.tokens.copy());
+    moved_state.episode.as_mut().unwrap().state = &episode.state + 1.0;
+    let chunk = |inputs: &Inputs| {
+        let chunk = shape.chunk as i64;
+        tch::no_grad(|| model.embed(inputs).narrow(1, shape.base.seq_len as i64 - chunk, chunk))
+    };
+    let change = (chunk(&batch) - chunk(&moved_state)).abs().max().double_value(&[]);
+    assert!(change > 0.0, "the chunk's tokens do not carry the state");
+}
+
+/// A keypoint is where its map's logits peak: a map that reads one feature, given a frame whose
+/// only patch holding it is patch p, lands on p's (column, row); a map with nothing to prefer
+/// lands on the grid's middle; each frame has its own.
+#[test]
+fn a_keypoint_lands_on_the_patch_its_map_picks() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let shape = shape();
+    let model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
+    let (d, per_frame) = (shape.base.d_model as i64, shape.patches_per_frame() as i64);
+    tch::no_grad(|| {
+        let mut weight = model.keypoint_logits.0.shallow_clone();
+        let _ = weight.zero_().get(3).get(0).fill_(1.0);
+    });
+    // 2 frames of a 2 x 2 grid: frame 0's feature at patch 1 (column 1, row 0), frame 1's at patch 2.
+    let projected = Tensor::zeros([1, shape.vision_tokens() as i64, d], (Kind::Float, Device::Cpu));
+    let _ = projected.get(0).get(1).get(0).fill_(60.0);
+    let _ = projected.get(0).get(per_frame + 2).get(0).fill_(60.0);
+    let coords = model.keypoint_coords(&projected);
+    assert_eq!(coords.size(), [1, 2, VLA_KEYPOINTS as i64, 2]);
+    let at = |frame: i64, map: i64| Vec::<f32>::try_from(coords.get(0).get(frame).get(map)).unwrap();
+    let near = |got: Vec<f32>, want: [f32; 2]| got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-6);
+    assert!(near(at(0, 3), [1.0, -1.0]), "frame 0, map 3: {:?}", at(0, 3));
+    assert!(near(at(1, 3), [-1.0, 1.0]), "frame 1, map 3: {:?}", at(1, 3));
+    assert!(near(at(0, 0), [0.0, 0.0]), "a map with nothing to prefer: {:?}", at(0, 0));
 }
