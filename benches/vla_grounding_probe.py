@@ -31,6 +31,14 @@ clipped at 0.08 (a proportional controller); STATE_INTO_CHUNK=1: the state's emb
 every chunk token (stoke's model does). keypoints (told, without the tower's mean:
 32 maps, each a softmax over the projected patches, their expected patch coordinates through a linear
 layer added to every chunk token, stoke's model's readout); NO_FILM=1 leaves its FiLM layers out.
+STOP_AT_ARRIVAL=1: an episode ends with the move that reaches the block, as the built-in set's do
+(else it runs its 16 steps, standing still once there). FLOW=1: trained by flow matching as stoke's
+model is (the noised chunk and its time in, the velocity out; held out, the chunk 10 Euler steps
+integrate to from fixed noise), the time uniform or with BETA_TIME=1 as stoke draws it (0.999 (1 - u),
+u ~ Beta(1.5, 1)). THREADS=N: libtorch's intra-op threads.
+
+    THREADS=1 FLOW=1 BETA_TIME=1 STOP_AT_ARRIVAL=1 STATE_INTO_CHUNK=1 TOLD_SUM_SCALE=30 \
+        python benches/vla_grounding_probe.py --target actions --objects 3 --readout keypoints --steps 1500
 """
 import argparse
 import math
