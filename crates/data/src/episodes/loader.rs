@@ -140,8 +140,9 @@ struct Shared {
 /// A key's draws for the flow: `n` standard normals (Box-Muller) then a time, `0.999 (1 - u)` with
 /// u ~ Beta(1.5, 1) (drawn as a uniform to the power 2/3), as π0 and GR00T N1 draw it: more of the
 /// noisy end, where the velocity depends most on the frames and the instruction. Drawn uniformly,
-/// the built-in set's flow model had not read the scene after 750 steps where this one had by
-/// 250 (`benches/vla_grounding_probe.py`, RESULTS "Where things are, as coordinates").
+/// the probe's flow model stayed at 1.0-1.1 of the error of reading nothing for 750 steps; drawn
+/// so, it was at 0.44 by step 250 (`benches/vla_grounding_probe.py`, RESULTS "Does it use what
+/// it sees and what it is told?").
 fn flow_draws(key: u64, n: usize, noise: &mut Vec<f32>, time: &mut Vec<f32>) {
     let mut rng = SplitMix64::new(key);
     let mut unit = || ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;

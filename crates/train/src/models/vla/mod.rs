@@ -340,7 +340,7 @@ impl Vla {
     /// coordinates under it; every frame's keypoints through a linear layer, `[batch, 1, d]` fp32.
     /// Coordinates, not features: the chunk reads where the tower found something without
     /// finding the patch itself through attention, which the backbone learns far more slowly
-    /// (`benches/vla_grounding_probe.py`, RESULTS "Where things are, as coordinates").
+    /// (`benches/vla_grounding_probe.py`, RESULTS "Does it use what it sees and what it is told?").
     fn keypoints(&self, projected: &Tensor) -> Tensor {
         let coords = self.keypoint_coords(projected).flatten(1, -1);
         self.linear(&coords, &self.keypoint_proj).to_kind(Kind::Float).unsqueeze(1)
