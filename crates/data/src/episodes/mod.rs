@@ -49,7 +49,10 @@ mod tests {
             let out = dir.path().join(format!("prepared-{keep_encoded}"));
             let config = PrepEpisodesConfig { resolution: 32, keep_encoded, ..PrepEpisodesConfig::default() };
             let manifest = prepare_episodes(&raw, &config, &out).unwrap();
-            assert_eq!((manifest.n_episodes, manifest.n_steps, manifest.state_dim, manifest.action_dim), (3, n_steps, 2, 2));
+            assert_eq!(
+                (manifest.n_episodes, manifest.n_steps, manifest.state_dim, manifest.action_dim),
+                (3, n_steps, 2, 2)
+            );
             let store = EpisodeStore::open(&out, true).unwrap();
             assert!(store.episodes()[1].instruction.starts_with("move to the "));
             assert_eq!(store.episodes()[1].tokens.len(), store.episodes()[1].instruction.len());
