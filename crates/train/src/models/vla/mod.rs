@@ -14,8 +14,8 @@
 //! block's unit) maps the tower's output into the backbone, and a spatial-softmax readout of it
 //! (keypoints: the expected patch coordinates under learned maps, as visuomotor policies read an
 //! image) is added to the chunk's tokens (where things are, in the chunk's own stream); the
-//! backbone's blocks attend over the
-//! whole sequence with a prefix mask: frames, instruction and state attend to one another both ways,
+//! backbone's blocks attend over the whole sequence with a prefix mask: frames, instruction and
+//! state attend to one another both ways,
 //! the action chunk attends to everything, and nothing in the prefix attends to the chunk. The
 //! head (final LayerNorm, a linear layer) reads the chunk's positions: the velocity `actions -
 //! noise` under flow matching (the squared error over the actions that exist, divided by the
@@ -45,8 +45,7 @@ const LAYER_NORM_EPS: f64 = 1e-5;
 
 /// What the vision blocks' FiLM layers read: this times the sum of the instruction's positions of
 /// the stream (its tokens' embedding rows and positions, which the tower passes through; padding
-/// holds zeros). The
-/// rows start at N(0, 0.02); at this scale an Adam step moves the modulation as much as a step
+/// holds zeros). The rows start at N(0, 0.02); at this scale an Adam step moves the modulation as much as a step
 /// moves a weight of the tower, so the tower learns to look for the colour it is told within a
 /// thousand steps (`benches/vla_grounding_probe.py`, RESULTS "What the tower needs to be told").
 const SUMMARY_SCALE: f64 = 30.0;
@@ -206,6 +205,8 @@ impl Vla {
         let norm = |name: &str| {
             [spec(format!("{name}.weight"), &[d], Init::Ones), spec(format!("{name}.bias"), &[d], Init::Zeros)]
         };
+        // PyTorch's default bound for a linear layer's weight of `fan_in` inputs.
+        let uniform = |fan_in: i64| Init::Uniform { bound: 1.0 / (fan_in as f64).sqrt() };
         let mut embedding = Vec::new();
         embedding.extend(linear("vision.patch_embed", d, shape.patch_dim() as i64, std));
         embedding.push(spec("vision.pos_embed".into(), &[shape.vision_tokens() as i64, d], Init::Normal { std }));
@@ -222,19 +223,17 @@ impl Vla {
             let mut params = Vec::new();
             if layer_idx == shape.vision_layers {
                 params.extend(linear("projector", d, d, std));
-                // PyTorch's default bound for a linear layer's weight: the maps start sharp enough
-                // that their coordinates move with what the patches hold.
+                // PyTorch's default init: the maps start sharp enough that their coordinates move
+                // with what the patches hold.
                 let (k, kp_in) = (VLA_KEYPOINTS as i64, (shape.frames * 2 * VLA_KEYPOINTS) as i64);
-                let uniform = |fan_in: i64| Init::Uniform { bound: 1.0 / (fan_in as f64).sqrt() };
                 params.push(spec("keypoints.logits.weight".into(), &[k, d], uniform(d)));
                 params.push(spec("keypoints.logits.bias".into(), &[k], Init::Zeros));
                 params.push(spec("keypoints.proj.weight".into(), &[d, kp_in], uniform(kp_in)));
                 params.push(spec("keypoints.proj.bias".into(), &[d], Init::Zeros));
             }
             if layer_idx < shape.vision_layers {
-                // PyTorch's default init for a linear layer's weight, as the probe's FiLM layers.
-                let bound = 1.0 / (d as f64).sqrt();
-                params.push(spec(format!("{p}.film.weight"), &[2 * d, d], Init::Uniform { bound }));
+                // PyTorch's default init, as the probe's FiLM layers.
+                params.push(spec(format!("{p}.film.weight"), &[2 * d, d], uniform(d)));
                 params.push(spec(format!("{p}.film.bias"), &[2 * d], Init::Zeros));
             }
             params.extend(norm(&format!("{p}.ln_1")));
