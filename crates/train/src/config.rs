@@ -156,6 +156,12 @@ pub struct TrainConfig {
     /// time; alone the step measured 0.995 (tiny, small); with the other two see
     /// `fused_layer_norm`. Default true.
     pub fused_bias_gelu: bool,
+    /// Under bf16 on a CPU with `fused_layer_norm`, the llama family's attention and MLP branches
+    /// whole by hand: q, k and v (and gate and up) as one product each with their LoRA adapters
+    /// beside it, the rotary positions and SwiGLU as Rust kernels, libtorch's flash attention,
+    /// and the backward's products by hand (none for a frozen weight), with no autograd graph.
+    /// Default true.
+    pub fused_branches: bool,
     /// Under 16-bit precision, each block's parameters cast to the compute type in one op per
     /// step, its linear layers taking 16-bit leaves cut from that cast whose gradients are added
     /// into the fp32 gradient buffer after the block's backward (the same bits), instead of a cast
@@ -334,6 +340,7 @@ impl Default for TrainConfig {
             fused_layer_norm: true,
             fused_softmax: true,
             fused_bias_gelu: true,
+            fused_branches: true,
             unit_casts: true,
             optimizer: OptimizerKind::AdamW,
             momentum: 0.9,

@@ -14,7 +14,8 @@
 //!
 //! `layer_norm_bf16` (the LayerNorms, `layer_norm.rs`), `causal_softmax_bf16` (the attention's
 //! masked softmax, `softmax.rs`) and `bias_gelu_bf16` (the MLP's first bias and GELU, `gelu.rs`)
-//! are the others.
+//! are the others; `swiglu_bf16` (`swiglu.rs`) and `rope_split_bf16` (`rope.rs`) the llama
+//! family's gate and rotary positions.
 
 use std::ops::Range;
 
@@ -56,14 +57,18 @@ macro_rules! simd_dispatch {
 mod attention_core;
 mod gelu;
 mod layer_norm;
+mod rope;
 mod softmax;
+mod swiglu;
 
 pub(crate) use attention_core::{attention_core, attention_core_backward, AttentionCore};
 pub use gelu::{bias_gelu_bf16, bias_gelu_bf16_backward};
 pub use layer_norm::{
     layer_norm_bf16, layer_norm_bf16_backward, rms_norm_bf16, rms_norm_bf16_backward, rms_norm_f32, LayerNormStats,
 };
+pub use rope::{rope_split_bf16, rope_split_bf16_backward};
 pub use softmax::{causal_softmax_backward_bf16, causal_softmax_bf16, CausalBlock};
+pub use swiglu::{swiglu_bf16, swiglu_bf16_backward};
 
 /// The loss of a fused cross-entropy and the gradient of `loss x grad_scale` with respect to the
 /// logits.

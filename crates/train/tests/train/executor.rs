@@ -84,12 +84,12 @@ fn gradients_with(
 /// max |a - b| over max |b|: the difference relative to the gradient's scale (element-wise
 /// relative differences are meaningless for the many gradients near zero).
 /// The gradient of parameter `name`, flattened.
-fn grad_of(model: &Gpt, name: &str) -> Vec<f32> {
+fn grad_of(model: &dyn Model, name: &str) -> Vec<f32> {
     Vec::<f32>::try_from(model.params().get(name).grad().contiguous().view([-1])).unwrap()
 }
 
 /// The loss of the first micro-batch of `data`, through `executor`.
-fn first_loss(model: &Gpt, executor: &Executor, data: &[(Tensor, Tensor)]) -> f64 {
+fn first_loss(model: &dyn Model, executor: &Executor, data: &[(Tensor, Tensor)]) -> f64 {
     let mut clock = StepClock::start(Device::Cpu, true);
     let (inputs, targets) = &data[0];
     executor
@@ -420,11 +420,62 @@ fn check_by_hand(case: &str, names: &[&str], policies: &[Recompute], run: impl F
 }
 
 /// `check_by_hand`'s outcome of `model` through a block executor with `policy`.
-fn outcome(model: &Gpt, policy: Recompute, data: &[(Tensor, Tensor)], names: &[&str]) -> Outcome {
+fn outcome(model: &dyn Model, policy: Recompute, data: &[(Tensor, Tensor)], names: &[&str]) -> Outcome {
     let executor = Executor::new(ExecutorKind::Blocks, policy).unwrap();
     let grads = gradients(model, &executor, data);
     let own = names.iter().map(|name| grad_of(model, name)).collect();
     (grads, own, first_loss(model, &executor, data))
+}
+
+#[test]
+fn llama_branches_and_head_by_hand_give_libtorchs_loss_and_gradients_in_bf16() {
+    // After the RMSNorm kernel, every block's attention and MLP branch by hand and the head's loss
+    // through the fused cross-entropy, against autograd's graph after the same kernel: every
+    // weight trained (the q, k, v and gate, up products' gradients split by hand), and under
+    // LoRA on q, v and down (a group with two adapters and one without, a frozen base cast once).
+    let _rng = super::rng_lock();
+    let data = [batch(4, 13), batch(4, 14)];
+    let shape = llama_shape();
+    let whole = [
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.2.mlp.up_proj.weight",
+        "model.layers.3.self_attn.o_proj.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+    ];
+    let adapters = [
+        "model.layers.0.self_attn.q_proj.lora_A.weight",
+        "model.layers.1.self_attn.v_proj.lora_B.weight",
+        "model.layers.2.mlp.down_proj.lora_A.weight",
+        "model.layers.3.self_attn.q_proj.lora_B.weight",
+    ];
+    for (lora, names) in [(false, &whole[..]), (true, &adapters[..])] {
+        let case = if lora { "LoRA" } else { "whole" };
+        check_by_hand(case, names, &[Recompute::Block, Recompute::Mlp], |fused, policy| {
+            tch::manual_seed(7);
+            let targets = ["q_proj", "v_proj", "down_proj"].map(String::from).to_vec();
+            let config =
+                if lora { LoraConfig { rank: 4, targets, ..LoraConfig::default() } } else { LoraConfig::default() };
+            let mut model = Llama::with_lora(shape, Precision::Bf16, &config, Device::Cpu);
+            if lora {
+                // Adapters as after some training (B starts at zero, which leaves A no gradient).
+                tch::no_grad(|| {
+                    for entry in model.params().entries().iter().filter(|e| e.name.ends_with("lora_B.weight")) {
+                        entry
+                            .tensor
+                            .detach()
+                            .copy_(&(Tensor::randn(entry.tensor.size(), (Kind::Float, Device::Cpu)) * 0.05));
+                    }
+                });
+                model.params_mut().freeze(&|name| !name.contains(".lora_"));
+            }
+            model.set_fused_rms_norm(true, 2);
+            model.set_branches_by_hand(fused);
+            model.set_fused_cross_entropy(fused, 2);
+            outcome(&model, policy, &data, names)
+        });
+    }
 }
 
 #[test]

@@ -16,8 +16,11 @@
 //! heads (query and key/value heads alike), gate and up by rows, o and down by columns, the
 //! embedding and head by vocabulary rows; cut, the RMSNorms stay in libtorch's graph.
 
+mod by_hand;
 mod rope;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
@@ -73,6 +76,13 @@ pub struct Llama {
     lora_scale: f64,
     /// Threads of the blocks' RMSNorm kernel; 0 keeps libtorch's ops (`set_fused_rms_norm`).
     fused_norm_threads: usize,
+    /// With the norms by hand under bf16, the branches too (`set_branches_by_hand`).
+    branches_by_hand: bool,
+    /// Threads of the fused cross-entropy; 0 keeps libtorch's ops (`set_fused_cross_entropy`).
+    fused_ce_threads: usize,
+    /// Frozen weights in the compute type, cast once (`compute_weights`): by the first weight's
+    /// address, with the weights' version counters at the cast.
+    frozen_casts: RefCell<HashMap<usize, (Vec<i64>, Tensor)>>,
     /// Once cut (`Model::split_tensor`).
     tensor: Option<Cut>,
 }
@@ -244,8 +254,55 @@ impl Llama {
             sin,
             lora_scale: if lora.enabled() { lora.scale() } else { 0.0 },
             fused_norm_threads: 0,
+            branches_by_hand: false,
+            fused_ce_threads: 0,
+            frozen_casts: RefCell::new(HashMap::new()),
             tensor: None,
         }
+    }
+
+    /// Under bf16 with the norms by hand (`set_fused_rms_norm`), each block's attention and MLP
+    /// branch whole by hand (`by_hand.rs`; `train.fused_branches`).
+    pub fn set_branches_by_hand(&mut self, enabled: bool) {
+        self.branches_by_hand = enabled;
+    }
+
+    /// Under bf16 on a CPU, the head's loss and the logits' gradient by the fused kernel
+    /// (`kernels::cross_entropy_bf16`, on `n_threads` threads; `train.fused_cross_entropy`) and
+    /// the head's products backward-ed by hand, instead of libtorch's cast, log-softmax and NLL.
+    pub fn set_fused_cross_entropy(&mut self, enabled: bool, n_threads: usize) {
+        self.fused_ce_threads = if enabled { n_threads.max(1) } else { 0 };
+    }
+
+    /// `weights` in the compute type stacked by rows, outside any graph: frozen ones (a LoRA's
+    /// base) cast once and kept while their values stay (their version counters), trained ones
+    /// cast on each call. A bf16 copy of a frozen base costs half its fp32 bytes and saves a pass
+    /// over every weight each micro-batch.
+    fn compute_weights(&self, weights: &[&Tensor]) -> Tensor {
+        let cast = || {
+            tch::no_grad(|| {
+                let casts: Vec<Tensor> = weights.iter().map(|w| w.detach().to_kind(self.compute)).collect();
+                if casts.len() == 1 {
+                    casts.into_iter().next().expect("one")
+                } else {
+                    Tensor::cat(&casts, 0)
+                }
+            })
+        };
+        if weights.iter().any(|w| w.requires_grad()) {
+            return cast();
+        }
+        let key = weights[0].data_ptr() as usize;
+        let versions: Vec<i64> = weights.iter().map(|w| w.internal_version()).collect();
+        let mut kept = self.frozen_casts.borrow_mut();
+        if let Some((at, tensor)) = kept.get(&key) {
+            if *at == versions {
+                return tensor.shallow_clone();
+            }
+        }
+        let tensor = cast();
+        kept.insert(key, (versions, tensor.shallow_clone()));
+        tensor
     }
 
     /// On a CPU, the block executor runs the blocks' RMSNorms as a Rust kernel that reads the
@@ -282,11 +339,14 @@ impl Llama {
 
     /// A linear layer without bias in the compute type: under 16-bit precision the input and
     /// the weight are cast for the multiply (what autocast does), and the result stays 16-bit.
+    /// A frozen weight's cast is the kept one (`compute_weights`).
     fn matmul(&self, x: &Tensor, weight: &Tensor) -> Tensor {
         if self.compute == Kind::Float {
             return x.linear(weight, None::<&Tensor>);
         }
-        x.to_kind(self.compute).linear(&weight.to_kind(self.compute), None::<&Tensor>)
+        let weight =
+            if weight.requires_grad() { weight.to_kind(self.compute) } else { self.compute_weights(&[weight]) };
+        x.to_kind(self.compute).linear(&weight, None::<&Tensor>)
     }
 
     /// `layer` on `x`: `W x`, plus `scale B A x` when it has an adapter.
@@ -439,7 +499,9 @@ impl Model for Llama {
         match &self.tensor {
             Some(cut) => cut
                 .head(&self.rms_norm(x, &self.norm), loss_multiplier, |leaf| self.cross_entropy(leaf, &inputs.targets)),
-            None => HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None },
+            None => self
+                .fused_head(x, inputs, loss_multiplier)
+                .unwrap_or_else(|| HeadLoss { loss: self.head_loss(x, &inputs.targets), by_hand: None }),
         }
     }
 
@@ -484,7 +546,7 @@ impl ByHand for Llama {
     }
 
     fn branch(&self, _branch: Branch) -> bool {
-        self.tensor.is_some()
+        self.tensor.is_some() || self.branches_by_hand()
     }
 
     fn norm(&self, which: Norm, x: &Tensor) -> Option<(Tensor, LayerNormStats)> {
@@ -530,8 +592,13 @@ impl ByHand for Llama {
         cut.branch(normed, |leaf| Model::branch(self, layer_idx, branch, leaf))
     }
 
-    fn branch_whole<'m>(&'m self, _: usize, _: Branch, _: &Tensor) -> (Tensor, Box<dyn BranchBackward + 'm>) {
-        unreachable!("llama runs no branch by hand")
+    fn branch_whole<'m>(
+        &'m self,
+        layer_idx: usize,
+        branch: Branch,
+        normed: &Tensor,
+    ) -> (Tensor, Box<dyn BranchBackward + 'm>) {
+        self.branch_by_hand(layer_idx, branch, normed)
     }
 }
 
