@@ -12,6 +12,8 @@
 #              micro-batch 8: 100.7M parameters)
 #   MODE=lora (default) or full; PEERS="eager compiled" (default: eager): the peer eager and under
 #   torch.compile (its first step, compilation included, is reported apart as first_step_s).
+#   Under bf16 LoRA the peer loads its frozen base in bf16 (stoke keeps a bf16 copy of its frozen
+#   weights); BASE_DTYPE=fp32 loads it in fp32 (autocast then casts it each step).
 # Needs `cargo xtask test` (transformers, peft) once and a build of stoke (STOKE=path, default
 # target/release/stoke).
 set -euo pipefail
@@ -22,7 +24,8 @@ precision=${3:-fp32}
 size=${SIZE:-tiny}
 mode=${MODE:-lora}
 peers=${PEERS:-eager}
-py=.stoke/venv/bin/python
+py=${PY:-.stoke/venv/bin/python}
+base_dtype=${BASE_DTYPE:-$precision}
 stoke=${STOKE:-target/release/stoke}
 case "$size" in
   tiny) shape=(--layers 4 --d-model 256 --heads 4 --kv-heads 2 --ffn 768 --vocab 256 --seq 128); micro=16 ;;
@@ -58,7 +61,7 @@ for pair in $(seq 1 "$pairs"); do
   for peer in $peers; do
     flag=(); [ "$peer" = compiled ] && flag=(--compile)
     "$py" benches/peers/lora_peft.py --base "$dir/base" --data "$dir/corpus.txt" --steps "$steps" \
-      --precision "$precision" --mode "$mode" --micro-batch "$micro" "${shape[@]}" "${flag[@]}" 2>/dev/null \
+      --precision "$precision" --base-dtype "$base_dtype" --mode "$mode" --micro-batch "$micro" "${shape[@]}" "${flag[@]}" 2>/dev/null \
       | tee -a "$results"
   done
 done

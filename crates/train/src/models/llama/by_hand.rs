@@ -165,16 +165,17 @@ impl Llama {
         if self.fused_ce_threads == 0 || self.compute != Kind::BFloat16 || self.tensor.is_some() {
             return None;
         }
+        // Masked targets (an instruction's prompt) are libtorch's: checked before the norm runs.
+        let targets = inputs.targets.reshape([-1]);
+        let vocab = self.shape.base.vocab_size as i64;
+        if targets.numel() == 0 || targets.min().int64_value(&[]) < 0 || targets.max().int64_value(&[]) >= vocab {
+            return None;
+        }
         let input = self.rms_norm(x, &self.norm).to_kind(Kind::BFloat16);
         let weight = self.compute_weights(&[&self.lm_head]);
         let d = *input.size().last().expect("[batch, seq, d]");
         let logits = tch::no_grad(|| input.detach().reshape([-1, d]).mm(&weight.tr()));
-        let fused = crate::kernels::cross_entropy_bf16(
-            &logits,
-            &inputs.targets.reshape([-1]),
-            loss_multiplier,
-            self.fused_ce_threads,
-        )?;
+        let fused = crate::kernels::cross_entropy_bf16(&logits, &targets, loss_multiplier, self.fused_ce_threads)?;
         let head = FusedHead { model: self, input, weight, logits_grad: fused.grad };
         Some(HeadLoss { loss: fused.loss, by_hand: Some(Box::new(head)) })
     }

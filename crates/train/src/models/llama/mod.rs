@@ -279,14 +279,22 @@ impl Llama {
     /// cast on each call. A bf16 copy of a frozen base costs half its fp32 bytes and saves a pass
     /// over every weight each micro-batch.
     fn compute_weights(&self, weights: &[&Tensor]) -> Tensor {
+        // Each weight cast straight into its rows of the stack: one pass, no concatenation.
         let cast = || {
             tch::no_grad(|| {
-                let casts: Vec<Tensor> = weights.iter().map(|w| w.detach().to_kind(self.compute)).collect();
-                if casts.len() == 1 {
-                    casts.into_iter().next().expect("one")
-                } else {
-                    Tensor::cat(&casts, 0)
+                if let [weight] = weights {
+                    return weight.detach().to_kind(self.compute);
                 }
+                let rows: i64 = weights.iter().map(|w| w.size()[0]).sum();
+                let cols = weights[0].size()[1];
+                let stack = Tensor::empty([rows, cols], (self.compute, weights[0].device()));
+                let mut at = 0;
+                for w in weights {
+                    let n = w.size()[0];
+                    stack.narrow(0, at, n).copy_(w);
+                    at += n;
+                }
+                stack
             })
         };
         if weights.iter().any(|w| w.requires_grad()) {
