@@ -93,6 +93,7 @@ pub const FIXED_KEYS: &[&str] = &[
     "train.fused_layer_norm",
     "train.fused_softmax",
     "train.fused_bias_gelu",
+    "train.fused_branches",
     "train.unit_casts",
     "train.optimizer",
     "train.momentum",
