@@ -41,7 +41,8 @@ pub fn run(config: &StokeConfig, budget: Option<&str>) -> anyhow::Result<ExitCod
         Some(asked) => asked,
     };
     let one = stoke_train::TrainConfig { micro_batch: 1, ..config.train.clone() };
-    let estimate = stoke_train::estimate_step_memory(&config.model, &one, 1, 0)?;
+    let device = stoke_train::parse_device(&config.run.device)?;
+    let estimate = stoke_train::estimate_step_memory(&config.model, &one, 1, 0, device)?;
     stoke_train::check_fits(&estimate, &stoke_train::MemoryLimit { bytes: budget_bytes, source: "the budget" })
         .map_err(|err| UsageError(err.to_string().replace(", or pass --force to try anyway", "")))?;
     let fit = stoke_train::find_micro_batch(&config.model, &config.train, budget_bytes, MAX_MICRO_BATCH)?;

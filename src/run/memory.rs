@@ -21,7 +21,7 @@ pub fn check_memory(config: &StokeConfig, world_size: usize, local_ranks: usize)
     // The batch is cut between the model's copies, not between a copy's stages or parts.
     let copies = (world_size / (config.dist.tensor.max(1) * config.dist.pipeline.max(1))).max(1);
     let train = config.train.for_world(copies)?;
-    let estimate = stoke_train::estimate_step_memory(&config.model, &train, copies, 0)?;
+    let estimate = stoke_train::estimate_step_memory(&config.model, &train, copies, 0, device)?;
     let Some(limit) = stoke_train::memory_limit(device, local_ranks) else {
         return Ok(());
     };

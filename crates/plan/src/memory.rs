@@ -34,7 +34,8 @@ pub fn model_states(n_params: f64, n_data: usize, zero: ZeroStage, precision: Pr
 }
 
 /// [`model_states`] when only `n_trainable` of the `n_params` train (LoRA, frozen weights): every
-/// weight is held, gradients and optimizer state only for those that train.
+/// weight is held, gradients and optimizer state only for those that train. A frozen weight is
+/// held as stoke holds it, in fp32 and whole on every rank (ZeRO shards the trained ones).
 pub fn fine_tune_states(
     n_params: f64,
     n_trainable: f64,
@@ -42,18 +43,21 @@ pub fn fine_tune_states(
     zero: ZeroStage,
     precision: Precision,
 ) -> ModelStates {
-    let weight = precision.element_bytes() * n_params;
+    let frozen = 4.0 * (n_params - n_trainable);
+    let weight = precision.element_bytes() * n_trainable;
     let gradient = precision.element_bytes() * n_trainable;
     let optimizer = precision.optimizer_bytes() * n_trainable;
     let shard = |bytes: f64| bytes / n_data as f64;
     match zero {
-        ZeroStage::None => ModelStates { parameters: weight, gradients: gradient, optimizer },
-        ZeroStage::Optimizer => ModelStates { parameters: weight, gradients: gradient, optimizer: shard(optimizer) },
+        ZeroStage::None => ModelStates { parameters: weight + frozen, gradients: gradient, optimizer },
+        ZeroStage::Optimizer => {
+            ModelStates { parameters: weight + frozen, gradients: gradient, optimizer: shard(optimizer) }
+        }
         ZeroStage::Gradients => {
-            ModelStates { parameters: weight, gradients: shard(gradient), optimizer: shard(optimizer) }
+            ModelStates { parameters: weight + frozen, gradients: shard(gradient), optimizer: shard(optimizer) }
         }
         ZeroStage::Parameters => {
-            ModelStates { parameters: shard(weight), gradients: shard(gradient), optimizer: shard(optimizer) }
+            ModelStates { parameters: shard(weight) + frozen, gradients: shard(gradient), optimizer: shard(optimizer) }
         }
     }
 }
@@ -262,7 +266,9 @@ mod tests {
         let memory = memory_per_device(&model, &cluster, Precision::Bf16, &layout);
         let full = memory_per_device(&ModelConfig::preset("llama-7b").unwrap(), &cluster, Precision::Bf16, &layout);
         let adapters = 8_388_608.0;
-        assert_eq!(memory.parameters - full.parameters, 2.0 * adapters);
+        // The frozen base in fp32 (4 bytes a weight against a trained weight's 2-byte copy).
+        let base = full.parameters / 2.0;
+        assert_eq!(memory.parameters - full.parameters, 2.0 * base + 2.0 * adapters);
         assert_eq!(memory.gradients, 2.0 * adapters);
         assert_eq!(memory.optimizer, 12.0 * adapters / 4.0);
     }

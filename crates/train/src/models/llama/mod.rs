@@ -274,10 +274,10 @@ impl Llama {
         self.fused_ce_threads = if enabled { n_threads.max(1) } else { 0 };
     }
 
-    /// `weights` in the compute type stacked by rows, outside any graph: frozen ones (a LoRA's
-    /// base) cast once and kept while their values stay (their version counters), trained ones
-    /// cast on each call. A bf16 copy of a frozen base costs half its fp32 bytes and saves a pass
-    /// over every weight each micro-batch.
+    /// `weights` in the compute type stacked by rows, outside any graph: on a CPU frozen ones (a
+    /// LoRA's base) cast once and kept while their values stay (their version counters), trained
+    /// ones cast on each call. A bf16 copy of a frozen base costs half its fp32 bytes and saves a
+    /// pass over every weight each micro-batch (`memory_fit` counts it).
     fn compute_weights(&self, weights: &[&Tensor]) -> Tensor {
         // Each weight cast straight into its rows of the stack: one pass, no concatenation.
         let cast = || {
@@ -297,7 +297,8 @@ impl Llama {
                 stack
             })
         };
-        if weights.iter().any(|w| w.requires_grad()) {
+        // On a GPU, memory is the scarce resource: a frozen weight is cast on each call too.
+        if weights.iter().any(|w| w.requires_grad()) || weights[0].device() != Device::Cpu {
             return cast();
         }
         let key = weights[0].data_ptr() as usize;
