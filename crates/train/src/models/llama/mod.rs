@@ -81,8 +81,8 @@ pub struct Llama {
     /// Threads of the fused cross-entropy; 0 keeps libtorch's ops (`set_fused_cross_entropy`).
     fused_ce_threads: usize,
     /// Frozen weights in the compute type, cast once (`compute_weights`): by the first weight's
-    /// address, with the weights' version counters at the cast.
-    frozen_casts: RefCell<HashMap<usize, (Vec<i64>, Tensor)>>,
+    /// address and the number stacked, with the weights' version counters at the cast.
+    frozen_casts: RefCell<HashMap<(usize, usize), (Vec<i64>, Tensor)>>,
     /// Once cut (`Model::split_tensor`).
     tensor: Option<Cut>,
 }
@@ -301,7 +301,7 @@ impl Llama {
         if weights.iter().any(|w| w.requires_grad()) || weights[0].device() != Device::Cpu {
             return cast();
         }
-        let key = weights[0].data_ptr() as usize;
+        let key = (weights[0].data_ptr() as usize, weights.len());
         let versions: Vec<i64> = weights.iter().map(|w| w.internal_version()).collect();
         let mut kept = self.frozen_casts.borrow_mut();
         if let Some((at, tensor)) = kept.get(&key) {
@@ -688,6 +688,29 @@ mod tests {
         assert_eq!(adapted.params().n_elements() as usize, adapters);
         let frozen_matrices = (adapted.n_params() - adapters - 48 * 32) as f64 - (2.0 * 2.0 * 32.0 + 32.0);
         assert_eq!(before - adapted.flops_per_token(), 2.0 * frozen_matrices);
+    }
+
+    /// A frozen weight's bf16 cast is made once and kept, a stack of weights apart from each of
+    /// them, and made again once the weight's values change in place (its version counter).
+    #[test]
+    fn a_kept_cast_of_a_frozen_weight_follows_its_values() {
+        let mut model = Llama::new(shape(2, false), Precision::Bf16, Device::Cpu);
+        model.params_mut().freeze(&|name| name.contains(".self_attn."));
+        let (q, k) = (model.blocks[0].q_proj.weight.shallow_clone(), model.blocks[0].k_proj.weight.shallow_clone());
+        let first = model.compute_weights(&[&q]);
+        assert_eq!(first.data_ptr(), model.compute_weights(&[&q]).data_ptr(), "not kept");
+        let stack = model.compute_weights(&[&q, &k]);
+        assert_eq!(stack.size(), [48, 32]);
+        assert_eq!(first.data_ptr(), model.compute_weights(&[&q]).data_ptr(), "the stack replaced the single cast");
+        tch::no_grad(|| q.detach().copy_(&(q.detach() * 2.0)));
+        let changed = model.compute_weights(&[&q]);
+        assert_ne!(changed.data_ptr(), first.data_ptr());
+        assert!(changed.equal(&q.to_kind(Kind::BFloat16)), "the cast after the change has the new values");
+        let restacked = model.compute_weights(&[&q, &k]);
+        assert!(restacked.narrow(0, 0, 32).equal(&changed));
+        // A trained weight is cast on each call.
+        let up = model.blocks[0].up_proj.weight.shallow_clone();
+        assert_ne!(model.compute_weights(&[&up]).data_ptr(), model.compute_weights(&[&up]).data_ptr());
     }
 
     #[test]
