@@ -33,6 +33,13 @@ impl Dims {
         self.n_q + 2 * self.n_kv
     }
 
+    /// The half tables `(cos, sin)` of row `row`'s position (`batch x seq + position`).
+    fn tables_at<'t>(&self, row: usize, cos: &'t [f32], sin: &'t [f32]) -> (&'t [f32], &'t [f32]) {
+        let at = (row % self.seq) * self.head_dim;
+        let half = self.head_dim / 2;
+        (&cos[at..at + half], &sin[at..at + half])
+    }
+
     /// Where head `h` of row `row` (`batch x seq + position`) sits in its `[batch, heads, seq,
     /// head_dim]` output (q, k or v) and which output that is.
     fn target(&self, row: usize, h: usize) -> (usize, usize) {
@@ -152,13 +159,28 @@ simd_dispatch! {
 
 /// Rows `first_row..` of the product (`x`, whole rows): each head to its output, q and k rotated:
 /// `y1 = x1 c - x2 s`, `y2 = x2 c + x1 s` over the halves.
+/// One head's two halves `x = [a, b]` rotated into `y` by the position's `c` and `s` (the half
+/// tables): `[a c - b s, b c + a s]` with `direction` 1, the transpose (`[a c + b s, b c - a s]`,
+/// the backward's) with -1.
+#[inline(always)]
+fn rotate(x: &[u16], y: &mut [u16], c: &[f32], s: &[f32], direction: f32) {
+    let half = x.len() / 2;
+    let (x1, x2) = x.split_at(half);
+    let (y1, y2) = y.split_at_mut(half);
+    for j in 0..half {
+        let (a, b) = (bf16_to_f32(x1[j]), bf16_to_f32(x2[j]));
+        let sine = direction * s[j];
+        y1[j] = f32_to_bf16(a * c[j] - b * sine);
+        y2[j] = f32_to_bf16(b * c[j] + a * sine);
+    }
+}
+
 #[inline(always)]
 fn forward_rows(x: &[u16], first_row: usize, dims: &Dims, cos: &[f32], sin: &[f32], outs: &[SharedMut<u16>; 3]) {
-    let (hd, half) = (dims.head_dim, dims.head_dim / 2);
+    let hd = dims.head_dim;
     for (i, row) in x.chunks_exact(dims.heads() * hd).enumerate() {
         let row_idx = first_row + i;
-        let pos = row_idx % dims.seq;
-        let (c, s) = (&cos[pos * hd..pos * hd + half], &sin[pos * hd..pos * hd + half]);
+        let (c, s) = dims.tables_at(row_idx, cos, sin);
         for (h, head) in row.chunks_exact(hd).enumerate() {
             let (which, at) = dims.target(row_idx, h);
             // SAFETY: `Dims::target` gives each (row, head) its own span (see the callers).
@@ -167,13 +189,7 @@ fn forward_rows(x: &[u16], first_row: usize, dims: &Dims, cos: &[f32], sin: &[f3
                 out.copy_from_slice(head);
                 continue;
             }
-            let (x1, x2) = head.split_at(half);
-            let (y1, y2) = out.split_at_mut(half);
-            for j in 0..half {
-                let (a, b) = (bf16_to_f32(x1[j]), bf16_to_f32(x2[j]));
-                y1[j] = f32_to_bf16(a * c[j] - b * s[j]);
-                y2[j] = f32_to_bf16(b * c[j] + a * s[j]);
-            }
+            rotate(head, out, c, s, 1.0);
         }
     }
 }
@@ -182,11 +198,10 @@ fn forward_rows(x: &[u16], first_row: usize, dims: &Dims, cos: &[f32], sin: &[f3
 /// `dx1 = dy1 c + dy2 s`, `dx2 = dy2 c - dy1 s`.
 #[inline(always)]
 fn backward_rows(ins: &[&[u16]; 3], first_row: usize, dims: &Dims, cos: &[f32], sin: &[f32], out: &mut [u16]) {
-    let (hd, half) = (dims.head_dim, dims.head_dim / 2);
+    let hd = dims.head_dim;
     for (i, row) in out.chunks_exact_mut(dims.heads() * hd).enumerate() {
         let row_idx = first_row + i;
-        let pos = row_idx % dims.seq;
-        let (c, s) = (&cos[pos * hd..pos * hd + half], &sin[pos * hd..pos * hd + half]);
+        let (c, s) = dims.tables_at(row_idx, cos, sin);
         for (h, head) in row.chunks_exact_mut(hd).enumerate() {
             let (which, at) = dims.target(row_idx, h);
             let dy = &ins[which][at..at + hd];
@@ -194,13 +209,7 @@ fn backward_rows(ins: &[&[u16]; 3], first_row: usize, dims: &Dims, cos: &[f32], 
                 head.copy_from_slice(dy);
                 continue;
             }
-            let (dy1, dy2) = dy.split_at(half);
-            let (dx1, dx2) = head.split_at_mut(half);
-            for j in 0..half {
-                let (a, b) = (bf16_to_f32(dy1[j]), bf16_to_f32(dy2[j]));
-                dx1[j] = f32_to_bf16(a * c[j] + b * s[j]);
-                dx2[j] = f32_to_bf16(b * c[j] - a * s[j]);
-            }
+            rotate(dy, head, c, s, -1.0);
         }
     }
 }
