@@ -160,9 +160,10 @@ impl Llama {
 
     /// The head's loss through the fused cross-entropy: the final norm in libtorch's graph, the
     /// logits outside it; `None` where the kernel does not run (not bf16 on the CPU, cut, or
-    /// targets it refuses).
+    /// masked targets).
     pub(super) fn fused_head(&self, x: &Tensor, inputs: &Inputs, loss_multiplier: f64) -> Option<HeadLoss<'_>> {
-        if self.fused_ce_threads == 0 || self.compute != Kind::BFloat16 || self.tensor.is_some() {
+        let on_cpu = self.lm_head.device() == tch::Device::Cpu;
+        if self.fused_ce_threads == 0 || self.compute != Kind::BFloat16 || self.tensor.is_some() || !on_cpu {
             return None;
         }
         // Masked targets (an instruction's prompt) are libtorch's: checked before the norm runs.
