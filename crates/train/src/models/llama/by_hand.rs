@@ -10,7 +10,7 @@
 //! positions and SwiGLU's gate are Rust kernels (`kernels::rope_split_bf16`,
 //! `kernels::swiglu_bf16`) and attention is libtorch's CPU flash attention, forward and backward,
 //! with its own grouped-query reading. Frozen weights are cast to bf16 once and kept
-//! (`Llama::compute_weight`); trained ones are cast each micro-batch, as autograd's path does.
+//! (`Llama::compute_weights`); trained ones are cast each micro-batch, as autograd's path does.
 
 use tch::{Kind, Tensor};
 
@@ -19,7 +19,7 @@ use crate::kernels::{rope_split_bf16, rope_split_bf16_backward, swiglu_bf16, swi
 use crate::models::{Branch, BranchBackward, HeadBackward, HeadLoss, Inputs};
 
 /// What a group of linear layers on one input keeps for its backward.
-pub(super) struct GroupSaved<'m> {
+struct GroupSaved<'m> {
     layers: Vec<&'m Linear>,
     /// The input `[rows, in]`, bf16.
     input: Tensor,
