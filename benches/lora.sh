@@ -61,7 +61,8 @@ for pair in $(seq 1 "$pairs"); do
   for peer in $peers; do
     flag=(); [ "$peer" = compiled ] && flag=(--compile)
     "$py" benches/peers/lora_peft.py --base "$dir/base" --data "$dir/corpus.txt" --steps "$steps" \
-      --precision "$precision" --base-dtype "$base_dtype" --mode "$mode" --micro-batch "$micro" "${shape[@]}" "${flag[@]}" 2>/dev/null \
+      --precision "$precision" --base-dtype "$base_dtype" --mode "$mode" --micro-batch "$micro" \
+      "${shape[@]}" "${flag[@]}" 2>/dev/null \
       | tee -a "$results"
   done
 done

@@ -12,9 +12,8 @@ each round):
   SO  stoke with everything of its own turned off: `stoke bench fullchain`'s naive settings
       (data.workers=0, train.fused_optimizer=false, train.host_memory=system), no fused kernels
       (train.fused_cross_entropy=off, train.fused_layer_norm=false, train.fused_softmax=false,
-      train.fused_bias_gelu=false, train.fused_branches=false), a cast per weight (train.unit_casts=false,
-      as autocast casts),
-      the attention that plain PyTorch runs (SDPA in the autocast type: train.attention=bf16), no
+      train.fused_bias_gelu=false, train.fused_branches=false), a cast per weight
+      (train.unit_casts=false, as autocast casts), the attention that plain PyTorch runs (SDPA in the autocast type: train.attention=bf16), no
       per-block monitors
   PP  plain PyTorch: eager, SDPA, PyTorch's default AdamW, the C allocator's defaults
 
@@ -59,8 +58,8 @@ def all_off(precision):
     """stoke's settings with everything of its own turned off (the SO configuration)."""
     return ["data.workers=0", "train.fused_optimizer=false", "train.host_memory=system",
             "train.fused_cross_entropy=off", "train.fused_layer_norm=false", "train.fused_softmax=false",
-            "train.fused_bias_gelu=false", "train.fused_branches=false", "train.unit_casts=false", f"train.attention={ALL_OFF_ATTENTION[precision]}",
-            "train.monitor_every=0"]
+            "train.fused_bias_gelu=false", "train.fused_branches=false", "train.unit_casts=false",
+            f"train.attention={ALL_OFF_ATTENTION[precision]}", "train.monitor_every=0"]
 
 
 def log(msg):

@@ -95,7 +95,8 @@ def main():
             first_step_s = time.perf_counter() - first_start
         losses.append(loss.item())
     side = ("transformers+peft" if args.mode == "lora" else "pytorch-full") + ("-compiled" if args.compile else "")
-    print(json.dumps({"side": side, "precision": args.precision, "base_dtype": str(base_dtype).removeprefix("torch."), "step_ms": statistics.median(times),
+    print(json.dumps({"side": side, "precision": args.precision, "base_dtype": str(base_dtype).removeprefix("torch."),
+                      "step_ms": statistics.median(times),
                       "first_step_s": first_step_s, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       "trainable": trainable, "first_loss": losses[0], "final_loss": losses[-1]}))
 

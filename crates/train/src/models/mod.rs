@@ -84,8 +84,7 @@ fn build_initialized(
             let mut llama = Llama::with_lora(model.llama_shape()?, train.precision, &train.lora, device);
             llama.set_fused_rms_norm(train.fused_layer_norm, kernel_threads);
             llama.set_branches_by_hand(train.fused_branches);
-            let vocab = model.shape()?.vocab_size;
-            llama.set_fused_cross_entropy(train.fused_cross_entropy.enabled(vocab), kernel_threads);
+            llama.set_fused_cross_entropy(train.fused_cross_entropy.enabled(shape.vocab_size), kernel_threads);
             Ok(Box::new(llama))
         }
         "vla" => {

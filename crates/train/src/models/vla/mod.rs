@@ -2,32 +2,31 @@
 //! the robot's state in, a chunk of future actions out.
 //!
 //! One residual stream of width d carries the sequence [frame patches, instruction tokens, the
-//! state, the action chunk]. The embedding unit cuts each frame into patches and projects them
-//! with one matrix multiply (a ViT's patch embedding), embeds the instruction's tokens, projects
-//! the state, and embeds the action chunk the head is trained on: under flow matching the noised
-//! chunk `(1 - t)·noise + t·actions` with its time t (sinusoidal features through a two-layer
-//! MLP), as GR00T's and π0's action experts take it, plus the state's embedding. The first
-//! `vision_layers` blocks are the vision tower: bidirectional attention within each frame's
-//! patches, each block's input first scaled and shifted by a FiLM layer of the instruction's
-//! summary (RT-1's conditioning: the tower is told what to look for), the rest of the sequence
-//! passed through untouched. A projector (a linear layer at the start of the first backbone
-//! block's unit) maps the tower's output into the backbone, and a spatial-softmax readout of it
-//! (keypoints: the expected patch coordinates under learned maps, as visuomotor policies read an
-//! image) is added to the chunk's tokens (where things are, in the chunk's own stream); the
-//! backbone's blocks attend over the whole sequence with a prefix mask: frames, instruction and
-//! state attend to one another both ways,
-//! the action chunk attends to everything, and nothing in the prefix attends to the chunk. The
-//! head (final LayerNorm, a linear layer) reads the chunk's positions: the velocity `actions -
-//! noise` under flow matching (the squared error over the actions that exist, divided by the
-//! values of full chunks), or the actions themselves under `train.action_loss = "l1"` (the
-//! absolute error, likewise). With `train.instruction_lm` above 0 the head also reads the
-//! instruction's positions through the final norm and the token embedding's rows (tied) and adds
-//! that weight times the next-token cross-entropy over the instruction's tokens (summed over the
-//! present targets, over the batch's possible targets, as the action loss counts); the prefix mask
-//! then lets the frames attend only to frames, each instruction token to the frames and to itself
-//! and the tokens before it, the state to the whole prefix, so no token sees the one it predicts
-//! through any path. Evaluation integrates the flow from the noise with `flow_steps`
-//! Euler steps and reports the squared error of the actions it ends at, likewise.
+//! state, the action chunk]. The embedding unit cuts each frame into patches and projects them with
+//! one matrix multiply (a ViT's patch embedding), embeds the instruction's tokens, projects the
+//! state, and embeds the action chunk the head is trained on: under flow matching the noised chunk
+//! `(1 - t)·noise + t·actions` with its time t (sinusoidal features through a two-layer MLP), as
+//! GR00T's and π0's action experts take it, plus the state's embedding. The first `vision_layers`
+//! blocks are the vision tower: bidirectional attention within each frame's patches, each block's
+//! input first scaled and shifted by a FiLM layer of the instruction's summary (RT-1's
+//! conditioning: the tower is told what to look for), the rest of the sequence passed through
+//! untouched. A projector (a linear layer at the start of the first backbone block's unit) maps the
+//! tower's output into the backbone, and a spatial-softmax readout of it (keypoints: the expected
+//! patch coordinates under learned maps, as visuomotor policies read an image) is added to the
+//! chunk's tokens (where things are, in the chunk's own stream); the backbone's blocks attend over
+//! the whole sequence with a prefix mask: frames, instruction and state attend to one another both
+//! ways, the action chunk attends to everything, and nothing in the prefix attends to the chunk.
+//! The head (final LayerNorm, a linear layer) reads the chunk's positions: the velocity `actions -
+//! noise` under flow matching (the squared error over the actions that exist, divided by the values
+//! of full chunks), or the actions themselves under `train.action_loss = "l1"` (the absolute error,
+//! likewise). With `train.instruction_lm` above 0 the head also reads the instruction's positions
+//! through the final norm and the token embedding's rows (tied) and adds that weight times the
+//! next-token cross-entropy over the instruction's tokens (summed over the present targets, over
+//! the batch's possible targets, as the action loss counts); the prefix mask then lets the frames
+//! attend only to frames, each instruction token to the frames and to itself and the tokens before
+//! it, the state to the whole prefix, so no token sees the one it predicts through any path.
+//! Evaluation integrates the flow from the noise with `flow_steps` Euler steps and reports the
+//! squared error of the actions it ends at, likewise.
 //!
 //! Blocks are GPT-2's (LayerNorm, biases, GELU MLP of 4d), run in libtorch's graph in the compute
 //! type with norms in fp32; every unit goes through the model seam, so the block executor,
@@ -45,9 +44,9 @@ const LAYER_NORM_EPS: f64 = 1e-5;
 
 /// What the vision blocks' FiLM layers read: this times the sum of the instruction's positions of
 /// the stream (its tokens' embedding rows and positions, which the tower passes through; padding
-/// holds zeros). The rows start at N(0, 0.02); at this scale an Adam step moves the modulation as much as a step
-/// moves a weight of the tower, so the tower learns to look for the colour it is told within a
-/// thousand steps (`benches/vla_grounding_probe.py`, RESULTS "What the tower needs to be told").
+/// holds zeros). The rows start at N(0, 0.02); at this scale an Adam step moves the modulation as
+/// much as a step moves a weight of the tower, so the tower learns to look for the colour it is
+/// told within a thousand steps (`benches/vla_grounding_probe.py`, RESULTS "What the tower needs to be told").
 const SUMMARY_SCALE: f64 = 30.0;
 
 /// The planner's description of this family: its units' parameters and FLOPs (`models::plan_model`).
