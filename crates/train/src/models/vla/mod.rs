@@ -108,14 +108,12 @@ pub struct Vla {
     films: Vec<(Tensor, Tensor)>,
     ln_f: (Tensor, Tensor),
     action_out: (Tensor, Tensor),
-    /// `[seq, seq]` bool, true where a backbone position may attend: the prefix within itself,
-    /// the action chunk everywhere.
-    backbone_mask: Tensor,
-    /// `backbone_mask` as 0 (attend) or -inf (not), in the compute type, added to the scores.
+    /// `[seq, seq]`, 0 where a backbone position may attend (the prefix within itself, the action
+    /// chunk everywhere; `prefix_mask`) and -inf where not, in the compute type, added to the scores.
     backbone_bias: Tensor,
-    /// Attention as batched matrix multiplies and a softmax (on a CPU, where libtorch's
-    /// scaled_dot_product_attention with a mask or short heads is slower), else that kernel.
-    math_attention: bool,
+    /// Attention as batched matrix multiplies and a softmax, else libtorch's
+    /// scaled_dot_product_attention: in the vision tower and in the backbone apart.
+    math_attention: [bool; 2],
 }
 
 /// The backbone's mask `[seq, seq]` bool, true where row i may attend to column j: the chunk to
@@ -139,6 +137,18 @@ fn prefix_mask(shape: &VlaShape, causal_instruction: bool, device: Device) -> Te
     );
     let later_rows = row.ge(vision + text).logical_and(&whole_prefix);
     frames_row.logical_or(&text_row).logical_or(&later_rows)
+}
+
+/// Whether the vision tower and the backbone (in that order) run attention as batched matrix
+/// multiplies and a softmax rather than libtorch's scaled_dot_product_attention: on a CPU the
+/// tower always, the backbone (under its prefix mask) in 16 bits, where SDPA's backward is the
+/// slower; in fp32 the backbone takes SDPA's flash kernel. Measured on `vla-small` at micro-batch 8
+/// (benches/RESULTS.md, "Vision-language-action model"); on a GPU, SDPA throughout.
+fn math_attention(device: Device, kind: Kind) -> [bool; 2] {
+    match device {
+        Device::Cpu => [true, kind != Kind::Float],
+        _ => [false, false],
+    }
 }
 
 /// `mask` as 0 (attend) or -inf (not) in `kind`.
@@ -269,7 +279,6 @@ impl Vla {
             let table = sincos_2d(shape.image_side / shape.patch, shape.base.d_model).repeat([shape.frames as i64, 1]);
             let _ = params.get("vision.pos_embed").shallow_clone().copy_(&table.to_device(device));
         });
-        let backbone_mask = prefix_mask(&shape, false, device);
         Vla {
             patch_embed: pair("vision.patch_embed"),
             vision_pos: get("vision.pos_embed"),
@@ -287,9 +296,8 @@ impl Vla {
             ln_f: pair("ln_f"),
             action_out: pair("action_out"),
             blocks,
-            backbone_bias: additive(&backbone_mask, compute_kind(precision)),
-            backbone_mask,
-            math_attention: device == Device::Cpu,
+            backbone_bias: additive(&prefix_mask(&shape, false, device), compute_kind(precision)),
+            math_attention: math_attention(device, compute_kind(precision)),
             shape,
             params,
             compute: compute_kind(precision),
@@ -302,8 +310,8 @@ impl Vla {
     /// a weight above 0 the prefix mask that keeps each instruction token from seeing the next.
     pub fn set_instruction_lm(&mut self, weight: f64) {
         self.instruction_lm = weight;
-        self.backbone_mask = prefix_mask(&self.shape, weight > 0.0, self.backbone_mask.device());
-        self.backbone_bias = additive(&self.backbone_mask, self.compute);
+        let mask = prefix_mask(&self.shape, weight > 0.0, self.backbone_bias.device());
+        self.backbone_bias = additive(&mask, self.compute);
     }
 
     pub fn vla_shape(&self) -> VlaShape {
@@ -319,13 +327,14 @@ impl Vla {
     }
 
     /// Vision block `layer_idx`'s input `v` scaled and shifted by its FiLM layer, `v·(1 + scale) +
-    /// shift`, from the instruction's summary in the stream `x` (RT-1's conditioning of its vision
-    /// tower): the tower looks for what it is told to. Under the instruction's language-model
+    /// shift`, from the instruction's summary (RT-1's conditioning of its vision tower): the tower
+    /// looks for what it is told to. `rest` is the stream after the vision tokens, which starts
+    /// with the instruction's positions. Under the instruction's language-model
     /// loss the summary is zero (the frames, which every instruction token reads, would carry the
     /// tokens after it).
-    fn film(&self, layer_idx: usize, x: &Tensor, v: &Tensor) -> Tensor {
-        let (vision, text) = (self.shape.vision_tokens() as i64, self.shape.instruction_tokens as i64);
-        let summary = x.narrow(1, vision, text).sum_dim_intlist([1i64].as_slice(), false, Kind::Float) * SUMMARY_SCALE;
+    fn film(&self, layer_idx: usize, rest: &Tensor, v: &Tensor) -> Tensor {
+        let text = self.shape.instruction_tokens as i64;
+        let summary = rest.narrow(1, 0, text).sum_dim_intlist([1i64].as_slice(), false, Kind::Float) * SUMMARY_SCALE;
         let summary = if self.instruction_lm > 0.0 { summary.zeros_like() } else { summary };
         let modulation = self.linear(&summary, &self.films[layer_idx]).to_kind(Kind::Float).unsqueeze(1);
         let parts = modulation.chunk(2, -1);
@@ -434,7 +443,7 @@ impl Vla {
         let parts = qkv.split(d, 2);
         let heads = |t: &Tensor| t.view([rows, seq, n_head, d / n_head]).transpose(1, 2);
         let (q, k, v) = (heads(&parts[0]), heads(&parts[1]), heads(&parts[2]));
-        let y = if self.math_attention {
+        let y = if self.math_attention[usize::from(masked)] {
             // Scores and the weighted sum as batched matrix multiplies in the compute type: the
             // scale on the queries (a sixth of the scores' size at these lengths), the mask added
             // as 0 or -inf, libtorch's softmax (which accumulates 16-bit rows in fp32).
@@ -444,7 +453,8 @@ impl Vla {
             let kind = scores.kind();
             scores.softmax(-1, kind).matmul(&v)
         } else {
-            let mask = masked.then_some(&self.backbone_mask);
+            // The mask as 0 or -inf in the compute type, which the kernel adds as it is.
+            let mask = masked.then_some(&self.backbone_bias);
             Tensor::scaled_dot_product_attention(&q, &k, &v, mask, 0.0, false, None, false)
         };
         self.linear(&y.transpose(1, 2).contiguous().view([rows, seq, d]), &block.attn_proj)
@@ -621,26 +631,24 @@ impl Model for Vla {
         let vision = self.shape.vision_tokens() as i64;
         let rest = self.shape.base.seq_len as i64 - vision;
         let norm = Norm::before(layer_idx, branch);
+        // The stream is cut by `split_with_sizes`, not `narrow`: the backward of a split joins
+        // the pieces' gradients in one copy, where each narrow's would write a zeroed gradient of
+        // the whole stream and autograd would add them.
         if layer_idx < self.shape.vision_layers {
-            let v = x.narrow(1, 0, vision);
-            let v = if branch == Branch::Attention { self.film(layer_idx, x, &v) } else { v };
+            let parts = x.split_with_sizes([vision, rest], 1);
+            let (v, rest) = (&parts[0], &parts[1]);
+            let v = if branch == Branch::Attention { self.film(layer_idx, rest, v) } else { v.shallow_clone() };
             let v = &v + self.branch(layer_idx, branch, &self.norm(norm, &v));
-            return Tensor::cat(&[v, x.narrow(1, vision, rest)], 1);
+            return Tensor::cat(&[&v, rest], 1);
         }
         let x = if layer_idx == self.shape.vision_layers && branch == Branch::Attention {
             // The projected tower, and its keypoints added to the chunk's tokens: where things
             // are in the frames, in the chunk's own stream from the first backbone block on.
-            let projected = self.linear(&x.narrow(1, 0, vision), &self.projector).to_kind(Kind::Float);
             let chunk = self.shape.chunk as i64;
+            let parts = x.split_with_sizes([vision, rest - chunk, chunk], 1);
+            let projected = self.linear(&parts[0], &self.projector).to_kind(Kind::Float);
             let keypoints = self.keypoints(&projected);
-            Tensor::cat(
-                &[
-                    &projected,
-                    &x.narrow(1, vision, rest - chunk),
-                    &(x.narrow(1, vision + rest - chunk, chunk) + keypoints),
-                ],
-                1,
-            )
+            Tensor::cat(&[&projected, &parts[1], &(&parts[2] + keypoints)], 1)
         } else {
             x.shallow_clone()
         };

@@ -112,6 +112,37 @@ fn the_block_executor_gives_the_single_graphs_gradients() {
     }
 }
 
+/// The two attention paths, batched matrix multiplies and libtorch's SDPA (which the backbone
+/// takes in fp32 on a CPU), give the same loss and gradients, under the prefix mask with and
+/// without the instruction's causal part.
+#[test]
+fn math_and_sdpa_attention_give_the_same_loss_and_gradients() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let shape = shape();
+    assert!(shape.base.n_layer > shape.vision_layers, "the test needs a backbone block");
+    for instruction_lm in [0.0, 0.5] {
+        let mut runs = Vec::new();
+        for math in [[true, true], [false, false], [true, false]] {
+            tch::manual_seed(7);
+            let mut model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
+            model.set_instruction_lm(instruction_lm);
+            model.math_attention = math;
+            let batch = inputs(&shape, 3, 8);
+            model.params().zero_grad();
+            let loss = model.loss(&batch);
+            loss.backward();
+            runs.push((loss.double_value(&[]), Vec::<f32>::try_from(model.params().flat_grad()).unwrap()));
+        }
+        let (loss_a, a) = &runs[0];
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (loss_b, b) in &runs[1..] {
+            assert!((loss_a - loss_b).abs() <= 1e-6 * loss_a.abs(), "{instruction_lm}: {loss_a} against {loss_b}");
+            let worst = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(scale > 0.0 && worst <= 1e-5 * scale, "{instruction_lm}: {worst} of {scale}");
+        }
+    }
+}
+
 /// The prefix never attends to the action chunk, and a frame's patches only to their own frame
 /// in the vision tower: changing the chunk's input leaves the prefix's states alone, and changing
 /// one frame leaves the other frame's vision tokens alone after the tower.
