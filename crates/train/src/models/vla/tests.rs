@@ -121,13 +121,14 @@ fn math_and_sdpa_attention_give_the_same_loss_and_gradients() {
     let shape = shape();
     assert!(shape.base.n_layer > shape.vision_layers, "the test needs a backbone block");
     for instruction_lm in [0.0, 0.5] {
+        // One model and one batch, only the path switched between runs.
+        tch::manual_seed(7);
+        let mut model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
+        model.set_instruction_lm(instruction_lm);
+        let batch = inputs(&shape, 3, 8);
         let mut runs = Vec::new();
         for math in [[true, true], [false, false], [true, false]] {
-            tch::manual_seed(7);
-            let mut model = Vla::new(shape, Precision::Fp32, ActionLoss::Flow, Device::Cpu);
-            model.set_instruction_lm(instruction_lm);
             model.math_attention = math;
-            let batch = inputs(&shape, 3, 8);
             model.params().zero_grad();
             let loss = model.loss(&batch);
             loss.backward();
