@@ -157,8 +157,6 @@ simd_dispatch! {
     fn backward_dispatch(ins: &[&[u16]; 3], first_row: usize, dims: &Dims, cos: &[f32], sin: &[f32], out: &mut [u16]) => backward_rows
 }
 
-/// Rows `first_row..` of the product (`x`, whole rows): each head to its output, q and k rotated:
-/// `y1 = x1 c - x2 s`, `y2 = x2 c + x1 s` over the halves.
 /// One head's two halves `x = [a, b]` rotated into `y` by the position's `c` and `s` (the half
 /// tables): `[a c - b s, b c + a s]` with `direction` 1, the transpose (`[a c + b s, b c - a s]`,
 /// the backward's) with -1.
@@ -175,6 +173,8 @@ fn rotate(x: &[u16], y: &mut [u16], c: &[f32], s: &[f32], direction: f32) {
     }
 }
 
+/// Rows `first_row..` of the product (`x`, whole rows): each head to its output, q and k rotated:
+/// `y1 = x1 c - x2 s`, `y2 = x2 c + x1 s` over the halves.
 #[inline(always)]
 fn forward_rows(x: &[u16], first_row: usize, dims: &Dims, cos: &[f32], sin: &[f32], outs: &[SharedMut<u16>; 3]) {
     let hd = dims.head_dim;
