@@ -85,10 +85,18 @@ fn with_the_instruction_loss_two_zero3_ranks_follow_one_process() {
     assert_same_trajectory(&reference, &dir.path().join("zero3"), "vla with the instruction's loss, ZeRO-3", &out);
 }
 
+/// In fp32, and in bf16 (where the blocks run whole by hand, outside libtorch's graph).
 #[test]
 fn a_run_killed_with_sigkill_resumes_to_the_uninterrupted_losses() {
+    for precision in ["fp32", "bf16"] {
+        killed_and_resumed(precision);
+    }
+}
+
+fn killed_and_resumed(precision: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let common = ["train.steps=24", "train.micro_batch=4", "ckpt.every=4", "ckpt.background=false"];
+    let precision = format!("train.precision=\"{precision}\"");
+    let common = ["train.steps=24", "train.micro_batch=4", "ckpt.every=4", "ckpt.background=false", precision.as_str()];
     let straight = overrides(dir.path(), "straight", &common);
     run_ok(&mut stoke(&["train", "--quiet"], &refs(&straight)));
     let expected = losses(&dir.path().join("straight"));
@@ -111,7 +119,7 @@ fn a_run_killed_with_sigkill_resumes_to_the_uninterrupted_losses() {
     let logged = losses(&dir.path().join("cut")).len();
     assert!(logged < 24, "the kill landed after the run finished; make the run longer");
     run_ok(&mut stoke(&["train", "--quiet", "--resume"], &refs(&cut)));
-    assert_eq!(losses(&dir.path().join("cut")), expected, "resumed losses equal the uninterrupted run's");
+    assert_eq!(losses(&dir.path().join("cut")), expected, "{precision}: resumed losses equal the uninterrupted run's");
 }
 
 #[test]
@@ -182,11 +190,19 @@ fn checkpoint_tensors(run: &Path, step: u64) -> std::collections::BTreeMap<Strin
 /// The common fine-tuning set-up of a vla model: the vision tower frozen (left out of the
 /// checkpoint), the backbone at a factor 0 of the learning rate (its weights never move, decay
 /// included: the same after 3 steps as after 6), the rest trained; a pattern that matches nothing
-/// and a parameter two patterns match are refused, naming them.
+/// and a parameter two patterns match are refused, naming them. In bf16 too, where the trained
+/// blocks run by hand and the frozen ones in libtorch's graph.
 #[test]
 fn a_frozen_tower_and_a_still_backbone_stay_as_they_were() {
+    tuned_and_refused("fp32");
+    tuned_and_refused("bf16");
+}
+
+fn tuned_and_refused(precision: &str) {
     let dir = tempfile::tempdir().unwrap();
+    let precision = format!("train.precision=\"{precision}\"");
     let common = [
+        precision.as_str(),
         "train.freeze=[\"vision.*\"]",
         "train.lr_multipliers={\"backbone.*\"=0, \"action_out.*\"=0.5}",
         "train.micro_batch=4",

@@ -28,7 +28,7 @@ use tch::{Device, Tensor};
 use crate::clock::StepClock;
 use crate::config::{ExecutorKind, Recompute};
 use crate::kernels::LayerNormStats;
-use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, Inputs, Model, Norm};
+use crate::models::{BlockBackward, Branch, BranchBackward, ByHand, CoreBackward, Inputs, Model, Norm};
 use crate::{Phase, TrainError};
 
 mod hooks;
@@ -75,6 +75,8 @@ fn segments(recompute: Recompute, layer_idx: usize) -> &'static [(Half, bool)] {
 
 /// A part of a half the model runs by hand, while the half's output is kept: its backward.
 enum Part<'m> {
+    /// A whole block by hand (`Model::block_by_hand`), with no graph over its body.
+    Block(Box<dyn BlockBackward + 'm>),
     /// The whole branch after the norm by hand, with no graph.
     Branch(Box<dyn BranchBackward + 'm>),
     /// The branch's core, between two of libtorch's graphs.
@@ -233,7 +235,7 @@ impl Executor {
         let n_layer = model.shape().n_layer;
         let head_unit = n_layer + 1;
         let measure_memory = measure_memory && inputs.tokens.device() == Device::Cpu;
-        let chain = !hooks.between_blocks();
+        let chain = !hooks.between_blocks() && !model.blocks_by_hand();
         let mut activation_bytes = Vec::with_capacity(n_layer);
 
         let (start, mut current) = match input {
@@ -414,34 +416,45 @@ impl Executor {
                 }
             };
             let layer_idx = segment.layer_idx;
-            // A whole branch by hand has no graph: it gives its normed input's gradient itself.
-            let grad_normed = match part {
-                Some(Part::Branch(branch)) => Some(branch.backward(&grad_output)),
-                part => {
-                    backward_from(&output, &grad_output);
+            grad_output = match part {
+                // A whole block by hand gives its input's gradient itself.
+                Some(Part::Block(block)) => {
                     drop(output);
-                    // A branch's core by hand, between two graphs.
-                    if let Some(Part::Core(core)) = part {
-                        let (tensor, grad) = core.backward();
-                        backward_from(&tensor, &grad);
-                    }
-                    None
+                    let grad_input = block.backward(grad_output);
+                    model.add_cast_grads(Some(layer_idx));
+                    grad_input
                 }
-            };
-            for layer_idx in layer_idx..=segment.last_layer {
-                model.add_cast_grads(Some(layer_idx));
-            }
-            // The residual passes `grad_output` through to the input unchanged; the fused
-            // LayerNorm's backward adds its part to it in place.
-            grad_output = match normed {
-                Some((normed, stats)) => hand(model).norm_backward(
-                    norm_of(layer_idx, segment.half),
-                    &grad_normed.unwrap_or_else(|| normed.grad()),
-                    &input,
-                    &stats,
-                    Some(grad_output),
-                ),
-                None => input.grad(),
+                part => {
+                    // A whole branch by hand has no graph: it gives its normed input's gradient.
+                    let grad_normed = match part {
+                        Some(Part::Branch(branch)) => Some(branch.backward(&grad_output)),
+                        part => {
+                            backward_from(&output, &grad_output);
+                            drop(output);
+                            // A branch's core by hand, between two graphs.
+                            if let Some(Part::Core(core)) = part {
+                                let (tensor, grad) = core.backward();
+                                backward_from(&tensor, &grad);
+                            }
+                            None
+                        }
+                    };
+                    for layer_idx in layer_idx..=segment.last_layer {
+                        model.add_cast_grads(Some(layer_idx));
+                    }
+                    // The residual passes `grad_output` through to the input unchanged; the
+                    // fused LayerNorm's backward adds its part to it in place.
+                    match normed {
+                        Some((normed, stats)) => hand(model).norm_backward(
+                            norm_of(layer_idx, segment.half),
+                            &grad_normed.unwrap_or_else(|| normed.grad()),
+                            &input,
+                            &stats,
+                            Some(grad_output),
+                        ),
+                        None => input.grad(),
+                    }
+                }
             };
             if matches!(segment.half, Half::Whole | Half::Attention) {
                 clock.lap(Phase::Backward);
@@ -525,8 +538,14 @@ pub struct Backward {
 /// Otherwise the input becomes a leaf that requires grad, and libtorch runs the whole half,
 /// except a branch's core when the model runs it by hand (`ByHand::branch_core`). With both the
 /// norm and the branch by hand, the whole branch runs by hand with no graph
-/// (`ByHand::branch_whole`), and so does its backward: no seed over any of its tensors.
+/// (`ByHand::branch_whole`), and so does its backward: no seed over any of its tensors. A whole
+/// block the model runs by hand (`Model::block_by_hand`) is its own, likewise.
 fn forward_half<'m>(model: &'m dyn Model, layer_idx: usize, half: Half, input: &Tensor) -> HalfForward<'m> {
+    if half == Half::Whole {
+        if let Some((output, block)) = model.block_by_hand(layer_idx, input) {
+            return HalfForward { input: input.shallow_clone(), output, normed: None, part: Some(Part::Block(block)) };
+        }
+    }
     let by_hand = model.by_hand();
     let fused = match half.branch() {
         None => None,
@@ -604,7 +623,7 @@ fn hand(model: &dyn Model) -> &dyn ByHand {
 /// `grad_output` (ones times it; the sum's value is never read, so its rounding does not matter).
 /// Not `dot`: libtorch's dot on a CPU is a scalar loop for bf16, 4.8 ms for the 1.5 M values of a
 /// tiny block's q, k and v against 0.49 ms for the product and sum (fp32: 0.86 against 0.23).
-fn backward_from(output: &Tensor, grad_output: &Tensor) {
+pub(crate) fn backward_from(output: &Tensor, grad_output: &Tensor) {
     // A frozen unit (the embedding under LoRA) has nothing to backward into.
     if output.requires_grad() {
         (output * grad_output).sum(output.kind()).backward();

@@ -31,7 +31,8 @@ pub use gpt_rms::GptRms;
 pub use hf::{export_hf, resolve_from};
 pub use llama::Llama;
 pub use seam::{
-    Branch, BranchBackward, ByHand, CoreBackward, EpisodeInputs, HeadBackward, HeadLoss, Inputs, Model, Norm,
+    BlockBackward, Branch, BranchBackward, ByHand, CoreBackward, EpisodeInputs, HeadBackward, HeadLoss, Inputs, Model,
+    Norm,
 };
 pub use tensor_group::{Split, TensorGroup};
 pub use vla::Vla;
@@ -90,6 +91,7 @@ fn build_initialized(
         "vla" => {
             let mut vla = Vla::new(model.vla_shape()?, train.precision, train.action_loss, device);
             vla.set_instruction_lm(train.instruction_lm);
+            vla.set_blocks_by_hand(train.fused_branches && train.fused_layer_norm, kernel_threads);
             Ok(Box::new(vla))
         }
         other => Err(unknown_family(other)),

@@ -101,6 +101,14 @@ pub trait BranchBackward {
     fn backward(&self, grad_output: &Tensor) -> Tensor;
 }
 
+/// A whole block run outside libtorch's graph ([`Model::block_by_hand`]).
+pub trait BlockBackward {
+    /// From the gradient of the block's output (fp32, taken over: it may be written in place),
+    /// adds every parameter's gradient into the flat gradient buffer and returns the gradient of
+    /// the block's input.
+    fn backward(&self, grad_output: Tensor) -> Tensor;
+}
+
 /// The core of a branch run outside libtorch's graph between two of its graphs
 /// ([`ByHand::branch_core`]).
 pub trait CoreBackward {
@@ -204,6 +212,19 @@ pub trait Model {
     /// `x + branch(norm(x))` for block `layer_idx`'s `branch`.
     fn residual(&self, layer_idx: usize, branch: Branch, x: &Tensor) -> Tensor {
         x + self.branch(layer_idx, branch, &self.norm(Norm::before(layer_idx, branch), x))
+    }
+
+    /// Whether [`Model::block_by_hand`] may run whole blocks outside libtorch's graph (the block
+    /// executor then keeps each block its own segment, not chained to the next).
+    fn blocks_by_hand(&self) -> bool {
+        false
+    }
+
+    /// Block `layer_idx` whole from its input `x` (fp32, detached) by hand, forward now and
+    /// backward later with no graph over the block's body: its output and its backward; `None`
+    /// runs the block through [`Model::residual`] in libtorch's graph.
+    fn block_by_hand<'m>(&'m self, _layer_idx: usize, _x: &Tensor) -> Option<(Tensor, Box<dyn BlockBackward + 'm>)> {
+        None
     }
 
     /// The head's loss for the block executor's backward, which starts from `loss x

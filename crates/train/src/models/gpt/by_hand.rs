@@ -61,7 +61,7 @@ pub(crate) struct MlpHalf {
 /// (16-bit, `[.., out]`): adds the weight's gradient `grad^T x` (a 16-bit product, as autograd's
 /// is) and the bias's (summed in fp32) into the fp32 parameters' (`master`) gradients, and returns
 /// the input's, `grad W`.
-pub(super) fn linear_backward(
+pub(crate) fn linear_backward(
     grad: &Tensor,
     x: &Tensor,
     weight: &Tensor,

@@ -36,7 +36,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::{ActionLoss, GptShape, Precision, VlaShape, VLA_KEYPOINTS};
 use crate::models::embedding::embed;
-use crate::models::{Branch, EpisodeInputs, HeadLoss, Inputs, Model, Norm};
+use crate::models::{BlockBackward, Branch, EpisodeInputs, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
@@ -114,6 +114,8 @@ pub struct Vla {
     /// Attention as batched matrix multiplies and a softmax, else libtorch's
     /// scaled_dot_product_attention: in the vision tower and in the backbone apart.
     math_attention: [bool; 2],
+    /// The kernels' threads when blocks run whole by hand (`set_blocks_by_hand`); 0: off.
+    by_hand_threads: usize,
 }
 
 /// The backbone's mask `[seq, seq]` bool, true where row i may attend to column j: the chunk to
@@ -298,6 +300,7 @@ impl Vla {
             blocks,
             backbone_bias: additive(&prefix_mask(&shape, false, device), compute_kind(precision)),
             math_attention: math_attention(device, compute_kind(precision)),
+            by_hand_threads: 0,
             shape,
             params,
             compute: compute_kind(precision),
@@ -339,6 +342,18 @@ impl Vla {
         let modulation = self.linear(&summary, &self.films[layer_idx]).to_kind(Kind::Float).unsqueeze(1);
         let parts = modulation.chunk(2, -1);
         v * (&parts[0] + 1.0) + &parts[1]
+    }
+
+    /// The stream `x` with the tower's output projected into the backbone, and its keypoints added
+    /// to the chunk's tokens: where things are in the frames, in the chunk's own stream from the
+    /// first backbone block on (the start of that block's unit).
+    fn project_tower(&self, x: &Tensor) -> Tensor {
+        let vision = self.shape.vision_tokens() as i64;
+        let (rest, chunk) = (self.shape.base.seq_len as i64 - vision, self.shape.chunk as i64);
+        let parts = x.split_with_sizes([vision, rest - chunk, chunk], 1);
+        let projected = self.linear(&parts[0], &self.projector).to_kind(Kind::Float);
+        let keypoints = self.keypoints(&projected);
+        Tensor::cat(&[&projected, &parts[1], &(&parts[2] + keypoints)], 1)
     }
 
     /// The spatial-softmax readout of the projected vision tokens `[batch, vision_tokens, d]`
@@ -642,17 +657,19 @@ impl Model for Vla {
             return Tensor::cat(&[&v, rest], 1);
         }
         let x = if layer_idx == self.shape.vision_layers && branch == Branch::Attention {
-            // The projected tower, and its keypoints added to the chunk's tokens: where things
-            // are in the frames, in the chunk's own stream from the first backbone block on.
-            let chunk = self.shape.chunk as i64;
-            let parts = x.split_with_sizes([vision, rest - chunk, chunk], 1);
-            let projected = self.linear(&parts[0], &self.projector).to_kind(Kind::Float);
-            let keypoints = self.keypoints(&projected);
-            Tensor::cat(&[&projected, &parts[1], &(&parts[2] + keypoints)], 1)
+            self.project_tower(x)
         } else {
             x.shallow_clone()
         };
         &x + self.branch(layer_idx, branch, &self.norm(norm, &x))
+    }
+
+    fn blocks_by_hand(&self) -> bool {
+        self.runs_blocks_by_hand()
+    }
+
+    fn block_by_hand<'m>(&'m self, layer_idx: usize, x: &Tensor) -> Option<(Tensor, Box<dyn BlockBackward + 'm>)> {
+        self.block_forward_by_hand(layer_idx, x)
     }
 
     fn head_loss_for_backward(&self, x: &Tensor, normed: bool, inputs: &Inputs, _loss_multiplier: f64) -> HeadLoss<'_> {
@@ -677,5 +694,6 @@ impl Model for Vla {
     }
 }
 
+mod by_hand;
 #[cfg(test)]
 mod tests;

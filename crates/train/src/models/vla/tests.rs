@@ -337,3 +337,42 @@ fn a_keypoint_lands_on_the_patch_its_map_picks() {
     assert!(near(at(1, 3), [-1.0, 1.0]), "frame 1, map 3: {:?}", at(1, 3));
     assert!(near(at(0, 0), [0.0, 0.0]), "a map with nothing to prefer: {:?}", at(0, 0));
 }
+
+/// Under bf16 the blocks by hand (no graph over a block's body: the LayerNorm and bias + GELU
+/// kernels, the attention's products and softmax backward by hand, the FiLM and the projector in
+/// libtorch's graph before it) give libtorch's graph's loss and gradients within bf16's rounding,
+/// with the executor's recomputation policies (whole blocks, and halves, which run in the graph),
+/// for both action losses and with the instruction's loss (its causal prefix mask).
+#[test]
+fn blocks_by_hand_give_the_graphs_loss_and_gradients_under_bf16() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let shape = shape();
+    for (loss, instruction_lm) in [(ActionLoss::Flow, 0.0), (ActionLoss::L1, 0.0), (ActionLoss::Flow, 0.5)] {
+        tch::manual_seed(5);
+        let mut model = Vla::new(shape, Precision::Bf16, loss, Device::Cpu);
+        model.set_instruction_lm(instruction_lm);
+        let batch = inputs(&shape, 3, 6);
+        let mut run = |by_hand: bool, kind, recompute| {
+            model.set_blocks_by_hand(by_hand, 2);
+            assert_eq!(model.blocks_by_hand(), by_hand);
+            model.params().zero_grad();
+            let executor = Executor::new(kind, recompute).unwrap();
+            let mut clock = StepClock::start(Device::Cpu, true);
+            let result =
+                executor.run_micro_batch(&model, &batch, 1.0, true, false, &mut clock, &mut crate::NoHooks).unwrap();
+            (result.loss.double_value(&[]), Vec::<f32>::try_from(model.params().flat_grad()).unwrap())
+        };
+        let (loss_a, a) = run(false, ExecutorKind::SingleGraph, Recompute::None);
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for recompute in [Recompute::None, Recompute::Block, Recompute::Mlp] {
+            let (loss_b, b) = run(true, ExecutorKind::Blocks, recompute);
+            assert!(
+                (loss_a - loss_b).abs() <= 1e-2 * loss_a.abs(),
+                "{loss:?} {recompute:?}: {loss_a} against {loss_b}"
+            );
+            let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            eprintln!("{loss:?} {instruction_lm} {recompute:?}: loss {loss_a} {loss_b}, worst {worst} of {scale}");
+            assert!(scale > 0.0 && worst <= 5e-3 * scale, "{loss:?} {recompute:?}: {worst} of {scale}");
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! The vla's blocks whole by hand under bf16 on a CPU (`train.fused_branches` with
+//! `train.fused_layer_norm`): a block's two branches run outside libtorch's graph, forward and
+//! backward, as one executor segment.
+//!
+//! The body of a block is GPT-2's: the LayerNorm kernel reads the fp32 stream and writes the bf16
+//! the q, k, v product takes; the heads are cut from that product in one copy with the queries
+//! scaled; scores, libtorch's bf16 softmax (fp32 inside) under the backbone's additive prefix mask
+//! (none in the tower, whose rows are frames), weighted sums, the output projection, the residual
+//! add in fp32; then the MLP with its first product's bias and GELU in one kernel pass. The
+//! backward is the same products by hand, the GELU kernel's backward with the bias's gradient
+//! summed in its pass, libtorch's softmax backward, and the LayerNorm kernel's backward adding
+//! the residual's gradient in place: no autograd graph, no casts of 16-bit gradients between
+//! layers, no bias copies before the products. What comes before a body stays in libtorch's
+//! graph, small beside it: a vision block's FiLM (the tower's tokens scaled and shifted by the
+//! instruction's summary) and the first backbone block's projector and keypoints. The rest of the
+//! stream passes a vision block untouched, its gradient too.
+
+use tch::{Device, Kind, Tensor};
+
+use super::{Vla, LAYER_NORM_EPS};
+use crate::executor::backward_from;
+use crate::kernels::LayerNormStats;
+use crate::kernels::{bias_gelu_bf16, bias_gelu_bf16_backward, layer_norm_bf16, layer_norm_bf16_backward};
+use crate::models::gpt::linear_backward;
+use crate::models::BlockBackward;
+
+/// What a block's body keeps for its backward.
+struct Body {
+    /// The body's input, fp32 `[batch, tokens, d]` contiguous.
+    h: Tensor,
+    ln_1: LayerNormStats,
+    /// The first LayerNorm's output, bf16.
+    normed_1: Tensor,
+    /// The q, k, v weight `[3d, d]` in bf16.
+    qkv_weight: Tensor,
+    /// q (scaled by 1/sqrt(head_dim)), k and v, bf16 `[3, rows * n_head, tokens per row, head_dim]`.
+    heads: Tensor,
+    /// The softmax's output, bf16 `[rows * n_head, tokens per row, tokens per row]`.
+    probs: Tensor,
+    /// The weighted sums in the output projection's layout, bf16 `[batch, tokens, d]`.
+    y: Tensor,
+    proj_weight: Tensor,
+    /// The stream after the attention's residual, fp32.
+    h_2: Tensor,
+    ln_2: LayerNormStats,
+    normed_2: Tensor,
+    fc_weight: Tensor,
+    /// The MLP's first product without its bias, and the GELU of it plus the bias, bf16.
+    pre: Tensor,
+    act: Tensor,
+    mlp_proj_weight: Tensor,
+    /// The attention's rows (frames in the tower, samples in the backbone) and their length.
+    rows: i64,
+    per_row: i64,
+}
+
+/// A block by hand between its forward and its backward.
+struct BlockByHand<'m> {
+    model: &'m Vla,
+    layer_idx: usize,
+    /// What runs in libtorch's graph before the body: the block's input (a leaf that requires
+    /// grad) and the body's input with its graph back to it. None when the body starts at the
+    /// block's input.
+    entry: Option<(Tensor, Tensor)>,
+    body: Body,
+}
+
+impl Vla {
+    /// Under bf16 on a CPU, the block executor runs each block whole by hand (see the module
+    /// doc), its kernels on `n_threads` threads. `false` (the default of `new`) runs the blocks
+    /// in libtorch's graph.
+    pub fn set_blocks_by_hand(&mut self, enabled: bool, n_threads: usize) {
+        self.by_hand_threads = if enabled { n_threads.max(1) } else { 0 };
+    }
+
+    /// Whether blocks run by hand: asked for, bf16, on a CPU with batched-matrix attention.
+    pub(super) fn runs_blocks_by_hand(&self) -> bool {
+        self.by_hand_threads > 0
+            && self.compute == Kind::BFloat16
+            && self.params.device() == Device::Cpu
+            && self.math_attention == [true, true]
+    }
+
+    /// Block `layer_idx` by hand from the stream `x` (fp32, detached); None when the block has a
+    /// frozen parameter (its gradients are not all bound to the flat buffer) or blocks do not run
+    /// by hand.
+    pub(super) fn block_forward_by_hand(
+        &self,
+        layer_idx: usize,
+        x: &Tensor,
+    ) -> Option<(Tensor, Box<dyn BlockBackward + '_>)> {
+        if !self.runs_blocks_by_hand() || !self.block_params(layer_idx).iter().all(|p| p.requires_grad()) {
+            return None;
+        }
+        let vision = self.shape.vision_tokens() as i64;
+        let rest = self.shape.base.seq_len as i64 - vision;
+        let tower = layer_idx < self.shape.vision_layers;
+        let entry = if tower {
+            let input = x.detach().set_requires_grad(true);
+            let parts = input.split_with_sizes([vision, rest], 1);
+            let body_input = self.film(layer_idx, &parts[1], &parts[0]);
+            Some((input, body_input))
+        } else if layer_idx == self.shape.vision_layers {
+            let input = x.detach().set_requires_grad(true);
+            let body_input = self.project_tower(&input);
+            Some((input, body_input))
+        } else {
+            None
+        };
+        let h = match &entry {
+            Some((_, body_input)) => body_input.detach().contiguous(),
+            None => x.contiguous(),
+        };
+        let (output, body) = tch::no_grad(|| self.body_forward(layer_idx, h));
+        let output = if tower { Tensor::cat(&[&output, &x.narrow(1, vision, rest)], 1) } else { output };
+        Some((output, Box::new(BlockByHand { model: self, layer_idx, entry, body })))
+    }
+
+    /// The block's parameters the body reads.
+    fn block_params(&self, layer_idx: usize) -> [&Tensor; 12] {
+        let b = &self.blocks[layer_idx];
+        [
+            &b.ln_1.0,
+            &b.ln_1.1,
+            &b.attn.0,
+            &b.attn.1,
+            &b.attn_proj.0,
+            &b.attn_proj.1,
+            &b.ln_2.0,
+            &b.ln_2.1,
+            &b.fc.0,
+            &b.fc.1,
+            &b.mlp_proj.0,
+            &b.mlp_proj.1,
+        ]
+    }
+
+    /// The block's body from `h` (fp32 `[batch, tokens, d]` contiguous): its output, fp32.
+    fn body_forward(&self, layer_idx: usize, h: Tensor) -> (Tensor, Body) {
+        let block = &self.blocks[layer_idx];
+        let bf16 = Kind::BFloat16;
+        let threads = self.by_hand_threads;
+        let (batch, tokens, d) = h.size3().expect("activations are [batch, tokens, d]");
+        let n_head = self.shape.base.n_head as i64;
+        let head_dim = d / n_head;
+        // The tower attends within each frame's patches, the backbone over the whole sequence.
+        let (rows, per_row) = if layer_idx < self.shape.vision_layers {
+            let per_frame = self.shape.patches_per_frame() as i64;
+            (batch * tokens / per_frame, per_frame)
+        } else {
+            (batch, tokens)
+        };
+        let norm = |x: &Tensor, (weight, bias): &(Tensor, Tensor)| {
+            layer_norm_bf16(x, weight, bias, LAYER_NORM_EPS, threads)
+                .expect("the stream is contiguous fp32 on the CPU and the norm's parameters fit it")
+        };
+        let (normed_1, ln_1) = norm(&h, &block.ln_1);
+        let qkv_weight = block.attn.0.to_kind(bf16);
+        let qkv = normed_1.linear(&qkv_weight, Some(&block.attn.1.to_kind(bf16)));
+        let heads = qkv.view([rows, per_row, 3, n_head, head_dim]).permute([2, 0, 3, 1, 4]).contiguous().view([
+            3,
+            rows * n_head,
+            per_row,
+            head_dim,
+        ]);
+        drop(qkv);
+        // The scale on the queries: a sixth of the scores' size at these lengths.
+        let _ = heads.get(0).g_mul_scalar_(1.0 / (head_dim as f64).sqrt());
+        let mut scores = heads.get(0).bmm(&heads.get(1).transpose(1, 2));
+        if layer_idx >= self.shape.vision_layers {
+            scores += &self.backbone_bias;
+        }
+        let probs = scores.softmax(-1, bf16);
+        drop(scores);
+        let y = probs
+            .bmm(&heads.get(2))
+            .view([rows, n_head, per_row, head_dim])
+            .transpose(1, 2)
+            .contiguous()
+            .view([batch, tokens, d]);
+        let proj_weight = block.attn_proj.0.to_kind(bf16);
+        let h_2 = &h + y.linear(&proj_weight, Some(&block.attn_proj.1.to_kind(bf16)));
+        let (normed_2, ln_2) = norm(&h_2, &block.ln_2);
+        let fc_weight = block.fc.0.to_kind(bf16);
+        let pre = normed_2.linear(&fc_weight, None::<&Tensor>);
+        let act = bias_gelu_bf16(&pre, &block.fc.1, threads)
+            .expect("the MLP's product is contiguous bf16 and its bias a contiguous fp32 view");
+        let mlp_proj_weight = block.mlp_proj.0.to_kind(bf16);
+        let output = &h_2 + act.linear(&mlp_proj_weight, Some(&block.mlp_proj.1.to_kind(bf16)));
+        let body = Body {
+            h,
+            ln_1,
+            normed_1,
+            qkv_weight,
+            heads,
+            probs,
+            y,
+            proj_weight,
+            h_2,
+            ln_2,
+            normed_2,
+            fc_weight,
+            pre,
+            act,
+            mlp_proj_weight,
+            rows,
+            per_row,
+        };
+        (output, body)
+    }
+
+    /// The body's backward from its output's gradient `grad` (fp32 contiguous, written in place):
+    /// the gradient of its input; every parameter's goes into the flat gradient buffer.
+    fn body_backward(&self, layer_idx: usize, body: &Body, grad: Tensor) -> Tensor {
+        let block = &self.blocks[layer_idx];
+        let bf16 = Kind::BFloat16;
+        let threads = self.by_hand_threads;
+        let (batch, tokens, d) = body.h.size3().expect("activations are [batch, tokens, d]");
+        let n_head = self.shape.base.n_head as i64;
+        let head_dim = d / n_head;
+        let (rows, per_row) = (body.rows, body.per_row);
+        let norm_backward = |grad_normed: &Tensor,
+                             x: &Tensor,
+                             stats: &LayerNormStats,
+                             (weight, bias): &(Tensor, Tensor),
+                             residual: Tensor| {
+            layer_norm_bf16_backward(
+                grad_normed,
+                x,
+                stats,
+                weight,
+                Some(residual),
+                &weight.grad(),
+                &bias.grad(),
+                threads,
+            )
+        };
+        // The MLP.
+        let grad_act = linear_backward(
+            &grad.to_kind(bf16),
+            &body.act,
+            &body.mlp_proj_weight,
+            (&block.mlp_proj.0, &block.mlp_proj.1),
+        );
+        let grad_pre = bias_gelu_bf16_backward(&grad_act, &body.pre, &block.fc.1, &block.fc.1.grad(), threads);
+        drop(grad_act);
+        let mut fc_grad = block.fc.0.grad();
+        fc_grad += grad_pre.view([-1, 4 * d]).tr().mm(&body.normed_2.view([-1, d]));
+        let grad_normed_2 = grad_pre.matmul(&body.fc_weight);
+        drop(grad_pre);
+        let grad = norm_backward(&grad_normed_2, &body.h_2, &body.ln_2, &block.ln_2, grad);
+        drop(grad_normed_2);
+        // The attention.
+        let grad_y =
+            linear_backward(&grad.to_kind(bf16), &body.y, &body.proj_weight, (&block.attn_proj.0, &block.attn_proj.1));
+        let grad_y = grad_y.view([rows, per_row, n_head, head_dim]).transpose(1, 2).contiguous().view([
+            rows * n_head,
+            per_row,
+            head_dim,
+        ]);
+        let (q, k, v) = (body.heads.get(0), body.heads.get(1), body.heads.get(2));
+        let grad_heads = Tensor::empty(body.heads.size(), (bf16, Device::Cpu));
+        let grad_probs = grad_y.bmm(&v.transpose(1, 2));
+        let _ = body.probs.transpose(1, 2).bmm_out(&grad_heads.get(2), &grad_y);
+        drop(grad_y);
+        let grad_scores = Tensor::internal_softmax_backward_data(&grad_probs, &body.probs, -1, bf16);
+        drop(grad_probs);
+        let _ = grad_scores.bmm_out(&grad_heads.get(0), &k);
+        let _ = grad_heads.get(0).g_mul_scalar_(1.0 / (head_dim as f64).sqrt());
+        let _ = grad_scores.transpose(1, 2).bmm_out(&grad_heads.get(1), &q);
+        drop(grad_scores);
+        // From head-major order back to the projection's `[.., 3d]`.
+        let grad_qkv = grad_heads.view([3, rows, n_head, per_row, head_dim]).permute([1, 3, 0, 2, 4]).reshape([
+            batch,
+            tokens,
+            3 * d,
+        ]);
+        drop(grad_heads);
+        let grad_normed_1 =
+            linear_backward(&grad_qkv, &body.normed_1, &body.qkv_weight, (&block.attn.0, &block.attn.1));
+        drop(grad_qkv);
+        norm_backward(&grad_normed_1, &body.h, &body.ln_1, &block.ln_1, grad)
+    }
+}
+
+impl BlockBackward for BlockByHand<'_> {
+    fn backward(&self, grad_output: Tensor) -> Tensor {
+        let model = self.model;
+        let vision = model.shape.vision_tokens() as i64;
+        let tower = self.layer_idx < model.shape.vision_layers;
+        // The body's output gradient: in the tower the vision tokens' rows, a copy of its own
+        // (the norm's backward writes into it).
+        let grad = if tower { grad_output.narrow(1, 0, vision).contiguous() } else { grad_output.contiguous() };
+        let grad_body = tch::no_grad(|| model.body_backward(self.layer_idx, &self.body, grad));
+        let Some((input, body_input)) = &self.entry else { return grad_body };
+        backward_from(body_input, &grad_body);
+        drop(grad_body);
+        let grad_input = input.grad();
+        if tower {
+            // The rest of the stream passed the block: its gradient passes back, beside what the
+            // FiLM's summary of the instruction adds to it.
+            let rest = grad_output.size()[1] - vision;
+            tch::no_grad(|| {
+                let mut passed = grad_input.narrow(1, vision, rest);
+                passed += grad_output.narrow(1, vision, rest);
+            });
+        }
+        grad_input
+    }
+}
