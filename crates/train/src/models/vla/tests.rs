@@ -81,6 +81,16 @@ fn parameters_fill_the_declared_units() {
     assert_eq!(planned, built);
 }
 
+/// One micro-batch of `batch` through `model` by an executor of `kind` with `recompute`, from
+/// zeroed gradients: its loss and the flat gradient.
+fn micro_batch(model: &Vla, batch: &Inputs, kind: ExecutorKind, recompute: Recompute) -> (f64, Vec<f32>) {
+    model.params().zero_grad();
+    let executor = Executor::new(kind, recompute).unwrap();
+    let mut clock = StepClock::start(Device::Cpu, true);
+    let result = executor.run_micro_batch(model, batch, 1.0, true, false, &mut clock, &mut crate::NoHooks).unwrap();
+    (result.loss.double_value(&[]), Vec::<f32>::try_from(model.params().flat_grad()).unwrap())
+}
+
 /// The block executor (per-block graphs, recomputation) gives the single graph's gradients, for
 /// both action losses and with the instruction's loss (the head reading the embedding's rows):
 /// the vision blocks' pass-through and the projector go through the seam.
@@ -93,14 +103,7 @@ fn the_block_executor_gives_the_single_graphs_gradients() {
         let mut model = Vla::new(shape, Precision::Fp32, loss, Device::Cpu);
         model.set_instruction_lm(instruction_lm);
         let batch = inputs(&shape, 3, 4);
-        let grads = |kind, recompute| {
-            model.params().zero_grad();
-            let executor = Executor::new(kind, recompute).unwrap();
-            let mut clock = StepClock::start(Device::Cpu, true);
-            let result =
-                executor.run_micro_batch(&model, &batch, 1.0, true, false, &mut clock, &mut crate::NoHooks).unwrap();
-            (result.loss.double_value(&[]), Vec::<f32>::try_from(model.params().flat_grad()).unwrap())
-        };
+        let grads = |kind, recompute| micro_batch(&model, &batch, kind, recompute);
         let (loss_a, a) = grads(ExecutorKind::SingleGraph, Recompute::None);
         for recompute in [Recompute::None, Recompute::Block, Recompute::Mlp] {
             let (loss_b, b) = grads(ExecutorKind::Blocks, recompute);
@@ -355,12 +358,7 @@ fn blocks_by_hand_give_the_graphs_loss_and_gradients_under_bf16() {
         let mut run = |by_hand: bool, kind, recompute| {
             model.set_blocks_by_hand(by_hand, 2);
             assert_eq!(model.blocks_by_hand(), by_hand);
-            model.params().zero_grad();
-            let executor = Executor::new(kind, recompute).unwrap();
-            let mut clock = StepClock::start(Device::Cpu, true);
-            let result =
-                executor.run_micro_batch(&model, &batch, 1.0, true, false, &mut clock, &mut crate::NoHooks).unwrap();
-            (result.loss.double_value(&[]), Vec::<f32>::try_from(model.params().flat_grad()).unwrap())
+            micro_batch(&model, &batch, kind, recompute)
         };
         let (loss_a, a) = run(false, ExecutorKind::SingleGraph, Recompute::None);
         let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
@@ -371,7 +369,6 @@ fn blocks_by_hand_give_the_graphs_loss_and_gradients_under_bf16() {
                 "{loss:?} {recompute:?}: {loss_a} against {loss_b}"
             );
             let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-            eprintln!("{loss:?} {instruction_lm} {recompute:?}: loss {loss_a} {loss_b}, worst {worst} of {scale}");
             assert!(scale > 0.0 && worst <= 5e-3 * scale, "{loss:?} {recompute:?}: {worst} of {scale}");
         }
     }
