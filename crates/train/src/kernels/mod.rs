@@ -67,7 +67,9 @@ pub use layer_norm::{
     layer_norm_bf16, layer_norm_bf16_backward, rms_norm_bf16, rms_norm_bf16_backward, rms_norm_f32, LayerNormStats,
 };
 pub use rope::{rope_split_bf16, rope_split_bf16_backward};
-pub use softmax::{causal_softmax_backward_bf16, causal_softmax_bf16, CausalBlock};
+pub use softmax::{
+    causal_softmax_backward_bf16, causal_softmax_bf16, prefix_softmax_backward_bf16, prefix_softmax_bf16, CausalBlock,
+};
 pub use swiglu::{swiglu_bf16, swiglu_bf16_backward};
 
 /// The loss of a fused cross-entropy and the gradient of `loss x grad_scale` with respect to the

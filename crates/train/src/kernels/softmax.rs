@@ -10,6 +10,11 @@
 //! scores' gradient (times the scale) over the latter. The arithmetic is fp32
 //! (`precision::FP32_OPS`); rows are split across threads by matrix, so the results do not depend
 //! on the thread count.
+//!
+//! `prefix_softmax_bf16` is the same over whole matrices whose row `r` sees the keys
+//! `0..lengths[r]`: every mask of the vla family (none in its tower; in its backbone the prefix
+//! sees the prefix, the chunk everything, and under its instruction loss each instruction token
+//! the frames and the tokens up to its own) is such a per-row count.
 
 use tch::{Device, Kind, Tensor};
 
@@ -83,6 +88,83 @@ fn for_each_matrix(blocks: &[CausalBlock], heads: usize, n_threads: usize, work:
     });
 }
 
+/// Which keys each row of a matrix sees: `0..valid(r)`.
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    /// Row `r` is query `first + r` of a causal attention.
+    Causal { first: usize },
+    /// Row `r` sees `lengths[r]` keys.
+    Lengths(&'a [usize]),
+}
+
+impl Keys<'_> {
+    #[inline(always)]
+    fn valid(&self, r: usize, cols: usize) -> usize {
+        match self {
+            Keys::Causal { first } => (first + r + 1).min(cols),
+            Keys::Lengths(lengths) => lengths[r].min(cols),
+        }
+    }
+}
+
+/// Checks that `buffer` is a contiguous bf16 CPU tensor `[n, rows, cols]` with `rows` the number
+/// of `lengths`, each length between 1 and `cols`; gives `(n, cols)`.
+fn fits_prefix(buffer: &Tensor, lengths: &[usize]) -> Option<(usize, usize)> {
+    let (n, rows, cols) = buffer.size3().ok()?;
+    let ok = buffer.kind() == Kind::BFloat16
+        && buffer.device() == Device::Cpu
+        && buffer.is_contiguous()
+        && rows as usize == lengths.len()
+        && lengths.iter().all(|&l| l >= 1 && l <= cols as usize);
+    ok.then_some((n as usize, cols as usize))
+}
+
+/// Softmax over the first `lengths[r]` keys of each row `r` of every matrix of `scores` (`[n,
+/// rows, cols]` bf16, the unscaled products of queries and keys) times `scale`, written over
+/// `scores`, zeros beyond. Panics when the buffer is not that (a caller's bug).
+pub fn prefix_softmax_bf16(scores: &Tensor, lengths: &[usize], scale: f32, n_threads: usize) {
+    let (n, cols) = fits_prefix(scores, lengths).expect("prefix_softmax_bf16: scores are [n, rows, cols] bf16");
+    let size = lengths.len() * cols;
+    // SAFETY: a contiguous bf16 CPU tensor of `n * size` elements (checked above), alive for
+    // this call; the threads write disjoint matrices of it.
+    let all = unsafe { SharedMut::new(scores.data_ptr() as *mut u16, n * size) };
+    parallel_rows(n, n_threads, MIN_MATRICES_PER_THREAD, |range| {
+        for m in range {
+            // SAFETY: each matrix is handed to one thread only.
+            let matrix = unsafe { all.slice(m * size..(m + 1) * size) };
+            forward_dispatch(matrix, Keys::Lengths(lengths), cols, scale);
+        }
+    });
+}
+
+/// The gradient of `prefix_softmax_bf16`'s input (the unscaled scores) given its output `probs`
+/// and the output's gradient `grad`, written over `grad`, as `causal_softmax_backward_bf16`'s.
+pub fn prefix_softmax_backward_bf16(probs: &Tensor, grad: &Tensor, lengths: &[usize], scale: f32, n_threads: usize) {
+    let shape = fits_prefix(probs, lengths).expect("prefix_softmax_backward_bf16: probs are [n, rows, cols] bf16");
+    assert!(
+        fits_prefix(grad, lengths) == Some(shape),
+        "prefix_softmax_backward_bf16: the gradient is not the probabilities' shape"
+    );
+    let (n, cols) = shape;
+    let size = lengths.len() * cols;
+    // SAFETY: contiguous bf16 CPU tensors of `n * size` elements (checked above), alive for this
+    // call; `probs` is only read, and the threads write disjoint matrices of `grad`.
+    let (probs, all) = unsafe {
+        (
+            std::slice::from_raw_parts(probs.data_ptr() as *const u16, n * size),
+            SharedMut::new(grad.data_ptr() as *mut u16, n * size),
+        )
+    };
+    parallel_rows(n, n_threads, MIN_MATRICES_PER_THREAD, |range| {
+        for m in range {
+            let span = m * size..(m + 1) * size;
+            // SAFETY: each matrix is handed to one thread only.
+            let grad = unsafe { all.slice(span.clone()) };
+            backward_dispatch(&probs[span], grad, Keys::Lengths(lengths), cols, scale);
+        }
+    });
+}
+
 /// Softmax over the keys each query sees, of `scores` times `scale`, written over `scores`
 /// (zeros beyond the diagonal). Panics when the buffer does not hold the blocks (a caller's bug).
 pub fn causal_softmax_bf16(scores: &Tensor, blocks: &[CausalBlock], heads: usize, scale: f32, n_threads: usize) {
@@ -93,7 +175,7 @@ pub fn causal_softmax_bf16(scores: &Tensor, blocks: &[CausalBlock], heads: usize
     for_each_matrix(blocks, heads, n_threads, |block, start| {
         // SAFETY: each matrix is handed to one thread only.
         let matrix = unsafe { all.slice(start..start + block.rows * block.cols) };
-        forward_dispatch(matrix, block.first, block.cols, scale);
+        forward_dispatch(matrix, Keys::Causal { first: block.first }, block.cols, scale);
     });
 }
 
@@ -122,26 +204,20 @@ pub fn causal_softmax_backward_bf16(
         let range = start..start + block.rows * block.cols;
         // SAFETY: each matrix is handed to one thread only.
         let grad = unsafe { all.slice(range.clone()) };
-        backward_dispatch(&probs[range], grad, block.first, block.cols, scale);
+        backward_dispatch(&probs[range], grad, Keys::Causal { first: block.first }, block.cols, scale);
     });
 }
 
 simd_dispatch! {
     /// `forward_matrix` for the best instruction set this CPU has.
-    fn forward_dispatch(matrix: &mut [u16], first: usize, cols: usize, scale: f32) => forward_matrix
-}
-
-/// The keys row `r` of a matrix whose first query is `first` sees.
-#[inline(always)]
-fn seen(first: usize, r: usize, cols: usize) -> usize {
-    (first + r + 1).min(cols)
+    fn forward_dispatch(matrix: &mut [u16], keys: Keys<'_>, cols: usize, scale: f32) => forward_matrix
 }
 
 #[inline(always)]
-fn forward_matrix(matrix: &mut [u16], first: usize, cols: usize, scale: f32) {
+fn forward_matrix(matrix: &mut [u16], keys: Keys<'_>, cols: usize, scale: f32) {
     let mut scratch = vec![0f32; cols.next_multiple_of(LANES)];
     for (r, row) in matrix.chunks_exact_mut(cols).enumerate() {
-        let valid = seen(first, r, cols);
+        let valid = keys.valid(r, cols);
         let padded = valid.next_multiple_of(LANES);
         for (s, &b) in scratch.iter_mut().zip(&row[..valid]) {
             *s = bf16_to_f32(b) * scale;
@@ -173,15 +249,15 @@ fn forward_matrix(matrix: &mut [u16], first: usize, cols: usize, scale: f32) {
 
 simd_dispatch! {
     /// `backward_matrix` for the best instruction set this CPU has.
-    fn backward_dispatch(probs: &[u16], grad: &mut [u16], first: usize, cols: usize, scale: f32) => backward_matrix
+    fn backward_dispatch(probs: &[u16], grad: &mut [u16], keys: Keys<'_>, cols: usize, scale: f32) => backward_matrix
 }
 
 #[inline(always)]
-fn backward_matrix(probs: &[u16], grad: &mut [u16], first: usize, cols: usize, scale: f32) {
+fn backward_matrix(probs: &[u16], grad: &mut [u16], keys: Keys<'_>, cols: usize, scale: f32) {
     let width = cols.next_multiple_of(LANES);
     let (mut p32, mut g32) = (vec![0f32; width], vec![0f32; width]);
     for (r, (p_row, g_row)) in probs.chunks_exact(cols).zip(grad.chunks_exact_mut(cols)).enumerate() {
-        let valid = seen(first, r, cols);
+        let valid = keys.valid(r, cols);
         let padded = valid.next_multiple_of(LANES);
         for ((p, g), (&pb, &gb)) in p32.iter_mut().zip(g32.iter_mut()).zip(p_row[..valid].iter().zip(&g_row[..valid])) {
             *p = bf16_to_f32(pb);
@@ -213,9 +289,15 @@ mod tests {
     /// `softmax`, rounded to bf16; `_softmax_backward_data` from those bf16 probabilities (what
     /// autograd saves) and `grad`, times the scale: the gradient of the unscaled scores.
     fn reference(scores: &Tensor, first: i64, scale: f64, grad: &Tensor) -> (Tensor, Tensor) {
-        let (heads, rows, cols) = scores.size3().unwrap();
+        let (_, rows, cols) = scores.size3().unwrap();
         let mask =
             Tensor::full([cols, cols], f64::NEG_INFINITY, (Kind::Float, Device::Cpu)).triu(1).narrow(0, first, rows);
+        masked_reference(scores, &mask, scale, grad)
+    }
+
+    /// `reference` under the additive mask `mask` `[rows, cols]` (0 or -inf).
+    fn masked_reference(scores: &Tensor, mask: &Tensor, scale: f64, grad: &Tensor) -> (Tensor, Tensor) {
+        let (heads, rows, cols) = scores.size3().unwrap();
         let probs = (mask.expand([heads, rows, cols], false) + scores.to_kind(Kind::Float) * scale)
             .softmax(-1, None)
             .to_kind(Kind::BFloat16);
@@ -268,6 +350,49 @@ mod tests {
         // multiple of the lanes.
         check(100, 32, 5, 0.17, 2);
         check(37, 16, 3, 1.0, 4);
+    }
+
+    /// Per-row key counts (the vla's masks: everything; a prefix and a chunk; a causal run in the
+    /// middle) against libtorch's masked softmax, forward and backward, on one thread and several.
+    #[test]
+    fn prefix_softmax_matches_libtorch_forward_and_backward() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        tch::manual_seed(12);
+        let (heads, rows) = (7usize, 37usize);
+        let whole = vec![rows; rows];
+        let prefix: Vec<usize> = (0..rows).map(|r| if r < 29 { 29 } else { rows }).collect();
+        let causal_middle: Vec<usize> = (0..rows)
+            .map(|r| {
+                if r < 10 {
+                    10
+                } else if r < 20 {
+                    r + 1
+                } else if r < 29 {
+                    29
+                } else {
+                    rows
+                }
+            })
+            .collect();
+        for (lengths, scale, n_threads) in [(&whole, 0.125f32, 1), (&prefix, 0.17, 3), (&causal_middle, 1.0, 2)] {
+            let f32s = (Kind::Float, Device::Cpu);
+            let scores = (Tensor::randn([heads as i64, rows as i64, rows as i64], f32s) * 3.0).to_kind(Kind::BFloat16);
+            let upstream = Tensor::randn([heads as i64, rows as i64, rows as i64], f32s).to_kind(Kind::BFloat16);
+            let seen: Vec<f32> = lengths
+                .iter()
+                .flat_map(|&l| (0..rows).map(move |c| if c < l { 0.0 } else { f32::NEG_INFINITY }))
+                .collect();
+            let mask = Tensor::from_slice(&seen).view([rows as i64, rows as i64]);
+            let (want_p, want_g) = masked_reference(&scores, &mask, scale as f64, &upstream);
+            let probs = scores.copy();
+            prefix_softmax_bf16(&probs, lengths, scale, n_threads);
+            let grad = upstream.copy();
+            prefix_softmax_backward_bf16(&probs, &grad, lengths, scale, n_threads);
+            close(&probs, &want_p, 1.0, "probabilities");
+            let masked = want_p.eq(0.0).logical_and(&probs.ne(0.0)).any().int64_value(&[]);
+            assert_eq!(masked, 0, "a key beyond a row's count got a probability");
+            close(&grad, &want_g, 2.0, "gradient");
+        }
     }
 
     #[test]

@@ -19,8 +19,10 @@ use tch::{Device, Kind, Tensor};
 
 use super::{Vla, LAYER_NORM_EPS};
 use crate::executor::backward_from;
-use crate::kernels::LayerNormStats;
-use crate::kernels::{bias_gelu_bf16, bias_gelu_bf16_backward, layer_norm_bf16, layer_norm_bf16_backward};
+use crate::kernels::{
+    bias_gelu_bf16, bias_gelu_bf16_backward, layer_norm_bf16, layer_norm_bf16_backward, prefix_softmax_backward_bf16,
+    prefix_softmax_bf16, LayerNormStats,
+};
 use crate::models::gpt::linear_backward;
 use crate::models::BlockBackward;
 
@@ -33,9 +35,9 @@ struct Body {
     normed_1: Tensor,
     /// The q, k, v weight `[3d, d]` in bf16.
     qkv_weight: Tensor,
-    /// q (scaled by 1/sqrt(head_dim)), k and v, bf16 `[3, rows * n_head, tokens per row, head_dim]`.
+    /// q, k and v, bf16 `[3, rows * n_head, tokens per row, head_dim]`.
     heads: Tensor,
-    /// The softmax's output, bf16 `[rows * n_head, tokens per row, tokens per row]`.
+    /// The softmax kernel's output, bf16 `[rows * n_head, tokens per row, tokens per row]`.
     probs: Tensor,
     /// The weighted sums in the output projection's layout, bf16 `[batch, tokens, d]`.
     y: Tensor,
@@ -116,6 +118,22 @@ impl Vla {
         Some((output, Box::new(BlockByHand { model: self, layer_idx, entry, body })))
     }
 
+    /// The keys each attention row of block `layer_idx` sees (`per_row` rows): all of its frame's
+    /// in the tower, the prefix mask's counts in the backbone.
+    fn keys(&self, layer_idx: usize, per_row: i64) -> &[usize] {
+        if layer_idx < self.shape.vision_layers {
+            &self.tower_keys
+        } else {
+            debug_assert_eq!(self.backbone_keys.len() as i64, per_row);
+            &self.backbone_keys
+        }
+    }
+
+    /// 1 / sqrt(head_dim), in the kernel's fp32.
+    fn softmax_scale(&self, head_dim: i64) -> f32 {
+        (1.0 / (head_dim as f64).sqrt()) as f32
+    }
+
     /// The block's parameters the body reads.
     fn block_params(&self, layer_idx: usize) -> [&Tensor; 12] {
         let b = &self.blocks[layer_idx];
@@ -164,14 +182,10 @@ impl Vla {
             head_dim,
         ]);
         drop(qkv);
-        // The scale on the queries: a sixth of the scores' size at these lengths.
-        let _ = heads.get(0).g_mul_scalar_(1.0 / (head_dim as f64).sqrt());
-        let mut scores = heads.get(0).bmm(&heads.get(1).transpose(1, 2));
-        if layer_idx >= self.shape.vision_layers {
-            scores += &self.backbone_bias;
-        }
-        let probs = scores.softmax(-1, bf16);
-        drop(scores);
+        // The unscaled scores, turned into probabilities in place by the kernel, which scales
+        // them and takes each row's keys only (the mask's per-row counts).
+        let probs = heads.get(0).bmm(&heads.get(1).transpose(1, 2));
+        prefix_softmax_bf16(&probs, self.keys(layer_idx, per_row), self.softmax_scale(head_dim), threads);
         let y = probs
             .bmm(&heads.get(2))
             .view([rows, n_head, per_row, head_dim])
@@ -260,13 +274,13 @@ impl Vla {
         ]);
         let (q, k, v) = (body.heads.get(0), body.heads.get(1), body.heads.get(2));
         let grad_heads = Tensor::empty(body.heads.size(), (bf16, Device::Cpu));
-        let grad_probs = grad_y.bmm(&v.transpose(1, 2));
+        // The probabilities' gradient, turned into the unscaled scores' in place.
+        let grad_scores = grad_y.bmm(&v.transpose(1, 2));
         let _ = body.probs.transpose(1, 2).bmm_out(&grad_heads.get(2), &grad_y);
         drop(grad_y);
-        let grad_scores = Tensor::internal_softmax_backward_data(&grad_probs, &body.probs, -1, bf16);
-        drop(grad_probs);
+        let keys = self.keys(layer_idx, per_row);
+        prefix_softmax_backward_bf16(&body.probs, &grad_scores, keys, self.softmax_scale(head_dim), threads);
         let _ = grad_scores.bmm_out(&grad_heads.get(0), &k);
-        let _ = grad_heads.get(0).g_mul_scalar_(1.0 / (head_dim as f64).sqrt());
         let _ = grad_scores.transpose(1, 2).bmm_out(&grad_heads.get(1), &q);
         drop(grad_scores);
         // From head-major order back to the projection's `[.., 3d]`.

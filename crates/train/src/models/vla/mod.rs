@@ -111,6 +111,11 @@ pub struct Vla {
     /// `[seq, seq]`, 0 where a backbone position may attend (the prefix within itself, the action
     /// chunk everywhere; `prefix_mask`) and -inf where not, in the compute type, added to the scores.
     backbone_bias: Tensor,
+    /// The same mask as the keys each backbone row sees, `0..backbone_keys[row]` (every row's
+    /// allowed columns are a prefix of the sequence: `prefix_mask`).
+    backbone_keys: Vec<usize>,
+    /// Every tower row sees its whole frame: `patches_per_frame` keys for each of its rows.
+    tower_keys: Vec<usize>,
     /// Attention as batched matrix multiplies and a softmax, else libtorch's
     /// scaled_dot_product_attention: in the vision tower and in the backbone apart.
     math_attention: [bool; 2],
@@ -151,6 +156,19 @@ fn math_attention(device: Device, kind: Kind) -> [bool; 2] {
         Device::Cpu => [true, kind != Kind::Float],
         _ => [false, false],
     }
+}
+
+/// For a mask `[seq, seq]` whose every row allows a prefix of the columns: each row's count.
+fn row_keys(mask: &Tensor) -> Vec<usize> {
+    let seq = mask.size()[1];
+    let counts: Vec<i64> =
+        Vec::try_from(mask.sum_dim_intlist([1i64].as_slice(), false, Kind::Int64)).expect("int64 counts");
+    let prefixes = Tensor::from_slice(&counts).unsqueeze(1).gt_tensor(&Tensor::arange(seq, (Kind::Int64, Device::Cpu)));
+    assert!(
+        prefixes.equal(&mask.to_device(Device::Cpu)),
+        "every row of the prefix mask allows a prefix of the columns"
+    );
+    counts.into_iter().map(|c| c as usize).collect()
 }
 
 /// `mask` as 0 (attend) or -inf (not) in `kind`.
@@ -299,6 +317,8 @@ impl Vla {
             action_out: pair("action_out"),
             blocks,
             backbone_bias: additive(&prefix_mask(&shape, false, device), compute_kind(precision)),
+            backbone_keys: row_keys(&prefix_mask(&shape, false, device)),
+            tower_keys: vec![shape.patches_per_frame(); shape.patches_per_frame()],
             math_attention: math_attention(device, compute_kind(precision)),
             by_hand_threads: 0,
             shape,
@@ -315,6 +335,7 @@ impl Vla {
         self.instruction_lm = weight;
         let mask = prefix_mask(&self.shape, weight > 0.0, self.backbone_bias.device());
         self.backbone_bias = additive(&mask, self.compute);
+        self.backbone_keys = row_keys(&mask);
     }
 
     pub fn vla_shape(&self) -> VlaShape {
