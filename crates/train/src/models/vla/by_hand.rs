@@ -118,6 +118,21 @@ impl Vla {
         Some((output, Box::new(BlockByHand { model: self, layer_idx, entry, body })))
     }
 
+    /// Block `layer_idx`'s parameters in bf16 from one cast of its unit's range of the flat
+    /// buffer (the FiLM's or projector's with them): a function that cuts a parameter's part.
+    fn block_cast(&self, layer_idx: usize) -> impl Fn(&Tensor) -> Tensor + '_ {
+        let unit = &self.params.units()[layer_idx + 1];
+        let flat = self.params.flat();
+        let cast = flat.narrow(0, unit.range.start, unit.range.end - unit.range.start).to_kind(Kind::BFloat16);
+        move |param: &Tensor| {
+            let entry = self.params.entries()[unit.entries.clone()]
+                .iter()
+                .find(|e| e.tensor.data_ptr() == param.data_ptr())
+                .expect("a block's parameter is in its unit");
+            cast.narrow(0, entry.offset - unit.range.start, entry.numel).view(entry.shape.as_slice())
+        }
+    }
+
     /// The keys each attention row of block `layer_idx` sees (`per_row` rows): all of its frame's
     /// in the tower, the prefix mask's counts in the backbone.
     fn keys(&self, layer_idx: usize, per_row: i64) -> &[usize] {
@@ -156,7 +171,6 @@ impl Vla {
     /// The block's body from `h` (fp32 `[batch, tokens, d]` contiguous): its output, fp32.
     fn body_forward(&self, layer_idx: usize, h: Tensor) -> (Tensor, Body) {
         let block = &self.blocks[layer_idx];
-        let bf16 = Kind::BFloat16;
         let threads = self.by_hand_threads;
         let (batch, tokens, d) = h.size3().expect("activations are [batch, tokens, d]");
         let n_head = self.shape.base.n_head as i64;
@@ -172,9 +186,10 @@ impl Vla {
             layer_norm_bf16(x, weight, bias, LAYER_NORM_EPS, threads)
                 .expect("the stream is contiguous fp32 on the CPU and the norm's parameters fit it")
         };
+        let cast = self.block_cast(layer_idx);
         let (normed_1, ln_1) = norm(&h, &block.ln_1);
-        let qkv_weight = block.attn.0.to_kind(bf16);
-        let qkv = normed_1.linear(&qkv_weight, Some(&block.attn.1.to_kind(bf16)));
+        let qkv_weight = cast(&block.attn.0);
+        let qkv = normed_1.linear(&qkv_weight, Some(&cast(&block.attn.1)));
         let heads = qkv.view([rows, per_row, 3, n_head, head_dim]).permute([2, 0, 3, 1, 4]).contiguous().view([
             3,
             rows * n_head,
@@ -192,15 +207,15 @@ impl Vla {
             .transpose(1, 2)
             .contiguous()
             .view([batch, tokens, d]);
-        let proj_weight = block.attn_proj.0.to_kind(bf16);
-        let h_2 = &h + y.linear(&proj_weight, Some(&block.attn_proj.1.to_kind(bf16)));
+        let proj_weight = cast(&block.attn_proj.0);
+        let h_2 = &h + y.linear(&proj_weight, Some(&cast(&block.attn_proj.1)));
         let (normed_2, ln_2) = norm(&h_2, &block.ln_2);
-        let fc_weight = block.fc.0.to_kind(bf16);
+        let fc_weight = cast(&block.fc.0);
         let pre = normed_2.linear(&fc_weight, None::<&Tensor>);
         let act = bias_gelu_bf16(&pre, &block.fc.1, threads)
             .expect("the MLP's product is contiguous bf16 and its bias a contiguous fp32 view");
-        let mlp_proj_weight = block.mlp_proj.0.to_kind(bf16);
-        let output = &h_2 + act.linear(&mlp_proj_weight, Some(&block.mlp_proj.1.to_kind(bf16)));
+        let mlp_proj_weight = cast(&block.mlp_proj.0);
+        let output = &h_2 + act.linear(&mlp_proj_weight, Some(&cast(&block.mlp_proj.1)));
         let body = Body {
             h,
             ln_1,
