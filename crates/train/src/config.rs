@@ -160,8 +160,8 @@ pub struct TrainConfig {
     /// whole by hand: q, k and v (and gate and up) as one product each with their LoRA adapters
     /// beside it, the rotary positions and SwiGLU as Rust kernels, libtorch's flash attention,
     /// and the backward's products by hand (none for a frozen weight), with no autograd graph; and
-    /// the vla family's blocks whole by hand (`models/vla/by_hand.rs`; a block with a frozen
-    /// parameter stays in the graph). Default true.
+    /// on a CPU in bf16 and fp32 the vla family's blocks whole by hand (`models/vla/by_hand.rs`; a
+    /// block with a frozen parameter stays in the graph). Default true.
     pub fused_branches: bool,
     /// Under 16-bit precision, each block's parameters cast to the compute type in one op per
     /// step, its linear layers taking 16-bit leaves cut from that cast whose gradients are added

@@ -116,6 +116,21 @@ pub fn layer_norm_bf16(
     norm_bf16(x, weight, Some(bias), eps, n_threads)
 }
 
+/// `layer_norm_bf16` with an fp32 output (an fp32 run's): the same statistics and backward
+/// (`layer_norm_bf16_backward` takes the fp32 gradient).
+pub fn layer_norm_f32(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    n_threads: usize,
+) -> Option<(Tensor, LayerNormStats)> {
+    if !cpu_contiguous(bias, Kind::Float) || bias.size() != weight.size() {
+        return None;
+    }
+    norm_into::<f32>(x, weight, Some(bias), eps, n_threads)
+}
+
 /// RMSNorm of `x` `[.., d]` fp32 over its last dimension with `weight` `[d]` fp32 and `eps`
 /// (`x / sqrt(mean(x^2) + eps) * weight`), as bf16 of `x`'s shape; with the row statistics for
 /// `rms_norm_bf16_backward`. `None` as for `layer_norm_bf16`.

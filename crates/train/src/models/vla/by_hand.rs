@@ -1,27 +1,32 @@
-//! The vla's blocks whole by hand under bf16 on a CPU (`train.fused_branches` with
-//! `train.fused_layer_norm`): a block's two branches run outside libtorch's graph, forward and
-//! backward, as one executor segment.
+//! The vla's blocks whole by hand on a CPU (`train.fused_branches` with `train.fused_layer_norm`):
+//! a block's two branches run outside libtorch's graph, forward and backward, as one executor
+//! segment.
 //!
-//! The body of a block is GPT-2's: the LayerNorm kernel reads the fp32 stream and writes the bf16
-//! the q, k, v product takes; the heads are cut from that product in one copy with the queries
-//! scaled; scores, libtorch's bf16 softmax (fp32 inside) under the backbone's additive prefix mask
-//! (none in the tower, whose rows are frames), weighted sums, the output projection, the residual
-//! add in fp32; then the MLP with its first product's bias and GELU in one kernel pass. The
-//! backward is the same products by hand, the GELU kernel's backward with the bias's gradient
-//! summed in its pass, libtorch's softmax backward, and the LayerNorm kernel's backward adding
-//! the residual's gradient in place: no autograd graph, no casts of 16-bit gradients between
-//! layers, no bias copies before the products. What comes before a body stays in libtorch's
-//! graph, small beside it: a vision block's FiLM (the tower's tokens scaled and shifted by the
-//! instruction's summary) and the first backbone block's projector and keypoints. The rest of the
-//! stream passes a vision block untouched, its gradient too.
+//! The body of a block is GPT-2's. Under bf16: the LayerNorm kernel reads the fp32 stream and
+//! writes the bf16 the q, k, v product takes (its weights cut from one cast of the block); the
+//! heads are cut from that product in one copy; the scores' product, then the softmax kernel
+//! scales them and takes each row's keys only (the backbone's prefix mask as per-row counts;
+//! every key of its frame in the tower) in place; weighted sums, the output projection, the
+//! residual add in fp32; then the MLP with its first product's bias and GELU in one kernel pass.
+//! Under fp32 the same with the LayerNorm kernel's fp32 output, libtorch's softmax in the tower
+//! and its flash attention under the additive prefix mask in the backbone, libtorch's GELU, and
+//! each residual add done by the output projection's matrix multiply into the stream plus its
+//! bias. The backward is the same products by hand (in fp32 the weights' gradients multiplied
+//! into the flat buffer), the kernels' backward (the GELU kernel's with the bias's gradient summed
+//! in its pass), and the LayerNorm kernel's backward adding the residual's gradient in place: no
+//! autograd graph, no casts of 16-bit gradients between layers, no bias copies before the
+//! products. What comes before a body stays in libtorch's graph, small beside it: a vision
+//! block's FiLM (the tower's tokens scaled and shifted by the instruction's summary) and the first
+//! backbone block's projector and keypoints. The rest of the stream passes a vision block
+//! untouched, its gradient too.
 
 use tch::{Device, Kind, Tensor};
 
 use super::{Vla, LAYER_NORM_EPS};
 use crate::executor::backward_from;
 use crate::kernels::{
-    bias_gelu_bf16, bias_gelu_bf16_backward, layer_norm_bf16, layer_norm_bf16_backward, prefix_softmax_backward_bf16,
-    prefix_softmax_bf16, LayerNormStats,
+    bias_gelu_bf16, bias_gelu_bf16_backward, layer_norm_bf16, layer_norm_bf16_backward, layer_norm_f32,
+    prefix_softmax_backward_bf16, prefix_softmax_bf16, LayerNormStats,
 };
 use crate::models::gpt::linear_backward;
 use crate::models::BlockBackward;
@@ -35,10 +40,9 @@ struct Body {
     normed_1: Tensor,
     /// The q, k, v weight `[3d, d]` in bf16.
     qkv_weight: Tensor,
-    /// q, k and v, bf16 `[3, rows * n_head, tokens per row, head_dim]`.
+    /// q, k and v, `[3, rows * n_head, tokens per row, head_dim]`.
     heads: Tensor,
-    /// The softmax kernel's output, bf16 `[rows * n_head, tokens per row, tokens per row]`.
-    probs: Tensor,
+    attention: Attention,
     /// The weighted sums in the output projection's layout, bf16 `[batch, tokens, d]`.
     y: Tensor,
     proj_weight: Tensor,
@@ -56,6 +60,15 @@ struct Body {
     per_row: i64,
 }
 
+/// What an attention keeps for its backward besides q, k and v.
+enum Attention {
+    /// The softmax's output `[rows * n_head, tokens per row, tokens per row]`.
+    Probs(Tensor),
+    /// libtorch's flash attention's output `[batch, n_head, tokens, head_dim]` and its rows'
+    /// log-sum-exps (the fp32 backbone).
+    Flash { out: Tensor, lse: Tensor },
+}
+
 /// A block by hand between its forward and its backward.
 struct BlockByHand<'m> {
     model: &'m Vla,
@@ -68,19 +81,22 @@ struct BlockByHand<'m> {
 }
 
 impl Vla {
-    /// Under bf16 on a CPU, the block executor runs each block whole by hand (see the module
-    /// doc), its kernels on `n_threads` threads. `false` (the default of `new`) runs the blocks
+    /// On a CPU, the block executor runs each block whole by hand (see the module doc), its
+    /// kernels on `n_threads` threads. `false` (the default of `new`) runs the blocks
     /// in libtorch's graph.
     pub fn set_blocks_by_hand(&mut self, enabled: bool, n_threads: usize) {
         self.by_hand_threads = if enabled { n_threads.max(1) } else { 0 };
     }
 
-    /// Whether blocks run by hand: asked for, bf16, on a CPU with batched-matrix attention.
+    /// Whether blocks run by hand: asked for, on a CPU, in bf16 (attention by batched matrix
+    /// multiplies) or fp32 (the tower's so, the backbone's by flash attention).
     pub(super) fn runs_blocks_by_hand(&self) -> bool {
-        self.by_hand_threads > 0
-            && self.compute == Kind::BFloat16
-            && self.params.device() == Device::Cpu
-            && self.math_attention == [true, true]
+        let attention = match self.compute {
+            Kind::BFloat16 => [true, true],
+            Kind::Float => [true, false],
+            _ => return false,
+        };
+        self.by_hand_threads > 0 && self.params.device() == Device::Cpu && self.math_attention == attention
     }
 
     /// Block `layer_idx` by hand from the stream `x` (fp32, detached); None when the block has a
@@ -118,13 +134,17 @@ impl Vla {
         Some((output, Box::new(BlockByHand { model: self, layer_idx, entry, body })))
     }
 
-    /// Block `layer_idx`'s parameters in bf16 from one cast of its unit's range of the flat
-    /// buffer (the FiLM's or projector's with them): a function that cuts a parameter's part.
+    /// Block `layer_idx`'s parameters in the compute type: in bf16 from one cast of its unit's
+    /// range of the flat buffer (the FiLM's or projector's with them), in fp32 the parameters; a
+    /// function that gives a parameter's.
     fn block_cast(&self, layer_idx: usize) -> impl Fn(&Tensor) -> Tensor + '_ {
         let unit = &self.params.units()[layer_idx + 1];
         let flat = self.params.flat();
-        let cast = flat.narrow(0, unit.range.start, unit.range.end - unit.range.start).to_kind(Kind::BFloat16);
+        let fp32 = self.compute == Kind::Float;
+        let cast =
+            (!fp32).then(|| flat.narrow(0, unit.range.start, unit.range.end - unit.range.start).to_kind(self.compute));
         move |param: &Tensor| {
+            let Some(cast) = &cast else { return param.detach() };
             let entry = self.params.entries()[unit.entries.clone()]
                 .iter()
                 .find(|e| e.tensor.data_ptr() == param.data_ptr())
@@ -172,18 +192,21 @@ impl Vla {
     fn body_forward(&self, layer_idx: usize, h: Tensor) -> (Tensor, Body) {
         let block = &self.blocks[layer_idx];
         let threads = self.by_hand_threads;
+        let fp32 = self.compute == Kind::Float;
         let (batch, tokens, d) = h.size3().expect("activations are [batch, tokens, d]");
         let n_head = self.shape.base.n_head as i64;
         let head_dim = d / n_head;
+        let tower = layer_idx < self.shape.vision_layers;
         // The tower attends within each frame's patches, the backbone over the whole sequence.
-        let (rows, per_row) = if layer_idx < self.shape.vision_layers {
+        let (rows, per_row) = if tower {
             let per_frame = self.shape.patches_per_frame() as i64;
             (batch * tokens / per_frame, per_frame)
         } else {
             (batch, tokens)
         };
         let norm = |x: &Tensor, (weight, bias): &(Tensor, Tensor)| {
-            layer_norm_bf16(x, weight, bias, LAYER_NORM_EPS, threads)
+            let normed = if fp32 { layer_norm_f32 } else { layer_norm_bf16 };
+            normed(x, weight, bias, LAYER_NORM_EPS, threads)
                 .expect("the stream is contiguous fp32 on the CPU and the norm's parameters fit it")
         };
         let cast = self.block_cast(layer_idx);
@@ -197,32 +220,64 @@ impl Vla {
             head_dim,
         ]);
         drop(qkv);
-        // The unscaled scores, turned into probabilities in place by the kernel, which scales
-        // them and takes each row's keys only (the mask's per-row counts).
-        let probs = heads.get(0).bmm(&heads.get(1).transpose(1, 2));
-        prefix_softmax_bf16(&probs, self.keys(layer_idx, per_row), self.softmax_scale(head_dim), threads);
-        let y = probs
-            .bmm(&heads.get(2))
-            .view([rows, n_head, per_row, head_dim])
-            .transpose(1, 2)
-            .contiguous()
-            .view([batch, tokens, d]);
+        let scale = self.softmax_scale(head_dim);
+        let (y, attention) = if fp32 && !tower {
+            // libtorch's flash attention under the additive prefix mask, its output
+            // `[batch, n_head, tokens, head_dim]` and row log-sum-exps kept for its backward.
+            let four = |t: Tensor| t.view([batch, n_head, tokens, head_dim]);
+            let (out, lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
+                &four(heads.get(0)),
+                &four(heads.get(1)),
+                &four(heads.get(2)),
+                0.0,
+                false,
+                Some(&self.backbone_bias),
+                None,
+            );
+            let y = out.transpose(1, 2).contiguous().view([batch, tokens, d]);
+            (y, Attention::Flash { out, lse })
+        } else {
+            // The unscaled scores; the kernel (bf16) scales them, takes each row's keys only (the
+            // mask's per-row counts) and writes the probabilities in place; in fp32 (the tower,
+            // unmasked) libtorch's softmax.
+            let scores = heads.get(0).bmm(&heads.get(1).transpose(1, 2));
+            let probs = if fp32 {
+                (scores * f64::from(scale)).softmax(-1, Kind::Float)
+            } else {
+                prefix_softmax_bf16(&scores, self.keys(layer_idx, per_row), scale, threads);
+                scores
+            };
+            let y = probs
+                .bmm(&heads.get(2))
+                .view([rows, n_head, per_row, head_dim])
+                .transpose(1, 2)
+                .contiguous()
+                .view([batch, tokens, d]);
+            (y, Attention::Probs(probs))
+        };
         let proj_weight = cast(&block.attn_proj.0);
-        let h_2 = &h + y.linear(&proj_weight, Some(&cast(&block.attn_proj.1)));
+        let h_2 = self.residual_linear(&h, &y, &proj_weight, &cast(&block.attn_proj.1));
         let (normed_2, ln_2) = norm(&h_2, &block.ln_2);
         let fc_weight = cast(&block.fc.0);
-        let pre = normed_2.linear(&fc_weight, None::<&Tensor>);
-        let act = bias_gelu_bf16(&pre, &block.fc.1, threads)
-            .expect("the MLP's product is contiguous bf16 and its bias a contiguous fp32 view");
+        let (pre, act) = if fp32 {
+            let pre = normed_2.linear(&fc_weight, Some(&block.fc.1));
+            let act = pre.gelu("none");
+            (pre, act)
+        } else {
+            let pre = normed_2.linear(&fc_weight, None::<&Tensor>);
+            let act = bias_gelu_bf16(&pre, &block.fc.1, threads)
+                .expect("the MLP's product is contiguous bf16 and its bias a contiguous fp32 view");
+            (pre, act)
+        };
         let mlp_proj_weight = cast(&block.mlp_proj.0);
-        let output = &h_2 + act.linear(&mlp_proj_weight, Some(&cast(&block.mlp_proj.1)));
+        let output = self.residual_linear(&h_2, &act, &mlp_proj_weight, &cast(&block.mlp_proj.1));
         let body = Body {
             h,
             ln_1,
             normed_1,
             qkv_weight,
             heads,
-            probs,
+            attention,
             y,
             proj_weight,
             h_2,
@@ -238,11 +293,41 @@ impl Vla {
         (output, body)
     }
 
+    /// The residual stream `h` (fp32 `[batch, tokens, d]`) plus the linear layer `x W^T + b` in the
+    /// compute type: in bf16 the layer's output added; in fp32 `h + b` with the product added
+    /// into it by the matrix multiply itself (no output of the layer's own, no pass to add it).
+    fn residual_linear(&self, h: &Tensor, x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
+        if self.compute != Kind::Float {
+            return h + x.linear(weight, Some(bias));
+        }
+        let d = *h.size().last().expect("a width");
+        let out = h + bias;
+        let _ = out.view([-1, d]).addmm_(&x.view([-1, *x.size().last().expect("a width")]), &weight.tr());
+        out
+    }
+
+    /// The backward by hand of `x W^T + b` from its output's gradient `grad` (`[.., out]`, the
+    /// compute type) and input `x`: the weight's and bias's gradients added into the flat buffer
+    /// (`master`, the fp32 parameters; in fp32 the weight's by the matrix multiply into it), the
+    /// input's returned.
+    fn linear_grads(&self, grad: &Tensor, x: &Tensor, weight: &Tensor, master: &(Tensor, Tensor)) -> Tensor {
+        if self.compute != Kind::Float {
+            return linear_backward(grad, x, weight, (&master.0, &master.1));
+        }
+        let (out, d_in) = (*grad.size().last().expect("a width"), *x.size().last().expect("a width"));
+        let rows = grad.reshape([-1, out]);
+        let _ = master.0.grad().addmm_(&rows.tr(), &x.reshape([-1, d_in]));
+        let mut bias_grad = master.1.grad();
+        bias_grad += rows.sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
+        grad.matmul(weight)
+    }
+
     /// The body's backward from its output's gradient `grad` (fp32 contiguous, written in place):
     /// the gradient of its input; every parameter's goes into the flat gradient buffer.
     fn body_backward(&self, layer_idx: usize, body: &Body, grad: Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
-        let bf16 = Kind::BFloat16;
+        let kind = self.compute;
+        let fp32 = kind == Kind::Float;
         let threads = self.by_hand_threads;
         let (batch, tokens, d) = body.h.size3().expect("activations are [batch, tokens, d]");
         let n_head = self.shape.base.n_head as i64;
@@ -265,39 +350,71 @@ impl Vla {
             )
         };
         // The MLP.
-        let grad_act = linear_backward(
-            &grad.to_kind(bf16),
-            &body.act,
-            &body.mlp_proj_weight,
-            (&block.mlp_proj.0, &block.mlp_proj.1),
-        );
-        let grad_pre = bias_gelu_bf16_backward(&grad_act, &body.pre, &block.fc.1, &block.fc.1.grad(), threads);
+        let grad_act = self.linear_grads(&grad.to_kind(kind), &body.act, &body.mlp_proj_weight, &block.mlp_proj);
+        let grad_pre = if fp32 {
+            let grad_pre = body.pre.gelu_backward(&grad_act, "none");
+            let mut bias_grad = block.fc.1.grad();
+            bias_grad += grad_pre.view([-1, 4 * d]).sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
+            grad_pre
+        } else {
+            bias_gelu_bf16_backward(&grad_act, &body.pre, &block.fc.1, &block.fc.1.grad(), threads)
+        };
         drop(grad_act);
-        let mut fc_grad = block.fc.0.grad();
-        fc_grad += grad_pre.view([-1, 4 * d]).tr().mm(&body.normed_2.view([-1, d]));
+        let (grad_rows, normed_rows) = (grad_pre.view([-1, 4 * d]), body.normed_2.view([-1, d]));
+        if fp32 {
+            let _ = block.fc.0.grad().addmm_(&grad_rows.tr(), &normed_rows);
+        } else {
+            let mut fc_grad = block.fc.0.grad();
+            fc_grad += grad_rows.tr().mm(&normed_rows);
+        }
         let grad_normed_2 = grad_pre.matmul(&body.fc_weight);
-        drop(grad_pre);
+        drop((grad_pre, grad_rows));
         let grad = norm_backward(&grad_normed_2, &body.h_2, &body.ln_2, &block.ln_2, grad);
         drop(grad_normed_2);
         // The attention.
-        let grad_y =
-            linear_backward(&grad.to_kind(bf16), &body.y, &body.proj_weight, (&block.attn_proj.0, &block.attn_proj.1));
-        let grad_y = grad_y.view([rows, per_row, n_head, head_dim]).transpose(1, 2).contiguous().view([
-            rows * n_head,
-            per_row,
-            head_dim,
-        ]);
-        let (q, k, v) = (body.heads.get(0), body.heads.get(1), body.heads.get(2));
-        let grad_heads = Tensor::empty(body.heads.size(), (bf16, Device::Cpu));
-        // The probabilities' gradient, turned into the unscaled scores' in place.
-        let grad_scores = grad_y.bmm(&v.transpose(1, 2));
-        let _ = body.probs.transpose(1, 2).bmm_out(&grad_heads.get(2), &grad_y);
-        drop(grad_y);
-        let keys = self.keys(layer_idx, per_row);
-        prefix_softmax_backward_bf16(&body.probs, &grad_scores, keys, self.softmax_scale(head_dim), threads);
-        let _ = grad_scores.bmm_out(&grad_heads.get(0), &k);
-        let _ = grad_scores.transpose(1, 2).bmm_out(&grad_heads.get(1), &q);
-        drop(grad_scores);
+        let grad_y = self.linear_grads(&grad.to_kind(kind), &body.y, &body.proj_weight, &block.attn_proj);
+        let grad_heads = match &body.attention {
+            Attention::Flash { out, lse } => {
+                let grad_out = grad_y.view([batch, tokens, n_head, head_dim]).transpose(1, 2).contiguous();
+                let four = |t: Tensor| t.view([batch, n_head, tokens, head_dim]);
+                let (dq, dk, dv) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
+                    &grad_out,
+                    &four(body.heads.get(0)),
+                    &four(body.heads.get(1)),
+                    &four(body.heads.get(2)),
+                    out,
+                    lse,
+                    0.0,
+                    false,
+                    Some(&self.backbone_bias),
+                    None,
+                );
+                Tensor::stack(&[dq, dk, dv], 0).view([3, rows * n_head, per_row, head_dim])
+            }
+            Attention::Probs(probs) => {
+                let grad_y = grad_y.view([rows, per_row, n_head, head_dim]).transpose(1, 2).contiguous().view([
+                    rows * n_head,
+                    per_row,
+                    head_dim,
+                ]);
+                let (q, k, v) = (body.heads.get(0), body.heads.get(1), body.heads.get(2));
+                let grad_heads = Tensor::empty(body.heads.size(), (kind, Device::Cpu));
+                // The probabilities' gradient, turned into the unscaled scores'.
+                let grad_probs = grad_y.bmm(&v.transpose(1, 2));
+                let _ = probs.transpose(1, 2).bmm_out(&grad_heads.get(2), &grad_y);
+                drop(grad_y);
+                let scale = self.softmax_scale(head_dim);
+                let grad_scores = if fp32 {
+                    Tensor::internal_softmax_backward_data(&grad_probs, probs, -1, kind) * f64::from(scale)
+                } else {
+                    prefix_softmax_backward_bf16(probs, &grad_probs, self.keys(layer_idx, per_row), scale, threads);
+                    grad_probs
+                };
+                let _ = grad_scores.bmm_out(&grad_heads.get(0), &k);
+                let _ = grad_scores.transpose(1, 2).bmm_out(&grad_heads.get(1), &q);
+                grad_heads
+            }
+        };
         // From head-major order back to the projection's `[.., 3d]`.
         let grad_qkv = grad_heads.view([3, rows, n_head, per_row, head_dim]).permute([1, 3, 0, 2, 4]).reshape([
             batch,
@@ -305,8 +422,7 @@ impl Vla {
             3 * d,
         ]);
         drop(grad_heads);
-        let grad_normed_1 =
-            linear_backward(&grad_qkv, &body.normed_1, &body.qkv_weight, (&block.attn.0, &block.attn.1));
+        let grad_normed_1 = self.linear_grads(&grad_qkv, &body.normed_1, &body.qkv_weight, &block.attn);
         drop(grad_qkv);
         norm_backward(&grad_normed_1, &body.h, &body.ln_1, &block.ln_1, grad)
     }
