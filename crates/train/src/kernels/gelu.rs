@@ -11,38 +11,72 @@
 //! (`x Phi(x)`, libtorch's `approximate="none"`), with `Phi` from the erfc approximation of
 //! Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7, the one libtorch's vectorized `erf`
 //! uses) and one exponential per value, which the derivative's `phi(x)` shares.
+//!
+//! `bias_gelu_f32` is the same for an fp32 run: fp32 in and out, and the exponential to about 1
+//! ulp (`exp_nonpositive`) instead of the one cut for bf16's rounding.
 
 use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 
-use super::{add_partial_sums, bf16_to_f32, cpu_contiguous, exp_for_bf16, f32_to_bf16, parallel_rows, SharedMut};
+use super::{
+    add_partial_sums, bf16_to_f32, cpu_contiguous, exp_for_bf16, exp_nonpositive, f32_to_bf16, parallel_rows, SharedMut,
+};
 
 /// The rows a thread takes at the least.
 const MIN_ROWS_PER_THREAD: usize = 32;
+
+/// An element the kernels read and write: bf16 (as its bits) or fp32, with the exponential its
+/// precision needs.
+trait Value: Copy + Send + Sync {
+    const KIND: Kind;
+    fn load(self) -> f32;
+    fn store(v: f32) -> Self;
+    fn exp(x: f32) -> f32;
+}
+
+impl Value for u16 {
+    const KIND: Kind = Kind::BFloat16;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    #[inline(always)]
+    fn store(v: f32) -> u16 {
+        f32_to_bf16(v)
+    }
+    #[inline(always)]
+    fn exp(x: f32) -> f32 {
+        exp_for_bf16(x)
+    }
+}
+
+impl Value for f32 {
+    const KIND: Kind = Kind::Float;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn store(v: f32) -> f32 {
+        v
+    }
+    #[inline(always)]
+    fn exp(x: f32) -> f32 {
+        exp_nonpositive(x)
+    }
+}
 
 /// `gelu(pre + bias)` of `pre` `[.., h]` bf16 and `bias` `[h]` fp32, as bf16 of `pre`'s shape.
 /// `None` when the inputs are not what the kernel handles (not contiguous bf16 and fp32 on the
 /// CPU, or a bias of another width): the caller takes libtorch's ops.
 pub fn bias_gelu_bf16(pre: &Tensor, bias: &Tensor, n_threads: usize) -> Option<Tensor> {
-    let (rows, h) = fits(pre, bias)?;
-    let out = Tensor::empty(pre.size(), (Kind::BFloat16, Device::Cpu));
-    // SAFETY: `pre` and `bias` are contiguous CPU tensors of the kinds and lengths checked by
-    // `fits`, alive for this scope; `out` was just allocated and nothing else refers to it.
-    let (x, b, out_all) = unsafe {
-        (
-            std::slice::from_raw_parts(pre.data_ptr() as *const u16, rows * h),
-            std::slice::from_raw_parts(bias.data_ptr() as *const f32, h),
-            SharedMut::new(out.data_ptr() as *mut u16, rows * h),
-        )
-    };
-    parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
-        let span = range.start * h..range.end * h;
-        // SAFETY: `parallel_rows` hands out disjoint ranges of rows.
-        let out = unsafe { out_all.slice(span.clone()) };
-        forward_dispatch(&x[span], b, out);
-    });
-    Some(out)
+    bias_gelu::<u16>(pre, bias, n_threads)
+}
+
+/// `bias_gelu_bf16` of an fp32 `pre`, as fp32.
+pub fn bias_gelu_f32(pre: &Tensor, bias: &Tensor, n_threads: usize) -> Option<Tensor> {
+    bias_gelu::<f32>(pre, bias, n_threads)
 }
 
 /// The gradient with respect to `pre` of a `bias_gelu_bf16` forward, given `grad_out` (bf16, of
@@ -56,19 +90,61 @@ pub fn bias_gelu_bf16_backward(
     bias_grad: &Tensor,
     n_threads: usize,
 ) -> Tensor {
-    let (rows, h) = fits(pre, bias).expect("bias_gelu_bf16_backward: the forward's inputs");
+    bias_gelu_backward::<u16>(grad_out, pre, bias, bias_grad, n_threads)
+}
+
+/// `bias_gelu_bf16_backward` of a `bias_gelu_f32` forward: `grad_out` and the result fp32.
+pub fn bias_gelu_f32_backward(
+    grad_out: &Tensor,
+    pre: &Tensor,
+    bias: &Tensor,
+    bias_grad: &Tensor,
+    n_threads: usize,
+) -> Tensor {
+    bias_gelu_backward::<f32>(grad_out, pre, bias, bias_grad, n_threads)
+}
+
+fn bias_gelu<V: Value + Dispatch>(pre: &Tensor, bias: &Tensor, n_threads: usize) -> Option<Tensor> {
+    let (rows, h) = fits(pre, bias, V::KIND)?;
+    let out = Tensor::empty(pre.size(), (V::KIND, Device::Cpu));
+    // SAFETY: `pre` and `bias` are contiguous CPU tensors of the kinds and lengths checked by
+    // `fits`, alive for this scope; `out` was just allocated and nothing else refers to it.
+    let (x, b, out_all) = unsafe {
+        (
+            std::slice::from_raw_parts(pre.data_ptr() as *const V, rows * h),
+            std::slice::from_raw_parts(bias.data_ptr() as *const f32, h),
+            SharedMut::new(out.data_ptr() as *mut V, rows * h),
+        )
+    };
+    parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
+        let span = range.start * h..range.end * h;
+        // SAFETY: `parallel_rows` hands out disjoint ranges of rows.
+        let out = unsafe { out_all.slice(span.clone()) };
+        V::forward(&x[span], b, out);
+    });
+    Some(out)
+}
+
+fn bias_gelu_backward<V: Value + Dispatch>(
+    grad_out: &Tensor,
+    pre: &Tensor,
+    bias: &Tensor,
+    bias_grad: &Tensor,
+    n_threads: usize,
+) -> Tensor {
+    let (rows, h) = fits(pre, bias, V::KIND).expect("bias_gelu backward: the forward's inputs");
     let grad_out = grad_out.contiguous();
-    assert!(grad_out.kind() == Kind::BFloat16 && grad_out.size() == pre.size(), "bias_gelu_bf16_backward: grad_out");
-    assert!(bias_grad.kind() == Kind::Float && bias_grad.numel() == h, "bias_gelu_bf16_backward: bias_grad");
-    let grad_pre = Tensor::empty(pre.size(), (Kind::BFloat16, Device::Cpu));
+    assert!(grad_out.kind() == V::KIND && grad_out.size() == pre.size(), "bias_gelu backward: grad_out");
+    assert!(bias_grad.kind() == Kind::Float && bias_grad.numel() == h, "bias_gelu backward: bias_grad");
+    let grad_pre = Tensor::empty(pre.size(), (V::KIND, Device::Cpu));
     // SAFETY: contiguous CPU tensors of the kinds and lengths checked above, alive for this
     // scope; `grad_pre` is new and only written here.
     let (g, x, b, dx_all) = unsafe {
         (
-            std::slice::from_raw_parts(grad_out.data_ptr() as *const u16, rows * h),
-            std::slice::from_raw_parts(pre.data_ptr() as *const u16, rows * h),
+            std::slice::from_raw_parts(grad_out.data_ptr() as *const V, rows * h),
+            std::slice::from_raw_parts(pre.data_ptr() as *const V, rows * h),
             std::slice::from_raw_parts(bias.data_ptr() as *const f32, h),
-            SharedMut::new(grad_pre.data_ptr() as *mut u16, rows * h),
+            SharedMut::new(grad_pre.data_ptr() as *mut V, rows * h),
         )
     };
     let partials = parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
@@ -76,21 +152,45 @@ pub fn bias_gelu_bf16_backward(
         let mut db = vec![0f32; h];
         // SAFETY: disjoint row ranges, as in the forward.
         let dx = unsafe { dx_all.slice(span.clone()) };
-        backward_dispatch(&g[span.clone()], &x[span], b, dx, &mut db);
+        V::backward(&g[span.clone()], &x[span], b, dx, &mut db);
         db
     });
     add_partial_sums(bias_grad, h, partials.iter().map(Vec::as_slice));
     grad_pre
 }
 
-/// `pre`'s rows and width when `pre` is contiguous bf16 and `bias` contiguous fp32 of its width,
-/// both on the CPU.
-fn fits(pre: &Tensor, bias: &Tensor) -> Option<(usize, usize)> {
+/// `pre`'s rows and width when `pre` is contiguous of `kind` and `bias` contiguous fp32 of its
+/// width, both on the CPU.
+fn fits(pre: &Tensor, bias: &Tensor, kind: Kind) -> Option<(usize, usize)> {
     let h = *pre.size().last()?;
-    if !cpu_contiguous(pre, Kind::BFloat16) || !cpu_contiguous(bias, Kind::Float) || h == 0 || bias.size() != [h] {
+    if !cpu_contiguous(pre, kind) || !cpu_contiguous(bias, Kind::Float) || h == 0 || bias.size() != [h] {
         return None;
     }
     Some((pre.numel() / h as usize, h as usize))
+}
+
+/// The rows' kernels of an element type, compiled for the best instruction set this CPU has.
+trait Dispatch: Sized {
+    fn forward(x: &[Self], b: &[f32], out: &mut [Self]);
+    fn backward(g: &[Self], x: &[Self], b: &[f32], dx: &mut [Self], db: &mut [f32]);
+}
+
+impl Dispatch for u16 {
+    fn forward(x: &[u16], b: &[f32], out: &mut [u16]) {
+        forward_dispatch(x, b, out)
+    }
+    fn backward(g: &[u16], x: &[u16], b: &[f32], dx: &mut [u16], db: &mut [f32]) {
+        backward_dispatch(g, x, b, dx, db)
+    }
+}
+
+impl Dispatch for f32 {
+    fn forward(x: &[f32], b: &[f32], out: &mut [f32]) {
+        forward_dispatch_f32(x, b, out)
+    }
+    fn backward(g: &[f32], x: &[f32], b: &[f32], dx: &mut [f32], db: &mut [f32]) {
+        backward_dispatch_f32(g, x, b, dx, db)
+    }
 }
 
 simd_dispatch! {
@@ -101,9 +201,18 @@ simd_dispatch! {
     fn backward_dispatch(g: &[u16], x: &[u16], b: &[f32], dx: &mut [u16], db: &mut [f32]) => backward_rows
 }
 
-/// `Phi(x)` and `phi(x)`, the standard normal's distribution and density at `x`. NaN gives NaN.
+simd_dispatch! {
+    fn forward_dispatch_f32(x: &[f32], b: &[f32], out: &mut [f32]) => forward_rows
+}
+
+simd_dispatch! {
+    fn backward_dispatch_f32(g: &[f32], x: &[f32], b: &[f32], dx: &mut [f32], db: &mut [f32]) => backward_rows
+}
+
+/// `Phi(x)` and `phi(x)`, the standard normal's distribution and density at `x`, with the
+/// exponential `exp`. NaN gives NaN.
 #[inline(always)]
-fn normal_cdf_pdf(x: f32) -> (f32, f32) {
+fn normal_cdf_pdf_with(x: f32, exp: impl Fn(f32) -> f32) -> (f32, f32) {
     // Abramowitz and Stegun 7.1.26: erfc(z) ~ t (a1 + t (a2 + ...)) e^(-z^2), t = 1 / (1 + p z), z >= 0.
     const P: f32 = 0.327_591_1;
     const A: [f32; 5] = [0.254_829_6, -0.284_496_74, 1.421_413_8, -1.453_152_1, 1.061_405_4];
@@ -111,37 +220,43 @@ fn normal_cdf_pdf(x: f32) -> (f32, f32) {
     let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
     let t = 1.0 / P.mul_add(z, 1.0);
     let poly = t * t.mul_add(t.mul_add(t.mul_add(t.mul_add(A[4], A[3]), A[2]), A[1]), A[0]);
-    let e = exp_for_bf16(-(z * z));
+    let e = exp(-(z * z));
     // Phi(-|x|) = erfc(|x| / sqrt 2) / 2.
     let tail = 0.5 * poly * e;
     let cdf = if x >= 0.0 { 1.0 - tail } else { tail };
     (cdf, e * INV_SQRT_2PI)
 }
 
+/// `normal_cdf_pdf_with` bf16's exponential.
+#[cfg(test)]
+fn normal_cdf_pdf(x: f32) -> (f32, f32) {
+    normal_cdf_pdf_with(x, exp_for_bf16)
+}
+
 /// Each value: `gelu(x + b) = (x + b) Phi(x + b)`.
 #[inline(always)]
-fn forward_rows(x: &[u16], b: &[f32], out: &mut [u16]) {
+fn forward_rows<V: Value>(x: &[V], b: &[f32], out: &mut [V]) {
     let h = b.len();
     for (row, out) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
         for ((o, &x), &b) in out.iter_mut().zip(row).zip(b) {
-            let v = bf16_to_f32(x) + b;
-            let (cdf, _) = normal_cdf_pdf(v);
-            *o = f32_to_bf16(v * cdf);
+            let v = x.load() + b;
+            let (cdf, _) = normal_cdf_pdf_with(v, V::exp);
+            *o = V::store(v * cdf);
         }
     }
 }
 
 /// Each value, with `v = x + b`: `dx = g (Phi(v) + v phi(v))`, and `db += dx` before rounding.
 #[inline(always)]
-fn backward_rows(g: &[u16], x: &[u16], b: &[f32], dx: &mut [u16], db: &mut [f32]) {
+fn backward_rows<V: Value>(g: &[V], x: &[V], b: &[f32], dx: &mut [V], db: &mut [f32]) {
     let h = b.len();
     let db = &mut db[..h];
     for ((g, x), dx) in g.chunks_exact(h).zip(x.chunks_exact(h)).zip(dx.chunks_exact_mut(h)) {
         for ((((&g, &x), &b), dx), db) in g.iter().zip(x).zip(b).zip(dx.iter_mut()).zip(db.iter_mut()) {
-            let v = bf16_to_f32(x) + b;
-            let (cdf, pdf) = normal_cdf_pdf(v);
-            let grad = bf16_to_f32(g) * (cdf + v * pdf);
-            *dx = f32_to_bf16(grad);
+            let v = x.load() + b;
+            let (cdf, pdf) = normal_cdf_pdf_with(v, V::exp);
+            let grad = g.load() * (cdf + v * pdf);
+            *dx = V::store(grad);
             *db += grad;
         }
     }
@@ -210,6 +325,37 @@ mod tests {
         // than the threads would take.
         check(37, 100, 6.0, 4);
         check(5, 3072, 0.1, 2);
+    }
+
+    /// The fp32 kernel against libtorch's ops in f64: within 4e-7 (1 + |v|) absolute, the erfc
+    /// approximation's 1.5e-7 carried through `v Phi(v)` and its derivative, plus fp32 rounding.
+    #[test]
+    fn bias_gelu_f32_matches_libtorch_forward_and_backward() {
+        let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        tch::manual_seed(18);
+        let opts = (Kind::Float, Device::Cpu);
+        for (rows, h, spread, n_threads) in [(256, 1024, 1.0, 2), (37, 100, 6.0, 4)] {
+            let pre = Tensor::randn([rows, h], opts) * spread;
+            let bias = Tensor::randn([h], opts) * 0.5;
+            let grad = Tensor::randn([rows, h], opts);
+            let v = (&pre + &bias).to_kind(Kind::Double).set_requires_grad(true);
+            let want = v.gelu("none");
+            (&want * grad.to_kind(Kind::Double)).sum(Kind::Double).backward();
+            let (want_dx, bound) = (v.grad(), v.detach().abs() * 4e-7 + 4e-7);
+            let out = bias_gelu_f32(&pre, &bias, n_threads).expect("fp32 on the CPU");
+            let excess = ((out.to_kind(Kind::Double) - want.detach()).abs() - &bound).max().double_value(&[]);
+            assert!(excess <= 0.0, "the forward (rows {rows}): {excess}");
+            let bias_grad = Tensor::zeros([h], opts);
+            let dx = bias_gelu_f32_backward(&grad, &pre, &bias, &bias_grad, n_threads);
+            let excess = ((dx.to_kind(Kind::Double) - &want_dx).abs() - &bound * grad.to_kind(Kind::Double).abs())
+                .max()
+                .double_value(&[]);
+            assert!(excess <= 0.0, "the input's gradient (rows {rows}): {excess}");
+            let want_db = want_dx.sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
+            let rel =
+                ((bias_grad.to_kind(Kind::Double) - &want_db).abs().max() / want_db.abs().max()).double_value(&[]);
+            assert!(rel <= 1e-5, "the bias's gradient (rows {rows}): {rel}");
+        }
     }
 
     #[test]

@@ -62,7 +62,7 @@ mod softmax;
 mod swiglu;
 
 pub(crate) use attention_core::{attention_core, attention_core_backward, AttentionCore};
-pub use gelu::{bias_gelu_bf16, bias_gelu_bf16_backward};
+pub use gelu::{bias_gelu_bf16, bias_gelu_bf16_backward, bias_gelu_f32, bias_gelu_f32_backward};
 pub use layer_norm::{
     layer_norm_bf16, layer_norm_bf16_backward, layer_norm_f32, rms_norm_bf16, rms_norm_bf16_backward, rms_norm_f32,
     LayerNormStats,

@@ -8,9 +8,9 @@
 //! scales them and takes each row's keys only (the backbone's prefix mask as per-row counts;
 //! every key of its frame in the tower) in place; weighted sums, the output projection, the
 //! residual add in fp32; then the MLP with its first product's bias and GELU in one kernel pass.
-//! Under fp32 the same with the LayerNorm kernel's fp32 output, libtorch's softmax in the tower
-//! and its flash attention under the additive prefix mask in the backbone, libtorch's GELU, and
-//! each residual add done by the output projection's matrix multiply into the stream plus its
+//! Under fp32 the same with the LayerNorm and bias + GELU kernels' fp32 outputs, libtorch's
+//! softmax in the tower and its flash attention under the additive prefix mask in the backbone,
+//! and each residual add done by the output projection's matrix multiply into the stream plus its
 //! bias. The backward is the same products by hand (in fp32 the weights' gradients multiplied
 //! into the flat buffer), the kernels' backward (the GELU kernel's with the bias's gradient summed
 //! in its pass), and the LayerNorm kernel's backward adding the residual's gradient in place: no
@@ -25,8 +25,8 @@ use tch::{Device, Kind, Tensor};
 use super::{Vla, LAYER_NORM_EPS};
 use crate::executor::backward_from;
 use crate::kernels::{
-    bias_gelu_bf16, bias_gelu_bf16_backward, layer_norm_bf16, layer_norm_bf16_backward, layer_norm_f32,
-    prefix_softmax_backward_bf16, prefix_softmax_bf16, LayerNormStats,
+    bias_gelu_bf16, bias_gelu_bf16_backward, bias_gelu_f32, bias_gelu_f32_backward, layer_norm_bf16,
+    layer_norm_bf16_backward, layer_norm_f32, prefix_softmax_backward_bf16, prefix_softmax_bf16, LayerNormStats,
 };
 use crate::models::gpt::linear_backward;
 use crate::models::BlockBackward;
@@ -259,16 +259,10 @@ impl Vla {
         let h_2 = self.residual_linear(&h, &y, &proj_weight, &cast(&block.attn_proj.1));
         let (normed_2, ln_2) = norm(&h_2, &block.ln_2);
         let fc_weight = cast(&block.fc.0);
-        let (pre, act) = if fp32 {
-            let pre = normed_2.linear(&fc_weight, Some(&block.fc.1));
-            let act = pre.gelu("none");
-            (pre, act)
-        } else {
-            let pre = normed_2.linear(&fc_weight, None::<&Tensor>);
-            let act = bias_gelu_bf16(&pre, &block.fc.1, threads)
-                .expect("the MLP's product is contiguous bf16 and its bias a contiguous fp32 view");
-            (pre, act)
-        };
+        let pre = normed_2.linear(&fc_weight, None::<&Tensor>);
+        let bias_gelu = if fp32 { bias_gelu_f32 } else { bias_gelu_bf16 };
+        let act = bias_gelu(&pre, &block.fc.1, threads)
+            .expect("the MLP's product is contiguous in the compute type and its bias a contiguous fp32 view");
         let mlp_proj_weight = cast(&block.mlp_proj.0);
         let output = self.residual_linear(&h_2, &act, &mlp_proj_weight, &cast(&block.mlp_proj.1));
         let body = Body {
@@ -351,14 +345,8 @@ impl Vla {
         };
         // The MLP.
         let grad_act = self.linear_grads(&grad.to_kind(kind), &body.act, &body.mlp_proj_weight, &block.mlp_proj);
-        let grad_pre = if fp32 {
-            let grad_pre = body.pre.gelu_backward(&grad_act, "none");
-            let mut bias_grad = block.fc.1.grad();
-            bias_grad += grad_pre.view([-1, 4 * d]).sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
-            grad_pre
-        } else {
-            bias_gelu_bf16_backward(&grad_act, &body.pre, &block.fc.1, &block.fc.1.grad(), threads)
-        };
+        let bias_gelu_backward = if fp32 { bias_gelu_f32_backward } else { bias_gelu_bf16_backward };
+        let grad_pre = bias_gelu_backward(&grad_act, &body.pre, &block.fc.1, &block.fc.1.grad(), threads);
         drop(grad_act);
         let (grad_rows, normed_rows) = (grad_pre.view([-1, 4 * d]), body.normed_2.view([-1, d]));
         if fp32 {
