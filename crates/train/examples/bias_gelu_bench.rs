@@ -2,7 +2,7 @@
 //! `[rows, 4d]` under bf16, with the first linear layer's product included on both sides.
 //! libtorch: `addmm` with the bf16 bias, `gelu`; backward `gelu_backward`, the bias's gradient
 //! as a sum over the rows, added into its fp32 buffer. Fused: `mm` without the bias,
-//! `bias_gelu_bf16` with the fp32 bias; backward `bias_gelu_bf16_backward` (the bias's gradient
+//! `bias_gelu` with the fp32 bias; backward `bias_gelu_backward` (the bias's gradient
 //! summed in the same pass). The product's own backward is the same on both sides and left out.
 //!
 //! ```text
@@ -14,7 +14,7 @@
 //! alone (without the product), K calls each, and takes each one's median; the table gives the
 //! median of the rounds with min and max.
 
-use stoke_train::{bias_gelu_bf16, bias_gelu_bf16_backward};
+use stoke_train::{bias_gelu, bias_gelu_backward};
 use tch::{Device, Kind, Tensor};
 
 mod support;
@@ -55,7 +55,7 @@ fn main() {
                 let _ = std::hint::black_box(x.linear(&w, Some(&bias16)).gelu("none"));
             });
             let ff = time_ms(iters, || {
-                std::hint::black_box(bias_gelu_bf16(&x.linear(&w, None::<&Tensor>), &bias, n_threads));
+                std::hint::black_box(bias_gelu(&x.linear(&w, None::<&Tensor>), &bias, n_threads));
             });
             let lb = time_ms(iters, || {
                 let grad_pre = grad.gelu_backward(&pre_biased, "none");
@@ -63,13 +63,13 @@ fn main() {
                 let _ = std::hint::black_box(grad_pre);
             });
             let fb = time_ms(iters, || {
-                let _ = std::hint::black_box(bias_gelu_bf16_backward(&grad, &pre, &bias, &bias_grad, n_threads));
+                let _ = std::hint::black_box(bias_gelu_backward(&grad, &pre, &bias, &bias_grad, n_threads));
             });
             let gelu = time_ms(iters, || {
                 let _ = std::hint::black_box(pre_biased.gelu("none"));
             });
             let kernel = time_ms(iters, || {
-                std::hint::black_box(bias_gelu_bf16(&pre, &bias, n_threads));
+                std::hint::black_box(bias_gelu(&pre, &bias, n_threads));
             });
             for (cell, value) in cells.iter_mut().zip([lf, ff, lb, fb, gelu, kernel]) {
                 cell.push(value);

@@ -49,7 +49,7 @@ pub use executor::{Executor, Gathered, MicroBatch, NoHooks, StepHooks};
 pub use find_batch::{find_micro_batch, measure_step_memory, BatchFit};
 pub use host_memory::retain_env;
 pub use kernels::{
-    bias_gelu_bf16, bias_gelu_bf16_backward, causal_softmax_backward_bf16, causal_softmax_bf16, cross_entropy_bf16,
+    bias_gelu, bias_gelu_backward, causal_softmax_backward_bf16, causal_softmax_bf16, cross_entropy_bf16,
     layer_norm_bf16, layer_norm_bf16_backward, CausalBlock, CrossEntropy, LayerNormStats,
 };
 pub use memory_fit::{check_fits, estimate_step_memory, memory_limit, MemoryEstimate, MemoryLimit};

@@ -12,39 +12,24 @@
 //! Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7, the one libtorch's vectorized `erf`
 //! uses) and one exponential per value, which the derivative's `phi(x)` shares.
 //!
-//! `bias_gelu_f32` is the same for an fp32 run: fp32 in and out, and the exponential to about 1
-//! ulp (`exp_nonpositive`) instead of the one cut for bf16's rounding.
+//! In an fp32 run the same with fp32 in and out, and the exponential to about 1 ulp
+//! (`exp_nonpositive`) instead of the one cut for bf16's rounding.
 
 use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 
-use super::{
-    add_partial_sums, bf16_to_f32, cpu_contiguous, exp_for_bf16, exp_nonpositive, f32_to_bf16, parallel_rows, SharedMut,
-};
+use super::{add_partial_sums, cpu_contiguous, exp_for_bf16, exp_nonpositive, parallel_rows, Bits, SharedMut};
 
 /// The rows a thread takes at the least.
 const MIN_ROWS_PER_THREAD: usize = 32;
 
-/// An element the kernels read and write: bf16 (as its bits) or fp32, with the exponential its
-/// precision needs.
-trait Value: Copy + Send + Sync {
-    const KIND: Kind;
-    fn load(self) -> f32;
-    fn store(v: f32) -> Self;
+/// An element the kernels read and write, with the exponential its precision needs.
+trait Value: Bits {
     fn exp(x: f32) -> f32;
 }
 
 impl Value for u16 {
-    const KIND: Kind = Kind::BFloat16;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        bf16_to_f32(self)
-    }
-    #[inline(always)]
-    fn store(v: f32) -> u16 {
-        f32_to_bf16(v)
-    }
     #[inline(always)]
     fn exp(x: f32) -> f32 {
         exp_for_bf16(x)
@@ -52,59 +37,43 @@ impl Value for u16 {
 }
 
 impl Value for f32 {
-    const KIND: Kind = Kind::Float;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn store(v: f32) -> f32 {
-        v
-    }
     #[inline(always)]
     fn exp(x: f32) -> f32 {
         exp_nonpositive(x)
     }
 }
 
-/// `gelu(pre + bias)` of `pre` `[.., h]` bf16 and `bias` `[h]` fp32, as bf16 of `pre`'s shape.
-/// `None` when the inputs are not what the kernel handles (not contiguous bf16 and fp32 on the
-/// CPU, or a bias of another width): the caller takes libtorch's ops.
-pub fn bias_gelu_bf16(pre: &Tensor, bias: &Tensor, n_threads: usize) -> Option<Tensor> {
-    bias_gelu::<u16>(pre, bias, n_threads)
+/// `gelu(pre + bias)` of `pre` `[.., h]` (bf16, or fp32 in an fp32 run) and `bias` `[h]` fp32, of
+/// `pre`'s kind and shape. `None` when the inputs are not what the kernel handles (not
+/// contiguous bf16 or fp32 and fp32 on the CPU, or a bias of another width): the caller takes
+/// libtorch's ops.
+pub fn bias_gelu(pre: &Tensor, bias: &Tensor, n_threads: usize) -> Option<Tensor> {
+    match pre.kind() {
+        Kind::BFloat16 => bias_gelu_of::<u16>(pre, bias, n_threads),
+        Kind::Float => bias_gelu_of::<f32>(pre, bias, n_threads),
+        _ => None,
+    }
 }
 
-/// `bias_gelu_bf16` of an fp32 `pre`, as fp32.
-pub fn bias_gelu_f32(pre: &Tensor, bias: &Tensor, n_threads: usize) -> Option<Tensor> {
-    bias_gelu::<f32>(pre, bias, n_threads)
-}
-
-/// The gradient with respect to `pre` of a `bias_gelu_bf16` forward, given `grad_out` (bf16, of
-/// `pre`'s shape), as bf16; the bias's gradient (the sum of that over the rows, in fp32 before
-/// rounding) is added to `bias_grad` (fp32 `[h]`, e.g. the bias's view of the flat gradient
-/// buffer). Panics when the tensors do not fit the forward's (a caller's bug, not bad data).
-pub fn bias_gelu_bf16_backward(
+/// The gradient with respect to `pre` of a `bias_gelu` forward, given `grad_out` (of `pre`'s
+/// kind and shape), of `pre`'s kind; the bias's gradient (the sum of that over the rows, in fp32
+/// before rounding) is added to `bias_grad` (fp32 `[h]`, e.g. the bias's view of the flat
+/// gradient buffer). Panics when the tensors do not fit the forward's (a caller's bug, not bad
+/// data).
+pub fn bias_gelu_backward(
     grad_out: &Tensor,
     pre: &Tensor,
     bias: &Tensor,
     bias_grad: &Tensor,
     n_threads: usize,
 ) -> Tensor {
-    bias_gelu_backward::<u16>(grad_out, pre, bias, bias_grad, n_threads)
+    match pre.kind() {
+        Kind::Float => bias_gelu_backward_of::<f32>(grad_out, pre, bias, bias_grad, n_threads),
+        _ => bias_gelu_backward_of::<u16>(grad_out, pre, bias, bias_grad, n_threads),
+    }
 }
 
-/// `bias_gelu_bf16_backward` of a `bias_gelu_f32` forward: `grad_out` and the result fp32.
-pub fn bias_gelu_f32_backward(
-    grad_out: &Tensor,
-    pre: &Tensor,
-    bias: &Tensor,
-    bias_grad: &Tensor,
-    n_threads: usize,
-) -> Tensor {
-    bias_gelu_backward::<f32>(grad_out, pre, bias, bias_grad, n_threads)
-}
-
-fn bias_gelu<V: Value + Dispatch>(pre: &Tensor, bias: &Tensor, n_threads: usize) -> Option<Tensor> {
+fn bias_gelu_of<V: Value + Dispatch>(pre: &Tensor, bias: &Tensor, n_threads: usize) -> Option<Tensor> {
     let (rows, h) = fits(pre, bias, V::KIND)?;
     let out = Tensor::empty(pre.size(), (V::KIND, Device::Cpu));
     // SAFETY: `pre` and `bias` are contiguous CPU tensors of the kinds and lengths checked by
@@ -125,7 +94,7 @@ fn bias_gelu<V: Value + Dispatch>(pre: &Tensor, bias: &Tensor, n_threads: usize)
     Some(out)
 }
 
-fn bias_gelu_backward<V: Value + Dispatch>(
+fn bias_gelu_backward_of<V: Value + Dispatch>(
     grad_out: &Tensor,
     pre: &Tensor,
     bias: &Tensor,
@@ -302,13 +271,13 @@ mod tests {
         let grad = Tensor::randn([rows, h], opts).to_kind(Kind::BFloat16);
         let [want_out, want_dx, want_db] = reference(&pre, &bias, &grad);
 
-        let out = bias_gelu_bf16(&pre, &bias, n_threads).expect("bf16 and fp32 on the CPU");
+        let out = bias_gelu(&pre, &bias, n_threads).expect("bf16 and fp32 on the CPU");
         assert_eq!((out.kind(), out.size()), (Kind::BFloat16, vec![rows, h]));
         close_in_bf16(&out, &want_out, "the forward", 0.99);
 
         let start = Tensor::full([h], 0.25, opts);
         let bias_grad = start.copy();
-        let dx = bias_gelu_bf16_backward(&grad, &pre, &bias, &bias_grad, n_threads);
+        let dx = bias_gelu_backward(&grad, &pre, &bias, &bias_grad, n_threads);
         close_in_bf16(&dx, &want_dx, "the input's gradient", 0.98);
         let db = &bias_grad - &start;
         let rel = ((&db - &want_db).abs().max() / want_db.abs().max()).double_value(&[]);
@@ -330,7 +299,7 @@ mod tests {
     /// The fp32 kernel against libtorch's ops in f64: within 4e-7 (1 + |v|) absolute, the erfc
     /// approximation's 1.5e-7 carried through `v Phi(v)` and its derivative, plus fp32 rounding.
     #[test]
-    fn bias_gelu_f32_matches_libtorch_forward_and_backward() {
+    fn bias_gelu_in_fp32_matches_libtorch_forward_and_backward() {
         let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         tch::manual_seed(18);
         let opts = (Kind::Float, Device::Cpu);
@@ -342,11 +311,11 @@ mod tests {
             let want = v.gelu("none");
             (&want * grad.to_kind(Kind::Double)).sum(Kind::Double).backward();
             let (want_dx, bound) = (v.grad(), v.detach().abs() * 4e-7 + 4e-7);
-            let out = bias_gelu_f32(&pre, &bias, n_threads).expect("fp32 on the CPU");
+            let out = bias_gelu(&pre, &bias, n_threads).expect("fp32 on the CPU");
             let excess = ((out.to_kind(Kind::Double) - want.detach()).abs() - &bound).max().double_value(&[]);
             assert!(excess <= 0.0, "the forward (rows {rows}): {excess}");
             let bias_grad = Tensor::zeros([h], opts);
-            let dx = bias_gelu_f32_backward(&grad, &pre, &bias, &bias_grad, n_threads);
+            let dx = bias_gelu_backward(&grad, &pre, &bias, &bias_grad, n_threads);
             let excess = ((dx.to_kind(Kind::Double) - &want_dx).abs() - &bound * grad.to_kind(Kind::Double).abs())
                 .max()
                 .double_value(&[]);
@@ -377,12 +346,11 @@ mod tests {
         let opts = (Kind::Float, Device::Cpu);
         let pre = Tensor::zeros([4, 8], (Kind::BFloat16, Device::Cpu));
         let bias = Tensor::zeros([8], opts);
-        assert!(bias_gelu_bf16(&pre, &bias, 1).is_some());
-        assert!(bias_gelu_bf16(&pre.to_kind(Kind::Float), &bias, 1).is_none());
-        assert!(bias_gelu_bf16(&pre, &bias.to_kind(Kind::BFloat16), 1).is_none());
-        assert!(
-            bias_gelu_bf16(&Tensor::zeros([8, 4], (Kind::BFloat16, Device::Cpu)).transpose(0, 1), &bias, 1).is_none()
-        );
-        assert!(bias_gelu_bf16(&pre, &Tensor::zeros([4], opts), 1).is_none());
+        assert!(bias_gelu(&pre, &bias, 1).is_some());
+        assert!(bias_gelu(&pre.to_kind(Kind::Float), &bias, 1).is_some_and(|out| out.kind() == Kind::Float));
+        assert!(bias_gelu(&pre.to_kind(Kind::Double), &bias, 1).is_none());
+        assert!(bias_gelu(&pre, &bias.to_kind(Kind::BFloat16), 1).is_none());
+        assert!(bias_gelu(&Tensor::zeros([8, 4], (Kind::BFloat16, Device::Cpu)).transpose(0, 1), &bias, 1).is_none());
+        assert!(bias_gelu(&pre, &Tensor::zeros([4], opts), 1).is_none());
     }
 }

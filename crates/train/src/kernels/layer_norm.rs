@@ -19,14 +19,11 @@ use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 
-use super::{add_partial_sums, bf16_to_f32, cpu_contiguous, f32_to_bf16, parallel_rows, SharedMut, LANES};
+use super::{add_partial_sums, cpu_contiguous, parallel_rows, Bits, SharedMut, LANES};
 
 /// An element the kernels read or write: bf16 (as its bits) or fp32, with the SIMD dispatch of
 /// each pass for it.
-trait Elem: Copy + Send + Sync {
-    const KIND: Kind;
-    fn load(self) -> f32;
-    fn store(v: f32) -> Self;
+trait Elem: Bits {
     #[allow(clippy::too_many_arguments)]
     fn forward(
         x: &[f32],
@@ -41,15 +38,6 @@ trait Elem: Copy + Send + Sync {
 }
 
 impl Elem for u16 {
-    const KIND: Kind = Kind::BFloat16;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        bf16_to_f32(self)
-    }
-    #[inline(always)]
-    fn store(v: f32) -> u16 {
-        f32_to_bf16(v)
-    }
     fn forward(
         x: &[f32],
         gamma: &[f32],
@@ -65,15 +53,6 @@ impl Elem for u16 {
 }
 
 impl Elem for f32 {
-    const KIND: Kind = Kind::Float;
-    #[inline(always)]
-    fn load(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn store(v: f32) -> f32 {
-        v
-    }
     fn forward(
         x: &[f32],
         gamma: &[f32],
@@ -108,12 +87,9 @@ pub fn layer_norm_bf16(
     weight: &Tensor,
     bias: &Tensor,
     eps: f64,
-    n_threads: usize,
+    n: usize,
 ) -> Option<(Tensor, LayerNormStats)> {
-    if !cpu_contiguous(bias, Kind::Float) || bias.size() != weight.size() {
-        return None;
-    }
-    norm_bf16(x, weight, Some(bias), eps, n_threads)
+    layer_norm_into::<u16>(x, weight, bias, eps, n)
 }
 
 /// `layer_norm_bf16` with an fp32 output (an fp32 run's): the same statistics and backward
@@ -123,12 +99,23 @@ pub fn layer_norm_f32(
     weight: &Tensor,
     bias: &Tensor,
     eps: f64,
+    n: usize,
+) -> Option<(Tensor, LayerNormStats)> {
+    layer_norm_into::<f32>(x, weight, bias, eps, n)
+}
+
+/// A LayerNorm's forward into elements `O`.
+fn layer_norm_into<O: Elem>(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
     n_threads: usize,
 ) -> Option<(Tensor, LayerNormStats)> {
     if !cpu_contiguous(bias, Kind::Float) || bias.size() != weight.size() {
         return None;
     }
-    norm_into::<f32>(x, weight, Some(bias), eps, n_threads)
+    norm_into::<O>(x, weight, Some(bias), eps, n_threads)
 }
 
 /// RMSNorm of `x` `[.., d]` fp32 over its last dimension with `weight` `[d]` fp32 and `eps`

@@ -13,7 +13,7 @@
 //! fused optimizer.
 //!
 //! `layer_norm_bf16` (the LayerNorms, `layer_norm.rs`), `causal_softmax_bf16` (the attention's
-//! masked softmax, `softmax.rs`) and `bias_gelu_bf16` (the MLP's first bias and GELU, `gelu.rs`)
+//! masked softmax, `softmax.rs`) and `bias_gelu` (the MLP's first bias and GELU, `gelu.rs`)
 //! are the others; `swiglu_bf16` (`swiglu.rs`) and `rope_split_bf16` (`rope.rs`) the llama
 //! family's gate and rotary positions.
 
@@ -62,7 +62,7 @@ mod softmax;
 mod swiglu;
 
 pub(crate) use attention_core::{attention_core, attention_core_backward, AttentionCore};
-pub use gelu::{bias_gelu_bf16, bias_gelu_bf16_backward, bias_gelu_f32, bias_gelu_f32_backward};
+pub use gelu::{bias_gelu, bias_gelu_backward};
 pub use layer_norm::{
     layer_norm_bf16, layer_norm_bf16_backward, layer_norm_f32, rms_norm_bf16, rms_norm_bf16_backward, rms_norm_f32,
     LayerNormStats,
@@ -257,6 +257,37 @@ fn row_loss_and_grad(row: &[u16], target: usize, scale: f32, scratch: &mut [f32]
     }
     out[target] = f32_to_bf16((scratch[target] / total - 1.0) * scale);
     total.ln() - shifted_target
+}
+
+/// An element a kernel reads or writes, computed in fp32: bf16 (as its bits) or fp32.
+trait Bits: Copy + Send + Sync {
+    const KIND: Kind;
+    fn load(self) -> f32;
+    fn store(v: f32) -> Self;
+}
+
+impl Bits for u16 {
+    const KIND: Kind = Kind::BFloat16;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        bf16_to_f32(self)
+    }
+    #[inline(always)]
+    fn store(v: f32) -> u16 {
+        f32_to_bf16(v)
+    }
+}
+
+impl Bits for f32 {
+    const KIND: Kind = Kind::Float;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn store(v: f32) -> f32 {
+        v
+    }
 }
 
 #[inline(always)]

@@ -235,7 +235,7 @@ impl Gpt {
         let (weight, pre, act) = tch::no_grad(|| {
             let weight = self.weight16(layer_idx, Slot::weight(layer_idx, Slot::FC), &block.fc_w);
             let pre = input.detach().linear(&weight, None::<&Tensor>);
-            let act = crate::kernels::bias_gelu_bf16(&pre, &block.fc_b, self.fused_bias_gelu_threads)
+            let act = crate::kernels::bias_gelu(&pre, &block.fc_b, self.fused_bias_gelu_threads)
                 .expect("the MLP's product is contiguous bf16 and its bias a contiguous fp32 view");
             (weight, pre, act)
         });
@@ -249,7 +249,7 @@ impl Gpt {
     pub(crate) fn mlp_core_backward(&self, layer_idx: usize, core: &MlpCore, grad_act: &Tensor) -> Tensor {
         let block = &self.blocks[layer_idx];
         tch::no_grad(|| {
-            let grad_pre = crate::kernels::bias_gelu_bf16_backward(
+            let grad_pre = crate::kernels::bias_gelu_backward(
                 grad_act,
                 &core.pre,
                 &block.fc_b,

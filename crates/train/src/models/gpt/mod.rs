@@ -183,7 +183,7 @@ impl Gpt {
 
     /// Under bf16 on a CPU, the block executor runs each MLP's first linear layer without its
     /// bias, and the bias and GELU as one Rust kernel outside libtorch's graph
-    /// (`kernels::bias_gelu_bf16`, on `n_threads` threads; `train.fused_bias_gelu`), with the
+    /// (`kernels::bias_gelu`, on `n_threads` threads; `train.fused_bias_gelu`), with the
     /// backward by hand: the kernel's (the bias's gradient summed in the same pass) and the
     /// linear layer's two matrix multiplies. `false` (the default of `new`) keeps libtorch's
     /// `addmm`, `gelu` and autograd.

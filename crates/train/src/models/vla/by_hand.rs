@@ -25,8 +25,8 @@ use tch::{Device, Kind, Tensor};
 use super::{Vla, LAYER_NORM_EPS};
 use crate::executor::backward_from;
 use crate::kernels::{
-    bias_gelu_bf16, bias_gelu_bf16_backward, bias_gelu_f32, bias_gelu_f32_backward, layer_norm_bf16,
-    layer_norm_bf16_backward, layer_norm_f32, prefix_softmax_backward_bf16, prefix_softmax_bf16, LayerNormStats,
+    bias_gelu, bias_gelu_backward, layer_norm_bf16, layer_norm_bf16_backward, layer_norm_f32,
+    prefix_softmax_backward_bf16, prefix_softmax_bf16, LayerNormStats,
 };
 use crate::models::gpt::linear_backward;
 use crate::models::BlockBackward;
@@ -260,7 +260,6 @@ impl Vla {
         let (normed_2, ln_2) = norm(&h_2, &block.ln_2);
         let fc_weight = cast(&block.fc.0);
         let pre = normed_2.linear(&fc_weight, None::<&Tensor>);
-        let bias_gelu = if fp32 { bias_gelu_f32 } else { bias_gelu_bf16 };
         let act = bias_gelu(&pre, &block.fc.1, threads)
             .expect("the MLP's product is contiguous in the compute type and its bias a contiguous fp32 view");
         let mlp_proj_weight = cast(&block.mlp_proj.0);
@@ -345,7 +344,6 @@ impl Vla {
         };
         // The MLP.
         let grad_act = self.linear_grads(&grad.to_kind(kind), &body.act, &body.mlp_proj_weight, &block.mlp_proj);
-        let bias_gelu_backward = if fp32 { bias_gelu_f32_backward } else { bias_gelu_bf16_backward };
         let grad_pre = bias_gelu_backward(&grad_act, &body.pre, &block.fc.1, &block.fc.1.grad(), threads);
         drop(grad_act);
         let (grad_rows, normed_rows) = (grad_pre.view([-1, 4 * d]), body.normed_2.view([-1, d]));
