@@ -28,9 +28,10 @@
 //! Evaluation integrates the flow from the noise with `flow_steps` Euler steps and reports the
 //! squared error of the actions it ends at, likewise.
 //!
-//! Blocks are GPT-2's (LayerNorm, biases, GELU MLP of 4d), run in libtorch's graph in the compute
-//! type with norms in fp32; every unit goes through the model seam, so the block executor,
-//! recomputation, data parallelism, ZeRO and checkpoints treat it like the text families.
+//! Blocks are GPT-2's (LayerNorm, biases, GELU MLP of 4d), in libtorch's graph in the compute type
+//! with norms in fp32, or on a CPU whole by hand under the block executor (`by_hand.rs`); every
+//! unit goes through the model seam, so the block executor, recomputation, data parallelism, ZeRO
+//! and checkpoints treat it like the text families.
 
 use tch::{Device, Kind, Tensor};
 
