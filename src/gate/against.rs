@@ -40,7 +40,8 @@ const MAX_TOLERANCE: f64 = 0.08;
 /// deviation, 1.4826, times the median's 1.2533 over the mean's, over the square root of the
 /// pairs).
 const STANDARD_ERRORS: f64 = 3.0;
-/// A phase (not the step) flags only when it grew by more than this many milliseconds...
+/// A phase (not the step) flags only when it grew (the median of the pairs' growth) by more than
+/// this many milliseconds...
 const MIN_PHASE_GROWTH_MS: f64 = 0.05;
 /// ... and by more than this share of the baseline's step.
 const MIN_STEP_SHARE: f64 = 0.005;
@@ -200,7 +201,9 @@ pub fn compare(base: &[Figures], cand: &[Figures]) -> anyhow::Result<Vec<Verdict
         let spread_tolerance = STANDARD_ERRORS * 1.4826 * 1.2533 * mad / (ratios.len() as f64).sqrt();
         let tolerance = spread_tolerance.clamp(floor, MAX_TOLERANCE);
         let (base_median, cand_median) = (median(&b), median(&c));
-        let grew = cand_median - base_median;
+        // Paired, as the ratio is: the median of each round's growth, which the machine's drift
+        // between rounds leaves alone, where the difference of the two medians takes it in.
+        let grew = median(&b.iter().zip(&c).map(|(b, c)| c - b).collect::<Vec<_>>());
         let mut regressed = ratio > 1.0 + tolerance;
         if key != "step" && key != "peak_memory" {
             regressed &= grew > MIN_PHASE_GROWTH_MS && grew > MIN_STEP_SHARE * base_step;
