@@ -87,9 +87,9 @@ pub fn layer_norm_bf16(
     weight: &Tensor,
     bias: &Tensor,
     eps: f64,
-    n: usize,
+    n_threads: usize,
 ) -> Option<(Tensor, LayerNormStats)> {
-    layer_norm_into::<u16>(x, weight, bias, eps, n)
+    norm_into::<u16>(x, weight, Some(bias), eps, n_threads)
 }
 
 /// `layer_norm_bf16` with an fp32 output (an fp32 run's): the same statistics and backward
@@ -101,28 +101,14 @@ pub fn layer_norm_f32(
     eps: f64,
     n: usize,
 ) -> Option<(Tensor, LayerNormStats)> {
-    layer_norm_into::<f32>(x, weight, bias, eps, n)
-}
-
-/// A LayerNorm's forward into elements `O`.
-fn layer_norm_into<O: Elem>(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: &Tensor,
-    eps: f64,
-    n_threads: usize,
-) -> Option<(Tensor, LayerNormStats)> {
-    if !cpu_contiguous(bias, Kind::Float) || bias.size() != weight.size() {
-        return None;
-    }
-    norm_into::<O>(x, weight, Some(bias), eps, n_threads)
+    norm_into::<f32>(x, weight, Some(bias), eps, n)
 }
 
 /// RMSNorm of `x` `[.., d]` fp32 over its last dimension with `weight` `[d]` fp32 and `eps`
 /// (`x / sqrt(mean(x^2) + eps) * weight`), as bf16 of `x`'s shape; with the row statistics for
 /// `rms_norm_bf16_backward`. `None` as for `layer_norm_bf16`.
 pub fn rms_norm_bf16(x: &Tensor, weight: &Tensor, eps: f64, n_threads: usize) -> Option<(Tensor, LayerNormStats)> {
-    norm_bf16(x, weight, None, eps, n_threads)
+    norm_into::<u16>(x, weight, None, eps, n_threads)
 }
 
 /// `rms_norm_bf16` with an fp32 output (an fp32 run's): the same statistics and backward
@@ -132,18 +118,7 @@ pub fn rms_norm_f32(x: &Tensor, weight: &Tensor, eps: f64, n_threads: usize) -> 
     norm_into::<f32>(x, weight, None, eps, n_threads)
 }
 
-/// The bf16 forward of both: with `bias`, LayerNorm; without, RMSNorm.
-fn norm_bf16(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    eps: f64,
-    n_threads: usize,
-) -> Option<(Tensor, LayerNormStats)> {
-    norm_into::<u16>(x, weight, bias, eps, n_threads)
-}
-
-/// The forward into elements `O`.
+/// The forward into elements `O`: with `bias`, LayerNorm; without, RMSNorm.
 fn norm_into<O: Elem>(
     x: &Tensor,
     weight: &Tensor,
@@ -155,7 +130,7 @@ fn norm_into<O: Elem>(
     if !cpu_contiguous(x, Kind::Float) || !cpu_contiguous(weight, Kind::Float) || d == 0 {
         return None;
     }
-    if weight.size() != [d] {
+    if weight.size() != [d] || bias.is_some_and(|b| !cpu_contiguous(b, Kind::Float) || b.size() != [d]) {
         return None;
     }
     let centered = bias.is_some();

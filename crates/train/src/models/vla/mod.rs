@@ -300,6 +300,7 @@ impl Vla {
             let table = sincos_2d(shape.image_side / shape.patch, shape.base.d_model).repeat([shape.frames as i64, 1]);
             let _ = params.get("vision.pos_embed").shallow_clone().copy_(&table.to_device(device));
         });
+        let mask = prefix_mask(&shape, false, device);
         Vla {
             patch_embed: pair("vision.patch_embed"),
             vision_pos: get("vision.pos_embed"),
@@ -317,8 +318,8 @@ impl Vla {
             ln_f: pair("ln_f"),
             action_out: pair("action_out"),
             blocks,
-            backbone_bias: additive(&prefix_mask(&shape, false, device), compute_kind(precision)),
-            backbone_keys: row_keys(&prefix_mask(&shape, false, device)),
+            backbone_bias: additive(&mask, compute_kind(precision)),
+            backbone_keys: row_keys(&mask),
             tower_keys: vec![shape.patches_per_frame(); shape.patches_per_frame()],
             math_attention: math_attention(device, compute_kind(precision)),
             by_hand_threads: 0,
