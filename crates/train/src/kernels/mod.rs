@@ -185,21 +185,28 @@ fn add_partial_sums<'a>(grad: &Tensor, len: usize, partials: impl IntoIterator<I
     grad += Tensor::from_slice(&total).view(grad.size().as_slice());
 }
 
-/// Runs `work` on `rows` split into contiguous ranges, at most `n_threads` of them and each at
-/// least `min_rows` long (one range when the rows are fewer), on libtorch's OpenMP threads (the
-/// calling thread takes the first range; see `omp`). The results come back in range order.
+/// Ranges of rows a thread takes in turn in `parallel_rows`: more than one, so that a thread that
+/// starts late or runs on a busier core takes fewer and the threads end together.
+const RANGES_PER_THREAD: usize = 4;
+
+/// Runs `work` on `rows` split into contiguous ranges, each at least `min_rows` long (one range
+/// when the rows are fewer), on at most `n_threads` of libtorch's OpenMP threads (see `omp`), each
+/// taking the next range when it is free. The ranges depend on `rows`, `n_threads` and
+/// `min_rows` alone, not on which thread takes which, so the results, which come back in range
+/// order, do not either.
 fn parallel_rows<R: Send>(
     rows: usize,
     n_threads: usize,
     min_rows: usize,
     work: impl Fn(Range<usize>) -> R + Sync,
 ) -> Vec<R> {
-    let n = n_threads.clamp(1, 64).min(rows.div_ceil(min_rows.max(1))).max(1);
-    if n == 1 {
+    let most = rows.div_ceil(min_rows.max(1));
+    let threads = n_threads.clamp(1, 64).min(most).max(1);
+    if threads == 1 {
         return vec![work(0..rows)];
     }
-    let per = rows.div_ceil(n);
-    crate::omp::map_tasks(n, |i| work((i * per).min(rows)..((i + 1) * per).min(rows)))
+    let per = rows.div_ceil((threads * RANGES_PER_THREAD).min(most));
+    crate::omp::map_tasks_on(rows.div_ceil(per), threads, |i| work(i * per..((i + 1) * per).min(rows)))
 }
 
 simd_dispatch! {

@@ -60,7 +60,10 @@ pub(crate) struct MlpHalf {
 /// The backward by hand of the 16-bit linear layer `x W^T + b` from its output's gradient `grad`
 /// (16-bit, `[.., out]`): adds the weight's gradient `grad^T x` (a 16-bit product, as autograd's
 /// is) and the bias's (summed in fp32) into the fp32 parameters' (`master`) gradients, and returns
-/// the input's, `grad W`.
+/// the input's, `grad W`. A layer that narrows (`out < in`, an MLP's second) takes its weight's
+/// gradient as `(x^T grad)^T`: oneDNN's bf16 product over the rows ran about 25% faster with the
+/// wider side as its output's rows (at the vla-small's `[384, 1536]` over 1,960 rows, 1.75 ms
+/// against 2.37 ms, and 2.30 ms against 2.60 ms with the transposed add), and the sum is the same.
 pub(crate) fn linear_backward(
     grad: &Tensor,
     x: &Tensor,
@@ -70,7 +73,12 @@ pub(crate) fn linear_backward(
     let (out, d_in) = (*grad.size().last().expect("a width"), *x.size().last().expect("a width"));
     let rows = grad.reshape([-1, out]);
     let mut w_grad = master_w.grad();
-    w_grad += rows.tr().mm(&x.reshape([-1, d_in]));
+    if out < d_in {
+        let mut w_grad_t = w_grad.tr();
+        w_grad_t += x.reshape([-1, d_in]).tr().mm(&rows);
+    } else {
+        w_grad += rows.tr().mm(&x.reshape([-1, d_in]));
+    }
     let mut b_grad = master_b.grad();
     b_grad += rows.sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
     grad.matmul(weight)
