@@ -19,7 +19,7 @@ use std::ops::Range;
 
 use tch::{Device, Kind, Tensor};
 
-use super::{add_partial_sums, cpu_contiguous, parallel_rows, Bits, SharedMut, LANES};
+use super::{add_partial_sums, bf16_to_f32, cpu_contiguous, f32_to_bf16, parallel_rows, Bits, SharedMut, LANES};
 
 /// An element the kernels read or write: bf16 (as its bits) or fp32, with the SIMD dispatch of
 /// each pass for it.
@@ -189,7 +189,29 @@ pub fn layer_norm_bf16_backward(
     n_threads: usize,
 ) -> Tensor {
     assert!(stats.centered, "layer_norm_bf16_backward of an RMSNorm's statistics");
-    norm_bf16_backward(grad_out, x, stats, weight, residual, Some(weight_grad), Some(bias_grad), n_threads)
+    norm_bf16_backward(grad_out, x, stats, weight, residual, Some(weight_grad), Some(bias_grad), None, n_threads)
+}
+
+/// `layer_norm_bf16_backward` that also gives what the 16-bit linear layer before the norm's
+/// input needs for its own backward, in the same pass: the returned gradient rounded to bf16
+/// (written into `copy`, bf16 of `x`'s shape) and that copy's sums over the rows in fp32 (that
+/// layer's bias gradient, added to `copy_sums`, fp32 `[d]`). Those were a cast and a sum of
+/// their own, each a pass over the gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_bf16_backward_with_copy(
+    grad_out: &Tensor,
+    x: &Tensor,
+    stats: &LayerNormStats,
+    weight: &Tensor,
+    residual: Option<Tensor>,
+    weight_grad: &Tensor,
+    bias_grad: &Tensor,
+    (copy, copy_sums): (&Tensor, &Tensor),
+    n_threads: usize,
+) -> Tensor {
+    assert!(stats.centered, "layer_norm_bf16_backward of an RMSNorm's statistics");
+    let emit = Some((copy, copy_sums));
+    norm_bf16_backward(grad_out, x, stats, weight, residual, Some(weight_grad), Some(bias_grad), emit, n_threads)
 }
 
 /// The gradient with respect to `x` of an `rms_norm_bf16` or `rms_norm_f32` forward (`grad_out`
@@ -205,7 +227,7 @@ pub fn rms_norm_bf16_backward(
     n_threads: usize,
 ) -> Tensor {
     assert!(!stats.centered, "rms_norm_bf16_backward of a LayerNorm's statistics");
-    norm_bf16_backward(grad_out, x, stats, weight, residual, weight_grad, None, n_threads)
+    norm_bf16_backward(grad_out, x, stats, weight, residual, weight_grad, None, None, n_threads)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -217,6 +239,7 @@ fn norm_bf16_backward(
     residual: Option<Tensor>,
     weight_grad: Option<&Tensor>,
     bias_grad: Option<&Tensor>,
+    emit: Option<(&Tensor, &Tensor)>,
     n_threads: usize,
 ) -> Tensor {
     let d = *x.size().last().expect("a forward's input has a last dimension") as usize;
@@ -231,6 +254,13 @@ fn norm_bf16_backward(
     assert!(cpu_contiguous(weight, Kind::Float) && weight.numel() == d, "layer_norm_bf16_backward: weight");
     for grad in weight_grad.iter().chain(bias_grad.iter()) {
         assert!(grad.kind() == Kind::Float && grad.numel() == d, "layer_norm_bf16_backward: parameter gradient");
+    }
+    if let Some((copy, sums)) = emit {
+        assert!(
+            cpu_contiguous(copy, Kind::BFloat16) && copy.size() == x.size(),
+            "layer_norm_bf16_backward: the gradient's bf16 copy"
+        );
+        assert!(sums.kind() == Kind::Float && sums.numel() == d, "layer_norm_bf16_backward: the copy's sums");
     }
     let accumulate = residual.is_some();
     let dx = match residual {
@@ -254,30 +284,52 @@ fn norm_bf16_backward(
             SharedMut::new(dx.data_ptr() as *mut f32, rows * d),
         )
     };
+    // SAFETY: `copy` was checked contiguous bf16 of `rows * d` elements; the threads write
+    // disjoint rows of it.
+    let copy_all = emit.map(|(copy, _)| unsafe { SharedMut::new(copy.data_ptr() as *mut u16, rows * d) });
     let centered = stats.centered;
     let partials = parallel_rows(rows, n_threads, MIN_ROWS_PER_THREAD, |range: Range<usize>| {
         let mut dgamma = vec![0f32; d];
         let mut dbeta = vec![0f32; d];
+        let mut sums = vec![0f32; if copy_all.is_some() { d } else { 0 }];
         let span = range.start * d..range.end * d;
         // SAFETY: disjoint row ranges, as in the forward.
         let dx = unsafe { dx_all.slice(span.clone()) };
+        // SAFETY: as above.
+        let copy = copy_all.as_ref().map_or(&mut [][..], |c| unsafe { c.slice(span.clone()) });
+        let emit = Emit { copy, sums: &mut sums };
         let (mean, rstd) = (&stats.mean[range.clone()], &stats.rstd[range]);
         // SAFETY: `grad_out` is a contiguous tensor of `rows * d` elements of the kind `bf16`
         // says, alive for this scope; this thread reads its own rows.
         if bf16 {
             let g = unsafe { std::slice::from_raw_parts((g_addr as *const u16).add(span.start), span.len()) };
-            backward_dispatch(g, &x[span], mean, rstd, gamma, centered, accumulate, dx, &mut dgamma, &mut dbeta);
+            backward_dispatch(g, &x[span], mean, rstd, gamma, centered, accumulate, dx, &mut dgamma, &mut dbeta, emit);
         } else {
             let g = unsafe { std::slice::from_raw_parts((g_addr as *const f32).add(span.start), span.len()) };
-            backward_dispatch_f32(g, &x[span], mean, rstd, gamma, centered, accumulate, dx, &mut dgamma, &mut dbeta);
+            backward_dispatch_f32(
+                g,
+                &x[span],
+                mean,
+                rstd,
+                gamma,
+                centered,
+                accumulate,
+                dx,
+                &mut dgamma,
+                &mut dbeta,
+                emit,
+            );
         }
-        (dgamma, dbeta)
+        (dgamma, dbeta, sums)
     });
     if let Some(weight_grad) = weight_grad {
-        add_partial_sums(weight_grad, d, partials.iter().map(|(g, _)| g.as_slice()));
+        add_partial_sums(weight_grad, d, partials.iter().map(|(g, _, _)| g.as_slice()));
     }
     if let Some(bias_grad) = bias_grad {
-        add_partial_sums(bias_grad, d, partials.iter().map(|(_, b)| b.as_slice()));
+        add_partial_sums(bias_grad, d, partials.iter().map(|(_, b, _)| b.as_slice()));
+    }
+    if let Some((_, copy_sums)) = emit {
+        add_partial_sums(copy_sums, d, partials.iter().map(|(_, _, s)| s.as_slice()));
     }
     dx
 }
@@ -369,6 +421,7 @@ simd_dispatch! {
         dx: &mut [f32],
         dgamma: &mut [f32],
         dbeta: &mut [f32],
+        emit: Emit<'_>,
     ) => backward_rows
 }
 
@@ -385,6 +438,7 @@ simd_dispatch! {
         dx: &mut [f32],
         dgamma: &mut [f32],
         dbeta: &mut [f32],
+        emit: Emit<'_>,
     ) => backward_rows
 }
 
@@ -404,12 +458,13 @@ fn backward_rows<G: Elem>(
     dx: &mut [f32],
     dgamma: &mut [f32],
     dbeta: &mut [f32],
+    emit: Emit<'_>,
 ) {
     let d = gamma.len();
     let inv_d = 1.0 / d as f32;
     let (dgamma, dbeta) = (&mut dgamma[..d], &mut dbeta[..d]);
-    for ((((g, x), dx), &mu), &rs) in
-        g.chunks_exact(d).zip(x.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).zip(mean).zip(rstd)
+    for (i, ((((g, x), dx), &mu), &rs)) in
+        g.chunks_exact(d).zip(x.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).zip(mean).zip(rstd).enumerate()
     {
         let a = if centered { lane_sum3(g, gamma, x, |g, w, _| g.load() * w) * inv_d } else { 0.0 };
         let b = lane_sum3(g, gamma, x, |g, w, x| g.load() * w * ((x - mu) * rs)) * inv_d;
@@ -421,7 +476,21 @@ fn backward_rows<G: Elem>(
             *dw += g * xhat;
             *db += g;
         }
+        if !emit.copy.is_empty() {
+            // The row just written, from L1: its bf16 and that bf16's sums.
+            for ((c, s), &v) in emit.copy[i * d..(i + 1) * d].iter_mut().zip(emit.sums.iter_mut()).zip(&*dx) {
+                *c = f32_to_bf16(v);
+                *s += bf16_to_f32(*c);
+            }
+        }
     }
+}
+
+/// What `backward_rows` also writes of the gradient it gives: its bf16 (`copy`, empty for
+/// none) and that bf16's sums over the rows (`sums`, `[d]`).
+struct Emit<'a> {
+    copy: &'a mut [u16],
+    sums: &'a mut [f32],
 }
 
 #[cfg(test)]
@@ -479,6 +548,27 @@ mod tests {
         let (dw2, db2) = (Tensor::zeros([d], opts), Tensor::zeros([d], opts));
         let alone = layer_norm_bf16_backward(&grad, &x, &stats, &w, None, &dw2, &db2, n_threads);
         assert!(rel(&alone, &(&want_dx - &residual)) <= 1e-5, "dx without residual (shape {shape:?})");
+        // With the copy: the same gradient, its bf16 to the bit, and that bf16's sums over the
+        // rows added to what the sums' buffer holds.
+        let (dw3, db3, copy) =
+            (Tensor::zeros([d], opts), Tensor::zeros([d], opts), Tensor::empty(shape, (Kind::BFloat16, Device::Cpu)));
+        let start_sums = Tensor::full([d], -1.0, opts);
+        let sums = start_sums.copy();
+        let with_copy = layer_norm_bf16_backward_with_copy(
+            &grad,
+            &x,
+            &stats,
+            &w,
+            Some(residual.copy()),
+            &dw3,
+            &db3,
+            (&copy, &sums),
+            n_threads,
+        );
+        assert!(with_copy.equal(&dx) && dw3.equal(&dw2) && db3.equal(&db2), "the gradients with the copy");
+        assert!(copy.equal(&dx.to_kind(Kind::BFloat16)), "the copy is the gradient's bf16 (shape {shape:?})");
+        let want_sums = copy.to_kind(Kind::Float).view([-1, d]).sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
+        assert!(rel(&(&sums - &start_sums), &want_sums) <= 1e-5, "the copy's sums (shape {shape:?})");
     }
 
     #[test]

@@ -70,6 +70,14 @@ pub(crate) fn linear_backward(
     weight: &Tensor,
     (master_w, master_b): (&Tensor, &Tensor),
 ) -> Tensor {
+    let out = *grad.size().last().expect("a width");
+    let mut b_grad = master_b.grad();
+    b_grad += grad.reshape([-1, out]).sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
+    linear_backward_unbiased(grad, x, weight, master_w)
+}
+
+/// `linear_backward` but for the bias's gradient (which the caller has summed).
+pub(crate) fn linear_backward_unbiased(grad: &Tensor, x: &Tensor, weight: &Tensor, master_w: &Tensor) -> Tensor {
     let (out, d_in) = (*grad.size().last().expect("a width"), *x.size().last().expect("a width"));
     let rows = grad.reshape([-1, out]);
     let mut w_grad = master_w.grad();
@@ -79,8 +87,6 @@ pub(crate) fn linear_backward(
     } else {
         w_grad += rows.tr().mm(&x.reshape([-1, d_in]));
     }
-    let mut b_grad = master_b.grad();
-    b_grad += rows.sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
     grad.matmul(weight)
 }
 

@@ -22,7 +22,7 @@ use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
 use crate::precision::compute_kind;
 
 use attention::choose_attention;
-pub(crate) use by_hand::linear_backward;
+pub(crate) use by_hand::{linear_backward, linear_backward_unbiased};
 pub use parts::Gpt;
 use parts::{block_names, handles, Attention, Slot, LAYER_NORM_EPS};
 

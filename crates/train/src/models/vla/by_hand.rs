@@ -25,10 +25,10 @@ use tch::{Device, Kind, Tensor};
 use super::{Vla, LAYER_NORM_EPS};
 use crate::executor::backward_from;
 use crate::kernels::{
-    bias_gelu, bias_gelu_backward, layer_norm_bf16, layer_norm_bf16_backward, layer_norm_f32,
-    prefix_softmax_backward_bf16, prefix_softmax_bf16, LayerNormStats,
+    bias_gelu, bias_gelu_backward, layer_norm_bf16, layer_norm_bf16_backward, layer_norm_bf16_backward_with_copy,
+    layer_norm_f32, prefix_softmax_backward_bf16, prefix_softmax_bf16, LayerNormStats,
 };
-use crate::models::gpt::linear_backward;
+use crate::models::gpt::{linear_backward, linear_backward_unbiased};
 use crate::models::BlockBackward;
 
 /// What a block's body keeps for its backward.
@@ -355,10 +355,30 @@ impl Vla {
         }
         let grad_normed_2 = grad_pre.matmul(&body.fc_weight);
         drop((grad_pre, grad_rows));
-        let grad = norm_backward(&grad_normed_2, &body.h_2, &body.ln_2, &block.ln_2, grad);
+        // The attention's output projection: in bf16 the norm's backward also gives its
+        // gradient's bf16 and the projection's bias gradient, in its pass.
+        let (grad, grad_y) = if fp32 {
+            let grad = norm_backward(&grad_normed_2, &body.h_2, &body.ln_2, &block.ln_2, grad);
+            let grad_y = self.linear_grads(&grad, &body.y, &body.proj_weight, &block.attn_proj);
+            (grad, grad_y)
+        } else {
+            let copy = Tensor::empty(grad.size(), (kind, Device::Cpu));
+            let (weight, bias) = &block.ln_2;
+            let grad = layer_norm_bf16_backward_with_copy(
+                &grad_normed_2,
+                &body.h_2,
+                &body.ln_2,
+                weight,
+                Some(grad),
+                &weight.grad(),
+                &bias.grad(),
+                (&copy, &block.attn_proj.1.grad()),
+                threads,
+            );
+            let grad_y = linear_backward_unbiased(&copy, &body.y, &body.proj_weight, &block.attn_proj.0);
+            (grad, grad_y)
+        };
         drop(grad_normed_2);
-        // The attention.
-        let grad_y = self.linear_grads(&grad.to_kind(kind), &body.y, &body.proj_weight, &block.attn_proj);
         let grad_heads = match &body.attention {
             Attention::Flash { out, lse } => {
                 let grad_out = grad_y.view([batch, tokens, n_head, head_dim]).transpose(1, 2).contiguous();
