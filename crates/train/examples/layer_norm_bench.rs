@@ -82,6 +82,7 @@ fn main() {
                     Some(accumulated.shallow_clone()),
                     &wg,
                     &bg,
+                    None,
                     n_threads,
                 );
                 let _ = std::hint::black_box(acc);

@@ -175,8 +175,12 @@ fn norm_into<O: Elem>(
 /// The gradient with respect to `x` of a `layer_norm_bf16` forward, given `grad_out` (bf16, of
 /// `x`'s shape), added to `residual` (fp32, of `x`'s shape) in place, which is returned; without
 /// `residual`, a new tensor. The weight's and bias's gradients are added to `weight_grad` and
-/// `bias_grad` (fp32 `[d]`, e.g. the parameters' views of the flat gradient buffer). Panics when
-/// the tensors do not fit the forward's (a caller's bug, not bad data).
+/// `bias_grad` (fp32 `[d]`, e.g. the parameters' views of the flat gradient buffer). With
+/// `copy = Some((copy, copy_sums))` the same pass also gives what the 16-bit linear layer before
+/// the norm's input needs for its own backward: the returned gradient rounded to bf16 (into
+/// `copy`, bf16 of `x`'s shape) and that copy's sums over the rows in fp32 (that layer's bias
+/// gradient, added to `copy_sums`, fp32 `[d]`), where a cast and a sum each took a pass of their
+/// own. Panics when the tensors do not fit the forward's (a caller's bug, not bad data).
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_bf16_backward(
     grad_out: &Tensor,
@@ -186,32 +190,11 @@ pub fn layer_norm_bf16_backward(
     residual: Option<Tensor>,
     weight_grad: &Tensor,
     bias_grad: &Tensor,
+    copy: Option<(&Tensor, &Tensor)>,
     n_threads: usize,
 ) -> Tensor {
     assert!(stats.centered, "layer_norm_bf16_backward of an RMSNorm's statistics");
-    norm_bf16_backward(grad_out, x, stats, weight, residual, Some(weight_grad), Some(bias_grad), None, n_threads)
-}
-
-/// `layer_norm_bf16_backward` that also gives what the 16-bit linear layer before the norm's
-/// input needs for its own backward, in the same pass: the returned gradient rounded to bf16
-/// (written into `copy`, bf16 of `x`'s shape) and that copy's sums over the rows in fp32 (that
-/// layer's bias gradient, added to `copy_sums`, fp32 `[d]`). Those were a cast and a sum of
-/// their own, each a pass over the gradient.
-#[allow(clippy::too_many_arguments)]
-pub fn layer_norm_bf16_backward_with_copy(
-    grad_out: &Tensor,
-    x: &Tensor,
-    stats: &LayerNormStats,
-    weight: &Tensor,
-    residual: Option<Tensor>,
-    weight_grad: &Tensor,
-    bias_grad: &Tensor,
-    (copy, copy_sums): (&Tensor, &Tensor),
-    n_threads: usize,
-) -> Tensor {
-    assert!(stats.centered, "layer_norm_bf16_backward of an RMSNorm's statistics");
-    let emit = Some((copy, copy_sums));
-    norm_bf16_backward(grad_out, x, stats, weight, residual, Some(weight_grad), Some(bias_grad), emit, n_threads)
+    norm_bf16_backward(grad_out, x, stats, weight, residual, Some(weight_grad), Some(bias_grad), copy, n_threads)
 }
 
 /// The gradient with respect to `x` of an `rms_norm_bf16` or `rms_norm_f32` forward (`grad_out`
@@ -535,7 +518,7 @@ mod tests {
         // The parameters' gradients are added to what their buffers hold.
         let start_w = Tensor::full([d], 2.0, opts);
         let (dw, db) = (start_w.copy(), Tensor::zeros([d], opts));
-        let dx = layer_norm_bf16_backward(&grad, &x, &stats, &w, Some(residual.copy()), &dw, &db, n_threads);
+        let dx = layer_norm_bf16_backward(&grad, &x, &stats, &w, Some(residual.copy()), &dw, &db, None, n_threads);
         let rel = |got: &Tensor, want: &Tensor| ((got - want).abs().max() / want.abs().max()).double_value(&[]);
         assert!(rel(&dx, &want_dx) <= 1e-5, "dx (shape {shape:?}): {}", rel(&dx, &want_dx));
         assert!(
@@ -546,7 +529,7 @@ mod tests {
         assert!(rel(&db, &want_db) <= 1e-4, "dbias (shape {shape:?}): {}", rel(&db, &want_db));
         // Without a residual the input's gradient is the LayerNorm's alone.
         let (dw2, db2) = (Tensor::zeros([d], opts), Tensor::zeros([d], opts));
-        let alone = layer_norm_bf16_backward(&grad, &x, &stats, &w, None, &dw2, &db2, n_threads);
+        let alone = layer_norm_bf16_backward(&grad, &x, &stats, &w, None, &dw2, &db2, None, n_threads);
         assert!(rel(&alone, &(&want_dx - &residual)) <= 1e-5, "dx without residual (shape {shape:?})");
         // With the copy: the same gradient, its bf16 to the bit, and that bf16's sums over the
         // rows added to what the sums' buffer holds.
@@ -554,7 +537,7 @@ mod tests {
             (Tensor::zeros([d], opts), Tensor::zeros([d], opts), Tensor::empty(shape, (Kind::BFloat16, Device::Cpu)));
         let start_sums = Tensor::full([d], -1.0, opts);
         let sums = start_sums.copy();
-        let with_copy = layer_norm_bf16_backward_with_copy(
+        let with_copy = layer_norm_bf16_backward(
             &grad,
             &x,
             &stats,
@@ -562,7 +545,7 @@ mod tests {
             Some(residual.copy()),
             &dw3,
             &db3,
-            (&copy, &sums),
+            Some((&copy, &sums)),
             n_threads,
         );
         assert!(with_copy.equal(&dx) && dw3.equal(&dw2) && db3.equal(&db2), "the gradients with the copy");

@@ -64,8 +64,8 @@ mod swiglu;
 pub(crate) use attention_core::{attention_core, attention_core_backward, AttentionCore};
 pub use gelu::{bias_gelu, bias_gelu_backward};
 pub use layer_norm::{
-    layer_norm_bf16, layer_norm_bf16_backward, layer_norm_bf16_backward_with_copy, layer_norm_f32, rms_norm_bf16,
-    rms_norm_bf16_backward, rms_norm_f32, LayerNormStats,
+    layer_norm_bf16, layer_norm_bf16_backward, layer_norm_f32, rms_norm_bf16, rms_norm_bf16_backward, rms_norm_f32,
+    LayerNormStats,
 };
 pub use rope::{rope_split_bf16, rope_split_bf16_backward};
 pub use softmax::{

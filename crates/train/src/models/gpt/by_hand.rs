@@ -126,6 +126,7 @@ impl Gpt {
             residual.map(|r| r.contiguous()),
             &weight.grad(),
             &bias.grad(),
+            None,
             self.fused_layer_norm_threads,
         )
     }

@@ -25,8 +25,8 @@ use tch::{Device, Kind, Tensor};
 use super::{Vla, LAYER_NORM_EPS};
 use crate::executor::backward_from;
 use crate::kernels::{
-    bias_gelu, bias_gelu_backward, layer_norm_bf16, layer_norm_bf16_backward, layer_norm_bf16_backward_with_copy,
-    layer_norm_f32, prefix_softmax_backward_bf16, prefix_softmax_bf16, LayerNormStats,
+    bias_gelu, bias_gelu_backward, layer_norm_bf16, layer_norm_bf16_backward, layer_norm_f32,
+    prefix_softmax_backward_bf16, prefix_softmax_bf16, LayerNormStats,
 };
 use crate::models::gpt::{linear_backward, linear_backward_unbiased};
 use crate::models::BlockBackward;
@@ -339,6 +339,7 @@ impl Vla {
                 Some(residual),
                 &weight.grad(),
                 &bias.grad(),
+                None,
                 threads,
             )
         };
@@ -364,7 +365,7 @@ impl Vla {
         } else {
             let copy = Tensor::empty(grad.size(), (kind, Device::Cpu));
             let (weight, bias) = &block.ln_2;
-            let grad = layer_norm_bf16_backward_with_copy(
+            let grad = layer_norm_bf16_backward(
                 &grad_normed_2,
                 &body.h_2,
                 &body.ln_2,
@@ -372,7 +373,7 @@ impl Vla {
                 Some(grad),
                 &weight.grad(),
                 &bias.grad(),
-                (&copy, &block.attn_proj.1.grad()),
+                Some((&copy, &block.attn_proj.1.grad())),
                 threads,
             );
             let grad_y = linear_backward_unbiased(&copy, &body.y, &body.proj_weight, &block.attn_proj.0);
