@@ -120,8 +120,6 @@ pub(crate) fn map_tasks_on<R: Send>(tasks: usize, threads: usize, task: impl Fn(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
     use super::*;
 
     #[test]

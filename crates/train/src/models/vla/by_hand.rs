@@ -330,7 +330,8 @@ impl Vla {
                              x: &Tensor,
                              stats: &LayerNormStats,
                              (weight, bias): &(Tensor, Tensor),
-                             residual: Tensor| {
+                             residual: Tensor,
+                             copy: Option<(&Tensor, &Tensor)>| {
             layer_norm_bf16_backward(
                 grad_normed,
                 x,
@@ -339,7 +340,7 @@ impl Vla {
                 Some(residual),
                 &weight.grad(),
                 &bias.grad(),
-                None,
+                copy,
                 threads,
             )
         };
@@ -358,28 +359,15 @@ impl Vla {
         drop((grad_pre, grad_rows));
         // The attention's output projection: in bf16 the norm's backward also gives its
         // gradient's bf16 and the projection's bias gradient, in its pass.
-        let (grad, grad_y) = if fp32 {
-            let grad = norm_backward(&grad_normed_2, &body.h_2, &body.ln_2, &block.ln_2, grad);
-            let grad_y = self.linear_grads(&grad, &body.y, &body.proj_weight, &block.attn_proj);
-            (grad, grad_y)
-        } else {
-            let copy = Tensor::empty(grad.size(), (kind, Device::Cpu));
-            let (weight, bias) = &block.ln_2;
-            let grad = layer_norm_bf16_backward(
-                &grad_normed_2,
-                &body.h_2,
-                &body.ln_2,
-                weight,
-                Some(grad),
-                &weight.grad(),
-                &bias.grad(),
-                Some((&copy, &block.attn_proj.1.grad())),
-                threads,
-            );
-            let grad_y = linear_backward_unbiased(&copy, &body.y, &body.proj_weight, &block.attn_proj.0);
-            (grad, grad_y)
-        };
+        let copy = (!fp32).then(|| Tensor::empty(grad.size(), (kind, Device::Cpu)));
+        let proj_bias_grad = block.attn_proj.1.grad();
+        let copy_to = copy.as_ref().map(|copy| (copy, &proj_bias_grad));
+        let grad = norm_backward(&grad_normed_2, &body.h_2, &body.ln_2, &block.ln_2, grad, copy_to);
         drop(grad_normed_2);
+        let grad_y = match &copy {
+            Some(copy) => linear_backward_unbiased(copy, &body.y, &body.proj_weight, &block.attn_proj.0),
+            None => self.linear_grads(&grad, &body.y, &body.proj_weight, &block.attn_proj),
+        };
         let grad_heads = match &body.attention {
             Attention::Flash { out, lse } => {
                 let grad_out = grad_y.view([batch, tokens, n_head, head_dim]).transpose(1, 2).contiguous();
@@ -431,7 +419,7 @@ impl Vla {
         drop(grad_heads);
         let grad_normed_1 = self.linear_grads(&grad_qkv, &body.normed_1, &body.qkv_weight, &block.attn);
         drop(grad_qkv);
-        norm_backward(&grad_normed_1, &body.h, &body.ln_1, &block.ln_1, grad)
+        norm_backward(&grad_normed_1, &body.h, &body.ln_1, &block.ln_1, grad, None)
     }
 }
 
