@@ -22,6 +22,7 @@ pub struct GemmReference {
     forward: Vec<(Tensor, Tensor)>,
     backward: Vec<(Tensor, Tensor)>,
     device: Device,
+    products: stoke_train::Products,
 }
 
 /// Milliseconds of one pass of each part of a `GemmReference`.
@@ -38,7 +39,14 @@ impl ReferenceTimes {
 }
 
 impl GemmReference {
-    pub fn new(model: &stoke_plan::ModelConfig, micro_batch: usize, precision: Precision, device: Device) -> Self {
+    /// With `widen`, bf16 products run as the model's widened ones (`stoke_train::Products`).
+    pub fn new(
+        model: &stoke_plan::ModelConfig,
+        micro_batch: usize,
+        precision: Precision,
+        widen: bool,
+        device: Device,
+    ) -> Self {
         let kind = match precision {
             Precision::Fp32 => Kind::Float,
             Precision::Bf16 => Kind::BFloat16,
@@ -100,7 +108,8 @@ impl GemmReference {
             backward.push((probs.shallow_clone(), k.shallow_clone()));
             backward.push((probs.transpose(1, 2), q.shallow_clone()));
         }
-        let reference = GemmReference { forward, backward, device };
+        let products = stoke_train::Products::with(kind, widen);
+        let reference = GemmReference { forward, backward, device, products };
         reference.time(); // warm-up: first-touch pages and libtorch's kernel choice
         reference
     }
@@ -117,7 +126,7 @@ impl GemmReference {
         let pass = |pairs: &[(Tensor, Tensor)]| {
             let start = Instant::now();
             for (a, b) in pairs {
-                drop(a.matmul(b));
+                drop(self.products.matmul(a, b));
             }
             self.sync();
             start.elapsed().as_secs_f64() * 1e3
@@ -155,7 +164,7 @@ mod tests {
     fn the_reference_multiplies_what_the_planner_counts() {
         // A gpt model: 2·(forward) + 4·(backward) FLOPs per weight per token, plus attention.
         let model = stoke_plan::ModelConfig::gpt(2, 64, 2, 16, 256);
-        let reference = GemmReference::new(&model, 3, Precision::Fp32, Device::Cpu);
+        let reference = GemmReference::new(&model, 3, Precision::Fp32, false, Device::Cpu);
         let tokens = 3.0 * 16.0;
         let weights = (model.matmul_params_per_layer() * 2 + 64 * 256) as f64;
         let attention = 3.0 * model.attention_core_forward_flops(3) * 2.0;
@@ -165,11 +174,12 @@ mod tests {
         (lora.n_layer, lora.d_model, lora.n_head, lora.seq_len, lora.ffn_hidden, lora.vocab_size) =
             (2, 64, 4, 16, 160, 256);
         lora.lora_rank = 4;
-        let frozen = GemmReference::new(&lora, 1, Precision::Fp32, Device::Cpu);
+        let frozen = GemmReference::new(&lora, 1, Precision::Fp32, false, Device::Cpu);
         let full = GemmReference::new(
             &stoke_plan::ModelConfig { lora_rank: 0, ..lora.clone() },
             1,
             Precision::Fp32,
+            false,
             Device::Cpu,
         );
         let base = 16.0 * (lora.matmul_params_per_layer() * 2 + 64 * 256) as f64;

@@ -246,8 +246,13 @@ impl Profiler {
     fn started(&mut self, info: &RunInfo) {
         let shape = info.shape;
         let device = if info.device.is_cuda() { "cuda" } else { "cpu" };
+        // A model whose bf16 products run widened multiplies at fp32's peak.
+        let bf16_peak = if info.widened_products { self.peaks.fp32 } else { self.peaks.bf16 };
         let (peak, peak_source) = match info.precision {
             Precision::Fp32 => (self.peaks.fp32, self.peaks.fp32_source.clone()),
+            Precision::Bf16 if info.widened_products => {
+                (self.peaks.fp32, format!("{} (bf16 products widened to fp32)", self.peaks.fp32_source))
+            }
             Precision::Bf16 => (self.peaks.bf16, self.peaks.bf16_source.clone()),
             // GPUs multiply fp16 and bf16 at the same peak; a CPU without fp16 matrix units is
             // slower in fp16, so there MFU against the bf16 peak is a lower bound.
@@ -287,7 +292,7 @@ impl Profiler {
             machine: MachineFacts {
                 peak_flops: peak,
                 peak_flops_fp32: Some(self.peaks.fp32).filter(|&p| p > 0.0),
-                peak_flops_bf16: Some(self.peaks.bf16).filter(|&p| p > 0.0),
+                peak_flops_bf16: Some(bf16_peak).filter(|&p| p > 0.0),
                 device: device.into(),
                 memory_capacity_bytes: stoke_train::memory_capacity_bytes(info.device),
                 peak_source: Some(peak_source).filter(|s| !s.is_empty()),
@@ -699,6 +704,7 @@ struct GemmProbe {
     matmuls: stoke_plan::ModelConfig,
     micro_batch: usize,
     precision: stoke_train::Precision,
+    widened_products: bool,
     device: tch::Device,
     best: crate::gemm::ReferenceTimes,
     flops: f64,
@@ -711,7 +717,13 @@ struct GemmProbe {
 
 impl GemmProbe {
     fn new(info: &stoke_train::RunInfo) -> GemmProbe {
-        let reference = crate::gemm::GemmReference::new(&info.matmuls, info.micro_batch, info.precision, info.device);
+        let reference = crate::gemm::GemmReference::new(
+            &info.matmuls,
+            info.micro_batch,
+            info.precision,
+            info.widened_products,
+            info.device,
+        );
         let recomputed = match info.recompute {
             stoke_train::Recompute::None => 0.0,
             stoke_train::Recompute::Mlp => 2.0 / 3.0,
@@ -723,6 +735,7 @@ impl GemmProbe {
             matmuls: info.matmuls.clone(),
             micro_batch: info.micro_batch,
             precision: info.precision,
+            widened_products: info.widened_products,
             device: info.device,
             best: reference.fastest(2),
             flops: reference.flops(),
@@ -732,7 +745,13 @@ impl GemmProbe {
     }
 
     fn time_again(&mut self) {
-        let reference = crate::gemm::GemmReference::new(&self.matmuls, self.micro_batch, self.precision, self.device);
+        let reference = crate::gemm::GemmReference::new(
+            &self.matmuls,
+            self.micro_batch,
+            self.precision,
+            self.widened_products,
+            self.device,
+        );
         let t = reference.time();
         self.best.forward_ms = self.best.forward_ms.min(t.forward_ms);
         self.best.backward_ms = self.best.backward_ms.min(t.backward_ms);

@@ -40,6 +40,9 @@ What makes it the strong peer, all chosen here and reported:
 - AdamW with `fused=True` (PyTorch 2.11 takes it on a CPU);
 - bf16: `torch.autocast("cpu", dtype=torch.bfloat16)`: fp32 master weights, matrix multiplies and
   attention in bf16, LayerNorm and the residual stream in fp32 (what stoke's bf16 does);
+- bf16's products: under `--products auto`, native or widened (fp32 products of bf16-rounded
+  operands, rounded back to bf16: what stoke does on a CPU without native bf16 products), whichever
+  runs a linear layer at the run's rows faster, timed in this same invocation;
 - the intra-op threads stoke uses (libtorch's default, one per physical core; `--threads N` sets
   them, as `train.threads = N` does stoke's);
 - glibc keeping freed memory (`--host-memory retain`, default; what stoke's `train.host_memory`
@@ -79,6 +82,63 @@ LAYER_NORM_EPS = 1e-5
 KEYPOINTS = 32  # stoke's VLA_KEYPOINTS: the spatial-softmax readout's maps
 SUMMARY_SCALE = 30.0  # stoke's: what the FiLM layers read is 30x the instruction's summed positions
 ATTENTION_KINDS = ("sdpa", "matmul")
+PRODUCT_KINDS = ("native", "fp32")
+# Whether bf16's matrix products run widened (--products): set once, before any model is built.
+WIDEN = [False]
+
+
+BF16 = torch.bfloat16
+
+
+# The widened products are opaque ops (Inductor would otherwise fold the casts around an fp32
+# product back into a bf16 one), each with its backward of widened products.
+@torch.library.custom_op("vla_peer::wide_mm", mutates_args=())
+def wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for bf16 2-D or 3-D (batched) a and b: fp32 product, rounded to bf16."""
+    with torch.autocast("cpu", enabled=False):
+        return torch.matmul(a.float(), b.float()).to(BF16)
+
+
+@wide_mm.register_fake
+def _(a, b):
+    return a.new_empty((*a.shape[:-1], b.shape[-1]), dtype=BF16)
+
+
+def _wide_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _wide_mm_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    return wide_mm(grad, b.transpose(-2, -1)), wide_mm(a.transpose(-2, -1), grad)
+
+
+wide_mm.register_autograd(_wide_mm_backward, setup_context=_wide_mm_setup)
+
+
+class Linear(nn.Linear):
+    """nn.Linear; with WIDEN (a bf16 run), its product runs in fp32 on its bf16 operands and the
+    result is rounded to bf16: a native bf16 product's values (up to the order of its sums), by
+    fp32's units (what stoke does on a CPU that does not multiply bf16)."""
+
+    def forward(self, x):
+        if not WIDEN[0]:
+            return super().forward(x)
+        y = wide_mm(x.to(BF16).reshape(-1, x.shape[-1]), self.weight.to(BF16).t())
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(BF16)
+
+
+def bmm(a, b):
+    """torch.bmm, widened as Linear is."""
+    return wide_mm(a.to(BF16), b.to(BF16)) if WIDEN[0] else torch.bmm(a, b)
+
+
+def baddbmm(bias, a, b, alpha):
+    """torch.baddbmm, widened as Linear is (the bias added after the product's rounding)."""
+    if not WIDEN[0]:
+        return torch.baddbmm(bias, a, b, alpha=alpha)
+    return bias + bmm(a, b) * alpha
 
 
 class Shape:
@@ -119,10 +179,10 @@ def attend_matmul(q, k, v, bias):
     rows, n_head, t, hd = q.shape
     q, k, v = (z.reshape(rows * n_head, t, hd) for z in (q, k, v))
     if bias is None:
-        scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(hd))
+        scores = bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(hd))
     else:
-        scores = torch.baddbmm(bias.expand(rows * n_head, t, t), q, k.transpose(1, 2), alpha=1.0 / math.sqrt(hd))
-    return torch.bmm(torch.softmax(scores, dim=-1), v).view(rows, n_head, t, hd)
+        scores = baddbmm(bias.expand(rows * n_head, t, t), q, k.transpose(1, 2), alpha=1.0 / math.sqrt(hd))
+    return bmm(torch.softmax(scores, dim=-1), v).view(rows, n_head, t, hd)
 
 
 ATTEND = {"sdpa": attend_sdpa, "matmul": attend_matmul}
@@ -132,8 +192,8 @@ class Attention(nn.Module):
     def __init__(self, d, n_head):
         super().__init__()
         self.n_head = n_head
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
+        self.c_attn = Linear(d, 3 * d)
+        self.c_proj = Linear(d, d)
 
     def forward(self, x, attend, mask):
         rows, t, d = x.shape
@@ -146,8 +206,8 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     def __init__(self, d):
         super().__init__()
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.c_proj = nn.Linear(4 * d, d)
+        self.c_fc = Linear(d, 4 * d)
+        self.c_proj = Linear(4 * d, d)
 
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x)))
@@ -172,11 +232,11 @@ class Vision(nn.Module):
     def __init__(self, shape):
         super().__init__()
         d = shape.d_model
-        self.patch_embed = nn.Linear(shape.patch_dim, d)
+        self.patch_embed = Linear(shape.patch_dim, d)
         self.pos_embed = nn.Parameter(torch.empty(shape.vision_tokens, d))
         self.blocks = nn.ModuleList(Block(d, shape.n_head) for _ in range(shape.vision_layers))
         for block in self.blocks:
-            block.film = nn.Linear(d, 2 * d)  # vision.blocks.N.film: the instruction's FiLM layer
+            block.film = Linear(d, 2 * d)  # vision.blocks.N.film: the instruction's FiLM layer
 
 
 class Text(nn.Module):
@@ -199,16 +259,16 @@ class Vla(nn.Module):
         d = shape.d_model
         self.vision = Vision(shape)
         self.text = Text(shape)
-        self.state_proj = nn.Linear(shape.state_dim, d)
-        self.action_in = nn.Linear(shape.action_dim, d)
-        self.time_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
+        self.state_proj = Linear(shape.state_dim, d)
+        self.action_in = Linear(shape.action_dim, d)
+        self.time_mlp = nn.Sequential(Linear(d, d), nn.SiLU(), Linear(d, d))
         self.action_pos = nn.Parameter(torch.empty(shape.chunk, d))
-        self.projector = nn.Linear(d, d)
-        self.keypoint_logits = nn.Linear(d, KEYPOINTS)
-        self.keypoint_proj = nn.Linear(shape.frames * 2 * KEYPOINTS, d)
+        self.projector = Linear(d, d)
+        self.keypoint_logits = Linear(d, KEYPOINTS)
+        self.keypoint_proj = Linear(shape.frames * 2 * KEYPOINTS, d)
         self.backbone = Backbone(shape)
         self.ln_f = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
-        self.action_out = nn.Linear(d, shape.action_dim)
+        self.action_out = Linear(d, shape.action_dim)
         self.vision_attend = ATTEND[vision_attention]
         self.backbone_attend = ATTEND[backbone_attention]
         half = d // 2
@@ -367,6 +427,36 @@ def pick_attention(site, shape, micro_batch, args, compute_dtype):
     return min(medians, key=medians.get), medians
 
 
+def pick_products(shape, micro_batch, args):
+    """bf16's matrix products native or widened (`Linear`), whichever runs the MLP's first layer's
+    forward and backward at the run's rows faster, timed in interleaved rounds (the order
+    alternating), eager. Returns (kind, {kind: median ms})."""
+    g = torch.Generator().manual_seed(0)
+    rows, d = micro_batch * shape.seq_len, shape.d_model
+    layer = Linear(d, 4 * d)
+    x = torch.randn(rows, d, generator=g).requires_grad_()
+    grad = torch.randn(rows, 4 * d, generator=g).to(torch.bfloat16)
+
+    def run(kind):
+        WIDEN[0] = kind == "fp32"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(grad)
+        x.grad = layer.weight.grad = layer.bias.grad = None
+
+    times = {kind: [] for kind in PRODUCT_KINDS}
+    for kind in PRODUCT_KINDS:
+        run(kind)
+    for round_idx in range(args.pick_rounds):
+        order = PRODUCT_KINDS if round_idx % 2 == 0 else PRODUCT_KINDS[::-1]
+        for kind in order:
+            start = time.perf_counter()
+            run(kind)
+            times[kind].append((time.perf_counter() - start) * 1e3)
+    medians = {kind: statistics.median(ms) for kind, ms in times.items()}
+    return min(medians, key=medians.get), medians
+
+
 def lr_at(step, total, lr=2e-3, min_lr=2e-4, warmup=50):
     """stoke's schedule with its defaults: linear warmup, cosine to min_lr at the last step."""
     if step < warmup:
@@ -386,7 +476,11 @@ def main():
                     help="torch.compile the model (default on)")
     ap.add_argument("--attention", choices=["auto", *ATTENTION_KINDS], default="auto",
                     help="auto: the fastest of sdpa and matmul per site, timed here; or one for both sites")
-    ap.add_argument("--pick-rounds", type=int, default=6, help="interleaved timing rounds of --attention auto")
+    ap.add_argument("--pick-rounds", type=int, default=6,
+                    help="interleaved timing rounds of --attention auto and --products auto")
+    ap.add_argument("--products", choices=["auto", *PRODUCT_KINDS], default="auto",
+                    help="bf16's matrix products: native, or fp32 on bf16-rounded operands with the result "
+                    "rounded to bf16; auto: the faster, timed here")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads; 0 keeps libtorch's default "
                     "(one per physical core, what stoke's train.threads = 0 keeps)")
     ap.add_argument("--host-memory", choices=["retain", "system"], default="retain",
@@ -409,6 +503,17 @@ def main():
     print(f"vla_torch: {args.preset}, n_params {shape.n_params()}, seq {shape.seq_len}, micro-batch "
           f"{args.micro_batch}, {args.precision}, {torch.get_num_threads()} threads, torch {torch.__version__}",
           flush=True)
+
+    products, products_ms = "native", {}
+    if args.precision == "bf16":
+        if args.products == "auto":
+            products, products_ms = pick_products(shape, args.micro_batch, args)
+            fmt = lambda ms: ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+            print(f"vla_torch: bf16 products, a linear layer's forward + backward: {fmt(products_ms)} -> {products}",
+                  flush=True)
+        else:
+            products = args.products
+    WIDEN[0] = products == "fp32"
 
     pick_ms = {}
     if args.attention == "auto":
@@ -463,6 +568,8 @@ def main():
         "compiled": args.compile,
         "attention": {"vision": vision_attention, "backbone": backbone_attention},
         "attention_pick_ms": pick_ms,
+        "products": products,
+        "products_pick_ms": products_ms,
         "adamw": "fused",
         "host_memory": args.host_memory,
         "steps": args.steps,

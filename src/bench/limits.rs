@@ -34,7 +34,8 @@ pub fn limits(args: &Limits) -> anyhow::Result<ExitCode> {
     if let Some(preset) = &args.preset {
         let model =
             stoke_train::plan_model(&stoke_train::ModelConfig { preset: preset.clone(), ..Default::default() })?;
-        let reference = crate::gemm::GemmReference::new(&model, args.micro_batch, stoke_train::Precision::Bf16, device);
+        let reference =
+            crate::gemm::GemmReference::new(&model, args.micro_batch, stoke_train::Precision::Bf16, false, device);
         // Fastest of five passes: the floor, not the typical time.
         let (mut forward, mut backward) = (f64::INFINITY, f64::INFINITY);
         for _ in 0..5 {

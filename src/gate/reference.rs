@@ -37,7 +37,13 @@ impl Observer for PairedReference {
         match event {
             TrainEvent::Started(info) => {
                 self.first_step = info.start_step + 1;
-                self.reference = Some(GemmReference::new(&info.matmuls, info.micro_batch, info.precision, info.device));
+                self.reference = Some(GemmReference::new(
+                    &info.matmuls,
+                    info.micro_batch,
+                    info.precision,
+                    info.widened_products,
+                    info.device,
+                ));
             }
             TrainEvent::Step(record) if record.step >= self.first_step + self.skip && record.timed => {
                 let reference = self.reference.as_ref().ok_or("a step before the run started")?;

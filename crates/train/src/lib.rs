@@ -66,7 +66,7 @@ pub use peak::{
     measure_matmul_peak_flops, memory_available_bytes, memory_capacity_bytes, memory_in_use_bytes, peak_key,
     peak_rss_bytes, remeasure_matmul_peak, reset_peak_rss, PeakReading, PEAK_CACHE_FILE, PEAK_MAX_AGE_S,
 };
-pub use precision::{compute_kind, LossScaler, ScaleOutcome, FP32_OPS};
+pub use precision::{compute_kind, LossScaler, Products, ScaleOutcome, FP32_OPS};
 pub use trainer::{
     device_for_rank, parse_device, select_device, BatchChange, BlockMonitors, CheckpointTarget, EvalRecord,
     MemoryReport, NanDump, Observer, ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary, TrainEvent,

@@ -181,6 +181,12 @@ pub trait Model {
     /// Training FLOPs per token (forward and backward), the MFU's numerator.
     fn flops_per_token(&self) -> f64;
 
+    /// Whether the model's bf16 matrix products run widened to fp32 (`precision::Products`), so
+    /// at the fp32 peak.
+    fn widened_products(&self) -> bool {
+        false
+    }
+
     /// The number of units the executor runs: the embedding, each block, the head.
     fn n_units(&self) -> usize {
         self.shape().n_layer + 2

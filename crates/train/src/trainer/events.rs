@@ -127,6 +127,8 @@ pub struct RunInfo {
     /// Camera frames a sample reads (a vla model); 0 for text models.
     pub frames_per_sample: usize,
     pub precision: Precision,
+    /// The model's bf16 products run widened to fp32 (`Model::widened_products`).
+    pub widened_products: bool,
     pub device: Device,
     pub micro_batch: usize,
     pub grad_accum: usize,

@@ -319,6 +319,7 @@ impl Trainer {
             flops_per_token: self.model.flops_per_token(),
             frames_per_sample: self.episode_shape.map_or(0, |s| s.frames),
             precision: self.train.precision,
+            widened_products: self.model.widened_products(),
             device: self.device,
             micro_batch: self.train.micro_batch,
             grad_accum: self.grad_accum,

@@ -8,6 +8,7 @@ use super::attention::math_heads;
 use super::parts::{Gpt, Slot, LAYER_NORM_EPS};
 use crate::kernels::{attention_core, attention_core_backward, AttentionCore, LayerNormStats};
 use crate::models::{Branch, BranchBackward, ByHand, CoreBackward, HeadBackward, HeadLoss, Norm};
+use crate::precision::Products;
 
 /// The fused cross-entropy's head, for its backward by hand: the logits' gradient came with the
 /// loss, so the head's matrix multiplies are backward-ed here instead of through autograd, whose
@@ -65,6 +66,7 @@ pub(crate) struct MlpHalf {
 /// wider side as its output's rows (at the vla-small's `[384, 1536]` over 1,960 rows, 1.75 ms
 /// against 2.37 ms, and 2.30 ms against 2.60 ms with the transposed add), and the sum is the same.
 pub(crate) fn linear_backward(
+    products: Products,
     grad: &Tensor,
     x: &Tensor,
     weight: &Tensor,
@@ -73,21 +75,28 @@ pub(crate) fn linear_backward(
     let out = *grad.size().last().expect("a width");
     let mut b_grad = master_b.grad();
     b_grad += grad.reshape([-1, out]).sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
-    linear_backward_unbiased(grad, x, weight, master_w)
+    linear_backward_unbiased(products, grad, x, weight, master_w)
 }
 
 /// `linear_backward` but for the bias's gradient (which the caller has summed).
-pub(crate) fn linear_backward_unbiased(grad: &Tensor, x: &Tensor, weight: &Tensor, master_w: &Tensor) -> Tensor {
+pub(crate) fn linear_backward_unbiased(
+    products: Products,
+    grad: &Tensor,
+    x: &Tensor,
+    weight: &Tensor,
+    master_w: &Tensor,
+) -> Tensor {
     let (out, d_in) = (*grad.size().last().expect("a width"), *x.size().last().expect("a width"));
+    let grad = products.operand(grad);
     let rows = grad.reshape([-1, out]);
     let mut w_grad = master_w.grad();
     if out < d_in {
         let mut w_grad_t = w_grad.tr();
-        w_grad_t += x.reshape([-1, d_in]).tr().mm(&rows);
+        w_grad_t += products.mm(&x.reshape([-1, d_in]).tr(), &rows);
     } else {
-        w_grad += rows.tr().mm(&x.reshape([-1, d_in]));
+        w_grad += products.mm(&rows.tr(), &x.reshape([-1, d_in]));
     }
-    grad.matmul(weight)
+    products.matmul(&grad, weight)
 }
 
 impl Gpt {
@@ -185,7 +194,13 @@ impl Gpt {
                 3 * d,
             ]);
             drop(grad_heads);
-            linear_backward(&grad_qkv, &half.normed, &half.qkv_weight, (&block.attn_w, &block.attn_b))
+            linear_backward(
+                self.native_products(),
+                &grad_qkv,
+                &half.normed,
+                &half.qkv_weight,
+                (&block.attn_w, &block.attn_b),
+            )
         })
     }
 
@@ -200,7 +215,12 @@ impl Gpt {
         weight: &Tensor,
         master: (&Tensor, &Tensor),
     ) -> Tensor {
-        linear_backward(&grad.to_kind(self.compute), input, weight, master)
+        linear_backward(self.native_products(), &grad.to_kind(self.compute), input, weight, master)
+    }
+
+    /// The GPT's by-hand products run in the compute type on every CPU.
+    fn native_products(&self) -> Products {
+        Products::with(self.compute, false)
     }
 
     /// `mlp_branch` with the first bias and the GELU by hand (see `set_fused_bias_gelu`): `h`

@@ -136,13 +136,16 @@ impl Vla {
 
     /// Block `layer_idx`'s parameters in the compute type: in bf16 from one cast of its unit's
     /// range of the flat buffer (the FiLM's or projector's with them), in fp32 the parameters; a
-    /// function that gives a parameter's.
+    /// function that gives a parameter's. Under widened products the bf16 values are held in
+    /// fp32, the products' operands, so no product casts a weight again.
     fn block_cast(&self, layer_idx: usize) -> impl Fn(&Tensor) -> Tensor + '_ {
         let unit = &self.params.units()[layer_idx + 1];
         let flat = self.params.flat();
         let fp32 = self.compute == Kind::Float;
-        let cast =
-            (!fp32).then(|| flat.narrow(0, unit.range.start, unit.range.end - unit.range.start).to_kind(self.compute));
+        let cast = (!fp32).then(|| {
+            let cast = flat.narrow(0, unit.range.start, unit.range.end - unit.range.start).to_kind(self.compute);
+            self.products.operand(&cast)
+        });
         move |param: &Tensor| {
             let Some(cast) = &cast else { return param.detach() };
             let entry = self.params.entries()[unit.entries.clone()]
@@ -212,7 +215,7 @@ impl Vla {
         let cast = self.block_cast(layer_idx);
         let (normed_1, ln_1) = norm(&h, &block.ln_1);
         let qkv_weight = cast(&block.attn.0);
-        let qkv = normed_1.linear(&qkv_weight, Some(&cast(&block.attn.1)));
+        let qkv = self.products.linear(&normed_1, &qkv_weight, Some(&cast(&block.attn.1)));
         let heads = qkv.view([rows, per_row, 3, n_head, head_dim]).permute([2, 0, 3, 1, 4]).contiguous().view([
             3,
             rows * n_head,
@@ -240,15 +243,16 @@ impl Vla {
             // The unscaled scores; the kernel (bf16) scales them, takes each row's keys only (the
             // mask's per-row counts) and writes the probabilities in place; in fp32 (the tower,
             // unmasked) libtorch's softmax.
-            let scores = heads.get(0).bmm(&heads.get(1).transpose(1, 2));
+            let scores = self.products.bmm(&heads.get(0), &heads.get(1).transpose(1, 2));
             let probs = if fp32 {
                 (scores * f64::from(scale)).softmax(-1, Kind::Float)
             } else {
                 prefix_softmax_bf16(&scores, self.keys(layer_idx, per_row), scale, threads);
                 scores
             };
-            let y = probs
-                .bmm(&heads.get(2))
+            let y = self
+                .products
+                .bmm(&probs, &heads.get(2))
                 .view([rows, n_head, per_row, head_dim])
                 .transpose(1, 2)
                 .contiguous()
@@ -259,7 +263,7 @@ impl Vla {
         let h_2 = self.residual_linear(&h, &y, &proj_weight, &cast(&block.attn_proj.1));
         let (normed_2, ln_2) = norm(&h_2, &block.ln_2);
         let fc_weight = cast(&block.fc.0);
-        let pre = normed_2.linear(&fc_weight, None::<&Tensor>);
+        let pre = self.products.linear(&normed_2, &fc_weight, None);
         let act = bias_gelu(&pre, &block.fc.1, threads)
             .expect("the MLP's product is contiguous in the compute type and its bias a contiguous fp32 view");
         let mlp_proj_weight = cast(&block.mlp_proj.0);
@@ -291,7 +295,7 @@ impl Vla {
     /// into it by the matrix multiply itself (no output of the layer's own, no pass to add it).
     fn residual_linear(&self, h: &Tensor, x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
         if self.compute != Kind::Float {
-            return h + x.linear(weight, Some(bias));
+            return h + self.products.linear(x, weight, Some(bias));
         }
         let d = *h.size().last().expect("a width");
         let out = h + bias;
@@ -305,7 +309,7 @@ impl Vla {
     /// input's returned.
     fn linear_grads(&self, grad: &Tensor, x: &Tensor, weight: &Tensor, master: &(Tensor, Tensor)) -> Tensor {
         if self.compute != Kind::Float {
-            return linear_backward(grad, x, weight, (&master.0, &master.1));
+            return linear_backward(self.products, grad, x, weight, (&master.0, &master.1));
         }
         let (out, d_in) = (*grad.size().last().expect("a width"), *x.size().last().expect("a width"));
         let rows = grad.reshape([-1, out]);
@@ -353,9 +357,9 @@ impl Vla {
             let _ = block.fc.0.grad().addmm_(&grad_rows.tr(), &normed_rows);
         } else {
             let mut fc_grad = block.fc.0.grad();
-            fc_grad += grad_rows.tr().mm(&normed_rows);
+            fc_grad += self.products.mm(&grad_rows.tr(), &normed_rows);
         }
-        let grad_normed_2 = grad_pre.matmul(&body.fc_weight);
+        let grad_normed_2 = self.products.matmul(&grad_pre, &body.fc_weight);
         drop((grad_pre, grad_rows));
         // The attention's output projection: in bf16 the norm's backward also gives its
         // gradient's bf16 and the projection's bias gradient, in its pass.
@@ -365,7 +369,7 @@ impl Vla {
         let grad = norm_backward(&grad_normed_2, &body.h_2, &body.ln_2, &block.ln_2, grad, copy_to);
         drop(grad_normed_2);
         let grad_y = match &copy {
-            Some(copy) => linear_backward_unbiased(copy, &body.y, &body.proj_weight, &block.attn_proj.0),
+            Some(copy) => linear_backward_unbiased(self.products, copy, &body.y, &body.proj_weight, &block.attn_proj.0),
             None => self.linear_grads(&grad, &body.y, &body.proj_weight, &block.attn_proj),
         };
         let grad_heads = match &body.attention {
@@ -392,21 +396,23 @@ impl Vla {
                     per_row,
                     head_dim,
                 ]);
+                // Read by two products each: widened once.
+                let grad_y = self.products.operand(&grad_y);
                 let (q, k, v) = (body.heads.get(0), body.heads.get(1), body.heads.get(2));
                 let grad_heads = Tensor::empty(body.heads.size(), (kind, Device::Cpu));
                 // The probabilities' gradient, turned into the unscaled scores'.
-                let grad_probs = grad_y.bmm(&v.transpose(1, 2));
-                let _ = probs.transpose(1, 2).bmm_out(&grad_heads.get(2), &grad_y);
+                let grad_probs = self.products.bmm(&grad_y, &v.transpose(1, 2));
+                self.products.bmm_out(&grad_heads.get(2), &probs.transpose(1, 2), &grad_y);
                 drop(grad_y);
                 let scale = self.softmax_scale(head_dim);
                 let grad_scores = if fp32 {
                     Tensor::internal_softmax_backward_data(&grad_probs, probs, -1, kind) * f64::from(scale)
                 } else {
                     prefix_softmax_backward_bf16(probs, &grad_probs, self.keys(layer_idx, per_row), scale, threads);
-                    grad_probs
+                    self.products.operand(&grad_probs)
                 };
-                let _ = grad_scores.bmm_out(&grad_heads.get(0), &k);
-                let _ = grad_scores.transpose(1, 2).bmm_out(&grad_heads.get(1), &q);
+                self.products.bmm_out(&grad_heads.get(0), &grad_scores, &k);
+                self.products.bmm_out(&grad_heads.get(1), &grad_scores.transpose(1, 2), &q);
                 grad_heads
             }
         };

@@ -39,7 +39,7 @@ use crate::config::{ActionLoss, GptShape, Precision, VlaShape, VLA_KEYPOINTS};
 use crate::models::embedding::embed;
 use crate::models::{BlockBackward, Branch, EpisodeInputs, HeadLoss, Inputs, Model, Norm};
 use crate::params::{FlatParams, Init, ParamSpec, UnitSpec};
-use crate::precision::compute_kind;
+use crate::precision::{compute_kind, Products};
 
 const LAYER_NORM_EPS: f64 = 1e-5;
 
@@ -86,6 +86,8 @@ pub struct Vla {
     shape: VlaShape,
     params: FlatParams,
     compute: Kind,
+    /// The matrix products in `compute`, widened to fp32 on a CPU that does not multiply bf16.
+    products: Products,
     action_loss: ActionLoss,
     /// The instruction's language-model loss weight; 0 leaves it out (and the prefix mask whole).
     instruction_lm: f64,
@@ -326,6 +328,7 @@ impl Vla {
             shape,
             params,
             compute: compute_kind(precision),
+            products: Products::new(compute_kind(precision), device),
             action_loss,
             instruction_lm: 0.0,
         }
@@ -344,12 +347,18 @@ impl Vla {
         self.shape
     }
 
+    /// Whether bf16's matrix products run in fp32 (`Products`); by default where the CPU does not
+    /// multiply bf16 natively.
+    pub fn set_widened_products(&mut self, widen: bool) {
+        self.products = Products::with(self.compute, widen);
+    }
+
     /// A linear layer in the compute type (input, weight and bias cast, as autocast does).
     fn linear(&self, x: &Tensor, (weight, bias): &(Tensor, Tensor)) -> Tensor {
         if self.compute == Kind::Float {
             return x.linear(weight, Some(bias));
         }
-        x.to_kind(self.compute).linear(&weight.to_kind(self.compute), Some(&bias.to_kind(self.compute)))
+        self.products.linear(&x.to_kind(self.compute), &weight.to_kind(self.compute), Some(&bias.to_kind(self.compute)))
     }
 
     /// Vision block `layer_idx`'s input `v` scaled and shifted by its FiLM layer, `v·(1 + scale) +
@@ -486,10 +495,10 @@ impl Vla {
             // scale on the queries (a sixth of the scores' size at these lengths), the mask added
             // as 0 or -inf, libtorch's softmax (which accumulates 16-bit rows in fp32).
             let scale = 1.0 / ((d / n_head) as f64).sqrt();
-            let scores = (q * scale).matmul(&k.transpose(-2, -1));
+            let scores = self.products.matmul(&(q * scale), &k.transpose(-2, -1));
             let scores = if masked { scores + &self.backbone_bias } else { scores };
             let kind = scores.kind();
-            scores.softmax(-1, kind).matmul(&v)
+            self.products.matmul(&scores.softmax(-1, kind), &v)
         } else {
             // The mask as 0 or -inf in the compute type, which the kernel adds as it is.
             let mask = masked.then_some(&self.backbone_bias);
@@ -631,6 +640,10 @@ impl Model for Vla {
     /// the vision tokens it reads) over its length, so tokens/s times this is the model's FLOP rate.
     fn flops_per_token(&self) -> f64 {
         self.shape.flops_per_sample() / self.shape.base.seq_len as f64
+    }
+
+    fn widened_products(&self) -> bool {
+        self.products.widened()
     }
 
     fn embed(&self, inputs: &Inputs) -> Tensor {

@@ -374,3 +374,29 @@ fn blocks_by_hand_give_the_graphs_loss_and_gradients() {
         }
     }
 }
+
+/// bf16's products widened to fp32 (what a CPU without native bf16 products runs) give the native
+/// products' loss and gradients, in libtorch's graph and with the blocks by hand: the same
+/// operands, the same rounding points, only the order of the sums differs.
+#[test]
+fn widened_products_give_the_native_loss_and_gradients() {
+    let _rng = crate::GLOBAL_RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let shape = shape();
+    for by_hand in [false, true] {
+        tch::manual_seed(9);
+        let mut model = Vla::new(shape, Precision::Bf16, ActionLoss::Flow, Device::Cpu);
+        model.set_blocks_by_hand(by_hand, 2);
+        let batch = inputs(&shape, 3, 10);
+        let kind = if by_hand { ExecutorKind::Blocks } else { ExecutorKind::SingleGraph };
+        let mut run = |widen: bool| {
+            model.set_widened_products(widen);
+            micro_batch(&model, &batch, kind, Recompute::None)
+        };
+        let (loss_a, a) = run(false);
+        let (loss_b, b) = run(true);
+        assert!((loss_a - loss_b).abs() <= 1e-2 * loss_a.abs(), "by hand {by_hand}: {loss_a} against {loss_b}");
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(scale > 0.0 && worst <= 5e-3 * scale, "by hand {by_hand}: {worst} of {scale}");
+    }
+}
