@@ -94,7 +94,8 @@ BF16 = torch.bfloat16
 # product back into a bf16 one), each with its backward of widened products.
 @torch.library.custom_op("vla_peer::wide_mm", mutates_args=())
 def wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b for bf16 2-D or 3-D (batched) a and b: fp32 product, rounded to bf16."""
+    """a @ b for bf16 (or bf16 values held in fp32) 2-D or 3-D (batched) a and b: fp32 product,
+    rounded to bf16."""
     with torch.autocast("cpu", enabled=False):
         return torch.matmul(a.float(), b.float()).to(BF16)
 
@@ -109,7 +110,9 @@ def _wide_mm_setup(ctx, inputs, output):
 
 
 def _wide_mm_backward(ctx, grad):
+    # The gradient, read by both products, widened once (a widened operand passes as it is).
     a, b = ctx.saved_tensors
+    grad = grad.float()
     return wide_mm(grad, b.transpose(-2, -1)), wide_mm(a.transpose(-2, -1), grad)
 
 
