@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # stoke's vision-language-action model (model.family = "vla") against its PyTorch twin
 # (benches/peers/vla_torch.py: the same parameters and init, torch.compile, the fastest attention
-# picked by timing in each of its runs, fused AdamW, autocast bf16) at the same preset, micro-batch,
+# picked by timing in each of its runs, fused AdamW, autocast bf16, bf16's products native or widened
+# to fp32 as stoke's, picked by timing in each of its runs) at the same preset, micro-batch,
 # precision, optimizer and thread count. Rounds interleave the two (stoke, peer, stoke, peer, ...)
 # so that the machine's load falls on both alike; each run's figure is its median step time over
 # the steps after the first two (stoke: report.json's step_ms with prof.skip_steps = 2; the peer:
@@ -79,7 +80,7 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 print(json.dumps({"side": "peer", "precision": sys.argv[2], "round": int(sys.argv[3]), "step_ms": r["step_ms"],
                   "n_params": r["n_params"], "attention": r["attention"], "compile_s": r["compile_s"],
-                  "threads": r["threads"]}))
+                  "threads": r["threads"], "products": r.get("products", "native")}))
 PY
 }
 
@@ -107,9 +108,11 @@ for precision in dict.fromkeys(r["precision"] for r in rows):
     peer = [r for r in rows if r["side"] == "peer" and r["precision"] == precision]
     ratios = [s["step_ms"] / p["step_ms"] for s, p in zip(stoke, peer)]
     attention = sorted({f"vision {p['attention']['vision']}, backbone {p['attention']['backbone']}" for p in peer})
+    products = sorted({p.get("products", "native") for p in peer})
     print(f"{precision}: stoke {statistics.median(r['step_ms'] for r in stoke):.1f} ms/step, "
           f"peer {statistics.median(r['step_ms'] for r in peer):.1f} ms/step "
-          f"(attention: {'; '.join(attention)}; compile {statistics.median(p['compile_s'] for p in peer):.0f} s)")
+          f"(attention: {'; '.join(attention)}; products: {', '.join(products)}; "
+          f"compile {statistics.median(p['compile_s'] for p in peer):.0f} s)")
     print(f"  stoke / peer per round: {', '.join(f'{x:.3f}' for x in ratios)}; "
           f"median {statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
 PY
