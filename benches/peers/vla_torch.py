@@ -416,12 +416,18 @@ def pick_attention(site, shape, micro_batch, args, compute_dtype):
         for z in (q, k, v):
             z.grad = None
 
-    times = {kind: [] for kind in ATTENTION_KINDS}
-    for kind in ATTENTION_KINDS:
-        for _ in range(2):  # compilation, then one warm call
+    return fastest(ATTENTION_KINDS, run, args.pick_rounds, warm_calls=2)  # compilation, then one warm call
+
+
+def fastest(kinds, run, rounds, warm_calls):
+    """`run(kind)` for each kind `warm_calls` times, then `rounds` interleaved rounds (the order
+    alternating) timed; the kind of the lowest median, and {kind: median ms}."""
+    times = {kind: [] for kind in kinds}
+    for kind in kinds:
+        for _ in range(warm_calls):
             run(kind)
-    for round_idx in range(args.pick_rounds):
-        order = ATTENTION_KINDS if round_idx % 2 == 0 else ATTENTION_KINDS[::-1]
+    for round_idx in range(rounds):
+        order = kinds if round_idx % 2 == 0 else kinds[::-1]
         for kind in order:
             start = time.perf_counter()
             run(kind)
@@ -447,17 +453,7 @@ def pick_products(shape, micro_batch, args):
         y.backward(grad)
         x.grad = layer.weight.grad = layer.bias.grad = None
 
-    times = {kind: [] for kind in PRODUCT_KINDS}
-    for kind in PRODUCT_KINDS:
-        run(kind)
-    for round_idx in range(args.pick_rounds):
-        order = PRODUCT_KINDS if round_idx % 2 == 0 else PRODUCT_KINDS[::-1]
-        for kind in order:
-            start = time.perf_counter()
-            run(kind)
-            times[kind].append((time.perf_counter() - start) * 1e3)
-    medians = {kind: statistics.median(ms) for kind, ms in times.items()}
-    return min(medians, key=medians.get), medians
+    return fastest(PRODUCT_KINDS, run, args.pick_rounds, warm_calls=1)
 
 
 def lr_at(step, total, lr=2e-3, min_lr=2e-4, warmup=50):
