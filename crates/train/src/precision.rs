@@ -52,10 +52,6 @@ impl Products {
     /// An operand as the product reads it: in fp32 when widened, so that a value read by several
     /// products is widened once (a widened product takes fp32 operands as they are).
     pub fn operand(self, t: &Tensor) -> Tensor {
-        self.up(t)
-    }
-
-    fn up(self, t: &Tensor) -> Tensor {
         if self.widen {
             t.to_kind(Kind::Float)
         } else {
@@ -72,28 +68,28 @@ impl Products {
         }
     }
 
-    /// `x W^T + b`, operands in the compute type.
+    /// `x W^T + b`, operands in the compute type (or, widened, its values held in fp32).
     pub fn linear(self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
-        self.down(self.up(x).linear(&self.up(weight), bias.map(|b| self.up(b)).as_ref()))
+        self.down(self.operand(x).linear(&self.operand(weight), bias.map(|b| self.operand(b)).as_ref()))
     }
 
     pub fn mm(self, a: &Tensor, b: &Tensor) -> Tensor {
-        self.down(self.up(a).mm(&self.up(b)))
+        self.down(self.operand(a).mm(&self.operand(b)))
     }
 
     pub fn matmul(self, a: &Tensor, b: &Tensor) -> Tensor {
-        self.down(self.up(a).matmul(&self.up(b)))
+        self.down(self.operand(a).matmul(&self.operand(b)))
     }
 
     pub fn bmm(self, a: &Tensor, b: &Tensor) -> Tensor {
-        self.down(self.up(a).bmm(&self.up(b)))
+        self.down(self.operand(a).bmm(&self.operand(b)))
     }
 
     /// `a.bmm(b)` written into `out` (the compute type).
     pub fn bmm_out(self, out: &Tensor, a: &Tensor, b: &Tensor) {
         if self.widen {
             let mut out = out.shallow_clone();
-            out.copy_(&self.up(a).bmm(&self.up(b)));
+            out.copy_(&self.operand(a).bmm(&self.operand(b)));
         } else {
             let _ = a.bmm_out(out, b);
         }
