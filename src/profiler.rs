@@ -97,6 +97,8 @@ pub struct Profiler {
     peaks: Peaks,
     facts: Option<RunFacts>,
     device: Option<tch::Device>,
+    /// The run's bf16 products run widened to fp32 (`RunInfo::widened_products`): its peak is fp32's.
+    widened_products: bool,
     steps: Vec<StepSample>,
     /// When each of `steps` started, microseconds after `run_start`.
     starts_us: Vec<f64>,
@@ -204,6 +206,7 @@ impl Profiler {
             peaks,
             facts: None,
             device: None,
+            widened_products: false,
             steps: Vec::new(),
             starts_us: Vec::new(),
             trace,
@@ -299,6 +302,7 @@ impl Profiler {
             },
         });
         self.device = Some(info.device);
+        self.widened_products = info.widened_products;
         if peak > 0.0 {
             let probe = GemmProbe::new(info);
             if let Some(facts) = self.facts.as_mut() {
@@ -441,6 +445,7 @@ impl Profiler {
         }
         let (Some(device), Some(facts)) = (self.device, self.facts.as_mut()) else { return };
         let precision = match facts.train.precision {
+            Precision::Bf16 if self.widened_products => Precision::Fp32,
             Precision::Fp32 => Precision::Fp32,
             Precision::Bf16 | Precision::Fp16 => Precision::Bf16,
         };
