@@ -62,11 +62,11 @@ pub use optim::{AdamW, AdamWStep, StateTensor, StepOutcome, UpdateKernel};
 pub use optimizers::{Hyper, Lamb, LambOptions, Optimizer, Sgd, TensorNorms};
 pub use params::{FlatParams, Init, ParamEntry, ParamSpec, UnitRange, UnitSpec};
 pub use peak::{
-    auto_precision, cpu_has_bf16, host_bytes_in_use, load_per_cpu, matmul_peak_flops_cached, matmul_peak_reading,
+    auto_precision, host_bytes_in_use, load_per_cpu, matmul_peak_flops_cached, matmul_peak_reading,
     measure_matmul_peak_flops, memory_available_bytes, memory_capacity_bytes, memory_in_use_bytes, peak_key,
     peak_rss_bytes, remeasure_matmul_peak, reset_peak_rss, PeakReading, PEAK_CACHE_FILE, PEAK_MAX_AGE_S,
 };
-pub use precision::{compute_kind, LossScaler, Products, ScaleOutcome, FP32_OPS};
+pub use precision::{compute_kind, cpu_has_bf16, LossScaler, Products, ScaleOutcome, FP32_OPS};
 pub use trainer::{
     device_for_rank, parse_device, select_device, BatchChange, BlockMonitors, CheckpointTarget, EvalRecord,
     MemoryReport, NanDump, Observer, ObserverError, Phase, PhaseTimes, RunInfo, StepRecord, Summary, TrainEvent,

@@ -40,30 +40,11 @@ fn device_name(device: Device) -> String {
     }
 }
 
-/// Whether this CPU has bf16 dot-product instructions (x86 AVX512-BF16, which AMX machines also
-/// have; Arm's BF16). Without them oneDNN converts bf16 to fp32 around every product, and a bf16
-/// linear layer runs several times slower than an fp32 one (measured on an AVX2-only EPYC: about
-/// 9 GFLOP/s against 44 on one core).
-pub fn cpu_has_bf16() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(target_arch = "aarch64")]
-    {
-        std::arch::is_aarch64_feature_detected!("bf16")
-    }
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    {
-        false
-    }
-}
-
 /// What `train.precision = "auto"` takes: bf16 on a CUDA device and on a CPU with bf16
-/// instructions ([`cpu_has_bf16`]), fp32 on any other CPU. Decided from the hardware, not from a
+/// instructions ([`crate::precision::cpu_has_bf16`]), fp32 on any other CPU. Decided from the hardware, not from a
 /// timing, so every rank on a machine decides the same.
 pub fn auto_precision(device: Device) -> Precision {
-    if device.is_cuda() || cpu_has_bf16() {
+    if device.is_cuda() || crate::precision::cpu_has_bf16() {
         Precision::Bf16
     } else {
         Precision::Fp32
