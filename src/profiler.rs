@@ -97,8 +97,8 @@ pub struct Profiler {
     peaks: Peaks,
     facts: Option<RunFacts>,
     device: Option<tch::Device>,
-    /// The run's bf16 products run widened to fp32 (`RunInfo::widened_products`): its peak is fp32's.
-    widened_products: bool,
+    /// The precision whose matmul peak the run's products reach (`peak_precision`).
+    peak_precision: Precision,
     steps: Vec<StepSample>,
     /// When each of `steps` started, microseconds after `run_start`.
     starts_us: Vec<f64>,
@@ -206,7 +206,7 @@ impl Profiler {
             peaks,
             facts: None,
             device: None,
-            widened_products: false,
+            peak_precision: Precision::Fp32,
             steps: Vec::new(),
             starts_us: Vec::new(),
             trace,
@@ -249,17 +249,15 @@ impl Profiler {
     fn started(&mut self, info: &RunInfo) {
         let shape = info.shape;
         let device = if info.device.is_cuda() { "cuda" } else { "cpu" };
+        self.peak_precision = peak_precision(info);
         // A model whose bf16 products run widened multiplies at fp32's peak.
         let bf16_peak = if info.widened_products { self.peaks.fp32 } else { self.peaks.bf16 };
-        let (peak, peak_source) = match info.precision {
-            Precision::Fp32 => (self.peaks.fp32, self.peaks.fp32_source.clone()),
-            Precision::Bf16 if info.widened_products => {
+        let (peak, peak_source) = match self.peak_precision {
+            Precision::Fp32 if info.precision == Precision::Bf16 => {
                 (self.peaks.fp32, format!("{} (bf16 products widened to fp32)", self.peaks.fp32_source))
             }
-            Precision::Bf16 => (self.peaks.bf16, self.peaks.bf16_source.clone()),
-            // GPUs multiply fp16 and bf16 at the same peak; a CPU without fp16 matrix units is
-            // slower in fp16, so there MFU against the bf16 peak is a lower bound.
-            Precision::Fp16 => (self.peaks.bf16, self.peaks.bf16_source.clone()),
+            Precision::Fp32 => (self.peaks.fp32, self.peaks.fp32_source.clone()),
+            Precision::Bf16 | Precision::Fp16 => (self.peaks.bf16, self.peaks.bf16_source.clone()),
         };
         self.facts = Some(RunFacts {
             name: self.name.clone(),
@@ -302,7 +300,6 @@ impl Profiler {
             },
         });
         self.device = Some(info.device);
-        self.widened_products = info.widened_products;
         if peak > 0.0 {
             let probe = GemmProbe::new(info);
             if let Some(facts) = self.facts.as_mut() {
@@ -444,11 +441,7 @@ impl Profiler {
             return;
         }
         let (Some(device), Some(facts)) = (self.device, self.facts.as_mut()) else { return };
-        let precision = match facts.train.precision {
-            Precision::Bf16 if self.widened_products => Precision::Fp32,
-            Precision::Fp32 => Precision::Fp32,
-            Precision::Bf16 | Precision::Fp16 => Precision::Bf16,
-        };
+        let precision = self.peak_precision;
         let old = facts.machine.peak_flops;
         match stoke_train::remeasure_matmul_peak(precision, device, &cache_dir()) {
             Ok(reading) => {
@@ -700,6 +693,17 @@ fn open_gpu_health(index: usize) -> Result<stoke_prof::GpuHealth, String> {
         eprintln!("warning: {reason}; the run trains without GPU health metrics");
     }
     opened
+}
+
+/// The precision whose matmul peak a run's products reach: fp32's where its bf16 products run
+/// widened; bf16's for fp16 too (GPUs multiply fp16 and bf16 at the same peak; a CPU without fp16
+/// matrix units is slower in fp16, so there MFU against the bf16 peak is a lower bound).
+fn peak_precision(info: &RunInfo) -> Precision {
+    match info.precision {
+        Precision::Bf16 if info.widened_products => Precision::Fp32,
+        Precision::Fp32 => Precision::Fp32,
+        Precision::Bf16 | Precision::Fp16 => Precision::Bf16,
+    }
 }
 
 /// The model's matrix multiplies for one micro-batch, and the fastest time of them so far. The

@@ -41,8 +41,8 @@ fn device_name(device: Device) -> String {
 }
 
 /// What `train.precision = "auto"` takes: bf16 on a CUDA device and on a CPU with bf16
-/// instructions ([`crate::precision::cpu_has_bf16`]), fp32 on any other CPU. Decided from the hardware, not from a
-/// timing, so every rank on a machine decides the same.
+/// instructions ([`crate::precision::cpu_has_bf16`]), fp32 on any other CPU. Decided from the
+/// hardware, not from a timing, so every rank on a machine decides the same.
 pub fn auto_precision(device: Device) -> Precision {
     if device.is_cuda() || crate::precision::cpu_has_bf16() {
         Precision::Bf16
