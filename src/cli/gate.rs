@@ -35,6 +35,10 @@ pub struct GateArgs {
     /// Runs of each side with `--against` and `--self-test`.
     #[arg(long, default_value_t = 5)]
     pub pairs: usize,
+    /// Runs side by side with `--against` and `--self-test` (at most one a core): the gate's
+    /// model trains on one thread.
+    #[arg(long, default_value_t = 2)]
+    pub jobs: usize,
     /// Check the gate itself: this binary against itself, five unchanged series and five with an
     /// injected slowdown each (forward, backward, optimizer 10%, 2 ms data wait, 10% memory);
     /// exit 0 when every unchanged series passes and every injection is caught.
@@ -45,13 +49,26 @@ pub struct GateArgs {
 pub fn run(args: GateArgs) -> anyhow::Result<ExitCode> {
     let settings = crate::gate::gate_settings(&args.overrides);
     if args.self_test {
-        return crate::gate::self_test(&args.dir.join("self-test"), args.pairs, &settings);
+        return crate::gate::self_test(
+            &args.dir.join("self-test"),
+            args.pairs,
+            crate::gate::jobs_for(args.jobs),
+            &settings,
+        );
     }
     if let Some(rev) = &args.against {
         // Taken first: building another revision replaces this binary's file for a while.
         let this = std::env::current_exe().context("cannot locate this stoke binary")?;
         let (binary, name) = crate::gate::binary_of(rev)?;
-        return crate::gate::against(&this, &binary, &name, &args.dir.join("against"), args.pairs, &settings);
+        return crate::gate::against(
+            &this,
+            &binary,
+            &name,
+            &args.dir.join("against"),
+            args.pairs,
+            crate::gate::jobs_for(args.jobs),
+            &settings,
+        );
     }
     crate::gate::gate(&GateSpec {
         baseline: args.baseline,

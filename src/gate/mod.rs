@@ -38,5 +38,5 @@ mod baseline;
 mod reference;
 mod runs;
 
-pub use against::{against, binary_of, self_test};
+pub use against::{against, binary_of, jobs_for, self_test};
 pub use runs::{gate, gate_settings, GateSpec};
