@@ -68,7 +68,12 @@ pub fn prepare_resume(
         .into());
     }
     if config.train.steps <= step {
-        // Nothing to train: the run folder (config, trace, metrics) stays as it is.
+        // Nothing to train: the run folder (config, trace, metrics) stays as it is. What a writer
+        // killed after its last commit left (a temporary or the trash of retention) goes, as a
+        // run that trains removes it: the lock is held, so no writer of this run is alive.
+        if writer {
+            store.remove_all_leftovers()?;
+        }
         return Err(AlreadyDone { step, steps: config.train.steps, run_dir: run_dir.clone() }.into());
     }
     if config.train.steps != saved.train.steps && config.train.lr_horizon == saved.train.lr_horizon {
@@ -82,7 +87,7 @@ pub fn prepare_resume(
 }
 
 /// A resume whose newest checkpoint is already at or past `train.steps`: there is nothing to
-/// train, and nothing in the run folder is changed.
+/// train, and nothing in the run folder is changed but a killed writer's leftovers removed.
 #[derive(Debug)]
 pub struct AlreadyDone {
     pub step: u64,

@@ -126,8 +126,15 @@ fn kill_trials(trials: usize) -> Tally {
             String::from_utf8_lossy(&out.stderr)
         );
         assert_eq!(losses(&run), expected, "trial {trial} (killed {delay_ms} ms in): losses differ");
-        // The run's own leftovers are gone after its next save.
-        assert_eq!(leftovers(&run, ".tmp-") + leftovers(&run, ".trash-"), 0, "trial {trial}");
+        // The run's own leftovers are gone after its resume (or its start over).
+        let names: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+            .map(|rd| rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        assert_eq!(
+            leftovers(&run, ".tmp-") + leftovers(&run, ".trash-"),
+            0,
+            "trial {trial} (killed {delay_ms} ms in, finished {finished}): {names:?}"
+        );
         std::fs::remove_dir_all(&run).unwrap();
     }
     println!("{tally:?}");

@@ -334,6 +334,8 @@ fn resume_without_a_name_ignores_files_beside_the_runs() {
     assert!(dir.path().join("only/checkpoints/step-3").exists());
 }
 
+/// ... but for what a writer killed after its last commit left: the trash of retention (named as
+/// the writer names it, `.trash-<writer>-<what>-<pid>-<n>`) and a temporary.
 #[test]
 fn a_resume_already_at_its_target_step_says_so_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -342,6 +344,13 @@ fn a_resume_already_at_its_target_step_says_so_and_changes_nothing() {
     let run = dir.path().join("t");
     let files = ["config.toml", "trace.json", "metrics.jsonl", "report.json"];
     let before: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(run.join(f)).unwrap()).collect();
+    let checkpoints = run.join("checkpoints");
+    let kept: Vec<std::ffi::OsString> =
+        std::fs::read_dir(&checkpoints).unwrap().map(|e| e.unwrap().file_name()).collect();
+    for leftover in [".trash-rank0-step-4-4242-0", ".tmp-rank0-step-7"] {
+        std::fs::create_dir(checkpoints.join(leftover)).unwrap();
+        std::fs::write(checkpoints.join(leftover).join("model.safetensors"), b"half written").unwrap();
+    }
     for steps in ["train.steps=3", "train.steps=6"] {
         let out =
             bounded(&mut stoke(&["train", "--quiet", "--resume"], &with(SMALL, &[&run_dir, "run.name=t", steps])));
@@ -352,6 +361,12 @@ fn a_resume_already_at_its_target_step_says_so_and_changes_nothing() {
     }
     let after: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(run.join(f)).unwrap()).collect();
     assert!(before == after, "the run folder changed");
+    let mut left: Vec<std::ffi::OsString> =
+        std::fs::read_dir(&checkpoints).unwrap().map(|e| e.unwrap().file_name()).collect();
+    left.sort();
+    let mut kept = kept;
+    kept.sort();
+    assert_eq!(left, kept, "the leftovers are gone, the checkpoints stay");
 }
 
 #[test]

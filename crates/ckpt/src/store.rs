@@ -455,6 +455,12 @@ impl CheckpointStore {
         self.remove_leftovers(&prefixes)
     }
 
+    /// Removes every writer's temporaries, trash and parts. Only for a caller that knows no writer
+    /// of this folder is alive (it holds the run's lock and starts none).
+    pub fn remove_all_leftovers(&self) -> Result<(), CkptError> {
+        self.remove_leftovers(&[TMP_PREFIX, TRASH_PREFIX, PART_PREFIX].map(String::from))
+    }
+
     /// Removes every rank's parts. Rank 0 of a sharded run calls it when it starts, before any
     /// rank can hand over a part of this run: what is there was left by an earlier run (of any
     /// world size).
