@@ -1,7 +1,7 @@
 //! `stoke bench gate --against REV`: code compared with code. The other revision's `stoke` (built
 //! from a git worktree into the same target folder, or a binary given by path) and this one train
 //! the gate's model in turn, A B, B A, ..., in one invocation on one machine, two runs side by
-//! side (`--jobs`, one a core); each pair's
+//! side (`--jobs`, at most one a core); each pair's
 //! candidate-over-baseline ratio of every phase time and the step time (each a low percentile
 //! over the run's steps, see `figures_of`) and of the peak memory is taken,
 //! and a figure regresses when the median ratio exceeds 1 by more than its tolerance, which comes
@@ -251,10 +251,10 @@ fn print_verdicts(name: &str, verdicts: &[Verdict]) {
 }
 
 /// Runs the baseline and every series `pairs` times, round by round, the order within a round
-/// rotating by one each round, `jobs` runs at a time (each on its own core: the gate's model
-/// trains on one thread); returns the baseline's runs and each series' runs. Runs side by side
-/// share the machine as runs in turn share its hour: both sides of a comparison meet the same
-/// neighbours in every round, and twice the rounds fit in the same time.
+/// rotating by one each round, `jobs` runs at a time (the gate's model trains on one thread, so
+/// `jobs_for` allows one a core; the scheduler places them); returns the baseline's runs and each
+/// series' runs. Side by side, the two runs of a round meet the same neighbours, and twice the
+/// rounds fit in the same time.
 fn interleaved(
     base: &Series,
     series: &[Series],
